@@ -1,0 +1,1 @@
+"""The upstream receiver: batch validation, dedup, durable landing of Parquet files."""

@@ -1,0 +1,1 @@
+"""filemq: the on-disk segment log (record -> segment -> log). Knows nothing of MQTT or networks."""

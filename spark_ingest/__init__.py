@@ -1,0 +1,1 @@
+"""The PySpark job: landing Parquet -> curated table, exactly-once rows."""

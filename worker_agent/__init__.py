@@ -1,0 +1,1 @@
+"""The device process: broker + forwarder in one process."""

@@ -1,0 +1,42 @@
+"""MQTT 3.1.1: packets (:mod:`.packets`), the sans-I/O codec (:mod:`.codec`) and an asyncio
+client (:mod:`.client`)."""
+
+from filemq.mqtt.codec import Decoder, ProtocolError, encode
+from filemq.mqtt.packets import (
+    Connack,
+    Connect,
+    Disconnect,
+    Packet,
+    Pingreq,
+    Pingresp,
+    Puback,
+    Pubcomp,
+    Publish,
+    Pubrec,
+    Pubrel,
+    Suback,
+    Subscribe,
+    Unsuback,
+    Unsubscribe,
+)
+
+__all__ = [
+    "Connack",
+    "Connect",
+    "Decoder",
+    "Disconnect",
+    "Packet",
+    "Pingreq",
+    "Pingresp",
+    "ProtocolError",
+    "Puback",
+    "Pubcomp",
+    "Publish",
+    "Pubrec",
+    "Pubrel",
+    "Suback",
+    "Subscribe",
+    "Unsuback",
+    "Unsubscribe",
+    "encode",
+]

@@ -1,0 +1,312 @@
+"""MQTT 3.1.1 codec: round trips, arbitrary stream splits and specific malformed inputs."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from filemq.mqtt.codec import CLIENT_TO_SERVER, Decoder, ProtocolError, encode
+from filemq.mqtt.packets import (
+    SUBACK_FAILURE,
+    Connack,
+    Connect,
+    Disconnect,
+    Packet,
+    Pingreq,
+    Pingresp,
+    Puback,
+    Pubcomp,
+    Publish,
+    Pubrec,
+    Pubrel,
+    Suback,
+    Subscribe,
+    Unsuback,
+    Unsubscribe,
+)
+
+# ---------------------------------------------------------------- strategies (shared with fuzz)
+
+# Valid MQTT strings: no U+0000, no surrogates (spec 1.5.3).
+mqtt_text = st.text(
+    st.characters(blacklist_categories=("Cs",), blacklist_characters="\x00"), max_size=20
+)
+topic_names = st.text(
+    st.characters(blacklist_categories=("Cs",), blacklist_characters="\x00+#"),
+    min_size=1,
+    max_size=30,
+)
+topic_filters = mqtt_text.filter(bool)
+packet_ids = st.integers(1, 0xFFFF)
+qos = st.integers(0, 2)
+payloads = st.binary(max_size=300)
+
+
+@st.composite
+def publishes(draw: st.DrawFn) -> Publish:
+    q = draw(qos)
+    return Publish(
+        topic=draw(topic_names),
+        payload=draw(payloads),
+        qos=q,
+        retain=draw(st.booleans()),
+        dup=draw(st.booleans()),
+        packet_id=draw(packet_ids) if q else None,
+    )
+
+
+@st.composite
+def connects(draw: st.DrawFn) -> Connect:
+    will = draw(st.booleans())
+    username = draw(st.none() | mqtt_text)
+    return Connect(
+        client_id=draw(mqtt_text),
+        clean_session=draw(st.booleans()),
+        keepalive=draw(st.integers(0, 0xFFFF)),
+        will_topic=draw(topic_names) if will else None,
+        will_payload=draw(payloads) if will else b"",
+        will_qos=draw(qos) if will else 0,
+        will_retain=draw(st.booleans()) if will else False,
+        username=username,
+        password=draw(st.none() | st.binary(max_size=30)) if username is not None else None,
+    )
+
+
+client_packets: st.SearchStrategy[Packet] = st.one_of(
+    connects(),
+    publishes(),
+    st.builds(Puback, packet_ids),
+    st.builds(Pubrec, packet_ids),
+    st.builds(Pubrel, packet_ids),
+    st.builds(Pubcomp, packet_ids),
+    st.builds(Subscribe, packet_ids, st.lists(st.tuples(topic_filters, qos), min_size=1, max_size=5)),
+    st.builds(Unsubscribe, packet_ids, st.lists(topic_filters, min_size=1, max_size=5)),
+    st.just(Pingreq()),
+    st.just(Disconnect()),
+)
+server_packets: st.SearchStrategy[Packet] = st.one_of(
+    st.builds(Connack, st.booleans(), st.integers(0, 5)),
+    publishes(),
+    st.builds(Puback, packet_ids),
+    st.builds(Pubrec, packet_ids),
+    st.builds(Pubrel, packet_ids),
+    st.builds(Pubcomp, packet_ids),
+    st.builds(
+        Suback, packet_ids, st.lists(st.sampled_from([0, 1, 2, SUBACK_FAILURE]), min_size=1, max_size=5)
+    ),
+    st.builds(Unsuback, packet_ids),
+    st.just(Pingresp()),
+)
+
+
+def decode_all(data: bytes, *, server: bool = True, max_packet_size: int = 1 << 20) -> list[Packet]:
+    decoder = Decoder(max_packet_size, server=server)
+    decoder.feed(data)
+    out = decoder.packets()
+    assert decoder.buffered == 0, "bytes left over after a whole stream"
+    return out
+
+
+# ---------------------------------------------------------------- round trips
+
+
+@given(client_packets)
+def test_client_packets_round_trip(packet: Packet) -> None:
+    assert decode_all(encode(packet), server=True) == [packet]
+
+
+@given(server_packets)
+def test_server_packets_round_trip(packet: Packet) -> None:
+    assert decode_all(encode(packet), server=False) == [packet]
+
+
+@given(st.lists(client_packets, min_size=1, max_size=8), st.data())
+@settings(max_examples=150)
+def test_any_split_of_a_stream_decodes_identically(packets: list[Packet], data: st.DataObject) -> None:
+    stream = b"".join(encode(p) for p in packets)
+    cuts = sorted(data.draw(st.lists(st.integers(0, len(stream)), max_size=12)))
+    decoder = Decoder()
+    got: list[Packet] = []
+    prev = 0
+    for cut in [*cuts, len(stream)]:
+        decoder.feed(stream[prev:cut])
+        prev = cut
+        # Alternate the two read APIs so both see partial packets.
+        if cut % 2:
+            got.extend(decoder.packets())
+        else:
+            while (p := decoder.next_packet()) is not None:
+                got.append(p)
+    assert got == packets
+    assert decoder.buffered == 0
+
+
+def test_byte_by_byte_feed() -> None:
+    packets: list[Packet] = [
+        Connect(client_id="dev-1", username="u", password=b"p", will_topic="w", will_payload=b"bye"),
+        Publish("s/t", b"x" * 200, 1, packet_id=9),  # two-byte remaining length
+        Publish("s/t", b"y" * 20000, 2, packet_id=10),  # three-byte remaining length
+        Subscribe(3, [("a/#", 1), ("b/+", 2)]),
+        Pingreq(),
+    ]
+    stream = b"".join(encode(p) for p in packets)
+    decoder = Decoder()
+    got: list[Packet] = []
+    for i in range(len(stream)):
+        decoder.feed(stream[i : i + 1])
+        got.extend(decoder.packets())
+    assert got == packets
+
+
+def test_remaining_length_boundaries() -> None:
+    # 127/128, 16383/16384 and 2097151/2097152 body sizes cross the 1-, 2-, 3- and 4-byte varints.
+    for body in (127, 128, 16383, 16384, 2_097_151, 2_097_152):
+        packet = Publish("t", b"z" * (body - 3), 0)
+        wire = encode(packet)
+        varint_len = 1 if body < 128 else 2 if body < 16384 else 3 if body < 2_097_152 else 4
+        assert len(wire) == 1 + varint_len + body
+        assert decode_all(wire, max_packet_size=len(wire)) == [packet]
+
+
+def test_known_bytes_match_the_spec() -> None:
+    # Hand-assembled from the spec's layout, not from our encoder.
+    assert encode(Puback(0x1234)) == b"\x40\x02\x12\x34"
+    assert encode(Pubrel(1)) == b"\x62\x02\x00\x01"
+    assert encode(Pingreq()) == b"\xc0\x00"
+    assert encode(Publish("a/b", b"hi", 1, retain=True, packet_id=10)) == b"\x33\x09\x00\x03a/b\x00\x0ahi"
+    assert encode(Connect(client_id="c", keepalive=60)) == (
+        b"\x10\x0d\x00\x04MQTT\x04\x02\x00\x3c\x00\x01c"
+    )
+    assert encode(Subscribe(2, [("x", 1)])) == b"\x82\x06\x00\x02\x00\x01x\x01"
+
+
+def test_encoder_refuses_unframeable_packets() -> None:
+    with pytest.raises(ValueError, match="QoS"):
+        encode(Publish("t", b"", 3, packet_id=1))
+    with pytest.raises(ValueError, match="packet id"):
+        encode(Publish("t", b"", 1))
+    with pytest.raises(ValueError, match="packet id"):
+        encode(Puback(0))
+    with pytest.raises(ValueError, match="needs a username"):
+        encode(Connect(password=b"x"))
+
+
+def test_server_decoder_rejects_server_to_client_packets() -> None:
+    for packet in (Connack(), Suback(1, [0]), Unsuback(1), Pingresp()):
+        with pytest.raises(ProtocolError, match="not a packet a server may receive"):
+            decode_all(encode(packet), server=True)
+    with pytest.raises(ProtocolError, match="not a packet a client may receive"):
+        decode_all(encode(Connect()), server=False)
+
+
+def test_direction_sets_follow_the_spec() -> None:
+    assert len(CLIENT_TO_SERVER) == 10
+
+
+# ---------------------------------------------------------------- malformed input
+
+MALFORMED = [
+    # (bytes, expected message fragment)
+    (b"\x30\xff\xff\xff\xff\x01", "remaining length exceeds 4 bytes"),
+    (b"\x83\x05\x00\x01\x00\x01x", "reserved flags 0b0011 on SUBSCRIBE"),
+    (b"\x80\x03\x00\x01\x00", "reserved flags 0b0000 on SUBSCRIBE"),
+    (b"\x41\x02\x00\x01", "reserved flags 0b0001 on PUBACK"),
+    (b"\x60\x02\x00\x01", "reserved flags 0b0000 on PUBREL"),
+    (b"\xc1\x00", "reserved flags 0b0001 on PINGREQ"),
+    (b"\x36\x05\x00\x01t\x00\x01", "QoS 3 in PUBLISH"),
+    (b"\x32\x05\x00\x01t\x00\x00", "PUBLISH QoS>0 with packet id 0"),
+    (b"\x30\x04\x00\x02\xc3\x28", "invalid UTF-8 in topic"),
+    (b"\x30\x04\x00\x02a\x00", "U+0000 in topic"),
+    (b"\x30\x05\x00\x03a/+", "wildcard in PUBLISH topic name"),
+    (b"\x30\x02\x00\x00", "PUBLISH with an empty topic name"),
+    (b"\x30\x03\x00\x05a", "runs past the end of the packet"),
+    (b"\x30\x00", "PUBLISH truncated before the topic length"),
+    (b"\x82\x02\x00\x01", "SUBSCRIBE with no topic filters"),
+    (b"\x82\x05\x00\x01\x00\x01x", "has no QoS byte"),
+    (b"\x82\x06\x00\x01\x00\x01x\x03", "QoS 3 in SUBSCRIBE"),
+    (b"\x82\x06\x00\x01\x00\x01x\x41", "requested QoS byte 0x41"),
+    (b"\x82\x05\x00\x00\x00\x00\x00", "SUBSCRIBE with packet id 0"),
+    (b"\xa2\x02\x00\x01", "UNSUBSCRIBE with no topic filters"),
+    (b"\x40\x03\x00\x01\x00", "PUBACK remaining length 3, expected 2"),
+    (b"\x40\x02\x00\x00", "PUBACK with packet id 0"),
+    (b"\xc0\x01\x00", "PINGREQ remaining length 1, expected 0"),
+    (b"\xe0\x01\x00", "DISCONNECT remaining length 1, expected 0"),
+    (b"\x00\x00", "reserved packet type 0"),
+    (b"\xf0\x00", "reserved packet type 15"),
+    (b"\x10\x0c\x00\x04MQTX\x04\x02\x00\x3c\x00\x00", "protocol name 'MQTX'"),
+    (b"\x10\x0c\x00\x04MQTT\x04\x03\x00\x3c\x00\x00", "CONNECT reserved flag (bit 0) is set"),
+    (b"\x10\x0c\x00\x04MQTT\x04\x1e\x00\x3c\x00\x00", "QoS 3 in CONNECT will"),
+    (b"\x10\x0c\x00\x04MQTT\x04\x0a\x00\x3c\x00\x00", "will QoS/retain set without the will flag"),
+    (b"\x10\x0c\x00\x04MQTT\x04\x42\x00\x3c\x00\x00", "password flag set without the username flag"),
+    (b"\x10\x0d\x00\x04MQTT\x04\x02\x00\x3c\x00\x00\x00", "1 unexpected bytes after the CONNECT payload"),
+    (b"\x10\x0c\x00\x04MQTT\x04\x82\x00\x3c\x00\x00", "truncated before the length of username"),
+    (b"\x10\x0e\x00\x04MQTT\x04\x02\x00\x3c\x00\x02\xed\xa0", "invalid UTF-8 in client id"),
+    (b"\x10\x06\x00\x04MQTT", "CONNECT truncated in the variable header"),
+]
+
+
+@pytest.mark.parametrize(("wire", "fragment"), MALFORMED, ids=[m[1] for m in MALFORMED])
+def test_malformed_packet_reports_the_reason(wire: bytes, fragment: str) -> None:
+    decoder = Decoder()
+    decoder.feed(wire)
+    with pytest.raises(ProtocolError, match=fragment.replace("+", r"\+").replace("(", r"\(").replace(")", r"\)")):
+        decoder.packets()
+    # Poisoned: a framing error cannot be recovered from, so later calls fail the same way.
+    with pytest.raises(ProtocolError):
+        decoder.next_packet()
+
+
+@pytest.mark.parametrize(
+    ("wire", "fragment"),
+    [
+        (b"\x20\x03\x00\x00\x00", "CONNACK remaining length 3, expected 2"),
+        (b"\x20\x02\x02\x00", "CONNACK reserved acknowledge flags 0x02"),
+        (b"\x90\x03\x00\x01\x03", "SUBACK return code 0x03"),
+        (b"\x90\x02\x00\x01", "SUBACK with no return codes"),
+    ],
+)
+def test_malformed_server_packets(wire: bytes, fragment: str) -> None:
+    with pytest.raises(ProtocolError, match=fragment):
+        decode_all(wire, server=False)
+
+
+def test_oversized_packet_rejected_from_the_fixed_header_alone() -> None:
+    decoder = Decoder(max_packet_size=1 << 20)
+    # Only the fixed header of a 5,000,000-byte PUBLISH arrives; no body is buffered.
+    header = encode(Publish("t", b"\0" * (5_000_000 - 8), 0))[:5]
+    decoder.feed(header)
+    with pytest.raises(ProtocolError, match="packet of 5000000 bytes exceeds max_packet_size 1048576"):
+        decoder.packets()
+
+
+def test_oversized_packet_rejected_on_feed_before_buffering_more() -> None:
+    decoder = Decoder(max_packet_size=100)
+    wire = encode(Publish("t", b"p" * 200, 1, packet_id=1))
+    with pytest.raises(ProtocolError, match="exceeds max_packet_size 100"):
+        decoder.feed(wire)
+
+
+def test_packet_exactly_at_the_limit_is_accepted() -> None:
+    wire = encode(Publish("t", b"p" * 200, 1, packet_id=1))
+    assert decode_all(wire, max_packet_size=len(wire))[0] == Publish("t", b"p" * 200, 1, packet_id=1)
+    with pytest.raises(ProtocolError, match="exceeds max_packet_size"):
+        decode_all(wire, max_packet_size=len(wire) - 1)
+
+
+def test_protocol_level_is_passed_through_for_the_broker_to_refuse() -> None:
+    # Spec 3.1.2-2: an unsupported level gets CONNACK 0x01, so the codec must not reject it.
+    packet = Connect(client_id="old", protocol_level=3)
+    assert decode_all(encode(packet)) == [packet]
+
+
+def test_buffer_is_compacted_not_grown_forever() -> None:
+    one = encode(Publish("t", b"x" * 100, 1, packet_id=1))
+    decoder = Decoder()
+    decoder.feed(one[:50])
+    for _ in range(5000):
+        # Each feed completes one packet and starts the next, so a partial tail always stays.
+        decoder.feed(one[50:] + one[:50])
+        assert len(decoder.packets()) == 1
+    assert decoder.buffered == 50
+    assert len(decoder._buf) < 200_000  # type: ignore[attr-defined]

@@ -1,0 +1,587 @@
+"""The one configuration loader: a TOML file plus command-line overrides, checked up front.
+
+``load_config(path, overrides)`` returns a :class:`Config` whose every value has been
+type-checked and range-checked, with command-line flags winning over the file.  Anything
+wrong (TOML syntax, an unknown or misspelt key, a wrong type, a bad enum value, a
+contradictory combination) raises :class:`ConfigError` naming the file, line and key and
+saying how to fix it, so a bad config fails start-up instead of half-running.
+
+The keys, their flags and defaults are documented in ``docs/CONFIG.md``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import ipaddress
+import re
+import tomllib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+KIB = 1024
+MIB = 1024 * KIB
+GIB = 1024 * MIB
+
+COMMAND_LINE = "<command line>"
+
+
+class ConfigError(ValueError):
+    """A configuration problem a person can fix; carries where it is.
+
+    ``file`` is the config file (or ``"<command line>"`` for a flag), ``line``/``column``
+    are 1-based when known, ``key`` is the dotted key (``"broker.port"``) when one is at
+    fault, and ``message`` is the human text without the file name.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        file: str | None = None,
+        line: int | None = None,
+        key: str | None = None,
+        column: int | None = None,
+    ) -> None:
+        self.message = message
+        self.file = file
+        self.line = line
+        self.key = key
+        self.column = column
+        super().__init__(f"{file}: {message}" if file else message)
+
+
+# -- value checkers -----------------------------------------------------------------------
+# A checker takes a raw value (from TOML, or from a flag, where it may still be a string)
+# and returns the typed value, or raises _Bad with what was expected.
+
+
+class _Bad(Exception):
+    def __init__(self, expected: str) -> None:
+        super().__init__(expected)
+        self.expected = expected
+
+
+Checker = Callable[[Any, bool], Any]
+
+_SIZE_RE = re.compile(r"^\s*(\d+)\s*([kmg]i?b?|b)?\s*$", re.IGNORECASE)
+_SIZE_UNITS = {"": 1, "b": 1, "k": KIB, "m": MIB, "g": GIB}
+
+
+def _int_value(value: Any, from_flag: bool, sizes: bool) -> int | None:
+    if isinstance(value, bool):  # bool is an int subclass; `port = true` is a mistake
+        return None
+    if isinstance(value, int):
+        return value
+    if isinstance(value, str) and (sizes or from_flag):
+        m = _SIZE_RE.match(value) if sizes else re.match(r"^\s*(\d+)\s*$", value)
+        if m is None:
+            return None
+        unit = (m.group(2) or "").lower()[:1] if sizes else ""
+        return int(m.group(1)) * _SIZE_UNITS[unit]
+    return None
+
+
+def _int(lo: int, hi: int | None = None, *, sizes: bool = False, note: str = "") -> Checker:
+    rng = f"{lo}-{hi}" if hi is not None else f">= {lo}"
+    what = f"an integer {rng}" + (" (or a size like '64 MiB')" if sizes else "") + note
+
+    def check(value: Any, from_flag: bool) -> int:
+        n = _int_value(value, from_flag, sizes)
+        if n is None or n < lo or (hi is not None and n > hi):
+            raise _Bad(what)
+        return n
+
+    return check
+
+
+def _str(value: Any, from_flag: bool) -> str:
+    if not isinstance(value, str) or not value.strip():
+        raise _Bad("a non-empty string")
+    return value
+
+
+def _bool(value: Any, from_flag: bool) -> bool:
+    if isinstance(value, bool):
+        return value
+    if from_flag and isinstance(value, str) and value.lower() in ("true", "false", "1", "0"):
+        return value.lower() in ("true", "1")
+    raise _Bad("true or false")
+
+
+def _enum(*choices: str) -> Checker:
+    def check(value: Any, from_flag: bool) -> str:
+        if not isinstance(value, str) or value not in choices:
+            raise _Bad("one of " + ", ".join(repr(c) for c in choices))
+        return value
+
+    return check
+
+
+def _host_port(value: Any, from_flag: bool) -> str:
+    host, sep, port = value.rpartition(":") if isinstance(value, str) else ("", "", "")
+    if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise _Bad("a string 'host:port' with a port 1-65535")
+    return str(value)
+
+
+@dataclass(frozen=True)
+class AutoSubscribe:
+    """A subscription added to every persistent session on connect.
+
+    ``filter`` may contain ``%c`` (client id) and ``%u`` (username), substituted by the broker.
+    """
+
+    filter: str
+    qos: int = 1
+
+
+def _valid_filter(text: str) -> bool:
+    levels = text.split("/")
+    for i, level in enumerate(levels):
+        if "#" in level and (level != "#" or i != len(levels) - 1):
+            return False
+        if "+" in level and level != "+":
+            return False
+    return bool(text) and "\0" not in text
+
+
+_AUTO_SUB_RE = re.compile(r"^\s*(\S+)(?:\s+qos\s+([0-2]))?\s*$")
+
+
+def _auto_subscribe(value: Any, from_flag: bool) -> tuple[AutoSubscribe, ...]:
+    what = (
+        "a list of {filter = \"cmd/%c/#\", qos = 1} tables "
+        "(or strings like 'cmd/%c/# qos 1') with a valid MQTT filter and qos 0-2"
+    )
+    if isinstance(value, (str, dict)):
+        value = [value]
+    if not isinstance(value, (list, tuple)):
+        raise _Bad(what)
+    rules: list[AutoSubscribe] = []
+    for item in value:
+        if isinstance(item, AutoSubscribe):
+            rules.append(item)
+            continue
+        if isinstance(item, str):
+            m = _AUTO_SUB_RE.match(item)
+            if m is None:
+                raise _Bad(what)
+            filt, qos = m.group(1), int(m.group(2) or 1)
+        elif isinstance(item, dict) and set(item) <= {"filter", "qos"} and "filter" in item:
+            filt, qos = item["filter"], item.get("qos", 1)
+        else:
+            raise _Bad(what)
+        if (
+            not isinstance(filt, str)
+            or not _valid_filter(filt)
+            or isinstance(qos, bool)
+            or qos not in (0, 1, 2)
+        ):
+            raise _Bad(what)
+        rules.append(AutoSubscribe(filt, qos))
+    return tuple(rules)
+
+
+def _spec(check: Checker) -> dict[str, Any]:
+    return {"check": check}
+
+
+# -- sections -----------------------------------------------------------------------------
+
+_PORT = _int(0, 65535, note=" (0 = any free port)")
+_POS = _int(1)
+_NONNEG = _int(0)
+_SIZE = _int(1, sizes=True)
+
+
+@dataclass(frozen=True)
+class LogSection:
+    """The segment log: sizes, the fsync policy and retention (``[log]``)."""
+
+    segment_bytes: int = field(default=64 * MIB, metadata=_spec(_int(4 * KIB, sizes=True)))
+    index_interval_bytes: int = field(default=4 * KIB, metadata=_spec(_SIZE))
+    fsync: str = field(default="always", metadata=_spec(_enum("always", "interval", "never")))
+    fsync_interval_ms: int = field(default=1000, metadata=_spec(_POS))
+    retention_bytes: int | None = field(default=None, metadata=_spec(_SIZE))
+    retention_ms: int | None = field(default=None, metadata=_spec(_POS))
+    min_free_bytes: int = field(default=64 * MIB, metadata=_spec(_int(0, sizes=True)))
+
+
+@dataclass(frozen=True)
+class BrokerSection:
+    """The local MQTT listener (``[broker]``)."""
+
+    host: str = field(default="127.0.0.1", metadata=_spec(_str))
+    port: int = field(default=1883, metadata=_spec(_PORT))
+    password_file: str | None = field(default=None, metadata=_spec(_str))
+    acl_file: str | None = field(default=None, metadata=_spec(_str))
+    # None = the default rule: anonymous clients only when bound to a loopback address.
+    allow_anonymous: bool | None = field(default=None, metadata=_spec(_bool))
+    max_connections: int = field(default=1000, metadata=_spec(_POS))
+    max_packet_size: int = field(default=1 * MIB, metadata=_spec(_int(64, 268_435_455, sizes=True)))
+    max_inflight: int = field(default=20, metadata=_spec(_int(1, 65535)))
+    max_topic_length: int = field(default=1024, metadata=_spec(_int(1, 65535)))
+    keepalive_max: int | None = field(default=None, metadata=_spec(_int(1, 65535)))
+    tls_port: int = field(default=8883, metadata=_spec(_PORT))
+    tls_cert: str | None = field(default=None, metadata=_spec(_str))
+    tls_key: str | None = field(default=None, metadata=_spec(_str))
+    sys_interval_s: int = field(default=10, metadata=_spec(_NONNEG))
+    auto_subscribe: tuple[AutoSubscribe, ...] = field(
+        default=(), metadata=_spec(_auto_subscribe)
+    )
+
+    def anonymous_allowed(self) -> bool:
+        """Whether clients without a username may connect (``allow_anonymous`` or the default)."""
+        if self.allow_anonymous is not None:
+            return self.allow_anonymous
+        return is_loopback(self.host)
+
+    @property
+    def tls_enabled(self) -> bool:
+        """True when a TLS listener on ``tls_port`` is configured."""
+        return self.tls_cert is not None
+
+
+@dataclass(frozen=True)
+class AgentSection:
+    """The device forwarder: where and how to ship the log upstream (``[agent]``)."""
+
+    device_id: str | None = field(default=None, metadata=_spec(_str))
+    collector: str | None = field(default=None, metadata=_spec(_host_port))
+    username: str | None = field(default=None, metadata=_spec(_str))
+    password: str | None = field(default=None, metadata=_spec(_str))
+    password_file: str | None = field(default=None, metadata=_spec(_str))
+    tls_ca: str | None = field(default=None, metadata=_spec(_str))
+    batch_records: int = field(default=10_000, metadata=_spec(_POS))
+    batch_bytes: int = field(default=1 * MIB, metadata=_spec(_SIZE))
+    linger_ms: int = field(default=200, metadata=_spec(_NONNEG))
+    window: int = field(default=4, metadata=_spec(_int(1, 1024)))
+    compression: str = field(default="none", metadata=_spec(_enum("none", "zlib")))
+    rate_limit_bytes_per_s: int | None = field(default=None, metadata=_spec(_SIZE))
+    backoff_initial_ms: int = field(default=500, metadata=_spec(_POS))
+    backoff_max_ms: int = field(default=60_000, metadata=_spec(_POS))
+    metrics_port: int | None = field(default=None, metadata=_spec(_PORT))
+
+
+@dataclass(frozen=True)
+class CollectorSection:
+    """The upstream receiver that lands Parquet files (``[collector]``)."""
+
+    host: str = field(default="127.0.0.1", metadata=_spec(_str))
+    port: int = field(default=1884, metadata=_spec(_PORT))
+    password_file: str | None = field(default=None, metadata=_spec(_str))
+    acl_file: str | None = field(default=None, metadata=_spec(_str))
+    allow_anonymous: bool | None = field(default=None, metadata=_spec(_bool))
+    collector_id: str | None = field(default=None, metadata=_spec(_str))
+    landing: str | None = field(default=None, metadata=_spec(_str))
+    roll_bytes: int = field(default=64 * MIB, metadata=_spec(_SIZE))
+    roll_seconds: int = field(default=60, metadata=_spec(_POS))
+    metrics_port: int | None = field(default=None, metadata=_spec(_PORT))
+
+    def anonymous_allowed(self) -> bool:
+        """Whether devices without a username may connect (same rule as the broker)."""
+        if self.allow_anonymous is not None:
+            return self.allow_anonymous
+        return is_loopback(self.host)
+
+
+@dataclass(frozen=True)
+class IngestSection:
+    """The PySpark job: landing files in, curated table out (``[ingest]``)."""
+
+    landing: str | None = field(default=None, metadata=_spec(_str))
+    table: str | None = field(default=None, metadata=_spec(_str))
+    spark_master: str = field(default="local[2]", metadata=_spec(_str))
+
+
+@dataclass(frozen=True)
+class Config:
+    """Every setting, typed and validated; build it with :func:`load_config`."""
+
+    data_dir: str | None = field(default=None, metadata=_spec(_str))
+    log: LogSection = field(default_factory=LogSection)
+    broker: BrokerSection = field(default_factory=BrokerSection)
+    agent: AgentSection = field(default_factory=AgentSection)
+    collector: CollectorSection = field(default_factory=CollectorSection)
+    ingest: IngestSection = field(default_factory=IngestSection)
+
+
+_SECTIONS: dict[str, type[Any]] = {
+    "log": LogSection,
+    "broker": BrokerSection,
+    "agent": AgentSection,
+    "collector": CollectorSection,
+    "ingest": IngestSection,
+}
+_TOP_LEVEL = ("data_dir",)
+
+
+def _checker(section_cls: type[Any], name: str) -> Checker:
+    for f in dataclasses.fields(section_cls):
+        if f.name == name:
+            check: Checker = f.metadata["check"]
+            return check
+    raise KeyError(name)
+
+
+def known_keys() -> list[str]:
+    """Every dotted key the loader accepts (``"data_dir"``, ``"broker.port"``, ...)."""
+    keys = list(_TOP_LEVEL)
+    for section, cls in _SECTIONS.items():
+        keys += [f"{section}.{f.name}" for f in dataclasses.fields(cls)]
+    return keys
+
+
+def flag_for(key: str) -> str:
+    """The command-line flag of a dotted key: ``broker.tls_cert`` -> ``--tls-cert``."""
+    return "--" + key.rsplit(".", 1)[-1].replace("_", "-")
+
+
+def flag_overrides(section: str, flags: Mapping[str, Any]) -> dict[str, Any]:
+    """Turn a command's click parameters into ``load_config`` overrides.
+
+    ``flags`` maps parameter names (``port``, ``data_dir``, ``fsync``) to values; ``None``
+    values (flag not given) are dropped.  ``data_dir`` is top level, names of ``[log]`` keys
+    go to ``log.``, everything else to ``<section>.``; names that are no config key (such as
+    ``config`` or ``json``) are ignored, so a command can pass all its parameters.
+    """
+    log_keys = {f.name for f in dataclasses.fields(LogSection)}
+    section_keys = {f.name for f in dataclasses.fields(_SECTIONS[section])}
+    out: dict[str, Any] = {}
+    for name, value in flags.items():
+        if value is None:
+            continue
+        if name in _TOP_LEVEL:
+            out[name] = value
+        elif name in section_keys:
+            out[f"{section}.{name}"] = value
+        elif name in log_keys:
+            out[f"log.{name}"] = value
+    return out
+
+
+def is_loopback(host: str) -> bool:
+    """True for ``localhost`` and loopback addresses (127.0.0.0/8, ::1)."""
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # a name other than localhost may resolve to anything
+
+
+# -- locating keys in the raw text --------------------------------------------------------
+
+_HEADER_RE = re.compile(r"^\s*\[\[?\s*([^\]]+?)\s*\]\]?\s*(#.*)?$")
+_KEY_RE = re.compile(r"^\s*([A-Za-z0-9_\-\"'. ]+?)\s*=")
+
+
+def _unquote_key(key: str) -> str:
+    return ".".join(p.strip().strip("\"'") for p in key.split("."))
+
+
+def _key_lines(text: str) -> dict[str, int]:
+    """Best-effort map dotted key -> first line where it is set (or table header line).
+
+    Scans line by line; keys inside multi-line arrays or strings are not found, in which
+    case errors fall back to the section's header line.
+    """
+    lines: dict[str, int] = {}
+    table = ""
+    for lineno, raw in enumerate(text.splitlines(), start=1):
+        m = _HEADER_RE.match(raw)
+        if m:
+            table = _unquote_key(m.group(1))
+            lines.setdefault(table, lineno)
+            continue
+        m = _KEY_RE.match(raw)
+        if m:
+            key = _unquote_key(m.group(1))
+            lines.setdefault(f"{table}.{key}" if table else key, lineno)
+    return lines
+
+
+class _Source:
+    """Where values come from, for error messages."""
+
+    def __init__(self, file: str, text: str | None) -> None:
+        self.file = file
+        self.lines = _key_lines(text) if text is not None else {}
+
+    def line_of(self, key: str) -> int | None:
+        while key:
+            if key in self.lines:
+                return self.lines[key]
+            key = key.rpartition(".")[0]
+        return None
+
+    def where(self, key: str) -> str:
+        if self.file == COMMAND_LINE:
+            return f" (flag {flag_for(key)})"
+        line = self.line_of(key)
+        return f" at line {line}" if line is not None else ""
+
+    def error(self, key: str, message: str) -> ConfigError:
+        line = None if self.file == COMMAND_LINE else self.line_of(key)
+        return ConfigError(message, file=self.file, line=line, key=key)
+
+
+def _unknown(src: _Source, key: str) -> ConfigError:
+    candidates = known_keys() + list(_SECTIONS)
+    hint = difflib.get_close_matches(key, candidates, n=1, cutoff=0.6)
+    extra = f"; did you mean '{hint[0]}'?" if hint else "; see docs/CONFIG.md for the keys"
+    return src.error(key, f"unknown key '{key}'{src.where(key)}{extra}")
+
+
+def _checked(src: _Source, key: str, check: Checker, value: Any) -> Any:
+    try:
+        return check(value, src.file == COMMAND_LINE)
+    except _Bad as bad:
+        got = value if isinstance(value, (str, int, float, bool)) else type(value).__name__
+        message = f"{key}{src.where(key)} must be {bad.expected}, got {got!r}"
+        raise src.error(key, message) from None
+
+
+def _flatten(doc: Mapping[str, Any], src: _Source) -> dict[str, Any]:
+    """TOML document -> {dotted key: raw value}; unknown keys raise."""
+    flat: dict[str, Any] = {}
+    for name, value in doc.items():
+        if name in _TOP_LEVEL:
+            flat[name] = value
+        elif name in _SECTIONS:
+            if not isinstance(value, dict):
+                raise src.error(name, f"'{name}'{src.where(name)} must be a table ([{name}])")
+            section_keys = {f.name for f in dataclasses.fields(_SECTIONS[name])}
+            for key, sub in value.items():
+                dotted = f"{name}.{key}"
+                if key not in section_keys:
+                    raise _unknown(src, dotted)
+                flat[dotted] = sub
+        elif isinstance(value, dict) and value:
+            raise _unknown(src, f"{name}.{next(iter(value))}")
+        else:
+            raise _unknown(src, name)
+    return flat
+
+
+def load_config(
+    path: str | Path | None = None, overrides: Mapping[str, Any] | None = None
+) -> Config:
+    """Load ``path`` (TOML; ``None`` = no file, defaults only) and apply ``overrides``.
+
+    ``overrides`` maps dotted keys (``"broker.port"``, ``"data_dir"``) to values from
+    command-line flags; they win over the file, and ``None`` values are ignored (the flag was
+    not given).  Every value is checked; the first problem raises :class:`ConfigError`.
+    """
+    values: dict[str, tuple[_Source, Any]] = {}
+    file_src: _Source | None = None
+    if path is not None:
+        try:
+            raw = Path(path).read_bytes()
+        except OSError as exc:
+            raise ConfigError(f"cannot read config file: {exc.strerror}", file=str(path)) from exc
+        try:
+            text = raw.decode("utf-8")
+            doc = tomllib.loads(text)
+        except UnicodeDecodeError as exc:
+            raise ConfigError(f"not UTF-8 text ({exc.reason})", file=str(path)) from exc
+        except tomllib.TOMLDecodeError as exc:
+            line, col = _toml_position(str(exc))
+            raise ConfigError(
+                f"TOML syntax error: {exc}", file=str(path), line=line, column=col
+            ) from exc
+        file_src = _Source(str(path), text)
+        for key, value in _flatten(doc, file_src).items():
+            values[key] = (file_src, value)
+    flag_src = _Source(COMMAND_LINE, None)
+    known = set(known_keys())
+    for key, value in (overrides or {}).items():
+        if value is None:
+            continue
+        if key not in known:
+            raise _unknown(flag_src, key)
+        values[key] = (flag_src, value)
+
+    top: dict[str, Any] = {}
+    parts: dict[str, dict[str, Any]] = {name: {} for name in _SECTIONS}
+    for key, (src, value) in values.items():
+        section, _, name = key.rpartition(".")
+        if not section:
+            top[name] = _checked(src, key, _checker(Config, name), value)
+        else:
+            parts[section][name] = _checked(src, key, _checker(_SECTIONS[section], name), value)
+    config = Config(**top, **{name: _SECTIONS[name](**kw) for name, kw in parts.items()})
+    _check_combinations(config, values, file_src or flag_src)
+    return config
+
+
+def _toml_position(message: str) -> tuple[int | None, int | None]:
+    m = re.search(r"line (\d+), column (\d+)", message)
+    return (int(m.group(1)), int(m.group(2))) if m else (None, None)
+
+
+def _check_combinations(
+    config: Config, values: Mapping[str, tuple[_Source, Any]], default_src: _Source
+) -> None:
+    def src_of(key: str) -> _Source:
+        return values[key][0] if key in values else default_src
+
+    def err(key: str, message: str) -> ConfigError:
+        return src_of(key).error(key, message)
+
+    def where(key: str) -> str:
+        return src_of(key).where(key) if key in values else ""
+
+    b = config.broker
+    if (b.tls_cert is None) != (b.tls_key is None):
+        have, missing = ("tls_cert", "tls_key") if b.tls_key is None else ("tls_key", "tls_cert")
+        raise err(
+            f"broker.{have}",
+            f"broker.{have}{where('broker.' + have)} is set but broker.{missing} is not; "
+            f"TLS needs both (set broker.{missing}, or flag {flag_for(missing)})",
+        )
+    for name, sec in (("broker", b), ("collector", config.collector)):
+        _check_anonymous(name, sec.host, sec.password_file, sec.allow_anonymous, err, where)
+
+    a = config.agent
+    if a.password is not None and a.password_file is not None:
+        raise err(
+            "agent.password",
+            f"agent.password{where('agent.password')} and agent.password_file are both set; "
+            "keep one (agent.password_file keeps the secret out of the config file)",
+        )
+    if a.backoff_initial_ms > a.backoff_max_ms:
+        raise err(
+            "agent.backoff_initial_ms",
+            f"agent.backoff_initial_ms{where('agent.backoff_initial_ms')} "
+            f"({a.backoff_initial_ms}) is larger than agent.backoff_max_ms ({a.backoff_max_ms})",
+        )
+
+
+def _check_anonymous(
+    section: str,
+    host: str,
+    password_file: str | None,
+    allow_anonymous: bool | None,
+    err: Callable[[str, str], ConfigError],
+    where: Callable[[str], str],
+) -> None:
+    if password_file is None and allow_anonymous is None and not is_loopback(host):
+        key = f"{section}.host"
+        raise err(
+            key,
+            f"{key} = {host!r}{where(key)} accepts connections from other machines, but no "
+            f"password file is set. Either create one with `filemq passwd FILE USER` and set "
+            f"{section}.password_file = \"FILE\" (flag --password-file FILE), or, to let anyone "
+            f"on the network connect without a password, set {section}.allow_anonymous = true",
+        )
+    if password_file is None and allow_anonymous is False:
+        key = f"{section}.allow_anonymous"
+        raise err(
+            key,
+            f"{key} = false{where(key)} but {section}.password_file is not set, so no client "
+            f"could log in; set {section}.password_file or remove {key}",
+        )

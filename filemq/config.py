@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from filemq.topics import InvalidTopic, validate_topic_filter
+
 KIB = 1024
 MIB = 1024 * KIB
 GIB = 1024 * MIB
@@ -139,13 +141,11 @@ class AutoSubscribe:
 
 
 def _valid_filter(text: str) -> bool:
-    levels = text.split("/")
-    for i, level in enumerate(levels):
-        if "#" in level and (level != "#" or i != len(levels) - 1):
-            return False
-        if "+" in level and level != "+":
-            return False
-    return bool(text) and "\0" not in text
+    try:
+        validate_topic_filter(text)
+    except InvalidTopic:
+        return False
+    return True
 
 
 _AUTO_SUB_RE = re.compile(r"^\s*(\S+)(?:\s+qos\s+([0-2]))?\s*$")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import sys
 
 import click
 
@@ -18,6 +19,31 @@ def main(verbose: int) -> None:
 @main.group()
 def bench() -> None:
     """Benchmarks; each runs its baseline in the same run and prints the ratio."""
+
+
+@main.command()
+@click.argument("file", type=click.Path(dir_okay=False))
+@click.argument("user")
+@click.option("--password-stdin", is_flag=True, help="Read the password from the first line of stdin.")
+@click.option("--iterations", type=click.IntRange(min=1), default=None, hidden=True)
+def passwd(file: str, user: str, password_stdin: bool, iterations: int | None) -> None:
+    """Add USER to the password FILE or change their password (creates FILE, mode 0600)."""
+    from filemq.auth import DEFAULT_ITERATIONS, add_or_update, valid_username
+    from filemq.config import ConfigError
+
+    if not valid_username(user):
+        raise click.BadParameter("must be non-empty, without ':' or spaces", param_hint="USER")
+    if password_stdin:
+        password = sys.stdin.readline().rstrip("\r\n")
+    else:
+        password = click.prompt("Password", hide_input=True, confirmation_prompt=True)
+    if not password:
+        raise click.ClickException("the password is empty; nothing written")
+    try:
+        new = add_or_update(file, user, password, iterations=iterations or DEFAULT_ITERATIONS)
+    except (ConfigError, OSError) as exc:
+        raise click.ClickException(str(exc)) from exc
+    click.echo(f"{'added' if new else 'updated'} user {user!r} in {file}", err=True)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,260 @@
+"""Password files: salted PBKDF2-SHA512 hashes, constant-time checks, atomic updates.
+
+The file has one user per line (``#`` comments and blank lines allowed)::
+
+    sensor-1:$filemq-pbkdf2-sha512$210000$<salt base64>$<hash base64>
+
+The hash is ``hashlib.pbkdf2_hmac("sha512", password, salt, iterations)`` over the UTF-8 (or
+raw MQTT) password bytes with a random 16-byte salt; the 64-byte result is compared with
+``hmac.compare_digest``.  Usernames are non-empty and contain no ``:``, whitespace or
+control characters.
+
+What a caller may rely on:
+
+* :meth:`PasswordFile.load` raises :class:`~filemq.config.ConfigError` with the line number
+  for any malformed line or duplicate user; a loaded file never changes (reload = load again).
+* :meth:`PasswordFile.check` takes about as long for an unknown user as for a wrong password
+  (it derives a hash against a dummy entry), so timing does not reveal which users exist.
+  A miss costs one PBKDF2 (~80 ms at 210,000 iterations on a small core): call it from an
+  executor, not the event loop.  It is thread-safe.
+* Login cache: a successful ``(user, password)`` pair is remembered (bounded LRU, default
+  1,024 entries) as an HMAC-SHA256 under a random per-process key, so a reconnect storm of
+  1,000 clients costs one PBKDF2 per distinct login instead of one per connection.
+  Tradeoff: someone who can read the broker's memory could test password guesses against a
+  cache entry at HMAC speed instead of PBKDF2 speed -- but such a reader also sees the plain
+  passwords arriving in CONNECT packets, so nothing is lost that was not already exposed.
+  Failed checks are never cached (a guessing attacker pays full PBKDF2 every time), and the
+  cache dies with the object, so reloading the file drops it.
+* :func:`add_or_update` rewrites the file with :func:`segments.fileio.atomic_write`; a new
+  file is created with mode 0600, an existing one keeps its mode.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import hmac
+import os
+import re
+import secrets
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+
+from filemq.config import ConfigError
+from segments.fileio import OS_FILE_IO, FileIO, atomic_write
+
+SCHEME = "filemq-pbkdf2-sha512"
+DEFAULT_ITERATIONS = 210_000
+"""OWASP's recommendation for PBKDF2-HMAC-SHA512 (2023)."""
+SALT_BYTES = 16
+HASH_BYTES = 64
+
+_USER_RE = re.compile(r"^[^:\s\x00-\x1f\x7f]+$")
+
+
+def valid_username(user: str) -> bool:
+    """True when ``user`` can be stored in a password file."""
+    return bool(_USER_RE.match(user))
+
+
+def _as_bytes(password: str | bytes) -> bytes:
+    return password.encode("utf-8") if isinstance(password, str) else password
+
+
+@dataclass(frozen=True)
+class PasswordHash:
+    """One stored hash: iteration count, salt and derived key."""
+
+    iterations: int
+    salt: bytes
+    digest: bytes
+
+    @classmethod
+    def create(
+        cls, password: str | bytes, iterations: int = DEFAULT_ITERATIONS, salt: bytes | None = None
+    ) -> PasswordHash:
+        """Hash ``password`` with a fresh random salt (or ``salt``, for tests)."""
+        if iterations < 1:
+            raise ValueError(f"iterations must be >= 1, got {iterations}")
+        salt = secrets.token_bytes(SALT_BYTES) if salt is None else salt
+        digest = hashlib.pbkdf2_hmac("sha512", _as_bytes(password), salt, iterations)
+        return cls(iterations, salt, digest)
+
+    def verify(self, password: str | bytes) -> bool:
+        """Derive and compare in constant time."""
+        derived = hashlib.pbkdf2_hmac("sha512", _as_bytes(password), self.salt, self.iterations)
+        return hmac.compare_digest(derived, self.digest)
+
+    def encode(self) -> str:
+        """The ``$filemq-pbkdf2-sha512$<iterations>$<salt>$<hash>`` text."""
+        salt = base64.b64encode(self.salt).decode("ascii")
+        digest = base64.b64encode(self.digest).decode("ascii")
+        return f"${SCHEME}${self.iterations}${salt}${digest}"
+
+    @classmethod
+    def decode(cls, text: str) -> PasswordHash:
+        """Parse :meth:`encode` output; ``ValueError`` says what is wrong."""
+        parts = text.split("$")
+        if len(parts) != 5 or parts[0] != "":
+            raise ValueError(f"expected ${SCHEME}$<iterations>$<salt>$<hash>")
+        if parts[1] != SCHEME:
+            raise ValueError(f"unknown hash scheme {parts[1]!r} (expected {SCHEME!r})")
+        if not parts[2].isdigit() or int(parts[2]) < 1:
+            raise ValueError(f"iterations must be a positive integer, got {parts[2]!r}")
+        try:
+            salt = base64.b64decode(parts[3], validate=True)
+            digest = base64.b64decode(parts[4], validate=True)
+        except binascii.Error as exc:
+            raise ValueError(f"salt or hash is not valid base64 ({exc})") from None
+        if not salt:
+            raise ValueError("empty salt")
+        if len(digest) != HASH_BYTES:
+            raise ValueError(f"hash is {len(digest)} bytes, expected {HASH_BYTES}")
+        return cls(int(parts[2]), salt, digest)
+
+
+def _parse(text: str, file: str) -> dict[str, tuple[int, PasswordHash]]:
+    """``{user: (line number, hash)}``; malformed lines and duplicates raise ConfigError."""
+    users: dict[str, tuple[int, PasswordHash]] = {}
+    for lineno, raw in enumerate(text.splitlines(), start=1):
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        user, sep, rest = line.partition(":")
+        if not sep or not valid_username(user):
+            raise ConfigError(
+                f"line {lineno}: expected 'user:${SCHEME}$...' with a username without "
+                "':' or spaces (create lines with `filemq passwd FILE USER`)",
+                file=file,
+                line=lineno,
+            )
+        try:
+            entry = PasswordHash.decode(rest)
+        except ValueError as exc:
+            raise ConfigError(
+                f"line {lineno}: bad hash for user {user!r}: {exc}", file=file, line=lineno
+            ) from None
+        if user in users:
+            raise ConfigError(
+                f"line {lineno}: user {user!r} already defined at line {users[user][0]}",
+                file=file,
+                line=lineno,
+            )
+        users[user] = (lineno, entry)
+    return users
+
+
+class PasswordFile:
+    """The users of one password file, checked in constant time with a login cache."""
+
+    def __init__(
+        self, entries: dict[str, PasswordHash], *, path: str = "", cache_size: int = 1024
+    ) -> None:
+        self.path = path
+        self._entries = dict(entries)
+        iterations = next(iter(entries.values())).iterations if entries else DEFAULT_ITERATIONS
+        # Unknown users are checked against this so they cost the same as a wrong password.
+        self._dummy = PasswordHash(iterations, secrets.token_bytes(SALT_BYTES), bytes(HASH_BYTES))
+        self._cache_key = secrets.token_bytes(32)
+        self._cache: OrderedDict[bytes, None] = OrderedDict()
+        self._cache_size = cache_size
+        self._lock = threading.Lock()
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str], *, cache_size: int = 1024) -> PasswordFile:
+        """Read and validate ``path``; raises :class:`ConfigError` (with line) on any problem."""
+        file = os.fspath(path)
+        try:
+            text = Path(file).read_text(encoding="utf-8")
+        except OSError as exc:
+            raise ConfigError(f"cannot read password file: {exc.strerror}", file=file) from exc
+        except UnicodeDecodeError as exc:
+            raise ConfigError(f"password file is not UTF-8 ({exc.reason})", file=file) from exc
+        entries = {user: entry for user, (_, entry) in _parse(text, file).items()}
+        return cls(entries, path=file, cache_size=cache_size)
+
+    @property
+    def users(self) -> list[str]:
+        """The usernames, in file order."""
+        return list(self._entries)
+
+    def __contains__(self, user: object) -> bool:
+        return user in self._entries
+
+    def _cache_token(self, user: str, password: bytes) -> bytes:
+        msg = user.encode("utf-8", "surrogatepass") + b"\x00" + password
+        return hmac.new(self._cache_key, msg, hashlib.sha256).digest()
+
+    def cached(self, user: str, password: str | bytes) -> bool:
+        """True when this exact pair succeeded recently (microseconds; safe on the event loop).
+
+        False means "not known", not "wrong": call :meth:`check` then.
+        """
+        token = self._cache_token(user, _as_bytes(password))
+        with self._lock:
+            if token in self._cache:
+                self._cache.move_to_end(token)
+                return True
+        return False
+
+    def check(self, user: str, password: str | bytes) -> bool:
+        """True when ``password`` is ``user``'s; unknown users cost the same as wrong passwords."""
+        pw = _as_bytes(password)
+        if self.cached(user, pw):
+            return True
+        entry = self._entries.get(user)
+        ok = (entry or self._dummy).verify(pw) and entry is not None
+        if ok and self._cache_size > 0:
+            token = self._cache_token(user, pw)
+            with self._lock:
+                self._cache[token] = None
+                if len(self._cache) > self._cache_size:
+                    self._cache.popitem(last=False)
+        return ok
+
+
+def add_or_update(
+    path: str | os.PathLike[str],
+    user: str,
+    password: str | bytes,
+    *,
+    iterations: int = DEFAULT_ITERATIONS,
+    fileio: FileIO = OS_FILE_IO,
+) -> bool:
+    """Set ``user``'s password in the file at ``path``, creating it (mode 0600) if missing.
+
+    Other lines, comments included, are kept in place.  Returns True when the user was new.
+    Raises ``ValueError`` for an invalid username or empty password and
+    :class:`ConfigError` when the existing file is malformed (it is left untouched).
+    """
+    if not valid_username(user):
+        raise ValueError(f"invalid username {user!r}: it must be non-empty, without ':' or spaces")
+    if not _as_bytes(password):
+        raise ValueError("the password is empty")
+    file = os.fspath(path)
+    target = Path(file)
+    try:
+        text = target.read_text(encoding="utf-8")
+        mode = target.stat().st_mode & 0o777
+    except FileNotFoundError:
+        text, mode = "", 0o600
+    existing = _parse(text, file)
+    line = f"{user}:{PasswordHash.create(password, iterations).encode()}"
+    lines = text.splitlines()
+    if user in existing:
+        lines[existing[user][0] - 1] = line
+    else:
+        lines.append(line)
+    # atomic_write creates its temp file with the default mode; create it first with the
+    # final mode so the hashes are never readable by others, not even for a moment.
+    tmp = target.with_name(target.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), mode)
+    try:
+        os.fchmod(fd, mode)
+    finally:
+        os.close(fd)
+    atomic_write(target, ("\n".join(lines) + "\n").encode("utf-8"), fileio)
+    return user not in existing

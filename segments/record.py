@@ -1,0 +1,170 @@
+"""Record framing: the one function that turns a message into bytes on disk, and back.
+
+Layout (big-endian, documented byte by byte in docs/FORMAT.md)::
+
+    u32 length      bytes after this field (crc .. end of payload)
+    u32 crc         CRC-32C (Castagnoli) of every byte after this field
+    u8  version     FORMAT_VERSION (1)
+    u8  flags       bits 0-1 QoS, bit 2 retain, bits 3-7 zero
+    u64 offset      logical offset in the log
+    i64 timestamp   publish time, microseconds since the Unix epoch (UTC)
+    u16 topic_len   then topic_len bytes of UTF-8 topic
+    ...             payload: the remaining length - 24 - topic_len bytes
+
+A record is valid only if its length is in range, its CRC matches, its version is known and
+its reserved flag bits are zero.  :func:`check_frame` is the single validity test that
+recovery, reads and ``filemq inspect`` all use.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+from crc32c import crc32c
+
+from segments.errors import CorruptRecord
+
+FORMAT_VERSION = 1
+LENGTH = struct.Struct(">I")
+PREFIX = struct.Struct(">II")  # length, crc
+BODY = struct.Struct(">BBQqH")  # version, flags, offset, timestamp_us, topic_len
+HEADER = struct.Struct(">IIBBQqH")  # PREFIX + BODY, for decoding in one call
+HEADER_SIZE = HEADER.size  # 28
+LENGTH_SIZE = LENGTH.size  # 4
+CRC_START = PREFIX.size  # the CRC covers bytes [8, framed_length)
+MIN_LENGTH = HEADER_SIZE - LENGTH_SIZE  # 24: a record with empty topic and payload
+MAX_RECORD_BYTES = 64 * 1024 * 1024  # framed size cap; also bounds resync candidates
+MAX_TOPIC_BYTES = 0xFFFF
+QOS_MASK = 0x03
+RETAIN_BIT = 0x04
+RESERVED_FLAGS = 0xF8
+
+# check_frame() results below zero say why a frame is not a valid record.
+INCOMPLETE = -1  # fewer bytes than the header or the length field promises (torn tail)
+BAD_LENGTH = -2  # length field out of range
+BAD_CRC = -3  # CRC mismatch
+BAD_HEADER = -4  # unknown version, QoS 3 or reserved flag bits set
+
+REASONS = {
+    INCOMPLETE: "truncated record",
+    BAD_LENGTH: "length out of range",
+    BAD_CRC: "CRC-32C mismatch",
+    BAD_HEADER: "unknown version or flags",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Record:
+    """One message as stored in the log."""
+
+    offset: int
+    timestamp_us: int
+    topic: str
+    payload: bytes
+    qos: int = 0
+    retain: bool = False
+
+
+def make_flags(qos: int, retain: bool) -> int:
+    """The flags byte for ``qos`` (0-2) and ``retain``; raises ValueError on a bad QoS."""
+    if qos not in (0, 1, 2):
+        raise ValueError(f"qos must be 0, 1 or 2, not {qos!r}")
+    return qos | (RETAIN_BIT if retain else 0)
+
+
+def encode(offset: int, timestamp_us: int, topic: bytes, payload: bytes, flags: int) -> bytes:
+    """Frame one record (``topic`` already UTF-8).  The one framing function used everywhere.
+
+    The caller guarantees ``flags`` came from :func:`make_flags` and ``len(topic)`` fits u16;
+    :meth:`segments.log.Log.append` checks both.
+    """
+    body = BODY.pack(FORMAT_VERSION, flags, offset, timestamp_us, len(topic)) + topic + payload
+    return PREFIX.pack(len(body) + 4, crc32c(body)) + body
+
+
+def encode_record(record: Record) -> bytes:
+    """Frame a :class:`Record` (convenience for tests and tools)."""
+    topic = record.topic.encode("utf-8")
+    if len(topic) > MAX_TOPIC_BYTES:
+        raise ValueError(f"topic is {len(topic)} bytes, more than {MAX_TOPIC_BYTES}")
+    return encode(
+        record.offset, record.timestamp_us, topic, record.payload, make_flags(record.qos, record.retain)
+    )
+
+
+def check_frame(buf: bytes | memoryview, pos: int, end: int) -> int:
+    """Validate the record whose length prefix is at ``buf[pos]``, looking no further than ``end``.
+
+    Returns the framed length (> 0) if the record is valid, else one of INCOMPLETE,
+    BAD_LENGTH, BAD_CRC, BAD_HEADER.  Never raises for any content of ``buf``.
+    """
+    if end - pos < HEADER_SIZE:
+        return INCOMPLETE
+    length: int = LENGTH.unpack_from(buf, pos)[0]
+    if length < MIN_LENGTH or length + LENGTH_SIZE > MAX_RECORD_BYTES:
+        return BAD_LENGTH
+    framed = length + LENGTH_SIZE
+    if pos + framed > end:
+        return INCOMPLETE
+    _, crc, version, flags, _, _, topic_len = HEADER.unpack_from(buf, pos)
+    if version != FORMAT_VERSION or flags & RESERVED_FLAGS or flags & QOS_MASK == 3:
+        return BAD_HEADER
+    if HEADER_SIZE + topic_len > framed:
+        return BAD_LENGTH
+    if crc32c(memoryview(buf)[pos + CRC_START : pos + framed]) != crc:
+        return BAD_CRC
+    return framed
+
+
+def offset_at(buf: bytes | memoryview, pos: int) -> int:
+    """The offset field of the record at ``pos`` (only meaningful after :func:`check_frame`)."""
+    offset: int = HEADER.unpack_from(buf, pos)[4]
+    return offset
+
+
+def decode_at(buf: bytes | memoryview, pos: int, framed: int) -> Record:
+    """Build the :class:`Record` at ``pos`` whose frame :func:`check_frame` accepted."""
+    _, _, _, flags, offset, timestamp_us, topic_len = HEADER.unpack_from(buf, pos)
+    start = pos + HEADER_SIZE
+    topic = bytes(buf[start : start + topic_len]).decode("utf-8", "replace")
+    payload = bytes(buf[start + topic_len : pos + framed])
+    return Record(offset, timestamp_us, topic, payload, flags & QOS_MASK, bool(flags & RETAIN_BIT))
+
+
+def decode(data: bytes | memoryview, path: str = "<bytes>", position: int = 0) -> tuple[Record, int]:
+    """Decode the record at the start of ``data``; returns it and its framed length.
+
+    Raises :class:`CorruptRecord` (with ``path`` and ``position`` for the message) if the
+    bytes are not one valid record.
+    """
+    framed = check_frame(data, 0, len(data))
+    if framed < 0:
+        raise CorruptRecord(path, position, REASONS[framed])
+    return decode_at(data, 0, framed), framed
+
+
+def find_next_valid(
+    buf: bytes, start: int, end: int, min_offset: int, max_offset: int | None
+) -> tuple[int, int] | None:
+    """Resync: the first position >= ``start`` holding a valid record whose offset is in range.
+
+    A candidate must pass :func:`check_frame` (length, header, CRC-32C) *and* carry an
+    offset in ``[min_offset, max_offset)`` (``max_offset`` None: unbounded), so random bytes
+    that happen to pass a CRC (1 in 2**32) must also look like the next records of this log.
+    Candidates are found by the version byte, which sits 8 bytes after the length prefix.
+    Returns ``(position, framed_length)`` or None.
+    """
+    version = bytes((FORMAT_VERSION,))
+    probe = start + CRC_START
+    while True:
+        hit = buf.find(version, probe, end)
+        if hit < 0:
+            return None
+        pos = hit - CRC_START
+        framed = check_frame(buf, pos, end)
+        if framed > 0:
+            offset = offset_at(buf, pos)
+            if offset >= min_offset and (max_offset is None or offset < max_offset):
+                return pos, framed
+        probe = hit + 1

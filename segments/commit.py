@@ -1,0 +1,212 @@
+"""Group commit on asyncio: one fdatasync acknowledges every append that arrived meanwhile.
+
+Appends run on the event loop and only buffer in memory.  A single commit task swaps the
+buffer out, writes (and, under ``always``, fdatasyncs) it in one dedicated worker thread,
+then resolves the batch's one shared future.  Appends that arrive during that fsync form
+the next batch.
+
+Loss windows (see docs/FORMAT.md, "Durability"):
+
+* ``always``   - a future resolves only after the fdatasync covering its record: nothing
+  acknowledged is lost on power loss.
+* ``interval`` - a future resolves after the write to the OS; fdatasync runs every
+  ``interval_ms``: up to ``interval_ms`` (plus one fsync) of acknowledged appends may be
+  lost on power loss, none on a process crash.
+* ``never``    - no explicit fdatasync (except at roll and close): the kernel's dirty
+  writeback decides, typically up to ~30 s on Linux; none on a process crash.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import heapq
+import itertools
+import logging
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+from segments.log import Log
+
+log = logging.getLogger(__name__)
+
+
+class FsyncPolicy(enum.StrEnum):
+    """When the commit task calls fdatasync."""
+
+    ALWAYS = "always"
+    INTERVAL = "interval"
+    NEVER = "never"
+
+
+class GroupCommitter:
+    """Batches appends to one :class:`Log` and commits each batch with one write (+ fdatasync).
+
+    All methods except :meth:`close` / :meth:`start` / :meth:`append` /
+    :meth:`wait_committed` are plain functions that must be called on the event loop thread.
+    """
+
+    def __init__(
+        self, log: Log, *, policy: FsyncPolicy | str | None = None, interval_ms: int | None = None,
+        max_batch_bytes: int = 4 << 20,
+    ) -> None:
+        self.log = log
+        self.policy = FsyncPolicy(policy if policy is not None else log.config.fsync)
+        self.interval = (interval_ms if interval_ms is not None else log.config.fsync_interval_ms) / 1000
+        self.max_batch_bytes = max_batch_bytes
+        self.commits = 0
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._executor: ThreadPoolExecutor | None = None
+        self._open: asyncio.Future[None] | None = None  # the batch appends currently join
+        self._open_bytes = 0
+        self._closed_batches: list[tuple[int, asyncio.Future[None]]] = []  # (end_offset, future)
+        self._wake = asyncio.Event()
+        self._closing = False
+        self._listeners: list[Callable[[int], None]] = []
+        self._waiters: list[tuple[int, int, asyncio.Future[None]]] = []
+        self._waiter_ids = itertools.count()
+
+    async def start(self) -> None:
+        """Start the commit task on the running loop."""
+        if self._task is not None:
+            return
+        self._loop = asyncio.get_running_loop()
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="filemq-commit")
+        self._task = self._loop.create_task(self._run(), name="filemq-group-commit")
+
+    async def close(self) -> None:
+        """Commit and fdatasync everything appended so far, then stop.  Idempotent."""
+        if self._task is None or self._closing:
+            return
+        self._closing = True
+        self._wake.set()
+        await self._task
+        assert self._loop is not None and self._executor is not None
+        await self._loop.run_in_executor(self._executor, self.log.sync)
+        self._executor.shutdown(wait=True)
+
+    def append_nowait(
+        self, topic: str, payload: bytes, *, qos: int = 0, retain: bool = False,
+        timestamp_us: int | None = None,
+    ) -> tuple[int, asyncio.Future[None]]:
+        """Buffer a record; return its offset and its batch's commit future.
+
+        The future is shared by the whole batch: await it through :func:`asyncio.shield` if
+        the awaiting task may be cancelled.  It raises DiskFull/OSError if the commit failed;
+        then the record is not readable and its offset is reused.
+        """
+        if self._task is None or self._closing:
+            raise RuntimeError("GroupCommitter is not running")
+        offset = self.log.append(topic, payload, qos=qos, retain=retain, timestamp_us=timestamp_us)
+        future = self._open
+        if future is None:
+            assert self._loop is not None
+            future = self._open = self._loop.create_future()
+            self._open_bytes = 0
+            self._wake.set()
+        self._open_bytes += len(payload) + len(topic) + 28
+        if self._open_bytes >= self.max_batch_bytes:
+            self._closed_batches.append((offset + 1, future))
+            self._open = None
+        return offset, future
+
+    async def append(
+        self, topic: str, payload: bytes, *, qos: int = 0, retain: bool = False,
+        timestamp_us: int | None = None,
+    ) -> int:
+        """Append and wait until committed under the policy; returns the offset."""
+        offset, future = self.append_nowait(topic, payload, qos=qos, retain=retain, timestamp_us=timestamp_us)
+        await asyncio.shield(future)
+        return offset
+
+    async def wait_committed(self, offset: int) -> None:
+        """Return once ``log.committed_offset > offset`` (for consumers tailing the log)."""
+        if self.log.committed_offset > offset:
+            return
+        assert self._loop is not None, "start() first"
+        future: asyncio.Future[None] = self._loop.create_future()
+        heapq.heappush(self._waiters, (offset, next(self._waiter_ids), future))
+        await future
+
+    def add_commit_listener(self, callback: Callable[[int], None]) -> None:
+        """Call ``callback(committed_offset)`` on the loop after each successful commit."""
+        self._listeners.append(callback)
+
+    # -- the commit task -------------------------------------------------------------------
+
+    async def _run(self) -> None:
+        assert self._loop is not None and self._executor is not None
+        loop, executor = self._loop, self._executor
+        last_sync = time.monotonic()
+        dirty = False
+        while True:
+            if self._open is None and not self._closed_batches:
+                if self._closing:
+                    return
+                self._wake.clear()
+                if dirty and self.policy is FsyncPolicy.INTERVAL:
+                    due = last_sync + self.interval - time.monotonic()
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self._wake.wait(), max(due, 0))
+                    if time.monotonic() >= last_sync + self.interval:
+                        try:
+                            await loop.run_in_executor(executor, self.log.datasync)
+                        except OSError:
+                            log.exception("%s: periodic fdatasync failed", self.log.directory)
+                        last_sync, dirty = time.monotonic(), False
+                else:
+                    await self._wake.wait()
+                continue
+            if self._open is not None:
+                self._closed_batches.append((self.log.next_offset, self._open))
+                self._open = None
+            batches, self._closed_batches = self._closed_batches, []
+            batch = self.log.take_batch()
+            now = time.monotonic()
+            sync = self.policy is FsyncPolicy.ALWAYS or (
+                self.policy is FsyncPolicy.INTERVAL and now - last_sync >= self.interval
+            )
+            try:
+                if batch is not None:
+                    await loop.run_in_executor(executor, self.log.write_batch, batch, sync)
+            except Exception as exc:  # every failure goes to the waiters, the task keeps running
+                self._fail(batches, exc)
+                continue
+            self.commits += 1
+            if sync:
+                last_sync, dirty = now, False
+            else:
+                dirty = True
+            for _, future in batches:
+                if not future.done():
+                    future.set_result(None)
+            self._notify(self.log.committed_offset)
+
+    def _fail(self, batches: list[tuple[int, asyncio.Future[None]]], exc: Exception) -> None:
+        # Runs on the loop, so no append can slip in between dropping the buffer and failing
+        # the futures of everything in it: what is reported failed is exactly what was dropped.
+        self.log.discard_pending()
+        failed = batches + self._closed_batches
+        if self._open is not None:
+            failed.append((self.log.next_offset, self._open))
+        self._open, self._closed_batches = None, []
+        for _, future in failed:
+            if not future.done():
+                future.set_exception(exc)
+                future.exception()  # mark retrieved: fire-and-forget producers need not await
+        log.error("%s: commit failed (%s); %d batches reported failed", self.log.directory, exc, len(failed))
+
+    def _notify(self, committed: int) -> None:
+        waiters = self._waiters
+        while waiters and waiters[0][0] < committed:
+            future = heapq.heappop(waiters)[2]
+            if not future.done():
+                future.set_result(None)
+        for callback in self._listeners:
+            try:
+                callback(committed)
+            except Exception:
+                log.exception("commit listener %r failed", callback)

@@ -1,0 +1,648 @@
+"""The log: an ordered list of segments with one append buffer, rolling, recovery and retention.
+
+Offsets are assigned by :meth:`Log.append` (gap-free, starting at 0) and become readable once
+a flush writes them to the OS (:attr:`Log.committed_offset`).  Writing is split in three steps
+so a group committer can run the slow part off the event loop:
+
+* :meth:`Log.take_batch` swaps the in-memory buffer out (cheap, under the append lock);
+* :meth:`Log.write_batch` writes it, rolling and sealing segments, optionally fdatasyncs,
+  then advances ``committed_offset`` (slow; holds only the write lock, never the append lock);
+* :meth:`Log.discard_pending` drops whatever was appended after a failed write, so offsets stay
+  gap-free and nothing from a failed commit is ever readable.
+
+:meth:`Log.flush` and :meth:`Log.sync` chain these for callers without a committer.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import os
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from segments.errors import SegmentError
+from segments.fileio import OS_FILE_IO, DiskFull, FileIO
+from segments.record import (
+    LENGTH,
+    LENGTH_SIZE,
+    MAX_RECORD_BYTES,
+    MAX_TOPIC_BYTES,
+    Record,
+    decode_at,
+    encode,
+    make_flags,
+)
+from segments.segment import NO_TIMESTAMP, Segment, parse_segment_name
+
+log = logging.getLogger(__name__)
+
+_FLAGS = {(q, r): make_flags(q, r) for q in (0, 1, 2) for r in (False, True)}
+_TOPIC_CACHE_MAX = 4096
+
+
+@dataclass
+class LogConfig:
+    """Tuning of one log.  Sizes in bytes, times in milliseconds."""
+
+    segment_bytes: int = 64 * 1024 * 1024
+    index_interval_bytes: int = 4096
+    fsync: Literal["always", "interval", "never"] = "always"
+    fsync_interval_ms: int = 1000
+    retention_bytes: int | None = None
+    retention_ms: int | None = None
+    min_free_bytes: int = 0
+
+    def __post_init__(self) -> None:
+        if not 1024 <= self.segment_bytes < 1 << 32:
+            raise ValueError(f"segment_bytes must be in [1024, 2**32), not {self.segment_bytes}")
+        if self.index_interval_bytes <= 0:
+            raise ValueError("index_interval_bytes must be positive")
+        if self.fsync not in ("always", "interval", "never"):
+            raise ValueError(f"fsync must be always, interval or never, not {self.fsync!r}")
+        if self.fsync_interval_ms <= 0:
+            raise ValueError("fsync_interval_ms must be positive")
+        if self.min_free_bytes < 0:
+            raise ValueError("min_free_bytes must be >= 0")
+
+
+@dataclass
+class RecoveryReport:
+    """What :meth:`Log.open` found: counts and the time it took to be ready."""
+
+    segments: int = 0
+    tail_bytes_truncated: int = 0
+    corrupt_records: int = 0
+    scanned_bytes: int = 0
+    seconds: float = 0.0
+
+
+@dataclass
+class RetentionReport:
+    """What one :meth:`Log.enforce_retention` call deleted.
+
+    ``dropped_needed`` counts records at or above ``min_needed_offset`` that the byte cap
+    forced out (``dropped_range`` is their half-open offset range); 0 / None when none.
+    """
+
+    segments_deleted: int = 0
+    bytes_deleted: int = 0
+    records_deleted: int = 0
+    first_offset: int = 0
+    dropped_needed: int = 0
+    dropped_range: tuple[int, int] | None = None
+
+
+@dataclass
+class LogStats:
+    """Running counters since open (``corrupt_skipped`` counts each bad spot once)."""
+
+    appended: int = 0
+    corrupt_skipped: int = 0
+    tail_truncated_bytes: int = 0
+    dropped_by_retention: int = 0
+    fsyncs: int = 0
+    fsync_seconds_total: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class SegmentInfo:
+    base_offset: int
+    path: Path
+    size: int
+    sealed: bool
+    next_offset: int
+
+
+@dataclass(frozen=True, slots=True)
+class ScannedRecord:
+    """One step of :meth:`Log.scan`: a record, or a corrupt spot (``record`` None, ``crc_ok`` False)."""
+
+    record: Record | None
+    segment: str
+    position: int
+    length: int
+    crc_ok: bool
+
+
+class _Group:
+    """Buffered records bound for one segment, starting at byte ``start_pos``."""
+
+    __slots__ = ("base_offset", "new_segment", "start_pos", "chunks", "nbytes", "end_offset",
+                 "index", "max_ts", "last_index_pos")
+
+    def __init__(self, base_offset: int, new_segment: bool, start_pos: int, last_index_pos: int) -> None:
+        self.base_offset = base_offset
+        self.new_segment = new_segment
+        self.start_pos = start_pos
+        self.chunks: list[bytes] = []
+        self.nbytes = 0
+        self.end_offset = base_offset
+        self.index: list[tuple[int, int]] = []
+        self.max_ts = NO_TIMESTAMP
+        self.last_index_pos = last_index_pos
+
+
+@dataclass(frozen=True, slots=True)
+class Batch:
+    """Records [first_offset, end_offset) taken from the buffer by :meth:`Log.take_batch`."""
+
+    groups: list[_Group]
+    first_offset: int
+    end_offset: int
+    nbytes: int
+
+
+class Log:
+    """A durable, segmented, CRC-checked append-only log in one directory.
+
+    Thread-safety: :meth:`append` may run on one thread (the event loop) while
+    :meth:`write_batch` / :meth:`flush` / :meth:`sync` run on another; the fdatasync never
+    holds the lock that :meth:`append` needs.  Reads may run on any thread.
+    """
+
+    def __init__(self, directory: Path, config: LogConfig, fileio: FileIO) -> None:
+        self.directory = directory
+        self.config = config
+        self.fileio = fileio
+        self.stats = LogStats()
+        self.recovery = RecoveryReport()
+        self._lock = threading.Lock()  # the append buffer and offset counter
+        self._write_lock = threading.RLock()  # segment files and the segment list
+        self._segments: list[Segment] = []
+        self._bases: list[int] = []
+        self._groups: list[_Group] = []
+        self._next_offset = 0
+        self._committed_offset = 0
+        self._tail_base = 0
+        self._tail_pos = 0
+        self._tail_last_index_pos = 0
+        self._pending_bytes = 0
+        self._free_budget = 0
+        self._dirty = False
+        self._closed = False
+        self._topics: dict[str, bytes] = {}
+
+    # -- open and recovery ---------------------------------------------------------------
+
+    @classmethod
+    def open(
+        cls, directory: str | Path, config: LogConfig | None = None, fileio: FileIO | None = None
+    ) -> Log:
+        """Open (creating if needed) the log in ``directory`` and recover it.
+
+        Never refuses to start because of damaged data: a torn tail is cut, corrupt
+        records are skipped, bad indexes are rebuilt; :attr:`recovery` says what happened.
+        """
+        path = Path(directory)
+        io = fileio if fileio is not None else OS_FILE_IO
+        os.makedirs(path, exist_ok=True)
+        self = cls(path, config or LogConfig(), io)
+        self._recover()
+        return self
+
+    def _recover(self) -> None:
+        started = time.perf_counter()
+        report = RecoveryReport()
+        names = set(os.listdir(self.directory))
+        bases = sorted(b for b in (parse_segment_name(n) for n in names) if b is not None)
+        self._remove_orphans(names, set(bases))
+        interval = self.config.index_interval_bytes
+        segments: list[Segment] = []
+        for i, base in enumerate(bases):
+            segment, found = Segment.recover(self.directory, base, self.fileio, interval)
+            report.scanned_bytes += found.scanned_bytes
+            report.tail_bytes_truncated += found.truncated_bytes
+            report.corrupt_records += found.corrupt_records
+            if segments and base != segments[-1].next_offset:
+                log.warning(
+                    "%s: segment starts at offset %d but the previous one ends at %d; "
+                    "offsets in between are missing",
+                    segment.log_path, base, segments[-1].next_offset,
+                )
+            if i < len(bases) - 1 and not segment.sealed:
+                # A crash during a roll; seal it so the next open trusts it without a scan.
+                segment.seal_now()
+            segments.append(segment)
+        if not segments or segments[-1].sealed:
+            start = segments[-1].next_offset if segments else 0
+            segments.append(Segment.create(self.directory, start, self.fileio))
+        self._set_segments(segments)
+        tail = segments[-1]
+        self._next_offset = self._committed_offset = tail.next_offset
+        self._tail_base = tail.base_offset
+        self._tail_pos = tail.size
+        self._tail_last_index_pos = tail.last_index_position
+        self._refresh_free_budget(0)
+        report.segments = len(segments)
+        report.seconds = time.perf_counter() - started
+        self.recovery = report
+        self.stats.tail_truncated_bytes = report.tail_bytes_truncated
+        self.stats.corrupt_skipped = report.corrupt_records
+        if report.tail_bytes_truncated or report.corrupt_records:
+            log.warning("%s: recovered with %s", self.directory, report)
+        else:
+            log.info("%s: opened %s", self.directory, report)
+
+    def _remove_orphans(self, names: set[str], bases: set[int]) -> None:
+        """Delete ``.index``/``.seal`` files whose ``.log`` is gone (a crash during retention)."""
+        removed = False
+        for name in names:
+            stem, _, suffix = name.partition(".")
+            if suffix in ("index", "seal") and stem.isdigit() and int(stem) not in bases:
+                self.fileio.unlink(self.directory / name)
+                removed = True
+        if removed:
+            self.fileio.fsync_dir(self.directory)
+
+    def _set_segments(self, segments: list[Segment]) -> None:
+        # Replaced, never mutated, so readers can iterate a snapshot without the lock.
+        self._segments = segments
+        self._bases = [s.base_offset for s in segments]
+
+    # -- properties ----------------------------------------------------------------------
+
+    @property
+    def first_offset(self) -> int:
+        """Lowest offset still on disk (records below it were deleted by retention)."""
+        return self._segments[0].base_offset
+
+    @property
+    def next_offset(self) -> int:
+        """The offset the next :meth:`append` gets."""
+        return self._next_offset
+
+    @property
+    def committed_offset(self) -> int:
+        """Records below this offset are written to the OS; readers see only these."""
+        return self._committed_offset
+
+    # -- appending -----------------------------------------------------------------------
+
+    def append(
+        self, topic: str, payload: bytes, *, qos: int = 0, retain: bool = False,
+        timestamp_us: int | None = None,
+    ) -> int:
+        """Buffer one record in memory and return its offset.
+
+        It becomes readable after the next :meth:`flush` and durable after :meth:`sync`.
+        Raises DiskFull (assigning no offset) when free space is below ``min_free_bytes``,
+        ValueError on a bad QoS, a topic over 65535 bytes or a record over the segment size.
+        """
+        topic_bytes = self._topics.get(topic)
+        if topic_bytes is None:
+            topic_bytes = self._topic_bytes(topic)
+        flags = _FLAGS.get((qos, retain))
+        if flags is None:
+            flags = make_flags(qos, bool(retain))
+        ts = time.time_ns() // 1000 if timestamp_us is None else timestamp_us
+        with self._lock:
+            if self._closed:
+                raise SegmentError(str(self.directory), "log is closed")
+            offset = self._next_offset
+            data = encode(offset, ts, topic_bytes, payload, flags)
+            n = len(data)
+            if n > self.config.segment_bytes or n > MAX_RECORD_BYTES:
+                raise ValueError(f"record of {n} bytes does not fit a segment of {self.config.segment_bytes}")
+            if self.config.min_free_bytes:
+                self._free_budget -= n
+                if self._free_budget < 0:
+                    self._refresh_free_budget(n)
+            pos = self._tail_pos
+            groups = self._groups
+            if pos + n > self.config.segment_bytes and pos > 0:
+                group = _Group(offset, True, 0, 0)
+                groups.append(group)
+                self._tail_base = offset
+                pos = 0
+                self._tail_last_index_pos = 0
+            elif groups:
+                group = groups[-1]
+                if pos - self._tail_last_index_pos >= self.config.index_interval_bytes:
+                    group.index.append((offset, pos))
+                    self._tail_last_index_pos = pos
+            else:
+                group = _Group(self._tail_base, False, pos, self._tail_last_index_pos)
+                group.end_offset = offset
+                groups.append(group)
+                if pos - self._tail_last_index_pos >= self.config.index_interval_bytes:
+                    group.index.append((offset, pos))
+                    self._tail_last_index_pos = pos
+            group.chunks.append(data)
+            group.nbytes += n
+            group.end_offset = offset + 1
+            if ts > group.max_ts:
+                group.max_ts = ts
+            group.last_index_pos = self._tail_last_index_pos
+            self._tail_pos = pos + n
+            self._next_offset = offset + 1
+            self._pending_bytes += n
+        return offset
+
+    def _topic_bytes(self, topic: str) -> bytes:
+        encoded = topic.encode("utf-8")
+        if len(encoded) > MAX_TOPIC_BYTES:
+            raise ValueError(f"topic is {len(encoded)} bytes, more than {MAX_TOPIC_BYTES}")
+        if len(self._topics) >= _TOPIC_CACHE_MAX:
+            self._topics.clear()
+        self._topics[topic] = encoded
+        return encoded
+
+    def _refresh_free_budget(self, wanted: int) -> None:
+        """Re-read free space; raise DiskFull if ``wanted`` more bytes would cross the floor.
+
+        Called with the append lock held (or before any append).  Free space is read again
+        only after the budget is used up, so appends cost no system call.
+        """
+        floor = self.config.min_free_bytes
+        if not floor:
+            return
+        free = self.fileio.free_bytes(self.directory)
+        self._free_budget = free - floor - self._pending_bytes - wanted
+        if self._free_budget < 0:
+            self._free_budget = 0
+            raise DiskFull(
+                self.directory,
+                f"{free} bytes free, floor is {floor}, {self._pending_bytes + wanted} bytes waiting",
+            )
+
+    # -- writing -------------------------------------------------------------------------
+
+    def take_batch(self) -> Batch | None:
+        """Swap out everything appended so far (None if nothing).  Cheap; call then :meth:`write_batch`."""
+        with self._lock:
+            groups = self._groups
+            if not groups:
+                return None
+            self._groups = []
+            nbytes = self._pending_bytes
+            self._pending_bytes = 0
+            first = groups[0].end_offset - len(groups[0].chunks)
+            return Batch(groups, first, self._next_offset, nbytes)
+
+    def write_batch(self, batch: Batch, sync: bool) -> None:
+        """Write ``batch`` (rolling and sealing segments as needed), fdatasync if ``sync``,
+        then advance :attr:`committed_offset` past it.
+
+        On any error (DiskFull, OSError) every byte of the batch is removed again, files and
+        segments created for it are deleted, the error is raised, and the caller must call
+        :meth:`discard_pending` (records appended meanwhile carry offsets that no longer follow).
+        """
+        with self._write_lock:
+            floor = self.config.min_free_bytes
+            if floor:
+                free = self.fileio.free_bytes(self.directory)
+                if free - batch.nbytes < floor:
+                    raise DiskFull(self.directory, f"{free} bytes free, floor is {floor}, batch is {batch.nbytes}")
+            original = self._segments[-1]
+            undo = (original.size, original.next_offset, original.max_timestamp_us,
+                    original.last_index_position)
+            created: list[Segment] = []
+            active = original
+            try:
+                for group in batch.groups:
+                    if group.new_segment:
+                        active.seal_now()
+                        active = Segment.create(self.directory, group.base_offset, self.fileio)
+                        created.append(active)
+                    chunks = group.chunks
+                    active.write(chunks[0] if len(chunks) == 1 else b"".join(chunks), group.start_pos)
+                    active.next_offset = group.end_offset
+                    if group.max_ts > active.max_timestamp_us:
+                        active.max_timestamp_us = group.max_ts
+                    index = active.index
+                    assert index is not None
+                    for offset, position in group.index:
+                        index.add(offset, position)
+                    active.last_index_position = group.last_index_pos
+                if sync:
+                    self._datasync(active)
+                else:
+                    self._dirty = True
+            except BaseException:
+                self._undo_write(original, undo, created)
+                raise
+            if created:
+                self._set_segments(self._segments + created)
+            self._committed_offset = batch.end_offset
+            self.stats.appended += batch.end_offset - batch.first_offset
+            if floor:
+                with self._lock:
+                    self._free_budget = self.fileio.free_bytes(self.directory) - floor - self._pending_bytes
+
+    def _undo_write(self, original: Segment, undo: tuple[int, int, int, int], created: list[Segment]) -> None:
+        log.error("%s: write failed; removing the partial batch (offsets from %d)", self.directory, undo[1])
+        try:
+            for segment in created:
+                segment.delete()
+            original.unseal()
+            original.cut(*undo)
+            self.fileio.fsync_dir(self.directory)
+        except OSError:
+            log.exception("%s: could not undo the failed write; recovery at next open cleans up", self.directory)
+
+    def discard_pending(self) -> int:
+        """After a failed :meth:`write_batch`: drop all buffered records; the next append
+        reuses the first uncommitted offset.  Returns how many records were dropped."""
+        with self._lock:
+            dropped = self._next_offset - self._committed_offset
+            tail = self._segments[-1]
+            self._groups = []
+            self._pending_bytes = 0
+            self._next_offset = self._committed_offset
+            self._tail_base = tail.base_offset
+            self._tail_pos = tail.size
+            self._tail_last_index_pos = tail.last_index_position
+        if dropped:
+            log.warning("%s: dropped %d records of a failed commit", self.directory, dropped)
+        return dropped
+
+    def _datasync(self, segment: Segment) -> None:
+        started = time.perf_counter()
+        segment.handle.datasync()
+        self.stats.fsyncs += 1
+        self.stats.fsync_seconds_total += time.perf_counter() - started
+        self._dirty = False
+
+    def flush(self) -> None:
+        """Write buffered records to the OS (rolling segments as needed) and make them readable.
+
+        On failure the buffered records are dropped (none of them readable) and the error raised.
+        """
+        self._write(sync=False)
+
+    def sync(self) -> None:
+        """:meth:`flush`, then fdatasync the active segment: everything appended before is durable."""
+        self._write(sync=True)
+
+    def _write(self, sync: bool) -> None:
+        batch = self.take_batch()
+        if batch is None:
+            if sync:
+                self.datasync()
+            return
+        try:
+            self.write_batch(batch, sync)
+        except BaseException:
+            self.discard_pending()
+            raise
+
+    def datasync(self) -> None:
+        """fdatasync what :meth:`write_batch` wrote without syncing (no-op if nothing)."""
+        with self._write_lock:
+            if self._dirty and not self._closed:
+                self._datasync(self._segments[-1])
+
+    # -- reading -------------------------------------------------------------------------
+
+    def read(self, offset: int, max_records: int = 1000, max_bytes: int = 1 << 20) -> list[Record]:
+        """Records with offsets >= ``offset`` and < :attr:`committed_offset`, in order.
+
+        At most ``max_records``; at most ``max_bytes`` framed bytes except that one record is
+        always returned if any is available.  Offsets lost to corruption or retention are
+        simply absent; corrupt records are skipped, logged once and counted in :attr:`stats`.
+        """
+        limit = self._committed_offset
+        segments, bases = self._segments, self._bases
+        offset = max(offset, segments[0].base_offset)
+        out: list[Record] = []
+        if offset >= limit or max_records <= 0:
+            return out
+        total = 0
+        interval = self.config.index_interval_bytes
+        i = max(bisect.bisect_right(bases, offset) - 1, 0)
+        while i < len(segments):
+            segment = segments[i]
+            i += 1
+            if segment.next_offset <= offset:
+                continue
+            start = segment.ensure_index(interval).lookup(offset)
+            max_offset = segment.next_offset if segment.sealed else limit
+            for frame in segment.walk(start, segment.size, None, resync=True, max_offset=max_offset):
+                if frame.framed <= 0:
+                    if segment.note_corrupt(frame):
+                        self.stats.corrupt_skipped += 1
+                    continue
+                if frame.offset >= limit:
+                    return out
+                if frame.offset < offset:
+                    continue
+                if out and total + frame.framed > max_bytes:
+                    return out
+                out.append(decode_at(frame.buf, frame.rel, frame.framed))
+                total += frame.framed
+                if len(out) >= max_records:
+                    return out
+        return out
+
+    def scan(self, offset: int = 0) -> Iterator[ScannedRecord]:
+        """Every record from ``offset`` on (up to :attr:`committed_offset`), and every corrupt spot.
+
+        For ``filemq inspect`` / ``verify``: CRC-checks every byte; does not change stats.
+        """
+        limit = self._committed_offset
+        for segment in self._segments:
+            if segment.next_offset <= offset:
+                continue
+            name = segment.log_path.name
+            max_offset = segment.next_offset if segment.sealed else limit
+            for frame in segment.walk(0, segment.size, None, resync=True, max_offset=max_offset):
+                if frame.framed <= 0:
+                    length = 0
+                    if len(frame.buf) - frame.rel >= LENGTH_SIZE:
+                        length = LENGTH.unpack_from(frame.buf, frame.rel)[0] + LENGTH_SIZE
+                    yield ScannedRecord(None, name, frame.position, length, False)
+                    continue
+                if frame.offset >= limit:
+                    return
+                if frame.offset >= offset:
+                    record = decode_at(frame.buf, frame.rel, frame.framed)
+                    yield ScannedRecord(record, name, frame.position, frame.framed, True)
+
+    # -- retention and introspection -----------------------------------------------------
+
+    def enforce_retention(self, min_needed_offset: int | None = None) -> RetentionReport:
+        """Delete whole sealed segments, oldest first, past ``retention_ms`` (by the newest
+        timestamp in the segment) or while the log exceeds ``retention_bytes``.
+
+        Age never deletes a segment holding offsets >= ``min_needed_offset``; the byte cap
+        does if it must, and then the dropped range is counted in the report and in
+        ``stats.dropped_by_retention`` and logged as a WARNING.  The active segment is never deleted.
+        """
+        cfg = self.config
+        with self._write_lock:
+            segments = self._segments
+            total = sum(s.size for s in segments)
+            now_us = time.time_ns() // 1000
+            doomed: list[Segment] = []
+            for segment in segments[:-1]:
+                over_bytes = cfg.retention_bytes is not None and total > cfg.retention_bytes
+                too_old = (
+                    cfg.retention_ms is not None
+                    and segment.max_timestamp_us < now_us - cfg.retention_ms * 1000
+                )
+                needed = min_needed_offset is not None and segment.next_offset > min_needed_offset
+                if not (over_bytes or (too_old and not needed)):
+                    break
+                doomed.append(segment)
+                total -= segment.size
+            report = RetentionReport(first_offset=self.first_offset)
+            if not doomed:
+                return report
+            self._set_segments(segments[len(doomed):])
+            for segment in doomed:
+                segment.delete()
+                report.segments_deleted += 1
+                report.bytes_deleted += segment.size
+                report.records_deleted += segment.next_offset - segment.base_offset
+            self.fileio.fsync_dir(self.directory)
+            report.first_offset = self.first_offset
+            if min_needed_offset is not None and report.first_offset > min_needed_offset:
+                low = max(min_needed_offset, doomed[0].base_offset)
+                report.dropped_range = (low, report.first_offset)
+                report.dropped_needed = report.first_offset - low
+                self.stats.dropped_by_retention += report.dropped_needed
+                log.warning(
+                    "%s: retention_bytes=%s forced deletion of needed offsets [%d, %d) (%d records)",
+                    self.directory, cfg.retention_bytes, low, report.first_offset, report.dropped_needed,
+                )
+            log.info("%s: retention deleted %s", self.directory, report)
+            return report
+
+    def size_bytes(self) -> int:
+        """Bytes of all segment files (records only; index and seal files are not counted)."""
+        return sum(s.size for s in self._segments)
+
+    def segments(self) -> list[SegmentInfo]:
+        return [SegmentInfo(s.base_offset, s.log_path, s.size, s.sealed, s.next_offset) for s in self._segments]
+
+    def close(self) -> None:
+        """Flush, sync and close every file.  Later appends raise SegmentError."""
+        if self._closed:
+            return
+        try:
+            self.sync()
+        finally:
+            with self._write_lock, self._lock:
+                self._closed = True
+                for segment in self._segments:
+                    segment.close()
+
+    def __enter__(self) -> Log:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"Log({str(self.directory)!r}, offsets [{self.first_offset}, {self._next_offset}))"
+
+
+__all__ = [
+    "Batch", "Log", "LogConfig", "LogStats", "RecoveryReport", "RetentionReport",
+    "ScannedRecord", "SegmentInfo",
+]

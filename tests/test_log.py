@@ -1,0 +1,307 @@
+"""Log layer: round trips, rolling, index lookups, reopen, recovery, retention, DiskFull."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from segments import DiskFull, Log, LogConfig, Record
+from segments.fileio import FileHandle, OsFileIO
+from segments.segment import segment_name
+
+SMALL = LogConfig(segment_bytes=2048, index_interval_bytes=200)
+
+
+class InjectingHandle:
+    """A real file handle whose writes/syncs fail with ENOSPC while ``io.full`` is set."""
+
+    def __init__(self, inner: FileHandle, io: InjectingFileIO) -> None:
+        self._inner, self._io, self.path = inner, io, inner.path
+
+    def pwrite(self, data: bytes | bytearray | memoryview, position: int) -> None:
+        if self._io.full:
+            # A real ENOSPC may leave part of the write behind: emulate the worst case.
+            self._inner.pwrite(bytes(data)[: len(data) // 2], position)
+            raise DiskFull(self.path, "injected ENOSPC")
+        self._inner.pwrite(data, position)
+
+    def pread(self, size: int, position: int) -> bytes:
+        return self._inner.pread(size, position)
+
+    def size(self) -> int:
+        return self._inner.size()
+
+    def truncate(self, size: int) -> None:
+        self._inner.truncate(size)
+
+    def datasync(self) -> None:
+        self._io.events.append(("datasync", self.path))
+        self._inner.datasync()
+
+    def close(self) -> None:
+        self._inner.close()
+
+
+class InjectingFileIO(OsFileIO):
+    """OsFileIO that records syncs and can simulate a full disk (ENOSPC or low free space)."""
+
+    def __init__(self) -> None:
+        self.full = False
+        self.free: int | None = None
+        self.events: list[tuple[str, str]] = []
+
+    def open(self, path: str | os.PathLike[str], *, create: bool = False) -> FileHandle:
+        return InjectingHandle(super().open(path, create=create), self)
+
+    def free_bytes(self, path: str | os.PathLike[str]) -> int:
+        return self.free if self.free is not None else super().free_bytes(path)
+
+    def fsync_dir(self, path: str | os.PathLike[str]) -> None:
+        self.events.append(("fsync_dir", os.fspath(path)))
+        super().fsync_dir(path)
+
+
+def fill(log: Log, n: int, size: int = 40, topic: str = "dev/t") -> list[int]:
+    offsets = [log.append(topic, bytes([i % 251]) * size, qos=i % 3, retain=i % 5 == 0) for i in range(n)]
+    log.flush()
+    return offsets
+
+
+def payload_ok(record: Record) -> bool:
+    return record.payload == bytes([record.offset % 251]) * len(record.payload)
+
+
+def test_round_trip_and_rolling(tmp_path: Path) -> None:
+    log = Log.open(tmp_path, SMALL)
+    assert fill(log, 300) == list(range(300))
+    records = log.read(0, max_records=10_000, max_bytes=1 << 30)
+    assert [r.offset for r in records] == list(range(300))
+    assert all(payload_ok(r) and r.topic == "dev/t" and r.qos == r.offset % 3 for r in records)
+    infos = log.segments()
+    assert len(infos) > 5 and all(i.sealed for i in infos[:-1]) and not infos[-1].sealed
+    assert all(i.size <= SMALL.segment_bytes for i in infos)
+    assert [i.base_offset for i in infos[1:]] == [i.next_offset for i in infos[:-1]]
+    for info in infos[:-1]:
+        assert (tmp_path / segment_name(info.base_offset, ".seal")).exists()
+    assert log.size_bytes() == sum(i.size for i in infos)
+    log.close()
+
+
+def test_read_from_every_offset_uses_index(tmp_path: Path) -> None:
+    log = Log.open(tmp_path, SMALL)
+    fill(log, 250)
+    for offset in range(250):
+        assert [r.offset for r in log.read(offset, max_records=3)] == list(range(offset, min(offset + 3, 250)))
+    assert log.read(250) == []
+    assert [r.offset for r in log.read(0, max_records=1000, max_bytes=1)] == [0]  # always one
+    log.close()
+
+
+def test_unflushed_records_are_invisible(tmp_path: Path) -> None:
+    log = Log.open(tmp_path, SMALL)
+    fill(log, 3)
+    log.append("t", b"later")
+    assert log.committed_offset == 3 and log.next_offset == 4
+    assert [r.offset for r in log.read(0)] == [0, 1, 2]
+    log.flush()
+    assert [r.offset for r in log.read(3)] == [3]
+    log.close()
+
+
+def test_reopen_after_clean_close(tmp_path: Path) -> None:
+    log = Log.open(tmp_path, SMALL)
+    fill(log, 120)
+    before = log.read(0, 10_000, 1 << 30)
+    log.close()
+    again = Log.open(tmp_path, SMALL)
+    assert again.recovery.tail_bytes_truncated == 0 and again.recovery.corrupt_records == 0
+    assert again.recovery.segments == len(again.segments())
+    assert again.read(0, 10_000, 1 << 30) == before
+    assert again.append("x", b"y") == 120
+    again.close()
+
+
+def test_torn_tail_truncated_at_open(tmp_path: Path) -> None:
+    log = Log.open(tmp_path, SMALL)
+    fill(log, 100)
+    tail = log.segments()[-1]
+    log.close()
+    with open(tail.path, "r+b") as f:
+        f.truncate(tail.size - 7)
+    again = Log.open(tmp_path, SMALL)
+    assert again.recovery.tail_bytes_truncated > 0
+    assert again.next_offset == 99
+    assert [r.offset for r in again.read(0, 10_000, 1 << 30)] == list(range(99))
+    assert again.append("x", b"y") == 99
+    again.close()
+
+
+def test_corrupt_record_in_sealed_segment_skipped_and_counted(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    log = Log.open(tmp_path, SMALL)
+    fill(log, 200)
+    first = log.segments()[1]
+    log.close()
+    # Damage a record in the middle of a sealed segment, length field included (no framing left).
+    with open(first.path, "r+b") as f:
+        f.seek(first.size // 2)
+        chunk = bytearray(f.read(60))
+        for i in range(len(chunk)):
+            chunk[i] ^= 0x5A
+        f.seek(first.size // 2)
+        f.write(chunk)
+    again = Log.open(tmp_path, SMALL)
+    assert again.recovery.corrupt_records == 0  # sealed: trusted at open, checked on read
+    with caplog.at_level(logging.ERROR):
+        got = [r.offset for r in again.read(0, 10_000, 1 << 30)]
+    lost = sorted(set(range(200)) - set(got))
+    assert 1 <= len(lost) <= 2 and got == sorted(got)
+    assert all(first.base_offset <= o < first.next_offset for o in lost)
+    assert again.stats.corrupt_skipped >= 1
+    assert first.path.name in caplog.text and "byte" in caplog.text
+    counted = again.stats.corrupt_skipped
+    again.read(0, 10_000, 1 << 30)
+    assert again.stats.corrupt_skipped == counted  # counted once per spot
+    scanned = list(again.scan())
+    assert any(not s.crc_ok and s.segment == first.path.name for s in scanned)
+    assert [s.record.offset for s in scanned if s.record is not None] == got
+    again.close()
+
+
+@pytest.mark.parametrize("damage", ["missing", "garbage", "wrong_entries"])
+def test_bad_index_is_rebuilt(tmp_path: Path, damage: str) -> None:
+    log = Log.open(tmp_path, SMALL)
+    fill(log, 200)
+    seg = log.segments()[0]
+    log.close()
+    index_path = tmp_path / segment_name(seg.base_offset, ".index")
+    original = index_path.read_bytes()
+    assert original
+    if damage == "missing":
+        index_path.unlink()
+    elif damage == "garbage":
+        index_path.write_bytes(b"\xff" * 13)
+    else:  # well-formed but pointing at wrong positions: caught by the CRC in the seal
+        entries = bytearray(original)
+        entries[7] ^= 0x01
+        index_path.write_bytes(bytes(entries))
+    again = Log.open(tmp_path, SMALL)
+    for offset in range(seg.base_offset, seg.next_offset):
+        assert again.read(offset, 1)[0].offset == offset
+    assert index_path.read_bytes() == original
+    again.close()
+
+
+def test_retention_by_bytes_respects_and_reports_needed_offsets(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    cfg = LogConfig(segment_bytes=2048, index_interval_bytes=200, retention_bytes=6000)
+    log = Log.open(tmp_path, cfg)
+    fill(log, 300)
+    total_before = log.size_bytes()
+    with caplog.at_level(logging.WARNING):
+        report = log.enforce_retention(min_needed_offset=0)
+    assert report.segments_deleted >= 1 and log.size_bytes() <= 6000
+    assert report.bytes_deleted == total_before - log.size_bytes()
+    assert log.first_offset == report.first_offset > 0
+    assert report.dropped_range == (0, log.first_offset) and report.dropped_needed == log.first_offset
+    assert log.stats.dropped_by_retention == report.dropped_needed
+    assert "forced deletion" in caplog.text
+    assert log.read(0)[0].offset == log.first_offset
+    for info in log.segments():
+        assert info.path.exists()
+    log.close()
+    assert Log.open(tmp_path, cfg).first_offset == report.first_offset
+
+
+def test_retention_by_age_stops_at_min_needed(tmp_path: Path) -> None:
+    cfg = LogConfig(segment_bytes=2048, index_interval_bytes=200, retention_ms=60_000)
+    log = Log.open(tmp_path, cfg)
+    old = time.time_ns() // 1000 - 3_600_000_000
+    for i in range(200):
+        log.append("t", b"x" * 40, timestamp_us=old + i)
+    for _ in range(30):
+        log.append("t", b"new" * 10)
+    log.flush()
+    segs = log.segments()
+    needed = segs[2].base_offset + 1  # inside the third segment
+    report = log.enforce_retention(min_needed_offset=needed)
+    assert report.segments_deleted == 2 and log.first_offset == segs[2].base_offset
+    assert report.dropped_needed == 0 and report.dropped_range is None
+    report = log.enforce_retention()
+    assert log.first_offset > needed and report.segments_deleted >= 1
+    assert log.read(0)  # fresh records survive
+    log.close()
+
+
+def test_disk_full_on_write_leaves_nothing_visible_then_recovers(tmp_path: Path) -> None:
+    io = InjectingFileIO()
+    log = Log.open(tmp_path, SMALL, fileio=io)
+    fill(log, 10)
+    size_before = log.size_bytes()
+    io.full = True
+    for _ in range(100):  # enough to roll into new segments inside the failed batch
+        log.append("t", b"z" * 40)
+    with pytest.raises(DiskFull):
+        log.flush()
+    assert log.committed_offset == 10 and log.next_offset == 10
+    assert [r.offset for r in log.read(0, 1000)] == list(range(10))
+    assert log.size_bytes() == size_before and len(log.segments()) == 1
+    io.full = False
+    assert fill(log, 5) == list(range(10, 15))
+    log.close()
+    again = Log.open(tmp_path, SMALL)
+    assert again.recovery.tail_bytes_truncated == 0
+    assert [r.offset for r in again.read(0, 1000)] == list(range(15))
+    again.close()
+
+
+def test_min_free_bytes_floor_raises_on_append_and_clears(tmp_path: Path) -> None:
+    io = InjectingFileIO()
+    io.free = 10_000
+    log = Log.open(tmp_path, LogConfig(min_free_bytes=9_000), fileio=io)
+    with pytest.raises(DiskFull):
+        for _ in range(100):
+            log.append("t", b"x" * 50)
+    accepted = log.next_offset
+    assert 0 < accepted < 100
+    log.flush()
+    io.free = 10**9
+    assert log.append("t", b"again") == accepted
+    log.close()
+
+
+def test_writes_go_through_the_given_fileio(tmp_path: Path) -> None:
+    io = InjectingFileIO()
+    log = Log.open(tmp_path, SMALL, fileio=io)
+    fill(log, 100)
+    log.sync()
+    assert ("fsync_dir", str(tmp_path)) in io.events
+    assert sum(1 for e in io.events if e[0] == "datasync") >= len(log.segments())
+    log.close()
+
+
+@pytest.mark.slow
+def test_tmpfs_real_enospc(tmp_path: Path) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root")
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    if os.system(f"mount -t tmpfs -o size=256k tmpfs {mnt} 2>/dev/null") != 0:
+        pytest.skip("mount -t tmpfs not permitted in this environment")
+    try:
+        log = Log.open(mnt, LogConfig(segment_bytes=64 * 1024))
+        committed = 0
+        with pytest.raises(DiskFull):
+            for _ in range(10_000):
+                for _ in range(50):
+                    log.append("t", b"x" * 100)
+                log.flush()
+                committed = log.committed_offset
+        assert log.committed_offset == committed
+        assert len(log.read(0, 100_000, 1 << 30)) == committed
+        log.enforce_retention()  # nothing configured: no deletion, but no crash either
+        log.close()
+    finally:
+        os.system(f"umount {mnt}")

@@ -39,8 +39,9 @@ class InjectingHandle:
         self._inner.truncate(size)
 
     def datasync(self) -> None:
-        self._io.events.append(("datasync", self.path))
         self._inner.datasync()
+        self._io.events.append(("datasync", self.path))
+        self._io.synced_sizes.append(self._inner.size())
 
     def close(self) -> None:
         self._inner.close()
@@ -53,6 +54,7 @@ class InjectingFileIO(OsFileIO):
         self.full = False
         self.free: int | None = None
         self.events: list[tuple[str, str]] = []
+        self.synced_sizes: list[int] = []  # file size at each completed datasync
 
     def open(self, path: str | os.PathLike[str], *, create: bool = False) -> FileHandle:
         return InjectingHandle(super().open(path, create=create), self)

@@ -201,7 +201,9 @@ _SIZE = _int(1, sizes=True)
 class LogSection:
     """The segment log: sizes, the fsync policy and retention (``[log]``)."""
 
-    segment_bytes: int = field(default=64 * MIB, metadata=_spec(_int(4 * KIB, sizes=True)))
+    segment_bytes: int = field(
+        default=64 * MIB, metadata=_spec(_int(4 * KIB, 2**32 - 1, sizes=True))
+    )
     index_interval_bytes: int = field(default=4 * KIB, metadata=_spec(_SIZE))
     fsync: str = field(default="always", metadata=_spec(_enum("always", "interval", "never")))
     fsync_interval_ms: int = field(default=1000, metadata=_spec(_POS))

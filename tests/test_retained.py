@@ -1,0 +1,245 @@
+"""Retained messages: apply/clear, snapshot + log replay across restarts, damage and retention."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+
+from filemq.retained import (
+    SNAPSHOT_NAME,
+    CorruptSnapshot,
+    RetainedMessage,
+    RetainedStore,
+    decode_snapshot,
+    encode_snapshot,
+)
+from segments.log import Log, LogConfig
+from segments.record import Record
+
+
+def publish(log: Log, store: RetainedStore | None, topic: str, payload: bytes, *,
+            retain: bool = True, qos: int = 1) -> int:
+    """What the broker does: append, commit, then apply the durable record."""
+    offset = log.append(topic, payload, qos=qos, retain=retain)
+    log.sync()
+    if store is not None:
+        (record,) = log.read(offset, 1)
+        store.apply(record)
+    return offset
+
+
+def model_after(ops: list[tuple[str, bytes]]) -> dict[str, bytes]:
+    state: dict[str, bytes] = {}
+    for topic, payload in ops:
+        if payload:
+            state[topic] = payload
+        else:
+            state.pop(topic, None)
+    return state
+
+
+def contents(store: RetainedStore) -> dict[str, bytes]:
+    return {m.topic: m.payload for m in store.match("#")}
+
+
+def test_apply_sets_clears_and_ignores_non_retained(tmp_path: Path) -> None:
+    store = RetainedStore(tmp_path)
+    store.apply(Record(0, 10, "a/b", b"one", 1, True))
+    store.apply(Record(1, 11, "a/c", b"two", 0, True))
+    store.apply(Record(2, 12, "a/b", b"not retained", 1, False))
+    assert store.get("a/b") == RetainedMessage("a/b", b"one", 1, 0, 10)
+    store.apply(Record(3, 13, "a/b", b"", 1, True))  # empty retained payload clears
+    assert store.get("a/b") is None and len(store) == 1
+    assert store.payload_bytes == 3
+    store.apply(Record(4, 14, "a/c", b"newer", 2, True))
+    store.apply(Record(1, 11, "a/c", b"two", 0, True))  # replayed older record: no effect
+    assert store.get("a/c") == RetainedMessage("a/c", b"newer", 2, 4, 14)
+    assert store.payload_bytes == 5
+
+
+def test_match_uses_filters_and_the_dollar_rule(tmp_path: Path) -> None:
+    store = RetainedStore(tmp_path)
+    for i, topic in enumerate(["s/1/temp", "s/2/temp", "s/2/hum", "$SYS/x", "s"]):
+        store.apply(Record(i, 0, topic, topic.encode(), 0, True))
+    assert [m.topic for m in store.match("s/+/temp")] == ["s/1/temp", "s/2/temp"]
+    assert [m.topic for m in store.match("s/#")] == ["s", "s/1/temp", "s/2/hum", "s/2/temp"]
+    assert "$SYS/x" not in [m.topic for m in store.match("#")]
+    assert [m.topic for m in store.match("$SYS/#")] == ["$SYS/x"]
+    assert [m.topic for m in store.match("s/2/hum")] == ["s/2/hum"]
+    assert store.match("nothing/here") == []
+    assert [m.topic for m in store.match("$share/g/s/1/+")] == ["s/1/temp"]
+
+
+def test_snapshot_round_trip_and_crc(tmp_path: Path) -> None:
+    msgs = [RetainedMessage("a", b"x" * 300, 1, 5, 123), RetainedMessage("ü/b", b"", 2, 9, -1)]
+    data = encode_snapshot(msgs, 10)
+    assert decode_snapshot(data) == (msgs, 10)
+    for cut in (0, 5, len(data) // 2, len(data) - 1):
+        with pytest.raises(CorruptSnapshot):
+            decode_snapshot(data[:cut])
+    for pos in (3, 20, len(data) - 2):
+        flipped = bytearray(data)
+        flipped[pos] ^= 0x10
+        with pytest.raises(CorruptSnapshot):
+            decode_snapshot(bytes(flipped))
+
+
+def test_restart_with_snapshot_replays_only_the_tail(tmp_path: Path) -> None:
+    ops: list[tuple[str, bytes]] = []
+    log = Log.open(tmp_path / "log")
+    store = RetainedStore(tmp_path)
+    for i in range(50):
+        topic, payload = f"t/{i % 7}", (b"" if i % 5 == 4 else f"v{i}".encode())
+        publish(log, store, topic, payload)
+        publish(log, store, "plain", b"p", retain=False)
+        ops.append((topic, payload))
+    store.advance(log.committed_offset)
+    store.snapshot()
+    covered = store.covered_offset
+    for i in range(10):  # after the snapshot: must come back from the log
+        topic, payload = f"t/{i % 3}", (b"" if i == 4 else f"late{i}".encode())
+        publish(log, store, topic, payload)
+        ops.append((topic, payload))
+    expected = model_after(ops)
+    assert contents(store) == expected
+    log.close()
+
+    log = Log.open(tmp_path / "log")
+    again = RetainedStore(tmp_path)
+    report = again.recover(log)
+    assert contents(again) == expected
+    assert report.snapshot_loaded and report.replay_from == covered
+    assert report.replayed_records == 10 and report.applied == 10
+    assert again.covered_offset == log.committed_offset
+    assert again.get("t/1") == store.get("t/1")
+    log.close()
+
+
+def test_no_snapshot_rebuilds_from_the_whole_log(tmp_path: Path) -> None:
+    log = Log.open(tmp_path / "log")
+    ops = []
+    for i in range(30):
+        topic, payload = f"t/{i % 4}", (b"" if i % 6 == 5 else bytes([i]))
+        publish(log, None, topic, payload)
+        ops.append((topic, payload))
+    store = RetainedStore(tmp_path)
+    report = store.recover(log)
+    assert not report.snapshot_loaded and not report.snapshot_corrupt
+    assert report.replayed_records == 30 and contents(store) == model_after(ops)
+    log.close()
+
+
+@pytest.mark.parametrize("damage", ["torn", "flipped", "garbage"])
+def test_corrupt_snapshot_warns_and_replays_from_first_offset(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, damage: str
+) -> None:
+    log = Log.open(tmp_path / "log")
+    store = RetainedStore(tmp_path)
+    ops = []
+    for i in range(20):
+        topic, payload = f"t/{i % 3}", f"v{i}".encode()
+        publish(log, store, topic, payload)
+        ops.append((topic, payload))
+    store.advance(log.committed_offset)
+    store.snapshot()
+    snap = tmp_path / SNAPSHOT_NAME
+    data = snap.read_bytes()
+    if damage == "torn":
+        snap.write_bytes(data[: len(data) // 2])
+    elif damage == "flipped":
+        snap.write_bytes(data[:30] + bytes([data[30] ^ 1]) + data[31:])
+    else:
+        snap.write_bytes(b"\x00" * 7)
+    fresh = RetainedStore(tmp_path)
+    with caplog.at_level(logging.WARNING, logger="filemq.retained"):
+        report = fresh.recover(log)
+    assert report.snapshot_corrupt and not report.snapshot_loaded
+    assert report.replay_from == log.first_offset and report.replayed_records == 20
+    assert contents(fresh) == model_after(ops)
+    assert any("corrupt retained snapshot" in r.getMessage() for r in caplog.records)
+    log.close()
+
+
+def test_snapshot_is_the_source_for_segments_deleted_by_retention(tmp_path: Path) -> None:
+    config = LogConfig(segment_bytes=1024, retention_bytes=2048)
+    log = Log.open(tmp_path / "log", config)
+    store = RetainedStore(tmp_path)
+    publish(log, store, "old/retained", b"from long ago")
+    for _ in range(100):
+        publish(log, store, "bulk", b"x" * 100, retain=False)
+    store.advance(log.committed_offset)
+    store.snapshot()
+    publish(log, store, "new/retained", b"fresh")
+    log.enforce_retention()
+    assert log.first_offset > 0  # the old retained record's segment is gone
+    log.close()
+
+    log = Log.open(tmp_path / "log", config)
+    again = RetainedStore(tmp_path)
+    report = again.recover(log)
+    assert report.lost_range is None
+    assert contents(again) == {"old/retained": b"from long ago", "new/retained": b"fresh"}
+    log.close()
+
+
+def test_retention_past_the_snapshot_is_reported(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    config = LogConfig(segment_bytes=1024, retention_bytes=2048)
+    log = Log.open(tmp_path / "log", config)
+    store = RetainedStore(tmp_path)
+    store.snapshot()  # covers nothing
+    publish(log, store, "lost/retained", b"deleted before any snapshot")
+    for _ in range(100):
+        publish(log, store, "bulk", b"x" * 100, retain=False)
+    log.enforce_retention()
+    first = log.first_offset
+    with caplog.at_level(logging.WARNING, logger="filemq.retained"):
+        report = RetainedStore(tmp_path).recover(log)
+    assert report.lost_range == (0, first)
+    assert any("retention deleted" in r.getMessage() for r in caplog.records)
+    log.close()
+
+
+class ShortLog:
+    """A log that lost its unsynced tail: it ends before the snapshot's covered offset."""
+
+    first_offset = 0
+    committed_offset = 3
+
+    def __init__(self, records: list[Record]) -> None:
+        self.records = records
+
+    def read(self, offset: int, max_records: int = 1000, max_bytes: int = 1 << 20) -> list[Record]:
+        return [r for r in self.records if offset <= r.offset < self.committed_offset][:max_records]
+
+
+def test_snapshot_ahead_of_the_log_drops_what_the_log_lost(tmp_path: Path) -> None:
+    store = RetainedStore(tmp_path)
+    store.apply(Record(1, 0, "kept", b"k", 1, True))
+    store.apply(Record(4, 0, "lost", b"l", 1, True))
+    store.advance(5)
+    store.snapshot()
+    fresh = RetainedStore(tmp_path)
+    report = fresh.recover(ShortLog([Record(2, 0, "x", b"", 0, False)]))
+    assert report.dropped_ahead == 1 and contents(fresh) == {"kept": b"k"}
+    assert fresh.covered_offset == 3
+
+
+def test_without_advance_the_snapshot_covers_what_recovery_saw(tmp_path: Path) -> None:
+    # apply() never moves covered_offset (out-of-order applies would be unsafe), so a
+    # snapshot taken without advance() still replays everything after the last recovery.
+    log = Log.open(tmp_path / "log")
+    store = RetainedStore(tmp_path)
+    store.recover(log)
+    publish(log, store, "a", b"1")
+    store.snapshot()
+    assert store.covered_offset == 0
+    log.close()
+    log = Log.open(tmp_path / "log")
+    again = RetainedStore(tmp_path)
+    report = again.recover(log)
+    assert report.replayed_records == 1 and contents(again) == {"a": b"1"}
+    log.close()

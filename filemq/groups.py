@@ -1,0 +1,679 @@
+"""A consumer group: one reader of the log with its own Doing/Pending offsets and redelivery.
+
+What a caller may rely on:
+
+* **At-least-once.** Every record whose topic matches the group's filters is handed out by
+  :meth:`ConsumerGroup.fetch` until it is acked. After a restart the group resumes from
+  *Pending* (the lowest offset not yet acked when offsets were last persisted), so every
+  record not acked by then is delivered again; nothing is ever skipped to recover from a
+  damaged offset file (see :meth:`ConsumerGroup.load`).
+* **One consumer at a time.** Within a group a record is in flight with at most one consumer;
+  :meth:`nack` and :meth:`release` put records back for redelivery (lowest offset first,
+  before any new record). Several groups each receive every record (broadcast).
+* ``pending_offset`` is always the lowest offset not yet acked, whatever order acks arrive in;
+  records whose topic does not match the filters count as acked.
+* **Batched persistence.** :meth:`ack` only touches memory; :meth:`maybe_persist` writes the
+  offset files when at least ``persist_every_acks`` acks arrived or ``persist_interval_ms``
+  elapsed since the last write; :meth:`persist` forces it and :meth:`close` calls it. So a
+  crash re-delivers at most the records acked since the last write (the DUP flag is set on
+  them, see :meth:`redelivered`).
+* Non-durable groups (MQTT clean sessions) write nothing and start at the log's end.
+
+On disk, per durable group: ``<groups>/<escaped name>/doing``, ``.../pending`` (offset files,
+:mod:`filemq.offsets`) and ``.../group.json`` (name, filters, created), each replaced with
+:func:`segments.fileio.atomic_write`. :func:`escape_group_name` makes any client id or share
+name a safe, case-insensitively unique directory name.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import heapq
+import json
+import logging
+import os
+import threading
+import time
+from collections import deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal, Protocol
+
+from filemq.offsets import OffsetFile
+from filemq.topics import topic_matches, validate_topic_filter
+from segments.fileio import OS_FILE_IO, FileIO, atomic_write
+
+if TYPE_CHECKING:
+    from segments import Record
+
+log = logging.getLogger(__name__)
+
+GROUP_FILE = "group.json"
+DOING_FILE = "doing"
+PENDING_FILE = "pending"
+DROPPED_SUFFIX = ".dropped"
+GROUP_FORMAT = 1
+
+_SAFE = frozenset("abcdefghijklmnopqrstuvwxyz0123456789_-")
+_MAX_PLAIN_ESCAPED = 120  # longer escaped names are shortened with a hash (NAME_MAX is 255)
+_MATCH_CACHE_SIZE = 4096
+
+Start = Literal["earliest", "latest"]
+
+
+class LogView(Protocol):
+    """What a group needs from :class:`segments.Log` (a protocol so tests can use fakes too)."""
+
+    @property
+    def first_offset(self) -> int: ...
+
+    @property
+    def next_offset(self) -> int: ...
+
+    @property
+    def committed_offset(self) -> int: ...
+
+    def read(self, offset: int, max_records: int = 1000, max_bytes: int = 1 << 20) -> list[Record]: ...
+
+
+class InvalidGroupName(ValueError):
+    """A consumer-group name that cannot be stored (only the empty name)."""
+
+
+class CorruptGroup(ValueError):
+    """A group directory whose group.json is unreadable and whose name cannot be recovered."""
+
+    def __init__(self, directory: str, reason: str) -> None:
+        super().__init__(f"consumer group directory {directory}: {reason}")
+        self.directory = directory
+        self.reason = reason
+
+
+class GroupClosed(RuntimeError):
+    """The group was closed or dropped; ``name`` says which."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(f"consumer group {name!r} is closed")
+        self.name = name
+
+
+@dataclass(frozen=True, slots=True)
+class GroupConfig:
+    """How often a group writes its offsets (never once per ack: a write costs ~0.4 ms)."""
+
+    persist_every_acks: int = 1000
+    persist_interval_ms: int = 100
+
+
+def escape_group_name(name: str) -> str:
+    """A file-system-safe directory name for ``name``, the same on every call.
+
+    Lower-case ASCII letters, digits, ``_`` and ``-`` stay; every other UTF-8 byte becomes
+    ``%XX`` (upper-case hex). So the result never contains ``/``, ``.``, NUL or upper-case
+    letters outside escapes, which makes it unique even on case-insensitive file systems
+    (FAT/exFAT SD cards). Names whose escaped form would exceed 120 characters become
+    ``<first 80 escaped chars>~<32 hex of SHA-256>`` (``~`` never appears otherwise).
+    """
+    if not name:
+        raise InvalidGroupName("a consumer group name must not be empty")
+    out: list[str] = []
+    for ch in name:
+        if ch in _SAFE:
+            out.append(ch)
+        else:
+            out.extend(f"%{b:02X}" for b in ch.encode("utf-8", "surrogatepass"))
+    escaped = "".join(out)
+    if len(escaped) <= _MAX_PLAIN_ESCAPED:
+        return escaped
+    digest = hashlib.sha256(name.encode("utf-8", "surrogatepass")).hexdigest()[:32]
+    return escaped[:80] + "~" + digest
+
+
+def unescape_group_name(escaped: str) -> str | None:
+    """The name :func:`escape_group_name` turned into ``escaped``, or None if not recoverable."""
+    if "~" in escaped:
+        return None  # hashed long name: group.json is the only record of it
+    raw = bytearray()
+    i = 0
+    try:
+        while i < len(escaped):
+            ch = escaped[i]
+            if ch == "%":
+                raw.append(int(escaped[i + 1 : i + 3], 16))
+                i += 3
+            else:
+                raw.extend(ch.encode("ascii"))
+                i += 1
+        name = raw.decode("utf-8", "surrogatepass")
+    except (ValueError, IndexError):
+        return None
+    return name if name and escape_group_name(name) == escaped else None
+
+
+class _Delivery:
+    """One outstanding (fetched, not yet acked) record of a group."""
+
+    __slots__ = ("record", "consumer", "deliveries")
+
+    def __init__(self, record: Record, consumer: str | None) -> None:
+        self.record = record
+        self.consumer = consumer  # None: waiting for redelivery
+        self.deliveries = 1
+
+
+@dataclass(frozen=True, slots=True)
+class OffsetSnapshot:
+    """Offsets taken on the event-loop thread, to be written elsewhere by :meth:`write_snapshot`."""
+
+    pending: int
+    doing: int
+
+
+@dataclass(slots=True)
+class GroupStats:
+    delivered: int = 0  # records handed out, redeliveries included
+    redelivered: int = 0  # of which redeliveries (nack, release, or after a restart)
+    acked: int = 0
+    skipped: int = 0  # records whose topic did not match the filters
+    missing: int = 0  # offsets absent from the log (dropped by retention or corrupt)
+    persists: int = 0  # offset-file writes (a persist writes up to two files)
+
+
+class ConsumerGroup:
+    """A group of consumers sharing one position in the log. Not thread-safe: use it from one
+    thread (the event loop); only :meth:`write_snapshot` may run on another thread."""
+
+    def __init__(
+        self,
+        name: str,
+        log_view: LogView,
+        *,
+        filters: Sequence[str] = ("#",),
+        start_offset: int,
+        durable: bool = True,
+        directory: Path | None = None,
+        redelivered_below: int = 0,
+        persisted: OffsetSnapshot | None = None,
+        created: str | None = None,
+        config: GroupConfig | None = None,
+        fileio: FileIO = OS_FILE_IO,
+    ) -> None:
+        """Prefer :meth:`create` and :meth:`load`, which also handle the files."""
+        if durable and directory is None:
+            raise ValueError(f"durable consumer group {name!r} needs a directory")
+        self.name = name
+        self.durable = durable
+        self.directory = directory
+        self.created = created or datetime.now(UTC).isoformat(timespec="seconds")
+        self.config = config or GroupConfig()
+        self.stats = GroupStats()
+        self._log = log_view
+        self._fileio = fileio
+        self._filters: tuple[str, ...] = ()
+        self._match_all = False
+        self._match_cache: dict[str, bool] = {}
+        self._set_filters_in_memory(filters)
+        self._doing = start_offset
+        # Offsets below this were possibly handed out before a restart: flag them DUP.
+        self._redelivered_below = redelivered_below
+        self._outstanding: dict[int, _Delivery] = {}
+        self._order: deque[int] = deque()  # outstanding offsets, ascending; acked ones lazily
+        self._redeliver: list[int] = []  # heap of offsets waiting for redelivery
+        self._acks_since_persist = 0
+        self._last_persist = time.monotonic()
+        self._persisted = persisted or OffsetSnapshot(-1, -1)
+        self._write_lock = threading.Lock()
+        self._closed = False
+        if durable:
+            assert directory is not None
+            self._pending_file = OffsetFile(directory / PENDING_FILE, fileio)
+            self._doing_file = OffsetFile(directory / DOING_FILE, fileio)
+
+    # ---- construction ------------------------------------------------------------------
+
+    @classmethod
+    def create(
+        cls,
+        name: str,
+        log_view: LogView,
+        groups_dir: Path | None,
+        *,
+        filters: Sequence[str] = ("#",),
+        durable: bool = True,
+        start: Start | int = "latest",
+        config: GroupConfig | None = None,
+        fileio: FileIO = OS_FILE_IO,
+    ) -> ConsumerGroup:
+        """A new group starting at ``start`` (``"latest"``: the log's next offset).
+
+        A durable group's files are written before this returns, offsets first and
+        group.json last, so a crash mid-way leaves a directory :meth:`load` can still use.
+        An existing directory of the same name is overwritten: callers load groups first.
+        """
+        if start == "earliest":
+            offset = log_view.first_offset
+        elif start == "latest":
+            offset = log_view.next_offset
+        else:
+            offset = max(log_view.first_offset, min(int(start), log_view.next_offset))
+        directory = None
+        if durable:
+            if groups_dir is None:
+                raise ValueError(f"durable consumer group {name!r} needs a groups directory")
+            directory = groups_dir / escape_group_name(name)
+            os.makedirs(directory, exist_ok=True)
+            fileio.fsync_dir(groups_dir)
+        group = cls(
+            name,
+            log_view,
+            filters=filters,
+            start_offset=offset,
+            durable=durable,
+            directory=directory,
+            config=config,
+            fileio=fileio,
+        )
+        if durable:
+            group.persist()
+            group._write_group_file()
+        log.info("created consumer group %r at offset %d (durable=%s)", name, offset, durable)
+        return group
+
+    @classmethod
+    def load(
+        cls,
+        directory: Path,
+        log_view: LogView,
+        *,
+        config: GroupConfig | None = None,
+        fileio: FileIO = OS_FILE_IO,
+    ) -> ConsumerGroup:
+        """Reopen a durable group from ``directory``; resumes at Pending (doing := pending).
+
+        The safe side is always taken, never the one that skips records:
+
+        * Pending missing or damaged: resume at the log's ``first_offset`` (every record
+          still on disk is delivered again). Doing is *not* used: it may be ahead of records
+          that were never acked.
+        * Pending below ``first_offset`` (retention dropped records): resume at
+          ``first_offset``, logged as WARNING. Pending beyond ``next_offset`` (the log lost
+          its unsynced tail, e.g. under ``fsync = "never"``): resume at ``next_offset``.
+        * group.json damaged: the name is recovered from the directory name and the filters
+          default to ``("#",)`` until the owner sets them again; if the name cannot be
+          recovered (hashed long name) :class:`CorruptGroup` is raised.
+        """
+        info = read_group_file(directory)
+        if info is None:
+            name = unescape_group_name(directory.name)
+            if name is None:
+                raise CorruptGroup(str(directory), "group.json missing or damaged and the name is not recoverable from the directory name")
+            log.warning("consumer group %r: %s missing or damaged; filters reset to '#'", name, directory / GROUP_FILE)
+            filters: Sequence[str] = ("#",)
+            created = None
+        else:
+            name, filters, created = info
+        first, end = log_view.first_offset, log_view.next_offset
+        pending_file = OffsetFile(directory / PENDING_FILE, fileio)
+        doing_file = OffsetFile(directory / DOING_FILE, fileio)
+        pending = pending_file.read()
+        doing = doing_file.read()
+        if pending is None:
+            log.warning(
+                "consumer group %r: Pending offset file %s unusable; re-delivering from the log's first offset %d",
+                name, pending_file.path, first,
+            )
+            start = first
+        elif pending < first:
+            log.warning(
+                "consumer group %r: Pending %d is below the log's first offset %d; offsets %d..%d were dropped by retention",
+                name, pending, first, pending, first - 1,
+            )
+            start = first
+        elif pending > end:
+            log.warning(
+                "consumer group %r: Pending %d is beyond the log's end %d (log lost its unsynced tail); resuming at %d",
+                name, pending, end, end,
+            )
+            start = end
+        else:
+            start = pending
+        # Records between Pending and the last persisted Doing were handed out before.
+        redelivered_below = max(start, min(doing, end)) if doing is not None else start
+        group = cls(
+            name,
+            log_view,
+            filters=filters,
+            start_offset=start,
+            durable=True,
+            directory=directory,
+            redelivered_below=redelivered_below,
+            persisted=OffsetSnapshot(pending if pending is not None else -1, doing if doing is not None else -1),
+            created=created,
+            config=config,
+            fileio=fileio,
+        )
+        log.info("loaded consumer group %r at offset %d (first %d, end %d)", name, start, first, end)
+        return group
+
+    # ---- filters -------------------------------------------------------------------------
+
+    @property
+    def filters(self) -> tuple[str, ...]:
+        return self._filters
+
+    def set_filters(self, filters: Sequence[str]) -> None:
+        """Replace the filters (validated); durable groups rewrite group.json atomically.
+
+        Only records fetched from now on are filtered with the new set.
+        """
+        self._set_filters_in_memory(filters)
+        if self.durable:
+            self._write_group_file()
+
+    def _set_filters_in_memory(self, filters: Sequence[str]) -> None:
+        if isinstance(filters, str):
+            filters = (filters,)
+        unique = tuple(dict.fromkeys(filters))
+        for f in unique:
+            validate_topic_filter(f)
+        self._filters = unique
+        self._match_all = "#" in unique
+        self._match_cache = {}
+
+    def matches(self, topic: str) -> bool:
+        """True if a record on ``topic`` is delivered by this group."""
+        if self._match_all and topic[:1] != "$":
+            return True
+        cached = self._match_cache.get(topic)
+        if cached is None:
+            cached = any(topic_matches(f, topic) for f in self._filters)
+            if len(self._match_cache) >= _MATCH_CACHE_SIZE:
+                self._match_cache.clear()  # bounded memory with unbounded distinct topics
+            self._match_cache[topic] = cached
+        return cached
+
+    def _write_group_file(self) -> None:
+        assert self.directory is not None
+        body = {"format": GROUP_FORMAT, "name": self.name, "filters": list(self._filters), "created": self.created}
+        data = json.dumps(body, ensure_ascii=True, indent=1).encode("ascii") + b"\n"
+        atomic_write(self.directory / GROUP_FILE, data, self._fileio)
+
+    # ---- offsets ---------------------------------------------------------------------------
+
+    @property
+    def doing_offset(self) -> int:
+        """The next offset :meth:`fetch` reads from the log."""
+        return self._doing
+
+    @property
+    def pending_offset(self) -> int:
+        """The lowest offset not yet acked (== doing_offset when nothing is outstanding)."""
+        order = self._order
+        outstanding = self._outstanding
+        while order and order[0] not in outstanding:
+            order.popleft()
+        return order[0] if order else self._doing
+
+    @property
+    def lag(self) -> int:
+        """Records committed to the log and not yet acked (filtered-out ones included)."""
+        return max(0, self._log.committed_offset - self.pending_offset)
+
+    @property
+    def persisted(self) -> OffsetSnapshot:
+        """The offsets last written to disk (-1: never written)."""
+        return self._persisted
+
+    def in_flight(self, consumer: str | None = None) -> int:
+        """Records handed out and not acked, for one consumer or (None) for all."""
+        if consumer is None:
+            return sum(1 for d in self._outstanding.values() if d.consumer is not None)
+        return sum(1 for d in self._outstanding.values() if d.consumer == consumer)
+
+    def has_work(self) -> bool:
+        """True if :meth:`fetch` might return something now."""
+        return bool(self._redeliver) or self._doing < self._log.committed_offset
+
+    # ---- delivery ------------------------------------------------------------------------
+
+    def fetch(self, max_records: int = 100, consumer: str = "") -> list[Record]:
+        """Up to ``max_records`` records for ``consumer``: redeliveries first, then new ones.
+
+        Returned records are in flight with ``consumer`` until :meth:`ack`, :meth:`nack` or
+        :meth:`release`. Records whose topic does not match the filters are skipped and
+        count as acked. Never blocks; an empty list means nothing is available right now.
+        """
+        if self._closed:
+            raise GroupClosed(self.name)
+        out: list[Record] = []
+        stats = self.stats
+        outstanding = self._outstanding
+        heap = self._redeliver
+        while heap and len(out) < max_records:
+            delivery = outstanding.get(heapq.heappop(heap))
+            if delivery is None or delivery.consumer is not None:
+                continue  # acked while waiting, or already handed out again
+            delivery.consumer = consumer
+            delivery.deliveries += 1
+            stats.redelivered += 1
+            out.append(delivery.record)
+        first_new = len(out)
+        remaining = max_records - first_new
+        order_append = self._order.append
+        read = self._log.read
+        match_all = self._match_all
+        while remaining > 0:
+            doing = self._doing
+            if doing >= self._log.committed_offset:
+                break
+            records = read(doing, remaining)
+            if not records:
+                break
+            matched = 0
+            for record in records:
+                offset = record.offset
+                if offset != doing:
+                    self._note_missing(doing, offset)
+                doing = offset + 1
+                topic = record.topic
+                if (match_all and topic[:1] != "$") or self.matches(topic):
+                    outstanding[offset] = _Delivery(record, consumer)
+                    order_append(offset)
+                    out.append(record)
+                    matched += 1
+                else:
+                    stats.skipped += 1
+            self._doing = doing
+            remaining -= matched
+        below = self._redelivered_below
+        if len(out) > first_new and out[first_new].offset < below:
+            # New to this process but possibly handed out before the restart.
+            stats.redelivered += sum(1 for r in out[first_new:] if r.offset < below)
+        stats.delivered += len(out)
+        return out
+
+    def _note_missing(self, expected: int, got: int) -> None:
+        if got < expected:
+            raise AssertionError(f"log returned offset {got} before requested {expected}")
+        self.stats.missing += got - expected
+        log.warning(
+            "consumer group %r: offsets %d..%d are not in the log (dropped by retention or corrupt); skipped",
+            self.name, expected, got - 1,
+        )
+
+    def ack(self, offset: int) -> bool:
+        """Mark ``offset`` done (any order). False if it was not outstanding (duplicate ack)."""
+        if self._outstanding.pop(offset, None) is None:
+            return False
+        self._acks_since_persist += 1
+        self.stats.acked += 1
+        order = self._order
+        if order[0] == offset:
+            # Advance past the acked prefix now, so the deque stays as small as the window.
+            order.popleft()
+            outstanding = self._outstanding
+            while order and order[0] not in outstanding:
+                order.popleft()
+        return True
+
+    def nack(self, offset: int) -> bool:
+        """Give ``offset`` back for redelivery soon (before new records). False if not in flight."""
+        delivery = self._outstanding.get(offset)
+        if delivery is None or delivery.consumer is None:
+            return False
+        delivery.consumer = None
+        heapq.heappush(self._redeliver, offset)
+        return True
+
+    def release(self, consumer: str) -> int:
+        """The consumer is gone: its in-flight records go back for redelivery. Returns how many."""
+        count = 0
+        for offset, delivery in self._outstanding.items():
+            if delivery.consumer == consumer:
+                delivery.consumer = None
+                heapq.heappush(self._redeliver, offset)
+                count += 1
+        return count
+
+    def redelivered(self, offset: int) -> bool:
+        """True if the outstanding record ``offset`` may have been delivered before (MQTT DUP)."""
+        delivery = self._outstanding.get(offset)
+        if delivery is None:
+            return False
+        return delivery.deliveries > 1 or offset < self._redelivered_below
+
+    # ---- persistence -----------------------------------------------------------------------
+
+    def needs_persist(self, now: float | None = None) -> bool:
+        """True if offsets changed and the ack count or the interval says write them now."""
+        if not self.durable or self._closed:
+            return False
+        if self._acks_since_persist < self.config.persist_every_acks:
+            if now is None:
+                now = time.monotonic()
+            if (now - self._last_persist) * 1000.0 < self.config.persist_interval_ms:
+                return False
+        persisted = self._persisted
+        return self.pending_offset != persisted.pending or self._doing != persisted.doing
+
+    def maybe_persist(self, now: float | None = None) -> bool:
+        """Write the offsets if :meth:`needs_persist`; True if it wrote. ``now``: time.monotonic()."""
+        if not self.needs_persist(now):
+            return False
+        self.write_snapshot(self.snapshot(now))
+        return True
+
+    def persist(self) -> None:
+        """Write the offsets now if they changed (durable groups only)."""
+        if self.durable:
+            self.write_snapshot(self.snapshot())
+
+    def snapshot(self, now: float | None = None) -> OffsetSnapshot:
+        """Take the offsets to persist and restart the batching counters (event-loop thread)."""
+        self._acks_since_persist = 0
+        self._last_persist = time.monotonic() if now is None else now
+        return OffsetSnapshot(self.pending_offset, self._doing)
+
+    def write_snapshot(self, snap: OffsetSnapshot) -> None:
+        """Write ``snap`` to the offset files; safe to run on a worker thread.
+
+        Doing is written before Pending so the files on disk keep pending <= doing. Offsets
+        never move backwards on disk: an older snapshot arriving late is ignored.
+        """
+        if not self.durable:
+            return
+        with self._write_lock:
+            old = self._persisted
+            doing = snap.doing if snap.doing > old.doing else old.doing
+            pending = snap.pending if snap.pending > old.pending else old.pending
+            if doing != old.doing:
+                self._doing_file.write(doing)
+                self.stats.persists += 1
+            if pending != old.pending:
+                self._pending_file.write(pending)
+                self.stats.persists += 1
+            self._persisted = OffsetSnapshot(pending, doing)
+
+    def close(self) -> None:
+        """Persist (durable groups) and refuse further fetches. Idempotent."""
+        if self._closed:
+            return
+        self.persist()
+        self._closed = True
+
+    def mark_closed(self) -> None:
+        """Refuse further fetches without writing anything (the group was dropped)."""
+        self._closed = True
+
+    def __repr__(self) -> str:
+        return (
+            f"ConsumerGroup({self.name!r}, doing={self._doing}, pending={self.pending_offset}, "
+            f"durable={self.durable}, filters={list(self._filters)!r})"
+        )
+
+
+def read_group_file(directory: Path) -> tuple[str, tuple[str, ...], str | None] | None:
+    """(name, filters, created) from ``directory``/group.json, or None if missing or invalid."""
+    try:
+        raw: Any = json.loads((directory / GROUP_FILE).read_bytes())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(raw, dict):
+        return None
+    name, filters, created = raw.get("name"), raw.get("filters"), raw.get("created")
+    if not isinstance(name, str) or not name or not isinstance(filters, list):
+        return None
+    if not all(isinstance(f, str) for f in filters):
+        return None
+    try:
+        for f in filters:
+            validate_topic_filter(f)
+    except ValueError:
+        return None
+    return name, tuple(filters), created if isinstance(created, str) else None
+
+
+def remove_group_directory(directory: Path, fileio: FileIO = OS_FILE_IO) -> None:
+    """Delete a group's files so that a crash at any point never resurrects it.
+
+    The directory is first renamed to ``<name>.dropped`` (atomic, and skipped by
+    :func:`group_directories`), then its files are unlinked and the directory removed.
+    """
+    parent = directory.parent
+    tombstone = directory.with_name(directory.name + DROPPED_SUFFIX)
+    _purge(tombstone, fileio)  # a drop of the same name interrupted by a crash
+    if directory.exists():
+        fileio.rename(directory, tombstone)
+        fileio.fsync_dir(parent)
+        _purge(tombstone, fileio)
+
+
+def purge_dropped(groups_dir: Path, fileio: FileIO = OS_FILE_IO) -> int:
+    """Finish drops interrupted by a crash (``*.dropped`` directories). Returns how many."""
+    if not groups_dir.is_dir():
+        return 0
+    leftovers = [p for p in groups_dir.iterdir() if p.name.endswith(DROPPED_SUFFIX)]
+    for tombstone in leftovers:
+        _purge(tombstone, fileio)
+    return len(leftovers)
+
+
+def _purge(tombstone: Path, fileio: FileIO) -> None:
+    if not tombstone.is_dir():
+        return
+    for child in tombstone.iterdir():
+        fileio.unlink(child)
+    # FileIO has no rmdir; an empty directory left by a crash here is harmless (skipped).
+    os.rmdir(tombstone)
+    fileio.fsync_dir(tombstone.parent)
+
+
+def group_directories(groups_dir: Path) -> Iterable[Path]:
+    """Directories under ``groups_dir`` that hold a group (dropped ones excluded), sorted."""
+    if not groups_dir.is_dir():
+        return []
+    return sorted(
+        p for p in groups_dir.iterdir() if p.is_dir() and not p.name.endswith(DROPPED_SUFFIX)
+    )

@@ -310,3 +310,45 @@ def test_buffer_is_compacted_not_grown_forever() -> None:
         assert len(decoder.packets()) == 1
     assert decoder.buffered == 50
     assert len(decoder._buf) < 200_000  # type: ignore[attr-defined]
+
+
+# ---------------------------------------------------------------- the repeated-topic fast path
+
+
+@given(st.lists(publishes(), min_size=2, max_size=20), st.data())
+@settings(max_examples=150)
+def test_repeated_topic_stream_any_split(packets: list[Publish], data: st.DataObject) -> None:
+    # One topic for all, as from a sensor: after the first packet the decoder's topic cache
+    # is hit, from both the bytes and the bytearray buffer (partial tails of any size).
+    for p in packets:
+        p.topic = "sensors/dev-1/temp"
+    stream = b"".join(encode(p) for p in packets)
+    cuts = sorted(data.draw(st.lists(st.integers(0, len(stream)), max_size=20)))
+    decoder = Decoder()
+    got: list[Packet] = []
+    prev = 0
+    for cut in [*cuts, len(stream)]:
+        decoder.feed(stream[prev:cut])
+        prev = cut
+        got.extend(decoder.packets())
+    assert got == packets
+
+
+@pytest.mark.parametrize(
+    ("wire", "fragment"),
+    [
+        (b"\x36\x05\x00\x01t\x00\x01", "QoS 3 in PUBLISH"),
+        (b"\x32\x05\x00\x01t\x00\x00", "PUBLISH QoS>0 with packet id 0"),
+        (b"\x32\x04\x00\x01t\x00", "topic of 1 bytes and packet id run past the end"),
+        (b"\x30\x01\x00", "PUBLISH truncated before the topic length"),
+        (b"\x30\xc8\x01\x00\x01t" + b"p" * 197, "packet of 203 bytes exceeds max_packet_size 200"),
+    ],
+)
+def test_cached_topic_does_not_skip_checks(wire: bytes, fragment: str) -> None:
+    decoder = Decoder(max_packet_size=200)
+    decoder.feed(encode(Publish("t", b"ok", 1, packet_id=1)))
+    assert decoder.packets() == [Publish("t", b"ok", 1, packet_id=1)]
+    with pytest.raises(ProtocolError, match=fragment):
+        # An oversized packet may already be refused by feed(); the rest by packets().
+        decoder.feed(wire)
+        decoder.packets()

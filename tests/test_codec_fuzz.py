@@ -8,9 +8,21 @@ from hypothesis import strategies as st
 
 from filemq.mqtt.codec import Decoder, ProtocolError, encode
 from filemq.mqtt.packets import Packet, Publish
-from tests.test_codec import client_packets
+from tests.test_codec import client_packets, publishes
 
 MAX = 4096
+
+
+def _same_topic(packets: list[Publish]) -> list[Packet]:
+    for p in packets:
+        p.topic = "a/b"
+    return list(packets)
+
+
+# Mixed packets, and runs of one topic so mutations also hit the decoder's topic-cache path.
+streams = st.lists(client_packets, min_size=1, max_size=5) | st.lists(
+    publishes(), min_size=2, max_size=6
+).map(_same_topic)
 
 
 def drive(chunks: list[bytes], max_packet_size: int = MAX) -> list[Packet]:
@@ -39,7 +51,7 @@ def test_random_bytes_never_raise_anything_but_protocol_error(chunks: list[bytes
     drive(chunks)
 
 
-@given(st.lists(client_packets, min_size=1, max_size=5), st.data())
+@given(streams, st.data())
 @settings(max_examples=400, suppress_health_check=[HealthCheck.too_slow])
 def test_mutated_valid_streams(packets: list[Packet], data: st.DataObject) -> None:
     stream = bytearray(b"".join(encode(p) for p in packets))

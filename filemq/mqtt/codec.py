@@ -48,6 +48,7 @@ from filemq.mqtt.packets import (
 # The largest remaining length four varint bytes can carry, spec 2.2.3.
 MAX_REMAINING_LENGTH = 268_435_455
 DEFAULT_MAX_PACKET_SIZE = 1 << 20
+_TOPIC_CACHE_SIZE = 1024
 
 # Packet types each side may receive (spec 2.2.1 "direction of flow").
 CLIENT_TO_SERVER = frozenset(
@@ -491,7 +492,7 @@ class Decoder:
     because a byte stream cannot be resynchronised after a framing error.
     """
 
-    __slots__ = ("_allowed", "_buf", "_error", "_max", "_pos")
+    __slots__ = ("_allowed", "_buf", "_error", "_max", "_pos", "_topics")
 
     def __init__(self, max_packet_size: int = DEFAULT_MAX_PACKET_SIZE, *, server: bool = True) -> None:
         if max_packet_size < 2:
@@ -503,6 +504,8 @@ class Decoder:
         self._buf: bytes | bytearray = b""
         self._pos = 0
         self._error: ProtocolError | None = None
+        # Validated topic bytes -> str, so a repeated topic skips UTF-8 decoding and checks.
+        self._topics: dict[bytes, str] = {}
 
     @property
     def buffered(self) -> int:
@@ -517,10 +520,17 @@ class Decoder:
             return
         buf = self._buf
         pos = self._pos
-        if pos >= len(buf):
+        rest = len(buf) - pos
+        if rest <= 0:
             self._buf = bytes(data)
             self._pos = 0
+        elif rest <= len(data):
+            # A short partial tail: one copy into an immutable ``bytes`` keeps the decode
+            # path zero-copy, and the copy is paid for by the new data (O(1) per byte).
+            self._buf = b"".join((buf[pos:], data))
+            self._pos = 0
         elif isinstance(buf, bytes):
+            # A long partial packet is accumulating: append in place instead.
             tail = bytearray(buf[pos:])
             tail += data
             self._buf = tail
@@ -599,32 +609,49 @@ class Decoder:
         out: list[Packet] = []
         buf = self._buf
         n = len(buf)
+        pos = self._pos
         maxsize = self._max
+        cache = self._topics
+        as_bytes = type(buf) is bytes
         try:
-            while limit:
-                pos = self._pos
-                if n - pos < 2:
-                    break
+            while limit and n - pos >= 2:
                 first = buf[pos]
-                second = buf[pos + 1]
-                # Fast path: PUBLISH/PUBACK with a one-byte remaining length, the common case.
-                if second < 0x80 and first >> 4 in (PUBLISH, PUBACK):
-                    end = pos + 2 + second
-                    if end > n:
-                        if end - pos > maxsize:
-                            self._header()  # raises the size error
-                        break
-                    if first == 0x40:
-                        out.append(Puback(_decode_packet_id(buf, pos + 2, end, "PUBACK")))
-                    elif first >> 4 == PUBLISH:
-                        if end - pos > maxsize:
-                            self._header()
-                        out.append(_decode_publish(buf, pos + 2, end, first & 0x0F))
+                # Fast path: a PUBLISH with a 1- or 2-byte remaining length and a topic seen
+                # before on this connection -- nearly all traffic.  Anything unusual falls
+                # through to the general path, which also produces the error messages.
+                if first >> 4 == PUBLISH:
+                    second = buf[pos + 1]
+                    if second < 0x80:
+                        start = pos + 2
+                        end = start + second
+                    elif n - pos >= 3 and buf[pos + 2] < 0x80:
+                        start = pos + 3
+                        end = start + ((second & 0x7F) | (buf[pos + 2] << 7))
                     else:
-                        self._header()  # PUBACK with bad flags: raises
-                    self._pos = end
-                    limit -= 1
-                    continue
+                        end = 0
+                    if end:
+                        if end - pos > maxsize or end - start < 2:
+                            end = 0  # oversized, or too short for a topic: general path reports it
+                        elif end > n:
+                            break
+                    if end:
+                        tend = start + 2 + ((buf[start] << 8) | buf[start + 1])
+                        qos = (first >> 1) & 0x03
+                        if qos:
+                            pstart = tend + 2
+                            pid: int | None = (buf[tend] << 8) | buf[tend + 1] if pstart <= end else 0
+                        else:
+                            pstart = tend
+                            pid = None
+                        key = buf[start + 2 : tend]
+                        topic = cache.get(key if as_bytes else bytes(key))  # type: ignore[arg-type]
+                        if topic is not None and pstart <= end and pid != 0 and qos != 3:
+                            payload = buf[pstart:end] if as_bytes else bytes(buf[pstart:end])
+                            out.append(Publish(topic, payload, qos, bool(first & 1), bool(first & 8), pid))  # type: ignore[arg-type]
+                            pos = end
+                            limit -= 1
+                            continue
+                self._pos = pos
                 header = self._header()
                 if header is None:
                     break
@@ -632,13 +659,26 @@ class Decoder:
                 end = pos + header_len + remaining
                 if end > n:
                     break
-                out.append(_decode_body(ptype, flags, buf, pos + header_len, end))
-                self._pos = end
+                packet = _decode_body(ptype, flags, buf, pos + header_len, end)
+                if ptype == PUBLISH:
+                    self._remember_topic(packet.topic)  # type: ignore[union-attr]
+                out.append(packet)
+                pos = end
                 limit -= 1
         except ProtocolError as exc:
             self._error = exc
             raise
-        if self._pos >= n and n:
+        finally:
+            self._pos = pos
+        if pos >= n and n:
             self._buf = b""
             self._pos = 0
         return out
+
+    def _remember_topic(self, topic: str) -> None:
+        # Only topics that passed full validation enter; bounded so a client cycling
+        # through many topics cannot grow it without limit.
+        cache = self._topics
+        if len(cache) >= _TOPIC_CACHE_SIZE:
+            cache.clear()
+        cache[topic.encode("utf-8")] = topic

@@ -21,6 +21,31 @@ def bench() -> None:
     """Benchmarks; each runs its baseline in the same run and prints the ratio."""
 
 
+@bench.command("codec")
+@click.option("--packets", type=click.IntRange(min=1), default=200_000, show_default=True,
+              help="PUBLISH packets in the decoded stream (and PUBACKs encoded).")
+@click.option("--rounds", type=click.IntRange(min=1), default=3, show_default=True,
+              help="Runs per measurement; the best is reported.")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per line on stdout.")
+def bench_codec(packets: int, rounds: int, as_json: bool) -> None:
+    """MQTT codec: PUBLISH decode and PUBACK encode rates, filemq vs amqtt on the same bytes."""
+    import json
+
+    from bench.codec import ratios, run_codec_bench
+
+    results = run_codec_bench(packets, rounds, progress=lambda msg: click.echo(msg, err=True))
+    for result in results:
+        if as_json:
+            click.echo(json.dumps(result.as_dict()))
+        else:
+            click.echo(f"{result.operation:15} {result.impl:7} {result.rate:>12,.0f} packets/s")
+    for operation, ratio in ratios(results).items():
+        if as_json:
+            click.echo(json.dumps({"bench": "codec", "operation": operation, "ratio_vs_amqtt": round(ratio, 2)}))
+        else:
+            click.echo(f"{operation:15} filemq/amqtt = {ratio:.1f}x")
+
+
 @main.command()
 @click.argument("file", type=click.Path(dir_okay=False))
 @click.argument("user")

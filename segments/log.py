@@ -35,13 +35,11 @@ from segments.record import (
     Record,
     decode_at,
     encode,
-    make_flags,
 )
 from segments.segment import NO_TIMESTAMP, Segment, parse_segment_name
 
 log = logging.getLogger(__name__)
 
-_FLAGS = {(q, r): make_flags(q, r) for q in (0, 1, 2) for r in (False, True)}
 _TOPIC_CACHE_MAX = 4096
 
 
@@ -141,7 +139,7 @@ class _Group:
         self.start_pos = start_pos
         self.chunks: list[bytes] = []
         self.nbytes = 0
-        self.end_offset = base_offset
+        self.end_offset = 0
         self.index: list[tuple[int, int]] = []
         self.max_ts = NO_TIMESTAMP
         self.last_index_pos = last_index_pos
@@ -186,6 +184,11 @@ class Log:
         self._dirty = False
         self._closed = False
         self._topics: dict[str, bytes] = {}
+        # Copied out of config: append is the hot path and attribute chains cost.
+        self._segment_bytes = config.segment_bytes
+        self._interval = config.index_interval_bytes
+        self._min_free = config.min_free_bytes
+        self._max_record = min(config.segment_bytes, MAX_RECORD_BYTES)
 
     # -- open and recovery ---------------------------------------------------------------
 
@@ -296,9 +299,9 @@ class Log:
         topic_bytes = self._topics.get(topic)
         if topic_bytes is None:
             topic_bytes = self._topic_bytes(topic)
-        flags = _FLAGS.get((qos, retain))
-        if flags is None:
-            flags = make_flags(qos, bool(retain))
+        if qos.__class__ is not int or not 0 <= qos <= 2:
+            raise ValueError(f"qos must be 0, 1 or 2, not {qos!r}")
+        flags = qos | 4 if retain else qos
         ts = time.time_ns() // 1000 if timestamp_us is None else timestamp_us
         with self._lock:
             if self._closed:
@@ -306,38 +309,34 @@ class Log:
             offset = self._next_offset
             data = encode(offset, ts, topic_bytes, payload, flags)
             n = len(data)
-            if n > self.config.segment_bytes or n > MAX_RECORD_BYTES:
+            if n > self._max_record:
                 raise ValueError(f"record of {n} bytes does not fit a segment of {self.config.segment_bytes}")
-            if self.config.min_free_bytes:
+            if self._min_free:
                 self._free_budget -= n
                 if self._free_budget < 0:
                     self._refresh_free_budget(n)
             pos = self._tail_pos
             groups = self._groups
-            if pos + n > self.config.segment_bytes and pos > 0:
+            if pos + n > self._segment_bytes and pos > 0:
                 group = _Group(offset, True, 0, 0)
                 groups.append(group)
                 self._tail_base = offset
                 pos = 0
                 self._tail_last_index_pos = 0
-            elif groups:
-                group = groups[-1]
-                if pos - self._tail_last_index_pos >= self.config.index_interval_bytes:
-                    group.index.append((offset, pos))
-                    self._tail_last_index_pos = pos
             else:
-                group = _Group(self._tail_base, False, pos, self._tail_last_index_pos)
-                group.end_offset = offset
-                groups.append(group)
-                if pos - self._tail_last_index_pos >= self.config.index_interval_bytes:
+                if groups:
+                    group = groups[-1]
+                else:
+                    group = _Group(self._tail_base, False, pos, self._tail_last_index_pos)
+                    groups.append(group)
+                if pos - self._tail_last_index_pos >= self._interval:
                     group.index.append((offset, pos))
-                    self._tail_last_index_pos = pos
+                    self._tail_last_index_pos = group.last_index_pos = pos
             group.chunks.append(data)
             group.nbytes += n
             group.end_offset = offset + 1
             if ts > group.max_ts:
                 group.max_ts = ts
-            group.last_index_pos = self._tail_last_index_pos
             self._tail_pos = pos + n
             self._next_offset = offset + 1
             self._pending_bytes += n

@@ -483,6 +483,10 @@ class MQTTClient:
         except (OSError, ProtocolError) as exc:
             log.warning("client %r: connection to %s:%d failed: %s", self.client_id, self.host, self.port, exc)
             reason = exc
+        except Exception as exc:
+            # A bug, not the network: log it loudly, but still close cleanly.
+            log.exception("client %r: reader failed", self.client_id)
+            reason = exc
         except asyncio.CancelledError:
             reason = None
             raise
@@ -527,6 +531,8 @@ class MQTTClient:
         interval = self.keepalive
         while self.connected:
             await asyncio.sleep(min(interval / 2, 30))
+            if not self.connected:
+                return
             now = time.monotonic()
             if self._pingresp_due is not None and now > self._pingresp_due:
                 log.warning("client %r: no PINGRESP within %ss, closing", self.client_id, interval)

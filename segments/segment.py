@@ -24,7 +24,6 @@ from segments.errors import SegmentError
 from segments.fileio import FileHandle, FileIO, atomic_write
 from segments.index import SparseIndex
 from segments.record import (
-    HEADER,
     INCOMPLETE,
     LENGTH,
     LENGTH_SIZE,
@@ -34,12 +33,14 @@ from segments.record import (
     check_frame,
     find_next_valid,
     offset_at,
+    scan_run,
 )
 
 log = logging.getLogger(__name__)
 
 NAME_DIGITS = 20
 READ_CHUNK = 1 << 20
+SCAN_CHUNK = 8 << 20  # recovery reads the tail in chunks this big
 SEAL_MAGIC = b"FMQS"
 SEAL_VERSION = 1
 # magic, version, base_offset, next_offset, size, max_timestamp_us, index_crc; then u32 CRC-32C
@@ -198,37 +199,38 @@ class Segment:
         return seal
 
     def _scan_and_truncate(self, size: int, interval: int) -> SegmentRecovery:
-        index = SparseIndex(self.base_offset)
+        entries: list[tuple[int, int]] = []
         last_index_pos = 0
         expected = self.base_offset
         pos = 0
         corrupt = 0
         max_ts = NO_TIMESTAMP
-        while True:
-            bad: Frame | None = None
-            for frame in self.walk(pos, size, expected, resync=False):
-                if frame.framed <= 0:
-                    bad = frame
-                    break
-                if frame.position - last_index_pos >= interval:
-                    index.add(frame.offset, frame.position)
-                    last_index_pos = frame.position
-                ts = HEADER.unpack_from(frame.buf, frame.rel)[5]
-                if ts > max_ts:
-                    max_ts = ts
-                expected = frame.offset + 1
-                pos = frame.position + frame.framed
-            if bad is None:
-                break
-            skip = self._skippable(bad.position, size, expected + 1)
+        while pos < size:
+            want = min(SCAN_CHUNK, size - pos)
+            head = self.handle.pread(LENGTH_SIZE, pos)
+            if len(head) == LENGTH_SIZE:
+                need = LENGTH.unpack(head)[0] + LENGTH_SIZE
+                if want < need <= min(MAX_RECORD_BYTES, size - pos):
+                    want = need  # one record bigger than a chunk
+            buf = self.handle.pread(want, pos)
+            rel, expected, last_index_pos, max_ts = scan_run(
+                buf, 0, len(buf), expected, pos, entries, last_index_pos, interval, max_ts
+            )
+            if rel == len(buf) or (rel > 0 and pos + len(buf) < size
+                                   and check_frame(buf, rel, len(buf)) == INCOMPLETE):
+                pos += rel  # chunk boundary: read on from the first unfinished record
+                continue
+            pos += rel
+            reason = REASONS.get(check_frame(buf, rel, len(buf)), "offset out of sequence")
+            skip = self._skippable(pos, size, expected + 1)
             if skip is None:
                 break
             log.warning(
                 "%s: corrupt record at byte %d (offset %d): %s; skipped, framing intact",
-                self.log_path, bad.position, expected, bad.reason,
+                self.log_path, pos, expected, reason,
             )
             corrupt += 1
-            pos = bad.position + skip
+            pos += skip
             expected += 1
         truncated = size - pos
         if truncated:
@@ -238,6 +240,9 @@ class Segment:
             )
             self.handle.truncate(pos)
             self.handle.datasync()
+        index = SparseIndex(self.base_offset)
+        for offset, position in entries:
+            index.add(offset, position)
         self.size = pos
         self.next_offset = expected
         self.max_timestamp_us = max_ts

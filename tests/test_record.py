@@ -160,3 +160,28 @@ def test_resync_finds_next_record_in_offset_window() -> None:
     assert find_next_valid(buf, 1, len(buf), 10, 12) == (20 + len(garbage), len(b))
     assert find_next_valid(buf, 1, len(buf), 12, None) is None  # offset below the window
     assert find_next_valid(buf, 1, len(buf), 0, 11) is None  # offset above the window
+
+
+@settings(max_examples=100)
+@given(st.lists(records, min_size=1, max_size=8), st.data())
+def test_scan_run_stops_where_check_frame_does(recs: list[Record], data: st.DataObject) -> None:
+    """The recovery fast path applies exactly the checks of check_frame plus offset sequence."""
+    from segments.record import offset_at, scan_run
+
+    recs = [Record(100 + i, r.timestamp_us, r.topic, r.payload, r.qos, r.retain) for i, r in enumerate(recs)
+            if _encodable(r)]
+    buf = bytearray(b"".join(encode_record(r) for r in recs))
+    if buf and data.draw(st.booleans()):
+        i = data.draw(st.integers(0, len(buf) - 1))
+        buf[i] ^= data.draw(st.integers(1, 255))
+    cut = data.draw(st.integers(0, len(buf)))
+    stream = bytes(buf[:cut])
+    pos, expected = 0, 100
+    while True:
+        framed = check_frame(stream, pos, len(stream))
+        if framed <= 0 or offset_at(stream, pos) != expected:
+            break
+        pos, expected = pos + framed, expected + 1
+    index: list[tuple[int, int]] = []
+    stop, nxt, _, _ = scan_run(stream, 0, len(stream), 100, 0, index, 0, 64, -(2**63))
+    assert (stop, nxt) == (pos, expected)

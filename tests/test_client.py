@@ -449,10 +449,19 @@ def test_paho_encoded_packets_decode_with_our_decoder() -> None:
         if isinstance(packet, Pubrel):
             return [Pubcomp(packet.packet_id)]
         if isinstance(packet, Subscribe):
-            return [Suback(packet.packet_id, [q for _, q in packet.topics])]
+            # Our encoder -> paho's decoder: a SUBACK, then a QoS 1 and a QoS 2 delivery.
+            return [
+                Suback(packet.packet_id, [q for _, q in packet.topics]),
+                Publish("a/srv", b"from filemq", 1, retain=True, packet_id=42),
+                Publish("b/srv/2", b"\x00" * 200, 2, packet_id=43),
+            ]
+        if isinstance(packet, Pubrec):
+            return [Pubrel(packet.packet_id)]
         if isinstance(packet, Unsubscribe):
             return [Unsuback(packet.packet_id)]
         return []
+
+    delivered: list[tuple[str, bytes, int, bool]] = []
 
     async def scenario() -> list[Packet]:
         fake = ScriptedBroker(answer)
@@ -463,6 +472,7 @@ def test_paho_encoded_packets_decode_with_our_decoder() -> None:
             c: Any = paho.Client(
                 paho.CallbackAPIVersion.VERSION2, client_id="paho-1", protocol=paho.MQTTv311
             )
+            c.on_message = lambda _c, _u, m: delivered.append((m.topic, m.payload, m.qos, m.retain))
             c.username_pw_set("user", "pa55")
             c.will_set("wills/paho", b"bye", qos=1, retain=True)
             c.connect("127.0.0.1", port, keepalive=30)
@@ -472,6 +482,9 @@ def test_paho_encoded_packets_decode_with_our_decoder() -> None:
                 c.publish("a/x", b"q0", qos=0)
                 c.publish("a/x", b"q1", qos=1).wait_for_publish(5)
                 c.publish("a/x", b"\x00\xff" * 300, qos=2, retain=True).wait_for_publish(5)
+                deadline = time.monotonic() + 5
+                while len(delivered) < 2 and time.monotonic() < deadline:
+                    time.sleep(0.01)
                 c.unsubscribe("a/+")
                 time.sleep(0.2)
                 c.disconnect()
@@ -503,3 +516,6 @@ def test_paho_encoded_packets_decode_with_our_decoder() -> None:
     assert pubs[2].retain and not pubs[1].retain
     assert any(isinstance(p, Pubrel) for p in got)
     assert [p.topics for p in got if isinstance(p, Unsubscribe)] == [["a/+"]]
+    # paho decoded what we encoded, and acknowledged each delivery the way the spec says.
+    assert delivered == [("a/srv", b"from filemq", 1, True), ("b/srv/2", b"\x00" * 200, 2, False)]
+    assert Puback(42) in got and Pubrec(43) in got and Pubcomp(43) in got

@@ -190,6 +190,16 @@ def test_encoder_refuses_unframeable_packets() -> None:
         encode(Puback(0))
     with pytest.raises(ValueError, match="needs a username"):
         encode(Connect(password=b"x"))
+    with pytest.raises(ValueError, match="topic of 70000 bytes"):
+        encode(Publish("t" * 70000, b"", 0))
+    with pytest.raises(ValueError, match="at least one topic filter"):
+        encode(Subscribe(1, []))
+    with pytest.raises(ValueError, match="at least one topic filter"):
+        encode(Unsubscribe(1, []))
+    with pytest.raises(ValueError, match="return codes"):
+        encode(Suback(1, [3]))
+    with pytest.raises(ValueError, match="return code must be"):
+        encode(Connack(return_code=256))
 
 
 def test_server_decoder_rejects_server_to_client_packets() -> None:

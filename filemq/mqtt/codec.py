@@ -128,6 +128,8 @@ def _encode_publish(p: Publish) -> bytes:
     payload = p.payload
     qos = p.qos
     first = 0x30 | (qos << 1) | (0x08 if p.dup else 0) | (0x01 if p.retain else 0)
+    if tlen > 0xFFFF:
+        raise ValueError(f"PUBLISH topic of {tlen} bytes exceeds 65535")
     if qos == 0:
         remaining = 2 + tlen + len(payload)
         if remaining < 0x80:
@@ -138,8 +140,6 @@ def _encode_publish(p: Publish) -> bytes:
     pid = p.packet_id
     if pid is None or not 0 < pid <= 0xFFFF:
         raise ValueError(f"PUBLISH QoS {qos} needs a packet id 1..65535, got {pid!r}")
-    if tlen > 0xFFFF:
-        raise ValueError(f"PUBLISH topic of {tlen} bytes exceeds 65535")
     remaining = 4 + tlen + len(payload)
     if remaining < 0x80:
         return b"".join((_pack_BBH(first, remaining, tlen), topic, _pack_H(pid), payload))
@@ -184,10 +184,14 @@ def _encode_connect(p: Connect) -> bytes:
 
 
 def _encode_connack(p: Connack) -> bytes:
+    if not 0 <= p.return_code <= 0xFF:
+        raise ValueError(f"CONNACK return code must be 0..255, got {p.return_code}")
     return struct.pack("!BBBB", 0x20, 2, 1 if p.session_present else 0, p.return_code)
 
 
 def _encode_subscribe(p: Subscribe) -> bytes:
+    if not p.topics:
+        raise ValueError("SUBSCRIBE needs at least one topic filter")
     body = bytearray(_pack_H(_check_packet_id(p.packet_id, "SUBSCRIBE")))
     for topic_filter, qos in p.topics:
         if not 0 <= qos <= 2:
@@ -198,11 +202,15 @@ def _encode_subscribe(p: Subscribe) -> bytes:
 
 
 def _encode_suback(p: Suback) -> bytes:
+    if not p.return_codes or any(c not in (0, 1, 2, SUBACK_FAILURE) for c in p.return_codes):
+        raise ValueError(f"SUBACK needs return codes from 0, 1, 2, 0x80, got {p.return_codes!r}")
     body = _pack_H(_check_packet_id(p.packet_id, "SUBACK")) + bytes(p.return_codes)
     return _fixed_header(0x90, len(body)) + body
 
 
 def _encode_unsubscribe(p: Unsubscribe) -> bytes:
+    if not p.topics:
+        raise ValueError("UNSUBSCRIBE needs at least one topic filter")
     body = _pack_H(_check_packet_id(p.packet_id, "UNSUBSCRIBE")) + b"".join(
         _str(t, "topic filter") for t in p.topics
     )
@@ -235,7 +243,8 @@ def encode(packet: Packet) -> bytes:
     """The wire bytes of ``packet``.
 
     Raises ``ValueError`` for a packet that cannot be framed (QoS outside 0-2, a missing or
-    out-of-range packet id, a string over 65535 bytes, a body over 256 MB).  It does not
+    out-of-range packet id, a string over 65535 bytes, a body over 256 MB, an empty
+    SUBSCRIBE/UNSUBSCRIBE/SUBACK list).  It does not
     check topic wildcard rules: that is :mod:`filemq.topics`' job.
     """
     return _ENCODERS[type(packet)](packet)

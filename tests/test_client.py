@@ -14,6 +14,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from filemq.mqtt.client import ClientSession, ConnectionLost, ConnectionRefused, MQTTClient, Will
 from filemq.mqtt.codec import Decoder, encode
@@ -119,6 +121,43 @@ def test_unexpected_acks_are_ignored() -> None:
     s = ClientSession()
     assert s.receive(Puback(77)).completed == []
     assert s.receive(Pubcomp(77)).completed == []
+
+
+@given(st.lists(st.tuples(st.sampled_from(["pub1", "pub2", "ack", "reconnect"]), st.integers(0, 50)), max_size=60))
+@settings(max_examples=150)
+def test_session_against_a_model(ops: list[tuple[str, int]]) -> None:
+    """Random publishes, broker acks (in any order) and reconnects, checked against a dict."""
+    s = ClientSession(max_inflight=8)
+    model: dict[int, list[Packet]] = {}  # id -> broker replies still to come, in order
+    completed: list[int] = []
+    for op, pick in ops:
+        if op in ("pub1", "pub2") and s.window_open():
+            qos = 1 if op == "pub1" else 2
+            pid = s.publish("t", b"x", qos).packet_id
+            assert pid is not None and pid not in model
+            model[pid] = [Puback(pid)] if qos == 1 else [Pubrec(pid), Pubcomp(pid)]
+        elif op == "ack" and model:
+            pid = list(model)[pick % len(model)]
+            reply = model[pid].pop(0)
+            events = s.receive(reply)
+            if isinstance(reply, Pubrec):
+                assert events.send == [Pubrel(pid)]
+            if not model[pid]:
+                del model[pid]
+                assert events.completed == [pid]
+                completed.append(pid)
+            else:
+                assert events.completed == []
+        elif op == "reconnect":
+            resent = s.resend()
+            assert [getattr(p, "packet_id", None) for p in resent] == list(model)
+            for p in resent:
+                pending = model[p.packet_id]  # type: ignore[union-attr]
+                # Before PUBREC: PUBLISH again with DUP; after it: PUBREL.
+                assert isinstance(p, Pubrel) == (pending == [Pubcomp(p.packet_id)])  # type: ignore[union-attr]
+                assert not isinstance(p, Publish) or p.dup
+        assert s.inflight == len(model) <= 8
+        assert s.outstanding() == list(model)
 
 
 # ------------------------------------------------------------------ brokers

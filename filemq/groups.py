@@ -226,6 +226,7 @@ class ConsumerGroup:
         self._persisted = persisted or OffsetSnapshot(-1, -1)
         self._write_lock = threading.Lock()
         self._closed = False
+        self._dropped = False
         if durable:
             assert directory is not None
             self._pending_file = OffsetFile(directory / PENDING_FILE, fileio)
@@ -468,8 +469,14 @@ class ConsumerGroup:
             doing = self._doing
             if doing >= self._log.committed_offset:
                 break
+            committed = self._log.committed_offset
             records = read(doing, remaining)
             if not records:
+                if committed > doing:
+                    # read() returns a record whenever one is readable below its limit
+                    # (>= ours), so [doing, committed) holds only corrupt records: move on.
+                    self._note_missing(doing, committed)
+                    self._doing = committed
                 break
             matched = 0
             for record in records:
@@ -585,6 +592,8 @@ class ConsumerGroup:
         if not self.durable:
             return
         with self._write_lock:
+            if self._dropped:
+                return
             old = self._persisted
             doing = snap.doing if snap.doing > old.doing else old.doing
             pending = snap.pending if snap.pending > old.pending else old.pending
@@ -603,9 +612,14 @@ class ConsumerGroup:
         self.persist()
         self._closed = True
 
-    def mark_closed(self) -> None:
-        """Refuse further fetches without writing anything (the group was dropped)."""
-        self._closed = True
+    def drop(self) -> None:
+        """Close without persisting and delete the group's files (see remove_group_directory)."""
+        with self._write_lock:  # waits for a snapshot being written on another thread
+            self._closed = True
+            self._dropped = True
+            if self.durable and self.directory is not None:
+                remove_group_directory(self.directory, self._fileio)
+        log.info("dropped consumer group %r", self.name)
 
     def __repr__(self) -> str:
         return (

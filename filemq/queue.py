@@ -1,0 +1,272 @@
+"""The queue: one segment log under ``<data_dir>/log`` plus its consumer groups under ``<data_dir>/groups``.
+
+What a caller may rely on:
+
+* :meth:`Queue.publish` returns only once the record is committed under the log's fsync
+  policy (group commit: one fdatasync covers every publish that arrived meanwhile);
+  :meth:`Queue.publish_nowait` returns the offset and the shared commit future at once.
+* :meth:`Queue.open` loads every durable group found on disk; a group whose directory is
+  damaged beyond use is logged (ERROR) and skipped, never fatal.
+* While started, a background task writes dirty group offsets (batched, on a worker thread)
+  and runs retention with ``min_needed_offset`` = :meth:`Queue.min_pending`, so age-based
+  retention never deletes a record some group has not acked. :meth:`Queue.close` persists
+  every group, then commits and closes the log.
+* Everything except :meth:`start`, :meth:`close`, :meth:`publish` and
+  :meth:`wait_for_records` is a plain method to be called on the event-loop thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from filemq.groups import (
+    ConsumerGroup,
+    CorruptGroup,
+    GroupConfig,
+    OffsetSnapshot,
+    Start,
+    group_directories,
+    purge_dropped,
+)
+from filemq.topics import validate_topic_name
+from segments import GroupCommitter, Log, LogConfig, RetentionReport
+from segments.fileio import OS_FILE_IO, FileIO
+
+log = logging.getLogger(__name__)
+
+LOG_DIR = "log"
+GROUPS_DIR = "groups"
+
+
+@dataclass
+class QueueConfig:
+    """The log's settings plus how groups persist and how often housekeeping runs."""
+
+    log: LogConfig = field(default_factory=LogConfig)
+    group: GroupConfig = field(default_factory=GroupConfig)
+    housekeeping_interval_ms: int = 50  # how often dirty groups are checked
+    retention_interval_ms: int = 1000  # how often retention runs
+
+
+class Queue:
+    """A log and its consumer groups in one data directory. Use :meth:`open`."""
+
+    def __init__(self, data_dir: Path, log_: Log, config: QueueConfig, fileio: FileIO) -> None:
+        self.data_dir = data_dir
+        self.groups_dir = data_dir / GROUPS_DIR
+        self.log = log_
+        self.config = config
+        self._fileio = fileio
+        self._groups: dict[str, ConsumerGroup] = {}
+        self._committer: GroupCommitter | None = None
+        self._housekeeping: asyncio.Task[None] | None = None
+        self._closed = False
+        self.last_retention: RetentionReport | None = None
+
+    @classmethod
+    def open(
+        cls, data_dir: str | os.PathLike[str], config: QueueConfig | None = None,
+        fileio: FileIO | None = None,
+    ) -> Queue:
+        """Open (creating if needed) ``data_dir``: recover the log, load durable groups."""
+        cfg = config or QueueConfig()
+        io = fileio if fileio is not None else OS_FILE_IO
+        root = Path(data_dir)
+        lg = Log.open(root / LOG_DIR, cfg.log, io)
+        queue = cls(root, lg, cfg, io)
+        os.makedirs(queue.groups_dir, exist_ok=True)
+        purge_dropped(queue.groups_dir, io)
+        for directory in group_directories(queue.groups_dir):
+            try:
+                group = ConsumerGroup.load(directory, lg, config=cfg.group, fileio=io)
+            except CorruptGroup as exc:
+                log.error("%s; skipped (run `filemq verify`)", exc)
+                continue
+            if group.name in queue._groups:
+                log.error("two directories hold consumer group %r; using the first, skipping %s", group.name, directory)
+                continue
+            queue._groups[group.name] = group
+        log.info("opened queue %s: %r, %d durable groups", root, lg, len(queue._groups))
+        return queue
+
+    # ---- lifecycle -----------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Start group commit and the housekeeping task on the running loop."""
+        if self._committer is not None:
+            return
+        self._committer = GroupCommitter(self.log)
+        await self._committer.start()
+        self._housekeeping = asyncio.get_running_loop().create_task(
+            self._run_housekeeping(), name="filemq-queue-housekeeping"
+        )
+
+    async def close(self) -> None:
+        """Stop housekeeping, persist every group, commit and close the log. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._housekeeping is not None:
+            self._housekeeping.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._housekeeping
+        for group in self._groups.values():
+            group.close()
+        if self._committer is not None:
+            await self._committer.close()
+        self.log.close()
+
+    async def __aenter__(self) -> Queue:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    # ---- publishing ------------------------------------------------------------------------
+
+    def publish_nowait(
+        self, topic: str, payload: bytes, qos: int = 0, retain: bool = False,
+        timestamp_us: int | None = None,
+    ) -> tuple[int, asyncio.Future[None]]:
+        """Append a record; returns its offset and the (shared) future of its commit.
+
+        Raises :class:`filemq.topics.InvalidTopic` for a bad topic name, ``RuntimeError``
+        before :meth:`start`; the future raises DiskFull/OSError if the commit fails.
+        """
+        if self._committer is None:
+            raise RuntimeError(f"queue {self.data_dir} is not started")
+        validate_topic_name(topic)
+        return self._committer.append_nowait(topic, payload, qos=qos, retain=retain, timestamp_us=timestamp_us)
+
+    async def publish(
+        self, topic: str, payload: bytes, qos: int = 0, retain: bool = False,
+        timestamp_us: int | None = None,
+    ) -> int:
+        """Append a record and wait until it is committed; returns its offset."""
+        offset, future = self.publish_nowait(topic, payload, qos, retain, timestamp_us)
+        await asyncio.shield(future)
+        return offset
+
+    async def wait_for_records(self, offset: int) -> None:
+        """Return once the record at ``offset`` is readable (``committed_offset > offset``).
+
+        Typical use: ``await queue.wait_for_records(group.doing_offset)`` when a fetch came
+        back empty. Wrap in ``asyncio.wait_for`` for a timeout.
+        """
+        if self.log.committed_offset > offset:
+            return
+        if self._committer is None:
+            raise RuntimeError(f"queue {self.data_dir} is not started")
+        await self._committer.wait_committed(offset)
+
+    def add_commit_listener(self, callback: Callable[[int], None]) -> None:
+        """Call ``callback(committed_offset)`` on the loop after each commit (after :meth:`start`)."""
+        if self._committer is None:
+            raise RuntimeError(f"queue {self.data_dir} is not started")
+        self._committer.add_commit_listener(callback)
+
+    # ---- groups --------------------------------------------------------------------------
+
+    def group(
+        self, name: str, filters: Sequence[str] | None = None, durable: bool = True,
+        start: Start | int = "latest",
+    ) -> ConsumerGroup:
+        """The group ``name``, created if missing (filters default to ``("#",)``).
+
+        For an existing group, ``filters`` (if given and different) replace its filters;
+        ``start`` only applies at creation. Durability is fixed at creation: asking for an
+        existing group with the other durability raises ValueError (drop it first).
+        """
+        group = self._groups.get(name)
+        if group is None:
+            group = ConsumerGroup.create(
+                name, self.log, self.groups_dir, filters=filters or ("#",), durable=durable,
+                start=start, config=self.config.group, fileio=self._fileio,
+            )
+            self._groups[name] = group
+            return group
+        if group.durable != durable:
+            raise ValueError(
+                f"consumer group {name!r} exists with durable={group.durable}; drop it before "
+                f"re-creating it with durable={durable}"
+            )
+        if filters is not None and tuple(dict.fromkeys(filters)) != group.filters:
+            group.set_filters(filters)
+        return group
+
+    def drop_group(self, name: str) -> bool:
+        """Forget the group and delete its files; False if there was no such group."""
+        group = self._groups.pop(name, None)
+        if group is None:
+            return False
+        group.drop()
+        return True
+
+    def groups(self) -> list[ConsumerGroup]:
+        """Every open group (durable and not), in creation/load order."""
+        return list(self._groups.values())
+
+    def get_group(self, name: str) -> ConsumerGroup | None:
+        """The open group ``name`` or None (never creates one)."""
+        return self._groups.get(name)
+
+    def min_pending(self) -> int | None:
+        """The lowest Pending offset over all open groups (None without groups).
+
+        Non-durable groups are included while they exist: a live clean session still needs
+        its unacked records, it only forgets them when it ends.
+        """
+        return min((g.pending_offset for g in self._groups.values()), default=None)
+
+    # ---- housekeeping ----------------------------------------------------------------------
+
+    def persist_due(self, now: float | None = None) -> list[tuple[ConsumerGroup, OffsetSnapshot]]:
+        """Snapshots of every group whose offsets should be written now (loop thread)."""
+        if now is None:
+            now = time.monotonic()
+        return [(g, g.snapshot(now)) for g in self._groups.values() if g.needs_persist(now)]
+
+    @staticmethod
+    def write_snapshots(snapshots: list[tuple[ConsumerGroup, OffsetSnapshot]]) -> None:
+        """Write snapshots from :meth:`persist_due`; may run on a worker thread."""
+        for group, snap in snapshots:
+            try:
+                group.write_snapshot(snap)
+            except OSError:
+                # Offsets stay in memory and are retried next round; a crash meanwhile only
+                # re-delivers more.
+                log.exception("could not persist offsets of consumer group %r", group.name)
+
+    def run_retention(self) -> RetentionReport:
+        """Apply the log's retention, never deleting by age what a group still needs."""
+        report = self.log.enforce_retention(self.min_pending())
+        self.last_retention = report
+        return report
+
+    async def _run_housekeeping(self) -> None:
+        persist_every = self.config.housekeeping_interval_ms / 1000
+        retention_every = self.config.retention_interval_ms / 1000
+        next_retention = time.monotonic() + retention_every
+        while True:
+            await asyncio.sleep(persist_every)
+            try:
+                snapshots = self.persist_due()
+                if snapshots:
+                    await asyncio.to_thread(self.write_snapshots, snapshots)
+                now = time.monotonic()
+                if now >= next_retention:
+                    next_retention = now + retention_every
+                    min_needed = self.min_pending()
+                    self.last_retention = await asyncio.to_thread(self.log.enforce_retention, min_needed)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("queue housekeeping failed; retrying in %.3f s", persist_every)

@@ -1,0 +1,192 @@
+"""The queue: log + groups in one data directory, group commit, housekeeping, reopen."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from filemq.groups import GROUP_FILE, GroupConfig, escape_group_name
+from filemq.offsets import OffsetFile
+from filemq.queue import Queue as FQueue
+from filemq.queue import QueueConfig
+from filemq.topics import InvalidTopic
+from segments import LogConfig
+
+
+def cfg(**log_kw: object) -> QueueConfig:
+    log_cfg = LogConfig(segment_bytes=4096, **log_kw)  # type: ignore[arg-type]
+    return QueueConfig(
+        log=log_cfg,
+        group=GroupConfig(persist_every_acks=5, persist_interval_ms=20),
+        housekeeping_interval_ms=5,
+        retention_interval_ms=10,
+    )
+
+
+def run(coro):  # type: ignore[no-untyped-def]
+    return asyncio.run(asyncio.wait_for(coro, 30))
+
+
+def test_publish_fetch_ack_and_reopen(tmp_path: Path) -> None:
+    async def first() -> None:
+        q = FQueue.open(tmp_path, cfg())
+        await q.start()
+        g = q.group("sub", ["s/#"], start="earliest")
+        offsets = [await q.publish(f"s/{i}", b"x" * i, qos=1) for i in range(10)]
+        assert offsets == list(range(10))
+        off, fut = q.publish_nowait("other", b"y")
+        await fut
+        got = g.fetch(100, "c")
+        assert [r.topic for r in got] == [f"s/{i}" for i in range(10)]
+        for r in got[:4]:
+            g.ack(r.offset)
+        await q.close()
+
+    run(first())
+    assert OffsetFile(tmp_path / "groups" / "sub" / "pending").read() == 4
+
+    async def second() -> None:
+        q = FQueue.open(tmp_path, cfg())
+        assert [g.name for g in q.groups()] == ["sub"]
+        g = q.group("sub")
+        assert g.filters == ("s/#",)
+        assert g.pending_offset == 4
+        assert [r.offset for r in g.fetch(100)] == list(range(4, 10))
+        assert g.redelivered(4)
+        await q.close()
+
+    run(second())
+
+
+def test_housekeeping_persists_dirty_groups_without_close(tmp_path: Path) -> None:
+    async def body() -> None:
+        q = FQueue.open(tmp_path, cfg())
+        await q.start()
+        g = q.group("g", start="earliest")
+        for i in range(3):
+            await q.publish("t", bytes([i]))
+        for r in g.fetch(10):
+            g.ack(r.offset)
+        pending = OffsetFile(g.directory / "pending")  # type: ignore[operator]
+        for _ in range(200):  # the interval (20 ms) elapses; the 5 ms housekeeping writes it
+            if pending.read() == 3:
+                break
+            await asyncio.sleep(0.01)
+        assert pending.read() == 3
+        await q.close()
+
+    run(body())
+
+
+def test_wait_for_records_wakes_on_commit(tmp_path: Path) -> None:
+    async def body() -> None:
+        q = FQueue.open(tmp_path, cfg())
+        await q.start()
+        g = q.group("g")
+        waiter = asyncio.create_task(q.wait_for_records(g.doing_offset))
+        await asyncio.sleep(0.01)
+        assert not waiter.done()
+        seen: list[int] = []
+        q.add_commit_listener(seen.append)
+        await q.publish("t", b"1")
+        await asyncio.wait_for(waiter, 5)
+        assert [r.payload for r in g.fetch(10)] == [b"1"]
+        assert seen and seen[-1] == 1
+        await q.wait_for_records(0)  # already readable: returns at once
+        await q.close()
+
+    run(body())
+
+
+def test_broadcast_to_groups_and_durable_vs_clean(tmp_path: Path) -> None:
+    async def body() -> None:
+        q = FQueue.open(tmp_path, cfg())
+        await q.start()
+        a = q.group("a", start="earliest")
+        b = q.group("b", durable=False)
+        for i in range(5):
+            await q.publish("t", bytes([i]))
+        assert len(a.fetch(10)) == len(b.fetch(10)) == 5
+        assert q.group("a") is a
+        with pytest.raises(ValueError, match="durable"):
+            q.group("a", durable=False)
+        q.group("a", ["t", "u"])
+        assert a.filters == ("t", "u")
+        assert q.min_pending() == 0
+        assert q.drop_group("b") and not q.drop_group("b")
+        await q.close()
+        q2 = FQueue.open(tmp_path, cfg())
+        assert [g.name for g in q2.groups()] == ["a"]  # clean group left nothing
+        q2.log.close()
+
+    run(body())
+
+
+def test_drop_group_removes_its_files(tmp_path: Path) -> None:
+    async def body() -> None:
+        q = FQueue.open(tmp_path, cfg())
+        await q.start()
+        name = "client/with weird%id"
+        q.group(name)
+        directory = tmp_path / "groups" / escape_group_name(name)
+        assert (directory / GROUP_FILE).exists()
+        assert q.drop_group(name)
+        assert not directory.exists()
+        assert q.get_group(name) is None
+        await q.close()
+
+    run(body())
+
+
+def test_bad_topic_and_not_started(tmp_path: Path) -> None:
+    async def body() -> None:
+        q = FQueue.open(tmp_path, cfg())
+        with pytest.raises(RuntimeError, match="not started"):
+            q.publish_nowait("t", b"")
+        await q.start()
+        with pytest.raises(InvalidTopic):
+            await q.publish("a/+", b"")
+        await q.close()
+        await q.close()  # idempotent
+
+    run(body())
+
+
+def test_retention_never_deletes_by_age_what_a_group_needs(tmp_path: Path) -> None:
+    async def body() -> None:
+        q = FQueue.open(tmp_path, cfg(retention_ms=1))
+        await q.start()
+        g = q.group("slow", start="earliest")
+        for _ in range(200):  # several 4 KiB segments
+            await q.publish("t", b"p" * 50)
+        await asyncio.sleep(0.05)  # retention runs every 10 ms; every segment is "old"
+        assert q.log.first_offset == 0  # the group still needs offset 0
+        for r in g.fetch(150):
+            g.ack(r.offset)
+        for _ in range(100):
+            if q.log.first_offset > 0:
+                break
+            await asyncio.sleep(0.01)
+        assert 0 < q.log.first_offset <= 150
+        assert q.last_retention is not None
+        await q.close()
+
+    run(body())
+
+
+def test_damaged_group_directory_is_skipped_not_fatal(tmp_path: Path) -> None:
+    async def body() -> None:
+        q = FQueue.open(tmp_path, cfg())
+        await q.start()
+        q.group("x" * 300)  # hashed directory name: group.json is the only copy of the name
+        q.group("ok")
+        await q.close()
+
+    run(body())
+    [hashed] = [p for p in (tmp_path / "groups").iterdir() if "~" in p.name]
+    (hashed / GROUP_FILE).write_text("garbage")
+    q = FQueue.open(tmp_path, cfg())
+    assert [g.name for g in q.groups()] == ["ok"]
+    q.log.close()

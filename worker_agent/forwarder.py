@@ -1,0 +1,443 @@
+"""The forwarder: ships the device log upstream in acknowledged batches.
+
+A :class:`Forwarder` reads the log through a durable consumer group (named ``forwarder``
+by the agent), packs records into batches (:mod:`filemq.batch`) bounded by records, bytes
+and linger time, and publishes each batch with QoS 1 to the collector, keeping up to
+``window`` batches in flight.
+
+What a caller may rely on:
+
+* **Pending advances only on the collector's PUBACK, in order.** The records of batch k are
+  acked in the group only after batch k's PUBACK *and* every earlier batch's; a PUBACK for
+  k+1 that arrives first is held. So after a crash the group resumes at a point the
+  collector has durably received everything below.
+* **Nothing is skipped on a lost connection.** When the connection drops, or the oldest
+  batch is not acknowledged within ``ack_timeout_s`` (a collector with a full disk stops
+  acking), every record in flight goes back to the group and is sent again on the next
+  connection (the collector drops what it already has by offset).
+* Reconnects use exponential backoff with full jitter between ``backoff_initial_s`` and
+  ``backoff_max_s``; the backoff resets only when a batch is acknowledged, so a collector
+  that accepts connections but never acks is not hammered.
+* An optional token bucket caps the upstream rate (bytes of batch payload per second).
+
+The forwarder knows nothing about sockets itself: ``connect`` builds an :class:`Upstream`
+(an :class:`filemq.mqtt.MQTTClient` in production, a fake in tests).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
+
+from filemq.batch import DEFAULT_STREAM, batch_topic, check_name, encode_batch
+
+if TYPE_CHECKING:
+    from segments import Record
+
+log = logging.getLogger(__name__)
+
+CONSUMER = "upstream"
+RECORD_OVERHEAD = 21  # bytes per record in a batch besides topic and payload (columns)
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+class Upstream(Protocol):
+    """One connection to the collector (``filemq.mqtt.MQTTClient`` fits)."""
+
+    closed: asyncio.Event
+
+    async def connect(self, timeout: float = 10.0) -> object: ...
+
+    def publish_nowait(
+        self, topic: str, payload: bytes, qos: int = 1, retain: bool = False
+    ) -> asyncio.Future[None]: ...
+
+    async def disconnect(self, timeout: float = 5.0) -> None: ...
+
+
+class ForwardGroup(Protocol):
+    """What the forwarder needs of its consumer group (``filemq.groups.ConsumerGroup``)."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def pending_offset(self) -> int: ...
+
+    @property
+    def doing_offset(self) -> int: ...
+
+    @property
+    def lag(self) -> int: ...
+
+    def fetch(self, max_records: int = 100, consumer: str = "") -> list[Record]: ...
+
+    def ack(self, offset: int) -> bool: ...
+
+    def release(self, consumer: str) -> int: ...
+
+    def has_work(self) -> bool: ...
+
+    def maybe_persist(self, now: float | None = None) -> bool: ...
+
+
+class UpstreamTimeout(Exception):
+    """The collector did not acknowledge a batch in time (it may be out of disk)."""
+
+    def __init__(self, first_offset: int, last_offset: int, seconds: float) -> None:
+        super().__init__(
+            f"collector did not acknowledge batch {first_offset}..{last_offset} within"
+            f" {seconds:g} s; reconnecting"
+        )
+        self.first_offset = first_offset
+        self.last_offset = last_offset
+
+
+@dataclass(frozen=True)
+class ForwarderConfig:
+    """Batching, window, backoff and rate settings (``[agent]`` in the config file)."""
+
+    device_id: str
+    stream: str = DEFAULT_STREAM
+    batch_records: int = 10_000
+    batch_bytes: int = 1 << 20
+    linger_s: float = 0.2
+    window: int = 4
+    compression: str = "none"
+    rate_limit_bytes_per_s: int | None = None
+    backoff_initial_s: float = 0.5
+    backoff_max_s: float = 60.0
+    ack_timeout_s: float = 30.0
+    connect_timeout_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        check_name("device id", self.device_id)
+        check_name("stream", self.stream)
+        if self.batch_records < 1 or self.batch_bytes < 1 or self.window < 1:
+            raise ValueError("batch_records, batch_bytes and window must be at least 1")
+        if not 0 < self.backoff_initial_s <= self.backoff_max_s:
+            raise ValueError("need 0 < backoff_initial_s <= backoff_max_s")
+
+
+@dataclass
+class ForwarderStats:
+    """Counters for ``$SYS``, ``filemq status`` and Prometheus (read them, don't write)."""
+
+    connected: bool = False
+    connects: int = 0
+    connect_failures: int = 0
+    disconnects: int = 0
+    ack_timeouts: int = 0
+    batches_sent: int = 0
+    batches_acked: int = 0
+    records_sent: int = 0
+    records_acked: int = 0
+    bytes_sent: int = 0
+    bytes_acked: int = 0
+    resent_records: int = 0  # records handed back to the group by a lost connection
+    inflight_batches: int = 0
+    acked_offset: int = -1  # highest offset acked by the collector (in order)
+    last_ack_unix: float | None = None
+    latency_sum_s: float = 0.0
+    latency_buckets: list[int] = field(default_factory=lambda: [0] * (len(LATENCY_BUCKETS) + 1))
+
+    def observe_latency(self, seconds: float) -> None:
+        self.latency_sum_s += seconds
+        for i, bound in enumerate(LATENCY_BUCKETS):
+            if seconds <= bound:
+                self.latency_buckets[i] += 1
+                return
+        self.latency_buckets[-1] += 1
+
+
+class TokenBucket:
+    """A byte-rate limiter: ``take(n)`` waits until ``n`` bytes fit the rate.
+
+    The bucket holds at most one second of tokens; a take larger than that is allowed and
+    pays for itself by waiting (so a batch bigger than the rate is sent, then paused after).
+    """
+
+    def __init__(self, rate: float, clock: Callable[[], float] = time.monotonic) -> None:
+        if rate <= 0:
+            raise ValueError("rate must be positive")
+        self.rate = float(rate)
+        self._clock = clock
+        self._tokens = self.rate
+        self._stamp = clock()
+
+    def delay_for(self, n: int) -> float:
+        """Take ``n`` tokens; the seconds to wait before using them (0 if available)."""
+        now = self._clock()
+        self._tokens = min(self.rate, self._tokens + (now - self._stamp) * self.rate)
+        self._stamp = now
+        self._tokens -= n
+        return 0.0 if self._tokens >= 0 else -self._tokens / self.rate
+
+    async def take(self, n: int) -> None:
+        delay = self.delay_for(n)
+        if delay > 0:
+            await asyncio.sleep(delay)
+
+
+def backoff_delay(attempt: int, initial: float, maximum: float, rng: random.Random) -> float:
+    """Full-jitter exponential backoff: uniform in [0, min(maximum, initial * 2**attempt)]."""
+    cap = min(maximum, initial * (2 ** min(attempt, 62)))
+    return rng.uniform(0.0, cap)
+
+
+@dataclass(slots=True)
+class _InFlight:
+    offsets: list[int]
+    nbytes: int
+    future: asyncio.Future[None]
+    sent_at: float
+
+
+class Forwarder:
+    """Forward one consumer group upstream until :meth:`stop`.
+
+    ``wait_for_records(offset)`` must return once the log may hold a record at ``offset``
+    (or later), e.g. ``Queue.wait_for_records``; the forwarder re-checks, so an early
+    return is harmless.
+    """
+
+    def __init__(
+        self,
+        group: ForwardGroup,
+        wait_for_records: Callable[[int], Awaitable[object]],
+        connect: Callable[[], Upstream],
+        config: ForwarderConfig,
+        *,
+        rng: random.Random | None = None,
+    ) -> None:
+        self.group = group
+        self.config = config
+        self.stats = ForwarderStats()
+        self.topic = batch_topic(config.device_id, config.stream)
+        self._wait_for_records = wait_for_records
+        self._connect = connect
+        self._rng = rng or random.Random()
+        self._bucket = (
+            TokenBucket(config.rate_limit_bytes_per_s) if config.rate_limit_bytes_per_s else None
+        )
+        self._inflight: deque[_InFlight] = deque()
+        self._carry: deque[Record] = deque()
+        self._task: asyncio.Task[None] | None = None
+        self._stopping = asyncio.Event()
+        self._attempt = 0
+        self._upstream: Upstream | None = None
+
+    # -- lifecycle -----------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start forwarding in a background task (call on the event loop)."""
+        if self._task is None:
+            self._task = asyncio.create_task(self._run(), name="filemq-forwarder")
+
+    async def stop(self) -> None:
+        """Stop: disconnect and hand every unacknowledged record back to the group."""
+        self._stopping.set()
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    @property
+    def backlog(self) -> int:
+        """Records in the log not yet acknowledged by the collector."""
+        return self.group.lag
+
+    # -- the connection loop ---------------------------------------------------------------
+
+    async def _run(self) -> None:
+        while not self._stopping.is_set():
+            upstream = self._connect()
+            try:
+                await upstream.connect(timeout=self.config.connect_timeout_s)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                self.stats.connect_failures += 1
+                await self._backoff(f"cannot connect to the collector: {exc}")
+                continue
+            self.stats.connects += 1
+            self.stats.connected = True
+            self._upstream = upstream
+            log.info("forwarder connected upstream; backlog %d records", self.group.lag)
+            reason = "stopped"
+            try:
+                reason = await self._forward(upstream)
+            finally:
+                self.stats.connected = False
+                self._upstream = None
+                self._abandon_inflight()
+                with contextlib.suppress(Exception):
+                    await asyncio.shield(upstream.disconnect(timeout=1.0))
+            self.stats.disconnects += 1
+            if not self._stopping.is_set():
+                await self._backoff(reason)
+
+    async def _backoff(self, reason: str) -> None:
+        delay = backoff_delay(
+            self._attempt, self.config.backoff_initial_s, self.config.backoff_max_s, self._rng
+        )
+        self._attempt += 1
+        log.warning("forwarder: %s; retrying in %.2f s", reason, delay)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._stopping.wait(), delay)
+
+    async def _forward(self, upstream: Upstream) -> str:
+        """Run one connection; returns why it ended."""
+        window = asyncio.Semaphore(self.config.window)
+        wake = asyncio.Event()
+        sender = asyncio.create_task(self._send_loop(upstream, window, wake), name="forwarder-send")
+        acker = asyncio.create_task(self._ack_loop(window, wake), name="forwarder-ack")
+        closed = asyncio.create_task(upstream.closed.wait(), name="forwarder-closed")
+        tasks = {sender, acker, closed}
+        try:
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        if closed in done:
+            return "connection to the collector closed"
+        for task in done:
+            exc = task.exception()
+            if isinstance(exc, UpstreamTimeout):
+                self.stats.ack_timeouts += 1
+                return str(exc)
+            if exc is not None:
+                if not isinstance(exc, OSError | ConnectionError):
+                    log.error("forwarder: unexpected error", exc_info=exc)
+                return f"connection failed: {exc}"
+        return "connection ended"
+
+    def _abandon_inflight(self) -> None:
+        """Give every record fetched on this connection back to the group, for resending."""
+        for item in self._inflight:
+            if not item.future.done():
+                item.future.cancel()
+        self._inflight.clear()
+        self._carry.clear()
+        self.stats.inflight_batches = 0
+        released = self.group.release(CONSUMER)
+        self.stats.resent_records += released
+
+    # -- sending ---------------------------------------------------------------------------
+
+    async def _send_loop(self, upstream: Upstream, window: asyncio.Semaphore, wake: asyncio.Event) -> None:
+        cfg = self.config
+        while True:
+            await window.acquire()
+            records = await self._collect()
+            payload = encode_batch(cfg.device_id, cfg.stream, records, compression=cfg.compression)
+            if self._bucket is not None:
+                await self._bucket.take(len(payload))
+            future = upstream.publish_nowait(self.topic, payload, qos=1)
+            self._inflight.append(
+                _InFlight([r.offset for r in records], len(payload), future, time.monotonic())
+            )
+            stats = self.stats
+            stats.batches_sent += 1
+            stats.records_sent += len(records)
+            stats.bytes_sent += len(payload)
+            stats.inflight_batches = len(self._inflight)
+            wake.set()
+
+    async def _collect(self) -> list[Record]:
+        """The next batch: waits for at least one record, then up to the linger time for more."""
+        cfg = self.config
+        batch: list[Record] = []
+        nbytes = 0
+        deadline: float | None = None
+        group = self.group
+        carry = self._carry
+        while True:
+            full = False
+            while carry:
+                record = carry[0]
+                size = len(record.payload) + len(record.topic) + RECORD_OVERHEAD
+                if batch and (nbytes + size > cfg.batch_bytes or len(batch) >= cfg.batch_records):
+                    full = True
+                    break
+                carry.popleft()
+                batch.append(record)
+                nbytes += size
+            if full or len(batch) >= cfg.batch_records or nbytes >= cfg.batch_bytes:
+                return batch
+            fetched = group.fetch(cfg.batch_records - len(batch), CONSUMER)
+            if fetched:
+                carry.extend(fetched)
+                continue
+            if batch:
+                now = time.monotonic()
+                if deadline is None:
+                    deadline = now + cfg.linger_s
+                if now >= deadline:
+                    return batch
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wait_for_records(group.doing_offset), deadline - now)
+            else:
+                await self._wait_for_records(group.doing_offset)
+
+    # -- acknowledgements --------------------------------------------------------------------
+
+    async def _ack_loop(self, window: asyncio.Semaphore, wake: asyncio.Event) -> None:
+        timeout = self.config.ack_timeout_s
+        inflight = self._inflight
+        group = self.group
+        stats = self.stats
+        while True:
+            while not inflight:
+                wake.clear()
+                await wake.wait()
+            head = inflight[0]
+            remaining = head.sent_at + timeout - time.monotonic()
+            try:
+                # In order: the head first, whatever order the PUBACKs arrive in.
+                await asyncio.wait_for(asyncio.shield(head.future), max(remaining, 0.0))
+            except TimeoutError:
+                raise UpstreamTimeout(head.offsets[0], head.offsets[-1], timeout) from None
+            inflight.popleft()
+            for offset in head.offsets:
+                group.ack(offset)
+            window.release()
+            now = time.monotonic()
+            stats.batches_acked += 1
+            stats.records_acked += len(head.offsets)
+            stats.bytes_acked += head.nbytes
+            stats.inflight_batches = len(inflight)
+            stats.acked_offset = head.offsets[-1]
+            stats.last_ack_unix = time.time()
+            stats.observe_latency(now - head.sent_at)
+            self._attempt = 0
+            group.maybe_persist(now)
+
+    def sys_messages(self) -> list[tuple[str, bytes]]:
+        """``$SYS/broker/forwarder/...`` topics and values describing progress and backlog."""
+        s = self.stats
+        g = self.group
+        prefix = "$SYS/broker/forwarder/"
+        values: Sequence[tuple[str, object]] = (
+            ("connected", int(s.connected)),
+            ("backlog", g.lag),
+            ("pending", g.pending_offset),
+            ("acked_offset", s.acked_offset),
+            ("batches/sent", s.batches_sent),
+            ("batches/acked", s.batches_acked),
+            ("batches/inflight", s.inflight_batches),
+            ("records/acked", s.records_acked),
+            ("bytes/sent", s.bytes_sent),
+            ("reconnects", s.disconnects),
+            ("ack_timeouts", s.ack_timeouts),
+        )
+        return [(prefix + name, str(value).encode()) for name, value in values]

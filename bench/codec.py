@@ -7,7 +7,8 @@ Measures
   amqtt's ``PublishPacket.from_stream`` reading the same bytes from an asyncio
   ``StreamReader`` (how amqtt's broker decodes);
 * encode: PUBACK for every packet id, ``encode(Puback(pid))`` versus amqtt's
-  ``PubackPacket.build(pid).to_bytes()``.
+  ``PubackPacket.build(pid).to_bytes()``, and the same PUBLISH packets, ``encode(Publish(...))``
+  versus ``PublishPacket.build(...).to_bytes()``.
 
 Both sides' results are checked (count, ids, last payload) so a fast but wrong decoder fails.
 Each figure is the best of ``rounds`` runs, to keep scheduler noise out of the ratio.
@@ -134,6 +135,35 @@ def encode_puback_amqtt(packets: int) -> float:
     return elapsed
 
 
+def _check_publish_bytes(wire: bytes, packets: int, whose: str) -> None:
+    decoder = Decoder(server=False)
+    decoder.feed(wire)
+    got = decoder.packets()
+    expected = Publish(TOPIC, bytes(range(PAYLOAD_SIZE)), 1, packet_id=_packet_id(packets - 1))
+    if got != [expected]:
+        raise AssertionError(f"{whose} PUBLISH encoding decodes to {got!r}")
+
+
+def encode_publish_ours(packets: int) -> float:
+    payload = bytes(range(PAYLOAD_SIZE))
+    started = time.perf_counter()
+    out = [encode(Publish(TOPIC, payload, 1, packet_id=_packet_id(i))) for i in range(packets)]
+    elapsed = time.perf_counter() - started
+    _check_publish_bytes(out[-1], packets, "our")
+    return elapsed
+
+
+def encode_publish_amqtt(packets: int) -> float:
+    from amqtt.mqtt.publish import PublishPacket
+
+    payload = bytes(range(PAYLOAD_SIZE))
+    started = time.perf_counter()
+    out = [PublishPacket.build(TOPIC, payload, _packet_id(i), False, 1, False).to_bytes() for i in range(packets)]
+    elapsed = time.perf_counter() - started
+    _check_publish_bytes(out[-1], packets, "amqtt's")
+    return elapsed
+
+
 def run_codec_bench(packets: int, rounds: int = 3, progress: Callable[[str], None] | None = None) -> list[CodecResult]:
     """Run every measurement; returns ours and amqtt's figure for decode and encode."""
     say = progress or log.info
@@ -148,6 +178,10 @@ def run_codec_bench(packets: int, rounds: int = 3, progress: Callable[[str], Non
     results.append(CodecResult("encode_puback", "filemq", packets, _best(rounds, lambda: encode_puback_ours(packets))))
     say("encode PUBACK: amqtt (baseline)")
     results.append(CodecResult("encode_puback", "amqtt", packets, _best(rounds, lambda: encode_puback_amqtt(packets))))
+    say("encode PUBLISH: filemq")
+    results.append(CodecResult("encode_publish", "filemq", packets, _best(rounds, lambda: encode_publish_ours(packets))))
+    say("encode PUBLISH: amqtt (baseline)")
+    results.append(CodecResult("encode_publish", "amqtt", packets, _best(rounds, lambda: encode_publish_amqtt(packets))))
     return results
 
 

@@ -362,3 +362,16 @@ def test_cached_topic_does_not_skip_checks(wire: bytes, fragment: str) -> None:
         # An oversized packet may already be refused by feed(); the rest by packets().
         decoder.feed(wire)
         decoder.packets()
+
+
+def test_codec_bench_runs_and_checks_both_sides() -> None:
+    from bench.codec import ratios, run_codec_bench
+
+    results = run_codec_bench(300, rounds=1, progress=lambda _msg: None)
+    assert {(r.operation, r.impl) for r in results} == {
+        (op, impl)
+        for op in ("decode_publish", "encode_puback", "encode_publish")
+        for impl in ("filemq", "amqtt")
+    }
+    assert all(r.packets == 300 and r.seconds > 0 for r in results)
+    assert set(ratios(results)) == {"decode_publish", "encode_puback", "encode_publish"}

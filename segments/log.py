@@ -171,6 +171,9 @@ class Log:
         self.recovery = RecoveryReport()
         self._lock = threading.Lock()  # the append buffer and offset counter
         self._write_lock = threading.RLock()  # segment files and the segment list
+        # Held by read() and by retention while it closes files: a read never preads a
+        # descriptor that was closed (and possibly reused for another file) under it.
+        self._delete_lock = threading.Lock()
         self._segments: list[Segment] = []
         self._bases: list[int] = []
         self._groups: list[_Group] = []
@@ -505,6 +508,10 @@ class Log:
         always returned if any is available.  Offsets lost to corruption or retention are
         simply absent; corrupt records are skipped, logged once and counted in :attr:`stats`.
         """
+        with self._delete_lock:
+            return self._read(offset, max_records, max_bytes)
+
+    def _read(self, offset: int, max_records: int, max_bytes: int) -> list[Record]:
         limit = self._committed_offset
         segments, bases = self._segments, self._bases
         offset = max(offset, segments[0].base_offset)
@@ -542,6 +549,7 @@ class Log:
         """Every record from ``offset`` on (up to :attr:`committed_offset`), and every corrupt spot.
 
         For ``filemq inspect`` / ``verify``: CRC-checks every byte; does not change stats.
+        Do not run :meth:`enforce_retention` while a scan is being iterated.
         """
         limit = self._committed_offset
         for segment in self._segments:
@@ -592,9 +600,11 @@ class Log:
             report = RetentionReport(first_offset=self.first_offset)
             if not doomed:
                 return report
-            self._set_segments(segments[len(doomed):])
+            with self._delete_lock:
+                self._set_segments(segments[len(doomed):])
+                for segment in doomed:
+                    segment.delete()
             for segment in doomed:
-                segment.delete()
                 report.segments_deleted += 1
                 report.bytes_deleted += segment.size
                 report.records_deleted += segment.next_offset - segment.base_offset

@@ -152,15 +152,9 @@ def unescape_group_name(escaped: str) -> str | None:
     return name if name and escape_group_name(name) == escaped else None
 
 
-class _Delivery:
-    """One outstanding (fetched, not yet acked) record of a group."""
-
-    __slots__ = ("record", "consumer", "deliveries")
-
-    def __init__(self, record: Record, consumer: str | None) -> None:
-        self.record = record
-        self.consumer = consumer  # None: waiting for redelivery
-        self.deliveries = 1
+# Value of an outstanding offset waiting for redelivery (no consumer holds it). MQTT strings
+# cannot contain U+0000, so no client id or share name can be equal to it.
+_WAITING = "\x00"
 
 
 @dataclass(frozen=True, slots=True)
@@ -208,7 +202,7 @@ class ConsumerGroup:
         self.directory = directory
         self.created = created or datetime.now(UTC).isoformat(timespec="seconds")
         self.config = config or GroupConfig()
-        self.stats = GroupStats()
+        self._stats = GroupStats()
         self._log = log_view
         self._fileio = fileio
         self._filters: tuple[str, ...] = ()
@@ -218,10 +212,14 @@ class ConsumerGroup:
         self._doing = start_offset
         # Offsets below this were possibly handed out before a restart: flag them DUP.
         self._redelivered_below = redelivered_below
-        self._outstanding: dict[int, _Delivery] = {}
+        # Fetched, not yet acked: offset -> consumer holding it (or _WAITING). Records are
+        # not kept: a redelivery reads the log again, so memory does not grow with the window.
+        self._outstanding: dict[int, str] = {}
+        self._again: set[int] = set()  # outstanding offsets delivered more than once
         self._order: deque[int] = deque()  # outstanding offsets, ascending; acked ones lazily
         self._redeliver: list[int] = []  # heap of offsets waiting for redelivery
-        self._acks_since_persist = 0
+        self._acks = 0
+        self._acks_at_persist = 0
         self._last_persist = time.monotonic()
         self._persisted = persisted or OffsetSnapshot(-1, -1)
         self._write_lock = threading.Lock()
@@ -427,11 +425,17 @@ class ConsumerGroup:
         """The offsets last written to disk (-1: never written)."""
         return self._persisted
 
+    @property
+    def stats(self) -> GroupStats:
+        """Counters since this group object was created (not persisted)."""
+        self._stats.acked = self._acks  # counted outside the dataclass: ack() is the hot path
+        return self._stats
+
     def in_flight(self, consumer: str | None = None) -> int:
         """Records handed out and not acked, for one consumer or (None) for all."""
         if consumer is None:
-            return sum(1 for d in self._outstanding.values() if d.consumer is not None)
-        return sum(1 for d in self._outstanding.values() if d.consumer == consumer)
+            return sum(1 for c in self._outstanding.values() if c != _WAITING)
+        return sum(1 for c in self._outstanding.values() if c == consumer)
 
     def has_work(self) -> bool:
         """True if :meth:`fetch` might return something now."""
@@ -444,28 +448,24 @@ class ConsumerGroup:
 
         Returned records are in flight with ``consumer`` until :meth:`ack`, :meth:`nack` or
         :meth:`release`. Records whose topic does not match the filters are skipped and
-        count as acked. Never blocks; an empty list means nothing is available right now.
+        count as acked. Never blocks and reads a bounded number of records per call, so an
+        empty list with :meth:`has_work` still True means: call again.
         """
         if self._closed:
             raise GroupClosed(self.name)
         out: list[Record] = []
-        stats = self.stats
+        stats = self._stats
         outstanding = self._outstanding
-        heap = self._redeliver
-        while heap and len(out) < max_records:
-            delivery = outstanding.get(heapq.heappop(heap))
-            if delivery is None or delivery.consumer is not None:
-                continue  # acked while waiting, or already handed out again
-            delivery.consumer = consumer
-            delivery.deliveries += 1
-            stats.redelivered += 1
-            out.append(delivery.record)
+        if self._redeliver:
+            self._take_redeliveries(out, max_records, consumer)
         first_new = len(out)
         remaining = max_records - first_new
         order_append = self._order.append
         read = self._log.read
         match_all = self._match_all
-        while remaining > 0:
+        # Bound the work of one call (it runs on the event loop) when few records match.
+        scan_budget = max(16 * max_records, 16384)
+        while remaining > 0 and scan_budget > 0:
             doing = self._doing
             if doing >= self._log.committed_offset:
                 break
@@ -486,7 +486,7 @@ class ConsumerGroup:
                 doing = offset + 1
                 topic = record.topic
                 if (match_all and topic[:1] != "$") or self.matches(topic):
-                    outstanding[offset] = _Delivery(record, consumer)
+                    outstanding[offset] = consumer
                     order_append(offset)
                     out.append(record)
                     matched += 1
@@ -494,6 +494,7 @@ class ConsumerGroup:
                     stats.skipped += 1
             self._doing = doing
             remaining -= matched
+            scan_budget -= len(records)
         below = self._redelivered_below
         if len(out) > first_new and out[first_new].offset < below:
             # New to this process but possibly handed out before the restart.
@@ -501,10 +502,28 @@ class ConsumerGroup:
         stats.delivered += len(out)
         return out
 
+    def _take_redeliveries(self, out: list[Record], max_records: int, consumer: str) -> None:
+        heap = self._redeliver
+        outstanding = self._outstanding
+        while heap and len(out) < max_records:
+            offset = heapq.heappop(heap)
+            if outstanding.get(offset) != _WAITING:
+                continue  # acked while waiting, or already handed out again
+            found = self._log.read(offset, 1)
+            if not found or found[0].offset != offset:
+                # Gone since it was first delivered (retention under a byte cap, or damage).
+                del outstanding[offset]
+                self._note_missing(offset, offset + 1)
+                continue
+            outstanding[offset] = consumer
+            self._again.add(offset)
+            self._stats.redelivered += 1
+            out.append(found[0])
+
     def _note_missing(self, expected: int, got: int) -> None:
         if got < expected:
             raise AssertionError(f"log returned offset {got} before requested {expected}")
-        self.stats.missing += got - expected
+        self._stats.missing += got - expected
         log.warning(
             "consumer group %r: offsets %d..%d are not in the log (dropped by retention or corrupt); skipped",
             self.name, expected, got - 1,
@@ -512,44 +531,42 @@ class ConsumerGroup:
 
     def ack(self, offset: int) -> bool:
         """Mark ``offset`` done (any order). False if it was not outstanding (duplicate ack)."""
-        if self._outstanding.pop(offset, None) is None:
+        outstanding = self._outstanding
+        if outstanding.pop(offset, None) is None:
             return False
-        self._acks_since_persist += 1
-        self.stats.acked += 1
+        self._acks += 1
+        if self._again:
+            self._again.discard(offset)
         order = self._order
         if order[0] == offset:
             # Advance past the acked prefix now, so the deque stays as small as the window.
             order.popleft()
-            outstanding = self._outstanding
             while order and order[0] not in outstanding:
                 order.popleft()
         return True
 
     def nack(self, offset: int) -> bool:
         """Give ``offset`` back for redelivery soon (before new records). False if not in flight."""
-        delivery = self._outstanding.get(offset)
-        if delivery is None or delivery.consumer is None:
+        holder = self._outstanding.get(offset)
+        if holder is None or holder == _WAITING:
             return False
-        delivery.consumer = None
+        self._outstanding[offset] = _WAITING
         heapq.heappush(self._redeliver, offset)
         return True
 
     def release(self, consumer: str) -> int:
         """The consumer is gone: its in-flight records go back for redelivery. Returns how many."""
-        count = 0
-        for offset, delivery in self._outstanding.items():
-            if delivery.consumer == consumer:
-                delivery.consumer = None
-                heapq.heappush(self._redeliver, offset)
-                count += 1
-        return count
+        mine = [offset for offset, holder in self._outstanding.items() if holder == consumer]
+        for offset in mine:
+            self._outstanding[offset] = _WAITING
+            heapq.heappush(self._redeliver, offset)
+        return len(mine)
 
     def redelivered(self, offset: int) -> bool:
         """True if the outstanding record ``offset`` may have been delivered before (MQTT DUP)."""
-        delivery = self._outstanding.get(offset)
-        if delivery is None:
+        if offset not in self._outstanding:
             return False
-        return delivery.deliveries > 1 or offset < self._redelivered_below
+        return offset in self._again or offset < self._redelivered_below
 
     # ---- persistence -----------------------------------------------------------------------
 
@@ -557,7 +574,7 @@ class ConsumerGroup:
         """True if offsets changed and the ack count or the interval says write them now."""
         if not self.durable or self._closed:
             return False
-        if self._acks_since_persist < self.config.persist_every_acks:
+        if self._acks - self._acks_at_persist < self.config.persist_every_acks:
             if now is None:
                 now = time.monotonic()
             if (now - self._last_persist) * 1000.0 < self.config.persist_interval_ms:
@@ -579,7 +596,8 @@ class ConsumerGroup:
 
     def snapshot(self, now: float | None = None) -> OffsetSnapshot:
         """Take the offsets to persist and restart the batching counters (event-loop thread)."""
-        self._acks_since_persist = 0
+        self._acks = 0
+        self._acks_at_persist = 0
         self._last_persist = time.monotonic() if now is None else now
         return OffsetSnapshot(self.pending_offset, self._doing)
 
@@ -599,10 +617,10 @@ class ConsumerGroup:
             pending = snap.pending if snap.pending > old.pending else old.pending
             if doing != old.doing:
                 self._doing_file.write(doing)
-                self.stats.persists += 1
+                self._stats.persists += 1
             if pending != old.pending:
                 self._pending_file.write(pending)
-                self.stats.persists += 1
+                self._stats.persists += 1
             self._persisted = OffsetSnapshot(pending, doing)
 
     def close(self) -> None:

@@ -1,0 +1,1030 @@
+"""The broker's shared state and rules, without sockets: sessions, routing, durable acks.
+
+:class:`BrokerCore` is what every :class:`~filemq.broker.session.Connection` delegates to.
+It runs on the event loop (it uses the queue's group committer) but never touches a socket:
+connections collect output bytes and the asyncio shell (:mod:`filemq.broker.server`) writes
+them after each event with :meth:`BrokerCore.flush`.
+
+What a caller may rely on:
+
+* **Durable ack.** A PUBLISH is appended with ``GroupCommitter.append_nowait``; its PUBACK
+  (QoS 1) / PUBREC (QoS 2) is queued on the connection behind the batch's shared commit
+  future and released by one done-callback per *batch* (not per message), so all the acks of
+  one fsync leave in one ``transport.write`` per connection.
+* **Routing.** Committed records are routed once, from the commit listener: the topic trie
+  (hashed children) finds the live connections and shared groups whose filters match, and
+  only those are woken.  Records are put in the :class:`~filemq.broker.tailcache.TailCache`
+  the groups read through, so live subscribers never re-read the segment files.
+* **Sessions.** A clean session gets a non-durable consumer group from the log's end (dropped
+  at disconnect); a persistent session gets the durable group ``mqtt-session:<client id>`` and
+  a :class:`~filemq.broker.sessions.StoredSession` (subscriptions with their start offsets,
+  QoS 2 inbound ids).  ``$share/<name>/<filter>`` subscriptions share the durable group
+  ``mqtt-share:<name>``: each record goes to one live member.
+* Delivered QoS = min(subscription QoS, message QoS); records older than the subscription
+  that matches them (its ``start``) are skipped and acked.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+from collections import Counter, deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
+
+from filemq.broker.session import AUTHENTICATING, AWAITING_CONNECT, CONNECTED, Connection
+from filemq.broker.sessions import SessionStore, StoredSession, StoredSubscription
+from filemq.mqtt.codec import ProtocolError, encode, encode_puback
+from filemq.mqtt.packets import (
+    CONNACK_ACCEPTED,
+    CONNACK_BAD_USERNAME_OR_PASSWORD,
+    CONNACK_IDENTIFIER_REJECTED,
+    CONNACK_NOT_AUTHORIZED,
+    CONNACK_RETURN_CODE_NAMES,
+    CONNACK_UNACCEPTABLE_PROTOCOL_VERSION,
+    SUBACK_FAILURE,
+    Connack,
+    Connect,
+    Publish,
+    Suback,
+    Subscribe,
+    Unsuback,
+    Unsubscribe,
+)
+from filemq.topics import (
+    InvalidTopic,
+    TopicTrie,
+    parse_shared,
+    topic_matches,
+    validate_topic_filter,
+    validate_topic_name,
+)
+from segments.record import Record
+
+if TYPE_CHECKING:
+    from filemq.acl import Acl
+    from filemq.auth import PasswordFile
+    from filemq.broker.tailcache import TailCache
+    from filemq.config import BrokerSection
+    from filemq.groups import ConsumerGroup
+    from filemq.queue import Queue
+    from filemq.retained import RetainedStore
+    from filemq.sysinfo import BrokerStats
+
+log = logging.getLogger("filemq.broker")
+
+SESSION_GROUP_PREFIX = "mqtt-session:"
+SHARE_GROUP_PREFIX = "mqtt-share:"
+CLEAN_GROUP_PREFIX = "mqtt-clean:"
+
+_PUBREC = 0x50
+_PUBREL = 0x62
+_PUBCOMP = 0x70
+_MAX_PUMP = 1000  # records pushed to one connection per wake-up before yielding the loop
+
+
+def _ack(first: int, packet_id: int) -> bytes:
+    return bytes((first, 2, packet_id >> 8, packet_id & 0xFF))
+
+
+# ---- the publish hook (collector: dedup and CRC checks) -----------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class ClientInfo:
+    """Who sent a PUBLISH: what a :data:`PublishHook` may base its decision on."""
+
+    client_id: str
+    username: str | None
+    peer: str
+
+
+@dataclass(frozen=True, slots=True)
+class HookResult:
+    """A :data:`PublishHook`'s verdict; build it with :meth:`store`, :meth:`ack_drop`, :meth:`reject`."""
+
+    action: Literal["store", "ack_drop", "reject"]
+    payload: bytes | None = None
+    reason: str = ""
+
+    @classmethod
+    def store(cls, payload: bytes | None = None) -> HookResult:
+        """Store the message (with ``payload`` instead of the received one, if given)."""
+        return cls("store", payload)
+
+    @classmethod
+    def ack_drop(cls, reason: str = "") -> HookResult:
+        """Acknowledge without storing (e.g. a duplicate); counted as dropped."""
+        return cls("ack_drop", None, reason)
+
+    @classmethod
+    def reject(cls, reason: str) -> HookResult:
+        """Do not acknowledge; close the connection, logging ``reason``."""
+        return cls("reject", None, reason)
+
+
+STORE = HookResult.store()
+
+PublishHook = Callable[[ClientInfo, Publish], HookResult]
+"""Called for every inbound PUBLISH (after validation and ACL) before it is stored."""
+
+
+# ---- per-client state ----------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Subscription:
+    """One subscription of a session; ``start`` is the first log offset it receives."""
+
+    filter: str  # as the client gave it, ``$share/...`` included
+    plain: str  # the filter without the share prefix
+    share: str | None
+    qos: int
+    start: int
+
+
+class Outbound:
+    """A QoS 1/2 PUBLISH sent to the client and not yet completed."""
+
+    __slots__ = ("offset", "group", "qos", "topic", "payload", "share", "stage", "retain")
+
+    def __init__(
+        self, offset: int, group: ConsumerGroup | None, qos: int, topic: str, payload: bytes,
+        share: str | None, retain: bool = False,
+    ) -> None:
+        self.offset = offset
+        self.group = group  # None: a retained-message delivery, not a group record
+        self.qos = qos
+        self.topic = topic
+        self.payload = payload
+        self.share = share
+        self.stage = 0  # 0: PUBLISH sent; 1: PUBREC received, PUBREL sent (QoS 2)
+        self.retain = retain
+
+
+class SessionState:
+    """One client id's session; a persistent one outlives its connections (and, through the
+    :class:`SessionStore`, the broker process)."""
+
+    def __init__(self, client_id: str, persistent: bool) -> None:
+        self.client_id = client_id
+        self.persistent = persistent
+        self.subs: dict[str, Subscription] = {}
+        self.group: ConsumerGroup | None = None
+        self.inflight: dict[int, Outbound] = {}
+        self.next_pid = 1
+        # QoS 2 inbound ids waiting for PUBREL -> the commit future of the stored record.
+        self.qos2_in: dict[int, asyncio.Future[None] | None] = {}
+        # Ids loaded from disk after a restart: maybe stale (their PUBREL write was lazy).
+        self.qos2_uncertain: set[int] = set()
+        self.qos2_dirty = False  # an added id must be written before its PUBREC
+        self.save_due = False  # something changed that should be written lazily
+        self.conn: Connection | None = None
+        self._qos_cache: dict[str, list[tuple[int, int, str | None]]] = {}
+
+    def own_filters(self) -> tuple[str, ...]:
+        return tuple(sorted({s.plain for s in self.subs.values() if s.share is None}))
+
+    def share_names(self) -> set[str]:
+        return {s.share for s in self.subs.values() if s.share is not None}
+
+    def subs_changed(self) -> None:
+        self._qos_cache.clear()
+
+    def granted_qos(self, topic: str, offset: int, share: str | None) -> int:
+        """Highest QoS of this session's subscriptions (of ``share``) that take this record; -1: none."""
+        entries = self._qos_cache.get(topic)
+        if entries is None:
+            entries = [
+                (s.start, s.qos, s.share) for s in self.subs.values() if topic_matches(s.plain, topic)
+            ]
+            if len(self._qos_cache) > 4096:
+                self._qos_cache.clear()
+            self._qos_cache[topic] = entries
+        best = -1
+        for start, qos, sh in entries:
+            if sh == share and start <= offset and qos > best:
+                best = qos
+        return best
+
+    def alloc_pid(self) -> int:
+        pid = self.next_pid
+        inflight = self.inflight
+        while pid in inflight:
+            pid = pid % 0xFFFF + 1
+        self.next_pid = pid % 0xFFFF + 1
+        return pid
+
+    def stored(self) -> StoredSession:
+        return StoredSession(
+            self.client_id,
+            {f: StoredSubscription(s.qos, s.start) for f, s in self.subs.items()},
+            set(self.qos2_in) | self.qos2_uncertain,
+        )
+
+
+class SharedGroup:
+    """``$share/<name>/...``: one durable consumer group whose live members share records."""
+
+    def __init__(self, name: str, group: ConsumerGroup) -> None:
+        self.name = name
+        self.group = group
+        self.members: list[Connection] = []
+        self.filter_refs: Counter[str] = Counter()
+        self.rr = 0
+
+    def __repr__(self) -> str:
+        return f"SharedGroup({self.name!r}, members={len(self.members)})"
+
+
+# ---- the core ------------------------------------------------------------------------------
+
+
+class BrokerCore:
+    """Broker state shared by all connections; see the module docstring for the guarantees."""
+
+    def __init__(
+        self,
+        queue: Queue,
+        cache: TailCache,
+        *,
+        config: BrokerSection,
+        store: SessionStore,
+        retained: RetainedStore,
+        stats: BrokerStats,
+        acl: Acl,
+        passwords: PasswordFile | None = None,
+        publish_hook: PublishHook | None = None,
+        group_factory: Callable[[str, tuple[str, ...], bool], ConsumerGroup] | None = None,
+    ) -> None:
+        self.queue = queue
+        self.log = queue.log
+        self._append = queue.publish_nowait
+        self.cache = cache
+        self.config = config
+        self.store = store
+        self.retained = retained
+        self.stats = stats
+        self.acl = acl
+        self.passwords = passwords
+        self.hook = publish_hook
+        self._group_factory = group_factory or (lambda n, f, d: queue.group(n, f, durable=d))
+        self.connect_timeout = 10.0
+        self.conns: set[Connection] = set()
+        self.connections: dict[str, Connection] = {}  # client id -> live connection
+        self.sessions: dict[str, SessionState] = {}  # persistent sessions known in memory
+        self.shares: dict[str, SharedGroup] = {}
+        self.trie: TopicTrie[Any] = TopicTrie()
+        self.sys_retained: dict[str, bytes] = {}
+        self._dirty: set[Connection] = set()
+        self._pending: deque[tuple[Record, asyncio.Future[None]]] = deque()
+        self._routed = self.log.committed_offset
+        self._batch_future: asyncio.Future[None] | None = None
+        self._batch_conns: set[Connection] = set()
+        self._clean_ids = 0
+        self._repump: set[Connection] = set()
+        self._repump_scheduled = False
+        self.anonymous_allowed = config.anonymous_allowed()
+        queue.add_commit_listener(self._on_committed)
+
+    @property
+    def routed_offset(self) -> int:
+        """Every committed record below this offset has been routed (and applied to retained)."""
+        return self._routed
+
+    # ---- output --------------------------------------------------------------------------
+
+    def mark_dirty(self, conn: Connection) -> None:
+        self._dirty.add(conn)
+
+    def flush(self) -> None:
+        """Write every connection's queued output with one transport write each."""
+        dirty = self._dirty
+        if not dirty:
+            return
+        self._dirty = set()
+        sent = 0
+        for conn in dirty:
+            if conn.closed or conn.transport is None:
+                continue
+            data = conn.data_to_send()
+            if data:
+                sent += len(data)
+                conn.transport.write(data)
+        self.stats.sent_bytes(sent)
+
+    def new_connection(self, conn: Connection) -> None:
+        self.conns.add(conn)
+
+    def at_capacity(self) -> bool:
+        return len(self.conns) >= self.config.max_connections
+
+    # ---- CONNECT -------------------------------------------------------------------------
+
+    def _refuse(self, conn: Connection, code: int, why: str) -> None:
+        conn.send_packet(Connack(False, code))
+        conn.close(f"CONNECT refused ({CONNACK_RETURN_CODE_NAMES.get(code, code)}): {why}", will=False,
+                   level=logging.WARNING)
+
+    def on_connect(self, conn: Connection, p: Connect) -> None:
+        if p.protocol_name != "MQTT" or p.protocol_level != 4:
+            self._refuse(conn, CONNACK_UNACCEPTABLE_PROTOCOL_VERSION,
+                         f"protocol {p.protocol_name!r} level {p.protocol_level}; only MQTT 3.1.1 (level 4)")
+            return
+        conn.client_id = p.client_id
+        conn.username = p.username
+        if not p.client_id:
+            if not p.clean_session:
+                self._refuse(conn, CONNACK_IDENTIFIER_REJECTED,
+                             "zero-length client id needs clean_session = 1")
+                return
+            conn.client_id = "filemq-" + secrets.token_hex(8)
+        if p.will_topic is not None:
+            try:
+                validate_topic_name(p.will_topic)
+            except InvalidTopic as exc:
+                raise ProtocolError(f"invalid will topic: {exc}", "CONNECT") from None
+            conn.will = Publish(p.will_topic, p.will_payload, p.will_qos, p.will_retain)
+        keepalive = p.keepalive
+        kmax = self.config.keepalive_max
+        if kmax is not None and (keepalive == 0 or keepalive > kmax):
+            keepalive = kmax
+        conn.keepalive = keepalive
+        passwords = self.passwords
+        if p.username is None:
+            if passwords is not None and not self.anonymous_allowed:
+                self._refuse(conn, CONNACK_NOT_AUTHORIZED, "anonymous clients are not allowed; send a username")
+                return
+            self._accept(conn, p)
+            return
+        if passwords is None:
+            self._accept(conn, p)  # no password file: usernames only select ACL rules
+            return
+        if p.password is None:
+            self._refuse(conn, CONNACK_BAD_USERNAME_OR_PASSWORD, f"user {p.username!r} sent no password")
+            return
+        if passwords.cached(p.username, p.password):
+            self._accept(conn, p)
+            return
+        # PBKDF2 takes ~100 ms: run it off the loop; packets arriving meanwhile wait.
+        conn.state = AUTHENTICATING
+        loop = asyncio.get_running_loop()
+        fut = loop.run_in_executor(None, passwords.check, p.username, p.password)
+        fut.add_done_callback(lambda f: self._auth_done(conn, p, f))
+
+    def _auth_done(self, conn: Connection, p: Connect, fut: asyncio.Future[bool]) -> None:
+        if conn.closed:
+            return
+        ok = not fut.cancelled() and fut.exception() is None and fut.result()
+        conn.state = AWAITING_CONNECT
+        if ok:
+            self._accept(conn, p)
+            conn.resume_after_auth()
+        else:
+            self._refuse(conn, CONNACK_BAD_USERNAME_OR_PASSWORD, f"wrong password for user {p.username!r}")
+        self.flush()
+
+    def _accept(self, conn: Connection, p: Connect) -> None:
+        cid = conn.client_id
+        conn.acl = self.acl.for_client(conn.username, cid)
+        old = self.connections.get(cid)
+        if old is not None and old is not conn:
+            # 3.1.4-2: the existing client is disconnected; it did not send DISCONNECT, so
+            # its will is published (3.1.2.5).
+            old.close(f"session taken over by a new connection from {conn.peer}", will=True)
+        present = False
+        if p.clean_session:
+            self._discard_persistent(cid)
+            state = SessionState(cid, persistent=False)
+        else:
+            mem = self.sessions.get(cid)
+            if mem is not None:
+                state, present = mem, True
+            else:
+                stored = self.store.load(cid)
+                state = SessionState(cid, persistent=True)
+                if stored is not None:
+                    present = True
+                    for f, entry in stored.subscriptions.items():
+                        share, plain = parse_shared(f)
+                        state.subs[f] = Subscription(f, plain, share, entry.qos, entry.start)
+                    state.qos2_uncertain = set(stored.qos2_inbound)
+                    if state.own_filters():
+                        state.group = self._group(SESSION_GROUP_PREFIX + cid, state.own_filters(), True)
+                self.sessions[cid] = state
+            self._auto_subscribe(conn, state)
+        conn.session = state
+        state.conn = conn
+        self.connections[cid] = conn
+        conn.state = CONNECTED
+        conn.send_packet(Connack(present, CONNACK_ACCEPTED))
+        self.stats.client_connected()
+        for sub in state.subs.values():
+            self._register(conn, state, sub)
+        # 4.4: re-send unacknowledged PUBLISH (DUP) and PUBREL with their original ids.
+        for pid, out in state.inflight.items():
+            if out.stage == 0:
+                conn.send(encode(Publish(out.topic, out.payload, out.qos, out.retain, True, pid)))
+            else:
+                conn.send(_ack(_PUBREL, pid))
+        log.info("client %r connected from %s (clean_session=%s, keepalive=%d, session_present=%s)",
+                 cid, conn.peer, p.clean_session, conn.keepalive, present)
+        self.pump(conn)
+
+    def _auto_subscribe(self, conn: Connection, state: SessionState) -> None:
+        changed = False
+        for rule in self.config.auto_subscribe:
+            f = rule.filter
+            if "%c" in f:
+                if any(ch in conn.client_id for ch in "+#/"):
+                    continue
+                f = f.replace("%c", conn.client_id)
+            if "%u" in f:
+                if conn.username is None or any(ch in conn.username for ch in "+#/"):
+                    continue
+                f = f.replace("%u", conn.username)
+            if f in state.subs:
+                continue
+            try:
+                share, plain = parse_shared(f)
+                validate_topic_filter(plain)
+            except InvalidTopic as exc:
+                log.warning("auto-subscribe %r for client %r skipped: %s", rule.filter, conn.client_id, exc)
+                continue
+            assert conn.acl is not None
+            if not conn.acl.can_subscribe(f):
+                log.warning("auto-subscribe %r for client %r denied by the ACL", f, conn.client_id)
+                continue
+            state.subs[f] = Subscription(f, plain, share, rule.qos, self.log.next_offset)
+            changed = True
+        if changed:
+            state.subs_changed()
+            self._update_groups(state)
+            self.store.save(state.stored())
+
+    def _discard_persistent(self, cid: str) -> None:
+        state = self.sessions.pop(cid, None)
+        stored = self.store.delete(cid)
+        if state is not None or stored:
+            self._drop_group(SESSION_GROUP_PREFIX + cid)
+            log.info("client %r connected with clean_session = 1: its persistent session was discarded", cid)
+
+    def _group(self, name: str, filters: tuple[str, ...], durable: bool) -> ConsumerGroup:
+        group = self._group_factory(name, filters, durable)
+        if tuple(group.filters) != filters:
+            group.set_filters(filters)
+        return self._through_cache(group)
+
+    def _through_cache(self, group: ConsumerGroup) -> ConsumerGroup:
+        # Groups read the log through the tail cache, so live subscribers never hit the files.
+        # ConsumerGroup has no public setter for its log view; it only reads through it.
+        group._log = self.cache  # noqa: SLF001
+        return group
+
+    def _drop_group(self, name: str) -> None:
+        self.queue.drop_group(name)
+
+    # ---- subscriptions -------------------------------------------------------------------
+
+    def _register(self, conn: Connection, state: SessionState, sub: Subscription) -> None:
+        if sub.share is None:
+            self.trie.add(sub.plain, conn)
+            return
+        sh = self._share(sub.share, sub.plain)
+        if conn not in sh.members:
+            sh.members.append(conn)
+        sh.filter_refs[sub.plain] += 1
+        if sh.filter_refs[sub.plain] == 1:
+            self.trie.add(sub.plain, sh)
+
+    def _unregister(self, conn: Connection, sub: Subscription) -> None:
+        if sub.share is None:
+            self.trie.remove(sub.plain, conn)
+            return
+        sh = self.shares.get(sub.share)
+        if sh is None:
+            return
+        sh.filter_refs[sub.plain] -= 1
+        if sh.filter_refs[sub.plain] <= 0:
+            del sh.filter_refs[sub.plain]
+            self.trie.remove(sub.plain, sh)
+
+    def _share(self, name: str, plain: str) -> SharedGroup:
+        sh = self.shares.get(name)
+        if sh is None:
+            group = self._through_cache(self._group_factory(SHARE_GROUP_PREFIX + name, (plain,), True))
+            sh = self.shares[name] = SharedGroup(name, group)
+        filters = sh.group.filters
+        if plain not in filters:
+            # Shared-group filters only grow: offline members may still need the old ones.
+            sh.group.set_filters(tuple(filters) + (plain,))
+        return sh
+
+    def _update_groups(self, state: SessionState) -> None:
+        own = state.own_filters()
+        if not own:
+            if state.group is not None and not state.persistent:
+                self._drop_group(state.group.name)
+                state.group = None
+            return
+        if state.group is None:
+            if state.persistent:
+                name = SESSION_GROUP_PREFIX + state.client_id
+            else:
+                self._clean_ids += 1
+                name = f"{CLEAN_GROUP_PREFIX}{state.client_id}:{self._clean_ids}"
+            state.group = self._group(name, own, state.persistent)
+        elif tuple(state.group.filters) != own:
+            state.group.set_filters(own)
+
+    def on_subscribe(self, conn: Connection, p: Subscribe) -> None:
+        state = conn.session
+        acl = conn.acl
+        assert state is not None and acl is not None
+        codes: list[int] = []
+        new_subs: list[Subscription] = []
+        start = self.log.next_offset
+        for f, qos in p.topics:
+            try:
+                share, plain = parse_shared(f)
+                validate_topic_filter(plain)
+            except InvalidTopic as exc:
+                log.info("client %r: SUBSCRIBE %r refused: %s", conn.client_id, f, exc)
+                codes.append(SUBACK_FAILURE)
+                continue
+            if len(f) > self.config.max_topic_length:
+                log.info("client %r: SUBSCRIBE filter of %d characters refused (max_topic_length %d)",
+                         conn.client_id, len(f), self.config.max_topic_length)
+                codes.append(SUBACK_FAILURE)
+                continue
+            if not acl.can_subscribe(f):
+                log.info("client %r (user %r): SUBSCRIBE %r denied by the ACL", conn.client_id, conn.username, f)
+                codes.append(SUBACK_FAILURE)
+                continue
+            qos = min(qos, 2)
+            old = state.subs.get(f)
+            if old is not None:
+                self._unregister(conn, old)
+            sub = Subscription(f, plain, share, qos, old.start if old is not None else start)
+            state.subs[f] = sub
+            new_subs.append(sub)
+            codes.append(qos)
+        if new_subs:
+            state.subs_changed()
+            self._update_groups(state)
+            for sub in new_subs:
+                self._register(conn, state, sub)
+            if state.persistent:
+                self.store.save(state.stored())
+        conn.send_packet(Suback(p.packet_id, codes))
+        for sub in new_subs:
+            self._send_retained(conn, state, sub)
+        self.pump(conn)
+
+    def _send_retained(self, conn: Connection, state: SessionState, sub: Subscription) -> None:
+        if sub.share is not None:
+            return  # retained messages are not sent for shared subscriptions (as MQTT 5)
+        if sub.plain.startswith("$SYS"):
+            for topic, payload in self.sys_retained.items():
+                if topic_matches(sub.plain, topic):
+                    conn.send(encode(Publish(topic, payload, 0, True)))
+            return
+        acl = conn.acl
+        for m in self.retained.match(sub.plain):
+            if acl is not None and acl.has_deny and not acl.can_receive(m.topic):
+                continue
+            qos = min(sub.qos, m.qos)
+            if qos == 0:
+                conn.send(encode(Publish(m.topic, m.payload, 0, True)))
+            else:
+                pid = state.alloc_pid()
+                state.inflight[pid] = Outbound(m.offset, None, qos, m.topic, m.payload, None, True)
+                conn.send(encode(Publish(m.topic, m.payload, qos, True, False, pid)))
+            self.stats.publish_sent()
+
+    def on_unsubscribe(self, conn: Connection, p: Unsubscribe) -> None:
+        state = conn.session
+        assert state is not None
+        changed = False
+        for f in p.topics:
+            sub = state.subs.pop(f, None)
+            if sub is not None:
+                self._unregister(conn, sub)
+                changed = True
+        if changed:
+            state.subs_changed()
+            self._update_groups(state)
+            if state.persistent:
+                self.store.save(state.stored())
+        conn.send_packet(Unsuback(p.packet_id))
+
+    # ---- inbound PUBLISH -----------------------------------------------------------------
+
+    def on_publish(self, conn: Connection, p: Publish) -> None:
+        stats = self.stats
+        topic = p.topic
+        stats.publish_received(topic, time.monotonic())
+        if len(topic) > self.config.max_topic_length:
+            conn.close(f"PUBLISH topic of {len(topic)} characters exceeds max_topic_length "
+                       f"{self.config.max_topic_length}", will=True, level=logging.WARNING)
+            return
+        qos = p.qos
+        if topic[0] == "$":
+            log.warning("client %r: PUBLISH to %r dropped: clients may not publish to $-topics",
+                        conn.client_id, topic)
+            stats.publish_denied()
+            self._ack_now(conn, p)
+            return
+        acl = conn.acl
+        if acl is not None and not acl.can_publish(topic):
+            log.warning("client %r (user %r): PUBLISH to %r denied by the ACL; acknowledged and dropped",
+                        conn.client_id, conn.username, topic)
+            stats.publish_denied()
+            self._ack_now(conn, p)
+            return
+        state = conn.session
+        assert state is not None
+        if qos == 2:
+            pid = p.packet_id
+            assert pid is not None
+            if pid in state.qos2_in:
+                # Already stored, PUBREL not seen: PUBREC again, do not store twice (4.3.3).
+                fut = state.qos2_in[pid]
+                conn.queue_ack(fut if fut is not None and not fut.done() else None, _ack(_PUBREC, pid))
+                return
+            if pid in state.qos2_uncertain:
+                state.qos2_uncertain.discard(pid)
+                if p.dup:
+                    state.qos2_in[pid] = None
+                    conn.queue_ack(None, _ack(_PUBREC, pid))
+                    return
+        payload = p.payload
+        hook = self.hook
+        if hook is not None:
+            result = hook(ClientInfo(conn.client_id, conn.username, conn.peer), p)
+            if result.action == "reject":
+                conn.close(f"PUBLISH to {topic!r} rejected: {result.reason}", will=True, level=logging.WARNING)
+                return
+            if result.action == "ack_drop":
+                stats.publish_denied()
+                if qos == 2:
+                    assert p.packet_id is not None
+                    state.qos2_in[p.packet_id] = None
+                self._ack_now(conn, p)
+                return
+            if result.payload is not None:
+                payload = result.payload
+        ts = time.time_ns() // 1000
+        try:
+            offset, fut = self._append(topic, payload, qos, p.retain, ts)
+        except (OSError, ValueError) as exc:
+            if qos:
+                conn.close(f"storing PUBLISH to {topic!r} failed: {exc}", will=True, level=logging.ERROR)
+            else:
+                log.error("client %r: QoS 0 PUBLISH to %r dropped: %s", conn.client_id, topic, exc)
+            return
+        self._track(Record(offset, ts, topic, payload, qos, p.retain), fut)
+        if qos == 0:
+            return
+        pid = p.packet_id
+        assert pid is not None
+        if qos == 1:
+            conn.queue_ack(fut, encode_puback(pid), offset)
+        else:
+            state.qos2_in[pid] = fut
+            if state.persistent:
+                state.qos2_dirty = True
+            conn.queue_ack(fut, _ack(_PUBREC, pid), offset)
+        if not conn.in_commit_batch or self._batch_future is not fut:
+            self._join_batch(conn, fut)
+
+    def _ack_now(self, conn: Connection, p: Publish) -> None:
+        if p.qos == 1:
+            assert p.packet_id is not None
+            conn.queue_ack(None, encode_puback(p.packet_id))
+        elif p.qos == 2:
+            assert p.packet_id is not None
+            conn.session.qos2_in.setdefault(p.packet_id, None)  # type: ignore[union-attr]
+            conn.queue_ack(None, _ack(_PUBREC, p.packet_id))
+
+    def _track(self, record: Record, fut: asyncio.Future[None]) -> None:
+        pending = self._pending
+        if pending and pending[-1][0].offset >= record.offset:
+            # A failed commit made the log reuse offsets: those entries were never stored.
+            while pending and pending[-1][0].offset >= record.offset:
+                pending.pop()
+        pending.append((record, fut))
+
+    def _join_batch(self, conn: Connection, fut: asyncio.Future[None]) -> None:
+        if fut is not self._batch_future:
+            for c in self._batch_conns:
+                c.in_commit_batch = False
+            self._batch_future = fut
+            conns: set[Connection] = set()
+            self._batch_conns = conns
+            fut.add_done_callback(lambda f: self._on_batch_done(conns, f))
+        self._batch_conns.add(conn)
+        conn.in_commit_batch = True
+
+    def _on_batch_done(self, conns: set[Connection], fut: asyncio.Future[None]) -> None:
+        """One callback per commit batch: release the acks it covers, connection by connection."""
+        if fut is self._batch_future:
+            self._batch_future = None
+            self._batch_conns = set()
+        ok = not fut.cancelled() and fut.exception() is None
+        for conn in conns:
+            conn.in_commit_batch = False
+            if conn.closed:
+                continue
+            state = conn.session
+            if ok and state is not None and state.qos2_dirty:
+                # The record is durable; the id must be too before PUBREC goes out.
+                state.qos2_dirty = False
+                self._save_session(state)
+            conn.ack_ready()
+        self.flush()
+
+    def _save_session(self, state: SessionState) -> None:
+        state.save_due = False
+        try:
+            self.store.save(state.stored())
+        except OSError as exc:
+            log.error("client %r: writing the session file failed: %s", state.client_id, exc)
+
+    def store_internal(self, topic: str, payload: bytes, qos: int, retain: bool) -> None:
+        """Store a message the broker itself publishes (a will); nobody waits for its ack."""
+        ts = time.time_ns() // 1000
+        try:
+            offset, fut = self._append(topic, payload, qos, retain, ts)
+        except (OSError, ValueError, RuntimeError) as exc:
+            log.error("message to %r not stored: %s", topic, exc)
+            return
+        self._track(Record(offset, ts, topic, payload, qos, retain), fut)
+
+    # ---- routing committed records ---------------------------------------------------------
+
+    def _on_committed(self, committed: int) -> None:
+        pending = self._pending
+        routed = self._routed
+        records: list[Record] = []
+        while pending and pending[0][0].offset < committed:
+            record, fut = pending.popleft()
+            if fut.done() and (fut.cancelled() or fut.exception() is not None):
+                continue
+            if record.offset < routed:
+                continue
+            if record.offset > routed:
+                records.extend(self._read_gap(routed, record.offset))
+            records.append(record)
+            routed = record.offset + 1
+        if routed < committed and not (pending and pending[0][0].offset == routed):
+            records.extend(self._read_gap(routed, committed))
+            routed = committed
+        self._routed = max(routed, self._routed)
+        if records:
+            self._route(records)
+
+    def _read_gap(self, start: int, end: int) -> list[Record]:
+        """Records appended by someone else (e.g. the queue API) that the broker must route."""
+        out: list[Record] = []
+        while start < end:
+            batch = self.log.read(start, min(1000, end - start))
+            batch = [r for r in batch if r.offset < end]
+            if not batch:
+                break
+            out.extend(batch)
+            start = batch[-1].offset + 1
+        return out
+
+    def _route(self, records: list[Record]) -> None:
+        cache_put = self.cache.put
+        retained = self.retained
+        match = self.trie.match
+        woken: set[Any] = set()
+        seen: dict[str, None] = {}
+        for r in records:
+            cache_put(r)
+            if r.retain:
+                retained.apply(r)
+            if r.topic not in seen:
+                seen[r.topic] = None
+                woken |= match(r.topic)
+        for target in woken:
+            if isinstance(target, SharedGroup):
+                self.pump_share(target)
+            else:
+                self.pump(target)
+        self.flush()
+
+    # ---- delivery --------------------------------------------------------------------------
+
+    def pump(self, conn: Connection) -> None:
+        """Push records to ``conn`` while its in-flight window has room."""
+        state = conn.session
+        if state is None or conn.closed or conn.paused or state.conn is not conn:
+            return
+        group = state.group
+        pushed = 0
+        if group is not None:
+            cid = conn.client_id
+            deliver = self._deliver
+            while pushed < _MAX_PUMP:
+                room = conn.max_inflight - len(state.inflight)
+                if room <= 0 or conn.paused:
+                    break
+                records = group.fetch(min(room, 100), cid)
+                if not records:
+                    break
+                for r in records:
+                    deliver(conn, state, group, r, None)
+                pushed += len(records)
+            if pushed >= _MAX_PUMP:
+                self._schedule_repump(conn)
+        for name in state.share_names():
+            sh = self.shares.get(name)
+            if sh is not None:
+                self.pump_share(sh)
+
+    def _schedule_repump(self, conn: Connection) -> None:
+        self._repump.add(conn)
+        if not self._repump_scheduled:
+            self._repump_scheduled = True
+            asyncio.get_running_loop().call_soon(self._do_repump)
+
+    def _do_repump(self) -> None:
+        self._repump_scheduled = False
+        conns, self._repump = self._repump, set()
+        for conn in conns:
+            self.pump(conn)
+        self.flush()
+
+    def pump_share(self, sh: SharedGroup) -> None:
+        """Hand the shared group's records to its live members, a few at a time each."""
+        members = [m for m in sh.members if not m.closed and not m.paused and m.session is not None]
+        if not members:
+            return
+        group = sh.group
+        for _ in range(_MAX_PUMP):
+            progress = False
+            n = len(members)
+            for i in range(n):
+                conn = members[(sh.rr + i) % n]
+                state = conn.session
+                assert state is not None
+                room = conn.max_inflight - len(state.inflight)
+                if room <= 0 or conn.paused:
+                    continue
+                records = group.fetch(min(room, 8), conn.client_id)
+                if records:
+                    progress = True
+                    for r in records:
+                        self._deliver(conn, state, group, r, sh.name)
+            sh.rr += 1
+            if not progress:
+                return
+
+    def _deliver(self, conn: Connection, state: SessionState, group: ConsumerGroup, r: Record,
+                 share: str | None) -> None:
+        offset = r.offset
+        qos = state.granted_qos(r.topic, offset, share)
+        if qos < 0:
+            group.ack(offset)  # older than the subscription that matches it
+            return
+        acl = conn.acl
+        if acl is not None and acl.has_deny and not acl.can_receive(r.topic):
+            group.ack(offset)
+            return
+        if r.qos < qos:
+            qos = r.qos
+        self.stats.publish_sent()
+        if qos == 0:
+            conn.send(encode(Publish(r.topic, r.payload)))
+            group.ack(offset)
+            return
+        pid = state.alloc_pid()
+        state.inflight[pid] = Outbound(offset, group, qos, r.topic, r.payload, share)
+        conn.send(encode(Publish(r.topic, r.payload, qos, False, group.redelivered(offset), pid)))
+
+    def on_puback(self, conn: Connection, pid: int) -> None:
+        state = conn.session
+        assert state is not None
+        out = state.inflight.get(pid)
+        if out is None or out.qos != 1:
+            log.debug("client %r: PUBACK for unknown packet id %d ignored", conn.client_id, pid)
+            return
+        del state.inflight[pid]
+        if out.group is not None:
+            out.group.ack(out.offset)
+        self.pump(conn)
+
+    def on_pubrec(self, conn: Connection, pid: int) -> None:
+        state = conn.session
+        assert state is not None
+        out = state.inflight.get(pid)
+        if out is not None and out.qos == 2 and out.stage == 0:
+            out.stage = 1
+            if out.group is not None:
+                # The client has the message: the group may move on; only the id is pending.
+                out.group.ack(out.offset)
+        conn.send(_ack(_PUBREL, pid))
+
+    def on_pubcomp(self, conn: Connection, pid: int) -> None:
+        state = conn.session
+        assert state is not None
+        out = state.inflight.get(pid)
+        if out is not None and out.qos == 2:
+            del state.inflight[pid]
+            if out.stage == 0 and out.group is not None:
+                out.group.ack(out.offset)
+        self.pump(conn)
+
+    def on_pubrel(self, conn: Connection, pid: int) -> None:
+        state = conn.session
+        assert state is not None
+        if state.qos2_in.pop(pid, None) is not None or pid in state.qos2_uncertain:
+            state.qos2_uncertain.discard(pid)
+        if state.persistent:
+            state.save_due = True  # removals are written lazily (see sessions.py)
+        conn.queue_ack(None, _ack(_PUBCOMP, pid))
+
+    # ---- disconnect ------------------------------------------------------------------------
+
+    def on_close(self, conn: Connection, prev_state: str) -> None:
+        self.conns.discard(conn)
+        self._dirty.discard(conn)
+        self._repump.discard(conn)
+        if prev_state != CONNECTED:
+            return
+        self.stats.client_disconnected()
+        cid = conn.client_id
+        if self.connections.get(cid) is conn:
+            del self.connections[cid]
+        state = conn.session
+        if state is not None and state.conn is conn:
+            state.conn = None
+            for sub in state.subs.values():
+                self._unregister(conn, sub)
+            for name in state.share_names():
+                sh = self.shares.get(name)
+                if sh is None:
+                    continue
+                if conn in sh.members:
+                    sh.members.remove(conn)
+                # Its unacked shared records go to the other members, not back to it later.
+                for pid in [p for p, o in state.inflight.items() if o.share == name and o.stage == 0]:
+                    del state.inflight[pid]
+                if sh.group.release(cid):
+                    self.pump_share(sh)
+            if state.persistent:
+                if state.save_due or state.qos2_dirty:
+                    state.qos2_dirty = False
+                    self._save_session(state)
+            elif state.group is not None:
+                self._drop_group(state.group.name)
+                state.group = None
+        will = conn.will
+        if conn.publish_will and will is not None:
+            acl = conn.acl
+            if will.topic.startswith("$") or (acl is not None and not acl.can_publish(will.topic)):
+                log.warning("client %r: will to %r not published (ACL or $-topic)", cid, will.topic)
+            else:
+                log.info("client %r: publishing its will to %r", cid, will.topic)
+                self.store_internal(will.topic, will.payload, will.qos, will.retain)
+
+    # ---- periodic work ---------------------------------------------------------------------
+
+    def tick(self, now: float | None = None) -> None:
+        """Once a second: keepalive and connect timeouts."""
+        if now is None:
+            now = time.monotonic()
+        for conn in list(self.conns):
+            if conn.keepalive_expired(now):
+                if conn.state == AWAITING_CONNECT:
+                    conn.close(f"no CONNECT within {self.connect_timeout:.0f} s", will=False)
+                else:
+                    conn.close(f"keepalive expired (no packet for 1.5 x {conn.keepalive} s)", will=True)
+        self.flush()
+
+    def publish_sys(self, messages: list[tuple[str, bytes]]) -> None:
+        """Send ``$SYS`` messages (not stored in the log) to live subscribers as QoS 0."""
+        for topic, payload in messages:
+            self.sys_retained[topic] = payload
+            for target in self.trie.match(topic):
+                if isinstance(target, Connection) and not target.closed:
+                    target.send(encode(Publish(topic, payload)))
+        self.flush()
+
+    def save_sessions(self) -> None:
+        """Write every persistent session with unwritten changes (shutdown, periodic)."""
+        for state in self.sessions.values():
+            if state.save_due or state.qos2_dirty:
+                state.qos2_dirty = False
+                self._save_session(state)
+
+    def close_all(self, reason: str) -> None:
+        for conn in list(self.conns):
+            conn.close(reason, will=False)
+        self.flush()

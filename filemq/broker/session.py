@@ -1,0 +1,267 @@
+"""The per-connection MQTT 3.1.1 state machine, without I/O (as h11 is for HTTP).
+
+Bytes go in with :meth:`Connection.receive_data`; bytes to send collect in an output buffer
+that the owner drains with :meth:`Connection.data_to_send` (the asyncio shell writes it with
+one ``transport.write`` per event, so many PUBACKs of one group commit leave in one write).
+Everything that concerns more than this connection -- authentication, storing a PUBLISH,
+routing, subscriptions, retained messages, wills -- is delegated to the
+:class:`~filemq.broker.core.BrokerCore` it was created with.
+
+What a caller may rely on:
+
+* The first packet must be CONNECT and a second CONNECT is a protocol violation; either
+  closes the connection.  Any :class:`~filemq.mqtt.ProtocolError` closes it too, with the
+  reason logged with client id and peer.  :meth:`receive_data` never raises.
+* A QoS 1 PUBACK / QoS 2 PUBREC is queued only after the record's group-commit future has
+  resolved (``ack_ready`` is driven by the core from the future's callback), in arrival
+  order; a failed commit closes the connection instead of acknowledging.
+* :attr:`closed` turns True exactly once; :attr:`close_reason` says why and
+  :attr:`publish_will` whether the will message is (to be) published.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Protocol
+
+from filemq.mqtt.codec import Decoder, ProtocolError, encode
+from filemq.mqtt.packets import (
+    Connect,
+    Disconnect,
+    Pingreq,
+    Puback,
+    Pubcomp,
+    Publish,
+    Pubrec,
+    Pubrel,
+    Subscribe,
+    Unsubscribe,
+)
+
+if TYPE_CHECKING:
+    import asyncio
+
+    from filemq.acl import ClientAcl
+    from filemq.broker.core import BrokerCore, SessionState
+
+log = logging.getLogger("filemq.broker")
+
+PINGRESP = b"\xd0\x00"
+
+AWAITING_CONNECT = "awaiting-connect"
+AUTHENTICATING = "authenticating"
+CONNECTED = "connected"
+CLOSED = "closed"
+
+
+class Transport(Protocol):
+    """The two things a connection needs from its socket (asyncio.Transport satisfies it)."""
+
+    def write(self, data: bytes) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class Connection:
+    """One client connection: protocol state, inbound acks waiting for commit, output buffer."""
+
+    __slots__ = (
+        "core", "peer", "transport", "decoder", "state", "out", "client_id", "username",
+        "keepalive", "last_rx", "will", "session", "acl", "pending_acks", "closed",
+        "close_reason", "publish_will", "paused", "backlog", "max_inflight", "in_commit_batch",
+        "connected_at",
+    )
+
+    def __init__(
+        self,
+        core: BrokerCore,
+        peer: str,
+        transport: Transport | None = None,
+        *,
+        max_packet_size: int = 1 << 20,
+        max_inflight: int = 20,
+        now: float | None = None,
+    ) -> None:
+        self.core = core
+        self.peer = peer
+        self.transport = transport
+        self.decoder = Decoder(max_packet_size, server=True)
+        self.state = AWAITING_CONNECT
+        self.out = bytearray()
+        self.client_id = ""
+        self.username: str | None = None
+        self.keepalive = 0
+        self.last_rx = time.monotonic() if now is None else now
+        self.connected_at = self.last_rx
+        self.will: Publish | None = None
+        self.session: SessionState | None = None
+        self.acl: ClientAcl | None = None
+        # (commit future or None, ack bytes), in arrival order: acks leave in this order.
+        self.pending_acks: deque[tuple[asyncio.Future[None] | None, bytes, int]] = deque()
+        self.closed = False
+        self.close_reason = ""
+        self.publish_will = False
+        self.paused = False  # the transport's buffer is full: do not push deliveries
+        self.backlog: list[object] = []  # packets decoded while authenticating
+        self.max_inflight = max_inflight
+        self.in_commit_batch = False
+
+    def __repr__(self) -> str:
+        return f"Connection({self.client_id!r}, peer={self.peer}, state={self.state})"
+
+    # ---- bytes in ----------------------------------------------------------------------
+
+    def receive_data(self, data: bytes, now: float | None = None) -> None:
+        """Feed received bytes; handles every complete packet. Never raises."""
+        if self.closed:
+            return
+        self.last_rx = time.monotonic() if now is None else now
+        try:
+            self.decoder.feed(data)
+            packets = self.decoder.packets()
+        except ProtocolError as exc:
+            self.close(f"protocol error: {exc.reason}", will=True, level=logging.WARNING)
+            return
+        self.handle_packets(packets)
+
+    def handle_packets(self, packets: Sequence[object]) -> None:
+        core = self.core
+        for i, packet in enumerate(packets):
+            if self.closed:
+                return
+            if self.state == AUTHENTICATING:
+                self.backlog.extend(packets[i:])
+                return
+            try:
+                if type(packet) is Publish:
+                    if self.state != CONNECTED:
+                        raise ProtocolError("PUBLISH before CONNECT")
+                    core.on_publish(self, packet)
+                elif type(packet) is Puback:
+                    self._require_connected("PUBACK")
+                    core.on_puback(self, packet.packet_id)
+                elif type(packet) is Connect:
+                    if self.state != AWAITING_CONNECT:
+                        raise ProtocolError("second CONNECT on one connection")
+                    core.on_connect(self, packet)
+                elif type(packet) is Pubrec:
+                    self._require_connected("PUBREC")
+                    core.on_pubrec(self, packet.packet_id)
+                elif type(packet) is Pubrel:
+                    self._require_connected("PUBREL")
+                    core.on_pubrel(self, packet.packet_id)
+                elif type(packet) is Pubcomp:
+                    self._require_connected("PUBCOMP")
+                    core.on_pubcomp(self, packet.packet_id)
+                elif type(packet) is Subscribe:
+                    self._require_connected("SUBSCRIBE")
+                    core.on_subscribe(self, packet)
+                elif type(packet) is Unsubscribe:
+                    self._require_connected("UNSUBSCRIBE")
+                    core.on_unsubscribe(self, packet)
+                elif type(packet) is Pingreq:
+                    self._require_connected("PINGREQ")
+                    self.send(PINGRESP)
+                elif type(packet) is Disconnect:
+                    self._require_connected("DISCONNECT")
+                    self.close("client sent DISCONNECT", will=False, level=logging.DEBUG)
+                    return
+                else:  # pragma: no cover - the server-side decoder yields only the types above
+                    raise ProtocolError(f"unexpected packet {type(packet).__name__}")
+            except ProtocolError as exc:
+                self.close(f"protocol error: {exc.reason}", will=True, level=logging.WARNING)
+                return
+
+    def _require_connected(self, name: str) -> None:
+        if self.state != CONNECTED:
+            raise ProtocolError(f"{name} before CONNECT (the first packet must be CONNECT)")
+
+    def resume_after_auth(self) -> None:
+        """Handle packets that arrived while the CONNECT was being authenticated."""
+        backlog, self.backlog = self.backlog, []
+        if backlog and not self.closed:
+            self.handle_packets(backlog)
+
+    # ---- bytes out ---------------------------------------------------------------------
+
+    def send(self, data: bytes) -> None:
+        if not self.closed:
+            self.out += data
+            self.core.mark_dirty(self)
+
+    def send_packet(self, packet: object) -> None:
+        self.send(encode(packet))  # type: ignore[arg-type]
+
+    def data_to_send(self) -> bytes:
+        """Everything queued for the peer since the last call (possibly empty)."""
+        if not self.out:
+            return b""
+        data = bytes(self.out)
+        self.out.clear()
+        return data
+
+    def queue_ack(self, future: asyncio.Future[None] | None, ack: bytes, offset: int = -1) -> None:
+        """Send ``ack`` once ``future`` (a commit) has resolved, after every ack queued before."""
+        if future is None and not self.pending_acks:
+            self.send(ack)
+            return
+        self.pending_acks.append((future, ack, offset))
+
+    def ack_ready(self) -> bool:
+        """Move acks whose commits resolved to the output, in order.
+
+        Returns False (and closes the connection) if a commit failed: the client gets no
+        acknowledgement and will re-send after reconnecting.
+        """
+        acks = self.pending_acks
+        parts: list[bytes] = []
+        while acks:
+            future, ack, _ = acks[0]
+            if future is not None:
+                if not future.done():
+                    break
+                if future.cancelled() or future.exception() is not None:
+                    exc = None if future.cancelled() else future.exception()
+                    acks.clear()
+                    if parts:
+                        self.send(b"".join(parts))
+                    self.close(f"storing a PUBLISH failed ({exc!r}); not acknowledged", will=True,
+                               level=logging.ERROR)
+                    return False
+            acks.popleft()
+            parts.append(ack)
+        if parts:
+            self.send(parts[0] if len(parts) == 1 else b"".join(parts))
+        return True
+
+    # ---- closing -----------------------------------------------------------------------
+
+    def close(self, reason: str, *, will: bool, level: int = logging.INFO) -> None:
+        """Close this connection (once): log why, tell the core, close the transport."""
+        if self.closed:
+            return
+        self.closed = True
+        self.close_reason = reason
+        self.publish_will = will and self.will is not None and self.state == CONNECTED
+        log.log(level, "closing connection of client %r from %s: %s", self.client_id, self.peer, reason)
+        prev_state = self.state
+        self.state = CLOSED
+        self.core.on_close(self, prev_state)
+        if self.transport is not None:
+            data = self.data_to_send()
+            if data:
+                self.transport.write(data)
+            self.transport.close()
+
+    def connection_lost(self, reason: str = "connection lost") -> None:
+        """The peer went away without DISCONNECT (abnormal: the will is published)."""
+        self.close(reason, will=True, level=logging.INFO)
+
+    def keepalive_expired(self, now: float) -> bool:
+        """True when no packet arrived for 1.5 x keepalive (spec 3.1.2.10)."""
+        if self.state == AWAITING_CONNECT:
+            return now - self.last_rx > self.core.connect_timeout
+        return self.keepalive > 0 and now - self.last_rx > self.keepalive * 1.5

@@ -1,0 +1,168 @@
+"""The durable store of persistent MQTT sessions (clean_session = 0).
+
+One small JSON file per session, ``<data_dir>/sessions/<escaped client id>.json``, replaced
+with :func:`segments.fileio.atomic_write` (temp file, fdatasync, rename, directory fsync), so
+a reader sees the old or the new version after a crash, never a mix.  What it holds:
+
+* ``subscriptions``: filter -> ``{"qos", "start"}``; ``start`` is the log offset from which
+  the subscription receives records (the log's next offset at SUBSCRIBE time), so a filter
+  added later to a session whose consumer group is behind does not pull in older records.
+* ``qos2_inbound``: packet ids of QoS 2 PUBLISHes that were stored and PUBREC'ed but whose
+  PUBREL has not been seen.  Added ids are written *after* the record's commit and *before*
+  the PUBREC goes out; removals (PUBREL) are written lazily with the next write.  So after a
+  crash the set may hold stale ids; the broker treats a loaded id as a duplicate only when
+  the re-sent PUBLISH has DUP = 1 (see docs/BROKER.md, "QoS 2 inbound").
+
+The message backlog is not here: it stays in the log, behind the session's consumer group
+(:mod:`filemq.groups`).  Writes happen on SUBSCRIBE/UNSUBSCRIBE and on QoS 2 traffic, never
+per QoS 0/1 message.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from filemq.groups import escape_group_name
+from filemq.topics import InvalidTopic, parse_shared, validate_topic_filter
+from segments.fileio import OS_FILE_IO, FileIO, atomic_write
+
+log = logging.getLogger(__name__)
+
+SESSIONS_DIR = "sessions"
+SESSION_FORMAT = 1
+
+
+@dataclass(slots=True)
+class StoredSubscription:
+    """One durable subscription: requested-and-granted QoS and the first offset it receives."""
+
+    qos: int
+    start: int
+
+
+@dataclass(slots=True)
+class StoredSession:
+    """What survives a broker restart of one persistent session."""
+
+    client_id: str
+    subscriptions: dict[str, StoredSubscription] = field(default_factory=dict)
+    qos2_inbound: set[int] = field(default_factory=set)
+
+    def to_json(self) -> bytes:
+        body: dict[str, Any] = {
+            "format": SESSION_FORMAT,
+            "client_id": self.client_id,
+            "subscriptions": {
+                f: {"qos": s.qos, "start": s.start} for f, s in sorted(self.subscriptions.items())
+            },
+            "qos2_inbound": sorted(self.qos2_inbound),
+        }
+        return json.dumps(body, ensure_ascii=True, separators=(",", ":")).encode("ascii") + b"\n"
+
+    @classmethod
+    def from_json(cls, data: bytes, path: str) -> StoredSession:
+        """Parse a session file; raises :class:`CorruptSession` naming ``path`` and the problem."""
+        try:
+            raw = json.loads(data)
+        except ValueError as exc:
+            raise CorruptSession(path, f"not JSON ({exc})") from None
+        if not isinstance(raw, dict) or raw.get("format") != SESSION_FORMAT:
+            raise CorruptSession(path, "not a filemq session file (format field missing or unknown)")
+        client_id = raw.get("client_id")
+        subs = raw.get("subscriptions")
+        ids = raw.get("qos2_inbound")
+        if not isinstance(client_id, str) or not isinstance(subs, dict) or not isinstance(ids, list):
+            raise CorruptSession(path, "client_id, subscriptions or qos2_inbound missing or of the wrong type")
+        session = cls(client_id)
+        for topic_filter, sub in subs.items():
+            try:
+                _, plain = parse_shared(topic_filter)
+                validate_topic_filter(plain)
+            except InvalidTopic as exc:
+                raise CorruptSession(path, f"bad filter: {exc}") from None
+            if (
+                not isinstance(sub, dict)
+                or sub.get("qos") not in (0, 1, 2)
+                or not isinstance(sub.get("start"), int)
+                or sub["start"] < 0
+            ):
+                raise CorruptSession(path, f"bad subscription entry for {topic_filter!r}")
+            session.subscriptions[topic_filter] = StoredSubscription(sub["qos"], sub["start"])
+        for pid in ids:
+            if not isinstance(pid, int) or not 0 < pid <= 0xFFFF:
+                raise CorruptSession(path, f"bad QoS 2 packet id {pid!r}")
+            session.qos2_inbound.add(pid)
+        return session
+
+
+class CorruptSession(ValueError):
+    """A session file that cannot be parsed; ``path`` and ``reason`` say which and why."""
+
+    def __init__(self, path: str, reason: str) -> None:
+        super().__init__(f"session file {path}: {reason}")
+        self.path = path
+        self.reason = reason
+
+
+class SessionStore:
+    """Persistent sessions of one broker data directory.
+
+    :meth:`load` returns None for an unknown client id; a damaged file is logged (WARNING),
+    moved aside to ``<file>.corrupt`` and treated as unknown, so the client gets a fresh
+    session rather than a broker that refuses to start or to accept it.  Every :meth:`save`
+    is durable when it returns.
+    """
+
+    def __init__(self, data_dir: str | os.PathLike[str], fileio: FileIO = OS_FILE_IO) -> None:
+        self.directory = Path(data_dir) / SESSIONS_DIR
+        self._fileio = fileio
+        os.makedirs(self.directory, exist_ok=True)
+        self.writes = 0
+
+    def path_of(self, client_id: str) -> Path:
+        return self.directory / (escape_group_name(client_id) + ".json")
+
+    def load(self, client_id: str) -> StoredSession | None:
+        path = self.path_of(client_id)
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            return None
+        try:
+            session = StoredSession.from_json(data, str(path))
+        except CorruptSession as exc:
+            log.warning("%s; starting client %r with an empty session", exc, client_id)
+            self._fileio.rename(path, path.with_name(path.name + ".corrupt"))
+            return None
+        if session.client_id != client_id:
+            # Only a hashed long name can collide; never hand one client another's session.
+            log.warning("session file %s belongs to client %r, not %r; ignored", path, session.client_id, client_id)
+            return None
+        return session
+
+    def save(self, session: StoredSession) -> None:
+        atomic_write(self.path_of(session.client_id), session.to_json(), self._fileio)
+        self.writes += 1
+
+    def delete(self, client_id: str) -> bool:
+        """Forget a session (clean_session = 1 discards the old one). True if a file existed."""
+        path = self.path_of(client_id)
+        if not path.exists():
+            return False
+        self._fileio.unlink(path)
+        self._fileio.fsync_dir(self.directory)
+        return True
+
+    def client_ids(self) -> Iterator[str]:
+        """Client ids of every readable stored session (for status output and tests)."""
+        for path in sorted(self.directory.glob("*.json")):
+            try:
+                yield StoredSession.from_json(path.read_bytes(), str(path)).client_id
+            except (OSError, CorruptSession):
+                continue

@@ -307,3 +307,40 @@ def test_tmpfs_real_enospc(tmp_path: Path) -> None:
         log.close()
     finally:
         os.system(f"umount {mnt}")
+
+
+def test_crash_states_around_a_roll_are_repaired(tmp_path: Path) -> None:
+    log = Log.open(tmp_path, SMALL)
+    fill(log, 100)
+    infos = log.segments()
+    log.close()
+    # Crash after writing segment 0 but before its seal: it is scanned and sealed again.
+    seal0 = tmp_path / segment_name(infos[0].base_offset, ".seal")
+    seal0.unlink()
+    again = Log.open(tmp_path, SMALL)
+    assert again.recovery.scanned_bytes >= infos[0].size and seal0.exists()
+    assert [r.offset for r in again.read(0, 1000, 1 << 30)] == list(range(100))
+    again.close()
+    # Crash after sealing the last segment but before creating the next: a new one is created.
+    again = Log.open(tmp_path, SMALL)
+    tail = again.segments()[-1]
+    again.close()
+    Path(tail.path).unlink()
+    last_sealed = again.segments()[-2]
+    third = Log.open(tmp_path, SMALL)
+    assert third.segments()[-1].base_offset == last_sealed.next_offset == third.next_offset
+    assert not third.segments()[-1].sealed
+    third.close()
+
+
+def test_orphan_index_and_seal_files_are_removed(tmp_path: Path) -> None:
+    log = Log.open(tmp_path, SMALL)
+    fill(log, 10)
+    log.close()
+    orphans = [tmp_path / segment_name(999_999, ".index"), tmp_path / segment_name(999_999, ".seal")]
+    for orphan in orphans:
+        orphan.write_bytes(b"stale")
+    again = Log.open(tmp_path, SMALL)
+    assert not any(o.exists() for o in orphans)
+    assert again.next_offset == 10
+    again.close()

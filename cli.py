@@ -131,5 +131,34 @@ def passwd(file: str, user: str, password_stdin: bool, iterations: int | None) -
     click.echo(f"{'added' if new else 'updated'} user {user!r} in {file}", err=True)
 
 
+@main.command()
+@click.option("--data-dir", type=click.Path(file_okay=False), default=None, help="Data directory (log, groups, sessions).")
+@click.option("--host", default=None, help="Listen address (default 127.0.0.1).")
+@click.option("--port", type=int, default=None, help="Listen port (default 1883; 0 = any free port).")
+@click.option("--config", "config_file", type=click.Path(dir_okay=False), default=None, help="TOML config file.")
+@click.option("--password-file", default=None, help="Password file (filemq passwd); required off loopback.")
+@click.option("--acl-file", default=None, help="ACL file in Mosquitto's format.")
+@click.option("--fsync", type=click.Choice(["always", "interval", "never"]), default=None,
+              help="When the log is fdatasync'ed before acks (default always).")
+@click.option("--tls-cert", default=None, help="TLS certificate (PEM) for the TLS listener.")
+@click.option("--tls-key", default=None, help="TLS private key (PEM).")
+@click.option("--tls-port", type=int, default=None, help="TLS listener port (default 8883).")
+def broker(config_file: str | None, **flags: object) -> None:
+    """Run the MQTT broker on the log until SIGTERM/SIGINT (exit 0 clean, 2 config, 1 failure)."""
+    from filemq.broker.app import run_broker
+    from filemq.config import ConfigError, flag_overrides, load_config
+
+    try:
+        config = load_config(config_file, flag_overrides("broker", flags))
+    except ConfigError as exc:
+        click.echo(f"filemq broker: {exc}", err=True)
+        sys.exit(2)
+    if config.data_dir is None:
+        click.echo("filemq broker: no data directory; pass --data-dir DIR or set data_dir in the config", err=True)
+        sys.exit(2)
+    logging.getLogger("filemq").setLevel(min(logging.getLogger().level, logging.WARNING))
+    sys.exit(run_broker(config, ready=lambda line: click.echo(line)))
+
+
 if __name__ == "__main__":
     main()

@@ -160,5 +160,112 @@ def broker(config_file: str | None, **flags: object) -> None:
     sys.exit(run_broker(config, ready=lambda line: click.echo(line)))
 
 
+def _quiet_recovery_logs() -> None:
+    """inspect/verify/status report what recovery finds themselves; without -v, do not also
+    print the log's own recovery warnings (which, in a read-only dry run, describe cuts
+    that are not actually made)."""
+    if logging.getLogger().getEffectiveLevel() > logging.INFO:
+        logging.getLogger("segments").setLevel(logging.CRITICAL)
+
+
+@main.command()
+@click.argument("directory", type=click.Path(file_okay=False))
+@click.option("--from", "from_offset", type=click.IntRange(min=0), default=0, show_default=True,
+              help="First offset to print.")
+@click.option("--limit", type=click.IntRange(min=0), default=None, help="Print at most N lines.")
+@click.option("--payload", is_flag=True, help="Include payloads (base64 with --json).")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per line on stdout.")
+def inspect(directory: str, from_offset: int, limit: int | None, payload: bool, as_json: bool) -> None:
+    """Print the records of a log, one per line (DIRECTORY: data dir or its log/). Read-only."""
+    import json
+
+    from filemq.status import NotADataDir, inspect_log, record_json, record_text
+
+    _quiet_recovery_logs()
+
+    try:
+        for scanned in inspect_log(directory, from_offset, limit):
+            click.echo(json.dumps(record_json(scanned, payload)) if as_json else record_text(scanned, payload))
+    except NotADataDir as exc:
+        raise click.ClickException(str(exc)) from exc
+
+
+@main.command()
+@click.argument("directory", type=click.Path())
+@click.option("--repair", is_flag=True,
+              help="Cut torn tails and rewrite broken offset files (to re-deliver, never skip).")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object on stdout.")
+def verify(directory: str, repair: bool, as_json: bool) -> None:
+    """Check every segment and offset file. Changes nothing without --repair.
+
+    Exit status: 0 clean, 1 problems found (also when --repair fixed them), 2 not usable
+    (e.g. not a filemq directory).
+    """
+    import json
+
+    from filemq.status import verify_data_dir
+
+    _quiet_recovery_logs()
+
+    report = verify_data_dir(directory, repair=repair)
+    if as_json:
+        click.echo(json.dumps(report.as_dict()))
+    else:
+        for line in report.text():
+            click.echo(line)
+    sys.exit(report.exit_code)
+
+
+@main.command()
+@click.argument("directory", type=click.Path(file_okay=False))
+@click.option("--json", "as_json", is_flag=True, help="One JSON object on stdout.")
+def status(directory: str, as_json: bool) -> None:
+    """Log size, segments, offsets and per-group doing/pending/lag of a data dir. Read-only."""
+    import json
+
+    from filemq.status import NotADataDir, data_dir_status, status_text
+
+    _quiet_recovery_logs()
+
+    try:
+        result = data_dir_status(directory)
+    except NotADataDir as exc:
+        raise click.ClickException(str(exc)) from exc
+    if as_json:
+        click.echo(json.dumps(result))
+    else:
+        for line in status_text(result):
+            click.echo(line)
+
+
+@bench.command("consume")
+@click.option("--data-dir", type=click.Path(file_okay=False), default=None,
+              help="Where to put the log (a temporary directory if omitted).")
+@click.option("--records", type=click.IntRange(min=1), default=500_000, show_default=True)
+@click.option("--size", type=click.IntRange(min=0), default=100, show_default=True, help="Payload bytes.")
+@click.option("--groups", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Consumer groups, each reading every record.")
+@click.option("--keep", is_flag=True, help="Keep the data directory.")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per line on stdout.")
+def bench_consume(data_dir: str | None, records: int, size: int, groups: int, keep: bool, as_json: bool) -> None:
+    """Consumer-group fetch+ack rate (offsets persisted, batched) vs raw Log.read."""
+    import json
+
+    from bench.consume import run_consume_bench
+
+    results, ratio = run_consume_bench(data_dir, records, size, groups, keep,
+                                       lambda msg: click.echo(msg, err=True))
+    for result in results:
+        if as_json:
+            click.echo(json.dumps(result.as_dict()))
+        else:
+            writes = f", {result.offset_writes} offset-file writes" if result.offset_writes else ""
+            click.echo(f"{result.impl:32} {result.rate:>11,.0f} records/s{writes}")
+    if as_json:
+        click.echo(json.dumps({"bench": "consume", "ratio_vs_log_read": round(ratio, 3)}))
+    else:
+        click.echo(f"groups / raw Log.read = {ratio:.2f}x")
+
+
 if __name__ == "__main__":
     main()

@@ -1,0 +1,652 @@
+"""The MQTT load generator shared by every broker under test (filemq, mosquitto, amqtt).
+
+Each publisher and each subscriber runs in its own process (``multiprocessing``, fork) on a
+plain blocking socket with our codec, so the generator is not the bottleneck:
+
+* a publisher pre-encodes its PUBLISH packets (one per packet id), keeps ``inflight`` of
+  them outstanding, and counts PUBACKs in bulk (a buffer of back-to-back PUBACKs is checked
+  with two strided slice compares, not packet by packet);
+* a paced publisher (``rate`` > 0) stamps ``time.monotonic_ns()`` into each payload when it
+  sends it, for publish -> subscriber latency (CLOCK_MONOTONIC is system-wide on Linux, so
+  the stamps compare across processes);
+* a subscriber decodes with :class:`filemq.mqtt.codec.Decoder` and answers every QoS 1
+  delivery with one ``sendall`` of all the PUBACKs for what one ``recv`` brought.
+
+:func:`run_null_sink` is a fake broker that acks every PUBLISH with bulk slicing; running
+publishers against it measures the generator's own ceiling.
+
+What a caller may rely on: :func:`run_load` returns when every process finished or was
+stopped at its deadline; no process outlives it.  Errors inside a process (connection
+refused, closed by the broker) come back as ``error`` strings in the results, not raised.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing as mp
+import os
+import select
+import socket
+import struct
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from multiprocessing.sharedctypes import Synchronized
+from multiprocessing.synchronize import Event as MpEvent
+from typing import Any
+
+from filemq.mqtt.codec import Decoder, ProtocolError, encode, encode_puback
+from filemq.mqtt.packets import (
+    CONNACK_RETURN_CODE_NAMES,
+    Connack,
+    Connect,
+    Disconnect,
+    Packet,
+    Puback,
+    Publish,
+    Suback,
+    Subscribe,
+)
+
+_CTX = mp.get_context("fork")
+_RECV = 1 << 18
+_MAX_PID = 65535
+# Payload layout of stamped messages: send time (ns, monotonic), then a sequence number.
+_STAMP = struct.Struct(">QQ")
+STAMP_BYTES = _STAMP.size
+
+
+class LoadError(RuntimeError):
+    """A load client could not connect or subscribe; carries the client id."""
+
+    def __init__(self, client_id: str, detail: str) -> None:
+        super().__init__(f"client {client_id!r}: {detail}")
+        self.client_id = client_id
+
+
+class RawClient:
+    """A blocking MQTT 3.1.1 connection for load generation (no keepalive pings: runs are short)."""
+
+    def __init__(self, sock: socket.socket, client_id: str, session_present: bool, decoder: Decoder) -> None:
+        self.sock = sock
+        self.client_id = client_id
+        self.session_present = session_present
+        self.decoder = decoder
+
+    @classmethod
+    def connect(cls, host: str, port: int, client_id: str, *, clean_session: bool = True,
+                keepalive: int = 600, timeout: float = 10.0) -> RawClient:
+        """Open a connection and complete CONNECT/CONNACK; raises :class:`LoadError` on refusal."""
+        sock = socket.create_connection((host, port), timeout=timeout)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        try:
+            sock.sendall(encode(Connect(client_id=client_id, clean_session=clean_session, keepalive=keepalive)))
+            decoder = Decoder(max_packet_size=1 << 24, server=False)
+            while True:
+                data = sock.recv(_RECV)
+                if not data:
+                    raise LoadError(client_id, f"{host}:{port} closed the connection before CONNACK")
+                decoder.feed(data)
+                packet = decoder.next_packet()
+                if packet is None:
+                    continue
+                if not isinstance(packet, Connack):
+                    raise LoadError(client_id, f"expected CONNACK, got {type(packet).__name__}")
+                if packet.return_code:
+                    reason = CONNACK_RETURN_CODE_NAMES.get(packet.return_code, str(packet.return_code))
+                    raise LoadError(client_id, f"CONNECT refused: {reason}")
+                return cls(sock, client_id, packet.session_present, decoder)
+        except BaseException:
+            sock.close()
+            raise
+
+    def subscribe(self, filters: Sequence[tuple[str, int]], packet_id: int = 1,
+                  timeout: float = 10.0) -> tuple[list[int], list[Packet]]:
+        """SUBSCRIBE and wait for SUBACK: (return codes, packets that arrived before the SUBACK)."""
+        self.sock.sendall(encode(Subscribe(packet_id, list(filters))))
+        early: list[Packet] = []
+        deadline = time.monotonic() + timeout
+        while True:
+            for packet in self.decoder.packets():
+                if isinstance(packet, Suback) and packet.packet_id == packet_id:
+                    return packet.return_codes, early
+                early.append(packet)
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise LoadError(self.client_id, "no SUBACK")
+            self.sock.settimeout(remaining)
+            data = self.sock.recv(_RECV)
+            if not data:
+                raise LoadError(self.client_id, "connection closed before SUBACK")
+            self.decoder.feed(data)
+
+    def close(self, disconnect: bool = True) -> None:
+        if disconnect:
+            with contextlib.suppress(OSError):
+                self.sock.sendall(encode(Disconnect()))
+        self.sock.close()
+
+
+# --------------------------------------------------------------------------- publishers
+
+
+@dataclass(frozen=True)
+class PublisherSpec:
+    """One publishing process. ``rate`` 0 = as fast as the in-flight window allows."""
+
+    host: str
+    port: int
+    client_id: str
+    topic: str
+    messages: int
+    payload_size: int = 100
+    inflight: int = 100
+    qos: int = 1
+    rate: float = 0.0
+    max_seconds: float = 60.0
+
+
+@dataclass
+class PublisherResult:
+    client_id: str
+    sent: int = 0
+    acked: int = 0
+    started: float = 0.0  # time.monotonic() of the first send
+    finished: float = 0.0  # time.monotonic() of the last PUBACK
+    error: str | None = None
+
+    @property
+    def seconds(self) -> float:
+        return max(self.finished - self.started, 0.0)
+
+
+def _publish_prefix(topic: str, payload_size: int, qos: int) -> bytes:
+    """The bytes of a PUBLISH up to (not including) the packet id, for ``payload_size``."""
+    sample = encode(Publish(topic, bytes(payload_size), qos, packet_id=1 if qos else None))
+    return sample[: len(sample) - payload_size - (2 if qos else 0)]
+
+
+class _AckCounter:
+    """Counts PUBACKs in a byte stream; bulk when the buffer holds nothing else."""
+
+    def __init__(self) -> None:
+        self._rest = b""
+        self._decoder: Decoder | None = None
+
+    def count(self, data: bytes) -> int:
+        if self._decoder is not None:
+            self._decoder.feed(data)
+            return sum(1 for p in self._decoder.packets() if isinstance(p, Puback))
+        buf = self._rest + data if self._rest else data
+        whole = len(buf) >> 2
+        end = whole << 2
+        if buf[0:end:4] == b"\x40" * whole and buf[1:end:4] == b"\x02" * whole:
+            self._rest = buf[end:]
+            return whole
+        # Something other than PUBACKs (PINGRESP, a stray PUBLISH): decode properly from now on.
+        self._decoder = Decoder(max_packet_size=1 << 24, server=False)
+        self._rest = b""
+        return self.count(buf)
+
+
+def publisher_main(spec: PublisherSpec, start: MpEvent | None, ready: Synchronized[int] | None,
+                   out: Any) -> None:
+    """Process body: connect, pre-encode, count itself in ``ready``, wait for ``start``, publish.
+
+    Puts one :class:`PublisherResult` on ``out`` whatever happens.
+    """
+    result = PublisherResult(spec.client_id)
+    client: RawClient | None = None
+    try:
+        client = RawClient.connect(spec.host, spec.port, spec.client_id)
+        run = _paced(client, spec, result) if spec.rate > 0 else _flat_out(client, spec, result)
+    except (OSError, LoadError, ValueError) as exc:
+        result.error = str(exc)
+        run = None
+    if ready is not None:
+        with ready.get_lock():
+            ready.value += 1
+    try:
+        if start is not None:
+            start.wait(60)
+        if run is not None:
+            run()
+    except (OSError, ProtocolError) as exc:
+        result.error = f"{type(exc).__name__}: {exc}"
+    finally:
+        if client is not None:
+            client.close()
+        out.put(result)
+
+
+def _flat_out(client: RawClient, spec: PublisherSpec, result: PublisherResult) -> Callable[[], None]:
+    """Pre-encode every packet; return the function that publishes them flat out."""
+    qos = spec.qos
+    prefix = _publish_prefix(spec.topic, spec.payload_size, qos)
+    payload = bytes(spec.payload_size)
+    n_pre = min(spec.messages, _MAX_PID)
+    # Packet id of message i is i % 65535 + 1; the window (<= 65535) keeps ids unique.
+    packets = [prefix + ((i + 1).to_bytes(2, "big") if qos else b"") + payload for i in range(n_pre)]
+    sock = client.sock
+    sock.settimeout(30.0)
+    counter = _AckCounter()
+
+    def batch(first: int, k: int) -> bytes:
+        a = first % _MAX_PID
+        if a + k <= n_pre:
+            return b"".join(packets[a : a + k])
+        return b"".join(packets[(first + j) % _MAX_PID] for j in range(k))
+
+    def run() -> None:
+        limit = spec.messages
+        window = min(spec.inflight, limit)
+        result.started = time.monotonic()
+        deadline = result.started + spec.max_seconds
+        if qos == 0:
+            # Nothing to wait for: send in windows, done when the bytes are on the socket.
+            while result.sent < limit and time.monotonic() < deadline:
+                k = min(window, limit - result.sent)
+                sock.sendall(batch(result.sent, k))
+                result.sent += k
+            result.acked = result.sent
+            result.finished = time.monotonic()
+            return
+        sock.sendall(batch(0, window))
+        sent = window
+        acked = 0
+        try:
+            while acked < sent:
+                data = sock.recv(_RECV)
+                if not data:
+                    raise ConnectionError(f"broker closed the connection after {acked} PUBACKs")
+                n = counter.count(data)
+                acked += n
+                if sent < limit:
+                    if time.monotonic() > deadline:
+                        limit = sent
+                    else:
+                        k = min(n, limit - sent)
+                        if k:
+                            sock.sendall(batch(sent, k))
+                            sent += k
+        finally:
+            result.finished = time.monotonic()
+            result.sent, result.acked = sent, acked
+
+    return run
+
+
+def _paced(client: RawClient, spec: PublisherSpec, result: PublisherResult) -> Callable[[], None]:
+    """Return the function sending at ``spec.rate`` messages/s (1 ms ticks), stamping each payload."""
+    if spec.payload_size < STAMP_BYTES:
+        raise ValueError(f"stamped payloads need at least {STAMP_BYTES} bytes, not {spec.payload_size}")
+    qos = spec.qos
+    prefix = _publish_prefix(spec.topic, spec.payload_size, qos)
+    filler = bytes(spec.payload_size - STAMP_BYTES)
+    sock = client.sock
+    counter = _AckCounter()
+    pack = _STAMP.pack
+
+    def run() -> None:
+        limit = spec.messages
+        sent = acked = 0
+        result.started = t0 = time.monotonic()
+        deadline = t0 + spec.max_seconds
+        try:
+            while acked < limit:
+                now = time.monotonic()
+                if now > deadline:
+                    break
+                due = min(int((now - t0) * spec.rate) + 1, limit) - sent
+                k = min(due, spec.inflight - (sent - acked)) if qos else due
+                if k > 0:
+                    stamp = time.monotonic_ns()
+                    chunks = []
+                    for i in range(sent, sent + k):
+                        pid = (i % _MAX_PID + 1).to_bytes(2, "big") if qos else b""
+                        chunks.append(prefix + pid + pack(stamp, i) + filler)
+                    sock.sendall(b"".join(chunks))
+                    sent += k
+                    if not qos:
+                        acked = sent
+                wait = max(0.0, min(t0 + (sent + 1) / spec.rate - time.monotonic(), 0.001))
+                readable, _, _ = select.select([sock], [], [], wait)
+                if readable:
+                    data = sock.recv(_RECV)
+                    if not data:
+                        raise ConnectionError(f"broker closed the connection after {acked} PUBACKs")
+                    acked += counter.count(data)
+        finally:
+            result.finished = time.monotonic()
+            result.sent, result.acked = sent, acked
+
+    return run
+
+
+# --------------------------------------------------------------------------- subscribers
+
+
+@dataclass(frozen=True)
+class SubscriberSpec:
+    """One subscribing process; ``clean_session=False`` makes it a persistent session."""
+
+    host: str
+    port: int
+    client_id: str
+    topic_filter: str
+    qos: int = 1
+    clean_session: bool = False
+    stamped: bool = False  # payloads carry _STAMP: collect latencies
+    idle_seconds: float = 5.0  # give up after this long without a message once the load is over
+    max_seconds: float = 120.0
+
+
+@dataclass
+class SubscriberResult:
+    client_id: str
+    received: int = 0
+    first: float = 0.0  # time.monotonic() of the first message
+    last: float = 0.0  # time.monotonic() of the last message
+    latencies_ns: list[int] = field(default_factory=list)
+    error: str | None = None
+
+
+def subscriber_main(spec: SubscriberSpec, ready: MpEvent, expected: Synchronized[int], out: Any) -> None:
+    """Process body: connect, subscribe, set ``ready``; receive until ``expected`` messages.
+
+    ``expected`` is -1 until the publishers are done (then their acked total); the
+    subscriber also stops after ``idle_seconds`` without data once it is set, or at
+    ``max_seconds``.
+    """
+    result = SubscriberResult(spec.client_id)
+    try:
+        client = RawClient.connect(spec.host, spec.port, spec.client_id, clean_session=spec.clean_session)
+        codes, early = client.subscribe([(spec.topic_filter, spec.qos)])
+        if codes[0] == 0x80:
+            raise LoadError(spec.client_id, f"subscription to {spec.topic_filter!r} refused")
+    except (OSError, LoadError, ProtocolError) as exc:
+        result.error = str(exc)
+        out.put(result)
+        ready.set()
+        return
+    ready.set()
+    try:
+        _receive(client, spec, expected, result, early)
+    except (OSError, ProtocolError) as exc:
+        result.error = f"{type(exc).__name__}: {exc}"
+    finally:
+        client.close()
+        out.put(result)
+
+
+def _receive(client: RawClient, spec: SubscriberSpec, expected: Synchronized[int],
+             result: SubscriberResult, early: list[Packet]) -> None:
+    sock = client.sock
+    decoder = client.decoder
+    latencies = result.latencies_ns
+    stamped = spec.stamped
+    unpack = _STAMP.unpack_from
+    sock.settimeout(0.2)
+    deadline = time.monotonic() + spec.max_seconds
+    last_data = time.monotonic()
+    packets: list[Packet] = early
+    received = 0
+    while True:
+        if packets:
+            now_ns = time.monotonic_ns()
+            acks = []
+            for p in packets:
+                if isinstance(p, Publish):
+                    received += 1
+                    if p.packet_id is not None:
+                        acks.append(encode_puback(p.packet_id))
+                    if stamped:
+                        latencies.append(now_ns - unpack(p.payload)[0])
+            if acks:
+                sock.sendall(b"".join(acks))
+            if received and not result.first:
+                result.first = now_ns / 1e9
+            result.last = now_ns / 1e9
+        want = expected.value
+        now = time.monotonic()
+        if 0 <= want <= received or now > deadline:
+            break
+        if want >= 0 and now - last_data > spec.idle_seconds:
+            break
+        try:
+            data = sock.recv(_RECV)
+        except TimeoutError:
+            packets = []
+            continue
+        if not data:
+            raise ConnectionError(f"broker closed the connection after {received} messages")
+        last_data = time.monotonic()
+        decoder.feed(data)
+        packets = decoder.packets()
+    result.received = received
+
+
+# --------------------------------------------------------------------------- orchestration
+
+
+@dataclass
+class LoadResult:
+    """What one run of :func:`run_load` measured."""
+
+    publishers: list[PublisherResult]
+    subscribers: list[SubscriberResult]
+
+    @property
+    def acked(self) -> int:
+        return sum(p.acked for p in self.publishers)
+
+    @property
+    def started(self) -> float:
+        return min((p.started for p in self.publishers if p.started), default=0.0)
+
+    @property
+    def ack_seconds(self) -> float:
+        ends = [p.finished for p in self.publishers if p.finished]
+        return max(ends) - self.started if ends else 0.0
+
+    @property
+    def ack_rate(self) -> float:
+        """PUBACKs per second over all publishers, first send to last PUBACK."""
+        return self.acked / self.ack_seconds if self.ack_seconds > 0 else 0.0
+
+    @property
+    def delivered(self) -> int:
+        return sum(s.received for s in self.subscribers)
+
+    @property
+    def delivery_seconds(self) -> float:
+        ends = [s.last for s in self.subscribers if s.last]
+        return max(ends) - self.started if ends else 0.0
+
+    @property
+    def delivery_rate(self) -> float:
+        """Messages delivered per second across subscribers, first publish to last delivery."""
+        return self.delivered / self.delivery_seconds if self.delivery_seconds > 0 else 0.0
+
+    @property
+    def errors(self) -> list[str]:
+        results: list[PublisherResult | SubscriberResult] = [*self.publishers, *self.subscribers]
+        return [f"{r.client_id}: {r.error}" for r in results if r.error]
+
+
+def run_load(publishers: Sequence[PublisherSpec], subscribers: Sequence[SubscriberSpec] = (),
+             timeout: float = 180.0) -> LoadResult:
+    """Start subscribers (and wait until subscribed), then publishers together; collect results.
+
+    Subscribers stop once they received the publishers' total acked count (QoS 1 at
+    least once: a duplicate counts as delivered), or after their idle timeout.
+    """
+    out = _CTX.Queue()
+    expected: Synchronized[int] = _CTX.Value("q", -1)
+    start = _CTX.Event()
+    ready_count: Synchronized[int] = _CTX.Value("q", 0)
+    procs: list[Any] = []
+    try:
+        for sspec in subscribers:
+            ready = _CTX.Event()
+            proc = _CTX.Process(target=subscriber_main, args=(sspec, ready, expected, out), daemon=True)
+            proc.start()
+            procs.append(proc)
+            if not ready.wait(30):
+                raise LoadError(sspec.client_id, "not subscribed within 30 s")
+        pub_procs: list[Any] = []
+        for pspec in publishers:
+            proc = _CTX.Process(target=publisher_main, args=(pspec, start, ready_count, out), daemon=True)
+            proc.start()
+            pub_procs.append(proc)
+            procs.append(proc)
+        # Every publisher connects and pre-encodes before the clock starts.
+        ready_deadline = time.monotonic() + 60
+        while ready_count.value < len(publishers) and time.monotonic() < ready_deadline:
+            if not any(p.is_alive() for p in pub_procs):
+                break
+            time.sleep(0.01)
+        start.set()
+        deadline = time.monotonic() + timeout
+        pub_results: list[PublisherResult] = []
+        sub_results: list[SubscriberResult] = []
+        wanted = len(publishers) + len(subscribers)
+        while len(pub_results) + len(sub_results) < wanted:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            try:
+                item = out.get(timeout=min(remaining, 1.0))
+            except Exception:  # queue.Empty; also a dead process never reports
+                if not any(p.is_alive() for p in procs):
+                    break
+                continue
+            if isinstance(item, PublisherResult):
+                pub_results.append(item)
+                if len(pub_results) == len(publishers):
+                    expected.value = sum(r.acked for r in pub_results)
+            else:
+                sub_results.append(item)
+        return LoadResult(pub_results, sub_results)
+    finally:
+        for proc in procs:
+            proc.join(timeout=2)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+        out.close()
+
+
+# --------------------------------------------------------------------------- null sink
+
+
+def _sink_connection(conn: socket.socket, counted: list[int]) -> None:
+    """Answer CONNECT with CONNACK and every QoS 1 PUBLISH with PUBACK, in bulk where possible."""
+    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    decoder = Decoder(max_packet_size=1 << 24, server=True)
+    buf = b""
+    frame = 0  # learned length of the publisher's (uniform) PUBLISH packets
+    head = b""
+    pid_at = 0
+    acked = 0
+    with conn:
+        while True:
+            data = conn.recv(_RECV)
+            if not data:
+                break
+            buf = buf + data if buf else data
+            out = bytearray()
+            pos = 0
+            while pos < len(buf):
+                if frame:
+                    k = (len(buf) - pos) // frame
+                    if k:
+                        end = pos + k * frame
+                        if (buf[pos:end:frame] == head[:1] * k
+                                and buf[pos + 1 : end : frame] == head[1:2] * k):
+                            acks = bytearray(4 * k)
+                            acks[0::4] = b"\x40" * k
+                            acks[1::4] = b"\x02" * k
+                            acks[2::4] = buf[pos + pid_at : end : frame]
+                            acks[3::4] = buf[pos + pid_at + 1 : end : frame]
+                            out += acks
+                            acked += k
+                            pos = end
+                            continue
+                # One packet the slow way (CONNECT, DISCONNECT, the first PUBLISH, a short tail).
+                decoder.feed(buf[pos:])
+                packet = decoder.next_packet()
+                consumed = len(buf) - pos - decoder.buffered
+                decoder = Decoder(max_packet_size=1 << 24, server=True)
+                if packet is None:
+                    break
+                if isinstance(packet, Connect):
+                    out += encode(Connack())
+                elif isinstance(packet, Disconnect):
+                    pos = len(buf)
+                    break
+                elif isinstance(packet, Publish) and packet.packet_id is not None:
+                    out += encode_puback(packet.packet_id)
+                    acked += 1
+                    frame = consumed
+                    head = buf[pos : pos + 2]
+                    pid_at = consumed - len(packet.payload) - 2
+                pos += consumed
+            buf = buf[pos:]
+            if out:
+                conn.sendall(out)
+    counted.append(acked)
+
+
+def _sink_main(listener: socket.socket, stop: MpEvent) -> None:
+    counted: list[int] = []
+    listener.settimeout(0.2)
+    threads = []
+    while not stop.is_set():
+        try:
+            conn, _ = listener.accept()
+        except TimeoutError:
+            continue
+        t = threading.Thread(target=_sink_connection, args=(conn, counted), daemon=True)
+        t.start()
+        threads.append(t)
+    listener.close()
+
+
+@contextlib.contextmanager
+def null_sink(host: str = "127.0.0.1") -> Any:
+    """A fake broker in its own process that acks everything; yields its port."""
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind((host, 0))
+    listener.listen(128)
+    port = listener.getsockname()[1]
+    stop = _CTX.Event()
+    proc = _CTX.Process(target=_sink_main, args=(listener, stop), daemon=True)
+    proc.start()
+    listener.close()
+    try:
+        yield port
+    finally:
+        stop.set()
+        proc.join(timeout=2)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+
+
+def run_null_sink(publishers: int, messages: int, payload_size: int, inflight: int,
+                  progress: Callable[[str], None] | None = None, max_seconds: float = 10.0) -> LoadResult:
+    """The generator's ceiling: ``publishers`` flat-out publishers against :func:`null_sink`."""
+    with null_sink() as port:
+        specs = [PublisherSpec("127.0.0.1", port, f"sink-pub-{i}", "bench/sink", messages // publishers,
+                               payload_size, inflight, max_seconds=max_seconds) for i in range(publishers)]
+        result = run_load(specs)
+    if progress is not None:
+        progress(f"  generator ceiling (null sink): {result.ack_rate:,.0f} PUBACKs/s")
+    return result
+
+
+def cpu_count() -> int:
+    return len(os.sched_getaffinity(0))

@@ -1,0 +1,739 @@
+"""The broker's connection state machine and core, driven by packets without sockets (h11 style).
+
+A fake queue gives the test full control over commits: a PUBLISH's commit future resolves
+only when the test says so, which lets us check that no PUBACK/PUBREC ever leaves before its
+record is committed.  A few tests use the real Queue on a temporary directory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from filemq.acl import Acl
+from filemq.broker.core import BrokerCore, HookResult
+from filemq.broker.session import CLOSED, CONNECTED, Connection
+from filemq.broker.sessions import SessionStore
+from filemq.broker.tailcache import TailCache
+from filemq.config import AutoSubscribe, BrokerSection
+from filemq.groups import ConsumerGroup
+from filemq.mqtt.codec import Decoder, encode
+from filemq.mqtt.packets import (
+    Connack,
+    Connect,
+    Disconnect,
+    Pingreq,
+    Pingresp,
+    Puback,
+    Pubcomp,
+    Publish,
+    Pubrec,
+    Pubrel,
+    Suback,
+    Subscribe,
+    Unsuback,
+    Unsubscribe,
+)
+from filemq.retained import RetainedStore
+from filemq.sysinfo import BrokerStats
+from segments.record import Record
+
+# ---- a queue whose commits the test controls -----------------------------------------------
+
+
+class FakeLog:
+    def __init__(self) -> None:
+        self.records: list[Record] = []
+        self.committed_offset = 0
+        self.first_offset = 0
+
+    @property
+    def next_offset(self) -> int:
+        return len(self.records)
+
+    def read(self, offset: int, max_records: int = 1000, max_bytes: int = 1 << 20) -> list[Record]:
+        offset = max(offset, 0)
+        return self.records[offset:min(self.committed_offset, offset + max_records)]
+
+
+class FakeQueue:
+    """Queue API subset; :meth:`commit` resolves every open batch like a group commit."""
+
+    def __init__(self, groups_dir: Path) -> None:
+        self.log = FakeLog()
+        self.groups_dir = groups_dir
+        self._groups: dict[str, ConsumerGroup] = {}
+        self._listeners: list[Any] = []
+        self._batch: asyncio.Future[None] | None = None
+        self.fail_next = False
+
+    def publish_nowait(self, topic: str, payload: bytes, qos: int = 0, retain: bool = False,
+                       timestamp_us: int | None = None) -> tuple[int, asyncio.Future[None]]:
+        offset = self.log.next_offset
+        self.log.records.append(Record(offset, timestamp_us or 0, topic, payload, qos, retain))
+        if self._batch is None:
+            self._batch = asyncio.get_running_loop().create_future()
+        return offset, self._batch
+
+    def commit(self) -> None:
+        fut, self._batch = self._batch, None
+        if fut is None:
+            return
+        if self.fail_next:
+            self.fail_next = False
+            del self.log.records[self.log.committed_offset:]
+            fut.set_exception(OSError(28, "No space left on device"))
+            return
+        self.log.committed_offset = self.log.next_offset
+        fut.set_result(None)
+        for cb in self._listeners:
+            cb(self.log.committed_offset)
+
+    def add_commit_listener(self, cb: Any) -> None:
+        self._listeners.append(cb)
+
+    def group(self, name: str, filters: Any = None, durable: bool = True) -> ConsumerGroup:
+        g = self._groups.get(name)
+        if g is None:
+            g = ConsumerGroup.create(name, self.log, self.groups_dir, filters=filters or ("#",),
+                                     durable=durable)
+            self._groups[name] = g
+        return g
+
+    def drop_group(self, name: str) -> bool:
+        g = self._groups.pop(name, None)
+        if g is None:
+            return False
+        g.drop()
+        return True
+
+
+class FakeTransport:
+    def __init__(self) -> None:
+        self.data = bytearray()
+        self.closed = False
+
+    def write(self, data: bytes) -> None:
+        assert not self.closed, "write after close"
+        self.data += data
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class Client:
+    """One fake connection: send packets, read what the broker sent back."""
+
+    def __init__(self, h: Harness, peer: str) -> None:
+        self.h = h
+        self.transport = FakeTransport()
+        self.conn = Connection(h.core, peer, self.transport, max_inflight=h.config.max_inflight,
+                               max_packet_size=h.config.max_packet_size)
+        h.core.new_connection(self.conn)
+        self._decoder = Decoder(server=False)
+        self._read = 0
+        self._left: list[Any] = []
+
+    def send(self, *packets: Any) -> None:
+        self.conn.receive_data(b"".join(encode(p) for p in packets))
+        self.h.core.flush()
+
+    def send_bytes(self, data: bytes) -> None:
+        self.conn.receive_data(data)
+        self.h.core.flush()
+
+    def received(self) -> list[Any]:
+        data = bytes(self.transport.data[self._read:])
+        self._read = len(self.transport.data)
+        self._decoder.feed(data)
+        out, self._left = self._left + self._decoder.packets(), []
+        return out
+
+    def connect(self, client_id: str, clean: bool = True, **kw: Any) -> Connack:
+        self.send(Connect(client_id=client_id, clean_session=clean, **kw))
+        out = self.received()
+        assert out and isinstance(out[0], Connack), out
+        self._left = out[1:]  # deliveries right behind the CONNACK
+        return out[0]
+
+
+class Harness:
+    def __init__(self, tmp: Path, **broker: Any) -> None:
+        self.tmp = tmp
+        self.config = BrokerSection(**broker)
+        self.queue = FakeQueue(tmp / "groups")
+        (tmp / "groups").mkdir(exist_ok=True)
+        self.store = SessionStore(tmp)
+        self.retained = RetainedStore(tmp)
+        self.stats = BrokerStats(started_at=0.0)
+        self.acl = Acl.permissive()
+        self.hook: Any = None
+        self._n = 0
+        self.core = self.make_core()
+
+    def make_core(self) -> BrokerCore:
+        return BrokerCore(self.queue, TailCache(self.queue.log), config=self.config,  # type: ignore[arg-type]
+                          store=self.store, retained=self.retained, stats=self.stats, acl=self.acl,
+                          publish_hook=self.hook)
+
+    def client(self) -> Client:
+        self._n += 1
+        return Client(self, f"10.0.0.1:{1000 + self._n}")
+
+    async def commit(self) -> None:
+        self.queue.commit()
+        for _ in range(3):
+            await asyncio.sleep(0)
+        self.core.flush()
+
+
+def run(coro: Any) -> Any:
+    return asyncio.run(coro)
+
+
+# ---- CONNECT -------------------------------------------------------------------------------
+
+
+def test_first_packet_must_be_connect(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    async def main() -> None:
+        h = Harness(tmp_path)
+        c = h.client()
+        with caplog.at_level(logging.WARNING, "filemq.broker"):
+            c.send(Publish("a", b"x"))
+        assert c.conn.state == CLOSED and c.transport.closed
+        assert c.received() == []
+        assert "PUBLISH before CONNECT" in caplog.text and "10.0.0.1:1001" in caplog.text
+    run(main())
+
+
+def test_second_connect_is_a_protocol_violation(tmp_path: Path) -> None:
+    async def main() -> None:
+        h = Harness(tmp_path)
+        c = h.client()
+        assert c.connect("a").return_code == 0
+        c.send(Connect(client_id="a"))
+        assert c.conn.closed and "second CONNECT" in c.conn.close_reason
+    run(main())
+
+
+@pytest.mark.parametrize(
+    ("connect", "code"),
+    [
+        (Connect(client_id="x", protocol_level=3), 0x01),
+        (Connect(client_id="x", protocol_name="MQIsdp", protocol_level=3), 0x01),
+        (Connect(client_id="", clean_session=False), 0x02),
+    ],
+)
+def test_connack_refusals(tmp_path: Path, connect: Connect, code: int) -> None:
+    async def main() -> None:
+        h = Harness(tmp_path)
+        c = h.client()
+        c.send(connect)
+        out = c.received()
+        assert out == [Connack(False, code)]
+        assert c.conn.closed and c.transport.closed
+    run(main())
+
+
+def test_zero_length_client_id_gets_an_assigned_id(tmp_path: Path) -> None:
+    async def main() -> None:
+        h = Harness(tmp_path)
+        c1, c2 = h.client(), h.client()
+        assert c1.connect("", clean=True).return_code == 0
+        assert c2.connect("", clean=True).return_code == 0
+        assert c1.conn.client_id and c2.conn.client_id and c1.conn.client_id != c2.conn.client_id
+        assert not c1.conn.closed and not c2.conn.closed
+    run(main())
+
+
+def test_password_checks(tmp_path: Path) -> None:
+    from filemq.auth import PasswordFile, add_or_update
+
+    pw_file = tmp_path / "pw"
+    add_or_update(pw_file, "alice", "secret", iterations=1000)
+
+    async def main() -> None:
+        h = Harness(tmp_path, host="127.0.0.1", password_file=str(pw_file), allow_anonymous=False)
+        h.core.passwords = PasswordFile.load(pw_file)
+        h.core.anonymous_allowed = False
+        anon = h.client()
+        assert anon.connect("anon").return_code == 0x05
+        nopw = h.client()
+        assert nopw.connect("n", username="alice").return_code == 0x04
+        bad = h.client()
+        bad.send(Connect(client_id="b", username="alice", password=b"wrong"))
+        for _ in range(200):
+            if bad.conn.closed:
+                break
+            await asyncio.sleep(0.01)
+        assert bad.received() == [Connack(False, 0x04)]
+        good = h.client()
+        # SUBSCRIBE pipelined right behind CONNECT waits for the (threaded) password check.
+        good.send(Connect(client_id="g", username="alice", password=b"secret"), Subscribe(1, [("t", 1)]))
+        for _ in range(200):
+            if good.conn.state == CONNECTED:
+                break
+            await asyncio.sleep(0.01)
+        assert good.received() == [Connack(False, 0), Suback(1, [1])]
+        again = h.client()  # cached now: accepted synchronously
+        assert again.connect("g2", username="alice", password=b"secret").return_code == 0
+    run(main())
+
+
+# ---- PUBLISH in: durable acks ----------------------------------------------------------------
+
+
+def test_puback_only_after_commit_and_batched(tmp_path: Path) -> None:
+    async def main() -> None:
+        h = Harness(tmp_path)
+        c = h.client()
+        c.connect("p")
+        c.send(*[Publish("t/a", b"%d" % i, qos=1, packet_id=i + 1) for i in range(50)])
+        await asyncio.sleep(0)
+        assert c.received() == []  # not committed yet: nothing acknowledged
+        writes_before = len(c.transport.data)
+        await h.commit()
+        acks = c.received()
+        assert acks == [Puback(i + 1) for i in range(50)]
+        assert len(c.transport.data) - writes_before == 50 * 4
+        assert [r.payload for r in h.queue.log.records] == [b"%d" % i for i in range(50)]
+    run(main())
+
+
+def test_failed_commit_closes_without_ack(tmp_path: Path) -> None:
+    async def main() -> None:
+        h = Harness(tmp_path)
+        c = h.client()
+        c.connect("p")
+        c.send(Publish("t", b"x", qos=1, packet_id=7))
+        h.queue.fail_next = True
+        await h.commit()
+        assert c.received() == []
+        assert c.conn.closed and "storing a PUBLISH failed" in c.conn.close_reason
+    run(main())
+
+
+def test_qos2_inbound_is_stored_once(tmp_path: Path) -> None:
+    async def main() -> None:
+        h = Harness(tmp_path)
+        c = h.client()
+        c.connect("q2", clean=False)
+        c.send(Publish("t", b"once", qos=2, packet_id=5))
+        c.send(Publish("t", b"once", qos=2, packet_id=5, dup=True))
+        await h.commit()
+        assert c.received() == [Pubrec(5), Pubrec(5)]
+        assert len(h.queue.log.records) == 1
+        # The id is durable before PUBREC: it is in the session file now.
+        stored = h.store.load("q2")
+        assert stored is not None and stored.qos2_inbound == {5}
+        c.send(Pubrel(5))
+        assert c.received() == [Pubcomp(5)]
+        # After PUBREL the id may be reused for a new message.
+        c.send(Publish("t", b"second", qos=2, packet_id=5))
+        await h.commit()
+        assert c.received() == [Pubrec(5)]
+        assert [r.payload for r in h.queue.log.records] == [b"once", b"second"]
+    run(main())
+
+
+def test_qos2_ids_survive_a_restart(tmp_path: Path) -> None:
+    async def main() -> None:
+        h = Harness(tmp_path)
+        c = h.client()
+        c.connect("q2", clean=False)
+        c.send(Publish("t", b"m", qos=2, packet_id=9))
+        await h.commit()
+        assert c.received() == [Pubrec(9)]
+        # "Crash": a new core over the same store; the client re-sends with DUP.
+        core2 = h.make_core()
+        h.core = core2
+        c2 = h.client()
+        assert c2.connect("q2", clean=False).session_present
+        c2.send(Publish("t", b"m", qos=2, packet_id=9, dup=True))
+        await h.commit()
+        assert c2.received() == [Pubrec(9)]
+        assert len(h.queue.log.records) == 1
+        # A new message that reuses a possibly stale id without DUP is stored.
+        c2.send(Pubrel(9), Publish("t", b"new", qos=2, packet_id=9))
+        await h.commit()
+        assert len(h.queue.log.records) == 2
+    run(main())
+
+
+def test_acl_denied_and_dollar_publishes_are_acked_and_dropped(tmp_path: Path) -> None:
+    async def main() -> None:
+        h = Harness(tmp_path)
+        h.core.acl = Acl.parse("topic write allowed/#\n")
+        c = h.client()
+        c.connect("p")
+        c.send(Publish("denied/x", b"1", qos=1, packet_id=1), Publish("$SYS/x", b"2", qos=1, packet_id=2),
+               Publish("allowed/x", b"3", qos=1, packet_id=3))
+        assert c.received() == [Puback(1), Puback(2)]
+        await h.commit()
+        assert c.received() == [Puback(3)]
+        assert [r.topic for r in h.queue.log.records] == ["allowed/x"]
+        assert h.stats.publish_dropped == 2
+    run(main())
+
+
+def test_publish_hook(tmp_path: Path) -> None:
+    seen = []
+
+    def hook(info: Any, p: Publish) -> HookResult:
+        seen.append((info.client_id, info.peer, p.topic))
+        if p.topic == "dup":
+            return HookResult.ack_drop("duplicate")
+        if p.topic == "bad":
+            return HookResult.reject("CRC mismatch")
+        return HookResult.store(p.payload.upper())
+
+    async def main() -> None:
+        h = Harness(tmp_path)
+        h.hook = hook
+        h.core = h.make_core()
+        c = h.client()
+        c.connect("hk")
+        c.send(Publish("ok", b"abc", qos=1, packet_id=1), Publish("dup", b"x", qos=1, packet_id=2))
+        await h.commit()
+        assert c.received() == [Puback(1), Puback(2)]
+        assert [(r.topic, r.payload) for r in h.queue.log.records] == [("ok", b"ABC")]
+        c.send(Publish("bad", b"x", qos=1, packet_id=3))
+        assert c.conn.closed and "CRC mismatch" in c.conn.close_reason
+        assert c.received() == []
+        assert seen[0] == ("hk", c.conn.peer, "ok")
+    run(main())
+
+
+# ---- SUBSCRIBE and delivery -----------------------------------------------------------------
+
+
+def test_suback_codes_and_delivery_qos(tmp_path: Path) -> None:
+    async def main() -> None:
+        h = Harness(tmp_path)
+        h.core.acl = Acl.parse("topic read a/#\ntopic write #\n")
+        s = h.client()
+        s.connect("s")
+        s.send(Subscribe(1, [("a/+", 1), ("a/#/x", 1), ("b/#", 0), ("a/q2", 2)]))
+        assert s.received() == [Suback(1, [1, 0x80, 0x80, 2])]
+        p = h.client()
+        p.connect("p")
+        p.send(Publish("a/b", b"q0", 0), Publish("a/b", b"q2", 2, packet_id=1),
+               Publish("a/q2", b"q2b", 2, packet_id=2))
+        await h.commit()
+        got = s.received()
+        assert [(m.topic, m.payload, m.qos, m.retain) for m in got] == [
+            ("a/b", b"q0", 0, False), ("a/b", b"q2", 1, False), ("a/q2", b"q2b", 2, False)]
+        s.send(Puback(got[1].packet_id), Pubrec(got[2].packet_id))
+        assert s.received() == [Pubrel(got[2].packet_id)]
+        s.send(Pubcomp(got[2].packet_id))
+        s.send(Unsubscribe(2, ["a/+"]))
+        assert s.received() == [Unsuback(2)]
+        p.send(Publish("a/b", b"after", 1, packet_id=3))
+        await h.commit()
+        assert s.received() == []
+    run(main())
+
+
+def test_inflight_window_and_pingreq(tmp_path: Path) -> None:
+    async def main() -> None:
+        h = Harness(tmp_path, max_inflight=3)
+        s = h.client()
+        s.connect("s")
+        s.send(Subscribe(1, [("t", 1)]))
+        s.received()
+        p = h.client()
+        p.connect("p")
+        p.send(*[Publish("t", b"%d" % i, 1, packet_id=i + 1) for i in range(10)])
+        await h.commit()
+        first = s.received()
+        assert [m.payload for m in first] == [b"0", b"1", b"2"]
+        s.send(Puback(first[0].packet_id), Pingreq())
+        out = s.received()
+        assert [type(x) for x in out] == [Publish, Pingresp]
+        assert out[0].payload == b"3"
+    run(main())
+
+
+def test_new_filter_in_a_lagging_session_gets_only_newer_records(tmp_path: Path) -> None:
+    async def main() -> None:
+        h = Harness(tmp_path)
+        s = h.client()
+        s.connect("s", clean=False)
+        s.send(Subscribe(1, [("a", 1)]))
+        s.received()
+        s.send(Disconnect())
+        p = h.client()
+        p.connect("p")
+        p.send(Publish("a", b"a1", 1, packet_id=1), Publish("b", b"b-old", 1, packet_id=2))
+        await h.commit()
+        s2 = h.client()
+        s2.connect("s", clean=False)
+        s2.send(Subscribe(2, [("b", 1)]))
+        p.send(Publish("b", b"b-new", 1, packet_id=3))
+        await h.commit()
+        got = [m.payload for m in s2.received() if isinstance(m, Publish)]
+        assert got == [b"a1", b"b-new"]
+    run(main())
+
+
+def test_persistent_session_redelivers_with_dup_and_same_ids(tmp_path: Path) -> None:
+    async def main() -> None:
+        h = Harness(tmp_path)
+        s = h.client()
+        s.connect("s", clean=False)
+        s.send(Subscribe(1, [("t/#", 1)]))
+        s.received()
+        p = h.client()
+        p.connect("p")
+        p.send(Publish("t/1", b"m1", 1, packet_id=1), Publish("t/1", b"m2", 1, packet_id=2))
+        await h.commit()
+        got = s.received()
+        s.send(Puback(got[0].packet_id))
+        s.conn.connection_lost()
+        s2 = h.client()
+        ack = s2.connect("s", clean=False)
+        assert ack.session_present
+        again = s2.received()
+        assert [(m.payload, m.dup, m.packet_id) for m in again] == [(b"m2", True, got[1].packet_id)]
+    run(main())
+
+
+def test_clean_session_discards_persistent_state(tmp_path: Path) -> None:
+    async def main() -> None:
+        h = Harness(tmp_path)
+        s = h.client()
+        s.connect("s", clean=False)
+        s.send(Subscribe(1, [("t", 1)]), Disconnect())
+        assert h.store.load("s") is not None
+        c = h.client()
+        assert not c.connect("s", clean=True).session_present
+        assert h.store.load("s") is None
+        c.send(Disconnect())
+        again = h.client()
+        assert not again.connect("s", clean=False).session_present
+    run(main())
+
+
+def test_takeover_closes_old_connection_and_publishes_its_will(tmp_path: Path) -> None:
+    async def main() -> None:
+        h = Harness(tmp_path)
+        old = h.client()
+        old.connect("dev", will_topic="status/dev", will_payload=b"gone", will_qos=1)
+        new = h.client()
+        assert new.connect("dev").return_code == 0
+        assert old.conn.closed and "taken over" in old.conn.close_reason
+        await h.commit()
+        assert [(r.topic, r.payload) for r in h.queue.log.records] == [("status/dev", b"gone")]
+        # A clean DISCONNECT publishes no will.
+        new.send(Disconnect())
+        await h.commit()
+        assert len(h.queue.log.records) == 1
+    run(main())
+
+
+def test_keepalive_expiry_publishes_will(tmp_path: Path) -> None:
+    async def main() -> None:
+        h = Harness(tmp_path)
+        c = h.client()
+        c.connect("k", keepalive=2, will_topic="w", will_payload=b"bye")
+        t0 = c.conn.last_rx
+        h.core.tick(t0 + 2.9)
+        assert not c.conn.closed
+        h.core.tick(t0 + 3.1)
+        assert c.conn.closed and "keepalive" in c.conn.close_reason
+        await h.commit()
+        assert [r.topic for r in h.queue.log.records] == ["w"]
+    run(main())
+
+
+def test_retained_delivered_on_subscribe_and_cleared(tmp_path: Path) -> None:
+    async def main() -> None:
+        h = Harness(tmp_path)
+        p = h.client()
+        p.connect("p")
+        p.send(Publish("r/1", b"one", 1, True, packet_id=1), Publish("r/2", b"two", 0, True))
+        await h.commit()
+        s = h.client()
+        s.connect("s")
+        s.send(Subscribe(1, [("r/#", 1)]))
+        out = s.received()
+        assert out[0] == Suback(1, [1])
+        assert sorted((m.topic, m.payload, m.qos, m.retain) for m in out[1:]) == [
+            ("r/1", b"one", 1, True), ("r/2", b"two", 0, True)]
+        p.send(Publish("r/1", b"", 0, True))
+        await h.commit()
+        s2 = h.client()
+        s2.connect("s2")
+        s2.send(Subscribe(1, [("r/#", 0)]))
+        assert [m.topic for m in s2.received()[1:]] == ["r/2"]
+    run(main())
+
+
+def test_shared_subscription_splits_records(tmp_path: Path) -> None:
+    async def main() -> None:
+        h = Harness(tmp_path)
+        a, b, solo = h.client(), h.client(), h.client()
+        a.connect("a")
+        b.connect("b")
+        solo.connect("solo")
+        a.send(Subscribe(1, [("$share/g/jobs/#", 1)]))
+        b.send(Subscribe(1, [("$share/g/jobs/#", 1)]))
+        solo.send(Subscribe(1, [("jobs/#", 1)]))
+        for c in (a, b, solo):
+            c.received()
+        p = h.client()
+        p.connect("p")
+        n = 30
+        for i in range(n):
+            p.send(Publish("jobs/x", b"%d" % i, 1, packet_id=i + 1))
+        await h.commit()
+        got_a = a.received()
+        got_b = b.received()
+        for c, got in ((a, got_a), (b, got_b)):
+            c.send(*[Puback(m.packet_id) for m in got])
+        got_a += a.received()
+        got_b += b.received()
+        pa = {m.payload for m in got_a}
+        pb = {m.payload for m in got_b}
+        assert not pa & pb
+        assert len(pa | pb) == n
+        assert pa and pb
+        solo_got = solo.received()
+        solo.send(*[Puback(m.packet_id) for m in solo_got])
+        solo_got += solo.received()
+        assert len({m.payload for m in solo_got}) == n
+    run(main())
+
+
+def test_auto_subscribe_rule(tmp_path: Path) -> None:
+    async def main() -> None:
+        h = Harness(tmp_path, auto_subscribe=(AutoSubscribe("cmd/%c/#", 1),))
+        d = h.client()
+        d.connect("dev7", clean=False)
+        p = h.client()
+        p.connect("p")
+        p.send(Publish("cmd/dev7/reboot", b"now", 1, packet_id=1), Publish("cmd/other/x", b"no", 1, packet_id=2))
+        await h.commit()
+        assert [m.payload for m in d.received()] == [b"now"]
+    run(main())
+
+
+def test_dollar_topics_not_matched_by_wildcards_and_sys_messages(tmp_path: Path) -> None:
+    async def main() -> None:
+        h = Harness(tmp_path)
+        s = h.client()
+        s.connect("s")
+        s.send(Subscribe(1, [("#", 0), ("$SYS/broker/uptime", 0)]))
+        s.received()
+        h.core.publish_sys([("$SYS/broker/uptime", b"5 seconds"), ("$SYS/broker/clients/connected", b"1")])
+        assert [(m.topic, m.payload) for m in s.received()] == [("$SYS/broker/uptime", b"5 seconds")]
+        s.send(Subscribe(2, [("$SYS/#", 0)]))
+        out = s.received()
+        assert out[0] == Suback(2, [0])
+        assert {m.topic for m in out[1:]} == {"$SYS/broker/uptime", "$SYS/broker/clients/connected"}
+    run(main())
+
+
+def test_oversized_or_malformed_packet_closes_only_that_connection(tmp_path: Path) -> None:
+    async def main() -> None:
+        h = Harness(tmp_path, max_packet_size=1024)
+        good, bad, big = h.client(), h.client(), h.client()
+        good.connect("good")
+        bad.connect("bad")
+        big.connect("big")
+        bad.send_bytes(b"\x30\xff\xff\xff\xff\x01")  # remaining length over 4 bytes
+        big.send(Publish("t", b"x" * 2000))
+        assert bad.conn.closed and "protocol error" in bad.conn.close_reason
+        assert big.conn.closed and "exceeds" in big.conn.close_reason
+        good.send(Pingreq())
+        assert good.received() == [Pingresp()] and not good.conn.closed
+    run(main())
+
+
+# ---- Hypothesis: random valid packet sequences ------------------------------------------------
+
+_topics = st.sampled_from(["a", "a/b", "b/c", "$SYS/x", "c"])
+_filters = st.sampled_from(["a", "a/#", "+/c", "#", "$share/g/a/#", "x/+/y", "a/#/b"])
+_pid = st.integers(1, 6)
+
+_op = st.one_of(
+    st.tuples(st.just("pub"), _topics, st.integers(0, 2), _pid, st.booleans(), st.booleans()),
+    st.tuples(st.just("sub"), _filters, st.integers(0, 2), _pid),
+    st.tuples(st.just("unsub"), _filters, _pid),
+    st.tuples(st.just("puback"), _pid),
+    st.tuples(st.just("pubrec"), _pid),
+    st.tuples(st.just("pubrel"), _pid),
+    st.tuples(st.just("pubcomp"), _pid),
+    st.tuples(st.just("ping")),
+    st.tuples(st.just("commit")),
+    st.tuples(st.just("reconnect"), st.booleans()),
+)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(ops=st.lists(_op, max_size=40))
+def test_random_packet_sequences(tmp_path: Path, ops: list[tuple[Any, ...]]) -> None:
+    """Never raises; every PUBACK/PUBREC for a stored PUBLISH leaves only after its commit."""
+    import shutil
+    import tempfile
+
+    d = Path(tempfile.mkdtemp(dir=tmp_path))
+
+    async def main() -> None:
+        h = Harness(d)
+        c = h.client()
+        c.connect("hyp", clean=False)
+        other = h.client()
+        other.connect("other")
+        other.send(Subscribe(1, [("#", 2)]))
+        other.received()
+        # pid -> committed?  Filled as PUBLISHes are sent; checked against acks received.
+        waiting: dict[int, int] = {}
+        for op in ops:
+            kind = op[0]
+            if kind == "pub":
+                _, topic, qos, pid, retain, dup = op
+                if qos and pid not in waiting and topic[0] != "$":
+                    assert c.conn.session is not None
+                    known = qos == 2 and pid in c.conn.session.qos2_in
+                    waiting[pid] = -1 if known else h.queue.log.next_offset
+                c.send(Publish(topic, b"p", qos, retain, dup and qos > 0, pid if qos else None))
+            elif kind == "sub":
+                c.send(Subscribe(op[3], [(op[1], op[2])]))
+            elif kind == "unsub":
+                c.send(Unsubscribe(op[2], [op[1]]))
+            elif kind == "puback":
+                c.send(Puback(op[1]))
+            elif kind == "pubrec":
+                c.send(Pubrec(op[1]))
+            elif kind == "pubrel":
+                c.send(Pubrel(op[1]))
+            elif kind == "pubcomp":
+                c.send(Pubcomp(op[1]))
+            elif kind == "ping":
+                c.send(Pingreq())
+            elif kind == "commit":
+                await h.commit()
+            elif kind == "reconnect":
+                c.conn.connection_lost()
+                c = h.client()
+                c.connect("hyp", clean=op[1])
+                waiting.clear()
+            for packet in c.received():
+                if isinstance(packet, (Puback, Pubrec)) and packet.packet_id in waiting:
+                    offset = waiting.pop(packet.packet_id)
+                    assert h.queue.log.committed_offset > offset, "acknowledged before commit"
+            assert not c.conn.closed, c.conn.close_reason
+        await h.commit()
+        other.received()
+
+    try:
+        run(main())
+    finally:
+        shutil.rmtree(d, ignore_errors=True)

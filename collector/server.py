@@ -1,0 +1,285 @@
+"""The collector: a filemq broker that receives device batches and lands them as Parquet.
+
+A :class:`Collector` is a :class:`filemq.broker.Broker` (so its own segment log is the
+write-ahead log, with the durable group commit before every PUBACK) plus:
+
+* a publish hook at the door (:meth:`Collector.check_publish`) that, for every PUBLISH:
+  rejects a batch whose CRC fails (no PUBACK, the connection is closed: the agent resends);
+  quarantines a malformed one (written to ``<data_dir>/quarantine/``, acknowledged,
+  counted); acknowledges and drops a duplicate (entirely at or below the stream's
+  high-water mark); stores an overlapping one with the already-held records trimmed off;
+* a :class:`collector.lander.Lander` that rolls the WAL into landing files.
+
+What a caller may rely on: a batch is acknowledged only when it is durable in the WAL (or is
+a duplicate of records that are, or is malformed and durably quarantined). The collector's
+clock at receipt is stored as the WAL record's timestamp and becomes ``received_at``.
+
+Devices authenticate with the password file; the ACL should let each device write only under
+its own id: ``pattern write filemq/v1/%u/#`` (see docs/FORWARDING.md).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import signal
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from collector.dedup import SNAPSHOT_FILE, HighWaterMarks
+from collector.lander import Lander
+from collector.landing import LandingWriter
+from filemq.batch import (
+    BatchCrcError,
+    MalformedBatch,
+    decode_batch,
+    encode_batch,
+    parse_batch_topic,
+    peek_header,
+    records_after,
+)
+from filemq.broker import Broker, ClientInfo, HookResult
+from filemq.config import Config, ConfigError
+from segments.fileio import OS_FILE_IO, FileIO, atomic_write
+
+if TYPE_CHECKING:
+    from filemq.mqtt.packets import Publish
+
+log = logging.getLogger(__name__)
+
+QUARANTINE_DIR = "quarantine"
+MIN_PACKET_SIZE = 64 << 20  # batches are up to batch_bytes (1 MiB default) plus a header
+DEFAULT_WAL_RETENTION_MS = 3_600_000  # landed WAL segments are kept an hour, then deleted
+
+EXIT_OK = 0
+EXIT_RUNTIME = 1
+EXIT_CONFIG = 2
+
+
+@dataclass
+class DoorStats:
+    """What the publish hook decided (read only)."""
+
+    batches_received: int = 0
+    records_received: int = 0
+    bytes_received: int = 0
+    duplicate_batches: int = 0
+    duplicate_records: int = 0
+    trimmed_batches: int = 0
+    trimmed_records: int = 0
+    quarantined: int = 0
+    crc_rejected: int = 0
+
+
+def broker_config(config: Config) -> Config:
+    """The broker settings for a collector: its listener, auth and WAL from ``config``."""
+    c = config.collector
+    broker = dataclasses.replace(
+        config.broker,
+        host=c.host,
+        port=c.port,
+        password_file=c.password_file,
+        acl_file=c.acl_file,
+        allow_anonymous=c.allow_anonymous,
+        max_packet_size=max(config.broker.max_packet_size, MIN_PACKET_SIZE),
+        tls_cert=None,
+        tls_key=None,
+    )
+    log_section = config.log
+    if log_section.retention_ms is None and log_section.retention_bytes is None:
+        log_section = dataclasses.replace(log_section, retention_ms=DEFAULT_WAL_RETENTION_MS)
+    return dataclasses.replace(config, broker=broker, log=log_section)
+
+
+class Collector:
+    """The collector process's parts, startable and stoppable in-process (tests, bench)."""
+
+    def __init__(
+        self,
+        config: Config,
+        *,
+        fileio: FileIO = OS_FILE_IO,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        c = config.collector
+        if config.data_dir is None:
+            raise ConfigError("the collector needs a data directory (data_dir, flag --data-dir)", key="data_dir")
+        if c.landing is None:
+            raise ConfigError("the collector needs a landing directory (collector.landing, flag --landing)",
+                              key="collector.landing")
+        self.config = config
+        self.data_dir = Path(config.data_dir)
+        self.landing_dir = Path(c.landing)
+        self.collector_id = c.collector_id or socket.gethostname().split(".")[0] or "collector"
+        self.quarantine_dir = self.data_dir / QUARANTINE_DIR
+        self.stats = DoorStats()
+        self.marks = HighWaterMarks(self.data_dir / SNAPSHOT_FILE, fileio)
+        self.broker = Broker(broker_config(config), publish_hook=self.check_publish)
+        self.lander: Lander | None = None
+        self._fileio = fileio
+        self._clock = clock
+        self._quarantine_seq = 0
+
+    @property
+    def port(self) -> int:
+        return self.broker.port
+
+    async def start(self) -> None:
+        """Recover (WAL, landing staging, high-water marks), listen, start landing."""
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        writer = LandingWriter(self.landing_dir, self.collector_id, self._fileio)
+        await self.broker.start()
+        assert self.broker.queue is not None
+        c = self.config.collector
+        lander = Lander(self.broker.queue, writer, self.marks, roll_bytes=c.roll_bytes,
+                        roll_seconds=c.roll_seconds)
+        lander.recover()
+        lander.start()
+        self.lander = lander
+        log.info("collector %s listening on %s, landing in %s, WAL backlog %d batches",
+                 self.collector_id, self.broker.listening, self.landing_dir, lander.lag)
+
+    async def stop(self) -> None:
+        """Land what is buffered (bounded wait), then stop the broker (persists everything)."""
+        if self.lander is not None:
+            await self.lander.stop()
+        await self.broker.stop()
+
+    # -- the door -------------------------------------------------------------------------------
+
+    def check_publish(self, client: ClientInfo, packet: Publish) -> HookResult:
+        """The publish hook: CRC, structure, duplicate and overlap checks (see module doc)."""
+        stats = self.stats
+        payload = packet.payload
+        key = parse_batch_topic(packet.topic)
+        if key is None:
+            return self._quarantine(client, packet, f"topic {packet.topic!r} is not filemq/v1/<device_id>/<stream>")
+        try:
+            header = peek_header(payload)
+        except BatchCrcError as exc:
+            stats.crc_rejected += 1
+            log.warning("client %r: batch on %r failed its CRC (%s); not acknowledged", client.client_id,
+                        packet.topic, exc)
+            return HookResult.reject(str(exc))
+        except MalformedBatch as exc:
+            return self._quarantine(client, packet, str(exc))
+        if (header.device_id, header.stream) != key:
+            return self._quarantine(
+                client, packet,
+                f"topic {packet.topic!r} does not match the batch header's device {header.device_id!r}"
+                f" stream {header.stream!r}",
+            )
+        mark = self.marks.get(header.device_id, header.stream)
+        if header.last_offset <= mark:
+            stats.duplicate_batches += 1
+            stats.duplicate_records += header.count
+            return HookResult.ack_drop(f"duplicate batch {header.first_offset}..{header.last_offset}")
+        try:
+            batch = decode_batch(payload)
+        except MalformedBatch as exc:
+            return self._quarantine(client, packet, str(exc))
+        stats.batches_received += 1
+        stats.bytes_received += len(payload)
+        if header.first_offset <= mark:
+            keep = records_after(batch, mark)
+            stats.trimmed_batches += 1
+            stats.trimmed_records += header.count - len(keep)
+            stats.records_received += len(keep)
+            return HookResult.store(
+                encode_batch(header.device_id, header.stream, keep, compression=header.compression)
+            )
+        stats.records_received += header.count
+        return HookResult.store()
+
+    def _quarantine(self, client: ClientInfo, packet: Publish, reason: str) -> HookResult:
+        """Write the PUBLISH payload and the reason under ``quarantine/``, then ack it."""
+        self.stats.quarantined += 1
+        self._quarantine_seq += 1
+        stamp = datetime.fromtimestamp(self._clock(), UTC).strftime("%Y%m%dT%H%M%S.%fZ")
+        who = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in client.client_id)[:64] or "anonymous"
+        name = f"{stamp}-{who}-{self._quarantine_seq:06d}"
+        text = (f"client {client.client_id!r} user {client.username!r} peer {client.peer}\n"
+                f"topic {packet.topic!r}\n{reason}\n")
+        try:
+            self.quarantine_dir.mkdir(parents=True, exist_ok=True)
+            atomic_write(self.quarantine_dir / f"{name}.reason", text.encode(), self._fileio)
+            atomic_write(self.quarantine_dir / f"{name}.batch", bytes(packet.payload), self._fileio)
+        except OSError as exc:
+            # Not acknowledged: the agent resends and we try again once the disk allows.
+            log.error("client %r: could not quarantine a malformed batch (%s): %s", client.client_id, reason, exc)
+            return HookResult.reject(f"quarantine failed: {exc}")
+        log.warning("client %r: malformed batch on %r quarantined as %s: %s", client.client_id,
+                    packet.topic, self.quarantine_dir / f"{name}.batch", reason)
+        return HookResult.ack_drop(f"quarantined: {reason}")
+
+
+# -- the `filemq collector` process ------------------------------------------------------------
+
+
+async def serve_collector(
+    config: Config,
+    ready: Callable[[str], None] | None = None,
+    stop: asyncio.Event | None = None,
+) -> int:
+    """Run a collector until ``stop`` or SIGTERM/SIGINT; returns the exit code."""
+    try:
+        collector = Collector(config)
+        await collector.start()
+    except ConfigError as exc:
+        log.error("configuration error: %s", exc)
+        return EXIT_CONFIG
+    except OSError as exc:
+        c = config.collector
+        log.error("cannot start the collector on %s:%d (data dir %s): %s", c.host, c.port, config.data_dir, exc)
+        return EXIT_RUNTIME
+    metrics = None
+    if config.collector.metrics_port is not None:
+        from collector.metrics import start_metrics_server
+
+        try:
+            metrics = start_metrics_server(collector, config.collector.metrics_port, config.collector.host)
+        except OSError as exc:
+            log.error("cannot serve metrics on port %d: %s", config.collector.metrics_port, exc)
+            await collector.stop()
+            return EXIT_RUNTIME
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(sig, stop.set)
+    line = (f"filemq collector {collector.collector_id} listening on {collector.broker.listening},"
+            f" landing in {collector.landing_dir}")
+    log.info("%s", line)
+    if ready is not None:
+        ready(line)
+    try:
+        await stop.wait()
+    finally:
+        log.info("collector shutting down")
+        try:
+            await collector.stop()
+        except Exception:
+            log.exception("error during collector shutdown")
+            return EXIT_RUNTIME
+        finally:
+            if metrics is not None:
+                metrics.shutdown()
+    return EXIT_OK
+
+
+def run_collector(config: Config, ready: Callable[[str], None] | None = None) -> int:
+    """``filemq collector``: run until SIGTERM/SIGINT in a new event loop; the exit code."""
+    try:
+        return asyncio.run(serve_collector(config, ready))
+    except KeyboardInterrupt:
+        return EXIT_RUNTIME
+    except Exception:
+        log.exception("the collector failed")
+        return EXIT_RUNTIME

@@ -266,6 +266,8 @@ class AgentSection:
     backoff_initial_ms: int = field(default=500, metadata=_spec(_POS))
     backoff_max_ms: int = field(default=60_000, metadata=_spec(_POS))
     metrics_port: int | None = field(default=None, metadata=_spec(_PORT))
+    stream: str = field(default="main", metadata=_spec(_str))
+    ack_timeout_ms: int = field(default=30_000, metadata=_spec(_POS))
 
 
 @dataclass(frozen=True)

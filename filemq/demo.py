@@ -1,0 +1,783 @@
+"""The end-to-end demo behind ``filemq demo``: the whole pipeline on loopback, with faults.
+
+:func:`run_demo` starts a collector and an agent as ``filemq`` subprocesses in a work
+directory, runs simulated sensors that publish JSON readings with QoS 1 through the real
+:class:`~filemq.mqtt.client.MQTTClient`, cuts the uplink (stops the collector), cuts the
+device's power (``kill -9`` of the agent) mid-stream, restarts both, waits until the backlog
+has drained and landed, runs ``filemq ingest --once`` and compares the curated table with the
+*oracle*: the set of messages whose PUBACK a sensor received.
+
+What a caller may rely on:
+
+* :func:`run_demo` never raises for a failed phase: it returns a :class:`DemoResult` whose
+  ``ok`` is false and whose ``failed_phase``/``error``/``log_file`` say what went wrong and
+  where to look; the work directory is kept whenever the demo did not succeed.
+* Every wait is bounded (:class:`DemoOptions` timeouts); every process the demo started is
+  stopped before it returns (SIGTERM, then SIGKILL of that process group).
+* Other parts are driven only through their command lines. A ``filemq`` command that does
+  not exist yet is reported as ``not yet available: filemq <command>`` and the demo runs
+  whatever it can without it (``DemoResult.missing``).
+* Progress goes to the ``progress`` callback (never printed here): ``kind="phase"`` for a
+  line worth keeping (a phase began or ended), ``kind="status"`` for a live status line
+  that the next one replaces.
+
+Reading the curated table needs pyarrow (the ``collector``/``spark`` extras); it is imported
+only when the demo reaches that point, so a device install can still import this module.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import json
+import logging
+import os
+import random
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from filemq.mqtt.client import MQTTClient, MQTTClientError
+
+log = logging.getLogger(__name__)
+
+DEVICE_ID = "demo-device-1"
+PAYLOAD_SCHEMA = "temperature double, humidity double"
+REQUIRED_COMMANDS = ("collector", "agent", "status", "ingest")
+
+ProgressKind = Literal["phase", "status"]
+
+
+@dataclass(frozen=True, slots=True)
+class DemoProgress:
+    """One progress report: a line to keep (``phase``) or a live line to replace (``status``)."""
+
+    kind: ProgressKind
+    phase: str
+    message: str
+
+
+ProgressCallback = Callable[[DemoProgress], None]
+
+
+@dataclass(slots=True)
+class DemoOptions:
+    """How long and how big the demo runs. :meth:`quick` is the shortened run for tests."""
+
+    work_dir: Path | None = None
+    keep: bool = False
+    sensors: int = 5
+    rate_per_sensor: float = 10.0  # messages per second per sensor
+    online_s: float = 10.0  # everything up
+    uplink_down_s: float = 10.0  # collector stopped, sensors keep publishing to the agent
+    power_off_s: float = 2.0  # agent killed: the device is dark
+    agent_back_s: float = 10.0  # agent restarted, collector still down
+    uplink_back_s: float = 8.0  # collector restarted, sensors still publishing
+    start_timeout_s: float = 30.0
+    settle_timeout_s: float = 15.0  # in-flight publishes after the sensors stop
+    drain_timeout_s: float = 120.0
+    ingest_timeout_s: float = 300.0
+    stop_timeout_s: float = 15.0
+    roll_seconds: int = 1  # the collector lands a file at least every second
+    seed: int = 1
+    filemq_command: Sequence[str] | None = None  # how to run `filemq` (default: next to python)
+
+    @classmethod
+    def quick(cls, **overrides: Any) -> DemoOptions:
+        """A shortened run (~10 s of publishing) with the same phases, for tests."""
+        values: dict[str, Any] = {
+            "sensors": 3,
+            "online_s": 2.0,
+            "uplink_down_s": 2.0,
+            "power_off_s": 1.0,
+            "agent_back_s": 2.0,
+            "uplink_back_s": 2.0,
+        }
+        values.update(overrides)
+        return cls(**values)
+
+    @property
+    def publishing_seconds(self) -> float:
+        return self.online_s + self.uplink_down_s + self.power_off_s + self.agent_back_s + self.uplink_back_s
+
+
+@dataclass(slots=True)
+class PhaseResult:
+    """How one phase went: ``status`` is ``ok``, ``failed``, ``not yet available: ...`` or ``skipped: ...``."""
+
+    name: str
+    seconds: float
+    status: str = "ok"
+
+
+@dataclass(slots=True)
+class DemoResult:
+    """The demo's summary; counts are ``None`` when the phase that measures them did not run.
+
+    ``lost`` is the number of acknowledged messages missing from the curated table (or, when
+    the ingest could not run, from the landed files); ``duplicates_removed`` is landed rows
+    minus curated rows; ``resent_by_qos1`` counts messages stored twice at the device (QoS 1
+    is at-least-once: a message whose PUBACK died with the agent is resent and stored again
+    under a new offset, so it is a distinct row).
+    """
+
+    work_dir: str
+    published: int = 0
+    acknowledged: int = 0
+    landed_rows: int | None = None
+    landing_files: int | None = None
+    table_rows: int | None = None
+    duplicates_removed: int | None = None
+    duplicate_keys_in_table: int | None = None
+    resent_by_qos1: int | None = None
+    unacknowledged_but_stored: int | None = None
+    lost: int | None = None
+    lost_sample: list[str] = field(default_factory=list)
+    ingest_summary: dict[str, Any] | None = None
+    phases: list[PhaseResult] = field(default_factory=list)
+    missing: list[str] = field(default_factory=list)
+    failed_phase: str | None = None
+    error: str | None = None
+    log_file: str | None = None
+    seconds: float = 0.0
+
+    @property
+    def complete(self) -> bool:
+        """True if every phase ran (nothing missing, nothing failed)."""
+        return not self.missing and self.failed_phase is None
+
+    @property
+    def ok(self) -> bool:
+        """True if every phase ran and no acknowledged message is missing from the table."""
+        return self.complete and self.lost == 0 and self.table_rows is not None and not self.duplicate_keys_in_table
+
+    def as_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["ok"] = self.ok
+        out["phases"] = [{"name": p.name, "seconds": round(p.seconds, 2), "status": p.status} for p in self.phases]
+        out["seconds"] = round(self.seconds, 2)
+        return out
+
+
+class DemoError(Exception):
+    """A phase failed; ``log_file`` is the file a person should look at first."""
+
+    def __init__(self, phase: str, reason: str, log_file: Path | None = None) -> None:
+        self.phase = phase
+        self.reason = reason
+        self.log_file = log_file
+        where = f" (see {log_file})" if log_file else ""
+        super().__init__(f"phase {phase!r} failed: {reason}{where}")
+
+
+def default_filemq_command() -> list[str]:
+    """The ``filemq`` console script next to this interpreter, else ``python -m cli``."""
+    script = Path(sys.executable).parent / "filemq"
+    if script.exists():
+        return [str(script)]
+    return [sys.executable, "-m", "cli"]
+
+
+def run_demo(options: DemoOptions, progress: ProgressCallback | None = None) -> DemoResult:
+    """Run the whole demo (see the module docstring); returns its summary, never raises
+    for a failed phase. Removes a temporary work directory only if the demo succeeded and
+    ``options.keep`` is false."""
+    created = options.work_dir is None
+    work_dir = Path(tempfile.mkdtemp(prefix="filemq-demo-")) if options.work_dir is None else options.work_dir
+    work_dir.mkdir(parents=True, exist_ok=True)
+    demo = _Demo(options, work_dir, progress or (lambda _p: None))
+    result = asyncio.run(demo.run())
+    if created and result.ok and not options.keep:
+        shutil.rmtree(work_dir, ignore_errors=True)
+    return result
+
+
+def format_summary(result: DemoResult) -> list[str]:
+    """Lines a person can check at a glance (the CLI echoes them)."""
+
+    def num(value: int | None) -> str:
+        return "-" if value is None else f"{value:,}"
+
+    lines = []
+    if result.ok:
+        lines.append(f"filemq demo: OK, lost: 0 of {result.acknowledged:,} acknowledged messages")
+    elif result.failed_phase is not None:
+        lines.append(f"filemq demo: FAILED in phase {result.failed_phase!r}: {result.error}")
+        if result.log_file:
+            lines.append(f"  look at: {result.log_file}")
+    elif result.missing:
+        lines.append("filemq demo: INCOMPLETE, not yet available: " + ", ".join(f"filemq {c}" for c in result.missing))
+    else:
+        lines.append(f"filemq demo: FAILED, lost: {num(result.lost)} acknowledged messages")
+    files = f" in {result.landing_files:,} files" if result.landing_files is not None else ""
+    rows = [
+        ("messages published", num(result.published), "handed to the MQTT client by the sensors"),
+        ("acknowledged", num(result.acknowledged), "PUBACK received: the oracle"),
+        ("landed rows", num(result.landed_rows), f"in Parquet landing files{files}, incl. duplicates"),
+        ("rows in curated table", num(result.table_rows), "one per (device_id, stream, offset)"),
+        ("duplicates removed", num(result.duplicates_removed), "landed rows - table rows"),
+        ("re-sent by QoS 1", num(result.resent_by_qos1), "stored twice at the device after the power cut"),
+        ("lost", num(result.lost), "acknowledged but not in the table"),
+    ]
+    for label, value, note in rows:
+        lines.append(f"  {label:<22}{value:>10}   {note}")
+    if result.lost_sample:
+        lines.append("  missing ids (first ones): " + ", ".join(result.lost_sample))
+    lines.append("  phases: " + ", ".join(_phase_text(p) for p in result.phases))
+    lines.append(f"  total {result.seconds:.1f} s, work dir {result.work_dir}")
+    return lines
+
+
+def _phase_text(phase: PhaseResult) -> str:
+    if phase.status == "ok":
+        return f"{phase.name} {phase.seconds:.1f} s"
+    return f"{phase.name} ({phase.status})"
+
+
+# ---------------------------------------------------------------------------- processes
+
+
+class _Service:
+    """One ``filemq`` subprocess (collector or agent) that can be stopped, killed and restarted."""
+
+    def __init__(self, name: str, argv: list[str], log_file: Path, port: int) -> None:
+        self.name = name
+        self.argv = argv
+        self.log_file = log_file
+        self.port = port
+        self.proc: asyncio.subprocess.Process | None = None
+        self.starts = 0
+
+    async def start(self, timeout: float, phase: str) -> None:
+        self.starts += 1
+        with self.log_file.open("ab") as out:
+            out.write(f"\n=== filemq demo: start #{self.starts}: {' '.join(self.argv)}\n".encode())
+            out.flush()
+            # Its own session: a kill of its process group never reaches the demo itself.
+            self.proc = await asyncio.create_subprocess_exec(
+                *self.argv, stdin=asyncio.subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True
+            )
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.proc.returncode is not None:
+                raise DemoError(phase, f"{self.name} exited with code {self.proc.returncode} at start", self.log_file)
+            if await _port_open(self.port):
+                return
+            if time.monotonic() > deadline:
+                raise DemoError(phase, f"{self.name} did not accept connections on port {self.port} "
+                                       f"within {timeout:.0f} s", self.log_file)
+            await asyncio.sleep(0.1)
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.returncode is None
+
+    async def stop(self, timeout: float) -> int | None:
+        """SIGTERM, wait up to ``timeout``, then SIGKILL; returns the exit code."""
+        proc = self.proc
+        if proc is None or proc.returncode is not None:
+            return None if proc is None else proc.returncode
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(signal.SIGTERM)
+        try:
+            async with asyncio.timeout(timeout):
+                return await proc.wait()
+        except TimeoutError:
+            log.warning("%s did not stop within %.0f s of SIGTERM; killing it", self.name, timeout)
+            return await self.kill()
+
+    async def kill(self) -> int:
+        """SIGKILL: what a power cut does to the process."""
+        proc = self.proc
+        assert proc is not None
+        if proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+        return await proc.wait()
+
+
+async def _port_open(port: int) -> bool:
+    try:
+        async with asyncio.timeout(1.0):
+            _reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    except (OSError, TimeoutError):
+        return False
+    writer.close()
+    with contextlib.suppress(OSError):
+        await writer.wait_closed()
+    return True
+
+
+def _free_port() -> int:
+    # A small race (another process may take it before the service binds) is acceptable
+    # for a loopback demo; the start-up check reports it clearly if it happens.
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+async def _run_command(argv: list[str], timeout: float, log_file: Path | None = None) -> tuple[int, str, str]:
+    """Run a command to completion (bounded); returns (exit code, stdout, stderr).
+
+    With ``log_file``, stderr goes there (appended) instead of being captured.
+    """
+    with contextlib.ExitStack() as stack:
+        err: Any = asyncio.subprocess.PIPE
+        if log_file is not None:
+            err = stack.enter_context(log_file.open("ab"))
+        proc = await asyncio.create_subprocess_exec(
+            *argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, stderr=err,
+            start_new_session=True,
+        )
+        try:
+            async with asyncio.timeout(timeout):
+                out, errb = await proc.communicate()
+        except TimeoutError:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            await proc.wait()
+            raise
+    return proc.returncode or 0, out.decode(errors="replace"), (errb or b"").decode(errors="replace")
+
+
+def _last_json_object(text: str) -> dict[str, Any] | None:
+    for line in reversed(text.splitlines()):
+        line = line.strip()
+        if line.startswith("{"):
+            with contextlib.suppress(ValueError):
+                value = json.loads(line)
+                if isinstance(value, dict):
+                    return value
+    return None
+
+
+# ---------------------------------------------------------------------------- sensors
+
+
+class _Sensors:
+    """Simulated sensors: QoS 1 publishers that reconnect; the oracle is what got a PUBACK."""
+
+    def __init__(self, count: int, rate: float, port: int, seed: int) -> None:
+        self.count = count
+        self.interval = 1.0 / rate
+        self.port = port
+        self.rng = random.Random(seed)
+        self.published = 0
+        self.acked: set[str] = set()
+        self.failed = 0
+        self.connected = 0
+        self.reconnects = 0
+        self._stop = asyncio.Event()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._clients: list[MQTTClient] = []
+        self._pending: set[asyncio.Future[None]] = set()
+
+    def start(self) -> None:
+        for i in range(1, self.count + 1):
+            client = MQTTClient(f"demo-sensor-{i}", "127.0.0.1", self.port, keepalive=10, max_inflight=50)
+            self._clients.append(client)
+            self._tasks.append(asyncio.create_task(self._run(i, client), name=f"demo-sensor-{i}"))
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._pending)
+
+    async def _run(self, index: int, client: MQTTClient) -> None:
+        sensor = f"s{index}"
+        topic = f"sensors/{sensor}/env"
+        temperature = 20.0 + self.rng.uniform(-2, 2)
+        humidity = 45.0 + self.rng.uniform(-5, 5)
+        seq = 0
+        next_at = time.monotonic()
+        first = True
+        while not self._stop.is_set():
+            if not client.connected:
+                if not first:
+                    self.reconnects += 1
+                first = False
+                try:
+                    await client.connect(timeout=2.0)
+                    self.connected += 1
+                except (OSError, TimeoutError, MQTTClientError) as exc:
+                    log.debug("sensor %s: connect failed: %s", sensor, exc)
+                    with contextlib.suppress(TimeoutError):
+                        async with asyncio.timeout(0.2):
+                            await self._stop.wait()
+                    continue
+                next_at = time.monotonic()
+            # A device app that cannot reach the broker skips readings; while connected it
+            # publishes at its rate and lets the client keep up to max_inflight unacked.
+            seq += 1
+            temperature += self.rng.uniform(-0.2, 0.2)
+            humidity = min(100.0, max(0.0, humidity + self.rng.uniform(-0.5, 0.5)))
+            msg_id = f"{sensor}-{seq:07d}"
+            payload = json.dumps(
+                {"id": msg_id, "sensor": sensor, "seq": seq, "temperature": round(temperature, 2),
+                 "humidity": round(humidity, 2)},
+                separators=(",", ":"),
+            ).encode()
+            future = client.publish_nowait(topic, payload, qos=1)
+            self.published += 1
+            self._pending.add(future)
+            future.add_done_callback(functools.partial(self._done, msg_id=msg_id))
+            next_at += self.interval
+            delay = next_at - time.monotonic()
+            if delay < -1.0:
+                next_at = time.monotonic()  # fell behind (a reconnect): do not burst to catch up
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(max(0.0, delay)):
+                    await self._wait_stop_or_close(client)
+
+    async def _wait_stop_or_close(self, client: MQTTClient) -> None:
+        stop = asyncio.ensure_future(self._stop.wait())
+        closed = asyncio.ensure_future(client.closed.wait())
+        try:
+            await asyncio.wait({stop, closed}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stop.cancel()
+            closed.cancel()
+
+    def _done(self, future: asyncio.Future[None], msg_id: str) -> None:
+        self._pending.discard(future)
+        if future.cancelled() or future.exception() is not None:
+            self.failed += 1
+        else:
+            self.acked.add(msg_id)
+
+    async def stop(self, settle_timeout: float) -> None:
+        """Stop publishing, give in-flight publishes ``settle_timeout`` to be acked, disconnect."""
+        self._stop.set()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        deadline = time.monotonic() + settle_timeout
+        while self._pending and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        for client in self._clients:
+            with contextlib.suppress(Exception):
+                await client.disconnect(timeout=2.0)
+
+
+# ---------------------------------------------------------------------------- the demo
+
+
+class _Demo:
+    def __init__(self, options: DemoOptions, work_dir: Path, progress: ProgressCallback) -> None:
+        self.options = options
+        self.dir = work_dir
+        self.progress = progress
+        self.filemq = list(options.filemq_command or default_filemq_command())
+        self.result = DemoResult(work_dir=str(work_dir))
+        self.logs = work_dir / "logs"
+        self.sensors: _Sensors | None = None
+        self.services: list[_Service] = []
+        self.phase_started = 0.0
+        self.current_phase = ""
+
+    # ---------------------------------------------------------------- reporting
+
+    def _say(self, message: str) -> None:
+        self.progress(DemoProgress("phase", self.current_phase, message))
+
+    def _status(self, detail: str = "") -> None:
+        elapsed = time.monotonic() - self.phase_started
+        parts = [f"[{self.current_phase} {elapsed:4.1f}s]"]
+        if self.sensors is not None:
+            s = self.sensors
+            parts.append(f"published {s.published:,} acked {len(s.acked):,} in flight {s.in_flight:,}")
+        if detail:
+            parts.append(detail)
+        self.progress(DemoProgress("status", self.current_phase, " ".join(parts)))
+
+    @contextlib.contextmanager
+    def _phase(self, name: str, what: str) -> Iterator[None]:
+        self.current_phase = name
+        self.phase_started = time.monotonic()
+        self._say(f"{name}: {what}")
+        entry = PhaseResult(name, 0.0)
+        self.result.phases.append(entry)
+        try:
+            yield
+        except BaseException:
+            entry.status = "failed"
+            raise
+        finally:
+            entry.seconds = time.monotonic() - self.phase_started
+        self._say(f"{name}: done in {entry.seconds:.1f} s")
+
+    def _not_available(self, name: str, command: str) -> None:
+        self.result.phases.append(PhaseResult(name, 0.0, f"not yet available: filemq {command}"))
+        self._say(f"{name}: not yet available: filemq {command}")
+
+    async def _sleep_with_status(self, seconds: float, detail: Callable[[], str] = lambda: "") -> None:
+        end = time.monotonic() + seconds
+        while (left := end - time.monotonic()) > 0:
+            self._status(detail())
+            await asyncio.sleep(min(0.5, left))
+
+    # ---------------------------------------------------------------- run
+
+    async def run(self) -> DemoResult:
+        started = time.monotonic()
+        self.logs.mkdir(parents=True, exist_ok=True)
+        try:
+            await self._run_phases()
+        except DemoError as exc:
+            self.result.failed_phase = exc.phase
+            self.result.error = exc.reason
+            self.result.log_file = str(exc.log_file) if exc.log_file else None
+            self._say(str(exc))
+        finally:
+            if self.sensors is not None:
+                with contextlib.suppress(Exception):
+                    await self.sensors.stop(0.0)
+            for service in self.services:
+                with contextlib.suppress(Exception):
+                    await service.stop(self.options.stop_timeout_s)
+        self.result.seconds = time.monotonic() - started
+        return self.result
+
+    async def _run_phases(self) -> None:
+        opts = self.options
+        d = self.dir
+        self.current_phase = "check"
+        missing = await self._missing_commands()
+        self.result.missing = missing
+        if missing:
+            self._say("not yet available: " + ", ".join(f"filemq {c}" for c in missing))
+        if "collector" in missing or "agent" in missing:
+            for name, command in (("start", "collector" if "collector" in missing else "agent"),):
+                self._not_available(name, command)
+            return
+        collector_port, agent_port = _free_port(), _free_port()
+        collector = _Service(
+            "collector",
+            [*self.filemq, "collector", "--data-dir", str(d / "collector"), "--landing", str(d / "landing"),
+             "--host", "127.0.0.1", "--port", str(collector_port), "--roll-seconds", str(opts.roll_seconds)],
+            self.logs / "collector.log", collector_port,
+        )
+        agent = _Service(
+            "agent",
+            [*self.filemq, "agent", "--data-dir", str(d / "agent"), "--device-id", DEVICE_ID,
+             "--collector", f"127.0.0.1:{collector_port}", "--host", "127.0.0.1", "--port", str(agent_port),
+             "--backoff-max-ms", "1000"],
+            self.logs / "agent.log", agent_port,
+        )
+        self.services = [agent, collector]
+
+        with self._phase("start", "collector and agent on loopback"):
+            await collector.start(opts.start_timeout_s, "start")
+            await agent.start(opts.start_timeout_s, "start")
+            self._say(f"start: collector on 127.0.0.1:{collector_port}, agent (device {DEVICE_ID}) "
+                      f"on 127.0.0.1:{agent_port}, logs in {self.logs}")
+
+        self.sensors = sensors = _Sensors(opts.sensors, opts.rate_per_sensor, agent_port, opts.seed)
+        with self._phase("online", f"{opts.sensors} sensors x {opts.rate_per_sensor:g} msg/s, QoS 1, all up"):
+            sensors.start()
+            await self._sleep_with_status(opts.online_s)
+            self._check_alive("online", collector, agent)
+
+        with self._phase("uplink cut", "collector stopped (SIGTERM); the agent keeps storing"):
+            code = await collector.stop(opts.stop_timeout_s)
+            self._say(f"uplink cut: collector exited with code {code}")
+            await self._sleep_with_status(opts.uplink_down_s, lambda: "collector down")
+            self._check_alive("uplink cut", agent)
+
+        with self._phase("power cut", "kill -9 of the agent mid-stream, then restart it"):
+            acked_before = len(sensors.acked)
+            await agent.kill()
+            self._say(f"power cut: agent killed (SIGKILL) with {sensors.in_flight} publishes in flight, "
+                      f"{acked_before:,} acked so far")
+            await self._sleep_with_status(opts.power_off_s, lambda: "device dark")
+            await agent.start(opts.start_timeout_s, "power cut")
+            self._say("power cut: agent restarted; sensors reconnect and resend what was not acked")
+            await self._sleep_with_status(opts.agent_back_s, lambda: "collector still down")
+            self._check_alive("power cut", agent)
+
+        with self._phase("uplink back", "collector restarted; sensors keep publishing, then stop"):
+            await collector.start(opts.start_timeout_s, "uplink back")
+            await self._sleep_with_status(opts.uplink_back_s, lambda: "draining while publishing")
+            await sensors.stop(opts.settle_timeout_s)
+            self.result.published = sensors.published
+            self.result.acknowledged = len(sensors.acked)
+            self._check_alive("uplink back", collector, agent)
+            self._say(f"uplink back: sensors stopped: {sensors.published:,} published, "
+                      f"{len(sensors.acked):,} acknowledged, {sensors.reconnects} reconnects")
+
+        if "status" in missing:
+            self._not_available("drain", "status")
+            # Without status there is no way to know the backlog drained; give it a fixed time.
+            await asyncio.sleep(10.0)
+        else:
+            with self._phase("drain", "wait for forwarder lag 0 and everything landed"):
+                await self._wait_drained(agent, collector)
+
+        if "ingest" in missing:
+            self._not_available("ingest", "ingest")
+        else:
+            with self._phase("ingest", "filemq ingest --once (Spark)"):
+                await self._ingest()
+
+        with self._phase("verify", "compare the curated table with the oracle"):
+            await asyncio.to_thread(self._verify, sensors.acked, ingest_ran="ingest" not in missing)
+
+    def _check_alive(self, phase: str, *services: _Service) -> None:
+        for service in services:
+            if not service.running:
+                code = service.proc.returncode if service.proc else None
+                raise DemoError(phase, f"{service.name} exited unexpectedly with code {code}", service.log_file)
+
+    async def _missing_commands(self) -> list[str]:
+        async def probe(command: str) -> bool:
+            try:
+                code, _out, _err = await _run_command([*self.filemq, command, "--help"], 60.0)
+            except (OSError, TimeoutError):
+                return False
+            return code == 0
+
+        found = await asyncio.gather(*(probe(c) for c in REQUIRED_COMMANDS))
+        return [c for c, ok in zip(REQUIRED_COMMANDS, found, strict=True) if not ok]
+
+    async def _group_lag(self, data_dir: Path, group: str) -> int | None:
+        """The named group's lag from ``filemq status DIR --json``; None if not readable yet."""
+        try:
+            code, out, err = await _run_command([*self.filemq, "status", str(data_dir), "--json"], 30.0)
+        except (OSError, TimeoutError) as exc:
+            log.debug("status %s: %s", data_dir, exc)
+            return None
+        if code != 0:
+            log.debug("status %s exited %d: %s", data_dir, code, err.strip())
+            return None
+        status = _last_json_object(out)
+        if status is None:
+            return None
+        for entry in status.get("groups", []):
+            if isinstance(entry, dict) and entry.get("name") == group:
+                lag = entry.get("lag")
+                return int(lag) if isinstance(lag, int) else None
+        return None
+
+    async def _wait_drained(self, agent: _Service, collector: _Service) -> None:
+        deadline = time.monotonic() + self.options.drain_timeout_s
+        forwarder: int | None = None
+        lander: int | None = None
+        while True:
+            self._check_alive("drain", agent, collector)
+            forwarder = await self._group_lag(self.dir / "agent", "forwarder")
+            if forwarder == 0:
+                lander = await self._group_lag(self.dir / "collector", "lander")
+                if lander == 0:
+                    self._say("drain: forwarder lag 0, lander lag 0")
+                    return
+            self._status(f"forwarder lag {_opt(forwarder)} lander lag {_opt(lander)}")
+            if time.monotonic() > deadline:
+                blame = agent if forwarder != 0 else collector
+                raise DemoError("drain", f"backlog not drained within {self.options.drain_timeout_s:.0f} s "
+                                         f"(forwarder lag {_opt(forwarder)}, lander lag {_opt(lander)})",
+                                blame.log_file)
+            await asyncio.sleep(0.5)
+
+    async def _ingest(self) -> None:
+        d = self.dir
+        log_file = self.logs / "ingest.log"
+        argv = [*self.filemq, "ingest", "--landing", str(d / "landing"), "--table", str(d / "table"),
+                "--checkpoint", str(d / "checkpoint"), "--once", "--payload", "json",
+                "--payload-schema", PAYLOAD_SCHEMA, "--json"]
+        with log_file.open("ab") as out:
+            out.write(f"\n=== filemq demo: {' '.join(argv)}\n".encode())
+        task = asyncio.create_task(_run_command(argv, self.options.ingest_timeout_s, log_file))
+        while not task.done():
+            self._status("Spark is running the ingest (starting a JVM takes a while)")
+            await asyncio.wait({task}, timeout=0.5)
+        try:
+            code, out_text, _ = task.result()
+        except TimeoutError:
+            raise DemoError("ingest", f"did not finish within {self.options.ingest_timeout_s:.0f} s",
+                            log_file) from None
+        if code != 0:
+            raise DemoError("ingest", f"filemq ingest exited with code {code}", log_file)
+        self.result.ingest_summary = _last_json_object(out_text)
+
+    # ---------------------------------------------------------------- verification
+
+    def _verify(self, acked: set[str], *, ingest_ran: bool) -> None:
+        import pyarrow.dataset as ds
+
+        landing = self.dir / "landing" / "incoming"
+        if landing.exists():
+            landed = ds.dataset(str(landing), format="parquet", partitioning="hive").to_table(
+                columns=["device_id", "stream", "offset", "payload"])
+            self.result.landing_files = sum(1 for p in landing.rglob("*.parquet") if not _hidden(p, landing))
+        else:
+            landed = None
+            self.result.landing_files = 0
+        self.result.landed_rows = 0 if landed is None else landed.num_rows
+
+        table_dir = self.dir / "table"
+        if ingest_ran:
+            if not table_dir.exists():
+                raise DemoError("verify", f"the ingest wrote no table at {table_dir}", self.logs / "ingest.log")
+            table = ds.dataset(str(table_dir), format="parquet", partitioning="hive").to_table(
+                columns=["device_id", "stream", "offset", "payload"])
+        else:
+            # No ingest yet: check the landed files instead, deduplicated here by the same key.
+            table = landed
+        rows = _rows(table)
+        keys = Counter((r[0], r[1], r[2]) for r in rows)
+        if ingest_ran:
+            self.result.table_rows = len(rows)
+            self.result.duplicate_keys_in_table = sum(n - 1 for n in keys.values() if n > 1)
+            self.result.duplicates_removed = self.result.landed_rows - len(rows)
+        ids: Counter[str] = Counter()
+        seen_keys: set[tuple[str, str, int]] = set()
+        for device_id, stream, offset, payload in rows:
+            if (device_id, stream, offset) in seen_keys:
+                continue
+            seen_keys.add((device_id, stream, offset))
+            msg_id = _message_id(payload)
+            if msg_id is not None and device_id == DEVICE_ID:
+                ids[msg_id] += 1
+        missing = sorted(acked - ids.keys())
+        self.result.lost = len(missing)
+        self.result.lost_sample = missing[:10]
+        self.result.resent_by_qos1 = sum(n - 1 for n in ids.values() if n > 1)
+        self.result.unacknowledged_but_stored = len(ids.keys() - acked)
+        if missing:
+            raise DemoError("verify", f"{len(missing):,} acknowledged messages are missing, e.g. {missing[:3]}",
+                            self.logs / "agent.log")
+        if self.result.duplicate_keys_in_table:
+            raise DemoError("verify", f"{self.result.duplicate_keys_in_table:,} duplicate (device_id, stream, "
+                                      "offset) keys in the curated table", self.logs / "ingest.log")
+
+
+def _rows(table: Any) -> list[tuple[str, str, int, bytes]]:
+    if table is None:
+        return []
+    columns = [table.column(name).to_pylist() for name in ("device_id", "stream", "offset", "payload")]
+    return list(zip(*columns, strict=True))
+
+
+def _message_id(payload: bytes | str | None) -> str | None:
+    if payload is None:
+        return None
+    try:
+        value = json.loads(payload)
+    except ValueError:
+        return None
+    msg_id = value.get("id") if isinstance(value, dict) else None
+    return msg_id if isinstance(msg_id, str) else None
+
+
+def _hidden(path: Path, root: Path) -> bool:
+    return any(part.startswith(("_", ".")) for part in path.relative_to(root).parts)
+
+
+def _opt(value: int | None) -> str:
+    return "?" if value is None else f"{value:,}"

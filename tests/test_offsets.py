@@ -179,3 +179,9 @@ def test_write_goes_through_fileio_atomically(tmp_path: Path) -> None:
     io.calls.clear()
     assert OffsetFile(tmp_path / "doing", fileio).read() == 5
     assert io.calls == ["open doing"]  # reads use the same seam, so fault injection reaches them
+
+
+def test_golden_bytes_match_the_format_doc() -> None:
+    # docs/FORMAT.md, "Offset files", shows exactly these bytes for offset 42.
+    assert encode_offset(42) == bytes.fromhex("464D514F01000000000000002A0A181A2D")
+    assert decode_offset(bytes.fromhex("464D514F01000000000000002A0A181A2D")) == 42

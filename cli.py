@@ -160,6 +160,85 @@ def broker(config_file: str | None, **flags: object) -> None:
     sys.exit(run_broker(config, ready=lambda line: click.echo(line)))
 
 
+@main.command()
+@click.option("--data-dir", type=click.Path(file_okay=False), default=None, help="Data directory (log, groups, sessions).")
+@click.option("--device-id", default=None, help="This device's id (idempotency key, upstream client id).")
+@click.option("--collector", default=None, help="Upstream collector as HOST:PORT.")
+@click.option("--username", default=None, help="Upstream login.")
+@click.option("--password", default=None, help="Upstream password (prefer --password-file).")
+@click.option("--password-file", default=None, help="File whose first line is the upstream password.")
+@click.option("--tls-ca", default=None, help="CA bundle (PEM): enables TLS to the collector.")
+@click.option("--stream", default=None, help="Stream name in the batch topic (default main).")
+@click.option("--batch-records", type=click.IntRange(min=1), default=None, help="Records per batch at most (default 10000).")
+@click.option("--batch-bytes", default=None, help="Bytes per batch at most (default 1 MiB).")
+@click.option("--linger-ms", type=click.IntRange(min=0), default=None, help="Wait for a batch to fill (default 200).")
+@click.option("--window", type=click.IntRange(min=1), default=None, help="Batches in flight (default 4).")
+@click.option("--compression", type=click.Choice(["none", "zlib"]), default=None, help="Batch compression (default none).")
+@click.option("--rate-limit-bytes-per-s", default=None, help="Cap on upstream bandwidth (default unlimited).")
+@click.option("--metrics-port", type=int, default=None, help="Serve Prometheus metrics on 127.0.0.1:PORT.")
+@click.option("--config", "config_file", type=click.Path(dir_okay=False), default=None, help="TOML config file.")
+@click.option("--host", default=None, help="Local broker listen address (default 127.0.0.1).")
+@click.option("--port", type=int, default=None, help="Local broker port (default 1883; 0 = any free port).")
+@click.option("--broker-password-file", default=None, help="Password file for local clients (broker.password_file).")
+@click.option("--acl-file", default=None, help="ACL file for local clients.")
+@click.option("--fsync", type=click.Choice(["always", "interval", "never"]), default=None,
+              help="When the log is fdatasync'ed before acks (default always).")
+def agent(config_file: str | None, host: str | None, port: int | None, broker_password_file: str | None,
+          acl_file: str | None, **flags: object) -> None:
+    """Run the device broker plus the forwarder to the collector until SIGTERM/SIGINT."""
+    from filemq.config import ConfigError, flag_overrides, load_config
+    from worker_agent.app import run_agent
+
+    overrides = flag_overrides("agent", flags)
+    overrides.update(flag_overrides("broker", {"host": host, "port": port, "acl_file": acl_file,
+                                               "password_file": broker_password_file}))
+    try:
+        config = load_config(config_file, overrides)
+    except ConfigError as exc:
+        click.echo(f"filemq agent: {exc}", err=True)
+        sys.exit(2)
+    missing = [flag for flag, value in (("--data-dir", config.data_dir), ("--device-id", config.agent.device_id),
+                                        ("--collector", config.agent.collector)) if value is None]
+    if missing:
+        click.echo(f"filemq agent: missing {', '.join(missing)} (or the same keys in the config file)", err=True)
+        sys.exit(2)
+    logging.getLogger("filemq").setLevel(min(logging.getLogger().level, logging.WARNING))
+    sys.exit(run_agent(config, ready=lambda line: click.echo(line)))
+
+
+@main.command()
+@click.option("--data-dir", type=click.Path(file_okay=False), default=None, help="Data directory (the WAL).")
+@click.option("--landing", default=None, help="Landing directory (_staging/, incoming/dt=.../).")
+@click.option("--host", default=None, help="Listen address (default 127.0.0.1).")
+@click.option("--port", type=int, default=None, help="Listen port (default 1884; 0 = any free port).")
+@click.option("--password-file", default=None, help="Device logins (filemq passwd); required off loopback.")
+@click.option("--acl-file", default=None, help="ACL file; recommended line: pattern write filemq/v1/%u/#")
+@click.option("--collector-id", default=None, help="Id written into rows and file names (default: host name).")
+@click.option("--roll-bytes", default=None, help="Roll the Parquet file at this size (default 64 MiB).")
+@click.option("--roll-seconds", type=click.IntRange(min=1), default=None, help="Roll the Parquet file at this age (default 60).")
+@click.option("--metrics-port", type=int, default=None, help="Serve Prometheus metrics on HOST:PORT.")
+@click.option("--fsync", type=click.Choice(["always", "interval", "never"]), default=None,
+              help="When the WAL is fdatasync'ed before acks (default always).")
+@click.option("--config", "config_file", type=click.Path(dir_okay=False), default=None, help="TOML config file.")
+def collector(config_file: str | None, **flags: object) -> None:
+    """Receive device batches and land them as Parquet until SIGTERM/SIGINT."""
+    from collector.server import run_collector
+    from filemq.config import ConfigError, flag_overrides, load_config
+
+    try:
+        config = load_config(config_file, flag_overrides("collector", flags))
+    except ConfigError as exc:
+        click.echo(f"filemq collector: {exc}", err=True)
+        sys.exit(2)
+    missing = [flag for flag, value in (("--data-dir", config.data_dir), ("--landing", config.collector.landing))
+               if value is None]
+    if missing:
+        click.echo(f"filemq collector: missing {', '.join(missing)} (or the same keys in the config file)", err=True)
+        sys.exit(2)
+    logging.getLogger("filemq").setLevel(min(logging.getLogger().level, logging.WARNING))
+    sys.exit(run_collector(config, ready=lambda line: click.echo(line)))
+
+
 def _quiet_recovery_logs() -> None:
     """inspect/verify/status report what recovery finds themselves; without -v, do not also
     print the log's own recovery warnings (which, in a read-only dry run, describe cuts

@@ -1,0 +1,196 @@
+"""The ``filemq agent`` process: the device broker and the forwarder in one event loop.
+
+:func:`run_agent` returns the process exit code: 0 after a clean shutdown (SIGTERM/SIGINT:
+stop forwarding -- unacknowledged records stay in the log for next time --, stop the broker,
+persist offsets and sessions), 2 for a configuration problem, 1 for a runtime failure.
+
+The forwarder reads the broker's log through the durable consumer group ``forwarder``
+(created at the log's first offset, so records published before the agent first ran are
+shipped too) and connects upstream with our own :class:`filemq.mqtt.MQTTClient` as client id
+``<device_id>``. Its progress is published under ``$SYS/broker/forwarder/...`` every
+``broker.sys_interval_s`` and is visible in ``filemq status DIR --json`` as the group
+``forwarder`` (doing, pending, lag).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import ssl
+from collections.abc import Callable
+from pathlib import Path
+
+from filemq.broker import Broker
+from filemq.config import Config, ConfigError
+from filemq.mqtt.client import MQTTClient
+from worker_agent.forwarder import Forwarder, ForwarderConfig, Upstream
+
+log = logging.getLogger("filemq.agent")
+
+GROUP_NAME = "forwarder"
+EXIT_OK = 0
+EXIT_RUNTIME = 1
+EXIT_CONFIG = 2
+UPSTREAM_MAX_PACKET = 1 << 20  # the collector only sends small packets back
+
+
+def forwarder_config(config: Config) -> ForwarderConfig:
+    """The forwarder settings of ``config``'s ``[agent]`` section; ConfigError if incomplete."""
+    a = config.agent
+    if a.device_id is None:
+        raise ConfigError("the agent needs a device id (agent.device_id, flag --device-id)", key="agent.device_id")
+    if a.collector is None:
+        raise ConfigError("the agent needs the collector's address (agent.collector, flag --collector HOST:PORT)",
+                          key="agent.collector")
+    try:
+        return ForwarderConfig(
+            device_id=a.device_id,
+            stream=a.stream,
+            batch_records=a.batch_records,
+            batch_bytes=a.batch_bytes,
+            linger_s=a.linger_ms / 1000,
+            window=a.window,
+            compression=a.compression,
+            rate_limit_bytes_per_s=a.rate_limit_bytes_per_s,
+            backoff_initial_s=a.backoff_initial_ms / 1000,
+            backoff_max_s=a.backoff_max_ms / 1000,
+            ack_timeout_s=a.ack_timeout_ms / 1000,
+        )
+    except ValueError as exc:
+        raise ConfigError(f"agent: {exc}", key="agent.device_id") from exc
+
+
+def upstream_factory(config: Config) -> Callable[[], Upstream]:
+    """A function making a fresh MQTT client to the collector for each connection attempt."""
+    a = config.agent
+    assert a.collector is not None and a.device_id is not None
+    host, _, port = a.collector.rpartition(":")
+    host = host.strip("[]")
+    password: str | None = a.password
+    if a.password_file is not None:
+        try:
+            password = Path(a.password_file).read_text(encoding="utf-8").splitlines()[0]
+        except (OSError, IndexError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"cannot read the upstream password from {a.password_file}: {exc}",
+                              key="agent.password_file") from exc
+    context: ssl.SSLContext | None = None
+    if a.tls_ca is not None:
+        try:
+            context = ssl.create_default_context(cafile=a.tls_ca)
+        except (OSError, ssl.SSLError) as exc:
+            raise ConfigError(f"cannot load the CA bundle {a.tls_ca}: {exc}", key="agent.tls_ca") from exc
+    device_id = a.device_id
+    window = a.window
+
+    def connect() -> Upstream:
+        return MQTTClient(
+            device_id, host, int(port), clean_session=True, keepalive=30, username=a.username,
+            password=password, ssl=context, max_inflight=max(window, 1), max_packet_size=UPSTREAM_MAX_PACKET,
+        )
+
+    return connect
+
+
+class Agent:
+    """A device broker plus its forwarder, startable and stoppable in-process."""
+
+    def __init__(self, config: Config, *, connect: Callable[[], Upstream] | None = None) -> None:
+        self.config = config
+        self.forwarder_config = forwarder_config(config)
+        self._connect = connect or upstream_factory(config)
+        self.broker = Broker(config)
+        self.forwarder: Forwarder | None = None
+        self._sys_task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        await self.broker.start()
+        queue = self.broker.queue
+        assert queue is not None
+        group = queue.group(GROUP_NAME, start="earliest")
+        self.forwarder = Forwarder(group, queue.wait_for_records, self._connect, self.forwarder_config)
+        self.forwarder.start()
+        if self.config.broker.sys_interval_s > 0:
+            self._sys_task = asyncio.create_task(self._publish_sys(), name="filemq-agent-sys")
+        log.info("agent %s forwarding %s to %s; backlog %d records", self.forwarder_config.device_id,
+                 self.forwarder.topic, self.config.agent.collector, group.lag)
+
+    async def stop(self) -> None:
+        if self._sys_task is not None:
+            self._sys_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._sys_task
+        if self.forwarder is not None:
+            await self.forwarder.stop()
+        await self.broker.stop()
+
+    async def _publish_sys(self) -> None:
+        interval = self.config.broker.sys_interval_s
+        while True:
+            await asyncio.sleep(interval)
+            core, fwd = self.broker.core, self.forwarder
+            if core is not None and fwd is not None:
+                try:
+                    core.publish_sys(fwd.sys_messages())
+                except Exception:
+                    log.exception("publishing forwarder $SYS topics failed; continuing")
+
+
+async def serve_agent(config: Config, ready: Callable[[str], None] | None = None,
+                      stop: asyncio.Event | None = None) -> int:
+    """Start the agent, call ``ready(line)``, run until ``stop`` or a signal; the exit code."""
+    try:
+        agent = Agent(config)
+        await agent.start()
+    except ConfigError as exc:
+        log.error("configuration error: %s", exc)
+        return EXIT_CONFIG
+    except OSError as exc:
+        b = config.broker
+        log.error("cannot start the agent's broker on %s:%d (data dir %s): %s", b.host, b.port, config.data_dir, exc)
+        return EXIT_RUNTIME
+    metrics = None
+    if config.agent.metrics_port is not None:
+        from worker_agent.metrics import start_metrics_server
+
+        try:
+            metrics = start_metrics_server(agent, config.agent.metrics_port)
+        except OSError as exc:
+            log.error("cannot serve metrics on port %d: %s", config.agent.metrics_port, exc)
+            await agent.stop()
+            return EXIT_RUNTIME
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(sig, stop.set)
+    line = (f"filemq agent {agent.forwarder_config.device_id}: broker listening on {agent.broker.listening},"
+            f" data dir {agent.broker.data_dir}, forwarding to {config.agent.collector}")
+    log.info("%s", line)
+    if ready is not None:
+        ready(line)
+    try:
+        await stop.wait()
+    finally:
+        log.info("agent shutting down")
+        try:
+            await agent.stop()
+        except Exception:
+            log.exception("error during agent shutdown")
+            return EXIT_RUNTIME
+        finally:
+            if metrics is not None:
+                metrics.shutdown()
+    return EXIT_OK
+
+
+def run_agent(config: Config, ready: Callable[[str], None] | None = None) -> int:
+    """``filemq agent``: run until SIGTERM/SIGINT in a new event loop; the exit code."""
+    try:
+        return asyncio.run(serve_agent(config, ready))
+    except KeyboardInterrupt:
+        return EXIT_RUNTIME
+    except Exception:
+        log.exception("the agent failed")
+        return EXIT_RUNTIME

@@ -1,0 +1,93 @@
+"""Prometheus metrics for ``filemq agent --metrics-port P``.
+
+Read from the forwarder's counters at scrape time (a custom collector on a private
+registry); ``prometheus-client`` is imported only when metrics are enabled, so devices
+without it still run the agent. Metric names: ``filemq_agent_batches_sent_total``,
+``filemq_agent_batches_acked_total``, ``filemq_agent_records_acked_total``,
+``filemq_agent_bytes_sent_total``, ``filemq_agent_resent_records_total``,
+``filemq_agent_reconnects_total``, ``filemq_agent_ack_timeouts_total``,
+``filemq_agent_connected``, ``filemq_agent_lag_records`` (backlog not yet acked upstream),
+``filemq_agent_inflight_batches`` and the histogram ``filemq_agent_batch_latency_seconds``
+(send to PUBACK).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.registry import Collector as PromCollector
+
+from worker_agent.forwarder import LATENCY_BUCKETS
+
+if TYPE_CHECKING:
+    from wsgiref.simple_server import WSGIServer
+
+    from worker_agent.app import Agent
+
+
+class AgentMetrics(PromCollector):
+    """Exposes one :class:`worker_agent.app.Agent`'s forwarder counters."""
+
+    def __init__(self, agent: Agent) -> None:
+        self.agent = agent
+
+    def collect(self) -> Iterator[Metric]:
+        fwd = self.agent.forwarder
+        if fwd is None:
+            return
+        s = fwd.stats
+        p = "filemq_agent_"
+        for name, doc, value in (
+            ("batches_sent", "Batches published upstream", s.batches_sent),
+            ("batches_acked", "Batches acknowledged by the collector", s.batches_acked),
+            ("records_acked", "Records acknowledged by the collector", s.records_acked),
+            ("bytes_sent", "Batch bytes published upstream", s.bytes_sent),
+            ("resent_records", "Records handed back for resending after a lost connection", s.resent_records),
+            ("reconnects", "Upstream connections that ended", s.disconnects),
+            ("ack_timeouts", "Batches not acknowledged in time", s.ack_timeouts),
+        ):
+            yield CounterMetricFamily(p + name, doc, value=value)
+        for name, doc, level in (
+            ("connected", "1 while connected to the collector", float(s.connected)),
+            ("lag_records", "Records in the log not yet acknowledged upstream", float(fwd.backlog)),
+            ("inflight_batches", "Batches sent and not yet acknowledged", float(s.inflight_batches)),
+        ):
+            yield GaugeMetricFamily(p + name, doc, value=level)
+        cumulative = 0
+        buckets: list[tuple[str, float]] = []
+        for bound, count in zip((*LATENCY_BUCKETS, float("inf")), s.latency_buckets, strict=True):
+            cumulative += count
+            buckets.append(("+Inf" if bound == float("inf") else repr(bound), float(cumulative)))
+        yield HistogramMetricFamily(p + "batch_latency_seconds", "Batch send to PUBACK",
+                                    buckets=buckets, sum_value=s.latency_sum_s)
+
+
+@dataclass
+class MetricsServer:
+    """A running metrics endpoint; :meth:`shutdown` stops it."""
+
+    server: WSGIServer
+    thread: threading.Thread
+    port: int
+
+    def shutdown(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def start_metrics_server(agent: Agent, port: int, addr: str = "127.0.0.1") -> MetricsServer:
+    """Serve ``/metrics`` for ``agent`` on ``addr:port`` (0 = any free port)."""
+    registry = CollectorRegistry()
+    registry.register(AgentMetrics(agent))
+    server, thread = start_http_server(port, addr=addr, registry=registry)
+    return MetricsServer(server, thread, server.server_port)

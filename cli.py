@@ -369,6 +369,9 @@ def demo(quick: bool, keep: bool, work_dir: str | None, sensors: int | None, as_
     options.work_dir = Path(work_dir) if work_dir else None
     if sensors is not None:
         options.sensors = sensors
+    if logging.getLogger().getEffectiveLevel() > logging.INFO:
+        # The sensors' connections are reset on purpose (kill -9); without -v, do not log each.
+        logging.getLogger("filemq.mqtt.client").setLevel(logging.ERROR)
     tty = sys.stderr.isatty()
     last_plain = [0.0]
 

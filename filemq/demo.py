@@ -230,6 +230,8 @@ def format_summary(result: DemoResult) -> list[str]:
     ]
     for label, value, note in rows:
         lines.append(f"  {label:<22}{value:>10}   {note}")
+    if result.table_rows is None and result.lost is not None:
+        lines.append("  (no curated table: lost is checked against the landed files)")
     if result.lost_sample:
         lines.append("  missing ids (first ones): " + ", ".join(result.lost_sample))
     lines.append("  phases: " + ", ".join(_phase_text(p) for p in result.phases))
@@ -555,6 +557,10 @@ class _Demo:
                 self._not_available(name, command)
             return
         collector_port, agent_port = _free_port(), _free_port()
+        # The default reconnect backoff grows to 60 s: right for a fleet, too slow for a demo
+        # whose collector is down for seconds. No flag for it, so a config file.
+        agent_config = d / "agent.toml"
+        agent_config.write_text("[agent]\nbackoff_initial_ms = 200\nbackoff_max_ms = 1000\n")
         collector = _Service(
             "collector",
             [*self.filemq, "collector", "--data-dir", str(d / "collector"), "--landing", str(d / "landing"),
@@ -565,7 +571,7 @@ class _Demo:
             "agent",
             [*self.filemq, "agent", "--data-dir", str(d / "agent"), "--device-id", DEVICE_ID,
              "--collector", f"127.0.0.1:{collector_port}", "--host", "127.0.0.1", "--port", str(agent_port),
-             "--backoff-max-ms", "1000"],
+             "--config", str(agent_config)],
             self.logs / "agent.log", agent_port,
         )
         self.services = [agent, collector]

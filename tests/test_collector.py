@@ -1,0 +1,399 @@
+"""The collector: the door (CRC, quarantine, duplicates, overlaps), the lander, the marks."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import urllib.request
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import pyarrow.parquet as pq
+import pytest
+
+from collector.dedup import HighWaterMarks
+from collector.lander import Lander
+from collector.landing import LANDING_SCHEMA, LandingWriter
+from collector.metrics import start_metrics_server
+from collector.server import Collector
+from filemq.batch import BatchRecord, decode_batch, encode_batch
+from filemq.broker import ClientInfo
+from filemq.config import load_config
+from filemq.mqtt.client import MQTTClient
+from filemq.mqtt.packets import Publish
+from filemq.queue import Queue, QueueConfig
+from segments import LogConfig
+
+pytestmark = pytest.mark.timeout(60)
+
+CLIENT = ClientInfo("dev-1", "dev-1", "127.0.0.1:1")
+TOPIC = "filemq/v1/dev-1/main"
+
+
+def records(first: int, n: int, *, ts: int = 1_700_000_000_000_000, payload: bytes = b"p") -> list[BatchRecord]:
+    return [BatchRecord(first + i, ts + i, f"sensors/{i % 3}", payload + str(first + i).encode(), 1) for i in range(n)]
+
+
+def batch(first: int, n: int, device: str = "dev-1", **kw: Any) -> bytes:
+    return encode_batch(device, "main", records(first, n, **kw))
+
+
+def config(tmp_path: Path, **overrides: Any) -> Any:
+    values = {
+        "data_dir": str(tmp_path / "data"),
+        "collector.landing": str(tmp_path / "landing"),
+        "collector.port": 0,
+        "collector.collector_id": "c1",
+        "collector.roll_seconds": 60,
+        "log.fsync": "never",
+        "log.min_free_bytes": 0,
+    }
+    values.update(overrides)
+    return load_config(None, values)
+
+
+def landed_rows(landing: Path) -> list[dict[str, Any]]:
+    files = sorted((landing / "incoming").rglob("*.parquet"))
+    rows: list[dict[str, Any]] = []
+    for f in files:
+        table = pq.read_table(f, partitioning=None)
+        assert table.schema.equals(LANDING_SCHEMA)
+        rows.extend(table.to_pylist())
+    return rows
+
+
+def run(coro: Awaitable[None], timeout: float = 40) -> None:
+    async def main() -> None:
+        await asyncio.wait_for(coro, timeout)
+
+    asyncio.run(main())
+
+
+async def until(predicate: Callable[[], bool], timeout: float = 15.0) -> None:
+    async with asyncio.timeout(timeout):
+        while not predicate():
+            await asyncio.sleep(0.01)
+
+
+# -- the door ---------------------------------------------------------------------------------
+
+
+def test_door_decisions(tmp_path: Path) -> None:
+    collector = Collector(config(tmp_path))
+    check = collector.check_publish
+
+    assert check(CLIENT, Publish(TOPIC, batch(0, 10), 1, False, False, 1)).action == "store"
+    collector.marks.advance("dev-1", "main", 9)  # as the lander would after reading it
+
+    # A resend of the same batch: acknowledged and dropped.
+    result = check(CLIENT, Publish(TOPIC, batch(0, 10), 1, False, False, 2))
+    assert result.action == "ack_drop"
+    assert collector.stats.duplicate_batches == 1 and collector.stats.duplicate_records == 10
+
+    # Overlap 5..14: stored with 5..9 trimmed off.
+    result = check(CLIENT, Publish(TOPIC, batch(5, 10), 1, False, False, 3))
+    assert result.action == "store" and result.payload is not None
+    assert decode_batch(result.payload).offsets() == list(range(10, 15))
+    assert collector.stats.trimmed_records == 5
+
+    # Damaged in transit: not acknowledged (reject closes the connection; the agent resends).
+    damaged = bytearray(batch(20, 5))
+    damaged[-1] ^= 0xFF
+    assert check(CLIENT, Publish(TOPIC, bytes(damaged), 1, False, False, 4)).action == "reject"
+    assert collector.stats.crc_rejected == 1
+    assert collector.stats.quarantined == 0
+
+
+def test_door_quarantines_malformed_and_foreign(tmp_path: Path) -> None:
+    collector = Collector(config(tmp_path))
+    check = collector.check_publish
+    # A batch for another device on this device's topic.
+    other = batch(0, 3, device="dev-2")
+    assert check(CLIENT, Publish(TOPIC, other, 1, False, False, 1)).action == "ack_drop"
+    # Not a batch at all (valid CRC impossible): garbage on a batch topic is a CRC error...
+    assert check(CLIENT, Publish(TOPIC, b"hello world", 1, False, False, 2)).action == "reject"
+    # ...but a batch topic with bad structure is malformed, and a foreign topic too.
+    assert check(CLIENT, Publish("sensors/t", b"x", 1, False, False, 3)).action == "ack_drop"
+    assert check(CLIENT, Publish(TOPIC, b"FMQ", 1, False, False, 4)).action == "ack_drop"
+    assert collector.stats.quarantined == 3
+    qdir = tmp_path / "data" / "quarantine"
+    reasons = sorted(qdir.glob("*.reason"))
+    payloads = sorted(qdir.glob("*.batch"))
+    assert len(reasons) == 3 and len(payloads) == 3
+    texts = [r.read_text() for r in reasons]
+    assert any("does not match the batch header" in t for t in texts)
+    assert any("not filemq/v1/" in t for t in texts)
+    assert {p.read_bytes() for p in payloads} == {other, b"x", b"FMQ"}
+
+
+# -- the lander on a queue (no network) -------------------------------------------------------
+
+
+class LanderRig:
+    def __init__(self, tmp_path: Path, roll_bytes: int = 1 << 30, roll_seconds: float = 60) -> None:
+        self.tmp = tmp_path
+        self.queue = Queue.open(tmp_path / "wal", QueueConfig(log=LogConfig(fsync="never")))
+        self.writer = LandingWriter(tmp_path / "landing", "c1")
+        self.marks = HighWaterMarks(tmp_path / "wal" / "dedup.snap")
+        self.lander = Lander(self.queue, self.writer, self.marks, roll_bytes=roll_bytes, roll_seconds=roll_seconds)
+
+    async def start(self) -> None:
+        await self.queue.start()
+        self.lander.recover()
+        self.lander.start()
+
+    async def store(self, payload: bytes, received_at: int = 1_800_000_000_000_000) -> None:
+        await self.queue.publish(TOPIC, payload, qos=1, timestamp_us=received_at)
+
+    async def stop(self) -> None:
+        await self.lander.stop()
+        await self.queue.close()
+
+
+def test_lander_lands_rows_with_both_clocks(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        rig = LanderRig(tmp_path, roll_bytes=500)
+        await rig.start()
+        # A device whose clock is far in the past (1970): publish_ts kept as sent.
+        await rig.store(batch(0, 20, ts=5_000_000), received_at=1_800_000_000_000_000)
+        await rig.store(batch(20, 20), received_at=1_800_000_000_000_123)
+        await until(lambda: rig.lander.stats.rows_landed == 40)
+        await rig.stop()
+
+    run(scenario())
+    rows = landed_rows(tmp_path / "landing")
+    assert [r["offset"] for r in rows] == list(range(40))
+    first = rows[0]
+    assert first["publish_ts"].year == 1970 and int(first["publish_ts"].timestamp() * 1e6) == 5_000_000
+    assert int(first["received_at"].timestamp() * 1e6) == 1_800_000_000_000_000
+    assert int(rows[25]["received_at"].timestamp() * 1e6) == 1_800_000_000_000_123
+    assert first["device_id"] == "dev-1" and first["stream"] == "main" and first["collector_id"] == "c1"
+    assert first["topic"] == "sensors/0" and first["qos"] == 1 and first["payload"] == b"p0"
+    assert first["schema_version"] == 1
+    # received_at decides the dt partition (the collector's clock), not the device's.
+    assert all("dt=2027-01-15" in str(p) for p in (tmp_path / "landing" / "incoming").rglob("*.parquet"))
+
+
+def test_lander_drops_duplicates_stored_twice(tmp_path: Path) -> None:
+    """A batch re-sent while its first copy was being committed is in the WAL twice."""
+
+    async def scenario() -> None:
+        rig = LanderRig(tmp_path, roll_bytes=1 << 30, roll_seconds=0.3)
+        await rig.start()
+        await rig.store(batch(0, 10))
+        await rig.store(batch(0, 10))  # the same batch again
+        await rig.store(batch(5, 10))  # overlapping
+        await until(lambda: rig.lander.stats.rows_landed == 15)
+        await rig.stop()
+        assert rig.lander.stats.duplicate_rows_dropped == 15
+
+    run(scenario())
+    assert [r["offset"] for r in landed_rows(tmp_path / "landing")] == list(range(15))
+
+
+def test_lander_rolls_by_time(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        rig = LanderRig(tmp_path, roll_seconds=0.2)
+        await rig.start()
+        await rig.store(batch(0, 3))
+        await until(lambda: rig.lander.stats.files_landed == 1, timeout=5)
+        await rig.store(batch(3, 3))
+        await until(lambda: rig.lander.stats.files_landed == 2, timeout=5)
+        await rig.stop()
+
+    run(scenario())
+    assert len(list((tmp_path / "landing" / "incoming").rglob("*.parquet"))) == 2
+
+
+def test_marks_survive_restart_and_snapshot_loss_is_safe(tmp_path: Path) -> None:
+    async def first_run() -> None:
+        rig = LanderRig(tmp_path, roll_seconds=0.1)
+        await rig.start()
+        await rig.store(batch(0, 10))
+        await until(lambda: rig.lander.stats.rows_landed == 10)
+        await rig.stop()
+        assert rig.marks.covered == 1  # the snapshot covers WAL offset 0
+
+    async def second_run(expect_mark: int, expect_dropped: int) -> None:
+        rig = LanderRig(tmp_path, roll_seconds=0.1)
+        await rig.start()
+        assert rig.marks.get("dev-1", "main") == expect_mark
+        await rig.store(batch(0, 10))  # a resend after the restart
+        await rig.store(batch(10, 5))
+        await until(lambda: rig.lander.stats.batches_read == 2)
+        await until(lambda: rig.lander.stats.buffered_rows == 0)
+        await rig.stop()
+        assert rig.lander.stats.duplicate_rows_dropped == expect_dropped
+
+    run(first_run())
+    run(second_run(expect_mark=9, expect_dropped=10))
+    assert [r["offset"] for r in landed_rows(tmp_path / "landing")] == list(range(15))
+    # Without the snapshot the marks are rebuilt from the WAL's batch headers (all of the
+    # WAL that retention left): still no duplicate here.
+    (tmp_path / "wal" / "dedup.snap").unlink()
+    run(second_run(expect_mark=14, expect_dropped=15))
+    assert [r["offset"] for r in landed_rows(tmp_path / "landing")] == list(range(15))
+
+
+def test_marks_replayed_when_snapshot_lags_the_offset(tmp_path: Path) -> None:
+    """Crash after the offset was persisted but before the snapshot: replay the WAL."""
+
+    async def first_run() -> None:
+        rig = LanderRig(tmp_path, roll_seconds=0.1)
+        await rig.start()
+        await rig.store(batch(0, 10))
+        await until(lambda: rig.lander.stats.rows_landed == 10)
+        old = (tmp_path / "wal" / "dedup.snap").read_bytes()
+        await rig.store(batch(10, 10))
+        await until(lambda: rig.lander.stats.rows_landed == 20)
+        await rig.stop()
+        (tmp_path / "wal" / "dedup.snap").write_bytes(old)  # as if the last save never happened
+
+    async def second_run() -> None:
+        rig = LanderRig(tmp_path, roll_seconds=0.1)
+        await rig.start()
+        assert rig.marks.get("dev-1", "main") == 19  # rebuilt from the WAL's batch headers
+        await rig.store(batch(10, 10))
+        await until(lambda: rig.lander.stats.duplicate_rows_dropped == 10)
+        await rig.stop()
+
+    run(first_run())
+    run(second_run())
+    assert [r["offset"] for r in landed_rows(tmp_path / "landing")] == list(range(20))
+
+
+def test_crash_between_rename_and_offset_lands_rows_again(tmp_path: Path) -> None:
+    """The documented duplicate window: the file is in incoming/, the offset is not persisted.
+
+    Simulated by putting the lander's offset files and the marks snapshot back to what they
+    were before the roll, which is what a power cut right after the rename leaves behind.
+    """
+    saved: dict[Path, bytes] = {}
+
+    async def first_run() -> None:
+        rig = LanderRig(tmp_path, roll_seconds=0.1)
+        await rig.start()
+        await rig.store(batch(0, 5))
+        await until(lambda: rig.lander.stats.rows_landed == 5)
+        await asyncio.sleep(0.1)  # let the queue's housekeeping settle too
+        state = [p for p in (tmp_path / "wal").rglob("*") if p.is_file() and p.parent.name == "lander"]
+        state.append(tmp_path / "wal" / "dedup.snap")
+        saved.update({p: p.read_bytes() for p in state})
+        await rig.store(batch(5, 10))
+        await until(lambda: rig.lander.stats.rows_landed == 15)
+        await rig.stop()
+        for path, data in saved.items():
+            path.write_bytes(data)
+
+    async def restart() -> None:
+        rig = LanderRig(tmp_path, roll_seconds=0.1)
+        await rig.start()
+        await until(lambda: rig.lander.stats.rows_landed == 10)
+        await rig.stop()
+
+    run(first_run())
+    assert len(saved) >= 2
+    run(restart())
+    offsets = [r["offset"] for r in landed_rows(tmp_path / "landing")]
+    # Every row is there; the second roll's rows are there twice (removed downstream by key).
+    assert sorted(offsets) == sorted(list(range(15)) + list(range(5, 15)))
+
+
+def test_marks_snapshot_round_trip_and_damage(tmp_path: Path) -> None:
+    marks = HighWaterMarks(tmp_path / "m.snap")
+    marks.advance("dév", "main", 41)
+    marks.advance("dév", "main", 7)  # never lowers
+    marks.advance("b", "s2", 2**63)
+    marks.save(123)
+    again = HighWaterMarks(tmp_path / "m.snap")
+    assert again.load() and again.covered == 123
+    assert again.get("dév", "main") == 41 and again.get("b", "s2") == 2**63 and again.get("x", "y") == -1
+    data = bytearray((tmp_path / "m.snap").read_bytes())
+    for i in range(0, len(data), 7):
+        broken = bytearray(data)
+        broken[i] ^= 0x01
+        (tmp_path / "m.snap").write_bytes(bytes(broken))
+        assert not HighWaterMarks(tmp_path / "m.snap").load()
+    (tmp_path / "m.snap").write_bytes(bytes(data[:-3]))
+    assert not HighWaterMarks(tmp_path / "m.snap").load()
+
+
+# -- the whole collector over MQTT ------------------------------------------------------------
+
+
+class FakeFull:
+    """Wraps the WAL's FileIO: reports no free space while ``full`` is set."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.full = False
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def free_bytes(self, path: Any) -> int:
+        return 0 if self.full else int(self.inner.free_bytes(path))
+
+
+def test_full_disk_stops_acks_until_space_returns(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        collector = Collector(config(tmp_path, **{"log.min_free_bytes": 1, "collector.roll_seconds": 1}))
+        await collector.start()
+        assert collector.broker.queue is not None
+        wal = collector.broker.queue.log
+        fake = FakeFull(wal.fileio)
+        wal.fileio = fake  # type: ignore[assignment]
+        client = MQTTClient("dev-1", port=collector.port)
+        await client.connect()
+        await client.publish(TOPIC, batch(0, 10), qos=1, timeout=5)
+
+        fake.full = True
+        future = client.publish_nowait(TOPIC, batch(10, 10), qos=1)
+        await asyncio.sleep(0.5)
+        assert not future.done()  # no PUBACK while the disk is full
+        await client.wait_closed()  # the broker closed the connection: the batch was not stored
+        assert collector.stats.batches_received == 2
+
+        fake.full = False
+        client2 = MQTTClient("dev-1", port=collector.port)
+        await client2.connect()
+        await client2.publish(TOPIC, batch(10, 10), qos=1, timeout=5)  # the agent's resend
+        await until(lambda: collector.lander is not None and collector.lander.stats.rows_landed == 20)
+        await client2.disconnect()
+        await client.disconnect()
+        await collector.stop()
+
+    run(scenario())
+    assert [r["offset"] for r in landed_rows(tmp_path / "landing")] == list(range(20))
+
+
+def test_metrics_endpoint(tmp_path: Path) -> None:
+    async def scenario() -> str:
+        collector = Collector(config(tmp_path, **{"collector.roll_seconds": 1}))
+        await collector.start()
+        server = start_metrics_server(collector, 0)
+        try:
+            client = MQTTClient("dev-1", port=collector.port)
+            await client.connect()
+            await client.publish(TOPIC, batch(0, 7), qos=1, timeout=5)
+            await client.publish(TOPIC, batch(0, 7), qos=1, timeout=5)
+            await until(lambda: collector.lander is not None and collector.lander.stats.rows_landed == 7)
+            await client.disconnect()
+            url = f"http://127.0.0.1:{server.port}/metrics"
+            return await asyncio.to_thread(lambda: urllib.request.urlopen(url, timeout=5).read().decode())
+        finally:
+            server.shutdown()
+            await collector.stop()
+
+    result: list[str] = []
+
+    async def wrapper() -> None:
+        result.append(await scenario())
+
+    run(wrapper())
+    text = result[0]
+    assert "filemq_collector_records_received_total 7.0" in text
+    assert "filemq_collector_rows_landed_total 7.0" in text
+    assert "filemq_collector_duplicate_records_dropped_total" in text
+    assert os.path.isdir(tmp_path / "landing" / "incoming")

@@ -14,8 +14,9 @@ data directory, via :func:`segments.fileio.atomic_write`, CRC-checked) recording
 offset it covers. The lander saves it right after it has landed a file and persisted its
 offset, so ``covered`` never exceeds what is landed; at start-up :meth:`load` reads it and
 the lander replays the WAL from ``covered`` up to its Pending offset (see
-``collector.lander``). A missing or damaged snapshot means starting empty: nothing is lost,
-at worst rows land again and the Spark job removes them by ``(device_id, stream, offset)``.
+``collector.lander``). A missing or damaged snapshot means replaying the whole WAL that
+retention has left: nothing is lost; a resent batch older than that WAL lands again and the
+Spark job removes it by ``(device_id, stream, offset)``.
 
 Snapshot layout (little-endian): ``b"FMQD"``, u8 version (1), u64 covered, u32 entries, then
 per entry u16 length + UTF-8 device id, u16 length + UTF-8 stream, u64 mark; then u32

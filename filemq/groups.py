@@ -478,6 +478,23 @@ class ConsumerGroup:
                     self._note_missing(doing, committed)
                     self._doing = committed
                 break
+            n = len(records)
+            first_offset = records[0].offset
+            if (
+                first_offset == doing
+                and records[-1].offset == doing + n - 1
+                and all(map(self.matches, {r.topic for r in records}))
+            ):
+                # Fast path (the common case): gap-free and every topic matches, so the
+                # bookkeeping runs in C over the whole batch.
+                offsets = range(doing, doing + n)
+                outstanding.update(dict.fromkeys(offsets, consumer))
+                self._order.extend(offsets)
+                out.extend(records)
+                self._doing = doing + n
+                remaining -= n
+                scan_budget -= n
+                continue
             matched = 0
             for record in records:
                 offset = record.offset

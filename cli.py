@@ -106,6 +106,51 @@ def bench_codec(packets: int, rounds: int, as_json: bool) -> None:
             click.echo(f"{operation:15} filemq/amqtt = {ratio:.1f}x")
 
 
+@bench.command("broker")
+@click.option("--scenario", "scenarios", multiple=True, default=["all"], show_default=True,
+              type=click.Choice(["ingest", "fanout", "latency", "idle", "startup", "trie", "kill9", "all"]),
+              help="Scenario to run (repeatable).")
+@click.option("--messages", type=click.IntRange(min=1), default=None,
+              help="Messages per load run (default per scenario: ingest 200k, fanout 20k, latency 5 s at --rate).")
+@click.option("--publishers", type=click.IntRange(min=1), default=4, show_default=True)
+@click.option("--inflight", type=click.IntRange(min=1, max=65535), default=100, show_default=True)
+@click.option("--size", type=click.IntRange(min=16), default=100, show_default=True, help="Payload bytes.")
+@click.option("--subscribers", type=click.IntRange(min=1), default=10, show_default=True, help="fanout subscribers.")
+@click.option("--rate", type=click.FloatRange(min=1), default=5000.0, show_default=True, help="latency msg/s.")
+@click.option("--kill-rounds", type=click.IntRange(min=1), default=200, show_default=True)
+@click.option("--backlog-mb", type=click.IntRange(min=1), default=1024, show_default=True,
+              help="idle/startup log size.")
+@click.option("--idle-clients", type=click.IntRange(min=0), default=1000, show_default=True)
+@click.option("--idle-seconds", type=click.FloatRange(min=0.5), default=10.0, show_default=True)
+@click.option("--max-seconds", type=click.FloatRange(min=0.5), default=15.0, show_default=True,
+              help="Cap per broker per load run (a slow baseline's rate is still measured).")
+@click.option("--fsync", type=click.Choice(["always", "interval", "never"]), default="always", show_default=True)
+@click.option("--no-baselines", is_flag=True, help="Run filemq only (no mosquitto / amqtt).")
+@click.option("--seed", type=int, default=None, help="Seed for kill moments and the torn-tail cut.")
+@click.option("--workdir", type=click.Path(file_okay=False), default=None,
+              help="Where to put data dirs (a temporary directory if omitted).")
+@click.option("--keep", is_flag=True, help="Keep the data directories.")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per scenario per line on stdout.")
+def bench_broker(scenarios: tuple[str, ...], messages: int | None, publishers: int, inflight: int, size: int,
+                 subscribers: int, rate: float, kill_rounds: int, backlog_mb: int, idle_clients: int,
+                 idle_seconds: float, max_seconds: float, fsync: str, no_baselines: bool, seed: int | None,
+                 workdir: str | None, keep: bool, as_json: bool) -> None:
+    """The broker's acceptance figures vs Debian mosquitto and amqtt, in the same run."""
+    import json
+    from pathlib import Path
+
+    from bench.broker import BrokerBenchOptions, run_broker_bench, summary_line
+
+    opts = BrokerBenchOptions(
+        messages=messages, publishers=publishers, inflight=inflight, size=size, subscribers=subscribers,
+        rate=rate, kill_rounds=kill_rounds, backlog_mb=backlog_mb, idle_clients=idle_clients,
+        idle_seconds=idle_seconds, max_seconds=max_seconds, fsync=fsync, seed=seed,
+        workdir=Path(workdir) if workdir else None, keep=keep, baselines=not no_baselines,
+    )
+    for result in run_broker_bench(list(scenarios), opts, lambda msg: click.echo(msg, err=True)):
+        click.echo(json.dumps(result) if as_json else summary_line(result))
+
+
 @main.command()
 @click.argument("file", type=click.Path(dir_okay=False))
 @click.argument("user")

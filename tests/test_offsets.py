@@ -185,3 +185,31 @@ def test_golden_bytes_match_the_format_doc() -> None:
     # docs/FORMAT.md, "Offset files", shows exactly these bytes for offset 42.
     assert encode_offset(42) == bytes.fromhex("464D514F01000000000000002A0A181A2D")
     assert decode_offset(bytes.fromhex("464D514F01000000000000002A0A181A2D")) == 42
+
+
+@pytest.mark.parametrize("mode", ["drop", "tear"])
+def test_power_cut_at_every_step_of_a_write_leaves_old_or_new(tmp_path: Path, mode: str) -> None:
+    import random
+
+    faults = pytest.importorskip("tests.faults", reason="needs the fault-injection file layer")
+    rng = random.Random(1234)
+    step = 0
+    while True:
+        root = tmp_path / f"{mode}-{step}"
+        io = faults.FaultyFileIO(root)
+        f = OffsetFile(root / "pending", io)
+        f.write(100)
+        io.power_cut_after(step)
+        try:
+            f.write(200)
+            completed = True
+        except faults.PowerCut:
+            completed = False
+        io.crash(mode, rng)
+        value = OffsetFile(root / "pending").read()
+        assert value in (100, 200), (step, value)
+        if completed:
+            assert value == 200  # a write that returned is durable
+            break  # every step of the write has been cut once
+        step += 1
+    assert step >= 4  # open-create, pwrite, datasync, rename, fsync_dir

@@ -184,15 +184,20 @@ class SessionState:
         self.save_due = False  # something changed that should be written lazily
         self.conn: Connection | None = None
         self._qos_cache: dict[str, list[tuple[int, int, str | None]]] = {}
+        self._share_names: frozenset[str] | None = None
 
     def own_filters(self) -> tuple[str, ...]:
         return tuple(sorted({s.plain for s in self.subs.values() if s.share is None}))
 
-    def share_names(self) -> set[str]:
-        return {s.share for s in self.subs.values() if s.share is not None}
+    def share_names(self) -> frozenset[str]:
+        names = self._share_names
+        if names is None:
+            names = self._share_names = frozenset(s.share for s in self.subs.values() if s.share is not None)
+        return names
 
     def subs_changed(self) -> None:
         self._qos_cache.clear()
+        self._share_names = None
 
     def granted_qos(self, topic: str, offset: int, share: str | None) -> int:
         """Highest QoS of this session's subscriptions (of ``share``) that take this record; -1: none."""
@@ -286,6 +291,7 @@ class BrokerCore:
         self._batch_conns: set[Connection] = set()
         self._clean_ids = 0
         self._repump: set[Connection] = set()
+        self._to_pump: set[Connection] = set()
         self._repump_scheduled = False
         self.anonymous_allowed = config.anonymous_allowed()
         queue.add_commit_listener(self._on_committed)
@@ -302,6 +308,11 @@ class BrokerCore:
 
     def flush(self) -> None:
         """Write every connection's queued output with one transport write each."""
+        if self._to_pump:
+            # Window room freed by the acks of one read is filled with one fetch, not one each.
+            to_pump, self._to_pump = self._to_pump, set()
+            for conn in to_pump:
+                self.pump(conn)
         dirty = self._dirty
         if not dirty:
             return
@@ -412,6 +423,7 @@ class BrokerCore:
                         share, plain = parse_shared(f)
                         state.subs[f] = Subscription(f, plain, share, entry.qos, entry.start)
                     state.qos2_uncertain = set(stored.qos2_inbound)
+                    state.subs_changed()
                     if state.own_filters():
                         state.group = self._group(SESSION_GROUP_PREFIX + cid, state.own_filters(), True)
                 self.sessions[cid] = state
@@ -918,7 +930,7 @@ class BrokerCore:
         del state.inflight[pid]
         if out.group is not None:
             out.group.ack(out.offset)
-        self.pump(conn)
+        self._to_pump.add(conn)
 
     def on_pubrec(self, conn: Connection, pid: int) -> None:
         state = conn.session
@@ -939,7 +951,7 @@ class BrokerCore:
             del state.inflight[pid]
             if out.stage == 0 and out.group is not None:
                 out.group.ack(out.offset)
-        self.pump(conn)
+        self._to_pump.add(conn)
 
     def on_pubrel(self, conn: Connection, pid: int) -> None:
         state = conn.session
@@ -956,6 +968,7 @@ class BrokerCore:
         self.conns.discard(conn)
         self._dirty.discard(conn)
         self._repump.discard(conn)
+        self._to_pump.discard(conn)
         if prev_state != CONNECTED:
             return
         self.stats.client_disconnected()

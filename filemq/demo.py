@@ -595,6 +595,11 @@ class _Demo:
             self._check_alive("uplink cut", agent)
 
         with self._phase("power cut", "kill -9 of the agent mid-stream, then restart it"):
+            # Cut while a publish is on the wire when we can (bounded): that is the case where
+            # a sensor cannot know whether its message was stored.
+            deadline = time.monotonic() + 2.0
+            while sensors.in_flight == 0 and time.monotonic() < deadline:
+                await asyncio.sleep(0.001)
             acked_before = len(sensors.acked)
             await agent.kill()
             self._say(f"power cut: agent killed (SIGKILL) with {sensors.in_flight} publishes in flight, "

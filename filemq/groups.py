@@ -59,6 +59,7 @@ GROUP_FORMAT = 1
 _SAFE = frozenset("abcdefghijklmnopqrstuvwxyz0123456789_-")
 _MAX_PLAIN_ESCAPED = 120  # longer escaped names are shortened with a hash (NAME_MAX is 255)
 _MATCH_CACHE_SIZE = 4096
+_MIN_READ = 256  # records per log read in fetch, however few are wanted
 
 Start = Literal["earliest", "latest"]
 
@@ -470,7 +471,9 @@ class ConsumerGroup:
             if doing >= self._log.committed_offset:
                 break
             committed = self._log.committed_offset
-            records = read(doing, remaining)
+            # Read at least a modest batch: with a narrow filter most records are skipped,
+            # and one read() per wanted record would cost an index lookup each.
+            records = read(doing, max(remaining, _MIN_READ))
             if not records:
                 if committed > doing:
                     # read() returns a record whenever one is readable below its limit
@@ -478,25 +481,28 @@ class ConsumerGroup:
                     self._note_missing(doing, committed)
                     self._doing = committed
                 break
-            n = len(records)
-            first_offset = records[0].offset
+            batch = records if len(records) <= remaining else records[:remaining]
+            n = len(batch)
             if (
-                first_offset == doing
-                and records[-1].offset == doing + n - 1
-                and all(map(self.matches, {r.topic for r in records}))
+                batch[0].offset == doing
+                and batch[-1].offset == doing + n - 1
+                and all(map(self.matches, {r.topic for r in batch}))
             ):
                 # Fast path (the common case): gap-free and every topic matches, so the
                 # bookkeeping runs in C over the whole batch.
                 offsets = range(doing, doing + n)
                 outstanding.update(dict.fromkeys(offsets, consumer))
                 self._order.extend(offsets)
-                out.extend(records)
+                out.extend(batch)
                 self._doing = doing + n
                 remaining -= n
                 scan_budget -= n
                 continue
-            matched = 0
+            scanned = 0
             for record in records:
+                if not remaining:
+                    break  # records read beyond what was asked for stay unconsumed
+                scanned += 1
                 offset = record.offset
                 if offset != doing:
                     self._note_missing(doing, offset)
@@ -506,12 +512,11 @@ class ConsumerGroup:
                     outstanding[offset] = consumer
                     order_append(offset)
                     out.append(record)
-                    matched += 1
+                    remaining -= 1
                 else:
                     stats.skipped += 1
             self._doing = doing
-            remaining -= matched
-            scan_budget -= len(records)
+            scan_budget -= scanned
         below = self._redelivered_below
         if len(out) > first_new and out[first_new].offset < below:
             # New to this process but possibly handed out before the restart.

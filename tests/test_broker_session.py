@@ -737,3 +737,24 @@ def test_random_packet_sequences(tmp_path: Path, ops: list[tuple[Any, ...]]) -> 
         run(main())
     finally:
         shutil.rmtree(d, ignore_errors=True)
+
+
+def test_retained_rebuilt_in_background(tmp_path: Path) -> None:
+    """While the retained store is being rebuilt, SUBSCRIBE waits for its retained messages and
+    retained records routed meanwhile are applied on top of the rebuilt store."""
+    async def main() -> None:
+        h = Harness(tmp_path)
+        old = RetainedStore(tmp_path)
+        old.apply(Record(0, 0, "r/a", b"from-snapshot", 1, True))
+        h.core.retained_ready = False
+        p = h.client()
+        p.connect("p")
+        p.send(Publish("r/b", b"live", 0, True), Publish("r/a", b"", 0, True))
+        await h.commit()
+        s = h.client()
+        s.connect("s")
+        s.send(Subscribe(1, [("r/#", 0)]))
+        assert s.received() == [Suback(1, [0])]
+        h.core.retained_recovered(old)
+        assert [(m.topic, m.payload, m.retain) for m in s.received()] == [("r/b", b"live", True)]
+    run(main())

@@ -272,6 +272,11 @@ class BrokerCore:
         self.config = config
         self.store = store
         self.retained = retained
+        # False while the retained store is being rebuilt in the background (big logs):
+        # retained records are buffered and SUBSCRIBEs wait for their retained messages.
+        self.retained_ready = True
+        self._retained_buffer: list[Record] = []
+        self._retained_waiting: list[tuple[Connection, SessionState, Subscription]] = []
         self.stats = stats
         self.acl = acl
         self.passwords = passwords
@@ -604,6 +609,9 @@ class BrokerCore:
                 if topic_matches(sub.plain, topic):
                     conn.send(encode(Publish(topic, payload, 0, True)))
             return
+        if not self.retained_ready:
+            self._retained_waiting.append((conn, state, sub))
+            return
         acl = conn.acl
         for m in self.retained.match(sub.plain):
             if acl is not None and acl.has_deny and not acl.can_receive(m.topic):
@@ -814,13 +822,17 @@ class BrokerCore:
     def _route(self, records: list[Record]) -> None:
         cache_put = self.cache.put
         retained = self.retained
+        ready = self.retained_ready
         match = self.trie.match
         woken: set[Any] = set()
         seen: dict[str, None] = {}
         for r in records:
             cache_put(r)
             if r.retain:
-                retained.apply(r)
+                if ready:
+                    retained.apply(r)
+                else:
+                    self._retained_buffer.append(r)
             if r.topic not in seen:
                 seen[r.topic] = None
                 woken |= match(r.topic)
@@ -829,6 +841,19 @@ class BrokerCore:
                 self.pump_share(target)
             else:
                 self.pump(target)
+        self.flush()
+
+    def retained_recovered(self, store: RetainedStore) -> None:
+        """Switch to the store rebuilt in the background; catch up and answer waiting SUBSCRIBEs."""
+        for r in self._retained_buffer:
+            store.apply(r)
+        self._retained_buffer = []
+        self.retained = store
+        self.retained_ready = True
+        waiting, self._retained_waiting = self._retained_waiting, []
+        for conn, state, sub in waiting:
+            if not conn.closed and state.conn is conn and state.subs.get(sub.filter) is sub:
+                self._send_retained(conn, state, sub)
         self.flush()
 
     # ---- delivery --------------------------------------------------------------------------

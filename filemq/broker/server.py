@@ -21,6 +21,7 @@ import dataclasses
 import logging
 import socket
 import ssl
+import threading
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -151,7 +152,6 @@ class Broker:
         queue = Queue.open(self.data_dir, QueueConfig(log=log_config(self.config),
                                                        housekeeping_interval_ms=1000))
         self.queue = queue
-        self.retained.recover(queue.log)
         store = SessionStore(self.data_dir)
         await queue.start()
         cache = TailCache(queue.log)
@@ -160,6 +160,10 @@ class Broker:
             acl=acl, passwords=passwords, publish_hook=self.publish_hook,
         )
         self.core = core
+        # Retained messages are rebuilt (snapshot + log replay) in a thread while the broker
+        # already accepts connections: the replay may be long if the snapshot is old or missing.
+        core.retained_ready = False
+        self._start_retained_recovery(core, queue)
         self.recovery_seconds = time.perf_counter() - started
         loop = asyncio.get_running_loop()
 
@@ -186,6 +190,36 @@ class Broker:
                  self.data_dir, queue.log.next_offset - queue.log.first_offset,
                  self.recovery_seconds * 1000)
 
+    def _start_retained_recovery(self, core: BrokerCore, queue: Queue) -> None:
+        loop = asyncio.get_running_loop()
+        self._retained_done = threading.Event()
+
+        def done(store: RetainedStore) -> None:
+            self.retained = store
+            core.retained_recovered(store)
+
+        def run() -> None:
+            store = RetainedStore(self.data_dir)
+            try:
+                store.recover(queue.log)
+            except Exception:
+                # A replay that fails (e.g. the log closed at shutdown) leaves the snapshot as is.
+                log.exception("rebuilding retained messages failed")
+                return
+            finally:
+                self._retained_done.set()
+            with contextlib.suppress(RuntimeError):  # loop closed: the broker stopped meanwhile
+                loop.call_soon_threadsafe(done, store)
+
+        # A daemon thread, not the default executor: shutdown must not wait for a long replay.
+        threading.Thread(target=run, name="filemq-retained-recovery", daemon=True).start()
+
+    async def wait_retained_ready(self, timeout: float = 30.0) -> None:
+        """Wait until retained messages are recovered (tests, tools)."""
+        async with asyncio.timeout(timeout):
+            while self.core is None or not self.core.retained_ready:
+                await asyncio.sleep(0.01)
+
     async def stop(self) -> None:
         """Stop accepting, close every client (no wills), persist sessions, offsets, retained."""
         if self._stopped:
@@ -203,12 +237,14 @@ class Broker:
             core.save_sessions()
         if self.queue is not None:
             await self.queue.close()
-            if core is not None:
+            if core is not None and core.retained_ready:
                 self.retained.advance(core.routed_offset)
-            try:
-                self.retained.snapshot()
-            except OSError as exc:
-                log.error("writing the retained snapshot failed: %s (the log is replayed at next start)", exc)
+                try:
+                    self.retained.snapshot()
+                except OSError as exc:
+                    log.error("writing the retained snapshot failed: %s (the log is replayed at next start)", exc)
+            else:
+                log.warning("stopped before retained messages were rebuilt; the old snapshot is kept")
         for server in self._servers:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(server.wait_closed(), 2.0)
@@ -246,7 +282,7 @@ class Broker:
                     for g in queue.groups():
                         self.stats.set_backlog(g.name, g.lag)
                     core.publish_sys(self.stats.sys_messages(now))
-                if now >= next_snapshot:
+                if now >= next_snapshot and core.retained_ready:
                     next_snapshot = now + RETAINED_SNAPSHOT_INTERVAL_S
                     routed = core.routed_offset
                     if routed > retained_covered:

@@ -9,8 +9,6 @@ and a pipeline that loses everything must be reported as such.
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import subprocess
 import sys
 import textwrap
@@ -173,16 +171,12 @@ def test_summary_and_exit_status_of_a_clean_result() -> None:
     assert not result.ok
 
 
-def _java_available() -> bool:
-    return shutil.which("java") is not None or bool(os.environ.get("JAVA_HOME"))
-
-
 @pytest.mark.slow
 def test_quick_demo_end_to_end_loses_nothing(tmp_path: Path) -> None:
     missing = [c for c in demo_module.REQUIRED_COMMANDS if c not in cli.main.commands]
     if missing:
         pytest.skip("not yet available: " + ", ".join(f"filemq {c}" for c in missing))
-    if not _java_available():
+    if not demo_module.java_available():
         pytest.skip("Java is not installed (no java on PATH, no JAVA_HOME): Spark cannot run the ingest")
     if not FILEMQ.exists():
         pytest.skip(f"the filemq console script is not installed next to {sys.executable}")

@@ -81,7 +81,10 @@ class Queue:
         root = Path(data_dir)
         lg = Log.open(root / LOG_DIR, cfg.log, io)
         queue = cls(root, lg, cfg, io)
-        os.makedirs(queue.groups_dir, exist_ok=True)
+        if not queue.groups_dir.is_dir():
+            os.makedirs(queue.groups_dir)
+            # Make the new directory's name durable: losing it would lose every group.
+            io.fsync_dir(root)
         purge_dropped(queue.groups_dir, io)
         for directory in group_directories(queue.groups_dir):
             try:

@@ -190,3 +190,42 @@ def test_damaged_group_directory_is_skipped_not_fatal(tmp_path: Path) -> None:
     q = FQueue.open(tmp_path, cfg())
     assert [g.name for g in q.groups()] == ["ok"]
     q.log.close()
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_power_cut_while_persisting_never_skips_and_keeps_completed_writes(tmp_path: Path, seed: int) -> None:
+    import random
+
+    from filemq.groups import ConsumerGroup, group_directories
+    from segments import Log
+
+    faults = pytest.importorskip("tests.faults", reason="needs the fault-injection file layer")
+    rng = random.Random(seed)
+    io = faults.FaultyFileIO(tmp_path)
+    lg = Log.open(tmp_path / "log", LogConfig(segment_bytes=4096), io)
+    for i in range(100):
+        lg.append("t", bytes([i]))
+    lg.sync()
+    g = ConsumerGroup.create("g", lg, tmp_path / "groups", start="earliest", fileio=io)
+    records = g.fetch(100, "c")
+    acked_prefix = rng.randrange(0, 60)
+    for r in records[:acked_prefix]:
+        g.ack(r.offset)
+    g.persist()  # completes: durable
+    durable = acked_prefix
+    for r in records[acked_prefix : acked_prefix + rng.randrange(1, 40)]:
+        g.ack(r.offset)
+    io.power_cut_after(rng.randrange(0, 10))  # somewhere inside the next persist (or after it)
+    try:
+        g.persist()
+        durable = g.pending_offset
+    except faults.PowerCut:
+        pass
+    io.crash(rng.choice(["drop", "tear"]), rng)
+    lg2 = Log.open(tmp_path / "log", LogConfig(segment_bytes=4096))
+    [directory] = group_directories(tmp_path / "groups")
+    again = ConsumerGroup.load(directory, lg2)
+    # Never beyond what was acked (no skip); never before a write that completed.
+    assert durable <= again.pending_offset <= g.pending_offset
+    assert [r.offset for r in again.fetch(1000)] == list(range(again.pending_offset, 100))
+    lg2.close()

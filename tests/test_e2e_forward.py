@@ -1,0 +1,429 @@
+"""End to end on loopback: publishers -> agent (broker + forwarder) -> collector -> Parquet.
+
+The oracle: every publisher records each message the agent PUBACKed; after the run each of
+them is in the landed Parquet files. Faults: the uplink cut at random bytes many times, the
+collector down and coming back, its disk full, a device clock far in the past, and
+``kill -9`` of the real ``filemq agent`` and ``filemq collector`` processes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import random
+import signal
+import sys
+from collections import Counter
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import pyarrow.parquet as pq
+import pytest
+
+from collector.server import Collector
+from filemq.broker.server import free_port
+from filemq.config import Config, load_config
+from filemq.mqtt.client import MQTTClient
+from tests.tcpproxy import TcpProxy
+from worker_agent.app import Agent
+
+pytestmark = pytest.mark.timeout(120)
+
+REPO = Path(__file__).resolve().parent.parent
+DEVICE = "dev-1"
+
+
+def collector_config(tmp: Path, port: int = 0, **extra: Any) -> Config:
+    values = {
+        "data_dir": str(tmp / "collector"),
+        "collector.landing": str(tmp / "landing"),
+        "collector.port": port,
+        "collector.collector_id": "c1",
+        "collector.roll_seconds": 1,
+        "log.fsync": "never",
+        "log.min_free_bytes": 0,
+    }
+    values.update(extra)
+    return load_config(None, values)
+
+
+def agent_config(tmp: Path, collector_port: int, **extra: Any) -> Config:
+    values = {
+        "data_dir": str(tmp / "agent"),
+        "broker.port": 0,
+        "broker.sys_interval_s": 1,
+        "agent.device_id": DEVICE,
+        "agent.collector": f"127.0.0.1:{collector_port}",
+        "agent.batch_records": 200,
+        "agent.linger_ms": 20,
+        "agent.backoff_initial_ms": 20,
+        "agent.backoff_max_ms": 300,
+        "agent.ack_timeout_ms": 2000,
+        "log.fsync": "never",
+        "log.min_free_bytes": 0,
+    }
+    values.update(extra)
+    return load_config(None, values)
+
+
+def landed(landing: Path) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
+    for f in sorted((landing / "incoming").rglob("*.parquet")):
+        rows.extend(pq.read_table(f, partitioning=None).to_pylist())
+    return rows
+
+
+def landed_payloads(landing: Path) -> set[bytes]:
+    payloads: set[bytes] = set()
+    for f in sorted((landing / "incoming").rglob("*.parquet")):
+        payloads.update(pq.read_table(f, columns=["payload"], partitioning=None).column(0).to_pylist())
+    return payloads
+
+
+class Publishers:
+    """``count`` MQTT clients publishing unique payloads; ``acked`` holds what was PUBACKed."""
+
+    def __init__(self, port_of: Callable[[], int], count: int = 3, prefix: str = "m") -> None:
+        self.port_of = port_of
+        self.count = count
+        self.prefix = prefix
+        self.acked: set[bytes] = set()
+        self.sent = 0
+        self._stop = asyncio.Event()
+        self._tasks: list[asyncio.Task[None]] = []
+
+    def start(self, messages_each: int | None, rate_pause: float = 0.0) -> None:
+        for i in range(self.count):
+            self._tasks.append(asyncio.create_task(self._run(i, messages_each, rate_pause)))
+
+    async def _run(self, index: int, limit: int | None, pause: float) -> None:
+        seq = 0
+        while not self._stop.is_set() and (limit is None or seq < limit):
+            client = MQTTClient(f"pub-{self.prefix}-{index}", port=self.port_of(), max_inflight=50)
+            try:
+                await client.connect(timeout=2)
+            except Exception:  # the agent is down (being restarted): try again
+                await asyncio.sleep(0.1)
+                continue
+            try:
+                while not self._stop.is_set() and (limit is None or seq < limit):
+                    futures = []
+                    for _ in range(20):
+                        if limit is not None and seq >= limit:
+                            break
+                        payload = f"{self.prefix}-{index}-{seq}".encode()
+                        seq += 1
+                        self.sent += 1
+                        futures.append((payload, client.publish_nowait(f"sensors/{index}", payload, qos=1)))
+                    # A new client after each reconnect: what was not PUBACKed is simply not
+                    # in the oracle (it may or may not have been stored).
+                    closed = asyncio.ensure_future(client.closed.wait())
+                    all_acked = asyncio.ensure_future(asyncio.wait([f for _, f in futures]))
+                    await asyncio.wait([all_acked, closed], timeout=5, return_when=asyncio.FIRST_COMPLETED)
+                    closed.cancel()
+                    all_acked.cancel()
+                    for payload, future in futures:
+                        if future.done() and not future.cancelled() and future.exception() is None:
+                            self.acked.add(payload)
+                    if pause:
+                        await asyncio.sleep(pause)
+                    if client.closed.is_set():
+                        break
+            finally:
+                with contextlib.suppress(Exception):
+                    await client.disconnect(timeout=1)
+
+    async def wait(self) -> None:
+        await asyncio.gather(*self._tasks)
+
+    async def stop(self) -> None:
+        self._stop.set()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+async def until(predicate: Callable[[], bool], timeout: float = 30.0, what: str = "") -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not predicate():
+        if loop.time() > deadline:
+            raise AssertionError(f"timed out waiting for {what or predicate}")
+        await asyncio.sleep(0.05)
+
+
+def run(coro: Awaitable[None], timeout: float = 100) -> None:
+    async def main() -> None:
+        await asyncio.wait_for(coro, timeout)
+
+    asyncio.run(main())
+
+
+def check_oracle(tmp: Path, acked: set[bytes], *, max_duplicates: int = 0) -> list[dict[str, Any]]:
+    rows = landed(tmp / "landing")
+    payloads = {r["payload"] for r in rows}
+    missing = acked - payloads
+    assert not missing, f"{len(missing)} acknowledged messages missing from landing, e.g. {sorted(missing)[:5]}"
+    keys = Counter((r["device_id"], r["stream"], r["offset"]) for r in rows)
+    duplicates = sum(n - 1 for n in keys.values())
+    assert duplicates <= max_duplicates, f"{duplicates} duplicate rows (allowed {max_duplicates})"
+    offsets = sorted(k[2] for k in keys)
+    assert offsets == list(range(len(offsets))), "landed offsets are not the device log's offsets"
+    return rows
+
+
+class FullDisk:
+    """The WAL's FileIO, reporting no free space while ``state["on"]``."""
+
+    def __init__(self, inner: Any, state: dict[str, bool]) -> None:
+        self.inner = inner
+        self.state = state
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def free_bytes(self, path: Any) -> int:
+        return 0 if self.state["on"] else int(self.inner.free_bytes(path))
+
+
+# -- in-process scenarios ----------------------------------------------------------------------
+
+
+def test_uplink_cut_at_random_bytes_many_times(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        collector = Collector(collector_config(tmp_path))
+        await collector.start()
+        proxy = TcpProxy(collector.port)
+        await proxy.start()
+        agent = Agent(agent_config(tmp_path, proxy.port))
+        await agent.start()
+        pubs = Publishers(lambda: agent.broker.port)
+        pubs.start(messages_each=1500, rate_pause=0.02)
+        rng = random.Random(42)
+        for _ in range(200):  # bounded; stops after 15 cuts
+            if proxy.cuts >= 15:
+                break
+            proxy.cut_after(rng.randrange(1, 12_000))  # batches are ~8 kB: mostly mid-batch
+            with contextlib.suppress(AssertionError):
+                await until(lambda c=proxy.cuts: proxy.cuts > c, timeout=0.3)
+        proxy.cut_after(1 << 60)  # disarm
+        await pubs.wait()
+        fwd = agent.forwarder
+        assert fwd is not None
+        await until(lambda: fwd.backlog == 0, what="agent backlog drained")
+        total = agent.broker.queue.log.next_offset  # type: ignore[union-attr]
+        lander = collector.lander
+        assert lander is not None
+        await until(lambda: lander.stats.rows_landed >= total, what="all rows landed")
+        assert proxy.cuts >= 15, f"only {proxy.cuts} cuts happened"
+        assert fwd.stats.resent_records > 0
+        await agent.stop()
+        await collector.stop()
+        await proxy.stop()
+        assert len(pubs.acked) == 4500
+        check_oracle(tmp_path, pubs.acked, max_duplicates=0)
+
+    run(scenario())
+
+
+def test_collector_down_then_up_drains_backlog(tmp_path: Path) -> None:
+    port = free_port()
+
+    async def scenario() -> None:
+        agent = Agent(agent_config(tmp_path, port))
+        await agent.start()
+        pubs = Publishers(lambda: agent.broker.port)
+        pubs.start(messages_each=1000)
+        await pubs.wait()
+        fwd = agent.forwarder
+        assert fwd is not None
+        await until(lambda: fwd.stats.connect_failures >= 2, what="failed connects")
+        assert fwd.backlog == 3000 and fwd.stats.batches_acked == 0
+        collector = Collector(collector_config(tmp_path, port=port))
+        await collector.start()
+        await until(lambda: fwd.backlog == 0, what="backlog drained")
+        lander = collector.lander
+        assert lander is not None
+        await until(lambda: lander.stats.rows_landed >= 3000, what="rows landed")
+        await agent.stop()
+        await collector.stop()
+        check_oracle(tmp_path, pubs.acked)
+
+    run(scenario())
+
+
+def test_full_disk_at_collector_and_old_device_clock(tmp_path: Path) -> None:
+    """The collector stops acking while its disk is full; the agent backs off and resumes.
+    Records stamped by a device clock in 1970 keep that publish_ts; received_at is now."""
+
+    async def scenario() -> None:
+        collector = Collector(collector_config(tmp_path, **{"log.min_free_bytes": 1}))
+        await collector.start()
+        queue = collector.broker.queue
+        assert queue is not None
+        wal = queue.log
+        full = {"on": True}
+        wal.fileio = FullDisk(wal.fileio, full)  # type: ignore[assignment]
+        agent = Agent(agent_config(tmp_path, collector.port))
+        await agent.start()
+        device_queue = agent.broker.queue
+        assert device_queue is not None
+        old_ts = 86_400_000_000  # 1970-01-02, a device whose clock was never set
+        for i in range(300):
+            device_queue.publish_nowait("sensors/old", f"old-{i}".encode(), qos=1, timestamp_us=old_ts + i)
+        pubs = Publishers(lambda: agent.broker.port, count=2)
+        pubs.start(messages_each=500)
+        await pubs.wait()
+        fwd = agent.forwarder
+        assert fwd is not None
+        await until(lambda: fwd.stats.disconnects >= 2, what="refused batches")
+        assert fwd.stats.batches_acked == 0
+        full["on"] = False
+        await until(lambda: fwd.backlog == 0, what="drained after space returned")
+        lander = collector.lander
+        assert lander is not None
+        await until(lambda: lander.stats.rows_landed >= 1300, what="rows landed")
+        await agent.stop()
+        await collector.stop()
+        rows = check_oracle(tmp_path, pubs.acked)
+        old = [r for r in rows if r["topic"] == "sensors/old"]
+        assert len(old) == 300
+        assert all(r["publish_ts"].year == 1970 for r in old)
+        assert all(r["received_at"].year >= 2024 for r in old)
+
+    run(scenario())
+
+
+# -- real processes, kill -9 --------------------------------------------------------------------
+
+
+async def start_process(args: list[str], ready_word: str) -> asyncio.subprocess.Process:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "cli", *args, cwd=REPO,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL,
+    )
+    assert proc.stdout is not None
+    line = await asyncio.wait_for(proc.stdout.readline(), 20)
+    assert ready_word in line.decode(), f"unexpected first line {line!r}"
+    return proc
+
+
+async def kill9(proc: asyncio.subprocess.Process) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        proc.send_signal(signal.SIGKILL)
+    await asyncio.wait_for(proc.wait(), 10)
+
+
+async def terminate(proc: asyncio.subprocess.Process) -> int:
+    with contextlib.suppress(ProcessLookupError):
+        proc.send_signal(signal.SIGTERM)
+    return await asyncio.wait_for(proc.wait(), 20)
+
+
+def write_agent_toml(tmp: Path) -> Path:
+    path = tmp / "agent.toml"
+    path.write_text(
+        "[agent]\nbatch_records = 200\nlinger_ms = 20\nbackoff_initial_ms = 20\n"
+        "backoff_max_ms = 300\nack_timeout_ms = 2000\n"
+    )
+    return path
+
+
+@pytest.mark.slow
+def test_kill9_agent_while_forwarding(tmp_path: Path) -> None:
+    agent_port = free_port()
+    toml = write_agent_toml(tmp_path)
+
+    async def scenario() -> None:
+        collector = Collector(collector_config(tmp_path))
+        await collector.start()
+        args = ["agent", "--config", str(toml), "--data-dir", str(tmp_path / "agent"), "--device-id", DEVICE,
+                "--collector", f"127.0.0.1:{collector.port}", "--port", str(agent_port)]
+        proc = await start_process(args, "filemq agent")
+        pubs = Publishers(lambda: agent_port, count=3)
+        pubs.start(messages_each=None, rate_pause=0.005)
+        rng = random.Random(3)
+        try:
+            for _ in range(3):
+                await asyncio.sleep(rng.uniform(0.7, 1.5))
+                await kill9(proc)
+                proc = await start_process(args, "filemq agent")
+            await asyncio.sleep(1.0)
+        finally:
+            await pubs.stop()
+        assert len(pubs.acked) > 500
+        landing = tmp_path / "landing"
+        await until(lambda: pubs.acked <= landed_payloads(landing), timeout=40, what="acked messages landed")
+        assert await terminate(proc) == 0
+        await collector.stop()
+        # The restarted agent resumed from its last persisted Pending and re-sent batches...
+        assert collector.stats.duplicate_records + collector.stats.trimmed_records > 0
+        # ...which the collector's marks dropped: no duplicate rows.
+        check_oracle(tmp_path, pubs.acked, max_duplicates=0)
+
+    run(scenario(), timeout=110)
+
+
+@pytest.mark.slow
+def test_kill9_collector_while_landing(tmp_path: Path) -> None:
+    collector_port = free_port()
+
+    async def scenario() -> None:
+        args = ["collector", "--data-dir", str(tmp_path / "collector"), "--landing", str(tmp_path / "landing"),
+                "--port", str(collector_port), "--collector-id", "c1", "--roll-seconds", "1"]
+        proc = await start_process(args, "filemq collector")
+        agent = Agent(agent_config(tmp_path, collector_port))
+        await agent.start()
+        pubs = Publishers(lambda: agent.broker.port, count=3)
+        pubs.start(messages_each=None, rate_pause=0.005)
+        kills = 3
+        rng = random.Random(5)
+        try:
+            for _ in range(kills):
+                await asyncio.sleep(rng.uniform(1.0, 2.0))
+                await kill9(proc)
+                proc = await start_process(args, "filemq collector")
+            await asyncio.sleep(1.0)
+        finally:
+            await pubs.stop()
+        fwd = agent.forwarder
+        assert fwd is not None
+        await until(lambda: fwd.backlog == 0, timeout=40, what="agent drained")
+        landing = tmp_path / "landing"
+        await until(lambda: pubs.acked <= landed_payloads(landing), timeout=40, what="acked messages landed")
+        await agent.stop()
+        assert await terminate(proc) == 0
+        files = sorted((landing / "incoming").rglob("*.parquet"))
+        biggest_roll = max(pq.ParquetFile(f).metadata.num_rows for f in files)
+        # Duplicates only from a roll whose offset was not yet persisted at a kill.
+        check_oracle(tmp_path, pubs.acked, max_duplicates=kills * biggest_roll)
+
+    run(scenario(), timeout=110)
+
+
+def test_status_shows_forwarder_group(tmp_path: Path) -> None:
+    """`filemq status DIR --json` lists the forwarder group with its lag."""
+    port = free_port()
+
+    async def scenario() -> None:
+        agent = Agent(agent_config(tmp_path, port))
+        await agent.start()
+        queue = agent.broker.queue
+        assert queue is not None
+        for i in range(10):
+            await queue.publish("sensors/x", str(i).encode(), qos=1)
+        await agent.stop()
+
+    run(scenario())
+    from click.testing import CliRunner
+
+    import cli
+
+    result = CliRunner().invoke(cli.main, ["status", str(tmp_path / "agent"), "--json"])
+    assert result.exit_code == 0, result.output
+    import json
+
+    status = json.loads(result.output.strip().splitlines()[-1])
+    groups = {g["name"]: g for g in status["groups"]}
+    assert groups["forwarder"]["pending"] == 0 and groups["forwarder"]["lag"] == 10
+    assert os.path.isdir(tmp_path / "agent")

@@ -1,0 +1,144 @@
+"""Tiny runs of `filemq bench broker` so the benchmark keeps working.
+
+Checks the shape of each scenario's JSON and that the measured rates are positive and the
+counts add up; never a timing threshold (performance is judged by the benchmark itself).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+from click.testing import CliRunner
+
+from bench.baselines import mosquitto_available
+from bench.broker import (
+    BrokerBenchOptions,
+    scenario_fanout,
+    scenario_idle,
+    scenario_kill9,
+    scenario_latency,
+    scenario_startup,
+    scenario_trie,
+    trie_filters,
+)
+from bench.loadgen import PublisherSpec, run_load, run_null_sink
+from cli import main
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
+
+needs_mosquitto = pytest.mark.skipif(not mosquitto_available(),
+                                     reason="Debian mosquitto (/usr/sbin/mosquitto) is not installed")
+
+
+def _quiet(_msg: str) -> None:
+    pass
+
+
+def tiny(tmp_path, **kw) -> BrokerBenchOptions:
+    base = dict(messages=2000, publishers=2, inflight=20, subscribers=2, rate=1000.0, kill_rounds=1,
+                backlog_mb=2, idle_clients=20, idle_seconds=0.5, max_seconds=5.0, workdir=tmp_path, seed=3)
+    base.update(kw)
+    return BrokerBenchOptions(**base)
+
+
+def test_null_sink_acks_every_publish():
+    result = run_null_sink(publishers=2, messages=5000, payload_size=100, inflight=50)
+    assert result.errors == []
+    assert result.acked == 5000
+    assert result.ack_rate > 0
+
+
+def test_ingest_json_through_the_cli(tmp_path):
+    args = ["bench", "broker", "--scenario", "ingest", "--scenario", "trie", "--messages", "2000",
+            "--publishers", "2", "--max-seconds", "5", "--workdir", str(tmp_path), "--json"]
+    if not mosquitto_available():
+        args.append("--no-baselines")
+    run = CliRunner().invoke(main, args)
+    assert run.exit_code == 0, run.output
+    lines = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+    assert [r["scenario"] for r in lines] == ["ingest", "trie"]
+    ingest, trie = lines
+    assert ingest["bench"] == "broker"
+    assert ingest["filemq_acked"] == 2000
+    assert ingest["filemq_acks_per_s"] > 0
+    assert ingest["generator_ceiling_acks_per_s"] > 0
+    if mosquitto_available():
+        assert ingest["mosquitto_acked"] == 2000
+        assert ingest["ratio_vs_mosquitto"] > 0
+        assert ingest["amqtt_acks_per_s"] > 0
+        assert ingest["ratio_vs_amqtt"] > 0
+        assert isinstance(ingest["meets_target"], bool)
+    assert trie["filters"] == 10_000
+    assert trie["ratio_trie_vs_brute"] > 0
+    assert not list(tmp_path.iterdir()), "the bench left its data directories behind"
+
+
+@needs_mosquitto
+def test_fanout_delivers_every_message_to_every_subscriber(tmp_path):
+    out = scenario_fanout(tiny(tmp_path, messages=1000), _quiet)
+    for name in ("filemq", "mosquitto"):
+        assert out[f"{name}_published"] == 1000
+        assert out[f"{name}_delivered"] == 1000 * 2
+        assert out[f"{name}_deliveries_per_s"] > 0
+    assert out["ratio_vs_mosquitto"] > 0
+    assert "meets_target" in out
+
+
+def test_latency_reports_percentiles_in_order(tmp_path):
+    out = scenario_latency(tiny(tmp_path, messages=500, baselines=False), _quiet)
+    assert out["filemq_received"] == 500
+    assert 0 < out["filemq_p50_ms"] <= out["filemq_p99_ms"] <= out["filemq_max_ms"]
+    assert isinstance(out["meets_target"], bool)
+
+
+def test_idle_then_startup_share_one_backlog(tmp_path):
+    opts = tiny(tmp_path, baselines=False)
+    root = tmp_path / "shared"
+    root.mkdir()
+    idle = scenario_idle(opts, _quiet, root)
+    assert idle["filemq_rss_mb"] > 0
+    assert idle["filemq_idle_cpu_pct"] >= 0
+    assert idle["clients"] == 20
+    start = scenario_startup(opts, _quiet, root)
+    assert start["filemq_ready_seconds"] > 0
+    assert start["cut_bytes"] > 0
+    # The cut lands inside the (single, >= 1 MiB) active segment, so records remain before it.
+    assert start["full_scan_records"] > 0
+    assert start["log_mb"] > 0
+    shutil.rmtree(root)
+
+
+def test_kill9_scenario_one_round(tmp_path):
+    out = scenario_kill9(tiny(tmp_path, baselines=False), _quiet)
+    assert out["rounds"] == 1
+    assert out["lost"] == 0
+    assert out["delivered"] >= out["acked"]
+    assert out["meets_target"] == (out["acked"] > 0)
+
+
+def test_trie_agrees_with_brute_force_on_a_small_set(tmp_path):
+    out = scenario_trie(tiny(tmp_path), _quiet, n_filters=500)
+    assert out["filters"] == 500
+    assert out["trie_matches_per_s"] > 0
+    assert out["mean_matches"] > 0
+
+
+def test_trie_filters_mix_exact_plus_and_hash():
+    import random
+
+    filters = trie_filters(2000, random.Random(1))
+    assert len(set(filters)) == 2000
+    assert any("+" in f for f in filters)
+    assert any(f.endswith("#") for f in filters)
+    assert any("+" not in f and "#" not in f for f in filters)
+
+
+def test_publisher_reports_refused_connection_as_error():
+    # Nothing listens on this port: the result carries the error instead of raising.
+    from bench.baselines import free_port
+
+    result = run_load([PublisherSpec("127.0.0.1", free_port(), "p", "t", 10)], timeout=20)
+    assert result.acked == 0
+    assert result.errors and "p:" in result.errors[0]

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import random
 import shutil
 import struct
@@ -784,6 +783,3 @@ def summary_line(result: dict[str, Any]) -> str:
                 f"{result['duplicates']:,} duplicates, {result['lost']} lost{ref}  [{ok}]")
     return str(result)
 
-
-def env_note() -> str:
-    return f"{os.cpu_count()} CPUs, Python {sys.version.split()[0]}"

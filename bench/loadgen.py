@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import multiprocessing as mp
-import os
+import queue
 import select
 import socket
 import struct
@@ -518,7 +518,7 @@ def run_load(publishers: Sequence[PublisherSpec], subscribers: Sequence[Subscrib
                 break
             try:
                 item = out.get(timeout=min(remaining, 1.0))
-            except Exception:  # queue.Empty; also a dead process never reports
+            except queue.Empty:  # a process that died never reports: stop once all are gone
                 if not any(p.is_alive() for p in procs):
                     break
                 continue
@@ -647,6 +647,3 @@ def run_null_sink(publishers: int, messages: int, payload_size: int, inflight: i
         progress(f"  generator ceiling (null sink): {result.ack_rate:,.0f} PUBACKs/s")
     return result
 
-
-def cpu_count() -> int:
-    return len(os.sched_getaffinity(0))

@@ -337,6 +337,10 @@ class ConsumerGroup:
                 name, pending, end, end,
             )
             start = end
+            # Rewrite it now: persists never move Pending backwards, so the stale value would
+            # stay on disk and, once new records reuse those offsets, skip them at next restart.
+            pending_file.write(end)
+            pending = end
         else:
             start = pending
         # Records between Pending and the last persisted Doing were handed out before.

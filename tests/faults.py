@@ -332,6 +332,9 @@ class FaultyFileIO:
         s, d = self._norm(src), self._norm(dst)
         with self.lock:
             self._tick(s)
+            if os.path.isdir(s):
+                self._rename_dir(s, d)
+                return
             inode = self._volatile.get(s)
             if inode is None:
                 raise FileNotFoundError(errno.ENOENT, "No such file or directory (in the model)", s)
@@ -345,6 +348,18 @@ class FaultyFileIO:
 
             dirs = tuple(sorted({os.path.dirname(s), os.path.dirname(d)}))
             self._dir_ops.append((f"rename {s} -> {d}", dirs, move))
+
+    def _rename_dir(self, s: str, d: str) -> None:
+        """A directory rename moves every file below it (one namespace change in the parent)."""
+        os.replace(s, d)
+
+        def move_tree(ns: dict[str, _Inode], s: str = s, d: str = d) -> None:
+            for p in [p for p in ns if p.startswith(s + os.sep)]:
+                ns[d + p[len(s):]] = ns.pop(p)
+
+        move_tree(self._volatile)
+        dirs = tuple(sorted({os.path.dirname(s), os.path.dirname(d)}))
+        self._dir_ops.append((f"rename directory {s} -> {d}", dirs, move_tree))
 
     def unlink(self, path: str | os.PathLike[str]) -> None:
         full = self._norm(path)

@@ -239,3 +239,19 @@ def test_atomic_write_gives_old_or_new_after_a_power_cut_at_every_step(tmp_path:
     # open-create, truncate, pwrite, datasync, rename, fsync_dir: six cut points before success.
     assert steps == 7
     assert seen == {41, 42}
+
+
+def test_directory_rename_moves_its_files_and_is_volatile_until_dir_fsync(tmp_path: Path) -> None:
+    outcomes = set()
+    for seed in range(30):
+        root = tmp_path / str(seed)
+        (root / "g").mkdir(parents=True)
+        io = FaultyFileIO(root)
+        _durable_file(io, root / "g" / "pending", b"p")
+        io.rename(root / "g", root / "g.dropped")
+        assert (root / "g.dropped" / "pending").read_bytes() == b"p"
+        io.unlink(root / "g.dropped" / "pending")
+        io.crash("drop", random.Random(seed))
+        outcomes.add((_read(root / "g" / "pending"), _read(root / "g.dropped" / "pending")))
+    assert (b"p", None) in outcomes and (None, b"p") in outcomes
+    assert all(a is None or b is None for a, b in outcomes)  # never in both places

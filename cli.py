@@ -369,16 +369,19 @@ def status(directory: str, as_json: bool) -> None:
 @click.option("--size", type=click.IntRange(min=0), default=100, show_default=True, help="Payload bytes.")
 @click.option("--groups", type=click.IntRange(min=1), default=1, show_default=True,
               help="Consumer groups, each reading every record.")
+@click.option("--rounds", type=click.IntRange(min=1), default=3, show_default=True,
+              help="Alternating runs of each; the best is reported.")
 @click.option("--keep", is_flag=True, help="Keep the data directory.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per line on stdout.")
-def bench_consume(data_dir: str | None, records: int, size: int, groups: int, keep: bool, as_json: bool) -> None:
+def bench_consume(data_dir: str | None, records: int, size: int, groups: int, rounds: int, keep: bool,
+                  as_json: bool) -> None:
     """Consumer-group fetch+ack rate (offsets persisted, batched) vs raw Log.read."""
     import json
 
     from bench.consume import run_consume_bench
 
     results, ratio = run_consume_bench(data_dir, records, size, groups, keep,
-                                       lambda msg: click.echo(msg, err=True))
+                                       lambda msg: click.echo(msg, err=True), rounds)
     for result in results:
         if as_json:
             click.echo(json.dumps(result.as_dict()))

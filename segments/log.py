@@ -186,6 +186,7 @@ class Log:
         self._free_budget = 0
         self._dirty = False
         self._closed = False
+        self._broken: str | None = None
         self._topics: dict[str, bytes] = {}
         # Copied out of config: append is the hot path and attribute chains cost.
         self._segment_bytes = config.segment_bytes
@@ -307,8 +308,8 @@ class Log:
         flags = qos | 4 if retain else qos
         ts = time.time_ns() // 1000 if timestamp_us is None else timestamp_us
         with self._lock:
-            if self._closed:
-                raise SegmentError(str(self.directory), "log is closed")
+            if self._closed or self._broken:
+                raise SegmentError(str(self.directory), self._broken or "log is closed")
             offset = self._next_offset
             data = encode(offset, ts, topic_bytes, payload, flags)
             n = len(data)
@@ -395,6 +396,8 @@ class Log:
         :meth:`discard_pending` (records appended meanwhile carry offsets that no longer follow).
         """
         with self._write_lock:
+            if self._broken:
+                raise SegmentError(str(self.directory), self._broken)
             floor = self.config.min_free_bytes
             if floor:
                 free = self.fileio.free_bytes(self.directory)
@@ -443,9 +446,15 @@ class Log:
                 segment.delete()
             original.unseal()
             original.cut(*undo)
+            # Make the cut durable before anything is written over it: otherwise a power cut
+            # could bring back bytes of the failed batch, under offsets that are reused next.
+            original.handle.datasync()
             self.fileio.fsync_dir(self.directory)
-        except OSError:
-            log.exception("%s: could not undo the failed write; recovery at next open cleans up", self.directory)
+        except OSError as exc:
+            # Files and memory now disagree; writing on would interleave reused offsets with
+            # the leftovers.  Refuse further writes: reopening runs recovery, which cleans up.
+            self._broken = f"could not undo a failed write ({exc}); reopen the log to recover"
+            log.exception("%s: %s", self.directory, self._broken)
 
     def discard_pending(self) -> int:
         """After a failed :meth:`write_batch`: drop all buffered records; the next append

@@ -146,8 +146,9 @@ class Segment:
         path = directory / segment_name(base_offset, ".log")
         handle = fileio.open(path, create=True)
         segment = cls(directory, base_offset, fileio, handle)
-        if handle.size():
+        if handle.size():  # a leftover of a crash: its bytes must not come back after the next one
             handle.truncate(0)
+            handle.datasync()
         fileio.fsync_dir(directory)
         return segment
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from segments import DiskFull, Log, LogConfig, Record
+from segments import DiskFull, Log, LogConfig, Record, SegmentError
 from segments.fileio import FileHandle, OsFileIO
 from segments.segment import segment_name
 
@@ -36,6 +36,8 @@ class InjectingHandle:
         return self._inner.size()
 
     def truncate(self, size: int) -> None:
+        if self._io.fail_truncate:
+            raise OSError(5, "injected EIO on truncate")
         self._inner.truncate(size)
 
     def datasync(self) -> None:
@@ -52,6 +54,7 @@ class InjectingFileIO(OsFileIO):
 
     def __init__(self) -> None:
         self.full = False
+        self.fail_truncate = False
         self.free: int | None = None
         self.events: list[tuple[str, str]] = []
         self.synced_sizes: list[int] = []  # file size at each completed datasync
@@ -256,6 +259,24 @@ def test_disk_full_on_write_leaves_nothing_visible_then_recovers(tmp_path: Path)
     again = Log.open(tmp_path, SMALL)
     assert again.recovery.tail_bytes_truncated == 0
     assert [r.offset for r in again.read(0, 1000)] == list(range(15))
+    again.close()
+
+
+def test_failed_undo_stops_writes_until_reopen(tmp_path: Path) -> None:
+    io = InjectingFileIO()
+    log = Log.open(tmp_path, SMALL, fileio=io)
+    fill(log, 5)
+    io.full = io.fail_truncate = True
+    log.append("t", b"doomed" * 10)
+    with pytest.raises(DiskFull):
+        log.flush()
+    with pytest.raises(SegmentError, match="reopen"):
+        log.append("t", b"more")
+    io.full = io.fail_truncate = False
+    log.close()  # nothing pending: closes the files without writing
+    again = Log.open(tmp_path, SMALL)  # recovery cuts the half-written record
+    assert again.recovery.tail_bytes_truncated > 0
+    assert [r.offset for r in again.read(0)] == list(range(5))
     again.close()
 
 

@@ -124,6 +124,8 @@ def bench_codec(packets: int, rounds: int, as_json: bool) -> None:
 @click.option("--idle-seconds", type=click.FloatRange(min=0.5), default=10.0, show_default=True)
 @click.option("--max-seconds", type=click.FloatRange(min=0.5), default=15.0, show_default=True,
               help="Cap per broker per load run (a slow baseline's rate is still measured).")
+@click.option("--repeat", type=click.IntRange(min=1), default=2, show_default=True,
+              help="ingest/fanout runs per broker, alternating; the best of each counts.")
 @click.option("--fsync", type=click.Choice(["always", "interval", "never"]), default="always", show_default=True)
 @click.option("--no-baselines", is_flag=True, help="Run filemq only (no mosquitto / amqtt).")
 @click.option("--seed", type=int, default=None, help="Seed for kill moments and the torn-tail cut.")
@@ -133,7 +135,8 @@ def bench_codec(packets: int, rounds: int, as_json: bool) -> None:
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per scenario per line on stdout.")
 def bench_broker(scenarios: tuple[str, ...], messages: int | None, publishers: int, inflight: int, size: int,
                  subscribers: int, rate: float, kill_rounds: int, backlog_mb: int, idle_clients: int,
-                 idle_seconds: float, max_seconds: float, fsync: str, no_baselines: bool, seed: int | None,
+                 idle_seconds: float, max_seconds: float, repeat: int, fsync: str, no_baselines: bool,
+                 seed: int | None,
                  workdir: str | None, keep: bool, as_json: bool) -> None:
     """The broker's acceptance figures vs Debian mosquitto and amqtt, in the same run."""
     import json
@@ -144,7 +147,7 @@ def bench_broker(scenarios: tuple[str, ...], messages: int | None, publishers: i
     opts = BrokerBenchOptions(
         messages=messages, publishers=publishers, inflight=inflight, size=size, subscribers=subscribers,
         rate=rate, kill_rounds=kill_rounds, backlog_mb=backlog_mb, idle_clients=idle_clients,
-        idle_seconds=idle_seconds, max_seconds=max_seconds, fsync=fsync, seed=seed,
+        idle_seconds=idle_seconds, max_seconds=max_seconds, repeat=repeat, fsync=fsync, seed=seed,
         workdir=Path(workdir) if workdir else None, keep=keep, baselines=not no_baselines,
     )
     for result in run_broker_bench(list(scenarios), opts, lambda msg: click.echo(msg, err=True)):
@@ -360,6 +363,28 @@ def status(directory: str, as_json: bool) -> None:
     else:
         for line in status_text(result):
             click.echo(line)
+
+
+@bench.command("forward")
+@click.option("--records", type=click.IntRange(min=1000), default=1_000_000, show_default=True,
+              help="Backlog size for the drain (and records sent by the simulated devices).")
+@click.option("--size", type=click.IntRange(min=16), default=100, show_default=True, help="Payload bytes.")
+@click.option("--devices", type=click.IntRange(min=2), default=100, show_default=True,
+              help="Simulated devices (MQTT connections) feeding one collector.")
+@click.option("--ingest-records", type=click.IntRange(min=1000), default=200_000, show_default=True,
+              help="Messages for the broker's durable ingest rate.")
+@click.option("--skip-bridge", is_flag=True, help="Do not run the Mosquitto bridge baseline.")
+@click.option("--work-dir", type=click.Path(file_okay=False), default=None, help="Where to put the data (default: a temp dir).")
+@click.option("--keep", is_flag=True, help="Keep the work directory.")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per line on stdout.")
+def bench_forward(records: int, size: int, devices: int, ingest_records: int, skip_bridge: bool,
+                  work_dir: str | None, keep: bool, as_json: bool) -> None:
+    """Backlog drain agent -> collector -> Parquet vs a Mosquitto bridge; 100 devices -> one
+    collector; drain rate vs the broker's durable ingest rate."""
+    from bench.forward import run_forward_bench
+
+    run_forward_bench(records=records, size=size, devices=devices, work_dir=work_dir, keep=keep,
+                      as_json=as_json, skip_bridge=skip_bridge, ingest_records=ingest_records)
 
 
 @bench.command("consume")

@@ -324,6 +324,103 @@ def _paced(client: RawClient, spec: PublisherSpec, result: PublisherResult) -> C
     return run
 
 
+# --------------------------------------------------------------------------- bulk PUBACKs
+
+
+def _frame_length(buf: bytes, pos: int) -> int | None:
+    """Length of the packet starting at ``pos`` (fixed header included), None if incomplete."""
+    n = len(buf)
+    remaining = 0
+    shift = 0
+    i = pos + 1
+    while i < n and i <= pos + 4:
+        byte = buf[i]
+        remaining |= (byte & 0x7F) << shift
+        i += 1
+        if not byte & 0x80:
+            total = i - pos + remaining
+            return total if pos + total <= n else None
+        shift += 7
+    if i > pos + 4:
+        raise ProtocolError("remaining length longer than 4 bytes")
+    return None
+
+
+class PublishAcker:
+    """Splits a stream into packets and answers QoS 1 PUBLISHes with PUBACKs, in bulk.
+
+    After one QoS 1 PUBLISH (not DUP) has been decoded normally, runs of packets with the same
+    length and the same header and topic-length bytes are acked with strided slices (no
+    per-packet Python): the load generator sends uniform packets, and brokers deliver them
+    back uniform.  Anything else (CONNACK, SUBACK, DUP redeliveries, other sizes) goes
+    through :class:`Decoder` one packet at a time and is returned to the caller.
+    """
+
+    def __init__(self, server: bool) -> None:
+        self._server = server
+        self._rest = b""
+        self._frame = 0
+        self._check_len = 0  # fixed header + 2 topic-length bytes: compared at every stride
+        self._head = b""
+        self._pid_at = 0
+        self.publishes = 0
+
+    def feed(self, data: bytes, acks: bytearray) -> list[Packet]:
+        """Consume ``data``; append PUBACK bytes to ``acks``; return the non-bulk packets that
+        are not QoS 1 PUBLISHes (and count every PUBLISH in :attr:`publishes`)."""
+        buf = self._rest + data if self._rest else data
+        n = len(buf)
+        pos = 0
+        others: list[Packet] = []
+        while pos < n:
+            frame = self._frame
+            if frame:
+                k = (n - pos) // frame
+                if k:
+                    end = pos + k * frame
+                    head = self._head
+                    if all(buf[pos + j : end : frame] == head[j : j + 1] * k for j in range(self._check_len)):
+                        pid_at = pos + self._pid_at
+                        out = bytearray(4 * k)
+                        out[0::4] = b"\x40" * k
+                        out[1::4] = b"\x02" * k
+                        out[2::4] = buf[pid_at : end : frame]
+                        out[3::4] = buf[pid_at + 1 : end : frame]
+                        acks += out
+                        self.publishes += k
+                        pos = end
+                        continue
+            total = _frame_length(buf, pos)
+            if total is None:
+                break
+            decoder = Decoder(max_packet_size=1 << 24, server=self._server)
+            decoder.feed(buf[pos : pos + total])
+            packet = decoder.next_packet()
+            if isinstance(packet, Publish):
+                self.publishes += 1
+                if packet.packet_id is not None:
+                    acks += encode_puback(packet.packet_id)
+                if packet.qos == 1 and not packet.dup and not packet.retain:
+                    header = _header_length(buf, pos)
+                    self._frame = total
+                    self._check_len = header + 2
+                    self._head = buf[pos : pos + header + 2]
+                    self._pid_at = total - len(packet.payload) - 2
+            elif packet is not None:
+                others.append(packet)
+            pos += total
+        self._rest = buf[pos:]
+        return others
+
+
+def _header_length(buf: bytes, pos: int) -> int:
+    """Bytes of the fixed header (type byte + remaining-length varint) at ``pos``."""
+    i = pos + 1
+    while buf[i] & 0x80:
+        i += 1
+    return i + 1 - pos
+
+
 # --------------------------------------------------------------------------- subscribers
 
 
@@ -382,8 +479,12 @@ def subscriber_main(spec: SubscriberSpec, ready: MpEvent, expected: Synchronized
 
 def _receive(client: RawClient, spec: SubscriberSpec, expected: Synchronized[int],
              result: SubscriberResult, early: list[Packet]) -> None:
+    """Receive and ack until done.  Stamped payloads are decoded one by one (latencies need
+    them); otherwise a :class:`PublishAcker` takes over once the connect-time decoder holds
+    no partial packet."""
     sock = client.sock
     decoder = client.decoder
+    acker: PublishAcker | None = None
     latencies = result.latencies_ns
     stamped = spec.stamped
     unpack = _STAMP.unpack_from
@@ -395,19 +496,21 @@ def _receive(client: RawClient, spec: SubscriberSpec, expected: Synchronized[int
     while True:
         if packets:
             now_ns = time.monotonic_ns()
-            acks = []
+            acks = bytearray()
             for p in packets:
                 if isinstance(p, Publish):
                     received += 1
                     if p.packet_id is not None:
-                        acks.append(encode_puback(p.packet_id))
+                        acks += encode_puback(p.packet_id)
                     if stamped:
                         latencies.append(now_ns - unpack(p.payload)[0])
             if acks:
-                sock.sendall(b"".join(acks))
-            if received and not result.first:
-                result.first = now_ns / 1e9
-            result.last = now_ns / 1e9
+                sock.sendall(acks)
+                result.first = result.first or now_ns / 1e9
+                result.last = now_ns / 1e9
+            packets = []
+        if acker is None and not stamped and decoder.buffered == 0:
+            acker = PublishAcker(server=False)
         want = expected.value
         now = time.monotonic()
         if 0 <= want <= received or now > deadline:
@@ -417,13 +520,23 @@ def _receive(client: RawClient, spec: SubscriberSpec, expected: Synchronized[int
         try:
             data = sock.recv(_RECV)
         except TimeoutError:
-            packets = []
             continue
         if not data:
             raise ConnectionError(f"broker closed the connection after {received} messages")
         last_data = time.monotonic()
-        decoder.feed(data)
-        packets = decoder.packets()
+        if acker is None:
+            decoder.feed(data)
+            packets = decoder.packets()
+            continue
+        acks = bytearray()
+        before = acker.publishes
+        acker.feed(data, acks)  # other packets (PINGRESP, ...) need no answer here
+        received += acker.publishes - before
+        if acks:
+            sock.sendall(acks)
+            now_s = time.monotonic()
+            result.first = result.first or now_s
+            result.last = now_s
     result.received = received
 
 
@@ -544,59 +657,21 @@ def run_load(publishers: Sequence[PublisherSpec], subscribers: Sequence[Subscrib
 def _sink_connection(conn: socket.socket, counted: list[int]) -> None:
     """Answer CONNECT with CONNACK and every QoS 1 PUBLISH with PUBACK, in bulk where possible."""
     conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    decoder = Decoder(max_packet_size=1 << 24, server=True)
-    buf = b""
-    frame = 0  # learned length of the publisher's (uniform) PUBLISH packets
-    head = b""
-    pid_at = 0
-    acked = 0
+    acker = PublishAcker(server=True)
     with conn:
         while True:
             data = conn.recv(_RECV)
             if not data:
                 break
-            buf = buf + data if buf else data
             out = bytearray()
-            pos = 0
-            while pos < len(buf):
-                if frame:
-                    k = (len(buf) - pos) // frame
-                    if k:
-                        end = pos + k * frame
-                        if (buf[pos:end:frame] == head[:1] * k
-                                and buf[pos + 1 : end : frame] == head[1:2] * k):
-                            acks = bytearray(4 * k)
-                            acks[0::4] = b"\x40" * k
-                            acks[1::4] = b"\x02" * k
-                            acks[2::4] = buf[pos + pid_at : end : frame]
-                            acks[3::4] = buf[pos + pid_at + 1 : end : frame]
-                            out += acks
-                            acked += k
-                            pos = end
-                            continue
-                # One packet the slow way (CONNECT, DISCONNECT, the first PUBLISH, a short tail).
-                decoder.feed(buf[pos:])
-                packet = decoder.next_packet()
-                consumed = len(buf) - pos - decoder.buffered
-                decoder = Decoder(max_packet_size=1 << 24, server=True)
-                if packet is None:
-                    break
-                if isinstance(packet, Connect):
-                    out += encode(Connack())
-                elif isinstance(packet, Disconnect):
-                    pos = len(buf)
-                    break
-                elif isinstance(packet, Publish) and packet.packet_id is not None:
-                    out += encode_puback(packet.packet_id)
-                    acked += 1
-                    frame = consumed
-                    head = buf[pos : pos + 2]
-                    pid_at = consumed - len(packet.payload) - 2
-                pos += consumed
-            buf = buf[pos:]
+            others = acker.feed(data, out)
+            if any(isinstance(p, Disconnect) for p in others):
+                break
+            if any(isinstance(p, Connect) for p in others):
+                out[:0] = encode(Connack())
             if out:
                 conn.sendall(out)
-    counted.append(acked)
+    counted.append(acker.publishes)
 
 
 def _sink_main(listener: socket.socket, stop: MpEvent) -> None:

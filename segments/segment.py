@@ -224,15 +224,23 @@ class Segment:
             pos += rel
             reason = REASONS.get(check_frame(buf, rel, len(buf)), "offset out of sequence")
             skip = self._skippable(pos, size, expected + 1)
+            resume = expected + 1
             if skip is None:
-                break
+                # The length field itself may be what is damaged (a flipped bit): a valid record
+                # with a later offset further on means corruption inside the segment, not a torn
+                # tail, and cutting here would destroy the (acknowledged) records after it.
+                rest = self.handle.pread(size - pos, pos)
+                found = find_next_valid(rest, 1, len(rest), expected + 1, None)
+                if found is None:
+                    break
+                skip, resume = found[0], offset_at(rest, found[0])
             log.warning(
-                "%s: corrupt record at byte %d (offset %d): %s; skipped, framing intact",
-                self.log_path, pos, expected, reason,
+                "%s: corrupt record at byte %d (offset %d): %s; skipped %d bytes to offset %d",
+                self.log_path, pos, expected, reason, skip, resume,
             )
             corrupt += 1
             pos += skip
-            expected += 1
+            expected = resume
         truncated = size - pos
         if truncated:
             log.warning(

@@ -531,3 +531,26 @@ def test_failed_commit_does_not_come_back_after_a_power_cut(tmp_path: Path) -> N
     log = Log.open(tmp_path / "log", cfg, fileio=io)
     assert [r.payload[:1] for r in log.read(0, 100)] == [b"a"] * 5
     log.close()
+
+
+@pytest.mark.parametrize("field_byte", [0, 3, 5, 12, 40])  # length, length, crc, offset, payload
+def test_bit_flip_in_the_unsealed_tail_costs_only_that_record(tmp_path: Path, field_byte: int) -> None:
+    """Found by the model (flip mode): a flipped bit in the *length field* of a record in the
+    active segment made recovery treat everything after it as a torn tail and cut it off,
+    destroying acknowledged records.  Only the damaged record may be lost, and it is counted."""
+    log = Log.open(tmp_path, LogConfig(segment_bytes=64 * 1024))
+    for i in range(10):
+        log.append("t", bytes([i]) * 50)
+    log.close()
+    segment = tmp_path / "00000000000000000000.log"
+    data = bytearray(segment.read_bytes())
+    record_size = len(data) // 10
+    data[3 * record_size + field_byte] ^= 0x10
+    segment.write_bytes(bytes(data))
+    log = Log.open(tmp_path, LogConfig(segment_bytes=64 * 1024))
+    records = log.read(0, 100)
+    assert [r.offset for r in records] == [0, 1, 2, 4, 5, 6, 7, 8, 9]
+    assert all(r.payload == bytes([r.offset]) * 50 for r in records)
+    assert log.recovery.corrupt_records == 1 and log.recovery.tail_bytes_truncated == 0
+    assert log.append("t", b"next") == 10  # appends continue after the last good record
+    log.close()

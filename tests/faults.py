@@ -423,9 +423,12 @@ class FaultyFileIO:
         rng: random.Random | None = None,
         *,
         flip_filter: Callable[[str], bool] = default_flip_filter,
+        flip_position: Callable[[str, bytes, random.Random], int] | None = None,
     ) -> CrashReport:
         """Simulate a power cut now and rewrite the real files to what survives it.
 
+        ``flip_position(path, image, rng)`` may choose the byte to flip (default: uniform), so
+        a test can aim at the bytes that matter most (length fields, headers).
         Every handle opened before is dead afterwards (using it raises :class:`Crashed`);
         power-cut and write-budget faults are cleared; ``disk_full`` is left as set.
         """
@@ -457,7 +460,12 @@ class FaultyFileIO:
                 if candidates:
                     path = rng.choice(candidates)
                     image = contents[path]
-                    pos = rng.randrange(len(image))
+                    if flip_position is None:
+                        pos = rng.randrange(len(image))
+                    else:
+                        pos = flip_position(path, bytes(image), rng)
+                        if not 0 <= pos < len(image):
+                            raise ValueError(f"flip_position gave byte {pos} of a {len(image)}-byte file")
                     bit = rng.randrange(8)
                     image[pos] ^= 1 << bit
                     report.flipped = (path, pos, bit)

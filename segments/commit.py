@@ -85,8 +85,10 @@ class GroupCommitter:
         self._wake.set()
         await self._task
         assert self._loop is not None and self._executor is not None
-        await self._loop.run_in_executor(self._executor, self.log.sync)
-        self._executor.shutdown(wait=True)
+        try:
+            await self._loop.run_in_executor(self._executor, self.log.sync)
+        finally:  # a failed final sync (DiskFull, EIO) must not leak the commit thread
+            self._executor.shutdown(wait=True)
 
     def append_nowait(
         self, topic: str, payload: bytes, *, qos: int = 0, retain: bool = False,

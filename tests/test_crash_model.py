@@ -232,8 +232,6 @@ class CrashModel(RuleBasedStateMachine):
                     await gc.close()
                 except OSError:
                     assert self.io.power_is_cut
-                    if gc._executor is not None:  # close() stops before shutting it down
-                        gc._executor.shutdown(wait=True)
 
         asyncio.run(main())
         acked = sorted(o for o, ok in outcome.items() if ok)
@@ -571,3 +569,25 @@ def test_bit_flip_in_the_unsealed_tail_costs_only_that_record(tmp_path: Path, fi
     assert log.recovery.corrupt_records == 1 and log.recovery.tail_bytes_truncated == 0
     assert log.append("t", b"next") == 10  # appends continue after the last good record
     log.close()
+
+
+def test_group_committer_close_releases_its_thread_when_the_final_sync_fails(tmp_path: Path) -> None:
+    """Found while writing the model: close() left its commit thread running if log.sync raised."""
+    import threading
+
+    io = FaultyFileIO(tmp_path)
+    log = Log.open(tmp_path / "log", fileio=io)
+
+    async def main() -> None:
+        gc = GroupCommitter(log)
+        await gc.start()
+        await gc.append("t", b"x")
+        log.append("t", b"appended outside the committer, synced by close()")
+        io.disk_full = True
+        with pytest.raises(DiskFull):
+            await gc.close()
+
+    before = {t.ident for t in threading.enumerate()}
+    asyncio.run(main())
+    leaked = [t.name for t in threading.enumerate() if t.ident not in before and t.name.startswith("filemq-commit")]
+    assert not leaked

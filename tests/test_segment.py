@@ -124,3 +124,16 @@ def test_sealed_segment_trusted_by_seal_and_rescanned_on_size_mismatch(tmp_path:
     rescanned, found = Segment.recover(tmp_path, 0, IO, 64)
     assert not rescanned.sealed and found.truncated_bytes == 4 and rescanned.next_offset == 10
     assert not (tmp_path / segment_name(0, ".seal")).exists()
+
+
+def test_damaged_length_field_inside_tail_loses_only_that_record(tmp_path: Path) -> None:
+    records = recs(6)
+    data = bytearray(write_segment(tmp_path, records))
+    third = sum(len(encode_record(r)) for r in records[:2])
+    data[third + 1] ^= 0x40  # the length of offset 2 now points far away: its framing is lost
+    (tmp_path / segment_name(0, ".log")).write_bytes(bytes(data))
+    segment, found = Segment.recover(tmp_path, 0, IO, 64)
+    assert found.corrupt_records == 1 and found.truncated_bytes == 0
+    assert segment.next_offset == 6
+    frames = list(segment.walk(0, segment.size, None, resync=True, max_offset=6))
+    assert [f.offset for f in frames] == [0, 1, -1, 3, 4, 5]

@@ -9,10 +9,11 @@ plain blocking socket with our codec, so the generator is not the bottleneck:
 * a paced publisher (``rate`` > 0) stamps ``time.monotonic_ns()`` into each payload when it
   sends it, for publish -> subscriber latency (CLOCK_MONOTONIC is system-wide on Linux, so
   the stamps compare across processes);
-* a subscriber decodes with :class:`filemq.mqtt.codec.Decoder` and answers every QoS 1
-  delivery with one ``sendall`` of all the PUBACKs for what one ``recv`` brought.
+* a subscriber answers every QoS 1 delivery with one ``sendall`` of all the PUBACKs for what
+  one ``recv`` brought, built in bulk by :class:`PublishAcker` (strided slices over uniform
+  packets; :class:`filemq.mqtt.codec.Decoder` for anything else, and for stamped payloads).
 
-:func:`run_null_sink` is a fake broker that acks every PUBLISH with bulk slicing; running
+:func:`run_null_sink` is a fake broker that acks every PUBLISH the same bulk way; running
 publishers against it measures the generator's own ceiling.
 
 What a caller may rely on: :func:`run_load` returns when every process finished or was

@@ -431,6 +431,9 @@ class BrokerCore:
                     state.subs_changed()
                     if state.own_filters():
                         state.group = self._group(SESSION_GROUP_PREFIX + cid, state.own_filters(), True)
+                else:
+                    # Written now so a reconnect after a restart reports session_present = 1.
+                    self._save_session(state)
                 self.sessions[cid] = state
             self._auto_subscribe(conn, state)
         conn.session = state
@@ -484,9 +487,11 @@ class BrokerCore:
 
     def _discard_persistent(self, cid: str) -> None:
         state = self.sessions.pop(cid, None)
+        # Group first, file second: a crash in between leaves a session file whose group is
+        # gone (harmless), never a group without a file holding back retention.
+        dropped = self.queue.drop_group(SESSION_GROUP_PREFIX + cid)
         stored = self.store.delete(cid)
-        if state is not None or stored:
-            self._drop_group(SESSION_GROUP_PREFIX + cid)
+        if state is not None or stored or dropped:
             log.info("client %r connected with clean_session = 1: its persistent session was discarded", cid)
 
     def _group(self, name: str, filters: tuple[str, ...], durable: bool) -> ConsumerGroup:

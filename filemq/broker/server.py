@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 
 from filemq.acl import Acl
 from filemq.auth import PasswordFile
-from filemq.broker.core import BrokerCore, PublishHook
+from filemq.broker.core import SESSION_GROUP_PREFIX, BrokerCore, PublishHook
 from filemq.broker.session import Connection
 from filemq.broker.sessions import SessionStore
 from filemq.broker.tailcache import TailCache
@@ -153,6 +153,7 @@ class Broker:
                                                        housekeeping_interval_ms=1000))
         self.queue = queue
         store = SessionStore(self.data_dir)
+        self._drop_orphan_session_groups(queue, store)
         await queue.start()
         cache = TailCache(queue.log)
         core = BrokerCore(
@@ -190,6 +191,17 @@ class Broker:
                  self.data_dir, queue.log.next_offset - queue.log.first_offset,
                  self.recovery_seconds * 1000)
 
+    @staticmethod
+    def _drop_orphan_session_groups(queue: Queue, store: SessionStore) -> None:
+        # A crash between dropping a session's file and its group (clean_session = 1 over a
+        # persistent session) would leave a group that holds back retention forever.
+        for group in queue.groups():
+            if group.name.startswith(SESSION_GROUP_PREFIX):
+                client_id = group.name[len(SESSION_GROUP_PREFIX):]
+                if not store.path_of(client_id).exists():
+                    log.warning("consumer group %r has no session file; dropped", group.name)
+                    queue.drop_group(group.name)
+
     def _start_retained_recovery(self, core: BrokerCore, queue: Queue) -> None:
         loop = asyncio.get_running_loop()
         self._retained_done = threading.Event()
@@ -203,8 +215,10 @@ class Broker:
             try:
                 store.recover(queue.log)
             except Exception:
-                # A replay that fails (e.g. the log closed at shutdown) leaves the snapshot as is.
-                log.exception("rebuilding retained messages failed")
+                # A replay that fails leaves the snapshot as is; at shutdown the log closing
+                # under the replay is expected.
+                if not self._stopped:
+                    log.exception("rebuilding retained messages failed")
                 return
             finally:
                 self._retained_done.set()

@@ -1,0 +1,191 @@
+"""The curated table on disk: dedup against it, and an idempotent per-batch append.
+
+Layout (plain Parquet, readable with ``spark.read.parquet(table)``)::
+
+    <table>/dt=YYYY-MM-DD/b<batch>-<query>-part-....parquet   the rows
+    <table>/_tmp/batch=<id>/                                 a batch being written
+    <table>/_ingest/commit.json                              last batch fully appended
+    <table>/_ingest/lock                                     one ingest at a time
+
+Spark skips names starting with ``_``, so readers see only the partitions. A batch is
+written to ``_tmp`` first and its files are then renamed into the partitions; only after the
+last rename is ``commit.json`` replaced (atomically) with that batch id. A replay of a batch
+whose ``commit.json`` entry exists is skipped. A replay after a crash in the middle of the
+renames finds the already-renamed rows in the table and the key dedup drops them, so the
+table never holds a row twice.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import logging
+import shutil
+from collections.abc import Iterator
+from datetime import UTC, date, datetime, timedelta
+from pathlib import Path
+from typing import IO
+
+import pyarrow.parquet as pq
+from pyspark.sql import Column, DataFrame, SparkSession
+from pyspark.sql import functions as F
+
+from segments.fileio import OS_FILE_IO, FileIO, atomic_write
+from spark_ingest.schema import KEYS, LANDING_SPARK_SCHEMA, PARTITION_COLUMN
+
+log = logging.getLogger(__name__)
+
+ROW_ID = "_filemq_row_id"
+_KEEP = "_filemq_keep"
+_COPIES = "_filemq_copies"
+_IN_TABLE = -1  # row id given to keys already in the table: smaller than any batch row id
+
+
+class TableLockedError(RuntimeError):
+    """Another ingest holds the table's lock."""
+
+
+class CuratedTable:
+    """One curated table directory. Not thread-safe; one ingest per table (see :meth:`lock`)."""
+
+    def __init__(self, root: Path, fileio: FileIO = OS_FILE_IO) -> None:
+        self.root = root
+        self.meta_dir = root / "_ingest"
+        self.tmp_dir = root / "_tmp"
+        self._fileio = fileio
+
+    @contextlib.contextmanager
+    def lock(self) -> Iterator[None]:
+        """Hold an exclusive lock on the table for the duration (flock on ``_ingest/lock``)."""
+        self.meta_dir.mkdir(parents=True, exist_ok=True)
+        handle: IO[bytes] = open(self.meta_dir / "lock", "ab")  # noqa: SIM115 - held open
+        try:
+            try:
+                fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError as exc:
+                raise TableLockedError(
+                    f"another ingest is writing {self.root} (lock {self.meta_dir / 'lock'})"
+                ) from exc
+            yield
+        finally:
+            handle.close()
+
+    # -- commit marker -------------------------------------------------------------------
+
+    def committed_batch(self, query_id: str) -> int | None:
+        """The last batch id of query ``query_id`` fully appended, or None."""
+        try:
+            marker = json.loads((self.meta_dir / "commit.json").read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError) as exc:
+            # A torn marker cannot happen (atomic_write); anything else is treated as "no
+            # marker": the key dedup still keeps a replay from adding rows twice.
+            log.warning("ignoring unreadable %s: %s", self.meta_dir / "commit.json", exc)
+            return None
+        if marker.get("query_id") != query_id:
+            return None
+        batch = marker.get("batch_id")
+        return batch if isinstance(batch, int) else None
+
+    def mark_committed(self, query_id: str, batch_id: int) -> None:
+        body = {
+            "query_id": query_id,
+            "batch_id": batch_id,
+            "committed_at": datetime.now(UTC).isoformat(),
+        }
+        atomic_write(self.meta_dir / "commit.json", json.dumps(body).encode(), self._fileio)
+
+    # -- dedup ---------------------------------------------------------------------------
+
+    def partitions_between(self, first: date, last: date) -> list[Path]:
+        """Existing partition directories for the UTC days ``first``..``last``."""
+        found = []
+        day = first
+        while day <= last:
+            path = self.root / f"{PARTITION_COLUMN}={day.isoformat()}"
+            if path.is_dir():
+                found.append(path)
+            day += timedelta(days=1)
+        return found
+
+    def new_rows(
+        self, spark: SparkSession, batch: DataFrame, partitions: list[Path]
+    ) -> tuple[DataFrame, int]:
+        """Rows of ``batch`` whose key is neither in ``partitions`` nor earlier in the batch.
+
+        ``batch`` must carry :data:`ROW_ID`, a unique long per row ordering the copies of a
+        key (the smallest is kept). Returns the new rows (same columns, ROW_ID dropped) and
+        how many keys were duplicated. Only key columns are shuffled; the duplicated keys
+        are materialized once (they are few) and joined back, broadcast when small.
+        """
+        keys = batch.select(*KEYS, ROW_ID)
+        if partitions:
+            existing = (
+                spark.read.schema(LANDING_SPARK_SCHEMA)
+                .parquet(*[str(p) for p in partitions])
+                .select(*KEYS, F.lit(_IN_TABLE).cast("long").alias(ROW_ID))
+            )
+            keys = keys.unionByName(existing)
+        duplicated = (
+            keys.groupBy(*KEYS)
+            .agg(F.count(F.lit(1)).alias(_COPIES), F.min(ROW_ID).alias(_KEEP))
+            .where(F.col(_COPIES) > 1)
+            .drop(_COPIES)
+            .localCheckpoint(eager=True)
+        )
+        duplicated_keys = duplicated.count()
+        if duplicated_keys == 0:
+            return batch.drop(ROW_ID), 0
+        if duplicated_keys <= _BROADCAST_KEYS:
+            duplicated = F.broadcast(duplicated)
+        keep: Column = F.col(_KEEP).isNull() | (F.col(_KEEP) == F.col(ROW_ID))
+        rows = batch.join(duplicated, KEYS, "left").where(keep).drop(_KEEP, ROW_ID)
+        return rows, duplicated_keys
+
+    # -- append --------------------------------------------------------------------------
+
+    def clear_tmp(self) -> None:
+        """Remove what an interrupted batch left in ``_tmp`` (never visible to readers)."""
+        if self.tmp_dir.exists():
+            shutil.rmtree(self.tmp_dir)
+
+    def append(self, rows: DataFrame, query_id: str, batch_id: int) -> int:
+        """Write ``rows`` (with a ``dt`` column) into the table; return rows written.
+
+        Files are written under ``_tmp/batch=<id>`` and renamed into their partitions with
+        a ``b<batch>-<query>-`` prefix, each partition directory fsync'ed. The caller
+        records the batch with :meth:`mark_committed` afterwards.
+        """
+        staging = self.tmp_dir / f"batch={batch_id}"
+        rows.write.mode("overwrite").partitionBy(PARTITION_COLUMN).parquet(str(staging))
+        prefix = f"b{batch_id:010d}-{query_id[:8]}-"
+        written = 0
+        touched: set[Path] = set()
+        for part in sorted(staging.glob(f"{PARTITION_COLUMN}=*/*.parquet")):
+            if part.name.startswith(("_", ".")):
+                continue
+            written += pq.read_metadata(part).num_rows
+            target_dir = self.root / part.parent.name
+            if target_dir not in touched:
+                target_dir.mkdir(parents=True, exist_ok=True)
+                touched.add(target_dir)
+            self._fileio.rename(part, target_dir / (prefix + part.name))
+        for directory in sorted(touched):
+            self._fileio.fsync_dir(directory)
+        if touched:
+            self._fileio.fsync_dir(self.root)
+        self.clear_tmp()
+        return written
+
+
+# Up to this many duplicated keys are shipped to every task as a broadcast hash table
+# (~100 bytes a key); above it Spark joins by shuffling.
+_BROADCAST_KEYS = 2_000_000
+
+
+def partition_value(column: str) -> Column:
+    """``YYYY-MM-DD`` of a UTC timestamp column (the session time zone must be UTC)."""
+    return F.date_format(F.col(column), "yyyy-MM-dd")
+

@@ -1,0 +1,405 @@
+"""The ingest job: landed Parquet files -> the curated table, exactly one row per key.
+
+A Structured Streaming query over ``<landing>/incoming`` (explicit landing schema; Spark's
+file source skips names starting with ``_`` or ``.``) tracks which files belong to which
+micro-batch in its checkpoint. Each micro-batch is handled by :class:`BatchIngestor` in
+``foreachBatch``:
+
+1. a batch already appended (``_ingest/commit.json`` of the table) is skipped (replay);
+2. every file's footer is checked; a bad file is quarantined and reported, not fatal;
+3. the good files are read, copies of a key within the batch and keys already in the
+   curated partitions the batch touches are dropped (:meth:`CuratedTable.new_rows`);
+4. the payload is optionally parsed as JSON into typed columns;
+5. the rows are appended idempotently (:meth:`CuratedTable.append`) and the batch is
+   recorded as committed, then Spark records it in the checkpoint.
+
+No watermark is used: nothing is dropped for being late. docs/INGEST.md explains the state
+this keeps. This file is also the ``spark-submit`` entry script (see :func:`main`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pyspark.errors import StreamingQueryException
+from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql import functions as F
+
+from collector.landing import INCOMING_DIR, QUARANTINE_DIR, quarantine
+from spark_ingest.curated import ROW_ID, CuratedTable, partition_value
+from spark_ingest.landing_files import LandingFileCheck, batch_files, check_landing_file
+from spark_ingest.schema import (
+    LANDING_COLUMNS,
+    LANDING_SPARK_SCHEMA,
+    PARTITION_COLUMN,
+    PAYLOAD_ERROR,
+    PAYLOAD_ERROR_COLUMN,
+    PayloadSchema,
+)
+
+log = logging.getLogger(__name__)
+
+_CORRUPT = "_filemq_corrupt_payload"
+# Spark's file source forgets files older than maxFileAge relative to the newest file it
+# has seen, and would then never ingest a landing file copied in later with an old mtime.
+# Ten years means "never"; the cost is one entry per file in the driver (see INGEST.md).
+_MAX_FILE_AGE = "3650d"
+
+
+class IngestError(RuntimeError):
+    """The ingest query failed; the message names the batch or file at fault."""
+
+
+@dataclass(frozen=True)
+class IngestConfig:
+    """Where the job reads and writes, and what it does to payloads.
+
+    ``landing``, ``table``, ``checkpoint`` (and ``archive``) must be on storage every Spark
+    process sees at the same path (local disk for ``local[*]``, a shared mount on a
+    cluster). ``payload_schema`` is a Spark DDL field list; when set the payload is parsed
+    as JSON into those columns plus ``payload_error``.
+    """
+
+    landing: Path
+    table: Path
+    checkpoint: Path
+    payload_schema: str | None = None
+    archive: Path | None = None
+    max_files_per_batch: int = 1000
+
+
+@dataclass
+class BatchReport:
+    """What one micro-batch did. ``replayed`` batches had already been appended."""
+
+    batch_id: int
+    files: int = 0
+    rows_in: int = 0
+    rows_written: int = 0
+    duplicates_removed: int = 0
+    quarantined: list[str] = field(default_factory=list)
+    missing: list[str] = field(default_factory=list)
+    replayed: bool = False
+    seconds: float = 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"event": "batch", **asdict(self)}
+
+
+@dataclass
+class IngestSummary:
+    """Totals over the batches of one :func:`run_ingest` call."""
+
+    batches: int = 0
+    files: int = 0
+    rows_in: int = 0
+    rows_written: int = 0
+    duplicates_removed: int = 0
+    quarantined: list[str] = field(default_factory=list)
+    missing: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+    def add(self, report: BatchReport) -> None:
+        self.batches += 1
+        self.files += report.files
+        self.rows_in += report.rows_in
+        self.rows_written += report.rows_written
+        self.duplicates_removed += report.duplicates_removed
+        self.quarantined.extend(report.quarantined)
+        self.missing.extend(report.missing)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"event": "summary", **asdict(self)}
+
+
+def build_session(
+    master: str | None = "local[2]",
+    app_name: str = "filemq-ingest",
+    shuffle_partitions: int = 4,
+) -> SparkSession:
+    """A SparkSession set up for the ingest: UTC, no UI, quiet logs, few shuffle partitions.
+
+    ``master=None`` leaves the master to ``spark-submit``.
+    """
+    builder = (
+        SparkSession.builder.appName(app_name)
+        .config("spark.ui.enabled", "false")
+        .config("spark.ui.showConsoleProgress", "false")
+        .config("spark.log.structuredLogging.enabled", "false")
+        .config("spark.sql.session.timeZone", "UTC")
+        .config("spark.sql.shuffle.partitions", str(shuffle_partitions))
+        # Keys are nearly all unique: a map-side partial aggregation would only add work.
+        .config("spark.sql.execution.bypassPartialAggregation", "true")
+    )
+    if master is not None:
+        builder = builder.master(master)
+    spark = builder.getOrCreate()
+    spark.sparkContext.setLogLevel("WARN")
+    return spark
+
+
+class BatchIngestor:
+    """The ``foreachBatch`` function: one micro-batch of landing files into the table."""
+
+    def __init__(
+        self,
+        spark: SparkSession,
+        config: IngestConfig,
+        on_batch: Callable[[BatchReport], None],
+    ) -> None:
+        self.spark = spark
+        self.config = config
+        self.table = CuratedTable(config.table)
+        self.payload = (
+            PayloadSchema.parse(config.payload_schema) if config.payload_schema else None
+        )
+        self.on_batch = on_batch
+        self.failure: tuple[int, Exception] | None = None
+        self._query_id: str | None = None
+
+    def __call__(self, _stream_batch: DataFrame, batch_id: int) -> None:
+        # The streaming DataFrame is not used: it cannot skip a corrupt file. The batch's
+        # file list comes from the checkpoint, and the good files are read directly.
+        started = time.monotonic()
+        report = BatchReport(batch_id)
+        try:
+            query_id = self.query_id()
+            committed = self.table.committed_batch(query_id)
+            if committed is not None and batch_id <= committed:
+                report.replayed = True
+                log.info("batch %d was already appended; replay skipped", batch_id)
+            else:
+                self._ingest(batch_id, query_id, report)
+        except Exception as exc:
+            # Kept so run_ingest can raise the real error rather than Spark's wrapper.
+            self.failure = (batch_id, exc)
+            raise
+        report.seconds = round(time.monotonic() - started, 3)
+        self.on_batch(report)
+
+    def query_id(self) -> str:
+        """The query's id from the checkpoint (stable across restarts of one checkpoint)."""
+        if self._query_id is None:
+            metadata = self.config.checkpoint / "metadata"
+            self._query_id = str(json.loads(metadata.read_text(encoding="utf-8"))["id"])
+        return self._query_id
+
+    def _ingest(self, batch_id: int, query_id: str, report: BatchReport) -> None:
+        self.table.clear_tmp()
+        good: list[LandingFileCheck] = []
+        for path in batch_files(self.config.checkpoint, batch_id):
+            if not path.exists():
+                self._missing(path, report)
+                continue
+            check = check_landing_file(path)
+            if check.ok:
+                good.append(check)
+            else:
+                quarantine(path, check.reason or "invalid", self.config.landing)
+                report.quarantined.append(str(path))
+        report.files = len(good)
+        report.rows_in = sum(c.rows for c in good)
+        nonempty = [c for c in good if c.rows]
+        if nonempty:
+            rows, _ = self._new_rows(nonempty)
+            report.rows_written = self.table.append(rows, query_id, batch_id)
+        report.duplicates_removed = report.rows_in - report.rows_written
+        self.table.mark_committed(query_id, batch_id)
+
+    def _new_rows(self, files: list[LandingFileCheck]) -> tuple[DataFrame, int]:
+        names = [c.path.name for c in files]
+        index = F.create_map(*[x for i, n in enumerate(names) for x in (F.lit(n), F.lit(i))])
+        # A unique long per row that orders copies by landing file name (= landing time)
+        # then position: the first landed copy of a key is the one kept.
+        row_id = F.element_at(index, F.col("_metadata.file_name")).cast("long") * F.lit(
+            1 << 32
+        ) + F.col("_metadata.row_index")
+        batch = (
+            self.spark.read.schema(LANDING_SPARK_SCHEMA)
+            .parquet(*[str(c.path) for c in files])
+            .select(*LANDING_COLUMNS, row_id.alias(ROW_ID))
+        )
+        first = min(c.first_day for c in files if c.first_day)
+        last = max(c.last_day for c in files if c.last_day)
+        partitions = self.table.partitions_between(first, last)
+        rows, duplicated_keys = self.table.new_rows(self.spark, batch, partitions)
+        rows = rows.withColumn(PARTITION_COLUMN, partition_value("publish_ts"))
+        if self.payload is not None:
+            rows = self._parse_payload(rows, self.payload)
+        return rows, duplicated_keys
+
+    def _parse_payload(self, rows: DataFrame, payload: PayloadSchema) -> DataFrame:
+        parsed = F.from_json(
+            F.col("payload").cast("string"),
+            f"{payload.ddl}, {_CORRUPT} string",
+            {"mode": "PERMISSIVE", "columnNameOfCorruptRecord": _CORRUPT},
+        )
+        rows = rows.withColumn("_filemq_payload", parsed)
+        typed = [F.col("_filemq_payload").getField(n).alias(n) for n in payload.names]
+        error = F.when(
+            F.col("_filemq_payload").getField(_CORRUPT).isNotNull(), F.lit(PAYLOAD_ERROR)
+        ).alias(PAYLOAD_ERROR_COLUMN)
+        return rows.select(*LANDING_COLUMNS, *typed, error, PARTITION_COLUMN)
+
+    def _missing(self, path: Path, report: BatchReport) -> None:
+        quarantined = self.config.landing / QUARANTINE_DIR / path.parent.name / path.name
+        if quarantined.exists():
+            # Quarantined by an earlier attempt at this batch (and reported then).
+            return
+        log.error(
+            "landing file %s of batch listed in the checkpoint is gone (not quarantined);"
+            " its rows are not in the table unless it was ingested before",
+            path,
+        )
+        report.missing.append(str(path))
+
+
+def run_ingest(
+    spark: SparkSession,
+    config: IngestConfig,
+    *,
+    once: bool = True,
+    every: float | None = None,
+    on_batch: Callable[[BatchReport], None] | None = None,
+    stop: threading.Event | None = None,
+) -> IngestSummary:
+    """Ingest landed files into the table and return the totals.
+
+    ``once``: everything landed so far, then return (``availableNow`` trigger; cron).
+    Otherwise a micro-batch every ``every`` seconds until ``stop`` is set (or forever).
+    Each committed batch is logged and passed to ``on_batch``. Raises
+    :class:`IngestError` if the query fails; batches committed before stay committed and
+    the next run resumes after them.
+    """
+    if not once and (every is None or every <= 0):
+        raise ValueError("give once=True or every=<seconds> > 0")
+    if config.max_files_per_batch < 1:
+        raise ValueError("max_files_per_batch must be at least 1")
+    spark.conf.set("spark.sql.session.timeZone", "UTC")
+    started = time.monotonic()
+    summary = IngestSummary()
+
+    def record(report: BatchReport) -> None:
+        summary.add(report)
+        _log_batch(report)
+        if on_batch is not None:
+            on_batch(report)
+
+    ingestor = BatchIngestor(spark, config, record)
+    incoming = config.landing / INCOMING_DIR
+    incoming.mkdir(parents=True, exist_ok=True)
+    table = CuratedTable(config.table)
+    with table.lock():
+        reader = (
+            spark.readStream.schema(LANDING_SPARK_SCHEMA)
+            .option("maxFilesPerTrigger", config.max_files_per_batch)
+            .option("maxFileAge", _MAX_FILE_AGE)
+        )
+        if config.archive is not None:
+            config.archive.mkdir(parents=True, exist_ok=True)
+            reader = reader.option("cleanSource", "archive").option(
+                "sourceArchiveDir", str(config.archive)
+            )
+        writer = (
+            reader.parquet(str(incoming))
+            .writeStream.foreachBatch(ingestor)
+            .option("checkpointLocation", str(config.checkpoint))
+        )
+        writer = (
+            writer.trigger(availableNow=True)
+            if once
+            else writer.trigger(processingTime=f"{every} seconds")
+        )
+        query = writer.start()
+        try:
+            while query.isActive:
+                if stop is not None and stop.is_set():
+                    query.stop()
+                    break
+                with contextlib.suppress(StreamingQueryException):
+                    query.awaitTermination(1)
+            failure = query.exception()
+        finally:
+            if query.isActive:
+                query.stop()
+    if ingestor.failure is not None:
+        batch_id, exc = ingestor.failure
+        raise IngestError(
+            f"ingest of {incoming} into {config.table} failed in batch {batch_id}: {exc}"
+        ) from exc
+    if failure is not None:
+        raise IngestError(f"ingest of {incoming} into {config.table} failed: {failure}")
+    summary.seconds = round(time.monotonic() - started, 3)
+    return summary
+
+
+def _log_batch(report: BatchReport) -> None:
+    if report.replayed:
+        return
+    rate = report.rows_in / report.seconds if report.seconds > 0 else 0.0
+    log.info(
+        "batch %d: %d files, %d rows in, %d written, %d duplicates removed, %.1fs (%.0f rows/s)",
+        report.batch_id,
+        report.files,
+        report.rows_in,
+        report.rows_written,
+        report.duplicates_removed,
+        report.seconds,
+        rate,
+    )
+    for path in report.quarantined:
+        log.warning("batch %d: quarantined %s", report.batch_id, path)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``spark-submit [...] spark_ingest/job.py --landing DIR --table DIR --checkpoint DIR``.
+
+    The same options as ``filemq ingest``; the master comes from spark-submit unless
+    ``--master`` is given. Prints one JSON object per batch and a summary on stdout.
+    """
+    parser = argparse.ArgumentParser(prog="spark_ingest.job", description=__doc__.split("\n")[0])
+    parser.add_argument("--landing", type=Path, required=True)
+    parser.add_argument("--table", type=Path, required=True)
+    parser.add_argument("--checkpoint", type=Path, required=True)
+    parser.add_argument("--master", default=None)
+    parser.add_argument("--every", type=float, default=None, help="seconds between batches")
+    parser.add_argument("--payload-schema", default=None)
+    parser.add_argument("--archive", type=Path, default=None)
+    parser.add_argument("--max-files-per-batch", type=int, default=1000)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config = IngestConfig(
+        landing=args.landing,
+        table=args.table,
+        checkpoint=args.checkpoint,
+        payload_schema=args.payload_schema,
+        archive=args.archive,
+        max_files_per_batch=args.max_files_per_batch,
+    )
+    spark = build_session(master=args.master)
+    try:
+        summary = run_ingest(
+            spark,
+            config,
+            once=args.every is None,
+            every=args.every,
+            on_batch=lambda r: print(json.dumps(r.as_dict()), flush=True),
+        )
+    finally:
+        spark.stop()
+    print(json.dumps(summary.as_dict()), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

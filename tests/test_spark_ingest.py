@@ -1,0 +1,374 @@
+"""spark_ingest: exactly one curated row per (device_id, stream, offset), whatever arrives.
+
+All Spark tests share the session-scoped ``spark`` fixture (local[1]); each run_ingest call
+costs a couple of seconds, so scenarios are combined where they do not hide each other.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from collections import Counter
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from collector.landing import LANDING_SCHEMA, LandingWriter
+from segments.fileio import OsFileIO
+from spark_ingest.job import BatchReport, IngestConfig, IngestError, IngestSummary, run_ingest
+from spark_ingest.landing_files import CheckpointError, batch_files, check_landing_file
+from spark_ingest.schema import LANDING_SPARK_SCHEMA, PAYLOAD_ERROR, PayloadSchema
+
+pytestmark = pytest.mark.spark
+
+NOW = datetime(2026, 11, 20, 12, 0, tzinfo=UTC)
+
+
+def rows(
+    offsets: range | list[int],
+    device: str = "dev-1",
+    stream: str = "telemetry",
+    published: datetime = NOW,
+    received: datetime | None = None,
+    payload: bytes | None = None,
+) -> list[dict[str, Any]]:
+    received = received or published + timedelta(seconds=1)
+    return [
+        {
+            "device_id": device,
+            "stream": stream,
+            "offset": o,
+            "topic": f"sensors/{device}",
+            "qos": 1,
+            "publish_ts": published + timedelta(milliseconds=o),
+            "received_at": received,
+            "payload": payload if payload is not None else json.dumps({"o": o}).encode(),
+        }
+        for o in offsets
+    ]
+
+
+class Pipeline:
+    """A landing dir, a table and a checkpoint under one tmp dir, and helpers to use them."""
+
+    def __init__(self, root: Path, spark: Any, **config: Any) -> None:
+        self.spark = spark
+        self.root = root
+        self.config = IngestConfig(
+            landing=root / "landing", table=root / "table", checkpoint=root / "ckpt", **config
+        )
+        self.writer = LandingWriter(self.config.landing, "c1")
+        self.reports: list[BatchReport] = []
+
+    def land(self, batch: list[dict[str, Any]]) -> Path:
+        return self.writer.write(batch)
+
+    def ingest(self) -> IngestSummary:
+        return run_ingest(self.spark, self.config, once=True, on_batch=self.reports.append)
+
+    def table(self) -> list[dict[str, Any]]:
+        if not self.config.table.exists():
+            return []
+        found = []
+        for row in self.spark.read.parquet(str(self.config.table)).collect():
+            record = row.asDict()
+            # PySpark returns timestamps as naive local times; make them comparable.
+            for column in ("publish_ts", "received_at"):
+                record[column] = record[column].astimezone(UTC)
+            found.append(record)
+        return found
+
+    def keys(self) -> Counter[tuple[str, str, int]]:
+        return Counter((r["device_id"], r["stream"], r["offset"]) for r in self.table())
+
+
+def expected_keys(*batches: list[dict[str, Any]]) -> set[tuple[str, str, int]]:
+    return {(r["device_id"], r["stream"], r["offset"]) for b in batches for r in b}
+
+
+def test_duplicates_within_file_across_files_and_runs_give_one_row_each(
+    spark: Any, tmp_path: Path
+) -> None:
+    p = Pipeline(tmp_path, spark)
+    first = rows(range(0, 10))
+    # Within one file: offsets 3 and 4 twice. Across files: 5..14 overlaps the first file.
+    p.land(first + rows([3, 4], received=NOW + timedelta(minutes=5)))
+    second = rows(range(5, 15), received=NOW + timedelta(minutes=10))
+    p.land(second)
+    other_device = rows(range(0, 5), device="dev-2")  # same offsets, other key
+    p.land(other_device)
+    summary = p.ingest()
+    keys = p.keys()
+    assert set(keys) == expected_keys(first, second, other_device)
+    assert max(keys.values()) == 1
+    assert summary.rows_in == 12 + 10 + 5
+    assert summary.rows_written == len(keys) == 20
+    assert summary.duplicates_removed == 7
+    # The first landed copy is the one kept (received_at of the first file for 3, 4, 5..9).
+    kept = {r["offset"]: r["received_at"] for r in p.table() if r["device_id"] == "dev-1"}
+    assert all(kept[o] == NOW + timedelta(seconds=1) for o in range(10))
+    assert all(kept[o] == NOW + timedelta(minutes=10) for o in range(10, 15))
+
+    # Across runs: a re-sent batch (offsets 10..19) and a run with nothing new.
+    resent = rows(range(10, 20), received=NOW + timedelta(hours=1))
+    p.land(resent)
+    again = p.ingest()
+    assert again.rows_in == 10 and again.rows_written == 5 and again.duplicates_removed == 5
+    assert set(p.keys()) == expected_keys(first, second, other_device, resent)
+    assert max(p.keys().values()) == 1
+
+    nothing = p.ingest()
+    assert (nothing.batches, nothing.rows_written) == (0, 0)
+    assert sum(p.keys().values()) == 25
+
+
+def test_table_columns_partitions_and_types(spark: Any, tmp_path: Path) -> None:
+    p = Pipeline(tmp_path, spark)
+    day_one = datetime(2026, 11, 19, 23, 59, 59, 999000, tzinfo=UTC)
+    p.land(rows([0], published=day_one) + rows([1], published=day_one + timedelta(seconds=1)))
+    p.ingest()
+    partitions = sorted(d.name for d in p.config.table.iterdir() if not d.name.startswith("_"))
+    # dt is the UTC date of publish_ts: offset 0 at 23:59:59.999, offset 1 after midnight.
+    assert partitions == ["dt=2026-11-19", "dt=2026-11-20"]
+    df = spark.read.parquet(str(p.config.table))
+    assert [f.name for f in df.schema.fields] == [
+        *(f.name for f in LANDING_SPARK_SCHEMA.fields),
+        "dt",
+    ]
+    by_offset = {r["offset"]: r for r in p.table()}
+    assert by_offset[0]["publish_ts"] == day_one
+    assert str(by_offset[0]["dt"]) == "2026-11-19"
+    assert by_offset[1]["payload"] == b'{"o": 1}'
+
+
+def test_crash_between_batches_replays_without_duplicates(spark: Any, tmp_path: Path) -> None:
+    p = Pipeline(tmp_path, spark)
+    p.land(rows(range(0, 5)))
+    p.ingest()
+    p.land(rows(range(5, 10)))
+    p.ingest()
+    commit_dir = p.config.checkpoint / "commits"
+    commits = sorted((f for f in commit_dir.iterdir() if f.name.isdigit()), key=lambda f: int(f.name))
+    assert [c.name for c in commits] == ["0", "1"]
+    # The process died after the table was written but before Spark recorded the batch
+    # (the commit and its Hadoop checksum file were never written).
+    commits[-1].unlink()
+    (commit_dir / ".1.crc").unlink(missing_ok=True)
+    p.reports.clear()
+    summary = p.ingest()
+    assert [r.replayed for r in p.reports] == [True]
+    assert summary.rows_written == 0
+    assert p.keys() == Counter(expected_keys(rows(range(10))))
+
+
+def test_crash_in_the_middle_of_an_append_adds_no_duplicate(
+    spark: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    p = Pipeline(tmp_path, spark)
+    p.land(rows(range(0, 3), published=NOW - timedelta(days=1)))
+    p.land(rows(range(3, 6)))  # a second partition, so the append renames two files
+
+    renamed: list[Path] = []
+    real_rename = OsFileIO.rename
+
+    def rename_then_die(self: OsFileIO, src: Any, dst: Any) -> None:
+        real_rename(self, src, dst)
+        renamed.append(Path(dst))
+        raise OSError("power cut after the first rename into the table")
+
+    monkeypatch.setattr(OsFileIO, "rename", rename_then_die)
+    with pytest.raises(IngestError, match="power cut"):
+        p.ingest()
+    monkeypatch.undo()
+    assert len(renamed) == 1
+    partial = p.keys()
+    assert 0 < sum(partial.values()) < 6  # one partition made it, the other did not
+
+    summary = p.ingest()
+    assert p.keys() == Counter(expected_keys(rows(range(6))))
+    assert summary.rows_written == 6 - sum(partial.values())
+    assert not (p.config.table / "_tmp").exists()
+
+
+def test_hidden_landing_files_are_ignored(spark: Any, tmp_path: Path) -> None:
+    p = Pipeline(tmp_path, spark)
+    visible = p.land(rows(range(0, 2)))
+    # Valid landing files under hidden names: Spark must not pick them up.
+    for hidden in ("_partial.parquet", ".inflight.parquet"):
+        table = pa.Table.from_pylist(rows(range(100, 102)), schema=_landing_schema_without_defaults())
+        pq.write_table(table, visible.parent / hidden)
+    summary = p.ingest()
+    assert set(p.keys()) == expected_keys(rows(range(0, 2)))
+    assert summary.files == 1
+    assert summary.quarantined == []
+    assert (visible.parent / "_partial.parquet").exists()
+
+
+def _landing_schema_without_defaults() -> pa.Schema:
+    return pa.schema([f for f in LANDING_SCHEMA if f.name not in ("collector_id", "schema_version")])
+
+
+def test_old_publish_ts_and_late_landing_file_are_kept(spark: Any, tmp_path: Path) -> None:
+    p = Pipeline(tmp_path, spark)
+    recent = rows(range(100, 110), published=NOW)
+    p.land(recent)
+    p.ingest()
+    # Weeks later a device that was offline delivers old messages, in a file whose
+    # modification time is old too (copied in with its mtime preserved).
+    old = NOW - timedelta(days=45)
+    late = rows(range(0, 10), published=old, received=NOW + timedelta(days=1))
+    late_file = p.land(late)
+    month_ago = (NOW - timedelta(days=30)).timestamp()
+    os.utime(late_file, (month_ago, month_ago))
+    # And a late duplicate of an old message already ingested.
+    p.land(rows(range(5, 7), published=old, received=NOW + timedelta(days=2)))
+    summary = p.ingest()
+    assert summary.rows_written == 10
+    assert p.keys() == Counter(expected_keys(recent, late))
+    assert (p.config.table / f"dt={old.date().isoformat()}").is_dir()
+
+
+def test_corrupt_landing_files_are_quarantined_and_reported(spark: Any, tmp_path: Path) -> None:
+    p = Pipeline(tmp_path, spark)
+    good = p.land(rows(range(0, 4)))
+    junk = good.parent / "20261120T000000.000000Z-c9-000000-000001.parquet"
+    junk.write_bytes(b"this is not parquet at all")
+    wrong = good.parent / "20261120T000000.000000Z-c9-000000-000002.parquet"
+    pq.write_table(pa.table({"device_id": ["d"], "offset": ["not an int"]}), wrong)
+    summary = p.ingest()
+    assert sorted(summary.quarantined) == sorted([str(junk), str(wrong)])
+    assert set(p.keys()) == expected_keys(rows(range(0, 4)))
+    quarantine = p.config.landing / "quarantine" / good.parent.name
+    assert (quarantine / junk.name).read_bytes() == b"this is not parquet at all"
+    assert "not a readable Parquet file" in (quarantine / f"{junk.name}.reason").read_text()
+    assert "'stream' is missing" in (quarantine / f"{wrong.name}.reason").read_text()
+    assert not junk.exists() and not wrong.exists()
+    # The stream carries on with later files.
+    p.land(rows(range(4, 6)))
+    assert p.ingest().rows_written == 2
+
+
+def test_payload_json_typed_columns_and_payload_error(spark: Any, tmp_path: Path) -> None:
+    p = Pipeline(tmp_path, spark, payload_schema="temperature double, humidity double")
+    payloads = {
+        0: b'{"temperature": 21.5, "humidity": 40}',
+        1: b"not json",
+        2: b'{"temperature": "hot"}',
+        3: b"\xff\xfe",
+        4: b'{"humidity": 10.25}',
+    }
+    p.land([r for o, body in payloads.items() for r in rows([o], payload=body)])
+    p.ingest()
+    table = {r["offset"]: r for r in p.table()}
+    assert (table[0]["temperature"], table[0]["humidity"], table[0]["payload_error"]) == (
+        21.5,
+        40.0,
+        None,
+    )
+    for bad in (1, 2, 3):
+        assert table[bad]["payload_error"] == PAYLOAD_ERROR
+        assert table[bad]["temperature"] is None
+        assert table[bad]["payload"] == payloads[bad]  # the raw payload is kept
+    assert (table[4]["temperature"], table[4]["humidity"], table[4]["payload_error"]) == (
+        None,
+        10.25,
+        None,
+    )
+
+
+def test_payload_schema_errors(spark: Any) -> None:
+    with pytest.raises(ValueError, match="does not parse"):
+        PayloadSchema.parse("temperature dooble,")
+    with pytest.raises(ValueError, match="offset, payload_error"):
+        PayloadSchema.parse("offset bigint, payload_error string, ok int")
+    assert PayloadSchema.parse("t double, h double").names == ["t", "h"]
+
+
+def test_archive_moves_ingested_files_after_commit(spark: Any, tmp_path: Path) -> None:
+    archive = tmp_path / "archive"
+    p = Pipeline(tmp_path, spark, archive=archive)
+    first = p.land(rows(range(0, 3)))
+    p.ingest()
+    second = p.land(rows(range(3, 6)))
+    p.ingest()
+    # Spark archives a batch's files once the batch is committed, when it plans the next
+    # batch: the files of the last batch of a run move on the next run.
+    archived = sorted(archive.rglob("*.parquet"))
+    assert [a.name for a in archived] == [first.name]
+    assert not first.exists() and second.exists()
+    assert p.keys() == Counter(expected_keys(rows(range(6))))
+
+
+def test_every_runs_batches_until_stopped(spark: Any, tmp_path: Path) -> None:
+    p = Pipeline(tmp_path, spark)
+    stop = threading.Event()
+    summaries: list[IngestSummary] = []
+    runner = threading.Thread(
+        target=lambda: summaries.append(
+            run_ingest(spark, p.config, once=False, every=0.5, on_batch=p.reports.append, stop=stop)
+        )
+    )
+    runner.start()
+    try:
+        for start in (0, 10):
+            p.land(rows(range(start, start + 10)))
+            deadline = time.monotonic() + 60
+            while sum(r.rows_written for r in p.reports) < start + 10:
+                assert time.monotonic() < deadline, "no batch within 60 s"
+                time.sleep(0.2)
+    finally:
+        stop.set()
+        runner.join(timeout=60)
+    assert not runner.is_alive()
+    assert summaries[0].rows_written == 20
+    assert p.keys() == Counter(expected_keys(rows(range(20))))
+
+
+def test_spark_schema_matches_the_landing_contract(spark: Any) -> None:
+    from_arrow = spark.createDataFrame(LANDING_SCHEMA.empty_table()).schema
+    assert [(f.name, f.dataType) for f in from_arrow.fields] == [
+        (f.name, f.dataType) for f in LANDING_SPARK_SCHEMA.fields
+    ]
+
+
+def test_check_landing_file_reports_nulls_in_required_columns(tmp_path: Path) -> None:
+    table = pa.Table.from_pylist(
+        [{**rows([0])[0], "collector_id": "c", "schema_version": 1, "stream": None}],
+        schema=LANDING_SCHEMA,
+    )
+    path = tmp_path / "nulls.parquet"
+    pq.write_table(table, path)
+    check = check_landing_file(path)
+    assert not check.ok
+    assert check.reason is not None and "'stream' has 1 null" in check.reason
+    good = tmp_path / "good.parquet"
+    pq.write_table(pa.Table.from_pylist(
+        [{**r, "collector_id": "c", "schema_version": 1} for r in rows([0, 1])],
+        schema=LANDING_SCHEMA,
+    ), good)
+    verdict = check_landing_file(good)
+    assert verdict.ok and verdict.rows == 2 and verdict.first_day == NOW.date()
+
+
+def test_batch_files_reads_plain_and_compact_logs(tmp_path: Path) -> None:
+    log_dir = tmp_path / "sources" / "0"
+    log_dir.mkdir(parents=True)
+    entry = lambda p, b: json.dumps({"path": f"file://{p}", "timestamp": 1, "batchId": b})  # noqa: E731
+    (log_dir / "3").write_text("v1\n" + entry("/l/incoming/dt=x/b.parquet", 3) + "\n")
+    (log_dir / "9.compact").write_text(
+        "v1\n" + "\n".join([entry("/l/a%20b.parquet", 8), entry("/l/z.parquet", 9),
+                            entry("/l/y.parquet", 9)]) + "\n"
+    )
+    assert batch_files(tmp_path, 3) == [Path("/l/incoming/dt=x/b.parquet")]
+    assert batch_files(tmp_path, 9) == [Path("/l/y.parquet"), Path("/l/z.parquet")]
+    with pytest.raises(CheckpointError, match="no file list for batch 4"):
+        batch_files(tmp_path, 4)
+    (log_dir / "5").write_text("v1\n" + json.dumps({"path": "s3://b/k", "batchId": 5}) + "\n")
+    with pytest.raises(CheckpointError, match="only file: paths"):
+        batch_files(tmp_path, 5)

@@ -758,3 +758,43 @@ def test_retained_rebuilt_in_background(tmp_path: Path) -> None:
         h.core.retained_recovered(old)
         assert [(m.topic, m.payload, m.retain) for m in s.received()] == [("r/b", b"live", True)]
     run(main())
+
+
+# ---- the session store and the tail cache ------------------------------------------------------
+
+
+def test_session_store_round_trip_and_damage(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    from filemq.broker.sessions import StoredSession, StoredSubscription
+
+    store = SessionStore(tmp_path)
+    weird = "dev/1 +#%é"
+    s = StoredSession(weird, {"a/#": StoredSubscription(1, 5), "$share/g/b": StoredSubscription(2, 0)}, {3, 9})
+    store.save(s)
+    assert store.load(weird) == s
+    assert list(store.client_ids()) == [weird]
+    path = store.path_of(weird)
+    assert "/" not in path.name[:-5] and path.parent == store.directory
+    path.write_bytes(path.read_bytes()[:20])  # torn
+    with caplog.at_level(logging.WARNING):
+        assert store.load(weird) is None
+    assert "starting client" in caplog.text and path.with_name(path.name + ".corrupt").exists()
+    assert store.load("never-seen") is None
+    store.save(s)
+    assert store.delete(weird) and store.load(weird) is None and not store.delete(weird)
+
+
+def test_tail_cache_reads_like_the_log(tmp_path: Path) -> None:
+    from segments import Log
+
+    lg = Log.open(tmp_path / "log")
+    for i in range(500):
+        lg.append(f"t/{i % 7}", b"p%d" % i)
+    lg.flush()
+    cache = TailCache(lg, max_bytes=20_000, read_ahead=64)
+    for r in lg.read(450, 50):
+        cache.put(r)  # the live tail
+    for start, n in [(0, 10), (445, 20), (460, 100), (499, 5), (500, 5), (130, 1), (0, 1000)]:
+        assert cache.read(start, n) == lg.read(start, n), (start, n)
+    assert cache.cached_bytes <= 20_000
+    assert cache.hits > 0 and cache.misses > 0
+    lg.close()

@@ -348,3 +348,18 @@ def test_slow_subscriber_does_not_block_others(tmp_path: Path) -> None:
             await fine.disconnect()
             stuck.close()
     asyncio.run(main())
+
+
+def test_sys_topics_published_periodically(tmp_path: Path) -> None:
+    async def main() -> None:
+        async with running(make_config(tmp_path, sys_interval_s=1)) as b:
+            got: list[Publish] = []
+            c = MQTTClient("sys", port=b.port, on_message=got.append)
+            await c.connect()
+            await c.subscribe([("$SYS/broker/clients/connected", 0), ("#", 0)])
+            await collect(got, 1, timeout=5)
+            assert got[0].topic == "$SYS/broker/clients/connected" and got[0].payload == b"1"
+            assert all(m.topic == "$SYS/broker/clients/connected" for m in got)
+            assert b.queue is not None and b.queue.log.next_offset == 0  # not stored in the log
+            await c.disconnect()
+    asyncio.run(main())

@@ -125,7 +125,12 @@ class Connection:
         except ProtocolError as exc:
             self.close(f"protocol error: {exc.reason}", will=True, level=logging.WARNING)
             return
-        self.handle_packets(packets)
+        try:
+            self.handle_packets(packets)
+        except Exception as exc:
+            # A bug must cost this one connection, not the broker or the other clients.
+            log.exception("client %r from %s: internal error", self.client_id, self.peer)
+            self.close(f"internal error: {exc!r}", will=True, level=logging.ERROR)
 
     def handle_packets(self, packets: Sequence[object]) -> None:
         core = self.core

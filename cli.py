@@ -453,5 +453,95 @@ def demo(quick: bool, keep: bool, work_dir: str | None, sensors: int | None, as_
     sys.exit(3 if result.missing and result.failed_phase is None and not result.lost else 1)
 
 
+@main.command("ingest")
+@click.option("--landing", type=click.Path(file_okay=False), required=True,
+              help="Landing directory (the collector writes <landing>/incoming/dt=.../*.parquet).")
+@click.option("--table", type=click.Path(file_okay=False), required=True,
+              help="Curated table directory (Parquet, partitioned by dt).")
+@click.option("--checkpoint", type=click.Path(file_okay=False), required=True,
+              help="Streaming checkpoint directory (one per table).")
+@click.option("--master", default="local[2]", show_default=True, help="Spark master URL.")
+@click.option("--once", is_flag=True, help="Ingest what has landed so far, then exit (cron); the default.")
+@click.option("--every", type=click.FloatRange(min=0.1), default=None,
+              help="Keep running: a micro-batch every SECONDS.")
+@click.option("--payload", type=click.Choice(["raw", "json"]), default="raw", show_default=True,
+              help="json: parse payloads into the --payload-schema columns.")
+@click.option("--payload-schema", default=None,
+              help='Spark DDL of the JSON payload, e.g. "temperature double, humidity double".')
+@click.option("--archive", type=click.Path(file_okay=False), default=None,
+              help="Move ingested landing files here after their batch commits.")
+@click.option("--max-files-per-batch", type=click.IntRange(min=1), default=1000, show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per batch and a summary on stdout.")
+def ingest(landing: str, table: str, checkpoint: str, master: str, once: bool, every: float | None,
+           payload: str, payload_schema: str | None, archive: str | None, max_files_per_batch: int,
+           as_json: bool) -> None:
+    """Ingest landed Parquet files into the curated table (one row per device, stream, offset)."""
+    import json
+    from pathlib import Path
+
+    if once and every is not None:
+        raise click.UsageError("give --once or --every, not both")
+    if payload == "json" and not payload_schema:
+        raise click.UsageError("--payload json needs --payload-schema")
+    if payload == "raw" and payload_schema:
+        raise click.UsageError("--payload-schema needs --payload json")
+    from spark_ingest.job import IngestConfig, IngestError, build_session, run_ingest
+    from spark_ingest.schema import PayloadSchemaError
+
+    if not as_json and logging.getLogger().getEffectiveLevel() > logging.INFO:
+        logging.getLogger("spark_ingest").setLevel(logging.INFO)  # per-batch progress
+    config = IngestConfig(landing=Path(landing), table=Path(table), checkpoint=Path(checkpoint),
+                          payload_schema=payload_schema, archive=Path(archive) if archive else None,
+                          max_files_per_batch=max_files_per_batch)
+    spark = build_session(master=master)
+    try:
+        summary = run_ingest(spark, config, once=every is None, every=every,
+                             on_batch=(lambda r: click.echo(json.dumps(r.as_dict()))) if as_json else None)
+    except (IngestError, PayloadSchemaError) as exc:
+        raise click.ClickException(str(exc)) from exc
+    except KeyboardInterrupt:
+        sys.exit(130)
+    finally:
+        spark.stop()
+    if as_json:
+        click.echo(json.dumps(summary.as_dict()))
+    else:
+        click.echo(f"{summary.batches} batches, {summary.files} files, {summary.rows_in:,} rows in, "
+                   f"{summary.rows_written:,} written, {summary.duplicates_removed:,} duplicates removed, "
+                   f"{len(summary.quarantined)} quarantined, {summary.seconds:.1f}s", err=True)
+
+
+@bench.command("ingest")
+@click.option("--rows", type=click.IntRange(min=1), default=5_000_000, show_default=True)
+@click.option("--files", type=click.IntRange(min=1), default=50, show_default=True)
+@click.option("--dup-frac", type=click.FloatRange(min=0, max=0.99), default=0.01, show_default=True)
+@click.option("--work-dir", type=click.Path(file_okay=False), default=None,
+              help="Where to put landing, table and copy (a temporary directory if omitted).")
+@click.option("--master", default="local[2]", show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per line on stdout.")
+def bench_ingest(rows: int, files: int, dup_frac: float, work_dir: str | None, master: str,
+                 as_json: bool) -> None:
+    """Our Spark ingest vs a plain spark.read.parquet().write.parquet() of the same files."""
+    import json
+    import tempfile
+    from pathlib import Path
+
+    from bench.ingest import ACCEPTANCE_RATIO, run_ingest_bench
+
+    if logging.getLogger().getEffectiveLevel() > logging.INFO:
+        logging.getLogger("bench.ingest").setLevel(logging.INFO)
+    with tempfile.TemporaryDirectory(prefix="filemq-bench-ingest-") as tmp:
+        result = run_ingest_bench(Path(work_dir or tmp), rows, files, dup_frac, master)
+    if as_json:
+        click.echo(json.dumps(result.as_dict()))
+    else:
+        click.echo(f"{result.rows:,} rows in {result.files} files ({result.duplicates:,} duplicates): "
+                   f"copy {result.copy_seconds:.1f}s, ingest {result.ingest_seconds:.1f}s, "
+                   f"ratio {result.ratio:.2f}x (acceptance <= {ACCEPTANCE_RATIO}x) "
+                   f"{'PASS' if result.passed else 'FAIL'}")
+    if not result.passed:
+        sys.exit(1)
+
+
 if __name__ == "__main__":
     main()

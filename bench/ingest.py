@@ -1,0 +1,194 @@
+"""`filemq bench ingest`: the Spark ingest against a plain Parquet copy of the same files.
+
+Generates landing files with pyarrow through the real :class:`~collector.landing.LandingWriter`
+(a known fraction of rows duplicated, within and across files), then in the same run and the
+same SparkSession times
+
+* the baseline: ``spark.read.parquet(landing).write.parquet(out)``, and
+* our ingest: ``run_ingest(..., once=True)`` into an empty table,
+
+and reports both times and their ratio (acceptance: ingest <= 1.5x the copy). It also checks
+that the curated table holds exactly the unique keys, so a fast but wrong ingest fails.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import shutil
+import time
+from dataclasses import asdict, dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from collector.landing import LandingWriter
+
+log = logging.getLogger(__name__)
+
+_BASE_US = int(datetime(2026, 3, 1, 18, tzinfo=UTC).timestamp() * 1_000_000)
+# A prime: i -> i * P mod n is a permutation of range(n) whenever n is not a multiple of P;
+# it scatters the duplicate rows over all files without numpy.
+_SCATTER = 1_000_003
+
+
+@dataclass(frozen=True)
+class GeneratedLanding:
+    """What :func:`generate_landing` wrote."""
+
+    files: int
+    rows: int
+    unique_keys: int
+    duplicates: int
+    seconds: float
+
+
+def generate_landing(
+    landing_dir: Path, rows: int, files: int, dup_frac: float, devices: int = 100
+) -> GeneratedLanding:
+    """Write ``rows`` landing rows in ``files`` files; ``dup_frac`` of them repeat a key.
+
+    Keys are ``device-<n>``/``telemetry``/offset for ``devices`` devices, one message a
+    second per device from 2026-03-01 18:00 UTC (so large runs span two days); each duplicate is an exact copy of an earlier
+    row (as a re-sent batch would be), scattered over all files.
+    """
+    if rows < 1 or files < 1 or not 0 <= dup_frac < 1:
+        raise ValueError("need rows >= 1, files >= 1 and 0 <= dup_frac < 1")
+    started = time.monotonic()
+    duplicates = int(rows * dup_frac)
+    unique = rows - duplicates
+    ids = pa.array(range(unique), pa.int64())
+    if duplicates:
+        # Every (unique // duplicates)-th row appears twice.
+        step = max(1, unique // duplicates)
+        ids = pa.concat_arrays([ids, pa.array(range(0, step * duplicates, step), pa.int64())])
+    multiplier = _SCATTER if math.gcd(rows, _SCATTER) == 1 else 1
+    scatter = pc.remainder(pc.multiply(pa.array(range(rows), pa.int64()), multiplier), rows)
+    ids = ids.take(scatter)
+    writer = LandingWriter(landing_dir, "bench")
+    per_file = -(-rows // files)
+    written = 0
+    for start in range(0, rows, per_file):
+        chunk = ids.slice(start, per_file)
+        writer.write(_rows_for(chunk, devices))
+        written += 1
+    seconds = time.monotonic() - started
+    return GeneratedLanding(written, rows, unique, duplicates, seconds)
+
+
+def _rows_for(ids: pa.Array, devices: int) -> pa.Table:
+    n = len(ids)
+    device = pc.cast(pc.remainder(ids, devices), pa.string())
+    offset = pc.divide(ids, devices)
+    device_id = pc.binary_join_element_wise("device-", device, "")
+    publish_us = pc.add(pc.multiply(offset, 1_000_000), _BASE_US)
+    # A reading that varies like a real sensor's (not a handful of values that dictionary
+    # encoding would shrink to nothing): centi-degrees from a multiplicative hash of the id.
+    centi = pc.remainder(pc.multiply(ids, 7919), 4000)
+    temperature = pc.binary_join_element_wise(
+        pc.cast(pc.divide(centi, 100), pa.string()),
+        pc.utf8_lpad(pc.cast(pc.remainder(centi, 100), pa.string()), 2, "0"),
+        ".",
+    )
+    payload = pc.binary_join_element_wise(
+        '{"temperature": ', temperature, ', "humidity": 41.5, "seq": ',
+        pc.cast(offset, pa.string()), "}", "",
+    )
+    return pa.table(
+        {
+            "device_id": device_id,
+            "stream": pa.repeat("telemetry", n),
+            "offset": offset,
+            "topic": pc.binary_join_element_wise("sensors/", device_id, "/env", ""),
+            "qos": pa.repeat(pa.scalar(1, pa.int8()), n),
+            "publish_ts": pc.cast(publish_us, pa.timestamp("us", tz="UTC")),
+            "received_at": pc.cast(pc.add(publish_us, 250_000), pa.timestamp("us", tz="UTC")),
+            "payload": pc.cast(payload, pa.binary()),
+        }
+    )
+
+
+@dataclass(frozen=True)
+class IngestBenchResult:
+    """Figures of one `filemq bench ingest` run (seconds are wall-clock)."""
+
+    rows: int
+    files: int
+    duplicates: int
+    generate_seconds: float
+    copy_seconds: float
+    ingest_seconds: float
+    ratio: float
+    rows_written: int
+    duplicates_removed: int
+    passed: bool
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"bench": "ingest", **asdict(self)}
+
+
+ACCEPTANCE_RATIO = 1.5
+
+
+def run_ingest_bench(
+    work_dir: Path,
+    rows: int = 5_000_000,
+    files: int = 50,
+    dup_frac: float = 0.01,
+    master: str = "local[2]",
+) -> IngestBenchResult:
+    """Generate the landing files, time the plain copy and our ingest, compare."""
+    from spark_ingest.job import IngestConfig, build_session, run_ingest
+
+    for sub in ("landing", "copy", "table", "checkpoint"):
+        shutil.rmtree(work_dir / sub, ignore_errors=True)
+    log.warning("generating %d rows in %d landing files (%.1f%% duplicates)...",
+                rows, files, dup_frac * 100)
+    generated = generate_landing(work_dir / "landing", rows, files, dup_frac)
+    log.warning("generated in %.1fs; starting Spark (%s)", generated.seconds, master)
+    spark = build_session(master=master, app_name="filemq-bench-ingest")
+    try:
+        incoming = str(work_dir / "landing" / "incoming")
+        # Warm up the JVM (class loading, JIT of the Parquet reader) so that neither timed
+        # run pays it alone.
+        spark.read.parquet(incoming).limit(1000).collect()
+
+        started = time.monotonic()
+        spark.read.parquet(incoming).write.parquet(str(work_dir / "copy"))
+        copy_seconds = time.monotonic() - started
+        log.warning("plain copy: %.1fs", copy_seconds)
+
+        config = IngestConfig(
+            landing=work_dir / "landing",
+            table=work_dir / "table",
+            checkpoint=work_dir / "checkpoint",
+        )
+        started = time.monotonic()
+        summary = run_ingest(spark, config, once=True)
+        ingest_seconds = time.monotonic() - started
+        log.warning("ingest: %.1fs", ingest_seconds)
+        table_rows = spark.read.parquet(str(work_dir / "table")).count()
+    finally:
+        spark.stop()
+    ratio = ingest_seconds / copy_seconds if copy_seconds > 0 else float("inf")
+    correct = table_rows == generated.unique_keys == summary.rows_written
+    if not correct:
+        log.error(
+            "curated table has %d rows (summary says %d), expected %d unique keys",
+            table_rows, summary.rows_written, generated.unique_keys,
+        )
+    return IngestBenchResult(
+        rows=rows,
+        files=generated.files,
+        duplicates=generated.duplicates,
+        generate_seconds=round(generated.seconds, 3),
+        copy_seconds=round(copy_seconds, 3),
+        ingest_seconds=round(ingest_seconds, 3),
+        ratio=round(ratio, 3),
+        rows_written=summary.rows_written,
+        duplicates_removed=summary.duplicates_removed,
+        passed=correct and ratio <= ACCEPTANCE_RATIO,
+    )

@@ -798,3 +798,39 @@ def test_tail_cache_reads_like_the_log(tmp_path: Path) -> None:
     assert cache.cached_bytes <= 20_000
     assert cache.hits > 0 and cache.misses > 0
     lg.close()
+
+
+def test_qos2_resend_on_takeover_waits_for_the_first_commit(tmp_path: Path) -> None:
+    async def main() -> None:
+        h = Harness(tmp_path)
+        old = h.client()
+        old.connect("q", clean=False)
+        old.send(Publish("t", b"m", 2, packet_id=4))
+        new = h.client()  # takes over before the first copy is committed
+        new.connect("q", clean=False)
+        new.send(Publish("t", b"m", 2, dup=True, packet_id=4))
+        assert new.received() == []
+        await h.commit()
+        assert new.received() == [Pubrec(4)]
+        assert len(h.queue.log.records) == 1
+        stored = h.store.load("q")
+        assert stored is not None and stored.qos2_inbound == {4}
+    run(main())
+
+
+def test_qos2_resend_after_failed_commit_is_stored(tmp_path: Path) -> None:
+    async def main() -> None:
+        h = Harness(tmp_path)
+        c = h.client()
+        c.connect("q", clean=False)
+        c.send(Publish("t", b"m", 2, packet_id=4))
+        h.queue.fail_next = True
+        await h.commit()
+        assert c.conn.closed and c.received() == []
+        c2 = h.client()
+        c2.connect("q", clean=False)
+        c2.send(Publish("t", b"m", 2, dup=True, packet_id=4))
+        await h.commit()
+        assert c2.received() == [Pubrec(4)]
+        assert [r.payload for r in h.queue.log.records] == [b"m"]
+    run(main())

@@ -180,7 +180,6 @@ class SessionState:
         self.qos2_in: dict[int, asyncio.Future[None] | None] = {}
         # Ids loaded from disk after a restart: maybe stale (their PUBREL write was lazy).
         self.qos2_uncertain: set[int] = set()
-        self.qos2_dirty = False  # an added id must be written before its PUBREC
         self.save_due = False  # something changed that should be written lazily
         self.conn: Connection | None = None
         self._qos_cache: dict[str, list[tuple[int, int, str | None]]] = {}
@@ -223,11 +222,20 @@ class SessionState:
         self.next_pid = pid % 0xFFFF + 1
         return pid
 
+    def has_qos2_in(self, fut: asyncio.Future[None]) -> bool:
+        return any(f is fut for f in self.qos2_in.values())
+
     def stored(self) -> StoredSession:
+        """What to write; QoS 2 ids whose record is not committed yet are left out (an id on
+        disk without its record would make a re-sent PUBLISH look like a duplicate)."""
+        ids = {
+            pid for pid, f in self.qos2_in.items()
+            if f is None or (f.done() and not f.cancelled() and f.exception() is None)
+        }
         return StoredSession(
             self.client_id,
             {f: StoredSubscription(s.qos, s.start) for f, s in self.subs.items()},
-            set(self.qos2_in) | self.qos2_uncertain,
+            ids | self.qos2_uncertain,
         )
 
 
@@ -292,8 +300,7 @@ class BrokerCore:
         self._dirty: set[Connection] = set()
         self._pending: deque[tuple[Record, asyncio.Future[None]]] = deque()
         self._routed = self.log.committed_offset
-        self._batch_future: asyncio.Future[None] | None = None
-        self._batch_conns: set[Connection] = set()
+        self._batches: dict[asyncio.Future[None], set[Connection]] = {}
         self._clean_ids = 0
         self._repump: set[Connection] = set()
         self._to_pump: set[Connection] = set()
@@ -675,10 +682,17 @@ class BrokerCore:
         if qos == 2:
             pid = p.packet_id
             assert pid is not None
+            fut = state.qos2_in.get(pid)
+            if fut is not None and fut.done() and (fut.cancelled() or fut.exception() is not None):
+                del state.qos2_in[pid]  # its commit failed: nothing was stored, store this one
             if pid in state.qos2_in:
                 # Already stored, PUBREL not seen: PUBREC again, do not store twice (4.3.3).
-                fut = state.qos2_in[pid]
-                conn.queue_ack(fut if fut is not None and not fut.done() else None, _ack(_PUBREC, pid))
+                if fut is not None and not fut.done():
+                    conn.queue_ack(fut, _ack(_PUBREC, pid))
+                    if conn.last_batch is not fut:
+                        self._join_batch(conn, fut)
+                else:
+                    conn.queue_ack(None, _ack(_PUBREC, pid))
                 return
             if pid in state.qos2_uncertain:
                 state.qos2_uncertain.discard(pid)
@@ -720,10 +734,8 @@ class BrokerCore:
             conn.queue_ack(fut, encode_puback(pid), offset)
         else:
             state.qos2_in[pid] = fut
-            if state.persistent:
-                state.qos2_dirty = True
             conn.queue_ack(fut, _ack(_PUBREC, pid), offset)
-        if not conn.in_commit_batch or self._batch_future is not fut:
+        if conn.last_batch is not fut:
             self._join_batch(conn, fut)
 
     def _ack_now(self, conn: Connection, p: Publish) -> None:
@@ -744,32 +756,28 @@ class BrokerCore:
         pending.append((record, fut))
 
     def _join_batch(self, conn: Connection, fut: asyncio.Future[None]) -> None:
-        if fut is not self._batch_future:
-            for c in self._batch_conns:
-                c.in_commit_batch = False
-            self._batch_future = fut
-            conns: set[Connection] = set()
-            self._batch_conns = conns
-            fut.add_done_callback(lambda f: self._on_batch_done(conns, f))
-        self._batch_conns.add(conn)
-        conn.in_commit_batch = True
+        """Have ``conn``'s acks released when the commit ``fut`` resolves (one callback per batch)."""
+        conns = self._batches.get(fut)
+        if conns is None:
+            conns = self._batches[fut] = set()
+            fut.add_done_callback(self._on_batch_done)
+        conns.add(conn)
+        conn.last_batch = fut
 
-    def _on_batch_done(self, conns: set[Connection], fut: asyncio.Future[None]) -> None:
-        """One callback per commit batch: release the acks it covers, connection by connection."""
-        if fut is self._batch_future:
-            self._batch_future = None
-            self._batch_conns = set()
+    def _on_batch_done(self, fut: asyncio.Future[None]) -> None:
+        """Release the acks a commit batch covers, connection by connection."""
+        conns = self._batches.pop(fut, ())
         ok = not fut.cancelled() and fut.exception() is None
         for conn in conns:
-            conn.in_commit_batch = False
-            if conn.closed:
-                continue
+            if conn.last_batch is fut:
+                conn.last_batch = None
             state = conn.session
-            if ok and state is not None and state.qos2_dirty:
-                # The record is durable; the id must be too before PUBREC goes out.
-                state.qos2_dirty = False
+            if ok and state is not None and state.persistent and state.has_qos2_in(fut):
+                # The record is durable; its id must be too before the PUBREC goes out (also
+                # when this connection was taken over meanwhile: the session is the same).
                 self._save_session(state)
-            conn.ack_ready()
+            if not conn.closed:
+                conn.ack_ready()
         self.flush()
 
     def _save_session(self, state: SessionState) -> None:
@@ -1022,8 +1030,7 @@ class BrokerCore:
                 if sh.group.release(cid):
                     self.pump_share(sh)
             if state.persistent:
-                if state.save_due or state.qos2_dirty:
-                    state.qos2_dirty = False
+                if state.save_due:
                     self._save_session(state)
             elif state.group is not None:
                 self._drop_group(state.group.name)
@@ -1063,8 +1070,7 @@ class BrokerCore:
     def save_sessions(self) -> None:
         """Write every persistent session with unwritten changes (shutdown, periodic)."""
         for state in self.sessions.values():
-            if state.save_due or state.qos2_dirty:
-                state.qos2_dirty = False
+            if state.save_due:
                 self._save_session(state)
 
     def close_all(self, reason: str) -> None:

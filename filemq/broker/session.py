@@ -71,7 +71,7 @@ class Connection:
     __slots__ = (
         "core", "peer", "transport", "decoder", "state", "out", "client_id", "username",
         "keepalive", "last_rx", "will", "session", "acl", "pending_acks", "closed",
-        "close_reason", "publish_will", "paused", "backlog", "max_inflight", "in_commit_batch",
+        "close_reason", "publish_will", "paused", "backlog", "max_inflight", "last_batch",
         "connected_at",
     )
 
@@ -107,7 +107,7 @@ class Connection:
         self.paused = False  # the transport's buffer is full: do not push deliveries
         self.backlog: list[object] = []  # packets decoded while authenticating
         self.max_inflight = max_inflight
-        self.in_commit_batch = False
+        self.last_batch: asyncio.Future[None] | None = None  # the commit batch it last joined
 
     def __repr__(self) -> str:
         return f"Connection({self.client_id!r}, peer={self.peer}, state={self.state})"

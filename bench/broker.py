@@ -520,20 +520,45 @@ def _describe_key(key: bytes) -> str:
     return f"round {round_no} publisher {pub_no} seq {seq}"
 
 
-class _Kill9Subscriber:
-    """The persistent subscriber: reconnects for ever, acks everything, counts deliveries."""
+class _Ledger:
+    """Which message keys were PUBACKed and which delivered; ``unseen`` (acked, not yet
+    delivered) is kept up to date per event, so checking a drain costs O(1), not O(acked)."""
 
-    def __init__(self, host: str, port_of: Callable[[], int], client_id: str, topic_filter: str) -> None:
+    def __init__(self) -> None:
+        self.acked: set[bytes] = set()
+        self.seen: dict[bytes, int] = {}
+        self.unseen: set[bytes] = set()
+        self.duplicates = 0
+        self.last_delivery = time.monotonic()
+
+    def ack(self, key: bytes) -> None:
+        self.acked.add(key)
+        if key not in self.seen:
+            self.unseen.add(key)
+
+    def deliver(self, key: bytes) -> None:
+        count = self.seen.get(key, 0)
+        if count:
+            self.duplicates += 1
+        else:
+            self.unseen.discard(key)
+        self.seen[key] = count + 1
+        self.last_delivery = time.monotonic()
+
+
+class _Kill9Subscriber:
+    """The persistent subscriber: reconnects for ever, acks everything, records deliveries."""
+
+    def __init__(self, host: str, port_of: Callable[[], int], client_id: str, topic_filter: str,
+                 ledger: _Ledger) -> None:
         self.host = host
         self.port_of = port_of
         self.client_id = client_id
         self.filter = topic_filter
-        self.seen: dict[bytes, int] = {}
-        self.duplicates = 0
+        self.ledger = ledger
         self.sessions_lost = 0
         self.connects = 0
         self.connected = asyncio.Event()
-        self.last_delivery = time.monotonic()
         self._stop = False
 
     async def run(self) -> None:
@@ -554,6 +579,7 @@ class _Kill9Subscriber:
             writer.write(encode(Connect(client_id=self.client_id, clean_session=False, keepalive=600)))
             decoder = Decoder(max_packet_size=1 << 24, server=False)
             first = self.connects == 0
+            deliver = self.ledger.deliver
             while not self._stop:
                 data = await reader.read(1 << 16)
                 if not data:
@@ -574,12 +600,7 @@ class _Kill9Subscriber:
                     elif isinstance(p, Suback):
                         self.connected.set()
                     elif isinstance(p, Publish):
-                        key = p.payload[: _KEY.size]
-                        count = self.seen.get(key, 0)
-                        if count:
-                            self.duplicates += 1
-                        self.seen[key] = count + 1
-                        self.last_delivery = time.monotonic()
+                        deliver(p.payload[: _KEY.size])
                         if p.packet_id is not None:
                             acks.append(encode_puback(p.packet_id))
                 if acks:
@@ -591,8 +612,8 @@ class _Kill9Subscriber:
 
 
 async def _kill9_publisher(host: str, port: int, round_no: int, pub_no: int, inflight: int, size: int,
-                           acked: set[bytes]) -> None:
-    """Publish QoS 1 flat out until the connection dies; add every PUBACKed key to ``acked``."""
+                           ledger: _Ledger) -> None:
+    """Publish QoS 1 flat out until the connection dies; record every PUBACKed key in ``ledger``."""
     try:
         reader, writer = await asyncio.open_connection(host, port)
     except OSError:
@@ -627,7 +648,7 @@ async def _kill9_publisher(host: str, port: int, round_no: int, pub_no: int, inf
                 elif isinstance(p, Puback):
                     key = outstanding.pop(p.packet_id, b"")
                     if key:
-                        acked.add(key)
+                        ledger.ack(key)
     except (OSError, ProtocolError, ConnectionError):
         return
     finally:
@@ -658,23 +679,24 @@ async def _kill9(rounds: int, data_dir: Path, say: Progress, broker_name: str, p
     port = free_port()
     result = Kill9Result(broker_name, rounds)
 
-    def start(wait: bool = True) -> BrokerProcess:
+    def start() -> BrokerProcess:
         if broker_name == "filemq":
-            return start_filemq(data_dir / "data", port, fsync=fsync, log_path=data_dir / "broker.log", wait=wait)
+            return start_filemq(data_dir / "data", port, fsync=fsync, log_path=data_dir / "broker.log")
         if broker_name == "mosquitto":
             return start_mosquitto(data_dir, port)
         raise ValueError(f"kill9 runs against filemq or mosquitto, not {broker_name!r}")
 
     started = time.monotonic()
     proc = await asyncio.to_thread(start)
-    sub = _Kill9Subscriber(LOOPBACK, lambda: port, "kill9-subscriber", "kill9/#")
+    ledger = _Ledger()
+    acked = ledger.acked
+    sub = _Kill9Subscriber(LOOPBACK, lambda: port, "kill9-subscriber", "kill9/#", ledger)
     sub_task = asyncio.create_task(sub.run())
-    acked: set[bytes] = set()
     try:
         await asyncio.wait_for(sub.connected.wait(), 30)
         for round_no in range(rounds):
             before = len(acked)
-            tasks = [asyncio.create_task(_kill9_publisher(LOOPBACK, port, round_no, i, inflight, size, acked))
+            tasks = [asyncio.create_task(_kill9_publisher(LOOPBACK, port, round_no, i, inflight, size, ledger))
                      for i in range(publishers)]
             t_load = time.monotonic()
             await asyncio.sleep(rng.uniform(*load_seconds))
@@ -685,15 +707,12 @@ async def _kill9(rounds: int, data_dir: Path, say: Progress, broker_name: str, p
             proc = await asyncio.to_thread(start)
             t_drain = time.monotonic()
             # Drain: everything acked so far must arrive; stop waiting after a quiet spell.
-            missing = len(acked)
-            sub.last_delivery = time.monotonic()
-            while True:
-                missing = sum(1 for k in acked if k not in sub.seen)
-                if not missing or time.monotonic() - sub.last_delivery > quiet_seconds:
-                    break
+            ledger.last_delivery = time.monotonic()
+            while ledger.unseen and time.monotonic() - ledger.last_delivery <= quiet_seconds:
                 await asyncio.sleep(0.01)
+            missing = len(ledger.unseen)
             say(f"  {broker_name} round {round_no + 1}/{rounds}: {len(acked):,} acked so far, "
-                f"{len(sub.seen):,} delivered, {sub.duplicates:,} duplicates, {missing:,} missing "
+                f"{len(ledger.seen):,} delivered, {ledger.duplicates:,} duplicates, {missing:,} missing "
                 f"(load {t_restart - t_load:.2f} s, restart {t_drain - t_restart:.2f} s, "
                 f"drain {time.monotonic() - t_drain:.2f} s)")
     finally:
@@ -702,15 +721,15 @@ async def _kill9(rounds: int, data_dir: Path, say: Progress, broker_name: str, p
         with contextlib.suppress(asyncio.CancelledError, Exception):
             await sub_task
         result.final_exit_code = await asyncio.to_thread(proc.stop)
-    lost = [k for k in acked if k not in sub.seen]
+    lost = sorted(ledger.unseen)
     result.acked = len(acked)
-    result.delivered = len(sub.seen)
-    result.duplicates = sub.duplicates
+    result.delivered = len(ledger.seen)
+    result.duplicates = ledger.duplicates
     result.lost = len(lost)
-    result.delivered_unacked = sum(1 for k in sub.seen if k not in acked)
+    result.delivered_unacked = sum(1 for k in ledger.seen if k not in acked)
     result.sessions_lost = sub.sessions_lost
     result.seconds = time.monotonic() - started
-    result.lost_examples = [_describe_key(k) for k in sorted(lost)[:5]]
+    result.lost_examples = [_describe_key(k) for k in lost[:5]]
     return result
 
 

@@ -283,6 +283,7 @@ class BrokerCore:
         # False while the retained store is being rebuilt in the background (big logs):
         # retained records are buffered and SUBSCRIBEs wait for their retained messages.
         self.retained_ready = True
+        self.retained_changes = 0  # retained records routed so far (snapshot trigger)
         self._retained_buffer: list[Record] = []
         self._retained_waiting: list[tuple[Connection, SessionState, Subscription]] = []
         self.stats = stats
@@ -842,6 +843,7 @@ class BrokerCore:
         for r in records:
             cache_put(r)
             if r.retain:
+                self.retained_changes += 1
                 if ready:
                     retained.apply(r)
                 else:

@@ -43,7 +43,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("filemq.broker")
 
-RETAINED_SNAPSHOT_INTERVAL_S = 5.0
+RETAINED_SNAPSHOT_INTERVAL_S = 5.0  # at most this often, when retained messages changed
+RETAINED_IDLE_SNAPSHOT_S = 60.0  # otherwise, to keep the replay at start short
 WRITE_BUFFER_HIGH = 256 * 1024
 
 
@@ -281,6 +282,8 @@ class Broker:
         last_fsyncs = queue.log.stats.fsyncs
         last_fsync_s = queue.log.stats.fsync_seconds_total
         retained_covered = self.retained.covered_offset
+        retained_changes = -1
+        last_snapshot = time.monotonic()
         while True:
             await asyncio.sleep(1.0)
             try:
@@ -299,10 +302,15 @@ class Broker:
                 if now >= next_snapshot and core.retained_ready:
                     next_snapshot = now + RETAINED_SNAPSHOT_INTERVAL_S
                     routed = core.routed_offset
-                    if routed > retained_covered:
+                    # Snapshot when retained messages changed (so a restart replays little),
+                    # else only now and then: each snapshot costs fsyncs next to the log's.
+                    changed = core.retained_changes != retained_changes
+                    stale = now - last_snapshot >= RETAINED_IDLE_SNAPSHOT_S
+                    if routed > retained_covered and (changed or stale):
+                        retained_changes = core.retained_changes
                         self.retained.advance(routed)
                         await asyncio.to_thread(self.retained.snapshot)
-                        retained_covered = routed
+                        retained_covered, last_snapshot = routed, now
                     core.save_sessions()
             except asyncio.CancelledError:
                 raise

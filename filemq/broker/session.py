@@ -172,7 +172,7 @@ class Connection:
                     self.send(PINGRESP)
                 elif type(packet) is Disconnect:
                     self._require_connected("DISCONNECT")
-                    self.close("client sent DISCONNECT", will=False, level=logging.DEBUG)
+                    self.close("client sent DISCONNECT", will=False, level=logging.INFO)
                     return
                 else:  # pragma: no cover - the server-side decoder yields only the types above
                     raise ProtocolError(f"unexpected packet {type(packet).__name__}")

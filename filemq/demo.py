@@ -400,6 +400,10 @@ class _Sensors:
             self._tasks.append(asyncio.create_task(self._run(i, client), name=f"demo-sensor-{i}"))
 
     @property
+    def stopped(self) -> bool:
+        return self._stop.is_set()
+
+    @property
     def in_flight(self) -> int:
         return len(self._pending)
 
@@ -500,7 +504,7 @@ class _Demo:
     def _status(self, detail: str = "") -> None:
         elapsed = time.monotonic() - self.phase_started
         parts = [f"[{self.current_phase} {elapsed:4.1f}s]"]
-        if self.sensors is not None:
+        if self.sensors is not None and not self.sensors.stopped:
             s = self.sensors
             parts.append(f"published {s.published:,} acked {len(s.acked):,} in flight {s.in_flight:,}")
         if detail:

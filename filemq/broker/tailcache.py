@@ -14,6 +14,7 @@ offsets the log reuses) can never leave a stale record here.
 
 from __future__ import annotations
 
+from collections import deque
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -28,6 +29,7 @@ class TailCache:
     def __init__(self, log: Log, *, max_bytes: int = 4 << 20, read_ahead: int = 256) -> None:
         self._log = log
         self._records: dict[int, Record] = {}
+        self._order: deque[int] = deque()  # insertion order, for FIFO eviction
         self._bytes = 0
         self.max_bytes = max_bytes
         self.read_ahead = read_ahead
@@ -59,23 +61,25 @@ class TailCache:
         if record.offset in records:
             return
         records[record.offset] = record
+        self._order.append(record.offset)
         self._bytes += len(record.payload) + len(record.topic) + _OVERHEAD
         if self._bytes > self.max_bytes:
             self._evict()
 
     def _evict(self) -> None:
         records = self._records
-        target = self.max_bytes * 3 // 4  # evict in chunks, not one entry per put
-        it = iter(list(records))
-        while self._bytes > target:
-            offset = next(it, None)
-            if offset is None:
-                break
-            r = records.pop(offset)
-            self._bytes -= len(r.payload) + len(r.topic) + _OVERHEAD
+        order = self._order
+        # Evict down to 7/8 so a put does not evict one entry each time, but in chunks small
+        # enough not to stall the event loop (O(evicted), never a copy of the whole cache).
+        target = self.max_bytes - self.max_bytes // 8
+        while self._bytes > target and order:
+            r = records.pop(order.popleft(), None)
+            if r is not None:
+                self._bytes -= len(r.payload) + len(r.topic) + _OVERHEAD
 
     def clear(self) -> None:
         self._records.clear()
+        self._order.clear()
         self._bytes = 0
 
     def read(self, offset: int, max_records: int = 1000, max_bytes: int = 1 << 20) -> list[Record]:

@@ -365,6 +365,28 @@ def status(directory: str, as_json: bool) -> None:
             click.echo(line)
 
 
+@bench.command("forward")
+@click.option("--records", type=click.IntRange(min=1000), default=1_000_000, show_default=True,
+              help="Backlog size for the drain (and records sent by the simulated devices).")
+@click.option("--size", type=click.IntRange(min=16), default=100, show_default=True, help="Payload bytes.")
+@click.option("--devices", type=click.IntRange(min=2), default=100, show_default=True,
+              help="Simulated devices (MQTT connections) feeding one collector.")
+@click.option("--ingest-records", type=click.IntRange(min=1000), default=200_000, show_default=True,
+              help="Messages for the broker's durable ingest rate.")
+@click.option("--skip-bridge", is_flag=True, help="Do not run the Mosquitto bridge baseline.")
+@click.option("--work-dir", type=click.Path(file_okay=False), default=None, help="Where to put the data (default: a temp dir).")
+@click.option("--keep", is_flag=True, help="Keep the work directory.")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per line on stdout.")
+def bench_forward(records: int, size: int, devices: int, ingest_records: int, skip_bridge: bool,
+                  work_dir: str | None, keep: bool, as_json: bool) -> None:
+    """Backlog drain agent -> collector -> Parquet vs a Mosquitto bridge; 100 devices -> one
+    collector; drain rate vs the broker's durable ingest rate."""
+    from bench.forward import run_forward_bench
+
+    run_forward_bench(records=records, size=size, devices=devices, work_dir=work_dir, keep=keep,
+                      as_json=as_json, skip_bridge=skip_bridge, ingest_records=ingest_records)
+
+
 @bench.command("consume")
 @click.option("--data-dir", type=click.Path(file_okay=False), default=None,
               help="Where to put the log (a temporary directory if omitted).")

@@ -1,0 +1,429 @@
+"""``filemq bench forward``: store-and-forward throughput, with its baselines in the same run.
+
+(a) Backlog drain. N records are put in the agent's log while no collector runs; then the
+    collector starts and the clock runs until the lander has landed all N rows in Parquet
+    (agent -> collector -> WAL -> landed file, both as real ``filemq`` processes). Baseline in
+    the same run: a Mosquitto -> Mosquitto bridge draining the same backlog: the local broker
+    (``max_queued_messages 0``) queues N QoS 1 messages for a persistent bridge
+    (``cleansession false``) while the remote is down; then the remote starts and the clock
+    runs until a subscriber there has all N.
+(b) Many devices. ``--devices`` MQTT connections (from two load processes) publish batches
+    made with :func:`filemq.batch.encode_batch` to one collector; the clock runs until every
+    row is landed.
+(c) The broker's durable ingest rate (QoS 1, fsync always, 4 publishers x 100 in flight)
+    measured in the same run, to show a backlog shrinks while devices keep publishing.
+
+Progress goes to stderr; ``--json`` prints one JSON object per line on stdout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import multiprocessing
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+MOSQUITTO = "/usr/sbin/mosquitto"
+MOSQUITTO_PUB = "mosquitto_pub"
+MOSQUITTO_SUB = "mosquitto_sub"
+
+
+@dataclass
+class Result:
+    """One measured scenario."""
+
+    name: str
+    records: int
+    seconds: float
+    rate: float
+    note: str = ""
+
+
+def _say(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def _filemq(*args: str, log_path: Path) -> subprocess.Popen[bytes]:
+    """A ``filemq`` subprocess; waits for its first stdout line (it is listening)."""
+    err = open(log_path, "ab")  # noqa: SIM115 - owned by the child for its lifetime
+    proc = subprocess.Popen([sys.executable, "-m", "cli", *args], stdout=subprocess.PIPE, stderr=err)
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    if not line:
+        proc.wait(10)
+        raise RuntimeError(f"filemq {args[0]} did not start (exit {proc.returncode}); see {log_path}")
+    return proc
+
+
+def _stop(proc: subprocess.Popen[bytes], timeout: float = 30) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+
+
+class LandedCounter:
+    """Counts rows in ``<landing>/incoming`` by reading each new file's Parquet footer once."""
+
+    def __init__(self, landing: Path) -> None:
+        self.incoming = landing / "incoming"
+        self.seen: dict[Path, int] = {}
+
+    def count(self) -> int:
+        import pyarrow.parquet as pq
+
+        if self.incoming.is_dir():
+            for path in self.incoming.rglob("*.parquet"):
+                if path not in self.seen:
+                    self.seen[path] = pq.ParquetFile(path).metadata.num_rows
+        return sum(self.seen.values())
+
+    def wait_for(self, total: int, timeout: float, progress: Callable[[int], None] | None = None) -> float:
+        """Seconds until ``total`` rows are landed (raises TimeoutError after ``timeout``)."""
+        start = time.monotonic()
+        last_report = start
+        while True:
+            n = self.count()
+            now = time.monotonic()
+            if n >= total:
+                return now - start
+            if now - start > timeout:
+                raise TimeoutError(f"only {n} of {total} rows landed after {timeout:.0f} s")
+            if progress is not None and now - last_report >= 2:
+                progress(n)
+                last_report = now
+            time.sleep(0.05)
+
+
+# -- (a) backlog drain ---------------------------------------------------------------------------
+
+
+def fill_agent_log(data_dir: Path, records: int, size: int) -> None:
+    """Append ``records`` records of ``size`` bytes to the agent's log (as the broker would)."""
+    from filemq.queue import Queue, QueueConfig
+    from segments import LogConfig
+
+    queue = Queue.open(data_dir, QueueConfig(log=LogConfig(fsync="never")))
+    log_ = queue.log
+    payload_base = os.urandom(size)
+    ts = time.time_ns() // 1000
+    for i in range(records):
+        log_.append(f"sensors/s{i % 16}", payload_base[: size - 8] + i.to_bytes(8, "big"), qos=1, timestamp_us=ts + i)
+        if i % 50_000 == 49_999:
+            log_.flush()
+    log_.sync()
+    log_.close()
+
+
+def run_drain(work: Path, records: int, size: int, timeout: float) -> Result:
+    agent_dir, collector_dir, landing = work / "agent", work / "collector", work / "landing"
+    _say(f"[drain] filling the agent log with {records:,} records of {size} bytes")
+    fill_agent_log(agent_dir, records, size)
+    cport, aport = free_port(), free_port()
+    config = work / "agent.toml"
+    config.write_text("[agent]\nbackoff_initial_ms = 100\nbackoff_max_ms = 1000\n[broker]\nsys_interval_s = 0\n")
+    agent = _filemq("agent", "--config", str(config), "--data-dir", str(agent_dir), "--device-id", "bench-1",
+                    "--collector", f"127.0.0.1:{cport}", "--port", str(aport), log_path=work / "agent.log")
+    try:
+        time.sleep(1.0)  # the agent is up and backing off: the collector is down
+        _say("[drain] starting the collector; timing until every row is landed")
+        start = time.monotonic()
+        collector = _filemq("collector", "--data-dir", str(collector_dir), "--landing", str(landing),
+                            "--port", str(cport), "--collector-id", "bench", "--roll-seconds", "1",
+                            log_path=work / "collector.log")
+        try:
+            LandedCounter(landing).wait_for(
+                records, timeout, lambda n: _say(f"[drain]   {n:,} rows landed")
+            )
+            seconds = time.monotonic() - start
+        finally:
+            _stop(collector)
+    finally:
+        _stop(agent)
+    return Result("filemq_drain", records, seconds, records / seconds,
+                  "agent -> collector -> landed Parquet, from collector start")
+
+
+def _mosquitto_conf(path: Path, port: int, extra: str = "") -> Path:
+    path.write_text(
+        f"listener {port} 127.0.0.1\nallow_anonymous true\nmax_queued_messages 0\nmax_queued_bytes 0\n"
+        f"persistence false\n{extra}"
+    )
+    return path
+
+
+def run_bridge(work: Path, records: int, size: int, timeout: float, bridge_timeout: float = 120) -> Result:
+    """Mosquitto -> Mosquitto bridge draining a backlog of ``records`` QoS 1 messages.
+
+    Mosquitto slows down as its per-client queue grows, so the drain is time-boxed to
+    ``bridge_timeout`` seconds; if it has not finished by then its rate is what it achieved
+    (messages received / seconds since the first one), and the note says so.
+    """
+    work.mkdir(parents=True, exist_ok=True)
+    # Started as root, mosquitto drops to its own user: it must reach and write its store.
+    os.chmod(work.parent, 0o755)
+    os.chmod(work, 0o777)
+    local_port, remote_port = free_port(), free_port()
+    remote_conf = _mosquitto_conf(
+        work / "remote.conf", remote_port,
+        f"persistence true\npersistence_location {work}/\nautosave_interval 0\n",
+    )
+    bridge = (
+        f"connection bench-bridge\naddress 127.0.0.1:{remote_port}\ntopic sensors/# out 1\n"
+        "cleansession false\nrestart_timeout 1\nbridge_protocol_version mqttv311\n"
+    )
+    local_conf = _mosquitto_conf(work / "local.conf", local_port, bridge)
+    devnull = subprocess.DEVNULL
+
+    def mosq(conf: Path) -> subprocess.Popen[bytes]:
+        proc = subprocess.Popen([MOSQUITTO, "-c", str(conf)], stdout=devnull, stderr=devnull)
+        time.sleep(0.3)
+        if proc.poll() is not None:
+            raise RuntimeError(f"mosquitto with {conf} exited with {proc.returncode}")
+        return proc
+
+    # A persistent subscriber session on the remote, saved in its store, so messages the
+    # bridge delivers are kept for it even before it reconnects.
+    remote = mosq(remote_conf)
+    subprocess.run([MOSQUITTO_SUB, "-p", str(remote_port), "-q", "1", "-c", "-i", "bench-sub", "-t", "sensors/#",
+                    "-W", "1"], stdout=devnull, stderr=devnull, check=False)
+    _stop(remote)
+    local = mosq(local_conf)
+    try:
+        lines = work / "messages.txt"
+        body = "x" * max(0, size - 12)
+        with open(lines, "w") as f:
+            for i in range(records):
+                f.write(f"{body}{i:012d}\n")
+        _say(f"[bridge] queueing {records:,} QoS 1 messages in the local mosquitto (remote down)")
+        with open(lines, "rb") as stdin:
+            subprocess.run([MOSQUITTO_PUB, "-p", str(local_port), "-q", "1", "-t", "sensors/s", "-l"],
+                           stdin=stdin, stdout=devnull, stderr=devnull, check=True, timeout=timeout)
+        _say("[bridge] starting the remote mosquitto; timing until the subscriber has every message")
+        start = time.monotonic()
+        remote = mosq(remote_conf)
+        try:
+            sub = subprocess.Popen(
+                [MOSQUITTO_SUB, "-p", str(remote_port), "-q", "1", "-c", "-i", "bench-sub", "-t", "sensors/#",
+                 "-C", str(records), "-W", str(int(bridge_timeout))],
+                stdout=subprocess.PIPE, stderr=devnull,
+            )
+            assert sub.stdout is not None
+            first: float | None = None
+            received = 0
+            for _ in sub.stdout:
+                if first is None:
+                    first = time.monotonic()
+                received += 1
+            sub.wait(30)
+            seconds = time.monotonic() - start
+            if first is None:
+                raise RuntimeError("mosquitto_sub received nothing from the bridge")
+            from_first = time.monotonic() - first
+        finally:
+            _stop(remote)
+    finally:
+        _stop(local)
+    _say(f"[bridge] {received:,} of {records:,} messages; {seconds:.2f} s from the remote's start,"
+         f" {from_first:.2f} s from the first message (the baseline uses the latter: mosquitto's"
+         " bridge reconnect delay is not counted)")
+    note = "local -> bridge -> remote -> subscriber, from the first message received"
+    if received < records:
+        note += f"; TIMED OUT after {bridge_timeout:.0f} s with {received} of {records} received"
+    return Result("mosquitto_bridge_drain", received, from_first, received / from_first, note)
+
+
+# -- (b) many devices ------------------------------------------------------------------------------
+
+
+def _device_load(port: int, devices: range, batches: int, batch_records: int, size: int,
+                 window: int, ready: Any, go: Any, done: Any) -> None:
+    """One load process: a connection per device, each sending its pre-encoded batches."""
+    from filemq.batch import BatchRecord, encode_batch
+    from filemq.mqtt.client import MQTTClient
+
+    payload = os.urandom(size)
+    now = time.time_ns() // 1000
+    prepared: dict[int, list[bytes]] = {}
+    for d in devices:
+        prepared[d] = [
+            encode_batch(f"dev-{d}", "main", [BatchRecord(b * batch_records + i, now + i, f"sensors/s{i % 8}",
+                                                          payload, 1) for i in range(batch_records)])
+            for b in range(batches)
+        ]
+
+    async def device(d: int, client: MQTTClient) -> None:
+        futures = [client.publish_nowait(f"filemq/v1/dev-{d}/main", p, qos=1) for p in prepared[d]]
+        await asyncio.gather(*futures)
+        await client.disconnect()
+
+    async def main() -> None:
+        clients = {d: MQTTClient(f"dev-{d}", port=port, max_inflight=window, keepalive=120) for d in devices}
+        await asyncio.gather(*(c.connect(timeout=30) for c in clients.values()))
+        ready.set()
+        await asyncio.get_running_loop().run_in_executor(None, go.wait)
+        await asyncio.gather(*(device(d, c) for d, c in clients.items()))
+
+    asyncio.run(main())
+    done.set()
+
+
+def run_devices(work: Path, devices: int, records: int, size: int, timeout: float) -> Result:
+    landing, data = work / "landing", work / "collector"
+    batch_records = 1000
+    per_device = max(1, records // devices // batch_records)
+    total = per_device * batch_records * devices
+    port = free_port()
+    collector = _filemq("collector", "--data-dir", str(data), "--landing", str(landing), "--port", str(port),
+                        "--collector-id", "bench", "--roll-seconds", "1", log_path=work / "collector.log")
+    ctx = multiprocessing.get_context("spawn")
+    go = ctx.Event()
+    procs = []
+    try:
+        halves = [range(0, devices // 2), range(devices // 2, devices)]
+        waits = []
+        for part in halves:
+            ready, done = ctx.Event(), ctx.Event()
+            p = ctx.Process(target=_device_load, args=(port, part, per_device, batch_records, size, 4, ready, go, done))
+            p.start()
+            procs.append(p)
+            waits.append(ready)
+        _say(f"[devices] preparing {devices} devices x {per_device} batches of {batch_records} records")
+        for ready in waits:
+            if not ready.wait(timeout):
+                raise TimeoutError("load processes did not get ready")
+        _say(f"[devices] {devices} connections up; sending {total:,} records")
+        start = time.monotonic()
+        go.set()
+        LandedCounter(landing).wait_for(total, timeout, lambda n: _say(f"[devices]   {n:,} rows landed"))
+        seconds = time.monotonic() - start
+    finally:
+        go.set()
+        for p in procs:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+        _stop(collector)
+    return Result("collector_devices", total, seconds, total / seconds,
+                  f"{devices} devices, batches of {batch_records}, window 4, landed Parquet")
+
+
+# -- (c) the broker's durable ingest rate --------------------------------------------------------
+
+
+def _ingest_load(port: int, publishers: int, inflight: int, count: int, size: int, out: Any) -> None:
+    from filemq.mqtt.client import MQTTClient
+
+    payload = os.urandom(size)
+
+    async def one(i: int, n: int) -> None:
+        client = MQTTClient(f"ingest-{i}", port=port, max_inflight=inflight)
+        await client.connect()
+        futures = [client.publish_nowait(f"sensors/s{i}", payload, qos=1) for _ in range(n)]
+        await asyncio.gather(*futures)
+        await client.disconnect()
+
+    async def main() -> float:
+        start = time.monotonic()
+        await asyncio.gather(*(one(i, count // publishers) for i in range(publishers)))
+        return time.monotonic() - start
+
+    out.put(asyncio.run(main()))
+
+
+def run_ingest(work: Path, records: int, size: int, timeout: float) -> Result:
+    port = free_port()
+    broker = _filemq("broker", "--data-dir", str(work / "broker"), "--port", str(port), "--fsync", "always",
+                     log_path=work / "broker.log")
+    ctx = multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    try:
+        publishers, inflight = 4, 100
+        count = records - records % publishers
+        _say(f"[ingest] {publishers} publishers x {inflight} in flight, {count:,} QoS 1 messages, fsync always")
+        p = ctx.Process(target=_ingest_load, args=(port, publishers, inflight, count, size, out))
+        p.start()
+        seconds = float(out.get(timeout=timeout))
+        p.join(30)
+    finally:
+        _stop(broker)
+    return Result("broker_durable_ingest", count, seconds, count / seconds,
+                  "filemq broker, QoS 1, fsync=always, 4 x 100 in flight")
+
+
+# -- the command ---------------------------------------------------------------------------------
+
+
+def run_forward_bench(
+    *, records: int, size: int, devices: int, work_dir: str | None, keep: bool, as_json: bool,
+    skip_bridge: bool = False, ingest_records: int = 200_000, timeout: float = 900,
+) -> dict[str, Any]:
+    """Run (a), (b), (c) and print the rates and ratios; returns the summary."""
+    base = Path(work_dir) if work_dir else Path(tempfile.mkdtemp(prefix="filemq-bench-forward-"))
+    base.mkdir(parents=True, exist_ok=True)
+    results: dict[str, Result] = {}
+
+    def emit(result: Result) -> None:
+        results[result.name] = result
+        _say(f"{result.name}: {result.records:,} records in {result.seconds:.2f} s = {result.rate:,.0f} records/s"
+             f" ({result.note})")
+        if as_json:
+            print(json.dumps(asdict(result)), flush=True)
+
+    try:
+        emit(run_drain(base / "drain", records, size, timeout))
+        if skip_bridge or shutil.which(MOSQUITTO_SUB) is None or not os.path.exists(MOSQUITTO):
+            _say("[bridge] skipped: mosquitto or mosquitto_sub not installed (apt-get install mosquitto"
+                 " mosquitto-clients)" if not skip_bridge else "[bridge] skipped (--skip-bridge)")
+        else:
+            emit(run_bridge(base / "bridge", records, size, timeout))
+        emit(run_devices(base / "devices", devices, records, size, timeout))
+        emit(run_ingest(base / "ingest", ingest_records, size, timeout))
+    finally:
+        if not keep:
+            shutil.rmtree(base, ignore_errors=True)
+    drain = results["filemq_drain"].rate
+    summary: dict[str, Any] = {
+        "name": "summary",
+        "drain_records_per_s": round(drain),
+        "devices_records_per_s": round(results["collector_devices"].rate),
+        "ingest_records_per_s": round(results["broker_durable_ingest"].rate),
+        "drain_vs_ingest": round(drain / results["broker_durable_ingest"].rate, 2),
+    }
+    if "mosquitto_bridge_drain" in results:
+        summary["bridge_records_per_s"] = round(results["mosquitto_bridge_drain"].rate)
+        summary["drain_vs_bridge"] = round(drain / results["mosquitto_bridge_drain"].rate, 2)
+    _say(
+        f"drain {drain:,.0f}/s (target >= 100,000/s)"
+        + (f", {summary['drain_vs_bridge']}x the mosquitto bridge (target >= 1x)" if "drain_vs_bridge" in summary else "")
+        + f"; {summary['devices_records_per_s']:,}/s from {devices} devices (target >= 150,000/s);"
+        f" drain/ingest {summary['drain_vs_ingest']}x (target >= 1.5x)"
+    )
+    if as_json:
+        print(json.dumps(summary), flush=True)
+    return summary

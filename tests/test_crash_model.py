@@ -39,7 +39,7 @@ from filemq.topics import topic_matches
 from segments import GroupCommitter, Log, LogConfig, Record
 from segments.fileio import DiskFull
 from segments.record import HEADER_SIZE, LENGTH
-from tests.faults import FaultyFileIO, PowerCut
+from tests.faults import FaultyFileIO, PowerCut, default_flip_filter
 
 PROFILES = {
     # < 60 s on a busy 2-core machine.
@@ -103,6 +103,11 @@ def aim_at_headers(path: str, image: bytes, rng: random.Random) -> int:
     return rng.randrange(len(image))
 
 
+def flip_targets(path: str) -> bool:
+    """Segments, their indexes and seals (damage there must cost no record), offset files."""
+    return default_flip_filter(path) or path.endswith((".index", ".seal"))
+
+
 def matches(topic: str) -> bool:
     return any(topic_matches(f, topic) for f in FILTERS)
 
@@ -120,7 +125,7 @@ class CrashModel(RuleBasedStateMachine):
         self.durable_end = 0  # every offset below is acknowledged
         self.committed_end = 0  # readable in the running process
         self.first = 0  # log.first_offset
-        self.corrupt_allowed = 0  # records a bit flip may have cost
+        self.missing: set[int] = set()  # offsets lost to bit flips (unreadable, counted as corrupt)
         # Group model.
         self.acked: set[int] = set()
         self.in_flight: dict[int, bool] = {}  # offset -> handed out now (False: nacked, waiting)
@@ -251,11 +256,7 @@ class CrashModel(RuleBasedStateMachine):
     def read(self, offset: int, max_records: int) -> None:
         assert self.log is not None
         records = self.log.read(offset, max_records)
-        expected = list(range(max(offset, self.first), self.committed_end))
-        if self.corrupt_allowed == 0:
-            self._check_records(records, expected[:max_records], exact=True)
-        else:
-            self._check_records(records, expected, exact=False, complete=len(records) < max_records)
+        self._check_records(records, self._readable(max(offset, self.first), self.committed_end)[:max_records])
 
     @rule()
     def retention(self) -> None:
@@ -265,9 +266,10 @@ class CrashModel(RuleBasedStateMachine):
         report = self.log.enforce_retention(min_needed_offset=needed)
         self.first = self.log.first_offset
         assert report.first_offset == self.first >= before
-        if self.first > needed:
+        if self.first > max(needed, before):  # this call deleted offsets the group still needs
             assert report.dropped_needed == self.first - max(needed, before)
             assert report.dropped_range == (max(needed, before), self.first)
+            assert self.config.retention_bytes is not None and self.log.size_bytes() <= self.config.retention_bytes + self.config.segment_bytes
         else:
             assert report.dropped_needed == 0
         if self.config.retention_bytes is None:
@@ -285,12 +287,11 @@ class CrashModel(RuleBasedStateMachine):
         assert redelivered == waiting[: len(redelivered)], "redeliveries first, lowest offset first"
         new = got[len(redelivered):]
         expected = [
-            o for o in range(self.next_new, self.committed_end)
-            if o >= self.first and matches(self.entries[o].topic)
+            o for o in self._readable(max(self.next_new, self.first), self.committed_end)
+            if matches(self.entries[o].topic)
         ]
-        if self.corrupt_allowed == 0:
-            assert [r.offset for r in new] == expected[: len(new)], "the group skipped a record"
-            assert len(got) == n or len(new) == len(expected), "fetch returned less than available"
+        assert [r.offset for r in new] == expected[: len(new)], "the group skipped a record"
+        assert len(got) == n or len(new) == len(expected), "fetch returned less than available"
         for o in redelivered:
             assert self.group.redelivered(o), "a redelivery carries the DUP flag"
         for r in got:
@@ -299,7 +300,7 @@ class CrashModel(RuleBasedStateMachine):
             self.in_flight[r.offset] = True
         if new:
             self.next_new = new[-1].offset + 1
-        elif len(got) < n and self.corrupt_allowed == 0:
+        elif len(got) < n:
             self.next_new = max(self.next_new, self.committed_end)
 
     @precondition(lambda self: any(self.in_flight.values()))
@@ -392,36 +393,47 @@ class CrashModel(RuleBasedStateMachine):
             self.io.fail_writes_after(None)
 
     def _crash_and_reopen(self, mode: str, seed: int) -> None:
-        report = self.io.crash(mode, random.Random(seed), flip_position=aim_at_headers)  # type: ignore[arg-type]
+        report = self.io.crash(
+            mode, random.Random(seed), flip_filter=flip_targets, flip_position=aim_at_headers,  # type: ignore[arg-type]
+        )
         self.last_crash = report
         event(f"crash: {mode}")
         if report.torn:
             event("crash: a write was torn")
         if report.dir_ops_lost:
             event("crash: a namespace change was lost")
+        if report.flipped is not None:
+            event(f"crash: flipped a bit in a {os.path.splitext(report.flipped[0])[1] or os.path.basename(report.flipped[0])} file")
         flipped = report.flipped
-        if flipped is not None and flipped[0].endswith(".log"):
-            self.corrupt_allowed += 1
-        self._reopen(crashed=True, pending_flipped=flipped is not None and flipped[0].endswith("pending"))
+        segment_flipped = flipped is not None and flipped[0].endswith(".log")
+        self._reopen(
+            crashed=True, segment_flipped=segment_flipped,
+            pending_flipped=flipped is not None and flipped[0].endswith("pending"),
+        )
 
-    def _reopen(self, *, crashed: bool, pending_flipped: bool = False) -> None:
+    def _reopen(self, *, crashed: bool, segment_flipped: bool = False, pending_flipped: bool = False) -> None:
         log = self.log = Log.open(self.log_dir, self.config, fileio=self.io)
         n = log.next_offset
         assert log.first_offset == self.first, "retention deletions are durable once it returned"
-        lost_acked = self.durable_end - n
-        assert lost_acked <= self.corrupt_allowed, (
-            f"{lost_acked} acknowledged records lost: log ends at {n}, acknowledged up to {self.durable_end}"
-            f" (crash: {getattr(self, 'last_crash', None)})"
-        )
         assert n <= len(self.entries), "the log has offsets that were never appended"
         records = log.read(0, 100_000, 1 << 30)
-        self._check_records(records, list(range(self.first, n)), exact=self.corrupt_allowed == 0)
-        skipped = (n - self.first) - len(records)
-        event(f"reopen: {len(log.segments())} segments, tail cut: {log.recovery.tail_bytes_truncated > 0}, skipped: {skipped}")
+        readable = {r.offset for r in records}
+        self._check_records(records, sorted(readable))  # content, order, never-appended
+        assert readable <= set(range(self.first, n))
+        # Acknowledged records that are gone: cut off the end, or skipped as corrupt.  Only a
+        # bit flip in a segment may cost one (the record it hit), and it must be counted.
+        lost = {o for o in range(self.first, self.durable_end) if o not in readable} - self.missing
+        assert len(lost) <= int(segment_flipped), (
+            f"acknowledged records lost: {sorted(lost)[:10]} (log ends at {n}, acknowledged up to "
+            f"{self.durable_end}; crash: {getattr(self, 'last_crash', None)})"
+        )
+        newly_missing = set(range(self.first, n)) - readable - self.missing
+        assert len(newly_missing) <= int(segment_flipped), f"readable offsets not gap-free: {sorted(newly_missing)[:10]}"
+        assert not newly_missing or log.stats.corrupt_skipped > 0, "a skipped corrupt record must be counted"
+        self.missing = (self.missing | newly_missing) & set(range(self.first, n))
+        event(f"reopen: {len(log.segments())} segments, tail cut: {log.recovery.tail_bytes_truncated > 0}, corrupt: {len(self.missing)}")
         if n < len(self.entries):
             event("reopen: unacknowledged records lost")
-        assert skipped <= self.corrupt_allowed
-        assert skipped == 0 or log.stats.corrupt_skipped > 0, "a skipped corrupt record must be counted"
         # What survived is the new truth: durable and readable.
         del self.entries[n:]
         self.durable_end = self.committed_end = n
@@ -436,7 +448,10 @@ class CrashModel(RuleBasedStateMachine):
         if pending_flipped:
             allowed.add(self.first)
         assert pending in allowed, f"group resumed at {pending}, persisted Pending was {self.persisted}"
-        unacked = [o for o in range(self.first, min(pending, n)) if o not in self.acked and matches(self.entries[o].topic)]
+        unacked = [
+            o for o in self._readable(self.first, min(pending, n))
+            if o not in self.acked and matches(self.entries[o].topic)
+        ]
         assert not unacked, f"resuming at {pending} skips unacked records {unacked[:5]}"
         self.persisted = {pending} if not pending_flipped else {pending, *self.persisted}
         self.acked = {o for o in self.acked if o < pending}
@@ -445,20 +460,16 @@ class CrashModel(RuleBasedStateMachine):
 
     # -- checks ----------------------------------------------------------------------------
 
-    def _check_records(
-        self, records: list[Record], expected: list[int], *, exact: bool, complete: bool = True
-    ) -> None:
+    def _readable(self, start: int, end: int) -> list[int]:
+        """Offsets in [start, end) a reader must get: all of them except those lost to flips."""
+        return [o for o in range(start, end) if o not in self.missing]
+
+    def _check_records(self, records: list[Record], expected: list[int]) -> None:
         offsets = [r.offset for r in records]
-        assert offsets == sorted(set(offsets)), "records out of order or repeated"
         for r in records:
             assert r.offset < len(self.entries), f"offset {r.offset} was never appended"
             assert self.entries[r.offset].same_as(r), f"record at {r.offset} differs from what was appended"
-        if exact:
-            assert offsets == expected, "readable offsets are not gap-free"
-        else:
-            assert set(offsets) <= set(expected)
-            if complete:
-                assert len(expected) - len(offsets) <= self.corrupt_allowed
+        assert offsets == expected, "readable offsets are not the expected gap-free run"
 
     def _check_pending(self) -> None:
         assert self.group is not None

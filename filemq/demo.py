@@ -148,6 +148,7 @@ class DemoResult:
     failed_phase: str | None = None
     error: str | None = None
     log_file: str | None = None
+    log_tail: list[str] = field(default_factory=list)
     seconds: float = 0.0
 
     @property
@@ -224,7 +225,8 @@ def format_summary(result: DemoResult) -> list[str]:
     elif result.failed_phase is not None:
         lines.append(f"filemq demo: FAILED in phase {result.failed_phase!r}: {result.error}")
         if result.log_file:
-            lines.append(f"  look at: {result.log_file}")
+            lines.append(f"  look at: {result.log_file} (every process's log is in {Path(result.log_file).parent})")
+            lines.extend(f"  | {line}" for line in result.log_tail)
     elif result.missing:
         lines.append("filemq demo: INCOMPLETE, not yet available: " + ", ".join(f"filemq {c}" for c in result.missing))
     else:
@@ -548,6 +550,7 @@ class _Demo:
             self.result.failed_phase = exc.phase
             self.result.error = exc.reason
             self.result.log_file = str(exc.log_file) if exc.log_file else None
+            self.result.log_tail = _tail(exc.log_file, 12) if exc.log_file else []
             self._say(str(exc))
         finally:
             if self.sensors is not None:
@@ -808,6 +811,16 @@ def _message_id(payload: bytes | str | None) -> str | None:
         return None
     msg_id = value.get("id") if isinstance(value, dict) else None
     return msg_id if isinstance(msg_id, str) else None
+
+
+def _tail(path: Path, lines: int) -> list[str]:
+    try:
+        with path.open("rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - 8192))
+            text = f.read().decode(errors="replace")
+    except OSError:
+        return []
+    return [line.rstrip() for line in text.splitlines()[-lines:]]
 
 
 def _hidden(path: Path, root: Path) -> bool:

@@ -97,6 +97,7 @@ def test_a_service_that_does_not_start_names_the_phase_and_its_log(
     assert result.failed_phase == "start"
     assert result.log_file == str(tmp_path / "run" / "logs" / "agent.log")
     assert "refusing to start on purpose" in Path(result.log_file).read_text()
+    assert any("refusing to start on purpose" in line for line in format_summary(result))  # the log's tail
     assert "exited with code 1" in (result.error or "")
     assert not result.ok
 

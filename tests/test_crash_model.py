@@ -602,3 +602,47 @@ def test_group_committer_close_releases_its_thread_when_the_final_sync_fails(tmp
     asyncio.run(main())
     leaked = [t.name for t in threading.enumerate() if t.ident not in before and t.name.startswith("filemq-commit")]
     assert not leaked
+
+
+@pytest.mark.parametrize("mode", ["drop", "tear"])
+def test_power_cut_at_every_step_of_dropping_a_group(tmp_path: Path, mode: str) -> None:
+    """After a power cut anywhere in ConsumerGroup.drop(), the group is either gone or intact
+    (its persisted Pending), never half there; drops that returned are final."""
+    from filemq.groups import group_directories, purge_dropped
+
+    cfg = GroupConfig(persist_every_acks=10**9, persist_interval_ms=10**9)
+    step = 0
+    outcomes = set()
+    while True:
+        root = tmp_path / f"{step}"
+        io = FaultyFileIO(root)
+        log = Log.open(root / "log", fileio=io)
+        for i in range(20):
+            log.append("a/b", b"%d" % i)
+        log.sync()
+        groups_dir = root / "groups"
+        group = ConsumerGroup.create("doomed", log, groups_dir, start="earliest", config=cfg, fileio=io)
+        for r in group.fetch(7):
+            group.ack(r.offset)
+        group.persist()
+        io.power_cut_after(step)
+        try:
+            group.drop()
+            finished = True
+        except PowerCut:
+            finished = False
+        io.crash(mode, random.Random(step))  # type: ignore[arg-type]
+        log = Log.open(root / "log", fileio=io)
+        purge_dropped(groups_dir, io)
+        dirs = list(group_directories(groups_dir))
+        if finished:
+            assert dirs == [], "a drop that returned came back after a power cut"
+        if dirs:
+            again = ConsumerGroup.load(dirs[0], log, config=cfg, fileio=io)
+            assert (again.name, again.pending_offset) == ("doomed", 7)
+        outcomes.add(bool(dirs))
+        log.close()
+        if finished:
+            break
+        step += 1
+    assert step >= 3 and outcomes == {True, False}

@@ -162,10 +162,7 @@ class Broker:
             acl=acl, passwords=passwords, publish_hook=self.publish_hook,
         )
         self.core = core
-        # Retained messages are rebuilt (snapshot + log replay) in a thread while the broker
-        # already accepts connections: the replay may be long if the snapshot is old or missing.
-        core.retained_ready = False
-        self._start_retained_recovery(core, queue)
+        core.retained_ready = False  # until the background rebuild below is done
         self.recovery_seconds = time.perf_counter() - started
         loop = asyncio.get_running_loop()
 
@@ -186,6 +183,9 @@ class Broker:
                 s.close()
             await queue.close()
             raise
+        # Retained messages are rebuilt (snapshot + log replay) in a thread while the broker
+        # already accepts connections: the replay may be long if the snapshot is old or missing.
+        self._start_retained_recovery(core, queue)
         self._ticker = loop.create_task(self._tick_loop(), name="filemq-broker-tick")
         log.info("broker listening on %s:%d%s, data dir %s, %d records, recovered in %.0f ms",
                  b.host, self.port, f" (TLS on {self.tls_port})" if self.tls_port else "",

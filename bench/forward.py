@@ -67,6 +67,7 @@ def free_port() -> int:
 
 def _filemq(*args: str, log_path: Path) -> subprocess.Popen[bytes]:
     """A ``filemq`` subprocess; waits for its first stdout line (it is listening)."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
     err = open(log_path, "ab")  # noqa: SIM115 - owned by the child for its lifetime
     proc = subprocess.Popen([sys.executable, "-m", "cli", *args], stdout=subprocess.PIPE, stderr=err)
     assert proc.stdout is not None
@@ -307,8 +308,10 @@ def run_devices(work: Path, devices: int, records: int, size: int, timeout: floa
     try:
         halves = [range(0, devices // 2), range(devices // 2, devices)]
         waits = []
+        events = []  # kept referenced until the children are done (spawn unpickles them late)
         for part in halves:
             ready, done = ctx.Event(), ctx.Event()
+            events.append((ready, done))
             p = ctx.Process(target=_device_load, args=(port, part, per_device, batch_records, size, 4, ready, go, done))
             p.start()
             procs.append(p)

@@ -363,3 +363,38 @@ def test_sys_topics_published_periodically(tmp_path: Path) -> None:
             assert b.queue is not None and b.queue.log.next_offset == 0  # not stored in the log
             await c.disconnect()
     asyncio.run(main())
+
+
+def test_clean_sessions_leave_no_groups_and_shared_group_survives_restart(tmp_path: Path) -> None:
+    async def main() -> None:
+        cfg = make_config(tmp_path)
+        async with running(cfg) as b:
+            assert b.queue is not None
+            for i in range(5):
+                c = MQTTClient(f"clean{i}", port=b.port)
+                await c.connect()
+                await c.subscribe([("x/#", 1)])
+                await c.disconnect()
+            member = MQTTClient("member", port=b.port, clean_session=False)
+            await member.connect()
+            await member.subscribe([("$share/pool/jobs/#", 1)])
+            await member.disconnect()
+            for _ in range(50):
+                if not any(g.name.startswith("mqtt-clean:") for g in b.queue.groups()):
+                    break
+                await asyncio.sleep(0.02)
+            names = sorted(g.name for g in b.queue.groups())
+            assert names == ["mqtt-share:pool"]
+            pub = MQTTClient("pub", port=b.port)
+            await pub.connect()
+            for i in range(10):
+                await pub.publish("jobs/a", b"%d" % i, qos=1)
+            await pub.disconnect()
+        async with running(cfg) as b:
+            got: list[Publish] = []
+            member = MQTTClient("member", port=b.port, clean_session=False, on_message=got.append)
+            assert (await member.connect()).session_present
+            await collect(got, 10)
+            assert [m.payload for m in got[:10]] == [b"%d" % i for i in range(10)]
+            await member.disconnect()
+    asyncio.run(main())

@@ -143,8 +143,8 @@ def test_kill9_loses_no_acknowledged_record_and_group_resumes_safely(tmp_path: P
         end = check_log(tmp_path, acked_total)
         group_rounds += check_group(tmp_path, lines, end)
     # The kills must have landed under load, not only before the first append.
-    assert progressed >= ROUNDS // 2, f"only {progressed} of {ROUNDS} rounds acknowledged anything"
-    assert group_rounds >= ROUNDS // 2, f"the group persisted in only {group_rounds} rounds"
+    assert progressed >= ROUNDS // 3, f"only {progressed} of {ROUNDS} rounds acknowledged anything"
+    assert group_rounds >= ROUNDS // 3, f"the group persisted in only {group_rounds} rounds"
     assert end >= acked_total > 0
 
 

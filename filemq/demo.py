@@ -356,7 +356,7 @@ async def _run_command(argv: list[str], timeout: float, log_file: Path | None = 
         try:
             async with asyncio.timeout(timeout):
                 out, errb = await proc.communicate()
-        except TimeoutError:
+        except (TimeoutError, asyncio.CancelledError):
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
             await proc.wait()
@@ -544,8 +544,22 @@ class _Demo:
     async def run(self) -> DemoResult:
         started = time.monotonic()
         self.logs.mkdir(parents=True, exist_ok=True)
+        loop = asyncio.get_running_loop()
+        main_task = asyncio.current_task()
+        handles_sigterm = False
+        if main_task is not None:
+            # SIGTERM (a CI timeout, `kill`) cancels like Ctrl-C does, so the cleanup below
+            # still stops the collector, the agent and Spark; they run in their own sessions
+            # and would otherwise outlive the demo.
+            with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+                loop.add_signal_handler(signal.SIGTERM, main_task.cancel)
+                handles_sigterm = True
         try:
             await self._run_phases()
+        except asyncio.CancelledError:
+            self.result.failed_phase = self.current_phase
+            self.result.error = "interrupted (SIGINT/SIGTERM); every process the demo started was stopped"
+            self._say(f"{self.current_phase}: interrupted")
         except DemoError as exc:
             self.result.failed_phase = exc.phase
             self.result.error = exc.reason
@@ -559,6 +573,8 @@ class _Demo:
             for service in self.services:
                 with contextlib.suppress(Exception):
                     await service.stop(self.options.stop_timeout_s)
+            if handles_sigterm:
+                loop.remove_signal_handler(signal.SIGTERM)
         self.result.seconds = time.monotonic() - started
         return self.result
 
@@ -728,9 +744,15 @@ class _Demo:
         with log_file.open("ab") as out:
             out.write(f"\n=== filemq demo: {' '.join(argv)}\n".encode())
         task = asyncio.create_task(_run_command(argv, self.options.ingest_timeout_s, log_file))
-        while not task.done():
-            self._status("Spark is running the ingest (starting a JVM takes a while)")
-            await asyncio.wait({task}, timeout=0.5)
+        try:
+            while not task.done():
+                self._status("Spark is running the ingest (starting a JVM takes a while)")
+                await asyncio.wait({task}, timeout=0.5)
+        finally:
+            if not task.done():  # interrupted: _run_command kills Spark when cancelled
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, TimeoutError):
+                    await task
         try:
             code, out_text, _ = task.result()
         except TimeoutError:

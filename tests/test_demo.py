@@ -9,9 +9,11 @@ and a pipeline that loses everything must be reported as such.
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 import textwrap
+import time
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -195,3 +197,48 @@ def test_quick_demo_end_to_end_loses_nothing(tmp_path: Path) -> None:
     assert summary["duplicate_keys_in_table"] == 0
     assert summary["landed_rows"] == summary["table_rows"] + summary["duplicates_removed"]
     assert [p["status"] for p in summary["phases"]] == ["ok"] * len(summary["phases"])
+
+
+def _processes_mentioning(text: str) -> list[str]:
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if text in cmdline:
+            found.append(f"{proc.name}: {cmdline}")
+    return found
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("interrupt", [signal.SIGTERM, signal.SIGINT])
+def test_an_interrupted_demo_stops_every_process_it_started(tmp_path: Path, interrupt: signal.Signals) -> None:
+    if not Path("/proc/self/cmdline").exists():
+        pytest.skip("needs /proc to find leftover processes")
+    if "agent" not in cli.main.commands or "collector" not in cli.main.commands:
+        pytest.skip("not yet available: filemq agent / filemq collector")
+    work = tmp_path / "demo"
+    proc = subprocess.Popen([sys.executable, "-m", "cli", "demo", "--quick", "--json", "--work-dir", str(work)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+    try:
+        agent_log = work / "logs" / "agent.log"
+        for _ in range(300):  # until the agent has started and the sensors publish
+            if agent_log.exists() and "start #1" in agent_log.read_text() and _processes_mentioning(str(work)):
+                break
+            time.sleep(0.1)
+        time.sleep(2.0)
+        assert _processes_mentioning(str(work / "agent")), "the agent is not running"
+        proc.send_signal(interrupt)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 1, err[-2000:]
+    summary = json.loads(out.splitlines()[0])
+    assert summary["failed_phase"] in {"online", "uplink cut", "power cut", "uplink back"}
+    assert "interrupted" in summary["error"]
+    assert _processes_mentioning(str(work)) == []

@@ -79,7 +79,8 @@ class DoorStats:
 
 
 def broker_config(config: Config) -> Config:
-    """The broker settings for a collector: its listener, auth and WAL from ``config``."""
+    """The broker settings for a collector: listener and auth from ``[collector]``, the WAL
+    from ``[log]``; a TLS listener comes from ``[broker]`` ``tls_cert``/``tls_key``/``tls_port``."""
     c = config.collector
     broker = dataclasses.replace(
         config.broker,
@@ -89,8 +90,6 @@ def broker_config(config: Config) -> Config:
         acl_file=c.acl_file,
         allow_anonymous=c.allow_anonymous,
         max_packet_size=max(config.broker.max_packet_size, MIN_PACKET_SIZE),
-        tls_cert=None,
-        tls_key=None,
     )
     log_section = config.log
     if log_section.retention_ms is None and log_section.retention_bytes is None:

@@ -13,6 +13,7 @@ import contextlib
 import os
 import random
 import signal
+import ssl
 import sys
 from collections import Counter
 from collections.abc import Awaitable, Callable
@@ -23,6 +24,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from collector.server import Collector
+from filemq.batch import BatchRecord, encode_batch
 from filemq.broker.server import free_port
 from filemq.config import Config, load_config
 from filemq.mqtt.client import MQTTClient
@@ -427,3 +429,67 @@ def test_status_shows_forwarder_group(tmp_path: Path) -> None:
     groups = {g["name"]: g for g in status["groups"]}
     assert groups["forwarder"]["pending"] == 0 and groups["forwarder"]["lag"] == 10
     assert os.path.isdir(tmp_path / "agent")
+
+
+def test_tls_and_device_logins(tmp_path: Path) -> None:
+    """The agent logs in with its own user over TLS; the ACL keeps it under its own id."""
+    import shutil
+    import subprocess
+
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is not installed: cannot make a test certificate")
+    from filemq.auth import add_or_update
+
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
+         "-addext", "subjectAltName=DNS:localhost", "-keyout", str(key), "-out", str(cert)],
+        check=True, capture_output=True, timeout=60,
+    )
+    passwords = tmp_path / "devices"
+    add_or_update(passwords, DEVICE, "s3cret", iterations=1000)
+    add_or_update(passwords, "dev-2", "other", iterations=1000)
+    acl = tmp_path / "acl"
+    acl.write_text("pattern write filemq/v1/%u/#\n")
+    upstream_pw = tmp_path / "upstream-password"
+    upstream_pw.write_text("s3cret\n")
+
+    async def scenario() -> None:
+        collector = Collector(collector_config(
+            tmp_path, **{"collector.password_file": str(passwords), "collector.acl_file": str(acl),
+                         "broker.tls_cert": str(cert), "broker.tls_key": str(key), "broker.tls_port": 0}))
+        await collector.start()
+        tls_port = collector.broker.tls_port
+        assert tls_port is not None
+        agent = Agent(agent_config(
+            tmp_path, 0, **{"agent.collector": f"localhost:{tls_port}", "agent.tls_ca": str(cert),
+                            "agent.username": DEVICE, "agent.password_file": str(upstream_pw)}))
+        await agent.start()
+        pubs = Publishers(lambda: agent.broker.port, count=2)
+        pubs.start(messages_each=300)
+        await pubs.wait()
+        fwd = agent.forwarder
+        assert fwd is not None
+        await until(lambda: fwd.backlog == 0, what="drained over TLS")
+        # Another device may not write under dev-1's id: denied by the ACL (acked, dropped).
+        intruder = MQTTClient("dev-2", "localhost", tls_port, username="dev-2", password="other",
+                              ssl=ssl.create_default_context(cafile=str(cert)))
+        await intruder.connect()
+        forged = encode_batch(DEVICE, "main", [BatchRecord(10_000, 1, "x", b"forged", 1)])
+        await intruder.publish(f"filemq/v1/{DEVICE}/main", forged, qos=1, timeout=5)
+        await intruder.disconnect()
+        # A wrong password is refused.
+        refused = MQTTClient("dev-2", "localhost", tls_port, username="dev-2", password="wrong",
+                             ssl=ssl.create_default_context(cafile=str(cert)))
+        with pytest.raises(Exception, match="refused|not authori|bad user"):
+            await refused.connect()
+        lander = collector.lander
+        assert lander is not None
+        await until(lambda: lander.stats.rows_landed >= 600, what="rows landed")
+        await agent.stop()
+        await collector.stop()
+        rows = check_oracle(tmp_path, pubs.acked)
+        assert b"forged" not in {r["payload"] for r in rows}
+        assert fwd.stats.batches_acked > 0
+
+    run(scenario())

@@ -493,3 +493,46 @@ def test_tls_and_device_logins(tmp_path: Path) -> None:
         assert fwd.stats.batches_acked > 0
 
     run(scenario())
+
+
+def test_agent_progress_in_sys_topics_and_metrics(tmp_path: Path) -> None:
+    import urllib.request
+
+    from worker_agent.metrics import start_metrics_server
+
+    async def scenario() -> None:
+        collector = Collector(collector_config(tmp_path))
+        await collector.start()
+        agent = Agent(agent_config(tmp_path, collector.port))
+        await agent.start()
+        server = start_metrics_server(agent, 0)
+        try:
+            pubs = Publishers(lambda: agent.broker.port, count=1)
+            pubs.start(messages_each=250)
+            await pubs.wait()
+            fwd = agent.forwarder
+            assert fwd is not None
+            await until(lambda: fwd.backlog == 0, what="drained")
+            watcher = MQTTClient("watcher", port=agent.broker.port)
+            await watcher.connect()
+            await watcher.subscribe([("$SYS/broker/forwarder/#", 0)])
+            seen: dict[str, bytes] = {}
+            async with asyncio.timeout(10):
+                async for message in watcher.messages():
+                    seen[message.topic] = message.payload
+                    if "$SYS/broker/forwarder/records/acked" in seen and "$SYS/broker/forwarder/backlog" in seen:
+                        break
+            await watcher.disconnect()
+            assert seen["$SYS/broker/forwarder/records/acked"] == b"250"
+            assert seen["$SYS/broker/forwarder/backlog"] == b"0"
+            url = f"http://127.0.0.1:{server.port}/metrics"
+            text = await asyncio.to_thread(lambda: urllib.request.urlopen(url, timeout=5).read().decode())
+            assert "filemq_agent_records_acked_total 250.0" in text
+            assert "filemq_agent_lag_records 0.0" in text
+            assert 'filemq_agent_batch_latency_seconds_bucket{le="+Inf"}' in text
+        finally:
+            server.shutdown()
+            await agent.stop()
+            await collector.stop()
+
+    run(scenario())

@@ -332,12 +332,17 @@ async def _port_open(port: int) -> bool:
     return True
 
 
-def _free_port() -> int:
-    # A small race (another process may take it before the service binds) is acceptable
-    # for a loopback demo; the start-up check reports it clearly if it happens.
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+def _free_ports(count: int) -> list[int]:
+    """Distinct free loopback ports (all bound at once, so the kernel cannot repeat one).
+
+    A small race remains (another process may take one before the service binds); the
+    start-up check then reports it with the service's log.
+    """
+    with contextlib.ExitStack() as stack:
+        socks = [stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) for _ in range(count)]
+        for sock in socks:
+            sock.bind(("127.0.0.1", 0))
+        return [int(sock.getsockname()[1]) for sock in socks]
 
 
 async def _run_command(argv: list[str], timeout: float, log_file: Path | None = None) -> tuple[int, str, str]:
@@ -590,7 +595,7 @@ class _Demo:
             for name, command in (("start", "collector" if "collector" in missing else "agent"),):
                 self._not_available(name, command)
             return
-        collector_port, agent_port = _free_port(), _free_port()
+        collector_port, agent_port = _free_ports(2)
         # The default reconnect backoff grows to 60 s: right for a fleet, too slow for a demo
         # whose collector is down for seconds. No flag for it, so a config file.
         agent_config = d / "agent.toml"

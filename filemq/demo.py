@@ -105,10 +105,6 @@ class DemoOptions:
         values.update(overrides)
         return cls(**values)
 
-    @property
-    def publishing_seconds(self) -> float:
-        return self.online_s + self.uplink_down_s + self.power_off_s + self.agent_back_s + self.uplink_back_s
-
 
 @dataclass(slots=True)
 class PhaseResult:

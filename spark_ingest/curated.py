@@ -39,6 +39,7 @@ log = logging.getLogger(__name__)
 ROW_ID = "_filemq_row_id"
 _KEEP = "_filemq_keep"
 _COPIES = "_filemq_copies"
+_HASH = "_filemq_key_hash"
 _IN_TABLE = -1  # row id given to keys already in the table: smaller than any batch row id
 
 
@@ -117,19 +118,34 @@ class CuratedTable:
 
         ``batch`` must carry :data:`ROW_ID`, a unique long per row ordering the copies of a
         key (the smallest is kept). Returns the new rows (same columns, ROW_ID dropped) and
-        how many keys were duplicated. Only key columns are shuffled; the duplicated keys
-        are materialized once (they are few) and joined back, broadcast when small.
+        how many keys were duplicated.
+
+        Cost: a first pass shuffles only a 64-bit hash of the key and the row id (16 bytes a
+        row) to find the hashes seen more than once; a second pass compares the full keys of
+        just those rows (a hash collision therefore never drops a row); the few duplicated
+        keys are then joined back, broadcast when small.
         """
-        keys = batch.select(*KEYS, ROW_ID)
+        keyed = batch.select(*KEYS, ROW_ID, F.xxhash64(*KEYS).alias(_HASH))
         if partitions:
             existing = (
                 spark.read.schema(LANDING_SPARK_SCHEMA)
                 .parquet(*[str(p) for p in partitions])
                 .select(*KEYS, F.lit(_IN_TABLE).cast("long").alias(ROW_ID))
+                .withColumn(_HASH, F.xxhash64(*KEYS))
             )
-            keys = keys.unionByName(existing)
+            keyed = keyed.unionByName(existing)
+        repeated_hashes = (
+            keyed.groupBy(_HASH)
+            .count()
+            .where(F.col("count") > 1)
+            .select(_HASH)
+            .localCheckpoint(eager=True)
+        )
+        if repeated_hashes.isEmpty():
+            return batch.drop(ROW_ID), 0
         duplicated = (
-            keys.groupBy(*KEYS)
+            keyed.join(F.broadcast(repeated_hashes), _HASH, "left_semi")
+            .groupBy(*KEYS)
             .agg(F.count(F.lit(1)).alias(_COPIES), F.min(ROW_ID).alias(_KEEP))
             .where(F.col(_COPIES) > 1)
             .drop(_COPIES)

@@ -309,11 +309,17 @@ def test_every_runs_batches_until_stopped(spark: Any, tmp_path: Path) -> None:
     p = Pipeline(tmp_path, spark)
     stop = threading.Event()
     summaries: list[IngestSummary] = []
-    runner = threading.Thread(
-        target=lambda: summaries.append(
-            run_ingest(spark, p.config, once=False, every=0.5, on_batch=p.reports.append, stop=stop)
-        )
-    )
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            summaries.append(
+                run_ingest(spark, p.config, once=False, every=0.5, on_batch=p.reports.append, stop=stop)
+            )
+        except BaseException as exc:
+            errors.append(exc)
+
+    runner = threading.Thread(target=run)
     runner.start()
     try:
         for start in (0, 10):
@@ -326,6 +332,7 @@ def test_every_runs_batches_until_stopped(spark: Any, tmp_path: Path) -> None:
         stop.set()
         runner.join(timeout=60)
     assert not runner.is_alive()
+    assert errors == []
     assert summaries[0].rows_written == 20
     assert p.keys() == Counter(expected_keys(rows(range(20))))
 

@@ -793,8 +793,15 @@ def test_tail_cache_reads_like_the_log(tmp_path: Path) -> None:
     cache = TailCache(lg, max_bytes=20_000, read_ahead=64)
     for r in lg.read(450, 50):
         cache.put(r)  # the live tail
-    for start, n in [(0, 10), (445, 20), (460, 100), (499, 5), (500, 5), (130, 1), (0, 1000)]:
+    for start, n in [(0, 10), (445, 20), (460, 100), (499, 5), (500, 5), (130, 1), (0, 1000), (5, 256)]:
         assert cache.read(start, n) == lg.read(start, n), (start, n)
+        for max_bytes in (1, 100, 1000):
+            assert cache.read(start, n, max_bytes) == lg.read(start, n, max_bytes), (start, n, max_bytes)
+    for i in range(500, 600):  # the live tail keeps growing; old entries are evicted
+        lg.append("t/new", b"q%d" % i)
+        lg.flush()
+        cache.put(lg.read(i, 1)[0])
+    assert cache.read(590, 50) == lg.read(590, 50)
     assert cache.cached_bytes <= 20_000
     assert cache.hits > 0 and cache.misses > 0
     lg.close()

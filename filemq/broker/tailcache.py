@@ -7,9 +7,13 @@ subscribers that are behind miss the cache and read the log in batches of
 
 What a caller may rely on: :meth:`read` returns exactly what ``Log.read`` would (records
 ``>= offset`` and ``< committed_offset``, in order, gaps where the log has gaps); memory is
-bounded by ``max_bytes`` of payload + topic (oldest inserted entries evicted first).
+bounded by about ``max_bytes`` (payload + topic + a per-record overhead estimate).
 Records are added with :meth:`put` only once they are committed, so a failed commit (whose
 offsets the log reuses) can never leave a stale record here.
+
+Two parts: the *tail*, a list of consecutive committed records (a hit is one C-level list
+slice, whatever ``max_records`` the group asks for), and a small FIFO of read-ahead
+records for readers that are behind.
 """
 
 from __future__ import annotations
@@ -20,19 +24,29 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from segments import Log, Record
 
-_OVERHEAD = 120  # rough per-entry cost of the Record object and dict slot, in bytes
+_OVERHEAD = 120  # rough per-entry cost of the Record object and its slot, in bytes
+_FRAME = 28  # framing bytes per record, for the max_bytes accounting of Log.read
+
+
+def _size(r: Record) -> int:
+    return len(r.payload) + len(r.topic) + _OVERHEAD
 
 
 class TailCache:
-    """Recent records by offset, FIFO-evicted at ``max_bytes``; reads fall back to the log."""
+    """Recent records by offset; reads fall back to the log."""
 
     def __init__(self, log: Log, *, max_bytes: int = 4 << 20, read_ahead: int = 256) -> None:
         self._log = log
-        self._records: dict[int, Record] = {}
-        self._order: deque[int] = deque()  # insertion order, for FIFO eviction
-        self._bytes = 0
         self.max_bytes = max_bytes
+        self._tail_limit = max_bytes - max_bytes // 4  # the rest is for read-ahead
         self.read_ahead = read_ahead
+        self._tail: list[Record] = []  # offsets [_base, _base + len(_tail)), no gaps
+        self._base = 0
+        self._tail_bytes = 0
+        self._largest = 0  # largest payload + topic in the tail: cheap max_bytes check
+        self._ahead: dict[int, Record] = {}  # read-ahead for readers behind the tail
+        self._ahead_order: deque[int] = deque()
+        self._ahead_bytes = 0
         self.hits = 0
         self.misses = 0
 
@@ -49,54 +63,90 @@ class TailCache:
         return self._log.committed_offset
 
     def __len__(self) -> int:
-        return len(self._records)
+        return len(self._tail) + len(self._ahead)
 
     @property
     def cached_bytes(self) -> int:
-        return self._bytes
+        return self._tail_bytes + self._ahead_bytes
 
     def put(self, record: Record) -> None:
-        """Remember a committed record."""
-        records = self._records
-        if record.offset in records:
-            return
-        records[record.offset] = record
-        self._order.append(record.offset)
-        self._bytes += len(record.payload) + len(record.topic) + _OVERHEAD
-        if self._bytes > self.max_bytes:
-            self._evict()
+        """Remember a committed record (the broker calls this in offset order)."""
+        tail = self._tail
+        end = self._base + len(tail)
+        offset = record.offset
+        if offset != end:
+            if offset < end and tail:
+                return  # already here, or older than the tail
+            # A gap (records committed that the broker did not route): restart the tail.
+            tail.clear()
+            self._base = offset
+            self._tail_bytes = 0
+            self._largest = 0
+        tail.append(record)
+        size = len(record.payload) + len(record.topic)
+        if size > self._largest:
+            self._largest = size
+        self._tail_bytes += size + _OVERHEAD
+        if self._tail_bytes > self._tail_limit:
+            self._evict_tail()
 
-    def _evict(self) -> None:
-        records = self._records
-        order = self._order
-        # Evict down to 7/8 so a put does not evict one entry each time, but in chunks small
-        # enough not to stall the event loop (O(evicted), never a copy of the whole cache).
-        target = self.max_bytes - self.max_bytes // 8
-        while self._bytes > target and order:
-            r = records.pop(order.popleft(), None)
+    def _evict_tail(self) -> None:
+        # Drop the oldest eighth at once: one list memmove per chunk, not per record.
+        tail = self._tail
+        target = self._tail_limit - self._tail_limit // 8
+        drop = 0
+        freed = 0
+        while self._tail_bytes - freed > target and drop < len(tail):
+            freed += _size(tail[drop])
+            drop += 1
+        del tail[:drop]
+        self._base += drop
+        self._tail_bytes -= freed
+
+    def _put_ahead(self, record: Record) -> None:
+        if record.offset in self._ahead:
+            return
+        self._ahead[record.offset] = record
+        self._ahead_order.append(record.offset)
+        self._ahead_bytes += _size(record)
+        limit = self.max_bytes - self._tail_limit
+        while self._ahead_bytes > limit and self._ahead_order:
+            r = self._ahead.pop(self._ahead_order.popleft(), None)
             if r is not None:
-                self._bytes -= len(r.payload) + len(r.topic) + _OVERHEAD
+                self._ahead_bytes -= _size(r)
 
     def clear(self) -> None:
-        self._records.clear()
-        self._order.clear()
-        self._bytes = 0
+        self._tail.clear()
+        self._tail_bytes = 0
+        self._largest = 0
+        self._ahead.clear()
+        self._ahead_order.clear()
+        self._ahead_bytes = 0
 
     def read(self, offset: int, max_records: int = 1000, max_bytes: int = 1 << 20) -> list[Record]:
         """Same contract as ``Log.read``; served from memory where possible."""
         committed = self._log.committed_offset
-        out: list[Record] = []
         if max_records <= 0 or offset >= committed:
+            return []
+        base = self._base
+        tail = self._tail
+        i = offset - base
+        if 0 <= i < len(tail):
+            n = min(max_records, committed - offset)
+            out = tail[i:i + n]
+            if len(out) * (self._largest + _FRAME) > max_bytes:
+                out = self._trim(out, max_bytes)
+            self.hits += 1
             return out
-        records = self._records
-        get = records.get
+        out = []
         total = 0
         o = offset
+        get = self._ahead.get
         while o < committed and len(out) < max_records:
             r = get(o)
             if r is None:
                 break
-            size = len(r.payload) + len(r.topic) + 28
+            size = len(r.payload) + len(r.topic) + _FRAME
             if out and total + size > max_bytes:
                 return out
             total += size
@@ -108,12 +158,23 @@ class TailCache:
         self.misses += 1
         want = max_records - len(out)
         more = self._log.read(o, max(want, self.read_ahead), max(max_bytes - total, 1 << 16))
+        tail_start = self._base
         for r in more:
-            self.put(r)
+            if r.offset < tail_start:
+                self._put_ahead(r)
         for r in more[:want]:
-            size = len(r.payload) + len(r.topic) + 28
+            size = len(r.payload) + len(r.topic) + _FRAME
             if out and total + size > max_bytes:
                 break
             total += size
             out.append(r)
         return out
+
+    @staticmethod
+    def _trim(records: list[Record], max_bytes: int) -> list[Record]:
+        total = 0
+        for k, r in enumerate(records):
+            total += len(r.payload) + len(r.topic) + _FRAME
+            if k and total > max_bytes:
+                return records[:k]
+        return records

@@ -31,9 +31,11 @@ import contextlib
 import logging
 import random
 import time
+from bisect import bisect_right
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
+from itertools import accumulate, islice
 from typing import TYPE_CHECKING, Protocol
 
 from filemq.batch import DEFAULT_STREAM, batch_topic, check_name, encode_batch
@@ -84,8 +86,6 @@ class ForwardGroup(Protocol):
     def release(self, consumer: str) -> int: ...
 
     def has_work(self) -> bool: ...
-
-    def maybe_persist(self, now: float | None = None) -> bool: ...
 
 
 class UpstreamTimeout(Exception):
@@ -228,7 +228,7 @@ class Forwarder:
             TokenBucket(config.rate_limit_bytes_per_s) if config.rate_limit_bytes_per_s else None
         )
         self._inflight: deque[_InFlight] = deque()
-        self._carry: deque[Record] = deque()
+        self._carry: list[Record] = []  # fetched from the group, not yet in a batch
         self._task: asyncio.Task[None] | None = None
         self._stopping = asyncio.Event()
         self._attempt = 0
@@ -327,7 +327,7 @@ class Forwarder:
             if not item.future.done():
                 item.future.cancel()
         self._inflight.clear()
-        self._carry.clear()
+        self._carry = []
         self.stats.inflight_batches = 0
         released = self.group.release(CONSUMER)
         self.stats.resent_records += released
@@ -360,23 +360,25 @@ class Forwarder:
         nbytes = 0
         deadline: float | None = None
         group = self.group
-        carry = self._carry
         while True:
-            full = False
-            while carry:
-                record = carry[0]
-                size = len(record.payload) + len(record.topic) + RECORD_OVERHEAD
-                if batch and (nbytes + size > cfg.batch_bytes or len(batch) >= cfg.batch_records):
-                    full = True
-                    break
-                carry.popleft()
-                batch.append(record)
-                nbytes += size
-            if full or len(batch) >= cfg.batch_records or nbytes >= cfg.batch_bytes:
-                return batch
+            carry = self._carry
+            if carry:
+                # Take as many fetched records as fit both bounds (at least one), in bulk.
+                room_records = cfg.batch_records - len(batch)
+                sizes = accumulate(len(r.payload) + len(r.topic) + RECORD_OVERHEAD for r in islice(carry, room_records))
+                cumulative = list(sizes)
+                take = bisect_right(cumulative, cfg.batch_bytes - nbytes)
+                if take == 0 and not batch:
+                    take = 1  # a record bigger than batch_bytes still goes, alone
+                if take:
+                    batch.extend(carry[:take])
+                    nbytes += cumulative[take - 1]
+                    del carry[:take]
+                if carry or len(batch) >= cfg.batch_records or nbytes >= cfg.batch_bytes:
+                    return batch
             fetched = group.fetch(cfg.batch_records - len(batch), CONSUMER)
             if fetched:
-                carry.extend(fetched)
+                self._carry = fetched
                 continue
             if batch:
                 now = time.monotonic()
@@ -419,8 +421,8 @@ class Forwarder:
             stats.acked_offset = head.offsets[-1]
             stats.last_ack_unix = time.time()
             stats.observe_latency(now - head.sent_at)
+            # Offsets reach disk in the queue's housekeeping (batched, off the loop).
             self._attempt = 0
-            group.maybe_persist(now)
 
     def sys_messages(self) -> list[tuple[str, bytes]]:
         """``$SYS/broker/forwarder/...`` topics and values describing progress and backlog."""

@@ -841,3 +841,17 @@ def test_qos2_resend_after_failed_commit_is_stored(tmp_path: Path) -> None:
         assert c2.received() == [Pubrec(4)]
         assert [r.payload for r in h.queue.log.records] == [b"m"]
     run(main())
+
+
+@settings(max_examples=200, deadline=None)
+@given(topic=st.text(st.characters(blacklist_categories=("Cs",), blacklist_characters="\x00+#"), min_size=1,
+                     max_size=40),
+       payload=st.binary(max_size=20000), qos=st.integers(0, 2), dup=st.booleans(), retain=st.booleans(),
+       pid=st.integers(1, 0xFFFF))
+def test_publish_bytes_matches_the_codec(topic: str, payload: bytes, qos: int, dup: bool, retain: bool,
+                                         pid: int) -> None:
+    from filemq.broker.core import publish_bytes
+
+    dup = dup and qos > 0
+    expected = encode(Publish(topic, payload, qos, retain, dup, pid if qos else None))
+    assert publish_bytes(topic, payload, qos, dup, pid if qos else None, retain) == expected

@@ -90,6 +90,44 @@ def _ack(first: int, packet_id: int) -> bytes:
     return bytes((first, 2, packet_id >> 8, packet_id & 0xFF))
 
 
+_topic_bytes: dict[str, bytes] = {}
+
+
+def publish_bytes(topic: str, payload: bytes, qos: int, dup: bool, packet_id: int | None,
+                  retain: bool = False) -> bytes:
+    """PUBLISH wire bytes (same as ``encode(Publish(...))``), with the topic's encoding cached:
+    a record fanned out to N subscribers encodes its topic once."""
+    tb = _topic_bytes.get(topic)
+    if tb is None:
+        raw = topic.encode("utf-8")
+        tb = len(raw).to_bytes(2, "big") + raw
+        if len(_topic_bytes) >= 4096:
+            _topic_bytes.clear()  # bounded with unbounded distinct topics
+        _topic_bytes[topic] = tb
+    first = 0x30 | (qos << 1) | (0x08 if dup else 0) | (0x01 if retain else 0)
+    if qos:
+        assert packet_id is not None
+        rem = len(tb) + 2 + len(payload)
+        pid = packet_id.to_bytes(2, "big")
+    else:
+        rem = len(tb) + len(payload)
+        pid = b""
+    if rem < 0x80:
+        head = bytes((first, rem))
+    elif rem < 0x4000:
+        head = bytes((first, (rem & 0x7F) | 0x80, rem >> 7))
+    else:
+        out = bytearray((first,))
+        while True:
+            byte = rem & 0x7F
+            rem >>= 7
+            out.append(byte | 0x80 if rem else byte)
+            if not rem:
+                break
+        head = bytes(out)
+    return b"".join((head, tb, pid, payload))
+
+
 # ---- the publish hook (collector: dedup and CRC checks) -----------------------------------
 
 
@@ -890,8 +928,11 @@ class BrokerCore:
                 records = group.fetch(min(room, 100), cid)
                 if not records:
                     break
+                parts: list[bytes] = []
                 for r in records:
-                    deliver(conn, state, group, r, None)
+                    deliver(conn, state, group, r, None, parts)
+                if parts:
+                    conn.send(b"".join(parts))
                 pushed += len(records)
             if pushed >= _MAX_PUMP:
                 self._schedule_repump(conn)
@@ -932,14 +973,18 @@ class BrokerCore:
                 records = group.fetch(min(room, 8), conn.client_id)
                 if records:
                     progress = True
+                    parts: list[bytes] = []
                     for r in records:
-                        self._deliver(conn, state, group, r, sh.name)
+                        self._deliver(conn, state, group, r, sh.name, parts)
+                    if parts:
+                        conn.send(b"".join(parts))
             sh.rr += 1
             if not progress:
                 return
 
     def _deliver(self, conn: Connection, state: SessionState, group: ConsumerGroup, r: Record,
-                 share: str | None) -> None:
+                 share: str | None, parts: list[bytes]) -> None:
+        """Append ``r``'s PUBLISH for ``conn`` to ``parts`` (or ack it if nothing takes it)."""
         offset = r.offset
         qos = state.granted_qos(r.topic, offset, share)
         if qos < 0:
@@ -953,12 +998,12 @@ class BrokerCore:
             qos = r.qos
         self.stats.publish_sent()
         if qos == 0:
-            conn.send(encode(Publish(r.topic, r.payload)))
+            parts.append(publish_bytes(r.topic, r.payload, 0, False, None))
             group.ack(offset)
             return
         pid = state.alloc_pid()
         state.inflight[pid] = Outbound(offset, group, qos, r.topic, r.payload, share)
-        conn.send(encode(Publish(r.topic, r.payload, qos, False, group.redelivered(offset), pid)))
+        parts.append(publish_bytes(r.topic, r.payload, qos, group.redelivered(offset), pid))
 
     def on_puback(self, conn: Connection, pid: int) -> None:
         state = conn.session

@@ -39,7 +39,6 @@ def test_kill9_under_load_loses_no_acknowledged_message(tmp_path):
     # The kills must land under load, or the test proves nothing: most rounds saw PUBACKs.
     assert sum(1 for n in result.acked_per_round if n > 0) >= ROUNDS // 2, context
     assert result.lost == 0, f"{result.lost} acknowledged messages lost, e.g. {result.lost_examples}; {context}"
-    assert result.delivered >= result.acked, context
     assert result.sessions_lost == 0, f"the persistent session vanished after a kill -9; {context}"
     assert result.final_exit_code == 0, f"SIGTERM after the last round did not exit 0; {context}"
     log.info("kill9: %d rounds, %d acked, %d duplicates, %.1f s", ROUNDS, result.acked, result.duplicates, elapsed)

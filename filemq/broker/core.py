@@ -83,6 +83,7 @@ CLEAN_GROUP_PREFIX = "mqtt-clean:"
 _PUBREC = 0x50
 _PUBREL = 0x62
 _PUBCOMP = 0x70
+_MAX_RETAINED_INFLIGHT = 60000
 _MAX_PUMP = 1000  # records pushed to one connection per wake-up before yielding the loop
 
 
@@ -668,6 +669,8 @@ class BrokerCore:
             if acl is not None and acl.has_deny and not acl.can_receive(m.topic):
                 continue
             qos = min(sub.qos, m.qos)
+            if len(state.inflight) >= _MAX_RETAINED_INFLIGHT:
+                qos = 0  # never run out of packet ids, however many retained messages match
             if qos == 0:
                 conn.send(encode(Publish(m.topic, m.payload, 0, True)))
             else:

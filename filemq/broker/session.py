@@ -50,6 +50,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("filemq.broker")
 
 PINGRESP = b"\xd0\x00"
+MAX_BACKLOG = 1000  # packets buffered while a CONNECT's password is being checked
 
 AWAITING_CONNECT = "awaiting-connect"
 AUTHENTICATING = "authenticating"
@@ -139,6 +140,9 @@ class Connection:
                 return
             if self.state == AUTHENTICATING:
                 self.backlog.extend(packets[i:])
+                if len(self.backlog) > MAX_BACKLOG:
+                    self.close(f"more than {MAX_BACKLOG} packets sent before CONNACK", will=False,
+                               level=logging.WARNING)
                 return
             try:
                 if type(packet) is Publish:

@@ -40,6 +40,7 @@ import socket
 import sys
 import tempfile
 import time
+import urllib.request
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
@@ -77,11 +78,17 @@ class DemoOptions:
     keep: bool = False
     sensors: int = 5
     rate_per_sensor: float = 10.0  # messages per second per sensor
-    online_s: float = 10.0  # everything up
-    uplink_down_s: float = 10.0  # collector stopped, sensors keep publishing to the agent
+    online_s: float = 8.0  # everything up
+    uplink_down_s: float = 8.0  # collector stopped, sensors keep publishing to the agent
     power_off_s: float = 2.0  # agent killed: the device is dark
-    agent_back_s: float = 10.0  # agent restarted, collector still down
-    uplink_back_s: float = 8.0  # collector restarted, sensors still publishing
+    agent_back_s: float = 8.0  # agent restarted, collector still down
+    drain_cut_after_s: float = 3.0  # collector restarted: the backlog drains, until the flicker
+    flicker_off_s: float = 1.0  # agent killed again, mid-drain
+    uplink_back_s: float = 8.0  # agent back after the flicker, sensors still publishing
+    # The uplink is metered (agent --rate-limit-bytes-per-s) at this multiple of the sensors'
+    # byte rate, so the backlog takes seconds to drain and the flicker hits it mid-way.
+    uplink_speedup: float = 3.0
+    batch_records: int = 100  # small batches: several in flight during the drain
     start_timeout_s: float = 30.0
     settle_timeout_s: float = 15.0  # in-flight publishes after the sensors stop
     drain_timeout_s: float = 120.0
@@ -100,6 +107,8 @@ class DemoOptions:
             "uplink_down_s": 2.0,
             "power_off_s": 1.0,
             "agent_back_s": 2.0,
+            "drain_cut_after_s": 1.0,
+            "flicker_off_s": 0.5,
             "uplink_back_s": 2.0,
         }
         values.update(overrides)
@@ -133,6 +142,7 @@ class DemoResult:
     landing_files: int | None = None
     table_rows: int | None = None
     duplicates_removed: int | None = None
+    dropped_at_collector: int | None = None
     duplicate_keys_in_table: int | None = None
     resent_by_qos1: int | None = None
     unacknowledged_but_stored: int | None = None
@@ -233,7 +243,8 @@ def format_summary(result: DemoResult) -> list[str]:
         ("acknowledged", num(result.acknowledged), "PUBACK received: the oracle"),
         ("landed rows", num(result.landed_rows), f"in Parquet landing files{files}, incl. duplicates"),
         ("rows in curated table", num(result.table_rows), "one per (device_id, stream, offset)"),
-        ("duplicates removed", num(result.duplicates_removed), "landed rows - table rows"),
+        ("dropped at collector", num(result.dropped_at_collector), "re-sent records the collector already had"),
+        ("duplicates removed", num(result.duplicates_removed), "by the ingest: landed rows - table rows"),
         ("re-sent by QoS 1", num(result.resent_by_qos1), "stored twice at the device after the power cut"),
         ("lost", num(result.lost), "acknowledged but not in the table"),
     ]
@@ -497,6 +508,8 @@ class _Demo:
         self.sensors: _Sensors | None = None
         self.services: list[_Service] = []
         self.phase_started = 0.0
+        self.metrics_port = 0
+        self._drops_unknown = False
         self.current_phase = ""
 
     # ---------------------------------------------------------------- reporting
@@ -591,22 +604,26 @@ class _Demo:
             for name, command in (("start", "collector" if "collector" in missing else "agent"),):
                 self._not_available(name, command)
             return
-        collector_port, agent_port = _free_ports(2)
+        collector_port, agent_port, self.metrics_port = _free_ports(3)
         # The default reconnect backoff grows to 60 s: right for a fleet, too slow for a demo
         # whose collector is down for seconds. No flag for it, so a config file.
+        # ~130 bytes per record in a batch (topic, JSON payload, offset, timestamp, qos).
+        uplink_rate = max(4096, int(opts.sensors * opts.rate_per_sensor * 130 * opts.uplink_speedup))
         agent_config = d / "agent.toml"
         agent_config.write_text("[agent]\nbackoff_initial_ms = 200\nbackoff_max_ms = 1000\n")
         collector = _Service(
             "collector",
             [*self.filemq, "collector", "--data-dir", str(d / "collector"), "--landing", str(d / "landing"),
-             "--host", "127.0.0.1", "--port", str(collector_port), "--roll-seconds", str(opts.roll_seconds)],
+             "--host", "127.0.0.1", "--port", str(collector_port), "--roll-seconds", str(opts.roll_seconds),
+             "--metrics-port", str(self.metrics_port)],
             self.logs / "collector.log", collector_port,
         )
         agent = _Service(
             "agent",
             [*self.filemq, "agent", "--data-dir", str(d / "agent"), "--device-id", DEVICE_ID,
              "--collector", f"127.0.0.1:{collector_port}", "--host", "127.0.0.1", "--port", str(agent_port),
-             "--config", str(agent_config)],
+             "--config", str(agent_config), "--batch-records", str(opts.batch_records),
+             "--rate-limit-bytes-per-s", str(uplink_rate)],
             self.logs / "agent.log", agent_port,
         )
         self.services = [agent, collector]
@@ -624,6 +641,7 @@ class _Demo:
             self._check_alive("online", collector, agent)
 
         with self._phase("uplink cut", "collector stopped (SIGTERM); the agent keeps storing"):
+            await self._count_collector_drops()
             code = await collector.stop(opts.stop_timeout_s)
             self._say(f"uplink cut: collector exited with code {code}")
             await self._sleep_with_status(opts.uplink_down_s, lambda: "collector down")
@@ -645,14 +663,24 @@ class _Demo:
             await self._sleep_with_status(opts.agent_back_s, lambda: "collector still down")
             self._check_alive("power cut", agent)
 
-        with self._phase("uplink back", "collector restarted; sensors keep publishing, then stop"):
+        with self._phase("uplink back", "collector restarted; the backlog drains over the metered link"):
             await collector.start(opts.start_timeout_s, "uplink back")
+            await self._sleep_with_status(opts.drain_cut_after_s, lambda: "draining while publishing")
+            self._check_alive("uplink back", collector, agent)
+
+        with self._phase("power flicker", "kill -9 of the agent while it forwards, then restart it"):
+            lag = await self._group_lag(self.dir / "agent", "forwarder")
+            await agent.kill()
+            self._say(f"power flicker: agent killed (SIGKILL) mid-drain, forwarder lag {_opt(lag)} records; "
+                      "it resends what it cannot prove was acked")
+            await self._sleep_with_status(opts.flicker_off_s, lambda: "device dark")
+            await agent.start(opts.start_timeout_s, "power flicker")
             await self._sleep_with_status(opts.uplink_back_s, lambda: "draining while publishing")
             await sensors.stop(opts.settle_timeout_s)
             self.result.published = sensors.published
             self.result.acknowledged = len(sensors.acked)
-            self._check_alive("uplink back", collector, agent)
-            self._say(f"uplink back: sensors stopped: {sensors.published:,} published, "
+            self._check_alive("power flicker", collector, agent)
+            self._say(f"power flicker: sensors stopped: {sensors.published:,} published, "
                       f"{len(sensors.acked):,} acknowledged, {sensors.reconnects} reconnects")
 
         if "status" in missing:
@@ -662,6 +690,7 @@ class _Demo:
         else:
             with self._phase("drain", "wait for forwarder lag 0 and everything landed"):
                 await self._wait_drained(agent, collector)
+                await self._count_collector_drops()
 
         java = java_available()
         if "ingest" in missing:
@@ -715,6 +744,24 @@ class _Demo:
                 lag = entry.get("lag")
                 return int(lag) if isinstance(lag, int) else None
         return None
+
+    async def _count_collector_drops(self) -> None:
+        """Add the running collector's duplicate-records counter (its metrics restart at 0
+        with the process, so it is read before each stop). Informative: a failed scrape
+        leaves the figure unknown, it does not fail the demo."""
+        url = f"http://127.0.0.1:{self.metrics_port}/metrics"
+        try:
+            text = await asyncio.to_thread(_http_get, url, 5.0)
+        except OSError as exc:
+            log.info("collector metrics at %s not readable: %s", url, exc)
+            self._drops_unknown = True
+            return
+        value = _metric(text, "filemq_collector_duplicate_records_dropped_total")
+        if value is None or self._drops_unknown:
+            self._drops_unknown = True
+            self.result.dropped_at_collector = None
+            return
+        self.result.dropped_at_collector = (self.result.dropped_at_collector or 0) + int(value)
 
     async def _wait_drained(self, agent: _Service, collector: _Service) -> None:
         deadline = time.monotonic() + self.options.drain_timeout_s
@@ -834,6 +881,21 @@ def _message_id(payload: bytes | str | None) -> str | None:
         return None
     msg_id = value.get("id") if isinstance(value, dict) else None
     return msg_id if isinstance(msg_id, str) else None
+
+
+def _http_get(url: str, timeout: float) -> str:
+    with urllib.request.urlopen(url, timeout=timeout) as response:  # loopback only
+        body: bytes = response.read()
+    return body.decode(errors="replace")
+
+
+def _metric(text: str, name: str) -> float | None:
+    """The value of an unlabelled metric in Prometheus text format."""
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            with contextlib.suppress(ValueError):
+                return float(line.split()[1])
+    return None
 
 
 def _tail(path: Path, lines: int) -> list[str]:

@@ -239,6 +239,6 @@ def test_an_interrupted_demo_stops_every_process_it_started(tmp_path: Path, inte
             proc.wait()
     assert proc.returncode == 1, err[-2000:]
     summary = json.loads(out.splitlines()[0])
-    assert summary["failed_phase"] in {"online", "uplink cut", "power cut", "uplink back"}
+    assert summary["failed_phase"] in {"online", "uplink cut", "power cut", "uplink back", "power flicker"}
     assert "interrupted" in summary["error"]
     assert _processes_mentioning(str(work)) == []

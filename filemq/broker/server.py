@@ -297,7 +297,9 @@ class Broker:
                     next_sys = now + interval
                     self.stats.store_bytes = queue.log.size_bytes()
                     for g in queue.groups():
-                        self.stats.set_backlog(g.name, g.lag)
+                        # Group names embed client ids, which may hold wildcard characters
+                        # that are not allowed in a topic name.
+                        self.stats.set_backlog(g.name.replace("+", "%2B").replace("#", "%23"), g.lag)
                     core.publish_sys(self.stats.sys_messages(now))
                 if now >= next_snapshot and core.retained_ready:
                     next_snapshot = now + RETAINED_SNAPSHOT_INTERVAL_S

@@ -296,10 +296,14 @@ class Broker:
                 if now >= next_sys:
                     next_sys = now + interval
                     self.stats.store_bytes = queue.log.size_bytes()
-                    for g in queue.groups():
-                        # Group names embed client ids, which may hold wildcard characters
-                        # that are not allowed in a topic name.
-                        self.stats.set_backlog(g.name.replace("+", "%2B").replace("#", "%23"), g.lag)
+                    # Durable groups only (clean sessions come and go); group names embed
+                    # client ids, whose wildcard characters are not allowed in topic names.
+                    backlog = {g.name.replace("+", "%2B").replace("#", "%23"): g.lag
+                               for g in queue.groups() if g.durable}
+                    for name in [n for n in self.stats.backlog if n not in backlog]:
+                        self.stats.remove_backlog(name)
+                    for name, lag in backlog.items():
+                        self.stats.set_backlog(name, lag)
                     core.publish_sys(self.stats.sys_messages(now))
                 if now >= next_snapshot and core.retained_ready:
                     next_snapshot = now + RETAINED_SNAPSHOT_INTERVAL_S

@@ -1123,6 +1123,10 @@ class BrokerCore:
             if state.save_due:
                 self._save_session(state)
 
+    def pending_commits(self) -> list[asyncio.Future[None]]:
+        """Commit futures that acks are still waiting for."""
+        return [f for f in self._batches if not f.done()]
+
     def close_all(self, reason: str) -> None:
         for conn in list(self.conns):
             conn.close(reason, will=False)

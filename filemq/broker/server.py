@@ -248,6 +248,13 @@ class Broker:
                 await self._ticker
         core = self.core
         if core is not None:
+            # Let the commits in progress finish so their publishers get their acks (fewer
+            # re-sends after the restart); bounded, a stuck disk must not block shutdown.
+            pending = core.pending_commits()
+            if pending:
+                with contextlib.suppress(TimeoutError, OSError):
+                    await asyncio.wait_for(asyncio.gather(*pending, return_exceptions=True), 2.0)
+                await asyncio.sleep(0)  # run the batches' done-callbacks (ack release)
             core.close_all("broker shutting down")
             core.save_sessions()
         if self.queue is not None:

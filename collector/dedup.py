@@ -50,8 +50,9 @@ Key = tuple[str, str]
 class HighWaterMarks:
     """The marks in memory plus the snapshot file; use from one thread (the event loop)."""
 
-    def __init__(self, path: str | Path, fileio: FileIO = OS_FILE_IO) -> None:
-        self.path = Path(path)
+    def __init__(self, path: str | Path | None, fileio: FileIO = OS_FILE_IO) -> None:
+        """``path`` None: marks kept in memory only (:meth:`save` and :meth:`load` refuse)."""
+        self.path = Path(path) if path is not None else None
         self._fileio = fileio
         self._marks: dict[Key, int] = {}
         self.covered = 0  # WAL offset the loaded/saved snapshot covers (records below it)
@@ -95,12 +96,16 @@ class HighWaterMarks:
 
     def save_encoded(self, data: bytes, covered: int) -> None:
         """Write a snapshot made by :meth:`encode` (may run on a worker thread)."""
+        if self.path is None:
+            raise ValueError("these high-water marks have no snapshot file")
         atomic_write(self.path, data, self._fileio)
         self.covered = covered
 
     def load(self) -> bool:
         """Replace the marks with the snapshot's; False (and empty marks) if missing or damaged."""
         self.clear()
+        if self.path is None:
+            return False
         try:
             data = self.path.read_bytes()
         except FileNotFoundError:

@@ -7,7 +7,8 @@ write-ahead log, with the durable group commit before every PUBACK) plus:
   rejects a batch whose CRC fails (no PUBACK, the connection is closed: the agent resends);
   quarantines a malformed one (written to ``<data_dir>/quarantine/``, acknowledged,
   counted); acknowledges and drops a duplicate (entirely at or below the stream's
-  high-water mark); stores an overlapping one with the already-held records trimmed off;
+  high-water mark: the highest offset of a batch committed to the WAL, tracked by a WAL
+  tail reader); stores an overlapping one with the already-held records trimmed off;
 * a :class:`collector.lander.Lander` that rolls the WAL into landing files.
 
 What a caller may rely on: a batch is acknowledged only when it is durable in the WAL (or is
@@ -38,6 +39,7 @@ from collector.lander import Lander
 from collector.landing import LandingWriter
 from filemq.batch import (
     BatchCrcError,
+    BatchError,
     MalformedBatch,
     decode_batch,
     encode_batch,
@@ -119,7 +121,14 @@ class Collector:
         self.collector_id = c.collector_id or socket.gethostname().split(".")[0] or "collector"
         self.quarantine_dir = self.data_dir / QUARANTINE_DIR
         self.stats = DoorStats()
+        # The lander's marks (durable, rows landed or buffered) and the door's marks (every
+        # batch committed to the WAL, rebuilt at start by replaying the WAL from the lander's
+        # position, kept in memory only): the door drops a resend of anything acked, even
+        # while the lander is behind.
         self.marks = HighWaterMarks(self.data_dir / SNAPSHOT_FILE, fileio)
+        self.door_marks = HighWaterMarks(None)
+        self._tail_pos = 0
+        self._tail_task: asyncio.Task[None] | None = None
         self.broker = Broker(broker_config(config), publish_hook=self.check_publish)
         self.lander: Lander | None = None
         self._fileio = fileio
@@ -140,16 +149,54 @@ class Collector:
         lander = Lander(self.broker.queue, writer, self.marks, roll_bytes=c.roll_bytes,
                         roll_seconds=c.roll_seconds)
         lander.recover()
+        for (device, stream), mark in self.marks.items():
+            self.door_marks.advance(device, stream, mark)
+        self._tail_pos = lander.group.pending_offset
         lander.start()
         self.lander = lander
+        self._tail_task = asyncio.create_task(self._tail_wal(), name="filemq-collector-wal-tail")
         log.info("collector %s listening on %s, landing in %s, WAL backlog %d batches",
                  self.collector_id, self.broker.listening, self.landing_dir, lander.lag)
 
     async def stop(self) -> None:
         """Land what is buffered (bounded wait), then stop the broker (persists everything)."""
+        if self._tail_task is not None:
+            self._tail_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._tail_task
         if self.lander is not None:
             await self.lander.stop()
         await self.broker.stop()
+
+    async def _tail_wal(self) -> None:
+        """Advance the door's marks from every batch header committed to the WAL, in order."""
+        queue = self.broker.queue
+        assert queue is not None
+        wal = queue.log
+        while True:
+            end = wal.committed_offset
+            while self._tail_pos < end:
+                self._tail_pos = max(self._tail_pos, wal.first_offset)
+                records = wal.read(self._tail_pos, 16, 16 << 20)
+                if not records:
+                    self._tail_pos = end  # the rest was corrupt or deleted: nothing to learn
+                    break
+                for record in records:
+                    if parse_batch_topic(record.topic) is None:
+                        continue
+                    try:
+                        # The WAL's record CRC already covers these bytes.
+                        header = peek_header(record.payload, verify_crc=False)
+                    except BatchError:
+                        continue
+                    self.door_marks.advance(header.device_id, header.stream, header.last_offset)
+                self._tail_pos = records[-1].offset + 1
+                await asyncio.sleep(0)  # a long replay at start must not stall the listener
+            await queue.wait_for_records(self._tail_pos)
+
+    def mark(self, device_id: str, stream: str) -> int:
+        """The highest offset of ``device_id``/``stream`` durably held (WAL or landed), or -1."""
+        return max(self.door_marks.get(device_id, stream), self.marks.get(device_id, stream))
 
     # -- the door -------------------------------------------------------------------------------
 
@@ -175,7 +222,7 @@ class Collector:
                 f"topic {packet.topic!r} does not match the batch header's device {header.device_id!r}"
                 f" stream {header.stream!r}",
             )
-        mark = self.marks.get(header.device_id, header.stream)
+        mark = self.mark(header.device_id, header.stream)
         if header.last_offset <= mark:
             stats.duplicate_batches += 1
             stats.duplicate_records += header.count

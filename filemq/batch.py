@@ -357,18 +357,20 @@ def encode_batch(
     return MAGIC + _U32.pack(crc32c(rest, _MAGIC_CRC)) + rest
 
 
-def peek_header(data: bytes | bytearray | memoryview) -> BatchHeader:
+def peek_header(data: bytes | bytearray | memoryview, *, verify_crc: bool = True) -> BatchHeader:
     """Check the CRC, magic, version and reserved bits, then parse the header (not the body).
 
     Raises :class:`BatchCrcError` or :class:`MalformedBatch` as :func:`decode_batch` does
     for the header; a body that fails later validation is not detected here.
+    ``verify_crc=False`` skips the CRC, for bytes already checked (e.g. read back from a log
+    whose own record CRC covers them).
     """
     view = memoryview(data)
     size = len(view)
     if size < CRC_START:
         raise MalformedBatch(f"{size} bytes is shorter than the {CRC_START}-byte batch prefix")
     (crc,) = _U32.unpack_from(view, 4)
-    actual = crc32c(view[CRC_START:], crc32c(view[:4]))
+    actual = crc32c(view[CRC_START:], crc32c(view[:4])) if verify_crc else crc
     if actual != crc:
         # Checked before anything else so that damage anywhere (magic and version included)
         # is resent rather than quarantined.

@@ -397,3 +397,42 @@ def test_metrics_endpoint(tmp_path: Path) -> None:
     assert "filemq_collector_rows_landed_total 7.0" in text
     assert "filemq_collector_duplicate_records_dropped_total" in text
     assert os.path.isdir(tmp_path / "landing" / "incoming")
+
+
+def test_door_drops_resends_of_acked_batches_while_the_lander_is_behind(tmp_path: Path) -> None:
+    """The door's marks follow the WAL, not the lander: a resend of anything acked is dropped
+    even when nothing has been landed yet, also after a restart (replayed from the WAL)."""
+
+    async def first() -> None:
+        collector = Collector(config(tmp_path))
+        await collector.start()
+        assert collector.lander is not None
+        await collector.lander.stop(land=False)  # stalled lander: nothing lands
+        client = MQTTClient("dev-1", port=collector.port)
+        await client.connect()
+        await client.publish(TOPIC, batch(0, 10), qos=1, timeout=5)
+        await until(lambda: collector.door_marks.get("dev-1", "main") == 9)
+        await client.publish(TOPIC, batch(0, 10), qos=1, timeout=5)  # resend: dropped
+        await client.publish(TOPIC, batch(5, 10), qos=1, timeout=5)  # overlap: trimmed
+        await client.disconnect()
+        assert collector.stats.duplicate_batches == 1 and collector.stats.trimmed_records == 5
+        assert collector.lander.stats.rows_landed == 0
+        collector.lander = None  # already stopped
+        await collector.stop()
+
+    async def second() -> None:
+        collector = Collector(config(tmp_path, **{"collector.roll_seconds": 1}))
+        await collector.start()
+        # Replayed from the WAL before anything is landed.
+        await until(lambda: collector.door_marks.get("dev-1", "main") == 14)
+        client = MQTTClient("dev-1", port=collector.port)
+        await client.connect()
+        await client.publish(TOPIC, batch(10, 5), qos=1, timeout=5)
+        await client.disconnect()
+        assert collector.stats.duplicate_batches == 1
+        await until(lambda: collector.lander is not None and collector.lander.stats.rows_landed == 15)
+        await collector.stop()
+
+    run(first())
+    run(second())
+    assert [r["offset"] for r in landed_rows(tmp_path / "landing")] == list(range(15))

@@ -428,7 +428,7 @@ def bench_consume(data_dir: str | None, records: int, size: int, groups: int, ro
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as one JSON object on stdout.")
 def demo(quick: bool, keep: bool, work_dir: str | None, sensors: int | None, as_json: bool) -> None:
     """The whole pipeline on loopback: sensors -> agent -> collector -> Spark, with the uplink
-    cut and a kill -9 of the agent; checks that no acknowledged message is lost.
+    cut and two kill -9 of the agent; checks that no acknowledged message is lost.
 
     Exit status: 0 lost 0, 1 a phase failed or a message is lost, 3 a command is not yet available.
     """

@@ -3,9 +3,10 @@
 :func:`run_demo` starts a collector and an agent as ``filemq`` subprocesses in a work
 directory, runs simulated sensors that publish JSON readings with QoS 1 through the real
 :class:`~filemq.mqtt.client.MQTTClient`, cuts the uplink (stops the collector), cuts the
-device's power (``kill -9`` of the agent) mid-stream, restarts both, waits until the backlog
-has drained and landed, runs ``filemq ingest --once`` and compares the curated table with the
-*oracle*: the set of messages whose PUBACK a sensor received.
+device's power (``kill -9`` of the agent) mid-stream, restarts both, cuts the power again
+while the agent drains its backlog over a metered uplink, waits until everything has drained
+and landed, runs ``filemq ingest --once`` and compares the curated table with the *oracle*:
+the set of messages whose PUBACK a sensor received.
 
 What a caller may rely on:
 

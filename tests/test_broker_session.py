@@ -855,3 +855,44 @@ def test_publish_bytes_matches_the_codec(topic: str, payload: bytes, qos: int, d
     dup = dup and qos > 0
     expected = encode(Publish(topic, payload, qos, retain, dup, pid if qos else None))
     assert publish_bytes(topic, payload, qos, dup, pid if qos else None, retain) == expected
+
+
+def test_live_delivery_wakes_only_matching_sessions_and_reads_from_memory(tmp_path: Path) -> None:
+    async def main() -> None:
+        h = Harness(tmp_path)
+        subs = []
+        for i in range(5):
+            c = h.client()
+            c.connect(f"s{i}", clean=i % 2 == 0)
+            c.send(Subscribe(1, [(f"dev/{i}/#", 1)]))
+            c.received()
+            subs.append(c)
+        p = h.client()
+        p.connect("p")
+        woken: list[str] = []
+        real_pump = h.core.pump
+
+        def pump(conn: Connection) -> None:
+            woken.append(conn.client_id)
+            real_pump(conn)
+
+        h.core.pump = pump  # type: ignore[method-assign]
+        reads = 0
+        real_read = h.queue.log.read
+
+        def read(*a: Any, **kw: Any) -> list[Record]:
+            nonlocal reads
+            reads += 1
+            return real_read(*a, **kw)
+
+        h.queue.log.read = read  # type: ignore[method-assign]
+        p.send(*[Publish("dev/3/temp", b"%d" % i, 1, packet_id=i + 1) for i in range(30)])
+        await h.commit()
+        got = subs[3].received()
+        subs[3].send(*[Puback(m.packet_id) for m in got])
+        got += subs[3].received()
+        assert [m.payload for m in got] == [b"%d" % i for i in range(30)]
+        assert set(woken) == {"s3"}
+        assert reads == 0
+        assert all(c.received() == [] for i, c in enumerate(subs) if i != 3)
+    run(main())

@@ -39,6 +39,7 @@ log = logging.getLogger(__name__)
 MOSQUITTO = "/usr/sbin/mosquitto"
 MOSQUITTO_PUB = "mosquitto_pub"
 MOSQUITTO_SUB = "mosquitto_sub"
+SMALL_BRIDGE_BACKLOG = 50_000
 
 
 @dataclass
@@ -405,6 +406,11 @@ def run_forward_bench(
                  " mosquitto-clients)" if not skip_bridge else "[bridge] skipped (--skip-bridge)")
         else:
             emit(run_bridge(base / "bridge", records, size, timeout))
+            if records > SMALL_BRIDGE_BACKLOG:
+                # Context only (not used in the ratio): Mosquitto's rate with a short queue.
+                small = run_bridge(base / "bridge-small", SMALL_BRIDGE_BACKLOG, size, timeout)
+                small.name = "mosquitto_bridge_drain_small_backlog"
+                emit(small)
         emit(run_devices(base / "devices", devices, records, size, timeout))
         emit(run_ingest(base / "ingest", ingest_records, size, timeout))
     finally:

@@ -896,3 +896,23 @@ def test_live_delivery_wakes_only_matching_sessions_and_reads_from_memory(tmp_pa
         assert reads == 0
         assert all(c.received() == [] for i, c in enumerate(subs) if i != 3)
     run(main())
+
+
+def test_bulk_pubacks_and_a_bad_one(tmp_path: Path) -> None:
+    async def main() -> None:
+        h = Harness(tmp_path, max_inflight=50)
+        s = h.client()
+        s.connect("s")
+        s.send(Subscribe(1, [("t", 1)]))
+        s.received()
+        p = h.client()
+        p.connect("p")
+        p.send(*[Publish("t", b"%d" % i, 1, packet_id=i + 1) for i in range(40)])
+        await h.commit()
+        got = s.received()
+        assert len(got) == 40
+        s.send_bytes(b"".join(encode(Puback(m.packet_id)) for m in got))  # one read of PUBACKs
+        assert s.conn.session is not None and s.conn.session.inflight == {}
+        s.send_bytes(b"\x40\x02\x00\x00")  # packet id 0
+        assert s.conn.closed and "packet id" in s.conn.close_reason
+    run(main())

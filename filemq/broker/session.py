@@ -120,6 +120,27 @@ class Connection:
         if self.closed:
             return
         self.last_rx = time.monotonic() if now is None else now
+        n = len(data) >> 2
+        if (
+            n
+            and self.state == CONNECTED
+            and len(data) & 3 == 0
+            and data[0::4] == b"\x40" * n
+            and data[1::4] == b"\x02" * n
+            and not self.decoder.buffered
+        ):
+            # Fast path: a read of nothing but PUBACKs (what a subscriber sends back) is
+            # split with two C-level slices instead of decoding packet by packet.
+            pids = [(hi << 8) | lo for hi, lo in zip(data[2::4], data[3::4], strict=True)]
+            if 0 not in pids:  # (id 0 is invalid: let the decoder report it)
+                on_puback = self.core.on_puback
+                try:
+                    for pid in pids:
+                        on_puback(self, pid)
+                except Exception as exc:
+                    log.exception("client %r from %s: internal error", self.client_id, self.peer)
+                    self.close(f"internal error: {exc!r}", will=True, level=logging.ERROR)
+                return
         try:
             self.decoder.feed(data)
             packets = self.decoder.packets()

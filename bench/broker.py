@@ -146,12 +146,14 @@ def scenario_ingest(opts: BrokerBenchOptions, say: Progress) -> dict[str, Any]:
     with _workdir(opts, "ingest") as work:
         runs = _alternate(opts, work, lambda b: _ingest_run(b, opts, messages, "bench/ingest"), amqtt=True,
                           say=lambda name, r: say(f"  {name:9}: {r.ack_rate:>10,.0f} PUBACKs/s ({r.acked:,} in "
-                                                  f"{r.ack_seconds:.2f} s)" + _errors(r)))
+                                                  f"{r.ack_seconds:.2f} s, broker CPU {r.broker_cpu_pct:.0f}%)"
+                                                  + _errors(r)))
     for name, results in runs.items():
         best = max(results, key=lambda r: r.ack_rate)
         out[f"{name}_acks_per_s"] = round(best.ack_rate)
         out[f"{name}_acked"] = best.acked
         out[f"{name}_runs_acks_per_s"] = [round(r.ack_rate) for r in results]
+        out[f"{name}_cpu_pct"] = _rnd(best.broker_cpu_pct or 0.0)
         if best.errors:
             out[f"{name}_errors"] = best.errors[:4]
     fm = out["filemq_acks_per_s"]
@@ -191,7 +193,10 @@ def _alternate(opts: BrokerBenchOptions, work: Path, run: Callable[[BrokerProces
             if name == "amqtt" and rep:
                 continue
             with starter(work / f"{name}-{rep}") as broker:
+                cpu0, t0 = broker.cpu_seconds(), time.monotonic()
                 result = run(broker)
+                # Whole run (connects included): is the broker CPU-bound (~100% = one core)?
+                result.broker_cpu_pct = 100 * (broker.cpu_seconds() - cpu0) / (time.monotonic() - t0)
             runs.setdefault(name, []).append(result)
             say(name, result)
     return runs
@@ -219,13 +224,15 @@ def scenario_fanout(opts: BrokerBenchOptions, say: Progress) -> dict[str, Any]:
         runs = _alternate(opts, work, lambda b: _fanout_run(b, opts, messages), amqtt=False,
                           say=lambda name, r: say(f"  {name:9}: {r.delivery_rate:>10,.0f} deliveries/s "
                                                   f"({r.delivered:,} of {r.acked * opts.subscribers:,} in "
-                                                  f"{r.delivery_seconds:.2f} s)" + _errors(r)))
+                                                  f"{r.delivery_seconds:.2f} s, broker CPU "
+                                                  f"{r.broker_cpu_pct:.0f}%)" + _errors(r)))
     for name, results in runs.items():
         best = max(results, key=lambda r: r.delivery_rate)
         out[f"{name}_deliveries_per_s"] = round(best.delivery_rate)
         out[f"{name}_delivered"] = best.delivered
         out[f"{name}_published"] = best.acked
         out[f"{name}_runs_deliveries_per_s"] = [round(r.delivery_rate) for r in results]
+        out[f"{name}_cpu_pct"] = _rnd(best.broker_cpu_pct or 0.0)
         if best.errors:
             out[f"{name}_errors"] = best.errors[:4]
     base = out.get("mosquitto_deliveries_per_s")

@@ -550,6 +550,7 @@ class LoadResult:
 
     publishers: list[PublisherResult]
     subscribers: list[SubscriberResult]
+    broker_cpu_pct: float | None = None  # set by callers that own the broker process
 
     @property
     def acked(self) -> int:

@@ -223,6 +223,7 @@ class Lander:
                     return
                 continue
             if records:
+                await asyncio.sleep(0)  # a long WAL backlog must not starve the broker
                 continue
             if self._stopping:
                 return

@@ -352,6 +352,7 @@ class Forwarder:
             stats.bytes_sent += len(payload)
             stats.inflight_batches = len(self._inflight)
             wake.set()
+            await asyncio.sleep(0)  # let the local broker run between batches of a backlog
 
     async def _collect(self) -> list[Record]:
         """The next batch: waits for at least one record, then up to the linger time for more."""

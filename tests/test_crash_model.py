@@ -342,9 +342,14 @@ class CrashModel(RuleBasedStateMachine):
 
     # -- crashes and reopening ---------------------------------------------------------------
 
-    @rule(mode=st.sampled_from(["drop", "tear", "flip"]), seed=st.integers(0, 2**32))
-    def crash(self, mode: str, seed: int) -> None:
-        self._crash_and_reopen(mode, seed)
+    @rule(
+        mode=st.sampled_from(["drop", "tear", "flip"]), seed=st.integers(0, 2**32),
+        recovery_cut=st.one_of(st.none(), st.integers(0, 10)),
+    )
+    def crash(self, mode: str, seed: int, recovery_cut: int | None) -> None:
+        """A power cut; with ``recovery_cut`` the power fails again during (or right after) the
+        recovery of the next open, before the log is used."""
+        self._crash_and_reopen(mode, seed, recovery_cut)
 
     @rule(
         cut_after=st.integers(0, 20), batch=st.lists(entries, min_size=1, max_size=20),
@@ -392,7 +397,7 @@ class CrashModel(RuleBasedStateMachine):
         finally:
             self.io.fail_writes_after(None)
 
-    def _crash_and_reopen(self, mode: str, seed: int) -> None:
+    def _crash_and_reopen(self, mode: str, seed: int, recovery_cut: int | None = None) -> None:
         report = self.io.crash(
             mode, random.Random(seed), flip_filter=flip_targets, flip_position=aim_at_headers,  # type: ignore[arg-type]
         )
@@ -406,6 +411,15 @@ class CrashModel(RuleBasedStateMachine):
             event(f"crash: flipped a bit in a {os.path.splitext(report.flipped[0])[1] or os.path.basename(report.flipped[0])} file")
         flipped = report.flipped
         segment_flipped = flipped is not None and flipped[0].endswith(".log")
+        if recovery_cut is not None:
+            self.io.power_cut_after(recovery_cut)
+            try:
+                Log.open(self.log_dir, self.config, fileio=self.io)  # abandoned: the power fails
+                event("crash: again right after recovery")
+            except PowerCut:
+                event("crash: again during recovery")
+            rng = random.Random(seed + 1)
+            self.io.crash(rng.choice(["drop", "tear"]), rng)
         self._reopen(
             crashed=True, segment_flipped=segment_flipped,
             pending_flipped=flipped is not None and flipped[0].endswith("pending"),

@@ -59,7 +59,8 @@ def fake_filemq(tmp_path: Path) -> list[str]:
 
 def _short(**overrides: object) -> DemoOptions:
     return DemoOptions.quick(online_s=1.0, uplink_down_s=1.0, power_off_s=0.5, agent_back_s=1.5,
-                             uplink_back_s=1.0, start_timeout_s=20.0, **overrides)
+                             drain_cut_after_s=0.5, flicker_off_s=0.3, uplink_back_s=1.0,
+                             start_timeout_s=20.0, **overrides)
 
 
 def test_a_pipeline_that_lands_nothing_is_reported_as_losing_every_acked_message(
@@ -82,9 +83,10 @@ def test_a_pipeline_that_lands_nothing_is_reported_as_losing_every_acked_message
     assert statuses["power cut"] == "ok"
     assert statuses["ingest"] == "not yet available: filemq ingest"
     assert statuses["verify"] == "failed"
-    # The agent really was killed and started again on the same data dir.
+    assert statuses["power flicker"] == "ok"
+    # The agent really was killed twice and started again on the same data dir.
     agent_log = (tmp_path / "run" / "logs" / "agent.log").read_text()
-    assert agent_log.count("=== filemq demo: start #") == 2
+    assert agent_log.count("=== filemq demo: start #") == 3
     assert any(e.kind == "status" for e in events)
     assert (tmp_path / "run").exists()  # kept for a person to look at
     assert "FAILED in phase 'verify'" in format_summary(result)[0]

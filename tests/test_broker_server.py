@@ -239,6 +239,17 @@ def test_cli_broker_process(tmp_path: Path) -> None:
     bad = subprocess.run([sys.executable, "-m", "cli", "broker", "--data-dir", str(tmp_path), "--host", "0.0.0.0"],
                          cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "password" in bad.stderr
+    nofile = subprocess.run([sys.executable, "-m", "cli", "broker", "--data-dir", str(tmp_path), "--port", "0",
+                             "--password-file", str(tmp_path / "missing")],
+                            cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    assert nofile.returncode == 2 and "cannot read password file" in nofile.stderr
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        taken = busy.getsockname()[1]
+        in_use = subprocess.run([sys.executable, "-m", "cli", "broker", "--data-dir", str(tmp_path), "--port",
+                                 str(taken)], cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    assert in_use.returncode == 1 and "address already in use" in in_use.stderr
 
 
 # ---- server fuzz: hostile byte streams on a live broker ---------------------------------------

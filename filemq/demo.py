@@ -157,6 +157,7 @@ class DemoResult:
     log_file: str | None = None
     log_tail: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    work_dir_kept: bool = True
 
     @property
     def complete(self) -> bool:
@@ -217,6 +218,7 @@ def run_demo(options: DemoOptions, progress: ProgressCallback | None = None) -> 
     result = asyncio.run(demo.run())
     if created and result.ok and not options.keep:
         shutil.rmtree(work_dir, ignore_errors=True)
+        result.work_dir_kept = False
     return result
 
 
@@ -256,7 +258,8 @@ def format_summary(result: DemoResult) -> list[str]:
     if result.lost_sample:
         lines.append("  missing ids (first ones): " + ", ".join(result.lost_sample))
     lines.append("  phases: " + ", ".join(_phase_text(p) for p in result.phases))
-    lines.append(f"  total {result.seconds:.1f} s, work dir {result.work_dir}")
+    kept = "" if result.work_dir_kept else " (removed; --keep keeps it)"
+    lines.append(f"  total {result.seconds:.1f} s, work dir {result.work_dir}{kept}")
     return lines
 
 
@@ -673,7 +676,7 @@ class _Demo:
             lag = await self._group_lag(self.dir / "agent", "forwarder")
             await agent.kill()
             self._say(f"power flicker: agent killed (SIGKILL) mid-drain, forwarder lag {_opt(lag)} records; "
-                      "it resends what it cannot prove was acked")
+                      "it resends what it had not yet recorded as acknowledged")
             await self._sleep_with_status(opts.flicker_off_s, lambda: "device dark")
             await agent.start(opts.start_timeout_s, "power flicker")
             await self._sleep_with_status(opts.uplink_back_s, lambda: "draining while publishing")

@@ -320,3 +320,19 @@ def test_config_rejects_bad_names() -> None:
         ForwarderConfig(device_id="a/b")
     with pytest.raises(ValueError, match="backoff"):
         ForwarderConfig(device_id="a", backoff_initial_s=5, backoff_max_s=1)
+
+
+@device_test
+async def test_a_record_bigger_than_batch_bytes_goes_alone(device: Device, collector: FakeCollector) -> None:
+    await device.publish(3, size=50)
+    await device.publish(1, size=5000)
+    await device.publish(3, size=50)
+    fwd = make_forwarder(device, collector, batch_records=100, batch_bytes=1000)
+    fwd.start()
+    await until(lambda: device.group.pending_offset == 7)
+    await fwd.stop()
+    assert [decode_batch(p).offsets() for p in collector.received] == [[0, 1, 2], [3], [4, 5, 6]]
+    topics = dict(fwd.sys_messages())
+    assert topics["$SYS/broker/forwarder/records/acked"] == b"7"
+    assert topics["$SYS/broker/forwarder/backlog"] == b"0"
+    assert topics["$SYS/broker/forwarder/batches/acked"] == b"3"

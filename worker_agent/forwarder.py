@@ -232,7 +232,6 @@ class Forwarder:
         self._task: asyncio.Task[None] | None = None
         self._stopping = asyncio.Event()
         self._attempt = 0
-        self._upstream: Upstream | None = None
 
     # -- lifecycle -----------------------------------------------------------------------
 
@@ -270,14 +269,12 @@ class Forwarder:
                 continue
             self.stats.connects += 1
             self.stats.connected = True
-            self._upstream = upstream
             log.info("forwarder connected upstream; backlog %d records", self.group.lag)
             reason = "stopped"
             try:
                 reason = await self._forward(upstream)
             finally:
                 self.stats.connected = False
-                self._upstream = None
                 self._abandon_inflight()
                 with contextlib.suppress(Exception):
                     await asyncio.shield(upstream.disconnect(timeout=1.0))

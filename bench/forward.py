@@ -148,7 +148,7 @@ def run_drain(work: Path, records: int, size: int, timeout: float) -> Result:
     fill_agent_log(agent_dir, records, size)
     cport, aport = free_port(), free_port()
     config = work / "agent.toml"
-    config.write_text("[agent]\nbackoff_initial_ms = 100\nbackoff_max_ms = 1000\n[broker]\nsys_interval_s = 0\n")
+    config.write_text("[agent]\nbackoff_initial_ms = 50\nbackoff_max_ms = 250\n[broker]\nsys_interval_s = 0\n")
     agent = _filemq("agent", "--config", str(config), "--data-dir", str(agent_dir), "--device-id", "bench-1",
                     "--collector", f"127.0.0.1:{cport}", "--port", str(aport), log_path=work / "agent.log")
     try:

@@ -561,6 +561,9 @@ def bench_ingest(rows: int, files: int, dup_frac: float, work_dir: str | None, m
                    f"copy {result.copy_seconds:.1f}s, ingest {result.ingest_seconds:.1f}s, "
                    f"ratio {result.ratio:.2f}x (acceptance <= {ACCEPTANCE_RATIO}x) "
                    f"{'PASS' if result.passed else 'FAIL'}")
+        if result.cpu_ratio is not None:
+            click.echo(f"JVM CPU time: copy {result.copy_cpu_seconds:.1f}s, ingest "
+                       f"{result.ingest_cpu_seconds:.1f}s, ratio {result.cpu_ratio:.2f}x")
     if not result.passed:
         sys.exit(1)
 

@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -122,6 +124,9 @@ class IngestBenchResult:
     copy_seconds: float
     ingest_seconds: float
     ratio: float
+    copy_cpu_seconds: float | None
+    ingest_cpu_seconds: float | None
+    cpu_ratio: float | None
     rows_written: int
     duplicates_removed: int
     passed: bool
@@ -156,9 +161,11 @@ def run_ingest_bench(
         # run pays it alone.
         spark.read.parquet(incoming).limit(1000).collect()
 
-        started = time.monotonic()
+        cpu = _jvm_cpu_clock(spark, master)
+        started, cpu_started = time.monotonic(), cpu()
         spark.read.parquet(incoming).write.parquet(str(work_dir / "copy"))
         copy_seconds = time.monotonic() - started
+        copy_cpu = _elapsed(cpu_started, cpu())
         log.warning("plain copy: %.1fs", copy_seconds)
 
         config = IngestConfig(
@@ -166,9 +173,10 @@ def run_ingest_bench(
             table=work_dir / "table",
             checkpoint=work_dir / "checkpoint",
         )
-        started = time.monotonic()
+        started, cpu_started = time.monotonic(), cpu()
         summary = run_ingest(spark, config, once=True)
         ingest_seconds = time.monotonic() - started
+        ingest_cpu = _elapsed(cpu_started, cpu())
         log.warning("ingest: %.1fs", ingest_seconds)
         table_rows = spark.read.parquet(str(work_dir / "table")).count()
     finally:
@@ -188,7 +196,37 @@ def run_ingest_bench(
         copy_seconds=round(copy_seconds, 3),
         ingest_seconds=round(ingest_seconds, 3),
         ratio=round(ratio, 3),
+        copy_cpu_seconds=copy_cpu,
+        ingest_cpu_seconds=ingest_cpu,
+        cpu_ratio=round(ingest_cpu / copy_cpu, 3) if ingest_cpu and copy_cpu else None,
         rows_written=summary.rows_written,
         duplicates_removed=summary.duplicates_removed,
         passed=correct and ratio <= ACCEPTANCE_RATIO,
     )
+
+
+def _jvm_cpu_clock(spark: Any, master: str) -> Callable[[], float | None]:
+    """CPU seconds (user + system) used so far by the local Spark JVM, or None.
+
+    With a ``local[*]`` master the executors are threads of the driver JVM, so its CPU time
+    is the job's work; unlike wall-clock time it does not grow when other processes compete
+    for the cores. Other masters (and non-Linux systems) report None.
+    """
+    if not master.startswith("local"):
+        return lambda: None
+    pid = int(spark.sparkContext._jvm.java.lang.ProcessHandle.current().pid())
+    stat = Path(f"/proc/{pid}/stat")
+    ticks = os.sysconf("SC_CLK_TCK")
+
+    def read() -> float | None:
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            return None
+        return (int(fields[11]) + int(fields[12])) / ticks
+
+    return read
+
+
+def _elapsed(start: float | None, end: float | None) -> float | None:
+    return None if start is None or end is None else round(end - start, 2)

@@ -112,40 +112,58 @@ class CuratedTable:
         return found
 
     def new_rows(
-        self, spark: SparkSession, batch: DataFrame, partitions: list[Path]
+        self,
+        spark: SparkSession,
+        batch: DataFrame,
+        row_id: Column,
+        partitions: list[Path],
+        helper_columns: tuple[str, ...] = (),
     ) -> tuple[DataFrame, int]:
         """Rows of ``batch`` whose key is neither in ``partitions`` nor earlier in the batch.
 
-        ``batch`` must carry :data:`ROW_ID`, a unique long per row ordering the copies of a
-        key (the smallest is kept). Returns the new rows (same columns, ROW_ID dropped) and
-        how many keys were duplicated.
+        ``row_id`` is an expression over ``batch`` giving a unique long per row that orders
+        the copies of a key (the smallest is kept); it is evaluated only for rows whose key
+        hash repeats. Returns the new rows without ``helper_columns`` and how many keys were
+        duplicated.
 
-        Cost: a first pass shuffles only a 64-bit hash of the key and the row id (16 bytes a
-        row) to find the hashes seen more than once; a second pass compares the full keys of
-        just those rows (a hash collision therefore never drops a row); the few duplicated
-        keys are then joined back, broadcast when small.
+        Cost: pass 1 shuffles only a 64-bit hash of each key and keeps the hashes seen more
+        than once; pass 2 compares the full keys of just those rows (so a hash collision
+        never drops a row) and picks the copy to keep; the few duplicated keys are then
+        joined back, broadcast when small.
         """
-        keyed = batch.select(*KEYS, ROW_ID, F.xxhash64(*KEYS).alias(_HASH))
+        key_hash = F.xxhash64(*KEYS).alias(_HASH)
+        hashes = batch.select(key_hash)
+        existing: DataFrame | None = None
         if partitions:
             existing = (
                 spark.read.schema(LANDING_SPARK_SCHEMA)
                 .parquet(*[str(p) for p in partitions])
-                .select(*KEYS, F.lit(_IN_TABLE).cast("long").alias(ROW_ID))
-                .withColumn(_HASH, F.xxhash64(*KEYS))
+                .select(*KEYS)
             )
-            keyed = keyed.unionByName(existing)
-        repeated_hashes = (
-            keyed.groupBy(_HASH)
+            hashes = hashes.unionByName(existing.select(key_hash))
+        repeated = (
+            hashes.groupBy(_HASH)
             .count()
             .where(F.col("count") > 1)
             .select(_HASH)
             .localCheckpoint(eager=True)
         )
-        if repeated_hashes.isEmpty():
-            return batch.drop(ROW_ID), 0
+        plain = batch.drop(*helper_columns)
+        if repeated.isEmpty():
+            return plain, 0
+        candidates = (
+            batch.select(*KEYS, key_hash, *helper_columns)
+            .join(F.broadcast(repeated), _HASH, "left_semi")
+            .select(*KEYS, row_id.alias(ROW_ID))
+        )
+        if existing is not None:
+            candidates = candidates.unionByName(
+                existing.select(*KEYS, key_hash)
+                .join(F.broadcast(repeated), _HASH, "left_semi")
+                .select(*KEYS, F.lit(_IN_TABLE).cast("long").alias(ROW_ID))
+            )
         duplicated = (
-            keyed.join(F.broadcast(repeated_hashes), _HASH, "left_semi")
-            .groupBy(*KEYS)
+            candidates.groupBy(*KEYS)
             .agg(F.count(F.lit(1)).alias(_COPIES), F.min(ROW_ID).alias(_KEEP))
             .where(F.col(_COPIES) > 1)
             .drop(_COPIES)
@@ -153,11 +171,12 @@ class CuratedTable:
         )
         duplicated_keys = duplicated.count()
         if duplicated_keys == 0:
-            return batch.drop(ROW_ID), 0
+            return plain, 0
         if duplicated_keys <= _BROADCAST_KEYS:
             duplicated = F.broadcast(duplicated)
-        keep: Column = F.col(_KEEP).isNull() | (F.col(_KEEP) == F.col(ROW_ID))
-        rows = batch.join(duplicated, KEYS, "left").where(keep).drop(_KEEP, ROW_ID)
+        # OR short-circuits: row_id is computed only for rows that have a duplicated key.
+        keep: Column = F.col(_KEEP).isNull() | (F.col(_KEEP) == row_id)
+        rows = batch.join(duplicated, KEYS, "left").where(keep).drop(_KEEP, *helper_columns)
         return rows, duplicated_keys
 
     # -- append --------------------------------------------------------------------------
@@ -202,6 +221,10 @@ _BROADCAST_KEYS = 2_000_000
 
 
 def partition_value(column: str) -> Column:
-    """``YYYY-MM-DD`` of a UTC timestamp column (the session time zone must be UTC)."""
-    return F.date_format(F.col(column), "yyyy-MM-dd")
+    """The UTC date of a timestamp column (the session time zone must be UTC).
+
+    A date, not a formatted string: cheaper per row, and the directory name is the same
+    ``dt=YYYY-MM-DD``.
+    """
+    return F.to_date(F.col(column))
 

@@ -36,7 +36,7 @@ from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 
 from collector.landing import INCOMING_DIR, QUARANTINE_DIR, quarantine
-from spark_ingest.curated import ROW_ID, CuratedTable, partition_value
+from spark_ingest.curated import CuratedTable, partition_value
 from spark_ingest.landing_files import LandingFileCheck, batch_files, check_landing_file
 from spark_ingest.schema import (
     LANDING_COLUMNS,
@@ -50,6 +50,8 @@ from spark_ingest.schema import (
 log = logging.getLogger(__name__)
 
 _CORRUPT = "_filemq_corrupt_payload"
+_FILE = "_filemq_file"
+_ROW = "_filemq_row"
 # Spark's file source forgets files older than maxFileAge relative to the newest file it
 # has seen, and would then never ingest a landing file copied in later with an old mtime.
 # Ten years means "never"; the cost is one entry per file in the driver (see INGEST.md).
@@ -221,18 +223,22 @@ class BatchIngestor:
         index = F.create_map(*[x for i, n in enumerate(names) for x in (F.lit(n), F.lit(i))])
         # A unique long per row that orders copies by landing file name (= landing time)
         # then position: the first landed copy of a key is the one kept.
-        row_id = F.element_at(index, F.col("_metadata.file_name")).cast("long") * F.lit(
-            1 << 32
-        ) + F.col("_metadata.row_index")
+        row_id = F.element_at(index, F.col(_FILE)).cast("long") * F.lit(1 << 32) + F.col(_ROW)
         batch = (
             self.spark.read.schema(LANDING_SPARK_SCHEMA)
             .parquet(*[str(c.path) for c in files])
-            .select(*LANDING_COLUMNS, row_id.alias(ROW_ID))
+            .select(
+                *LANDING_COLUMNS,
+                F.col("_metadata.file_name").alias(_FILE),
+                F.col("_metadata.row_index").alias(_ROW),
+            )
         )
         first = min(c.first_day for c in files if c.first_day)
         last = max(c.last_day for c in files if c.last_day)
         partitions = self.table.partitions_between(first, last)
-        rows, duplicated_keys = self.table.new_rows(self.spark, batch, partitions)
+        rows, duplicated_keys = self.table.new_rows(
+            self.spark, batch, row_id, partitions, helper_columns=(_FILE, _ROW)
+        )
         rows = rows.withColumn(PARTITION_COLUMN, partition_value("publish_ts"))
         if self.payload is not None:
             rows = self._parse_payload(rows, self.payload)

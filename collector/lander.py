@@ -283,7 +283,13 @@ class Lander:
                 self.stats.land_failures += 1
                 log.error("lander: landing %d rows failed: %s; retrying in %.1f s",
                           self.stats.buffered_rows, exc, self.retry_seconds)
-                await asyncio.sleep(self.retry_seconds)
+            except Exception:
+                # Not expected (the rows were built from validated batches); keep the rows
+                # and the WAL position, say so loudly, and try again rather than stop landing.
+                self.stats.land_failures += 1
+                log.exception("lander: unexpected error landing %d rows; retrying in %.1f s",
+                              self.stats.buffered_rows, self.retry_seconds)
+            await asyncio.sleep(self.retry_seconds)
 
     async def _roll(self) -> None:
         """Land the buffer, then ack the WAL records, persist the offset, save the marks."""

@@ -216,7 +216,7 @@ def _processes_mentioning(text: str) -> list[str]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("interrupt", [signal.SIGTERM, signal.SIGINT])
+@pytest.mark.parametrize("interrupt", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_an_interrupted_demo_stops_every_process_it_started(tmp_path: Path, interrupt: signal.Signals) -> None:
     if not Path("/proc/self/cmdline").exists():
         pytest.skip("needs /proc to find leftover processes")

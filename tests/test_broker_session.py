@@ -916,3 +916,34 @@ def test_bulk_pubacks_and_a_bad_one(tmp_path: Path) -> None:
         s.send_bytes(b"\x40\x02\x00\x00")  # packet id 0
         assert s.conn.closed and "packet id" in s.conn.close_reason
     run(main())
+
+
+def test_unsubscribing_from_a_share_leaves_it(tmp_path: Path) -> None:
+    async def main() -> None:
+        h = Harness(tmp_path, max_inflight=5)
+        a, b = h.client(), h.client()
+        a.connect("a")
+        b.connect("b")
+        for c in (a, b):
+            c.send(Subscribe(1, [("$share/g/t", 1)]))
+            c.received()
+        p = h.client()
+        p.connect("p")
+        p.send(*[Publish("t", b"%d" % i, 1, packet_id=i + 1) for i in range(6)])
+        await h.commit()
+        got_a = a.received()
+        assert got_a  # a holds some, unacked
+        a.send(Unsubscribe(2, ["$share/g/t"]))
+        assert a.received() == [Unsuback(2)]
+        p.send(*[Publish("t", b"%d" % i, 1, packet_id=i + 10) for i in range(6, 10)])
+        await h.commit()
+        seen = []
+        for _ in range(10):
+            got = [m for m in b.received() if isinstance(m, Publish)]
+            if not got:
+                break
+            seen += got
+            b.send(*[Puback(m.packet_id) for m in got])
+        assert sorted(int(m.payload) for m in seen) == list(range(10))  # a's unacked ones too
+        assert a.received() == []
+    run(main())

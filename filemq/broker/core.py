@@ -683,6 +683,7 @@ class BrokerCore:
         state = conn.session
         assert state is not None
         changed = False
+        shares_before = state.share_names()
         for f in p.topics:
             sub = state.subs.pop(f, None)
             if sub is not None:
@@ -690,6 +691,8 @@ class BrokerCore:
                 changed = True
         if changed:
             state.subs_changed()
+            for name in shares_before - state.share_names():
+                self._leave_share(conn, state, name)
             self._update_groups(state)
             if state.persistent:
                 self.store.save(state.stored())
@@ -1069,16 +1072,7 @@ class BrokerCore:
             for sub in state.subs.values():
                 self._unregister(conn, sub)
             for name in state.share_names():
-                sh = self.shares.get(name)
-                if sh is None:
-                    continue
-                if conn in sh.members:
-                    sh.members.remove(conn)
-                # Its unacked shared records go to the other members, not back to it later.
-                for pid in [p for p, o in state.inflight.items() if o.share == name and o.stage == 0]:
-                    del state.inflight[pid]
-                if sh.group.release(cid):
-                    self.pump_share(sh)
+                self._leave_share(conn, state, name)
             if state.persistent:
                 if state.save_due:
                     self._save_session(state)
@@ -1093,6 +1087,19 @@ class BrokerCore:
             else:
                 log.info("client %r: publishing its will to %r", cid, will.topic)
                 self.store_internal(will.topic, will.payload, will.qos, will.retain)
+
+    def _leave_share(self, conn: Connection, state: SessionState, name: str) -> None:
+        """``conn`` stops being a member of share ``name`` (disconnect or last UNSUBSCRIBE)."""
+        sh = self.shares.get(name)
+        if sh is None:
+            return
+        if conn in sh.members:
+            sh.members.remove(conn)
+        # Its unacked shared records go to the other members, not back to it later.
+        for pid in [p for p, o in state.inflight.items() if o.share == name and o.stage == 0]:
+            del state.inflight[pid]
+        if sh.group.release(conn.client_id):
+            self.pump_share(sh)
 
     # ---- periodic work ---------------------------------------------------------------------
 

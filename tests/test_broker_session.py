@@ -947,3 +947,144 @@ def test_unsubscribing_from_a_share_leaves_it(tmp_path: Path) -> None:
         assert sorted(int(m.payload) for m in seen) == list(range(10))  # a's unacked ones too
         assert a.received() == []
     run(main())
+
+
+# ---- at-least-once across disconnects and restarts, on the real queue --------------------------
+
+
+class RealHarness:
+    """BrokerCore over a real Queue (fsync = never for speed; restarts are clean here)."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.tmp = tmp
+        self.config = BrokerSection(max_inflight=7)
+        self.core: BrokerCore
+        self.queue: Any = None
+        self._n = 0
+
+    async def start(self) -> None:
+        from filemq.queue import Queue, QueueConfig
+        from segments import LogConfig
+
+        self.queue = Queue.open(self.tmp, QueueConfig(log=LogConfig(fsync="never")))
+        await self.queue.start()
+        self.store = SessionStore(self.tmp)
+        self.retained = RetainedStore(self.tmp)
+        self.retained.recover(self.queue.log)
+        self.core = BrokerCore(self.queue, TailCache(self.queue.log), config=self.config, store=self.store,
+                               retained=self.retained, stats=BrokerStats(started_at=0.0), acl=Acl.permissive())
+
+    async def restart(self) -> None:
+        await self.settle()
+        self.core.close_all("restart")
+        self.core.save_sessions()
+        await self.queue.close()
+        await self.start()
+
+    async def settle(self) -> None:
+        for _ in range(50):
+            pending = self.core.pending_commits()
+            if not pending and self.queue.log.committed_offset == self.queue.log.next_offset:
+                break
+            await asyncio.sleep(0.002)
+        for _ in range(3):
+            await asyncio.sleep(0)
+        self.core.flush()
+
+    def client(self) -> Client:
+        self._n += 1
+        return Client(self, f"10.0.0.2:{self._n}")  # type: ignore[arg-type]
+
+
+_sub_ops = st.lists(
+    st.one_of(
+        st.tuples(st.just("publish"), st.integers(1, 12)),
+        st.tuples(st.just("ack"), st.integers(0, 7)),
+        st.just(("drop",)),
+        st.just(("reconnect",)),
+        st.just(("restart",)),
+    ),
+    max_size=25,
+)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(ops=_sub_ops)
+def test_persistent_subscriber_gets_every_acked_message(tmp_path: Path, ops: list[tuple[Any, ...]]) -> None:
+    """Whatever happens (disconnects, broker restarts, partial acks), a persistent subscriber
+    that comes back and acks everything has received every message whose PUBACK was sent."""
+    import shutil
+    import tempfile
+
+    d = Path(tempfile.mkdtemp(dir=tmp_path))
+
+    async def main() -> None:
+        h = RealHarness(d)
+        await h.start()
+        sub: Client | None = h.client()
+        sub.connect("durable", clean=False)
+        sub.send(Subscribe(1, [("data/#", 1)]))
+        received: set[bytes] = set()
+        unacked: list[int] = []
+        acked_payloads: set[bytes] = set()
+        sent: dict[int, bytes] = {}
+        pub = h.client()
+        pub.connect("pub")
+        counter = 0
+
+        def take(c: Client) -> None:
+            for m in c.received():
+                if isinstance(m, Publish):
+                    received.add(m.payload)
+                    unacked.append(m.packet_id)  # type: ignore[arg-type]
+
+        for op in ops:
+            if op[0] == "publish":
+                for _ in range(op[1]):
+                    counter += 1
+                    pid = counter % 60000 + 1
+                    sent[pid] = b"m%d" % counter
+                    pub.send(Publish("data/x", sent[pid], 1, packet_id=pid))
+                await h.settle()
+                acked_payloads |= {sent[m.packet_id] for m in pub.received() if isinstance(m, Puback)}
+            elif op[0] == "ack" and sub is not None:
+                take(sub)
+                ids, unacked[:] = unacked[:op[1]], unacked[op[1]:]
+                sub.send(*[Puback(i) for i in ids])
+            elif op[0] == "drop" and sub is not None:
+                take(sub)
+                sub.conn.connection_lost()
+                sub, unacked[:] = None, []
+            elif op[0] == "reconnect":
+                if sub is not None:
+                    sub.conn.connection_lost()
+                sub = h.client()
+                sub.connect("durable", clean=False)
+                unacked[:] = []
+            elif op[0] == "restart":
+                await h.restart()
+                sub, unacked[:] = None, []
+                pub = h.client()
+                pub.connect("pub")
+            if sub is not None:
+                take(sub)
+        # Come back and ack everything until nothing more arrives.
+        if sub is None:
+            sub = h.client()
+            sub.connect("durable", clean=False)
+            unacked[:] = []
+        for _ in range(200):
+            await h.settle()
+            take(sub)
+            if not unacked:
+                break
+            ids, unacked[:] = list(unacked), []
+            sub.send(*[Puback(i) for i in ids])
+        missing = acked_payloads - received
+        assert not missing, f"acknowledged but never delivered: {sorted(missing)[:5]}"
+        await h.queue.close()
+
+    try:
+        run(main())
+    finally:
+        shutil.rmtree(d, ignore_errors=True)

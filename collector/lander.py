@@ -292,28 +292,32 @@ class Lander:
             await asyncio.sleep(self.retry_seconds)
 
     async def _roll(self) -> None:
-        """Land the buffer, then ack the WAL records, persist the offset, save the marks."""
+        """Land the buffer, then ack the WAL records, persist the offset, save the marks.
+
+        Safe to call again after a failure: once the file is landed the buffer is emptied,
+        so a retry after a failed offset write does not land the rows twice.
+        """
         started = time.monotonic()
         rows = sum(b.num_rows for b in self._buffer)
         if rows:
             table = pa.Table.from_batches(self._buffer, schema=LANDING_SCHEMA)
             path = await asyncio.to_thread(self.writer.write, table)
             self.stats.files_landed += 1
+            self.stats.rows_landed += rows
             log.info("lander: landed %d rows in %s", rows, path)
+        self._buffer.clear()
+        self._buffer_bytes = 0
+        self.stats.buffered_rows = 0
         group = self.group
         for offset in self._taken:
-            group.ack(offset)
+            group.ack(offset)  # False for one acked by an earlier, failed attempt: harmless
         # Offset after the rename (guarantee 3); marks after the offset, so the snapshot
         # never covers rows that are not landed.
         snap = group.snapshot()
         await asyncio.to_thread(group.write_snapshot, snap)
         data = self.marks.encode(snap.pending)
         await asyncio.to_thread(self.marks.save_encoded, data, snap.pending)
-        self._buffer.clear()
         self._taken.clear()
-        self._buffer_bytes = 0
         self._buffer_since = None
         self._roll_now.clear()
-        self.stats.rows_landed += rows
-        self.stats.buffered_rows = 0
         self.stats.last_land_seconds = time.monotonic() - started

@@ -243,7 +243,7 @@ def test_marks_replayed_when_snapshot_lags_the_offset(tmp_path: Path) -> None:
         rig = LanderRig(tmp_path, roll_seconds=0.1)
         await rig.start()
         await rig.store(batch(0, 10))
-        await until(lambda: rig.lander.stats.rows_landed == 10)
+        await until(lambda: rig.lander.stats.rows_landed == 10 and rig.marks.covered == 1)
         old = (tmp_path / "wal" / "dedup.snap").read_bytes()
         await rig.store(batch(10, 10))
         await until(lambda: rig.lander.stats.rows_landed == 20)
@@ -275,7 +275,7 @@ def test_crash_between_rename_and_offset_lands_rows_again(tmp_path: Path) -> Non
         rig = LanderRig(tmp_path, roll_seconds=0.1)
         await rig.start()
         await rig.store(batch(0, 5))
-        await until(lambda: rig.lander.stats.rows_landed == 5)
+        await until(lambda: rig.lander.stats.rows_landed == 5 and rig.marks.covered == 1)
         await asyncio.sleep(0.1)  # let the queue's housekeeping settle too
         state = [p for p in (tmp_path / "wal").rglob("*") if p.is_file() and p.parent.name == "lander"]
         state.append(tmp_path / "wal" / "dedup.snap")

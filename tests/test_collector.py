@@ -436,3 +436,28 @@ def test_door_drops_resends_of_acked_batches_while_the_lander_is_behind(tmp_path
     run(first())
     run(second())
     assert [r["offset"] for r in landed_rows(tmp_path / "landing")] == list(range(15))
+
+
+def test_a_failed_offset_write_is_retried_without_landing_twice(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        rig = LanderRig(tmp_path, roll_seconds=0.1)
+        rig.lander.retry_seconds = 0.05
+        real_save = rig.marks.save_encoded
+        calls = {"n": 0}
+
+        def flaky_save(data: bytes, covered: int) -> None:
+            calls["n"] += 1
+            if calls["n"] == 1:
+                raise OSError(28, "No space left on device")
+            real_save(data, covered)
+
+        rig.marks.save_encoded = flaky_save  # type: ignore[method-assign]
+        await rig.start()
+        await rig.store(batch(0, 10))
+        await until(lambda: rig.marks.covered == 1)
+        await rig.stop()
+        assert rig.lander.stats.land_failures == 1 and calls["n"] == 2
+        assert rig.lander.stats.files_landed == 1 and rig.lander.stats.rows_landed == 10
+
+    run(scenario())
+    assert [r["offset"] for r in landed_rows(tmp_path / "landing")] == list(range(10))

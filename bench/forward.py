@@ -30,7 +30,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +51,7 @@ class Result:
     seconds: float
     rate: float
     note: str = ""
+    cpu_seconds: dict[str, float] = field(default_factory=dict)  # per process, during the run
 
 
 def _say(message: str) -> None:
@@ -64,6 +65,21 @@ def free_port() -> int:
         s.bind(("127.0.0.1", 0))
         port: int = s.getsockname()[1]
         return port
+
+
+_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds a running process has used (from /proc; 0.0 if unknown).
+
+    With other load on the machine, CPU seconds say more about our cost than wall time.
+    """
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / _TICKS
 
 
 def _filemq(*args: str, log_path: Path) -> subprocess.Popen[bytes]:
@@ -154,6 +170,7 @@ def run_drain(work: Path, records: int, size: int, timeout: float) -> Result:
     try:
         time.sleep(1.0)  # the agent is up and backing off: the collector is down
         _say("[drain] starting the collector; timing until every row is landed")
+        agent_cpu = cpu_seconds(agent.pid)
         launched = time.monotonic()
         collector = _filemq("collector", "--data-dir", str(collector_dir), "--landing", str(landing),
                             "--port", str(cport), "--collector-id", "bench", "--roll-seconds", "1",
@@ -164,16 +181,20 @@ def run_drain(work: Path, records: int, size: int, timeout: float) -> Result:
                 records, timeout, lambda n: _say(f"[drain]   {n:,} rows landed")
             )
             done = time.monotonic()
+            cpu = {"agent": cpu_seconds(agent.pid) - agent_cpu, "collector": cpu_seconds(collector.pid)}
         finally:
             _stop(collector)
     finally:
         _stop(agent)
     seconds = done - listening
+    _say(f"[drain] CPU: agent {cpu['agent']:.2f} s ({records / max(cpu['agent'], 1e-9):,.0f} records per"
+         f" CPU-second), collector {cpu['collector']:.2f} s (start-up included)")
     _say(f"[drain] {done - launched:.2f} s from launching the collector process,"
          f" {seconds:.2f} s from its 'listening' line (used for the rate; the agent's reconnect"
          " backoff is included)")
     return Result("filemq_drain", records, seconds, records / seconds,
-                  "agent -> collector -> landed Parquet, from the collector listening to the last row landed")
+                  "agent -> collector -> landed Parquet, from the collector listening to the last row landed",
+                  cpu)
 
 
 def _mosquitto_conf(path: Path, port: int, extra: str = "") -> Path:
@@ -232,6 +253,7 @@ def run_bridge(work: Path, records: int, size: int, timeout: float, bridge_timeo
             subprocess.run([MOSQUITTO_PUB, "-p", str(local_port), "-q", "1", "-t", "sensors/s", "-l"],
                            stdin=stdin, stdout=devnull, stderr=devnull, check=True, timeout=timeout)
         _say("[bridge] starting the remote mosquitto; timing until the subscriber has every message")
+        local_cpu = cpu_seconds(local.pid)
         start = time.monotonic()
         remote = mosq(remote_conf)
         try:
@@ -252,6 +274,7 @@ def run_bridge(work: Path, records: int, size: int, timeout: float, bridge_timeo
             if first is None:
                 raise RuntimeError("mosquitto_sub received nothing from the bridge")
             from_first = time.monotonic() - first
+            cpu = {"local_mosquitto": cpu_seconds(local.pid) - local_cpu, "remote_mosquitto": cpu_seconds(remote.pid)}
         finally:
             _stop(remote)
     finally:
@@ -262,7 +285,7 @@ def run_bridge(work: Path, records: int, size: int, timeout: float, bridge_timeo
     note = "local -> bridge -> remote -> subscriber, from the first message received"
     if received < records:
         note += f"; TIMED OUT after {bridge_timeout:.0f} s with {received} of {records} received"
-    return Result("mosquitto_bridge_drain", received, from_first, received / from_first, note)
+    return Result("mosquitto_bridge_drain", received, from_first, received / from_first, note, cpu)
 
 
 # -- (b) many devices ------------------------------------------------------------------------------
@@ -429,6 +452,11 @@ def run_forward_bench(
         "ingest_records_per_s": round(results["broker_durable_ingest"].rate),
         "drain_vs_ingest": round(drain / results["broker_durable_ingest"].rate, 2),
     }
+    drain_cpu = results["filemq_drain"].cpu_seconds
+    if drain_cpu.get("agent"):
+        # The agent is the drain's bottleneck; its records per CPU-second is what one free
+        # core would sustain, whatever else runs on the machine.
+        summary["drain_records_per_agent_cpu_s"] = round(results["filemq_drain"].records / drain_cpu["agent"])
     if "mosquitto_bridge_drain" in results:
         summary["bridge_records_per_s"] = round(results["mosquitto_bridge_drain"].rate)
         summary["drain_vs_bridge"] = round(drain / results["mosquitto_bridge_drain"].rate, 2)

@@ -106,6 +106,17 @@ class FakeQueue:
             self._groups[name] = g
         return g
 
+    def persist_due(self) -> list[Any]:
+        import time as _time
+
+        now = _time.monotonic()
+        return [(g, g.snapshot(now)) for g in self._groups.values() if g.needs_persist(now)]
+
+    @staticmethod
+    def write_snapshots(snapshots: list[Any]) -> None:
+        for g, snap in snapshots:
+            g.write_snapshot(snap)
+
     def drop_group(self, name: str) -> bool:
         g = self._groups.pop(name, None)
         if g is None:
@@ -1088,3 +1099,32 @@ def test_persistent_subscriber_gets_every_acked_message(tmp_path: Path, ops: lis
         run(main())
     finally:
         shutil.rmtree(d, ignore_errors=True)
+
+
+def test_group_offsets_persisted_soon_after_acks(tmp_path: Path) -> None:
+    """Under traffic, a persistent subscriber's Pending is on disk ~100 ms after its acks
+    (not only at the queue's once-a-second housekeeping)."""
+    from filemq.offsets import OffsetFile
+
+    async def main() -> None:
+        h = Harness(tmp_path)
+        s = h.client()
+        s.connect("s", clean=False)
+        s.send(Subscribe(1, [("t", 1)]))
+        s.received()
+        p = h.client()
+        p.connect("p")
+        p.send(*[Publish("t", b"x", 1, packet_id=i + 1) for i in range(5)])
+        await h.commit()
+        got = s.received()
+        s.send(*[Puback(m.packet_id) for m in got])
+        group = h.core.sessions["s"].group
+        assert group is not None and group.pending_offset == 5
+        pending = OffsetFile(group.directory / "pending")  # type: ignore[operator]
+        for _ in range(100):
+            if pending.read() == 5:
+                break
+            await asyncio.sleep(0.01)
+        assert pending.read() == 5
+        await h.core.stop_persisting()
+    run(main())

@@ -84,6 +84,7 @@ _PUBREC = 0x50
 _PUBREL = 0x62
 _PUBCOMP = 0x70
 _MAX_RETAINED_INFLIGHT = 60000
+PERSIST_DELAY_S = 0.1  # group offsets are written this long after subscriber acks
 _MAX_PUMP = 1000  # records pushed to one connection per wake-up before yielding the loop
 
 
@@ -345,6 +346,9 @@ class BrokerCore:
         self._repump: set[Connection] = set()
         self._to_pump: set[Connection] = set()
         self._repump_scheduled = False
+        self._acked = False  # group acks since the last persistence nudge
+        self._persist_handle: asyncio.TimerHandle | None = None
+        self._persist_task: asyncio.Task[None] | None = None
         self.anonymous_allowed = config.anonymous_allowed()
         queue.add_commit_listener(self._on_committed)
 
@@ -360,6 +364,11 @@ class BrokerCore:
 
     def flush(self) -> None:
         """Write every connection's queued output with one transport write each."""
+        if self._acked:
+            self._acked = False
+            if self._persist_handle is None:
+                self._persist_handle = asyncio.get_running_loop().call_later(
+                    PERSIST_DELAY_S, self._persist_offsets)
         if self._to_pump:
             # Window room freed by the acks of one read is filled with one fetch, not one each.
             to_pump, self._to_pump = self._to_pump, set()
@@ -1021,6 +1030,7 @@ class BrokerCore:
         del state.inflight[pid]
         if out.group is not None:
             out.group.ack(out.offset)
+            self._acked = True
         self._to_pump.add(conn)
 
     def on_pubrec(self, conn: Connection, pid: int) -> None:
@@ -1032,6 +1042,7 @@ class BrokerCore:
             if out.group is not None:
                 # The client has the message: the group may move on; only the id is pending.
                 out.group.ack(out.offset)
+                self._acked = True
         conn.send(_ack(_PUBREL, pid))
 
     def on_pubcomp(self, conn: Connection, pid: int) -> None:
@@ -1042,6 +1053,7 @@ class BrokerCore:
             del state.inflight[pid]
             if out.stage == 0 and out.group is not None:
                 out.group.ack(out.offset)
+                self._acked = True
         self._to_pump.add(conn)
 
     def on_pubrel(self, conn: Connection, pid: int) -> None:
@@ -1101,6 +1113,22 @@ class BrokerCore:
         if sh.group.release(conn.client_id):
             self.pump_share(sh)
 
+    def _persist_offsets(self) -> None:
+        """Write the offsets of groups that subscribers acked into, ~100 ms after the acks.
+
+        The queue's own housekeeping runs once a second (an idle broker must not wake more
+        often); under traffic this keeps the re-delivery after a crash to ~100 ms of acks.
+        The writes (fsync + rename) run in a worker thread.
+        """
+        self._persist_handle = None
+        if self._persist_task is not None and not self._persist_task.done():
+            self._acked = True  # try again after the running write
+            return
+        snapshots = self.queue.persist_due()
+        if snapshots:
+            self._persist_task = asyncio.get_running_loop().create_task(
+                asyncio.to_thread(self.queue.write_snapshots, snapshots), name="filemq-broker-offsets")
+
     # ---- periodic work ---------------------------------------------------------------------
 
     def tick(self, now: float | None = None) -> None:
@@ -1133,6 +1161,14 @@ class BrokerCore:
     def pending_commits(self) -> list[asyncio.Future[None]]:
         """Commit futures that acks are still waiting for."""
         return [f for f in self._batches if not f.done()]
+
+    async def stop_persisting(self) -> None:
+        """Cancel the pending offset nudge and wait for a write in progress (shutdown)."""
+        if self._persist_handle is not None:
+            self._persist_handle.cancel()
+            self._persist_handle = None
+        if self._persist_task is not None:
+            await asyncio.gather(self._persist_task, return_exceptions=True)
 
     def close_all(self, reason: str) -> None:
         for conn in list(self.conns):

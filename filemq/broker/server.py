@@ -256,6 +256,7 @@ class Broker:
                     await asyncio.wait_for(asyncio.gather(*pending, return_exceptions=True), 2.0)
                 await asyncio.sleep(0)  # run the batches' done-callbacks (ack release)
             core.close_all("broker shutting down")
+            await core.stop_persisting()
             core.save_sessions()
         if self.queue is not None:
             await self.queue.close()

@@ -935,7 +935,6 @@ class BrokerCore:
         pushed = 0
         if group is not None:
             cid = conn.client_id
-            deliver = self._deliver
             while pushed < _MAX_PUMP:
                 room = conn.max_inflight - len(state.inflight)
                 if room <= 0 or conn.paused:
@@ -943,11 +942,7 @@ class BrokerCore:
                 records = group.fetch(min(room, 100), cid)
                 if not records:
                     break
-                parts: list[bytes] = []
-                for r in records:
-                    deliver(conn, state, group, r, None, parts)
-                if parts:
-                    conn.send(b"".join(parts))
+                self._deliver(conn, state, group, records, None)
                 pushed += len(records)
             if pushed >= _MAX_PUMP:
                 self._schedule_repump(conn)
@@ -988,37 +983,44 @@ class BrokerCore:
                 records = group.fetch(min(room, 8), conn.client_id)
                 if records:
                     progress = True
-                    parts: list[bytes] = []
-                    for r in records:
-                        self._deliver(conn, state, group, r, sh.name, parts)
-                    if parts:
-                        conn.send(b"".join(parts))
+                    self._deliver(conn, state, group, records, sh.name)
             sh.rr += 1
             if not progress:
                 return
 
-    def _deliver(self, conn: Connection, state: SessionState, group: ConsumerGroup, r: Record,
-                 share: str | None, parts: list[bytes]) -> None:
-        """Append ``r``'s PUBLISH for ``conn`` to ``parts`` (or ack it if nothing takes it)."""
-        offset = r.offset
-        qos = state.granted_qos(r.topic, offset, share)
-        if qos < 0:
-            group.ack(offset)  # older than the subscription that matches it
-            return
+    def _deliver(self, conn: Connection, state: SessionState, group: ConsumerGroup,
+                 records: list[Record], share: str | None) -> None:
+        """Send ``records`` (fetched from ``group`` for ``conn``) in one write; records no
+        subscription of ``conn`` takes (older than it, or denied by the ACL) are acked."""
         acl = conn.acl
-        if acl is not None and acl.has_deny and not acl.can_receive(r.topic):
-            group.ack(offset)
-            return
-        if r.qos < qos:
-            qos = r.qos
-        self.stats.publish_sent()
-        if qos == 0:
-            parts.append(publish_bytes(r.topic, r.payload, 0, False, None))
-            group.ack(offset)
-            return
-        pid = state.alloc_pid()
-        state.inflight[pid] = Outbound(offset, group, qos, r.topic, r.payload, share)
-        parts.append(publish_bytes(r.topic, r.payload, qos, group.redelivered(offset), pid))
+        check_acl = acl is not None and acl.has_deny
+        granted = state.granted_qos
+        inflight = state.inflight
+        ack = group.ack
+        redelivered = group.redelivered
+        parts: list[bytes] = []
+        for r in records:
+            offset = r.offset
+            topic = r.topic
+            qos = granted(topic, offset, share)
+            if qos < 0 or (check_acl and not acl.can_receive(topic)):  # type: ignore[union-attr]
+                ack(offset)
+                continue
+            if r.qos < qos:
+                qos = r.qos
+            if qos == 0:
+                parts.append(publish_bytes(topic, r.payload, 0, False, None))
+                ack(offset)
+                continue
+            pid = state.next_pid
+            while pid in inflight:
+                pid = pid % 0xFFFF + 1
+            state.next_pid = pid % 0xFFFF + 1
+            inflight[pid] = Outbound(offset, group, qos, topic, r.payload, share)
+            parts.append(publish_bytes(topic, r.payload, qos, redelivered(offset), pid))
+        if parts:
+            self.stats.publish_sent(len(parts))
+            conn.send(parts[0] if len(parts) == 1 else b"".join(parts))
 
     def on_puback(self, conn: Connection, pid: int) -> None:
         state = conn.session

@@ -1035,6 +1035,21 @@ class BrokerCore:
             self._acked = True
         self._to_pump.add(conn)
 
+    def on_pubacks(self, conn: Connection, pids: list[int]) -> None:
+        """Many PUBACKs at once (a read that held nothing else)."""
+        state = conn.session
+        assert state is not None
+        inflight = state.inflight
+        for pid in pids:
+            out = inflight.get(pid)
+            if out is None or out.qos != 1:
+                continue
+            del inflight[pid]
+            if out.group is not None:
+                out.group.ack(out.offset)
+                self._acked = True
+        self._to_pump.add(conn)
+
     def on_pubrec(self, conn: Connection, pid: int) -> None:
         state = conn.session
         assert state is not None

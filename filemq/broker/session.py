@@ -133,10 +133,8 @@ class Connection:
             # split with two C-level slices instead of decoding packet by packet.
             pids = [(hi << 8) | lo for hi, lo in zip(data[2::4], data[3::4], strict=True)]
             if 0 not in pids:  # (id 0 is invalid: let the decoder report it)
-                on_puback = self.core.on_puback
                 try:
-                    for pid in pids:
-                        on_puback(self, pid)
+                    self.core.on_pubacks(self, pids)
                 except Exception as exc:
                     log.exception("client %r from %s: internal error", self.client_id, self.peer)
                     self.close(f"internal error: {exc!r}", will=True, level=logging.ERROR)

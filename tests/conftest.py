@@ -22,3 +22,22 @@ def spark() -> Iterator[Any]:
     session = build_session(master="local[1]", app_name="filemq-tests", shuffle_partitions=1)
     yield session
     session.stop()
+
+
+@pytest.fixture(autouse=True)
+def _restore_logger_levels() -> Iterator[None]:
+    """CLI commands run in-process by CliRunner set logger levels (e.g. quieting `segments`
+    for inspect/verify); restore every logger's level and the root's after each test so a
+    later test's caplog still sees what it expects."""
+    import logging
+
+    manager = logging.root.manager
+    before = {
+        name: lg.level for name, lg in manager.loggerDict.items() if isinstance(lg, logging.Logger)
+    }
+    root_level = logging.root.level
+    yield
+    for name, lg in list(manager.loggerDict.items()):
+        if isinstance(lg, logging.Logger):
+            lg.setLevel(before.get(name, logging.NOTSET))
+    logging.root.setLevel(root_level)

@@ -1,13 +1,22 @@
-"""Per-(device_id, stream) high-water marks: the collector's duplicate filter.
+"""Per-(device_id, stream) offsets the collector already holds: its duplicate filter.
 
-A :class:`HighWaterMarks` maps ``(device_id, stream)`` to the highest device-log offset the
-collector's lander has taken from its write-ahead log. Everything at or below the mark is
-already durable at the collector (in the WAL, or landed), so:
+A :class:`HighWaterMarks` keeps, per ``(device_id, stream)``, the device-log offset ranges of
+the batches the collector holds durably (in its write-ahead log, or landed). Normally that is
+one range ``[first, high-water mark]``; a batch that arrives after a gap (an earlier batch
+whose commit failed, while a later one succeeded) opens a second range, and the hole closes
+when the missing batch is re-sent. Holes are never treated as held, so a late fill-in is
+stored, not dropped as a duplicate. With the ranges:
 
-* the door acknowledges and drops a batch that lies entirely at or below the mark, and trims
-  one that overlaps it;
-* the lander drops rows at or below the mark, so a batch stored twice (re-sent while its
-  first copy was still being committed) lands once.
+* the door acknowledges and drops a batch whose span lies inside one held range, and trims
+  the held records off one that overlaps;
+* the lander drops rows inside held ranges, so a batch stored twice (re-sent while its first
+  copy was still being committed) lands once.
+
+A batch's span is ``[first_offset, last_offset]``: offsets the device skipped inside a batch
+(a corrupt record) do not exist, so counting them as held is harmless; the same skip between
+two batches leaves a permanent one-offset hole (two ranges). At most :data:`MAX_RANGES`
+ranges are kept per stream; beyond that the two lowest merge (the oldest hole counts as held,
+logged as a WARNING), which bounds memory against a misbehaving device.
 
 Durability: :meth:`HighWaterMarks.save` writes a snapshot (``dedup.snap`` in the collector's
 data directory, via :func:`segments.fileio.atomic_write`, CRC-checked) recording the WAL
@@ -19,14 +28,15 @@ retention has left: nothing is lost; a resent batch older than that WAL lands ag
 Spark job removes it by ``(device_id, stream, offset)``.
 
 Snapshot layout (little-endian): ``b"FMQD"``, u8 version (1), u64 covered, u32 entries, then
-per entry u16 length + UTF-8 device id, u16 length + UTF-8 stream, u64 mark; then u32
-CRC-32C of every byte before it.
+per entry u16 length + UTF-8 device id, u16 length + UTF-8 stream, u32 range count, and per
+range u64 first, u64 last; then u32 CRC-32C of every byte before it.
 """
 
 from __future__ import annotations
 
 import logging
 import struct
+from bisect import bisect_right
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -37,61 +47,125 @@ from segments.fileio import OS_FILE_IO, FileIO, atomic_write
 log = logging.getLogger(__name__)
 
 SNAPSHOT_FILE = "dedup.snap"
+MAX_RANGES = 1024
 _MAGIC = b"FMQD"
 _VERSION = 1
 _HEAD = struct.Struct("<4sBQI")
 _U16 = struct.Struct("<H")
-_U64 = struct.Struct("<Q")
 _U32 = struct.Struct("<I")
+_RANGE = struct.Struct("<QQ")
 
 Key = tuple[str, str]
+Range = tuple[int, int]
 
 
 class HighWaterMarks:
-    """The marks in memory plus the snapshot file; use from one thread (the event loop)."""
+    """Held offset ranges in memory plus the snapshot file; use from one thread (the loop)."""
 
     def __init__(self, path: str | Path | None, fileio: FileIO = OS_FILE_IO) -> None:
-        """``path`` None: marks kept in memory only (:meth:`save` and :meth:`load` refuse)."""
+        """``path`` None: kept in memory only (:meth:`save` refuses, :meth:`load` finds nothing)."""
         self.path = Path(path) if path is not None else None
         self._fileio = fileio
-        self._marks: dict[Key, int] = {}
+        # Per stream: first offsets and last offsets of disjoint, non-adjacent ranges, sorted.
+        self._firsts: dict[Key, list[int]] = {}
+        self._lasts: dict[Key, list[int]] = {}
         self.covered = 0  # WAL offset the loaded/saved snapshot covers (records below it)
 
     def get(self, device_id: str, stream: str) -> int:
-        """The mark, or -1 when nothing of this stream has been seen."""
-        return self._marks.get((device_id, stream), -1)
+        """The high-water mark: the highest offset held, or -1 when nothing is."""
+        lasts = self._lasts.get((device_id, stream))
+        return lasts[-1] if lasts else -1
 
-    def advance(self, device_id: str, stream: str, offset: int) -> None:
-        """Raise the mark to ``offset`` (never lowers it)."""
+    def ranges(self, device_id: str, stream: str) -> list[Range]:
+        """The held ranges ``(first, last)``, ascending."""
         key = (device_id, stream)
-        if offset > self._marks.get(key, -1):
-            self._marks[key] = offset
+        return list(zip(self._firsts.get(key, ()), self._lasts.get(key, ()), strict=True))
 
-    def items(self) -> Iterator[tuple[Key, int]]:
-        return iter(self._marks.items())
+    def add(self, device_id: str, stream: str, first: int, last: int) -> None:
+        """Mark ``[first, last]`` held, merging with overlapping or adjacent ranges."""
+        if last < first:
+            raise ValueError(f"empty range {first}..{last}")
+        key = (device_id, stream)
+        firsts = self._firsts.setdefault(key, [])
+        lasts = self._lasts.setdefault(key, [])
+        if firsts and firsts[-1] <= first <= lasts[-1] + 1:
+            # The common case: the batch continues (or repeats) the top range.
+            if last > lasts[-1]:
+                lasts[-1] = last
+            return
+        i = bisect_right(firsts, first)
+        # Merge with the range before if it touches, and with every following one we reach.
+        if i > 0 and lasts[i - 1] + 1 >= first:
+            i -= 1
+            first = firsts[i]
+            last = max(last, lasts[i])
+        j = i
+        while j < len(firsts) and firsts[j] <= last + 1:
+            last = max(last, lasts[j])
+            j += 1
+        firsts[i:j] = [first]
+        lasts[i:j] = [last]
+        if len(firsts) > MAX_RANGES:
+            log.warning(
+                "device %r stream %r: more than %d separate offset ranges; treating the hole"
+                " %d..%d as held (a batch filling it later would be dropped)",
+                device_id, stream, MAX_RANGES, lasts[0] + 1, firsts[1] - 1,
+            )
+            lasts[0] = lasts[1]
+            del firsts[1], lasts[1]
+
+    def holds(self, device_id: str, stream: str, first: int, last: int) -> bool:
+        """True if ``[first, last]`` lies inside one held range."""
+        key = (device_id, stream)
+        firsts = self._firsts.get(key)
+        if not firsts:
+            return False
+        i = bisect_right(firsts, first) - 1
+        return i >= 0 and self._lasts[key][i] >= last
+
+    def overlaps(self, device_id: str, stream: str, first: int, last: int) -> list[Range]:
+        """The held ranges that intersect ``[first, last]``, clipped to it."""
+        key = (device_id, stream)
+        firsts = self._firsts.get(key)
+        if not firsts:
+            return []
+        lasts = self._lasts[key]
+        out: list[Range] = []
+        i = max(bisect_right(firsts, first) - 1, 0)
+        while i < len(firsts) and firsts[i] <= last:
+            if lasts[i] >= first:
+                out.append((max(first, firsts[i]), min(last, lasts[i])))
+            i += 1
+        return out
+
+    def items(self) -> Iterator[tuple[Key, list[Range]]]:
+        for key in self._firsts:
+            yield key, self.ranges(*key)
 
     def __len__(self) -> int:
-        return len(self._marks)
+        return len(self._firsts)
 
     def clear(self) -> None:
-        self._marks.clear()
+        self._firsts.clear()
+        self._lasts.clear()
         self.covered = 0
 
     # -- the snapshot ---------------------------------------------------------------------------
 
     def encode(self, covered: int) -> bytes:
-        parts = [_HEAD.pack(_MAGIC, _VERSION, covered, len(self._marks))]
-        for (device, stream), mark in self._marks.items():
+        parts = [_HEAD.pack(_MAGIC, _VERSION, covered, len(self._firsts))]
+        for (device, stream), ranges in self.items():
             for name in (device, stream):
                 raw = name.encode("utf-8")
                 parts.append(_U16.pack(len(raw)))
                 parts.append(raw)
-            parts.append(_U64.pack(mark))
+            parts.append(_U32.pack(len(ranges)))
+            parts.extend(_RANGE.pack(lo, hi) for lo, hi in ranges)
         body = b"".join(parts)
         return body + _U32.pack(crc32c(body))
 
     def save(self, covered: int) -> None:
-        """Write the snapshot: the marks as they are, covering WAL offsets below ``covered``."""
+        """Write the snapshot: the ranges as they are, covering WAL offsets below ``covered``."""
         self.save_encoded(self.encode(covered), covered)
 
     def save_encoded(self, data: bytes, covered: int) -> None:
@@ -102,7 +176,7 @@ class HighWaterMarks:
         self.covered = covered
 
     def load(self) -> bool:
-        """Replace the marks with the snapshot's; False (and empty marks) if missing or damaged."""
+        """Replace the ranges with the snapshot's; False (and nothing held) if missing or damaged."""
         self.clear()
         if self.path is None:
             return False
@@ -116,16 +190,19 @@ class HighWaterMarks:
         decoded = _decode(data)
         if decoded is None:
             log.warning(
-                "dedup snapshot %s is damaged; starting without it (rows may land twice;"
-                " the ingest removes them by (device_id, stream, offset))",
+                "dedup snapshot %s is damaged; rebuilding from the WAL (rows older than the WAL"
+                " may land twice; the ingest removes them by (device_id, stream, offset))",
                 self.path,
             )
             return False
-        self.covered, self._marks = decoded
+        self.covered, streams = decoded
+        for (device, stream), ranges in streams.items():
+            for lo, hi in ranges:
+                self.add(device, stream, lo, hi)
         return True
 
 
-def _decode(data: bytes) -> tuple[int, dict[Key, int]] | None:
+def _decode(data: bytes) -> tuple[int, dict[Key, list[Range]]] | None:
     if len(data) < _HEAD.size + 4:
         return None
     body, (crc,) = data[:-4], _U32.unpack_from(data, len(data) - 4)
@@ -135,7 +212,7 @@ def _decode(data: bytes) -> tuple[int, dict[Key, int]] | None:
     if magic != _MAGIC or version != _VERSION:
         return None
     pos = _HEAD.size
-    marks: dict[Key, int] = {}
+    streams: dict[Key, list[Range]] = {}
     try:
         for _ in range(count):
             names = []
@@ -144,11 +221,18 @@ def _decode(data: bytes) -> tuple[int, dict[Key, int]] | None:
                 pos += 2
                 names.append(body[pos : pos + n].decode("utf-8"))
                 pos += n
-            (mark,) = _U64.unpack_from(body, pos)
-            pos += 8
-            marks[(names[0], names[1])] = mark
+            (n_ranges,) = _U32.unpack_from(body, pos)
+            pos += 4
+            ranges = []
+            for _ in range(n_ranges):
+                lo, hi = _RANGE.unpack_from(body, pos)
+                pos += _RANGE.size
+                if hi < lo:
+                    return None
+                ranges.append((lo, hi))
+            streams[(names[0], names[1])] = ranges
     except (struct.error, UnicodeDecodeError):
         return None
     if pos != len(body):
         return None
-    return covered, marks
+    return covered, streams

@@ -15,8 +15,8 @@ What a caller may rely on:
 * A crash between the rename and the offset write lands the same rows again on restart
   (at most one roll's worth); the Spark ingest removes them by ``(device_id, stream,
   offset)``. That is the only source of duplicate rows besides a lost dedup snapshot.
-* Within the collector, rows at or below the stream's high-water mark are dropped, so a
-  batch the door stored twice lands once.
+* Within the collector, rows whose offsets are already held (:mod:`collector.dedup`) are
+  dropped, so a batch the door stored twice lands once.
 * A failure to land (full disk, I/O error) is logged and retried every
   ``retry_seconds``; the rows stay buffered and the WAL is not advanced.
 * ``received_at`` is the WAL record's timestamp (the collector's clock when the batch
@@ -169,7 +169,7 @@ class Lander:
                     header = peek_header(record.payload, verify_crc=False)  # the WAL CRC covers it
                 except BatchError:
                     continue
-                self.marks.advance(header.device_id, header.stream, header.last_offset)
+                self.marks.add(header.device_id, header.stream, header.first_offset, header.last_offset)
                 count += 1
             start = records[-1].offset + 1
         return count
@@ -260,19 +260,26 @@ class Lander:
             log.error("lander: WAL record %d on %r is not a valid batch (%s); skipped", record.offset, record.topic, exc)
             return
         self.stats.batches_read += 1
-        mark = self.marks.get(batch.device_id, batch.stream)
+        device, stream, first, last = batch.device_id, batch.stream, batch.first_offset, batch.last_offset
         n = len(batch)
-        if batch.last_offset <= mark:
+        if self.marks.holds(device, stream, first, last):
             self.stats.duplicate_rows_dropped += n
             return
         rows = batch_to_arrow(batch, record.timestamp_us, self.writer.collector_id)
-        if batch.first_offset <= mark:
-            rows = rows.filter(pc.greater(rows.column(2), pa.scalar(mark, pa.int64())))
+        overlaps = self.marks.overlaps(device, stream, first, last)
+        if overlaps:
+            offsets = rows.column(2)
+            held = None
+            for lo, hi in overlaps:
+                inside = pc.and_(pc.greater_equal(offsets, lo), pc.less_equal(offsets, hi))
+                held = inside if held is None else pc.or_(held, inside)
+            rows = rows.filter(pc.invert(held))
             self.stats.duplicate_rows_dropped += n - rows.num_rows
-        self.marks.advance(batch.device_id, batch.stream, batch.last_offset)
-        self._buffer.append(rows)
-        self._buffer_bytes += batch.header.body_length
-        self.stats.buffered_rows += rows.num_rows
+        self.marks.add(device, stream, first, last)
+        if rows.num_rows:
+            self._buffer.append(rows)
+            self._buffer_bytes += batch.header.body_length
+            self.stats.buffered_rows += rows.num_rows
 
     async def _roll_until_landed(self) -> None:
         while True:

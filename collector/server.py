@@ -6,9 +6,9 @@ write-ahead log, with the durable group commit before every PUBACK) plus:
 * a publish hook at the door (:meth:`Collector.check_publish`) that, for every PUBLISH:
   rejects a batch whose CRC fails (no PUBACK, the connection is closed: the agent resends);
   quarantines a malformed one (written to ``<data_dir>/quarantine/``, acknowledged,
-  counted); acknowledges and drops a duplicate (entirely at or below the stream's
-  high-water mark: the highest offset of a batch committed to the WAL, tracked by a WAL
-  tail reader); stores an overlapping one with the already-held records trimmed off;
+  counted); acknowledges and drops a duplicate (its offsets are all held: committed to the
+  WAL, as a WAL tail reader tracks, or landed); stores an overlapping one with the held
+  records trimmed off (:mod:`collector.dedup`);
 * a :class:`collector.lander.Lander` that rolls the WAL into landing files.
 
 What a caller may rely on: a batch is acknowledged only when it is durable in the WAL (or is
@@ -45,7 +45,6 @@ from filemq.batch import (
     encode_batch,
     parse_batch_topic,
     peek_header,
-    records_after,
 )
 from filemq.broker import Broker, ClientInfo, HookResult
 from filemq.config import Config, ConfigError
@@ -149,8 +148,9 @@ class Collector:
         lander = Lander(self.broker.queue, writer, self.marks, roll_bytes=c.roll_bytes,
                         roll_seconds=c.roll_seconds)
         lander.recover()
-        for (device, stream), mark in self.marks.items():
-            self.door_marks.advance(device, stream, mark)
+        for (device, stream), ranges in self.marks.items():
+            for first, last in ranges:
+                self.door_marks.add(device, stream, first, last)
         self._tail_pos = lander.group.pending_offset
         lander.start()
         self.lander = lander
@@ -189,7 +189,8 @@ class Collector:
                         header = peek_header(record.payload, verify_crc=False)
                     except BatchError:
                         continue
-                    self.door_marks.advance(header.device_id, header.stream, header.last_offset)
+                    self.door_marks.add(header.device_id, header.stream, header.first_offset,
+                                        header.last_offset)
                 self._tail_pos = records[-1].offset + 1
                 await asyncio.sleep(0)  # a long replay at start must not stall the listener
             await queue.wait_for_records(self._tail_pos)
@@ -197,6 +198,13 @@ class Collector:
     def mark(self, device_id: str, stream: str) -> int:
         """The highest offset of ``device_id``/``stream`` durably held (WAL or landed), or -1."""
         return max(self.door_marks.get(device_id, stream), self.marks.get(device_id, stream))
+
+    def _held(self, device_id: str, stream: str, first: int, last: int) -> tuple[bool, list[tuple[int, int]]]:
+        """Whether ``[first, last]`` is wholly held, and the held parts of it."""
+        door, landed = self.door_marks, self.marks
+        if door.holds(device_id, stream, first, last) or landed.holds(device_id, stream, first, last):
+            return True, []
+        return False, door.overlaps(device_id, stream, first, last) + landed.overlaps(device_id, stream, first, last)
 
     # -- the door -------------------------------------------------------------------------------
 
@@ -222,8 +230,8 @@ class Collector:
                 f"topic {packet.topic!r} does not match the batch header's device {header.device_id!r}"
                 f" stream {header.stream!r}",
             )
-        mark = self.mark(header.device_id, header.stream)
-        if header.last_offset <= mark:
+        held, overlaps = self._held(header.device_id, header.stream, header.first_offset, header.last_offset)
+        if held:
             stats.duplicate_batches += 1
             stats.duplicate_records += header.count
             return HookResult.ack_drop(f"duplicate batch {header.first_offset}..{header.last_offset}")
@@ -231,16 +239,22 @@ class Collector:
             batch = decode_batch(payload)
         except MalformedBatch as exc:
             return self._quarantine(client, packet, str(exc))
-        stats.batches_received += 1
-        stats.bytes_received += len(payload)
-        if header.first_offset <= mark:
-            keep = records_after(batch, mark)
+        if overlaps:
+            keep = [r for r in batch.records() if not any(lo <= r.offset <= hi for lo, hi in overlaps)]
+            if not keep:
+                stats.duplicate_batches += 1
+                stats.duplicate_records += header.count
+                return HookResult.ack_drop(f"duplicate batch {header.first_offset}..{header.last_offset}")
+            stats.batches_received += 1
+            stats.bytes_received += len(payload)
             stats.trimmed_batches += 1
             stats.trimmed_records += header.count - len(keep)
             stats.records_received += len(keep)
             return HookResult.store(
                 encode_batch(header.device_id, header.stream, keep, compression=header.compression)
             )
+        stats.batches_received += 1
+        stats.bytes_received += len(payload)
         stats.records_received += header.count
         return HookResult.store()
 

@@ -84,7 +84,7 @@ def test_door_decisions(tmp_path: Path) -> None:
     check = collector.check_publish
 
     assert check(CLIENT, Publish(TOPIC, batch(0, 10), 1, False, False, 1)).action == "store"
-    collector.marks.advance("dev-1", "main", 9)  # as the lander would after reading it
+    collector.marks.add("dev-1", "main", 0, 9)  # as the lander would after reading it
 
     # A resend of the same batch: acknowledged and dropped.
     result = check(CLIENT, Publish(TOPIC, batch(0, 10), 1, False, False, 2))
@@ -302,13 +302,15 @@ def test_crash_between_rename_and_offset_lands_rows_again(tmp_path: Path) -> Non
 
 def test_marks_snapshot_round_trip_and_damage(tmp_path: Path) -> None:
     marks = HighWaterMarks(tmp_path / "m.snap")
-    marks.advance("dév", "main", 41)
-    marks.advance("dév", "main", 7)  # never lowers
-    marks.advance("b", "s2", 2**63)
+    marks.add("dév", "main", 0, 41)
+    marks.add("dév", "main", 3, 7)  # inside: nothing changes
+    marks.add("dév", "main", 50, 60)  # after a gap
+    marks.add("b", "s2", 2**63, 2**63 + 5)
     marks.save(123)
     again = HighWaterMarks(tmp_path / "m.snap")
     assert again.load() and again.covered == 123
-    assert again.get("dév", "main") == 41 and again.get("b", "s2") == 2**63 and again.get("x", "y") == -1
+    assert again.ranges("dév", "main") == [(0, 41), (50, 60)]
+    assert again.get("dév", "main") == 60 and again.get("b", "s2") == 2**63 + 5 and again.get("x", "y") == -1
     data = bytearray((tmp_path / "m.snap").read_bytes())
     for i in range(0, len(data), 7):
         broken = bytearray(data)
@@ -317,6 +319,72 @@ def test_marks_snapshot_round_trip_and_damage(tmp_path: Path) -> None:
         assert not HighWaterMarks(tmp_path / "m.snap").load()
     (tmp_path / "m.snap").write_bytes(bytes(data[:-3]))
     assert not HighWaterMarks(tmp_path / "m.snap").load()
+
+
+def test_held_ranges_merge_and_keep_holes() -> None:
+    marks = HighWaterMarks(None)
+    marks.add("d", "s", 0, 9)
+    marks.add("d", "s", 20, 29)  # batch 10..19 failed to commit, 20..29 made it
+    assert marks.ranges("d", "s") == [(0, 9), (20, 29)]
+    assert marks.get("d", "s") == 29
+    assert marks.holds("d", "s", 0, 9) and marks.holds("d", "s", 22, 25)
+    assert not marks.holds("d", "s", 10, 19)  # the hole is not held: a resend is stored
+    assert not marks.holds("d", "s", 5, 25)
+    assert marks.overlaps("d", "s", 5, 25) == [(5, 9), (20, 25)]
+    assert marks.overlaps("d", "s", 10, 19) == []
+    marks.add("d", "s", 10, 19)  # the resend fills the hole: one range again
+    assert marks.ranges("d", "s") == [(0, 29)]
+    marks.add("d", "s", 31, 40)  # a device-side skip of offset 30: a permanent hole
+    marks.add("d", "s", 41, 50)
+    assert marks.ranges("d", "s") == [(0, 29), (31, 50)]
+    marks.add("d", "s", 100, 110)
+    marks.add("d", "s", 60, 70)
+    marks.add("d", "s", 25, 105)  # swallows everything it touches
+    assert marks.ranges("d", "s") == [(0, 110)]
+    with pytest.raises(ValueError):
+        marks.add("d", "s", 5, 4)
+
+
+def test_held_ranges_are_bounded(caplog: pytest.LogCaptureFixture) -> None:
+    from collector.dedup import MAX_RANGES
+
+    marks = HighWaterMarks(None)
+    for i in range(MAX_RANGES + 5):
+        marks.add("d", "s", 10 * i, 10 * i + 5)  # every batch after a gap
+    ranges = marks.ranges("d", "s")
+    assert len(ranges) == MAX_RANGES
+    assert ranges[0] == (0, 55)  # the oldest holes were closed
+    assert ranges[-1] == (10 * (MAX_RANGES + 4), 10 * (MAX_RANGES + 4) + 5)
+    assert "separate offset ranges" in caplog.text
+
+
+def test_door_stores_a_late_fill_in_of_a_gap(tmp_path: Path) -> None:
+    """If batch k failed to commit but k+1 made it, the resent k must be stored, not dropped."""
+    collector = Collector(config(tmp_path))
+    check = collector.check_publish
+    collector.door_marks.add("dev-1", "main", 0, 9)
+    collector.door_marks.add("dev-1", "main", 20, 29)
+    assert check(CLIENT, Publish(TOPIC, batch(10, 10), 1, False, False, 1)).action == "store"
+    assert check(CLIENT, Publish(TOPIC, batch(20, 10), 1, False, False, 2)).action == "ack_drop"
+    result = check(CLIENT, Publish(TOPIC, batch(5, 30), 1, False, False, 3))  # 5..34
+    assert result.action == "store" and result.payload is not None
+    assert decode_batch(result.payload).offsets() == [*range(10, 20), *range(30, 35)]
+
+
+def test_lander_keeps_a_late_fill_in(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        rig = LanderRig(tmp_path, roll_seconds=0.2)
+        await rig.start()
+        await rig.store(batch(0, 10))
+        await rig.store(batch(20, 10))  # 10..19 missing (its commit failed)
+        await rig.store(batch(10, 15))  # the resend of 10..24: 20..24 are held already
+        await until(lambda: rig.lander.stats.rows_landed == 30)
+        await rig.stop()
+        assert rig.lander.stats.duplicate_rows_dropped == 5
+        assert rig.marks.ranges("dev-1", "main") == [(0, 29)]
+
+    run(scenario())
+    assert sorted(r["offset"] for r in landed_rows(tmp_path / "landing")) == list(range(30))
 
 
 # -- the whole collector over MQTT ------------------------------------------------------------

@@ -152,16 +152,20 @@ class LandingWriter:
         return target
 
     def recover_staging(self) -> list[Path]:
-        """Remove files left in ``_staging/`` by a crash; return what was removed.
+        """Remove this collector's files left in ``_staging/`` by a crash; return them.
 
-        Call once at collector start-up, before the first :meth:`write`. A staging file was
-        never renamed into ``incoming/``, so no reader has seen it, and the collector has not
-        acknowledged its rows upstream: they are still in the collector's WAL and will be
-        landed again, so deleting the partial file loses nothing.
+        Call once at collector start-up, before the first :meth:`write`. Only files named
+        by a writer with this ``collector_id`` (any earlier run of it) are removed: several
+        collectors may share one landing directory, and a staging file of another collector
+        may be one it is writing right now. A staging file was never renamed into
+        ``incoming/``, so no reader has seen it, and the collector has not acknowledged its
+        rows upstream: they are still in the collector's WAL and will be landed again, so
+        deleting the partial file loses nothing. Files whose names this module did not
+        produce are left alone too.
         """
         removed: list[Path] = []
         for entry in sorted(self.staging_dir.iterdir()):
-            if entry.is_file():
+            if entry.is_file() and staging_owner(entry.name) == self.collector_id:
                 self._fileio.unlink(entry)
                 removed.append(entry)
         if removed:
@@ -234,6 +238,20 @@ class LandingWriter:
         directory.mkdir(parents=True, exist_ok=True)
         # The new entry lives in the parent; fsync it so the directory survives a power cut.
         self._fileio.fsync_dir(directory.parent)
+
+
+# <UTC write time>-<collector id>-<run>-<seq>.parquet, as LandingWriter._next_name makes them.
+# The fields around the collector id have fixed shapes, so the id (which may itself hold
+# '-') is recovered exactly: "a" never claims a file of collector "a-b".
+_LANDED_NAME = re.compile(
+    r"\d{8}T\d{6}\.\d{6}Z-(?P<collector>.+)-[0-9a-f]{6}-\d{6,}\.parquet"
+)
+
+
+def staging_owner(name: str) -> str | None:
+    """The collector id in a landing file name written by :class:`LandingWriter`, or None."""
+    match = _LANDED_NAME.fullmatch(name)
+    return match.group("collector") if match else None
 
 
 def quarantine(

@@ -158,6 +158,31 @@ def test_crash_before_rename_leaves_nothing_in_incoming_and_recovery_cleans(
     assert [pq.read_table(p).num_rows for p in incoming_files(tmp_path)] == [5]
 
 
+def test_recovery_removes_only_its_own_staging_files_in_a_shared_landing_dir(
+    tmp_path: Path,
+) -> None:
+    with pytest.raises(SimulatedCrash):
+        LandingWriter(tmp_path, "c1", fileio=CrashBeforeRename()).write(rows(3))
+    (own_leftover,) = list((tmp_path / "_staging").iterdir())
+    # Other collectors sharing the directory are mid-write: their staging files must stay.
+    # "c1-0a0b0c" starts like c1's own names; a plain foreign file is not ours either.
+    others = []
+    for collector in ("c2", "c1-0a0b0c"):
+        with pytest.raises(SimulatedCrash):
+            LandingWriter(tmp_path, collector, fileio=CrashBeforeRename()).write(rows(2))
+        others.append(next(p for p in (tmp_path / "_staging").iterdir()
+                           if p not in (own_leftover, *others)))
+    foreign = tmp_path / "_staging" / "notes.txt"
+    foreign.write_text("not a landing file")
+
+    restarted = LandingWriter(tmp_path, "c1")
+    assert restarted.recover_staging() == [own_leftover]
+    assert sorted((tmp_path / "_staging").iterdir()) == sorted([*others, foreign])
+    # The other collector recovers its own file in turn, and only it.
+    assert LandingWriter(tmp_path, "c2").recover_staging() == [others[0]]
+    assert others[1].exists() and foreign.exists()
+
+
 def test_ordinary_failure_cleans_staging(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     writer = LandingWriter(tmp_path, "c1")
 

@@ -111,6 +111,13 @@ class CuratedTable:
             day += timedelta(days=1)
         return found
 
+    def data_files(self, partitions: list[Path]) -> list[Path]:
+        """The Parquet data files in ``partitions`` (hidden names, e.g. Hadoop's ``.crc``, skipped)."""
+        return sorted(
+            f for part in partitions for f in part.glob("*.parquet")
+            if not f.name.startswith(("_", "."))
+        )
+
     def new_rows(
         self,
         spark: SparkSession,

@@ -31,12 +31,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import pyarrow.parquet as pq
 from pyspark.errors import StreamingQueryException
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 
 from collector.landing import INCOMING_DIR, QUARANTINE_DIR, quarantine
 from spark_ingest.curated import CuratedTable, partition_value
+from spark_ingest.key_dedup import DROP_FILE, DROP_ROW, find_duplicates
 from spark_ingest.landing_files import LandingFileCheck, batch_files, check_landing_file
 from spark_ingest.schema import (
     LANDING_COLUMNS,
@@ -56,6 +58,15 @@ _ROW = "_filemq_row"
 # has seen, and would then never ingest a landing file copied in later with an old mtime.
 # Ten years means "never"; the cost is one entry per file in the driver (see INGEST.md).
 _MAX_FILE_AGE = "3650d"
+# Up to this many rows to drop are shipped to every task as a broadcast hash table
+# (~100 bytes a row); above it Spark joins by shuffling.
+_BROADCAST_DROPS = 2_000_000
+
+
+DRIVER_DEDUP_MAX_KEYS = 10_000_000
+"""Default key budget of the driver-side dedup (batch rows + table rows of the touched
+partitions; ~50 bytes each on the driver, so ~500 MB at the budget). Above it the dedup runs
+distributed in Spark instead."""
 
 
 class IngestError(RuntimeError):
@@ -69,7 +80,10 @@ class IngestConfig:
     ``landing``, ``table``, ``checkpoint`` (and ``archive``) must be on storage every Spark
     process sees at the same path (local disk for ``local[*]``, a shared mount on a
     cluster). ``payload_schema`` is a Spark DDL field list; when set the payload is parsed
-    as JSON into those columns plus ``payload_error``.
+    as JSON into those columns plus ``payload_error``. ``driver_dedup_max_keys``: up to
+    this many keys (batch rows plus table rows of the partitions the batch touches) the
+    duplicates are found on the driver with pyarrow; above it by a distributed Spark job.
+    Both give the same rows.
     """
 
     landing: Path
@@ -78,6 +92,8 @@ class IngestConfig:
     payload_schema: str | None = None
     archive: Path | None = None
     max_files_per_batch: int = 1000
+    driver_dedup_max_keys: int = DRIVER_DEDUP_MAX_KEYS
+
 
 
 @dataclass
@@ -213,12 +229,57 @@ class BatchIngestor:
         report.rows_in = sum(c.rows for c in good)
         nonempty = [c for c in good if c.rows]
         if nonempty:
-            rows, _ = self._new_rows(nonempty)
+            rows, _ = self._new_rows(nonempty, batch_id)
             report.rows_written = self.table.append(rows, query_id, batch_id)
         report.duplicates_removed = report.rows_in - report.rows_written
         self.table.mark_committed(query_id, batch_id)
 
-    def _new_rows(self, files: list[LandingFileCheck]) -> tuple[DataFrame, int]:
+    def _new_rows(self, files: list[LandingFileCheck], batch_id: int) -> tuple[DataFrame, int]:
+        first = min(c.first_day for c in files if c.first_day)
+        last = max(c.last_day for c in files if c.last_day)
+        partitions = self.table.partitions_between(first, last)
+        table_files = self.table.data_files(partitions)
+        keys = sum(c.rows for c in files)
+        if keys <= self.config.driver_dedup_max_keys:
+            keys += sum(pq.read_metadata(f).num_rows for f in table_files)
+        names = [c.path.name for c in files]
+        if keys <= self.config.driver_dedup_max_keys and len(set(names)) == len(names):
+            rows, duplicated_keys = self._dedup_on_driver(files, table_files, batch_id)
+        else:
+            rows, duplicated_keys = self._dedup_in_spark(files, partitions)
+        rows = rows.withColumn(PARTITION_COLUMN, partition_value("publish_ts"))
+        if self.payload is not None:
+            rows = self._parse_payload(rows, self.payload)
+        return rows, duplicated_keys
+
+    def _dedup_on_driver(
+        self, files: list[LandingFileCheck], table_files: list[Path], batch_id: int
+    ) -> tuple[DataFrame, int]:
+        """Duplicates found with pyarrow on the driver; Spark scans the batch once, to write."""
+        found = find_duplicates([c.path for c in files], table_files)
+        batch = self.spark.read.schema(LANDING_SPARK_SCHEMA).parquet(*[str(c.path) for c in files])
+        if found.rows.num_rows == 0:
+            return batch, 0
+        # The rows to drop go to Spark as a small Parquet file under the table's _tmp (on the
+        # same storage as the table, so executors of a cluster read it too); append()
+        # removes _tmp when the batch is written.
+        drop_file = self.table.tmp_dir / f"duplicates-batch={batch_id}.parquet"
+        drop_file.parent.mkdir(parents=True, exist_ok=True)
+        pq.write_table(found.rows, drop_file)
+        drop = self.spark.read.parquet(str(drop_file))
+        if found.rows.num_rows <= _BROADCAST_DROPS:
+            drop = F.broadcast(drop)
+        located = batch.select(
+            *LANDING_COLUMNS,
+            F.col("_metadata.file_name").alias(DROP_FILE),
+            F.col("_metadata.row_index").alias(DROP_ROW),
+        )
+        rows = located.join(drop, [DROP_FILE, DROP_ROW], "left_anti").drop(DROP_FILE, DROP_ROW)
+        return rows, found.keys
+
+    def _dedup_in_spark(
+        self, files: list[LandingFileCheck], partitions: list[Path]
+    ) -> tuple[DataFrame, int]:
         names = [c.path.name for c in files]
         index = F.create_map(*[x for i, n in enumerate(names) for x in (F.lit(n), F.lit(i))])
         # A unique long per row that orders copies by landing file name (= landing time)
@@ -233,16 +294,9 @@ class BatchIngestor:
                 F.col("_metadata.row_index").alias(_ROW),
             )
         )
-        first = min(c.first_day for c in files if c.first_day)
-        last = max(c.last_day for c in files if c.last_day)
-        partitions = self.table.partitions_between(first, last)
-        rows, duplicated_keys = self.table.new_rows(
+        return self.table.new_rows(
             self.spark, batch, row_id, partitions, helper_columns=(_FILE, _ROW)
         )
-        rows = rows.withColumn(PARTITION_COLUMN, partition_value("publish_ts"))
-        if self.payload is not None:
-            rows = self._parse_payload(rows, self.payload)
-        return rows, duplicated_keys
 
     def _parse_payload(self, rows: DataFrame, payload: PayloadSchema) -> DataFrame:
         parsed = F.from_json(

@@ -22,6 +22,7 @@ import pytest
 from collector.landing import LANDING_SCHEMA, LandingWriter
 from segments.fileio import OsFileIO
 from spark_ingest.job import BatchReport, IngestConfig, IngestError, IngestSummary, run_ingest
+from spark_ingest.key_dedup import DROP_FILE, DROP_ROW, find_duplicates
 from spark_ingest.landing_files import CheckpointError, batch_files, check_landing_file
 from spark_ingest.schema import LANDING_SPARK_SCHEMA, PAYLOAD_ERROR, PayloadSchema
 
@@ -379,3 +380,73 @@ def test_batch_files_reads_plain_and_compact_logs(tmp_path: Path) -> None:
     (log_dir / "5").write_text("v1\n" + json.dumps({"path": "s3://b/k", "batchId": 5}) + "\n")
     with pytest.raises(CheckpointError, match="only file: paths"):
         batch_files(tmp_path, 5)
+
+
+# -- the driver-side key dedup (spark_ingest.key_dedup) and its Spark fallback -----------------
+
+
+def _landing_file(path: Path, batch: list[dict[str, Any]], **write_options: Any) -> Path:
+    table = pa.Table.from_pylist(
+        [{**r, "collector_id": "c", "schema_version": 1} for r in batch], schema=LANDING_SCHEMA
+    )
+    pq.write_table(table, path, **write_options)
+    return path
+
+
+def test_find_duplicates_keeps_the_first_landed_copy_and_table_keys(tmp_path: Path) -> None:
+    a = _landing_file(tmp_path / "a.parquet", rows([0, 1, 2, 1]) + rows([1], device="dev-2"))
+    # Plain (not dictionary-encoded) strings, as another writer might produce them.
+    b = _landing_file(tmp_path / "b.parquet", rows([2, 3, 4]) + rows([1], stream="other"),
+                      use_dictionary=False)
+    c = _landing_file(tmp_path / "c.parquet", rows([4, 9, 9, 9]))
+    in_table = _landing_file(tmp_path / "table.parquet", rows([3, 7]))
+    found = find_duplicates([a, b, c], [in_table])
+    dropped = sorted((r[DROP_FILE], r[DROP_ROW]) for r in found.rows.to_pylist())
+    assert dropped == [
+        ("a.parquet", 3),  # offset 1 again in its own file
+        ("b.parquet", 0),  # offset 2: first landed in a
+        ("b.parquet", 1),  # offset 3: already in the table
+        ("c.parquet", 0),  # offset 4: first landed in b
+        ("c.parquet", 2),  # offset 9 three times in c: the first is kept
+        ("c.parquet", 3),
+    ]
+    # dev-1/telemetry 1, 2, 3, 4, 9 (dev-2 offset 1 and stream "other" are other keys).
+    assert found.keys == 5
+    alone = find_duplicates([a, in_table], [])
+    assert sorted((r[DROP_FILE], r[DROP_ROW]) for r in alone.rows.to_pylist()) == [
+        ("a.parquet", 3)
+    ]
+    assert find_duplicates([in_table], []).rows.num_rows == 0
+
+
+def test_find_duplicates_refuses_two_files_with_one_name(tmp_path: Path) -> None:
+    (tmp_path / "x").mkdir()
+    one = _landing_file(tmp_path / "f.parquet", rows([0]))
+    two = _landing_file(tmp_path / "x" / "f.parquet", rows([0]))
+    with pytest.raises(ValueError, match="distinct names"):
+        find_duplicates([one, two], [])
+
+
+@pytest.mark.parametrize("budget", [0, 10_000_000], ids=["spark-dedup", "driver-dedup"])
+def test_both_dedup_paths_keep_the_same_rows(spark: Any, tmp_path: Path, budget: int) -> None:
+    p = Pipeline(tmp_path, spark, driver_dedup_max_keys=budget)
+    p.land(rows(range(0, 20)))
+    p.ingest()
+    # A later batch: a file with internal duplicates, files overlapping each other, a late
+    # overlap with the table, a file that overlaps nothing, and another device.
+    p.land(rows([20, 21, 21, 22], received=NOW + timedelta(minutes=1)))
+    p.land(rows(range(18, 26), received=NOW + timedelta(minutes=2)))
+    p.land(rows(range(100, 110), received=NOW + timedelta(minutes=3)))
+    p.land(rows(range(0, 3), device="dev-9", received=NOW + timedelta(minutes=4)))
+    summary = p.ingest()
+    assert summary.rows_in == 4 + 8 + 10 + 3
+    assert summary.rows_written == 6 + 10 + 3  # 20..25, 100..109, dev-9 0..2
+    keys = p.keys()
+    assert max(keys.values()) == 1
+    assert set(keys) == expected_keys(rows(range(0, 26)), rows(range(100, 110)),
+                                      rows(range(0, 3), device="dev-9"))
+    kept = {r["offset"]: r["received_at"] for r in p.table() if r["device_id"] == "dev-1"}
+    # The table's copy of 18, 19 stays; 20..22 come from the first file of the batch.
+    assert kept[19] == NOW + timedelta(seconds=1)
+    assert kept[21] == NOW + timedelta(minutes=1)
+    assert kept[23] == NOW + timedelta(minutes=2)

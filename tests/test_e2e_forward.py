@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import io
 import os
 import random
 import signal
@@ -150,6 +151,11 @@ async def until(predicate: Callable[[], bool], timeout: float = 30.0, what: str 
     deadline = loop.time() + timeout
     while not predicate():
         if loop.time() > deadline:
+            # Where every task is stuck, for whoever reads the failure.
+            stacks = io.StringIO()
+            for task in asyncio.all_tasks():
+                task.print_stack(file=stacks)
+            print("asyncio tasks at the timeout:\n" + stacks.getvalue())
             raise AssertionError(f"timed out waiting for {what or predicate}")
         await asyncio.sleep(0.05)
 

@@ -13,8 +13,9 @@ What a caller may rely on:
   collector has durably received everything below.
 * **Nothing is skipped on a lost connection.** When the connection drops, or the oldest
   batch is not acknowledged within ``ack_timeout_s`` (a collector with a full disk stops
-  acking), every record in flight goes back to the group and is sent again on the next
-  connection (the collector drops what it already has by offset).
+  acking), every batch in flight is sent again, verbatim and first, on the next connection
+  (the collector drops what it already has by offset). :meth:`Forwarder.stop` hands the
+  unacknowledged records back to the group.
 * Reconnects use exponential backoff with full jitter between ``backoff_initial_s`` and
   ``backoff_max_s``; the backoff resets only when a batch is acknowledged, so a collector
   that accepts connections but never acks is not hammered.
@@ -193,9 +194,16 @@ def backoff_delay(attempt: int, initial: float, maximum: float, rng: random.Rand
 
 
 @dataclass(slots=True)
-class _InFlight:
+class _Batch:
+    """An encoded batch not yet acknowledged: sent again verbatim after a reconnect."""
+
     offsets: list[int]
-    nbytes: int
+    payload: bytes
+
+
+@dataclass(slots=True)
+class _InFlight:
+    batch: _Batch
     future: asyncio.Future[None]
     sent_at: float
 
@@ -227,8 +235,11 @@ class Forwarder:
         self._bucket = (
             TokenBucket(config.rate_limit_bytes_per_s) if config.rate_limit_bytes_per_s else None
         )
-        self._inflight: deque[_InFlight] = deque()
+        self._inflight: deque[_InFlight] = deque()  # sent on this connection, unacked
+        self._unsent: deque[_Batch] = deque()  # encoded, not (or no longer) in flight
         self._carry: list[Record] = []  # fetched from the group, not yet in a batch
+        self._building: list[Record] = []  # the batch being collected
+        self._building_bytes = 0
         self._task: asyncio.Task[None] | None = None
         self._stopping = asyncio.Event()
         self._attempt = 0
@@ -248,6 +259,11 @@ class Forwarder:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+        self._unsent.clear()
+        self._carry = []
+        self._building = []
+        self._building_bytes = 0
+        self.group.release(CONSUMER)
 
     @property
     def backlog(self) -> int:
@@ -258,29 +274,47 @@ class Forwarder:
 
     async def _run(self) -> None:
         while not self._stopping.is_set():
-            upstream = self._connect()
             try:
-                await upstream.connect(timeout=self.config.connect_timeout_s)
+                await self._connection()
             except asyncio.CancelledError:
                 raise
-            except Exception as exc:
-                self.stats.connect_failures += 1
-                await self._backoff(f"cannot connect to the collector: {exc}")
-                continue
-            self.stats.connects += 1
-            self.stats.connected = True
-            log.info("forwarder connected upstream; backlog %d records", self.group.lag)
-            reason = "stopped"
-            try:
-                reason = await self._forward(upstream)
-            finally:
-                self.stats.connected = False
-                self._abandon_inflight()
-                with contextlib.suppress(Exception):
-                    await asyncio.shield(upstream.disconnect(timeout=1.0))
-            self.stats.disconnects += 1
-            if not self._stopping.is_set():
-                await self._backoff(reason)
+            except Exception:
+                # Never let the forwarder die silently: log, back off, try again.
+                log.exception("forwarder: unexpected error; reconnecting")
+                await self._backoff("unexpected error")
+
+    async def _connection(self) -> None:
+        """One connection attempt and, if it succeeds, forwarding until it ends."""
+        upstream = self._connect()
+        try:
+            await upstream.connect(timeout=self.config.connect_timeout_s)
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if self._stopping.is_set() or (task is not None and task.cancelling()):
+                raise
+            # A CancelledError from inside the client, not for us: a failed attempt.
+            self.stats.connect_failures += 1
+            await self._backoff("connection attempt cancelled")
+            return
+        except Exception as exc:
+            self.stats.connect_failures += 1
+            await self._backoff(f"cannot connect to the collector: {exc}")
+            return
+        self.stats.connects += 1
+        self.stats.connected = True
+        log.info("forwarder connected upstream; backlog %d records", self.group.lag)
+        reason = "stopped"
+        try:
+            reason = await self._forward(upstream)
+        finally:
+            self.stats.connected = False
+            self._abandon_inflight()
+            with contextlib.suppress(Exception):
+                # Bounded even if the client's own shutdown hangs: the next attempt matters more.
+                await asyncio.wait_for(asyncio.shield(upstream.disconnect(timeout=1.0)), 3.0)
+        self.stats.disconnects += 1
+        if not self._stopping.is_set():
+            await self._backoff(reason)
 
     async def _backoff(self, reason: str) -> None:
         delay = backoff_delay(
@@ -319,75 +353,97 @@ class Forwarder:
         return "connection ended"
 
     def _abandon_inflight(self) -> None:
-        """Give every record fetched on this connection back to the group, for resending."""
-        for item in self._inflight:
+        """The connection is gone: its unacknowledged batches go first in line for the next one.
+
+        They are sent again verbatim (the collector drops what it already has), so nothing
+        is re-read from the log and no record can be skipped.
+        """
+        resent = 0
+        for item in reversed(self._inflight):
             if not item.future.done():
                 item.future.cancel()
+            self._unsent.appendleft(item.batch)
+            resent += len(item.batch.offsets)
         self._inflight.clear()
-        self._carry = []
         self.stats.inflight_batches = 0
-        released = self.group.release(CONSUMER)
-        self.stats.resent_records += released
+        self.stats.resent_records += resent
 
     # -- sending ---------------------------------------------------------------------------
 
     async def _send_loop(self, upstream: Upstream, window: asyncio.Semaphore, wake: asyncio.Event) -> None:
         cfg = self.config
+        unsent = self._unsent
         while True:
             await window.acquire()
-            records = await self._collect()
-            payload = encode_batch(cfg.device_id, cfg.stream, records, compression=cfg.compression)
+            if not unsent:
+                records = await self._collect()
+                payload = encode_batch(cfg.device_id, cfg.stream, records, compression=cfg.compression)
+                unsent.append(_Batch([r.offset for r in records], payload))
+            # The batch leaves `unsent` only when it is in flight: a cancellation at any await
+            # (a lost connection) leaves every record either in flight or waiting here.
+            batch = unsent[0]
             if self._bucket is not None:
-                await self._bucket.take(len(payload))
-            future = upstream.publish_nowait(self.topic, payload, qos=1)
-            self._inflight.append(
-                _InFlight([r.offset for r in records], len(payload), future, time.monotonic())
-            )
+                await self._bucket.take(len(batch.payload))
+            future = upstream.publish_nowait(self.topic, batch.payload, qos=1)
+            unsent.popleft()
+            self._inflight.append(_InFlight(batch, future, time.monotonic()))
             stats = self.stats
             stats.batches_sent += 1
-            stats.records_sent += len(records)
-            stats.bytes_sent += len(payload)
+            stats.records_sent += len(batch.offsets)
+            stats.bytes_sent += len(batch.payload)
             stats.inflight_batches = len(self._inflight)
             wake.set()
             await asyncio.sleep(0)  # let the local broker run between batches of a backlog
 
     async def _collect(self) -> list[Record]:
-        """The next batch: waits for at least one record, then up to the linger time for more."""
+        """The next batch: waits for at least one record, then up to the linger time for more.
+
+        The batch being built lives in ``self._building`` so a cancellation (lost connection)
+        keeps its records for the next connection.
+        """
         cfg = self.config
-        batch: list[Record] = []
-        nbytes = 0
         deadline: float | None = None
         group = self.group
         while True:
             carry = self._carry
+            batch = self._building
             if carry:
                 # Take as many fetched records as fit both bounds (at least one), in bulk.
                 room_records = cfg.batch_records - len(batch)
                 sizes = accumulate(len(r.payload) + len(r.topic) + RECORD_OVERHEAD for r in islice(carry, room_records))
                 cumulative = list(sizes)
-                take = bisect_right(cumulative, cfg.batch_bytes - nbytes)
+                take = bisect_right(cumulative, cfg.batch_bytes - self._building_bytes)
                 if take == 0 and not batch:
                     take = 1  # a record bigger than batch_bytes still goes, alone
                 if take:
                     batch.extend(carry[:take])
-                    nbytes += cumulative[take - 1]
+                    self._building_bytes += cumulative[take - 1]
                     del carry[:take]
-                if carry or len(batch) >= cfg.batch_records or nbytes >= cfg.batch_bytes:
-                    return batch
+                if carry or len(batch) >= cfg.batch_records or self._building_bytes >= cfg.batch_bytes:
+                    return self._take_building()
             fetched = group.fetch(cfg.batch_records - len(batch), CONSUMER)
             if fetched:
                 self._carry = fetched
+                continue
+            if group.has_work():
+                await asyncio.sleep(0)  # fetch reads a bounded amount per call: call again
                 continue
             if batch:
                 now = time.monotonic()
                 if deadline is None:
                     deadline = now + cfg.linger_s
                 if now >= deadline:
-                    return batch
+                    return self._take_building()
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._wait_for_records(group.doing_offset), deadline - now)
             else:
                 await self._wait_for_records(group.doing_offset)
+
+    def _take_building(self) -> list[Record]:
+        batch = self._building
+        self._building = []
+        self._building_bytes = 0
+        return batch
 
     # -- acknowledgements --------------------------------------------------------------------
 
@@ -406,17 +462,18 @@ class Forwarder:
                 # In order: the head first, whatever order the PUBACKs arrive in.
                 await asyncio.wait_for(asyncio.shield(head.future), max(remaining, 0.0))
             except TimeoutError:
-                raise UpstreamTimeout(head.offsets[0], head.offsets[-1], timeout) from None
+                raise UpstreamTimeout(head.batch.offsets[0], head.batch.offsets[-1], timeout) from None
             inflight.popleft()
-            for offset in head.offsets:
+            offsets = head.batch.offsets
+            for offset in offsets:
                 group.ack(offset)
             window.release()
             now = time.monotonic()
             stats.batches_acked += 1
-            stats.records_acked += len(head.offsets)
-            stats.bytes_acked += head.nbytes
+            stats.records_acked += len(offsets)
+            stats.bytes_acked += len(head.batch.payload)
             stats.inflight_batches = len(inflight)
-            stats.acked_offset = head.offsets[-1]
+            stats.acked_offset = offsets[-1]
             stats.last_ack_unix = time.time()
             stats.observe_latency(now - head.sent_at)
             # Offsets reach disk in the queue's housekeeping (batched, off the loop).

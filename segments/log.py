@@ -20,6 +20,7 @@ import logging
 import os
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +28,7 @@ from typing import Literal
 
 from segments.errors import SegmentError
 from segments.fileio import OS_FILE_IO, DiskFull, FileIO
+from segments.index import SparseIndex
 from segments.record import (
     LENGTH,
     LENGTH_SIZE,
@@ -54,6 +56,9 @@ class LogConfig:
     retention_bytes: int | None = None
     retention_ms: int | None = None
     min_free_bytes: int = 0
+    # Sealed segments whose sparse index stays in memory after a read (least recently read
+    # dropped first); the active segment's is always kept.  Memory stays flat with log size.
+    index_cache_segments: int = 4
 
     def __post_init__(self) -> None:
         if not 1024 <= self.segment_bytes < 1 << 32:
@@ -66,6 +71,8 @@ class LogConfig:
             raise ValueError("fsync_interval_ms must be positive")
         if self.min_free_bytes < 0:
             raise ValueError("min_free_bytes must be >= 0")
+        if self.index_cache_segments < 1:
+            raise ValueError(f"index_cache_segments must be >= 1, not {self.index_cache_segments}")
 
 
 @dataclass
@@ -176,6 +183,8 @@ class Log:
         self._delete_lock = threading.Lock()
         self._segments: list[Segment] = []
         self._bases: list[int] = []
+        # Sealed segments whose index is loaded, least recently read first (under _delete_lock).
+        self._hot_indexes: OrderedDict[Segment, None] = OrderedDict()
         self._groups: list[_Group] = []
         self._next_offset = 0
         self._committed_offset = 0
@@ -234,6 +243,7 @@ class Log:
             if i < len(bases) - 1 and not segment.sealed:
                 # A crash during a roll; seal it so the next open trusts it without a scan.
                 segment.seal_now()
+                segment.release_index()  # reloaded from disk if it is ever read
             segments.append(segment)
         if not segments or segments[-1].sealed:
             start = segments[-1].next_offset if segments else 0
@@ -407,11 +417,13 @@ class Log:
             undo = (original.size, original.next_offset, original.max_timestamp_us,
                     original.last_index_position)
             created: list[Segment] = []
+            sealed: list[Segment] = []
             active = original
             try:
                 for group in batch.groups:
                     if group.new_segment:
                         active.seal_now()
+                        sealed.append(active)
                         active = Segment.create(self.directory, group.base_offset, self.fileio)
                         created.append(active)
                     chunks = group.chunks
@@ -433,6 +445,9 @@ class Log:
                 raise
             if created:
                 self._set_segments(self._segments + created)
+            for segment in sealed:
+                # Its index is on disk now; keeping every sealed index would grow with the log.
+                segment.release_index()
             self._committed_offset = batch.end_offset
             self.stats.appended += batch.end_offset - batch.first_offset
             if floor:
@@ -528,14 +543,13 @@ class Log:
         if offset >= limit or max_records <= 0:
             return out
         total = 0
-        interval = self.config.index_interval_bytes
         i = max(bisect.bisect_right(bases, offset) - 1, 0)
         while i < len(segments):
             segment = segments[i]
             i += 1
             if segment.next_offset <= offset:
                 continue
-            start = segment.ensure_index(interval).lookup(offset)
+            start = self._index_of(segment).lookup(offset)
             max_offset = segment.next_offset if segment.sealed else limit
             for frame in segment.walk(start, segment.size, None, resync=True, max_offset=max_offset):
                 if frame.framed <= 0:
@@ -553,6 +567,26 @@ class Log:
                 if len(out) >= max_records:
                     return out
         return out
+
+    def _index_of(self, segment: Segment) -> SparseIndex:
+        """The segment's index, loading a sealed one and keeping at most
+        ``index_cache_segments`` sealed ones loaded (caller holds ``_delete_lock``)."""
+        index = segment.index
+        if segment.seal is None and index is not None:
+            return index  # the active segment: always in memory
+        hot = self._hot_indexes
+        if index is None:
+            index = segment.ensure_index(self._interval)
+        hot[segment] = None
+        hot.move_to_end(segment)
+        while len(hot) > self.config.index_cache_segments:
+            cold, _ = hot.popitem(last=False)
+            cold.release_index()
+        return index
+
+    def loaded_indexes(self) -> int:
+        """How many segments have their sparse index in memory now (the active one included)."""
+        return sum(1 for s in self._segments if s.index is not None)
 
     def scan(self, offset: int = 0) -> Iterator[ScannedRecord]:
         """Every record from ``offset`` on (up to :attr:`committed_offset`), and every corrupt spot.
@@ -612,6 +646,7 @@ class Log:
             with self._delete_lock:
                 self._set_segments(segments[len(doomed):])
                 for segment in doomed:
+                    self._hot_indexes.pop(segment, None)
                     segment.delete()
             for segment in doomed:
                 report.segments_deleted += 1

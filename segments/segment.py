@@ -329,11 +329,11 @@ class Segment:
 
     def ensure_index(self, interval: int) -> SparseIndex:
         """The index, loading it for a sealed segment (and rebuilding it if it is bad)."""
-        if self.index is not None:
-            return self.index
+        index: SparseIndex | None = self.index  # read once: another thread may release it
+        if index is not None:
+            return index
         seal = self.seal
         assert seal is not None
-        index: SparseIndex | None = None
         try:
             handle = self.fileio.open(self.index_path)
             try:
@@ -353,6 +353,18 @@ class Segment:
         self.index = index
         return index
 
+    def release_index(self) -> bool:
+        """Forget a sealed segment's index (the next :meth:`ensure_index` reloads it from disk).
+
+        True if one was dropped; an unsealed segment keeps its index (appends extend it and
+        the seal writes it), so this is a no-op there.  Safe while another thread reads: a
+        reader that already holds the index keeps using it.
+        """
+        if self.seal is None or self.index is None:
+            return False
+        self.index = None
+        return True
+
     def _rebuild_index(self, interval: int) -> SparseIndex:
         index = SparseIndex(self.base_offset)
         last = 0
@@ -362,9 +374,10 @@ class Segment:
                 last = frame.position
         if self.seal is not None:
             # Rewrite index then seal: a crash in between leaves a CRC mismatch, so it is rebuilt again.
-            atomic_write(self.index_path, index.encode(), self.fileio)
+            index_bytes = index.encode()
+            atomic_write(self.index_path, index_bytes, self.fileio)
             seal = self.seal
-            self.seal = Seal(seal.base_offset, seal.next_offset, seal.size, seal.max_timestamp_us, index.crc())
+            self.seal = Seal(seal.base_offset, seal.next_offset, seal.size, seal.max_timestamp_us, crc32c(index_bytes))
             atomic_write(self.seal_path, self.seal.encode(), self.fileio)
         return index
 
@@ -399,8 +412,9 @@ class Segment:
         """Seal: fdatasync the records, write the index, then the seal (each atomically, durably)."""
         assert self.index is not None
         self.handle.datasync()
-        atomic_write(self.index_path, self.index.encode(), self.fileio)
-        seal = Seal(self.base_offset, self.next_offset, self.size, self.max_timestamp_us, self.index.crc())
+        index_bytes = self.index.encode()
+        atomic_write(self.index_path, index_bytes, self.fileio)
+        seal = Seal(self.base_offset, self.next_offset, self.size, self.max_timestamp_us, crc32c(index_bytes))
         atomic_write(self.seal_path, seal.encode(), self.fileio)
         self.seal = seal
 

@@ -106,6 +106,44 @@ def test_read_from_every_offset_uses_index(tmp_path: Path) -> None:
     log.close()
 
 
+def test_cold_indexes_are_not_kept_in_memory(tmp_path: Path) -> None:
+    cfg = LogConfig(segment_bytes=2048, index_interval_bytes=200, index_cache_segments=2)
+    log = Log.open(tmp_path, cfg)
+    fill(log, 400)
+    assert len(log.segments()) > 8
+    assert log.loaded_indexes() == 1  # sealing released every index but the active one's
+    for offset in range(400):  # every offset, from every segment: each lookup still lands
+        assert [r.offset for r in log.read(offset, max_records=2)] == list(range(offset, min(offset + 2, 400)))
+        assert log.loaded_indexes() <= 1 + cfg.index_cache_segments
+    for offset in range(399, -1, -7):  # backwards: every load evicts the least recently read
+        assert log.read(offset, 1)[0].offset == offset
+        assert log.loaded_indexes() <= 1 + cfg.index_cache_segments
+    log.close()
+    again = Log.open(tmp_path, cfg)
+    assert again.loaded_indexes() == 1  # opening loads no sealed index
+    assert [r.offset for r in again.read(0, 1000, 1 << 30)] == list(range(400))
+    assert again.loaded_indexes() <= 1 + cfg.index_cache_segments
+    again.close()
+
+
+def test_retention_forgets_loaded_indexes(tmp_path: Path) -> None:
+    cfg = LogConfig(segment_bytes=2048, index_interval_bytes=200, retention_bytes=6000, index_cache_segments=8)
+    log = Log.open(tmp_path, cfg)
+    fill(log, 300)
+    log.read(0, 1000, 1 << 30)
+    report = log.enforce_retention()
+    assert report.segments_deleted >= 1
+    alive = set(map(id, log._segments))  # noqa: SLF001 (white-box: no dangling references)
+    assert all(id(s) in alive for s in log._hot_indexes)  # noqa: SLF001
+    assert [r.offset for r in log.read(0, 1000, 1 << 30)] == list(range(log.first_offset, 300))
+    log.close()
+
+
+def test_index_cache_size_is_validated() -> None:
+    with pytest.raises(ValueError, match="index_cache_segments"):
+        LogConfig(index_cache_segments=0)
+
+
 def test_unflushed_records_are_invisible(tmp_path: Path) -> None:
     log = Log.open(tmp_path, SMALL)
     fill(log, 3)

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import os
+import random
 from pathlib import Path
 
 import pytest
+from crc32c import crc32c
 
 from segments.fileio import OsFileIO
-from segments.index import SparseIndex
+from segments.index import ENTRY, SparseIndex
 from segments.record import Record, encode_record
 from segments.segment import Seal, Segment, parse_segment_name, segment_name
 
@@ -53,13 +55,86 @@ def test_index_lookup_and_validation() -> None:
         index.add(off, pos)
     assert index.lookup(100) == 0 and index.lookup(109) == 0
     assert index.lookup(110) == 4096 and index.lookup(125) == 8200 and index.lookup(10**9) == 12300
-    assert SparseIndex.decode(100, index.encode(), 20000, 140).positions == index.positions
+    assert SparseIndex.decode(100, index.encode(), 20000, 140).entries() == index.entries()
     with pytest.raises(ValueError):
         SparseIndex.decode(100, index.encode(), 10000, 140)  # position past the end
     with pytest.raises(ValueError):
         SparseIndex.decode(100, index.encode()[8:] + index.encode()[:8], 20000, 140)  # not sorted
     index.truncate_to(8200)
-    assert index.offsets == [110]
+    assert index.entries() == [(110, 4096)]
+
+
+def test_index_encoding_is_the_documented_big_endian_pairs() -> None:
+    entries = [(1000 + 7, 4096), (1000 + 70_000, 1 << 31), (1000 + (1 << 32) - 1, (1 << 32) - 1)]
+    index = SparseIndex(1000)
+    for off, pos in entries:
+        index.add(off, pos)
+    expected = b"".join(ENTRY.pack(off - 1000, pos) for off, pos in entries)
+    assert index.encode() == expected
+    assert index.crc() == crc32c(expected)
+    assert index.nbytes == 8 * len(entries)  # compact: no Python object per entry
+    decoded = SparseIndex.decode(1000, expected, 1 << 32, 1000 + (1 << 32))
+    assert decoded.entries() == entries and decoded.encode() == expected
+    assert SparseIndex(5).encode() == b"" and SparseIndex.decode(5, b"", 0, 5).entries() == []
+
+
+@pytest.mark.parametrize(
+    ("data", "why"),
+    [
+        (ENTRY.pack(1, 10) + ENTRY.pack(1, 20), "out of order"),  # offsets not strictly increasing
+        (ENTRY.pack(1, 20) + ENTRY.pack(2, 20), "out of order"),  # positions not strictly increasing
+        (ENTRY.pack(1, 10) + ENTRY.pack(9, 20), "past segment end"),  # offset >= next_offset
+        (ENTRY.pack(1, 10) + ENTRY.pack(2, 500), "past the segment end"),  # position >= size
+        (ENTRY.pack(1, 10) + b"\0", "not a multiple"),
+    ],
+)
+def test_index_decode_rejects_implausible_entries(data: bytes, why: str) -> None:
+    with pytest.raises(ValueError, match=why):
+        SparseIndex.decode(100, data, 500, 109)
+
+
+def test_index_lookup_matches_a_linear_search_from_every_offset() -> None:
+    rng = random.Random(7)
+    index = SparseIndex(50)
+    entries: list[tuple[int, int]] = []
+    off, pos = 50, 0
+    for _ in range(300):
+        off += rng.randint(1, 40)
+        pos += rng.randint(28, 9000)
+        index.add(off, pos)
+        entries.append((off, pos))
+    for probe in range(40, off + 50):
+        expected = max((p for o, p in entries if o <= probe), default=0)
+        assert index.lookup(probe) == expected, probe
+    cut = entries[150][1]
+    index.truncate_to(cut)
+    assert index.entries() == entries[:150]
+    index.truncate_to(cut + 1)  # nothing at or past it any more: unchanged
+    assert index.entries() == entries[:150]
+
+
+def test_sealed_index_loads_lazily_releases_and_reloads(tmp_path: Path) -> None:
+    write_segment(tmp_path, recs(200, size=50))
+    segment, _ = Segment.recover(tmp_path, 0, IO, 1000)
+    built = segment.ensure_index(1000).entries()
+    segment.seal_now()
+    assert segment.release_index() and segment.index is None
+    assert not segment.release_index()  # nothing loaded
+    assert segment.ensure_index(1000).entries() == built  # from the .index file
+    segment.close()
+    reopened, _ = Segment.recover(tmp_path, 0, IO, 1000)
+    assert reopened.sealed and reopened.index is None  # opening reads no index
+    (tmp_path / segment_name(0, ".index")).unlink()
+    assert reopened.ensure_index(1000).entries() == built  # rebuilt from the records
+    assert (tmp_path / segment_name(0, ".index")).exists()
+    reopened.close()
+
+
+def test_unsealed_segment_keeps_its_index(tmp_path: Path) -> None:
+    write_segment(tmp_path, recs(50, size=50))
+    segment, _ = Segment.recover(tmp_path, 0, IO, 200)
+    assert not segment.sealed and not segment.release_index() and segment.index is not None
+    segment.close()
 
 
 def test_torn_tail_cut_at_every_byte_of_last_record(tmp_path: Path) -> None:
@@ -104,9 +179,10 @@ def test_index_rebuilt_during_scan_matches_interval(tmp_path: Path) -> None:
     segment, _ = Segment.recover(tmp_path, 0, IO, 1000)
     index = segment.index
     assert index is not None and len(index) > 5
-    gaps = [b - a for a, b in zip([0, *index.positions], index.positions, strict=False)]
+    positions = [pos for _, pos in index.entries()]
+    gaps = [b - a for a, b in zip([0, *positions], positions, strict=False)]
     assert all(g >= 1000 for g in gaps)
-    for off, pos in zip(index.offsets, index.positions, strict=True):
+    for off, pos in index.entries():
         frame = next(segment.walk(pos, segment.size, None, resync=False))
         assert frame.offset == off
 

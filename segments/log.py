@@ -550,8 +550,17 @@ class Log:
             if segment.next_offset <= offset:
                 continue
             start = self._index_of(segment).lookup(offset)
+            pos, expected, total, full = segment.read_run(start, offset, limit, out, max_records, max_bytes, total)
+            if full:
+                return out
+            if pos >= segment.size:
+                continue
+            # The bytes at ``pos`` are not the next valid record: the general walk reports
+            # the bad spot, resyncs and reads on (the slow path, only after damage).
             max_offset = segment.next_offset if segment.sealed else limit
-            for frame in segment.walk(start, segment.size, None, resync=True, max_offset=max_offset):
+            walk = segment.walk(pos, segment.size, expected if expected >= 0 else None,
+                                resync=True, max_offset=max_offset)
+            for frame in walk:
                 if frame.framed <= 0:
                     if segment.note_corrupt(frame):
                         self.stats.corrupt_skipped += 1

@@ -19,7 +19,7 @@ recovery, reads and ``filemq inspect`` all use.
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from crc32c import crc32c
 
@@ -46,6 +46,9 @@ BAD_LENGTH = -2  # length field out of range
 BAD_CRC = -3  # CRC mismatch
 BAD_HEADER = -4  # unknown version, QoS 3 or reserved flag bits set
 
+# flags bytes check_frame accepts: no reserved bit, QoS not 3 (a table: one lookup per record)
+_FLAGS_OK = tuple(not (f & RESERVED_FLAGS or f & QOS_MASK == 3) for f in range(256))
+
 REASONS = {
     INCOMPLETE: "truncated record",
     BAD_LENGTH: "length out of range",
@@ -54,9 +57,13 @@ REASONS = {
 }
 
 
-@dataclass(frozen=True, slots=True)
-class Record:
-    """One message as stored in the log."""
+class Record(NamedTuple):
+    """One message as stored in the log; immutable.
+
+    A named tuple rather than a frozen dataclass because reads build one per record and
+    this is ~5x cheaper to construct (~0.1 us against ~0.55 us).  Use the attribute
+    names; a record also compares equal to a plain tuple of the same fields.
+    """
 
     offset: int
     timestamp_us: int
@@ -142,6 +149,68 @@ def decode(data: bytes | memoryview, path: str = "<bytes>", position: int = 0) -
     if framed < 0:
         raise CorruptRecord(path, position, REASONS[framed])
     return decode_at(data, 0, framed), framed
+
+
+def decode_run(
+    buf: bytes, pos: int, expected: int, first: int, limit: int,
+    out: list[Record], max_records: int, max_bytes: int, total: int,
+) -> tuple[int, int, int, bool]:
+    """Fast path of a read: decode the valid, gap-free records of ``buf`` from ``buf[pos]``.
+
+    Applies exactly the checks of :func:`check_frame`, in one ``unpack`` per record, and
+    requires each record to carry offset ``expected`` (any offset for the first one when
+    ``expected`` < 0), then the next.  Records with offsets below ``first`` are checked and
+    skipped; the others are appended to ``out`` until a record at or past ``limit``, or
+    ``max_records`` in ``out``, or ``max_bytes`` framed bytes in ``total`` (the first record
+    always fits) say the read is *full*.  Stops without being full at the end of ``buf`` or
+    at bytes that are not the next valid record (an unfinished record at the buffer's end,
+    corruption, an offset out of sequence), for the caller to handle with the general walk.
+    Returns ``(stop position, next expected offset, total, full)``.
+    """
+    unpack = HEADER.unpack_from
+    view = memoryview(buf)
+    end = len(buf)
+    last = end - HEADER_SIZE
+    append = out.append
+    make = tuple.__new__
+    flags_ok = _FLAGS_OK
+    room = max_records - len(out)
+    # Consecutive records nearly always share a topic: reuse its str instead of decoding
+    # each one again (one comparison, no slice), which also shares the object in memory.
+    topic_raw = b""
+    topic_raw_len = 0
+    topic = ""
+    while pos <= last:
+        length, crc, version, flags, offset, ts, topic_len = unpack(buf, pos)
+        framed = length + LENGTH_SIZE
+        nxt = pos + framed
+        if (
+            length < MIN_LENGTH or framed > MAX_RECORD_BYTES or nxt > end
+            or version != FORMAT_VERSION or not flags_ok[flags]
+            or HEADER_SIZE + topic_len > framed or (offset != expected and expected >= 0)
+            # A small record's bytes are cheaper to copy than to wrap in a memoryview.
+            or crc32c(buf[pos + CRC_START : nxt] if framed < 4096 else view[pos + CRC_START : nxt]) != crc
+        ):
+            break
+        if offset >= limit:
+            return pos, expected, total, True
+        expected = offset + 1
+        if offset >= first:
+            if total + framed > max_bytes and out:
+                return pos, offset, total, True
+            start = pos + HEADER_SIZE
+            stop = start + topic_len
+            if topic_len != topic_raw_len or not buf.startswith(topic_raw, start):
+                topic_raw = buf[start:stop]
+                topic_raw_len = topic_len
+                topic = topic_raw.decode("utf-8", "replace")
+            append(make(Record, (offset, ts, topic, buf[stop:nxt], flags & QOS_MASK, flags & RETAIN_BIT != 0)))
+            total += framed
+            room -= 1
+            if not room:
+                return nxt, expected, total, True
+        pos = nxt
+    return pos, expected, total, False
 
 
 def find_next_valid(

@@ -30,7 +30,9 @@ from segments.record import (
     MAX_RECORD_BYTES,
     MIN_LENGTH,
     REASONS,
+    Record,
     check_frame,
+    decode_run,
     find_next_valid,
     offset_at,
     scan_run,
@@ -326,6 +328,44 @@ class Segment:
             buf, buf_start = rest, pos
             pos += found[0]
             expected = offset_at(rest, found[0])
+
+    def read_run(
+        self, pos: int, first: int, limit: int, out: list[Record], max_records: int, max_bytes: int,
+        total: int,
+    ) -> tuple[int, int, int, bool]:
+        """Fast path of a read: append the records from byte ``pos`` on to ``out``.
+
+        Reads the file in chunks and decodes them with :func:`segments.record.decode_run`
+        (same limits: records < ``first`` skipped, full at ``limit`` / ``max_records`` /
+        ``max_bytes``).  Stops at the segment end, when full, or at the first bytes that are
+        not the next valid, gap-free record: the caller goes on from there with :meth:`walk`
+        (which skips and reports corruption).  Returns ``(stop position, offset the record
+        there must carry (-1: any), total, full)``.
+        """
+        end = self.size
+        expected = -1
+        want = READ_CHUNK
+        while pos < end:
+            buf = self.handle.pread(min(want, end - pos), pos)
+            rel, expected, total, full = decode_run(
+                buf, 0, expected, first, limit, out, max_records, max_bytes, total
+            )
+            pos += rel
+            if full or pos >= end or pos - rel + len(buf) >= end:
+                return pos, expected, total, full
+            # Stopped inside a chunk that does not reach the segment end: an unfinished record
+            # (read on from it, in one piece if it is bigger than a chunk), or bad bytes.
+            if check_frame(buf, rel, len(buf)) != INCOMPLETE:
+                break
+            need = READ_CHUNK
+            if len(buf) - rel >= LENGTH_SIZE:
+                need = LENGTH.unpack_from(buf, rel)[0] + LENGTH_SIZE
+                if need > MAX_RECORD_BYTES:
+                    break
+            if rel == 0 and need <= want:
+                break  # no progress possible (cannot happen for a consistent file; be safe)
+            want = max(READ_CHUNK, need)
+        return pos, expected, total, False
 
     def ensure_index(self, interval: int) -> SparseIndex:
         """The index, loading it for a sealed segment (and rebuilding it if it is bad)."""

@@ -65,7 +65,12 @@ Start = Literal["earliest", "latest"]
 
 
 class LogView(Protocol):
-    """What a group needs from :class:`segments.Log` (a protocol so tests can use fakes too)."""
+    """What a group needs from :class:`segments.Log` (a protocol so tests can use fakes too).
+
+    Anything that serves the records of the group's own log qualifies, e.g. the broker's
+    tail cache over it (see :meth:`ConsumerGroup.use_reader`): ``read`` must return what
+    ``Log.read`` would (records ``>= offset`` and ``< committed_offset``, in order).
+    """
 
     @property
     def first_offset(self) -> int: ...
@@ -360,6 +365,22 @@ class ConsumerGroup:
         )
         log.info("loaded consumer group %r at offset %d (first %d, end %d)", name, start, first, end)
         return group
+
+    # ---- reading -------------------------------------------------------------------------
+
+    @property
+    def reader(self) -> LogView:
+        """Where :meth:`fetch` reads records (the log, unless :meth:`use_reader` changed it)."""
+        return self._log
+
+    def use_reader(self, reader: LogView) -> None:
+        """Read through ``reader`` from now on, e.g. a cache in front of the same log.
+
+        ``reader`` must serve the log this group was created or loaded on (same offsets,
+        same records): offsets, outstanding records and redeliveries are kept as they
+        are, so a reader of another log would hand out wrong records.
+        """
+        self._log = reader
 
     # ---- filters -------------------------------------------------------------------------
 

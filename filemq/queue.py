@@ -137,16 +137,21 @@ class Queue:
 
     def publish_nowait(
         self, topic: str, payload: bytes, qos: int = 0, retain: bool = False,
-        timestamp_us: int | None = None,
+        timestamp_us: int | None = None, *, validated: bool = False,
     ) -> tuple[int, asyncio.Future[None]]:
         """Append a record; returns its offset and the (shared) future of its commit.
 
         Raises :class:`filemq.topics.InvalidTopic` for a bad topic name, ``RuntimeError``
         before :meth:`start`; the future raises DiskFull/OSError if the commit fails.
+        ``validated=True`` skips the topic-name check: only for callers that already
+        enforced :func:`filemq.topics.validate_topic_name`'s rules (the broker: its MQTT
+        decoder and CONNECT handling do), since a wildcard or U+0000 stored in the log
+        would break every subscriber's matching.
         """
         if self._committer is None:
             raise RuntimeError(f"queue {self.data_dir} is not started")
-        validate_topic_name(topic)
+        if not validated:
+            validate_topic_name(topic)
         return self._committer.append_nowait(topic, payload, qos=qos, retain=retain, timestamp_us=timestamp_us)
 
     async def publish(

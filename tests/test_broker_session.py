@@ -74,7 +74,7 @@ class FakeQueue:
         self.fail_next = False
 
     def publish_nowait(self, topic: str, payload: bytes, qos: int = 0, retain: bool = False,
-                       timestamp_us: int | None = None) -> tuple[int, asyncio.Future[None]]:
+                       timestamp_us: int | None = None, *, validated: bool = False) -> tuple[int, asyncio.Future[None]]:
         offset = self.log.next_offset
         self.log.records.append(Record(offset, timestamp_us or 0, topic, payload, qos, retain))
         if self._batch is None:

@@ -234,6 +234,46 @@ def test_ack_of_a_released_record_still_counts(tmp_path: Path, log: Log) -> None
     assert g.pending_offset == 1
 
 
+class CountingReader:
+    """A reader in front of the log (like the broker's tail cache) that counts its reads."""
+
+    def __init__(self, lg: Log) -> None:
+        self.log = lg
+        self.reads = 0
+
+    @property
+    def first_offset(self) -> int:
+        return self.log.first_offset
+
+    @property
+    def next_offset(self) -> int:
+        return self.log.next_offset
+
+    @property
+    def committed_offset(self) -> int:
+        return self.log.committed_offset
+
+    def read(self, offset: int, max_records: int = 1000, max_bytes: int = 1 << 20) -> list:  # type: ignore[type-arg]
+        self.reads += 1
+        return self.log.read(offset, max_records, max_bytes)
+
+
+def test_use_reader_switches_reads_and_keeps_offsets(tmp_path: Path, log: Log) -> None:
+    fill(log, ["t"] * 10)
+    g = ConsumerGroup.create("g", log, tmp_path / "groups", start="earliest")
+    assert g.reader is log
+    first = g.fetch(4, "c")
+    g.ack(first[0].offset)
+    g.nack(first[1].offset)
+    reader = CountingReader(log)
+    g.use_reader(reader)
+    assert g.reader is reader
+    again = g.fetch(100, "c")  # the nacked record first, then the rest: state kept
+    assert offsets_of(again) == [1, *range(4, 10)]
+    assert reader.reads >= 2  # the redelivery and the new records both came through it
+    assert g.pending_offset == 1 and g.lag == 9
+
+
 def test_start_positions(tmp_path: Path, log: Log) -> None:
     fill(log, ["t"] * 5)
     latest = ConsumerGroup.create("l", log, tmp_path / "groups")

@@ -148,6 +148,12 @@ def test_bad_topic_and_not_started(tmp_path: Path) -> None:
         await q.start()
         with pytest.raises(InvalidTopic):
             await q.publish("a/+", b"")
+        for bad in ("", "a/#", "nul\x00", "\ud800"):  # direct callers always get the check
+            with pytest.raises(InvalidTopic, match="topic"):
+                q.publish_nowait(bad, b"")
+        offset, fut = q.publish_nowait("ok/topic", b"x", validated=True)  # the broker's fast path
+        await fut
+        assert [r.topic for r in q.log.read(offset)] == ["ok/topic"]
         await q.close()
         await q.close()  # idempotent
 

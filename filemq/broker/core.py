@@ -27,6 +27,7 @@ What a caller may rely on:
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import secrets
 import time
@@ -315,7 +316,8 @@ class BrokerCore:
     ) -> None:
         self.queue = queue
         self.log = queue.log
-        self._append = queue.publish_nowait
+        # Topics reaching _append passed the codec's and CONNECT's topic-name checks already.
+        self._append = functools.partial(queue.publish_nowait, validated=True)
         self.cache = cache
         self.config = config
         self.store = store
@@ -558,8 +560,8 @@ class BrokerCore:
 
     def _through_cache(self, group: ConsumerGroup) -> ConsumerGroup:
         # Groups read the log through the tail cache, so live subscribers never hit the files.
-        # ConsumerGroup has no public setter for its log view; it only reads through it.
-        group._log = self.cache  # noqa: SLF001
+        if group.reader is not self.cache:
+            group.use_reader(self.cache)
         return group
 
     def _drop_group(self, name: str) -> None:

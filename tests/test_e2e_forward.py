@@ -305,15 +305,26 @@ def test_full_disk_at_collector_and_old_device_clock(tmp_path: Path) -> None:
 # -- real processes, kill -9 --------------------------------------------------------------------
 
 
-async def start_process(args: list[str], ready_word: str) -> asyncio.subprocess.Process:
+async def start_process(
+    args: list[str], ready_word: str, started: list[asyncio.subprocess.Process]
+) -> asyncio.subprocess.Process:
+    """Start ``filemq <args>`` and wait for its ready line; it is added to ``started``."""
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "cli", *args, cwd=REPO,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL,
     )
+    started.append(proc)
     assert proc.stdout is not None
     line = await asyncio.wait_for(proc.stdout.readline(), 20)
     assert ready_word in line.decode(), f"unexpected first line {line!r}"
     return proc
+
+
+async def kill_leftovers(started: list[asyncio.subprocess.Process]) -> None:
+    """A failed test must not leave its processes running."""
+    for proc in started:
+        if proc.returncode is None:
+            await kill9(proc)
 
 
 async def kill9(proc: asyncio.subprocess.Process) -> None:
@@ -342,12 +353,14 @@ def test_kill9_agent_while_forwarding(tmp_path: Path) -> None:
     agent_port = free_port()
     toml = write_agent_toml(tmp_path)
 
+    started: list[asyncio.subprocess.Process] = []
+
     async def scenario() -> None:
         collector = Collector(collector_config(tmp_path))
         await collector.start()
         args = ["agent", "--config", str(toml), "--data-dir", str(tmp_path / "agent"), "--device-id", DEVICE,
                 "--collector", f"127.0.0.1:{collector.port}", "--port", str(agent_port)]
-        proc = await start_process(args, "filemq agent")
+        proc = await start_process(args, "filemq agent", started)
         pubs = Publishers(lambda: agent_port, count=3)
         pubs.start(messages_each=None, rate_pause=0.005)
         rng = random.Random(3)
@@ -355,7 +368,7 @@ def test_kill9_agent_while_forwarding(tmp_path: Path) -> None:
             for _ in range(3):
                 await asyncio.sleep(rng.uniform(0.7, 1.5))
                 await kill9(proc)
-                proc = await start_process(args, "filemq agent")
+                proc = await start_process(args, "filemq agent", started)
             await asyncio.sleep(1.0)
         finally:
             await pubs.stop()
@@ -369,17 +382,25 @@ def test_kill9_agent_while_forwarding(tmp_path: Path) -> None:
         # ...which the collector's marks dropped: no duplicate rows.
         check_oracle(tmp_path, pubs.acked, max_duplicates=0)
 
-    run(scenario(), timeout=110)
+    async def guarded() -> None:
+        try:
+            await scenario()
+        finally:
+            await kill_leftovers(started)
+
+    run(guarded(), timeout=110)
 
 
 @pytest.mark.slow
 def test_kill9_collector_while_landing(tmp_path: Path) -> None:
     collector_port = free_port()
 
+    started: list[asyncio.subprocess.Process] = []
+
     async def scenario() -> None:
         args = ["collector", "--data-dir", str(tmp_path / "collector"), "--landing", str(tmp_path / "landing"),
                 "--port", str(collector_port), "--collector-id", "c1", "--roll-seconds", "1"]
-        proc = await start_process(args, "filemq collector")
+        proc = await start_process(args, "filemq collector", started)
         agent = Agent(agent_config(tmp_path, collector_port))
         await agent.start()
         pubs = Publishers(lambda: agent.broker.port, count=3)
@@ -390,7 +411,7 @@ def test_kill9_collector_while_landing(tmp_path: Path) -> None:
             for _ in range(kills):
                 await asyncio.sleep(rng.uniform(1.0, 2.0))
                 await kill9(proc)
-                proc = await start_process(args, "filemq collector")
+                proc = await start_process(args, "filemq collector", started)
             await asyncio.sleep(1.0)
         finally:
             await pubs.stop()
@@ -406,7 +427,13 @@ def test_kill9_collector_while_landing(tmp_path: Path) -> None:
         # Duplicates only from a roll whose offset was not yet persisted at a kill.
         check_oracle(tmp_path, pubs.acked, max_duplicates=kills * biggest_roll)
 
-    run(scenario(), timeout=110)
+    async def guarded() -> None:
+        try:
+            await scenario()
+        finally:
+            await kill_leftovers(started)
+
+    run(guarded(), timeout=110)
 
 
 def test_status_shows_forwarder_group(tmp_path: Path) -> None:

@@ -61,6 +61,7 @@ _MAX_FILE_AGE = "3650d"
 # Up to this many rows to drop are shipped to every task as a broadcast hash table
 # (~100 bytes a row); above it Spark joins by shuffling.
 _BROADCAST_DROPS = 2_000_000
+_DROP_SCHEMA = f"{DROP_FILE} string, {DROP_ROW} long"
 
 
 DRIVER_DEDUP_MAX_KEYS = 10_000_000
@@ -158,6 +159,12 @@ def build_session(
         .config("spark.sql.shuffle.partitions", str(shuffle_partitions))
         # Keys are nearly all unique: a map-side partial aggregation would only add work.
         .config("spark.sql.execution.bypassPartialAggregation", "true")
+        # A batch touches few dt partitions: each task keeps one open Parquet writer per
+        # partition (up to 4) instead of sorting all its rows by dt first, which cost ~25%
+        # of the write. Spark adds that sort in the optimizer unless planned writes are off;
+        # past 4 partitions in one task it falls back to sorting the rest.
+        .config("spark.sql.optimizer.plannedWrite.enabled", "false")
+        .config("spark.sql.maxConcurrentOutputFileWriters", "4")
     )
     if master is not None:
         builder = builder.master(master)
@@ -213,6 +220,7 @@ class BatchIngestor:
         return self._query_id
 
     def _ingest(self, batch_id: int, query_id: str, report: BatchReport) -> None:
+        started = time.monotonic()
         self.table.clear_tmp()
         good: list[LandingFileCheck] = []
         for path in batch_files(self.config.checkpoint, batch_id):
@@ -228,11 +236,21 @@ class BatchIngestor:
         report.files = len(good)
         report.rows_in = sum(c.rows for c in good)
         nonempty = [c for c in good if c.rows]
+        checked = time.monotonic()
+        deduped = written = checked
         if nonempty:
             rows, _ = self._new_rows(nonempty, batch_id)
+            deduped = time.monotonic()
             report.rows_written = self.table.append(rows, query_id, batch_id)
+            written = time.monotonic()
         report.duplicates_removed = report.rows_in - report.rows_written
         self.table.mark_committed(query_id, batch_id)
+        # Where a batch's time goes, for whoever tunes it (the Spark UI is off).
+        log.debug(
+            "batch %d: file checks %.2fs, dedup %.2fs, write %.2fs, commit %.2fs",
+            batch_id, checked - started, deduped - checked, written - deduped,
+            time.monotonic() - written,
+        )
 
     def _new_rows(self, files: list[LandingFileCheck], batch_id: int) -> tuple[DataFrame, int]:
         first = min(c.first_day for c in files if c.first_day)
@@ -266,7 +284,7 @@ class BatchIngestor:
         drop_file = self.table.tmp_dir / f"duplicates-batch={batch_id}.parquet"
         drop_file.parent.mkdir(parents=True, exist_ok=True)
         pq.write_table(found.rows, drop_file)
-        drop = self.spark.read.parquet(str(drop_file))
+        drop = self.spark.read.schema(_DROP_SCHEMA).parquet(str(drop_file))
         if found.rows.num_rows <= _BROADCAST_DROPS:
             drop = F.broadcast(drop)
         located = batch.select(

@@ -419,6 +419,22 @@ def test_find_duplicates_keeps_the_first_landed_copy_and_table_keys(tmp_path: Pa
     assert find_duplicates([in_table], []).rows.num_rows == 0
 
 
+def test_find_duplicates_with_offsets_too_large_to_pack(tmp_path: Path) -> None:
+    # Offsets near 2**62 (and a negative one) do not fit the packed one-integer sort key:
+    # the two-column sort must give the same answer.
+    def at(offsets: list[int], device: str = "dev-1") -> list[dict[str, Any]]:
+        return [{**r, "offset": o} for r, o in zip(rows(range(len(offsets)), device), offsets, strict=True)]
+
+    big = [2**62, 2**62 + 1, -5]
+    a = _landing_file(tmp_path / "a.parquet", at(big) + at(big[:1], device="dev-2"))
+    b = _landing_file(tmp_path / "b.parquet", at([-5, 2**62 + 1, 2**62 + 2]))
+    found = find_duplicates([a, b], [])
+    assert sorted((r[DROP_FILE], r[DROP_ROW]) for r in found.rows.to_pylist()) == [
+        ("b.parquet", 0), ("b.parquet", 1),
+    ]
+    assert found.keys == 2
+
+
 def test_find_duplicates_refuses_two_files_with_one_name(tmp_path: Path) -> None:
     (tmp_path / "x").mkdir()
     one = _landing_file(tmp_path / "f.parquet", rows([0]))

@@ -21,6 +21,9 @@ What a caller may rely on:
   that accepts connections but never acks is not hammered.
 * An optional token bucket caps the upstream rate (bytes of batch payload per second).
 
+Timeouts use ``asyncio.timeout`` rather than ``asyncio.wait_for``, which on Python 3.11 can
+swallow a cancellation that races with its inner result and leave a task running.
+
 The forwarder knows nothing about sockets itself: ``connect`` builds an :class:`Upstream`
 (an :class:`filemq.mqtt.MQTTClient` in production, a fake in tests).
 """
@@ -311,7 +314,8 @@ class Forwarder:
             self._abandon_inflight()
             with contextlib.suppress(Exception):
                 # Bounded even if the client's own shutdown hangs: the next attempt matters more.
-                await asyncio.wait_for(asyncio.shield(upstream.disconnect(timeout=1.0)), 3.0)
+                async with asyncio.timeout(3.0):
+                    await asyncio.shield(upstream.disconnect(timeout=1.0))
         self.stats.disconnects += 1
         if not self._stopping.is_set():
             await self._backoff(reason)
@@ -323,7 +327,8 @@ class Forwarder:
         self._attempt += 1
         log.warning("forwarder: %s; retrying in %.2f s", reason, delay)
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._stopping.wait(), delay)
+            async with asyncio.timeout(delay):
+                await self._stopping.wait()
 
     async def _forward(self, upstream: Upstream) -> str:
         """Run one connection; returns why it ended."""
@@ -338,10 +343,15 @@ class Forwarder:
         finally:
             for task in tasks:
                 task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            # Bounded: a task that swallowed its cancellation must not wedge the forwarder.
+            _, stuck = await asyncio.wait(tasks, timeout=5.0)
+            if stuck:
+                log.error("forwarder: %d connection task(s) did not stop; abandoning them", len(stuck))
         if closed in done:
             return "connection to the collector closed"
         for task in done:
+            if task.cancelled():
+                continue
             exc = task.exception()
             if isinstance(exc, UpstreamTimeout):
                 self.stats.ack_timeouts += 1
@@ -435,7 +445,8 @@ class Forwarder:
                 if now >= deadline:
                     return self._take_building()
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wait_for_records(group.doing_offset), deadline - now)
+                    async with asyncio.timeout(deadline - now):
+                        await self._wait_for_records(group.doing_offset)
             else:
                 await self._wait_for_records(group.doing_offset)
 
@@ -460,7 +471,8 @@ class Forwarder:
             remaining = head.sent_at + timeout - time.monotonic()
             try:
                 # In order: the head first, whatever order the PUBACKs arrive in.
-                await asyncio.wait_for(asyncio.shield(head.future), max(remaining, 0.0))
+                async with asyncio.timeout(max(remaining, 0.0)):
+                    await asyncio.shield(head.future)
             except TimeoutError:
                 raise UpstreamTimeout(head.batch.offsets[0], head.batch.offsets[-1], timeout) from None
             inflight.popleft()

@@ -165,6 +165,9 @@ def build_session(
         # past 4 partitions in one task it falls back to sorting the rest.
         .config("spark.sql.optimizer.plannedWrite.enabled", "false")
         .config("spark.sql.maxConcurrentOutputFileWriters", "4")
+        # A batch is read as a list of files: Spark would otherwise run a distributed job
+        # just to stat them when there are more than 32 (~1 s of a 50-file batch).
+        .config("spark.sql.sources.parallelPartitionDiscovery.threshold", "1024")
     )
     if master is not None:
         builder = builder.master(master)

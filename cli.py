@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import logging
 import sys
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import click
+
+F = TypeVar("F", bound=Callable[..., Any])
 
 
 @click.group()
@@ -14,6 +18,43 @@ def main(verbose: int) -> None:
     """filemq: an embedded store-and-forward MQTT broker on a CRC-checked segment log."""
     level = logging.WARNING - 10 * min(verbose, 2)
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def config_flags(own: str, *others: str, skip: tuple[str, ...] = ()) -> Callable[[F], F]:
+    """Give a command a flag for every key of its config sections that it does not declare by
+    hand (ARCHITECTURE.md: every key has a flag; flags override the file).
+
+    ``own`` is the command's section; ``[log]`` and ``data_dir`` always belong to it. Keys of
+    the ``others`` sections get the parameter name ``<section>__<key>`` (``flag_overrides``
+    routes them) and the flag ``--<key>``, or ``--<section>-<key>`` where that is taken.
+    ``skip`` lists keys the command sets from its own section instead. Generated flags pass
+    their value as text; ``load_config`` checks and converts it, naming the flag on error.
+    Apply it directly under ``@main.command()``, above the hand-written options.
+    """
+    from filemq.config import flag_for, section_keys
+
+    def decorate(fn: F) -> F:
+        params = getattr(fn, "__click_params__", [])
+        names = {p.name for p in params}
+        flags = {opt for p in params for opt in getattr(p, "opts", [])}
+        for section in (own, "log", *others):
+            for key, many in section_keys(section):
+                name = key.split(".", 1)[1]
+                pname = name if section in (own, "log") else f"{section}__{name}"
+                if key in skip or pname in names:
+                    continue
+                flag = flag_for(key)
+                if flag in flags:
+                    if section in (own, "log"):
+                        continue  # declared by hand under another parameter name
+                    flag = f"--{section}-{name.replace('_', '-')}"
+                fn = click.option(flag, pname, default=None, multiple=many, metavar="VALUE",
+                                  help=f"Config key {key} (docs/CONFIG.md).")(fn)
+                names.add(pname)
+                flags.add(flag)
+        return fn
+
+    return decorate
 
 
 @main.group()
@@ -180,6 +221,7 @@ def passwd(file: str, user: str, password_stdin: bool, iterations: int | None) -
 
 
 @main.command()
+@config_flags("broker")
 @click.option("--data-dir", type=click.Path(file_okay=False), default=None, help="Data directory (log, groups, sessions).")
 @click.option("--host", default=None, help="Listen address (default 127.0.0.1).")
 @click.option("--port", type=int, default=None, help="Listen port (default 1883; 0 = any free port).")
@@ -209,6 +251,7 @@ def broker(config_file: str | None, **flags: object) -> None:
 
 
 @main.command()
+@config_flags("agent", "broker")
 @click.option("--data-dir", type=click.Path(file_okay=False), default=None, help="Data directory (log, groups, sessions).")
 @click.option("--device-id", default=None, help="This device's id (idempotency key, upstream client id).")
 @click.option("--collector", default=None, help="Upstream collector as HOST:PORT.")
@@ -225,23 +268,20 @@ def broker(config_file: str | None, **flags: object) -> None:
 @click.option("--rate-limit-bytes-per-s", default=None, help="Cap on upstream bandwidth (default unlimited).")
 @click.option("--metrics-port", type=int, default=None, help="Serve Prometheus metrics on 127.0.0.1:PORT.")
 @click.option("--config", "config_file", type=click.Path(dir_okay=False), default=None, help="TOML config file.")
-@click.option("--host", default=None, help="Local broker listen address (default 127.0.0.1).")
-@click.option("--port", type=int, default=None, help="Local broker port (default 1883; 0 = any free port).")
-@click.option("--broker-password-file", default=None, help="Password file for local clients (broker.password_file).")
-@click.option("--acl-file", default=None, help="ACL file for local clients.")
+@click.option("--host", "broker__host", default=None, help="Local broker listen address (default 127.0.0.1).")
+@click.option("--port", "broker__port", type=int, default=None, help="Local broker port (default 1883; 0 = any free port).")
+@click.option("--broker-password-file", "broker__password_file", default=None,
+              help="Password file for local clients (broker.password_file).")
+@click.option("--acl-file", "broker__acl_file", default=None, help="ACL file for local clients.")
 @click.option("--fsync", type=click.Choice(["always", "interval", "never"]), default=None,
               help="When the log is fdatasync'ed before acks (default always).")
-def agent(config_file: str | None, host: str | None, port: int | None, broker_password_file: str | None,
-          acl_file: str | None, **flags: object) -> None:
+def agent(config_file: str | None, **flags: object) -> None:
     """Run the device broker plus the forwarder to the collector until SIGTERM/SIGINT."""
     from filemq.config import ConfigError, flag_overrides, load_config
     from worker_agent.app import run_agent
 
-    overrides = flag_overrides("agent", flags)
-    overrides.update(flag_overrides("broker", {"host": host, "port": port, "acl_file": acl_file,
-                                               "password_file": broker_password_file}))
     try:
-        config = load_config(config_file, overrides)
+        config = load_config(config_file, flag_overrides("agent", flags))
     except ConfigError as exc:
         click.echo(f"filemq agent: {exc}", err=True)
         sys.exit(2)
@@ -255,6 +295,8 @@ def agent(config_file: str | None, host: str | None, port: int | None, broker_pa
 
 
 @main.command()
+@config_flags("collector", "broker", skip=("broker.host", "broker.port", "broker.password_file",
+                                          "broker.acl_file", "broker.allow_anonymous"))
 @click.option("--data-dir", type=click.Path(file_okay=False), default=None, help="Data directory (the WAL).")
 @click.option("--landing", default=None, help="Landing directory (_staging/, incoming/dt=.../).")
 @click.option("--host", default=None, help="Listen address (default 127.0.0.1).")
@@ -476,31 +518,45 @@ def demo(quick: bool, keep: bool, work_dir: str | None, sensors: int | None, as_
 
 
 @main.command("ingest")
-@click.option("--landing", type=click.Path(file_okay=False), required=True,
+@config_flags("ingest")
+@click.option("--landing", type=click.Path(file_okay=False), default=None,
               help="Landing directory (the collector writes <landing>/incoming/dt=.../*.parquet).")
-@click.option("--table", type=click.Path(file_okay=False), required=True,
+@click.option("--table", type=click.Path(file_okay=False), default=None,
               help="Curated table directory (Parquet, partitioned by dt).")
-@click.option("--checkpoint", type=click.Path(file_okay=False), required=True,
+@click.option("--checkpoint", type=click.Path(file_okay=False), default=None,
               help="Streaming checkpoint directory (one per table).")
-@click.option("--master", default="local[2]", show_default=True, help="Spark master URL.")
+@click.option("--master", "spark_master", default=None, help="Spark master URL (default local[2]).")
 @click.option("--once", is_flag=True, help="Ingest what has landed so far, then exit (cron); the default.")
-@click.option("--every", type=click.FloatRange(min=0.1), default=None,
+@click.option("--every", "every_s", type=click.IntRange(min=1), default=None,
               help="Keep running: a micro-batch every SECONDS.")
-@click.option("--payload", type=click.Choice(["raw", "json"]), default="raw", show_default=True,
-              help="json: parse payloads into the --payload-schema columns.")
+@click.option("--payload", type=click.Choice(["raw", "json"]), default=None,
+              help="json: parse payloads into the --payload-schema columns (default raw).")
 @click.option("--payload-schema", default=None,
               help='Spark DDL of the JSON payload, e.g. "temperature double, humidity double".')
 @click.option("--archive", type=click.Path(file_okay=False), default=None,
               help="Move ingested landing files here after their batch commits.")
-@click.option("--max-files-per-batch", type=click.IntRange(min=1), default=1000, show_default=True)
+@click.option("--max-files-per-batch", type=click.IntRange(min=1), default=None,
+              help="Landing files per micro-batch at most (default 1000).")
+@click.option("--config", "config_file", type=click.Path(dir_okay=False), default=None, help="TOML config file.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per batch and a summary on stdout.")
-def ingest(landing: str, table: str, checkpoint: str, master: str, once: bool, every: float | None,
-           payload: str, payload_schema: str | None, archive: str | None, max_files_per_batch: int,
-           as_json: bool) -> None:
+def ingest(config_file: str | None, once: bool, as_json: bool, **flags: object) -> None:
     """Ingest landed Parquet files into the curated table (one row per device, stream, offset)."""
     import json
     from pathlib import Path
 
+    from filemq.config import ConfigError, flag_overrides, load_config
+
+    try:
+        settings = load_config(config_file, flag_overrides("ingest", flags)).ingest
+    except ConfigError as exc:
+        raise click.UsageError(str(exc)) from exc
+    landing, table, checkpoint = settings.landing, settings.table, settings.checkpoint
+    missing = [f for f, v in (("--landing", landing), ("--table", table), ("--checkpoint", checkpoint)) if v is None]
+    if missing:
+        raise click.UsageError(f"missing {', '.join(missing)} (or the same keys in [ingest] of the config file)")
+    assert landing is not None and table is not None and checkpoint is not None
+    every = settings.every_s
+    payload, payload_schema, archive = settings.payload, settings.payload_schema, settings.archive
     if once and every is not None:
         raise click.UsageError("give --once or --every, not both")
     if payload == "json" and not payload_schema:
@@ -514,10 +570,10 @@ def ingest(landing: str, table: str, checkpoint: str, master: str, once: bool, e
         logging.getLogger("spark_ingest").setLevel(logging.INFO)  # per-batch progress
     config = IngestConfig(landing=Path(landing), table=Path(table), checkpoint=Path(checkpoint),
                           payload_schema=payload_schema, archive=Path(archive) if archive else None,
-                          max_files_per_batch=max_files_per_batch)
-    spark = build_session(master=master)
+                          max_files_per_batch=settings.max_files_per_batch)
+    spark = build_session(master=settings.spark_master)
     try:
-        summary = run_ingest(spark, config, once=every is None, every=every,
+        summary = run_ingest(spark, config, once=every is None, every=float(every) if every else None,
                              on_batch=(lambda r: click.echo(json.dumps(r.as_dict()))) if as_json else None)
     except (IngestError, PayloadSchemaError) as exc:
         raise click.ClickException(str(exc)) from exc

@@ -298,7 +298,13 @@ class IngestSection:
 
     landing: str | None = field(default=None, metadata=_spec(_str))
     table: str | None = field(default=None, metadata=_spec(_str))
+    checkpoint: str | None = field(default=None, metadata=_spec(_str))
     spark_master: str = field(default="local[2]", metadata=_spec(_str))
+    payload: str = field(default="raw", metadata=_spec(_enum("raw", "json")))
+    payload_schema: str | None = field(default=None, metadata=_spec(_str))
+    archive: str | None = field(default=None, metadata=_spec(_str))
+    every_s: int | None = field(default=None, metadata=_spec(_POS))
+    max_files_per_batch: int = field(default=1000, metadata=_spec(_POS))
 
 
 @dataclass(frozen=True)
@@ -339,9 +345,21 @@ def known_keys() -> list[str]:
     return keys
 
 
+# Keys whose flag is not derived from the key name (the names the issue texts fixed).
+_FLAG_ALIASES = {"ingest.spark_master": "--master", "ingest.every_s": "--every"}
+
+
 def flag_for(key: str) -> str:
     """The command-line flag of a dotted key: ``broker.tls_cert`` -> ``--tls-cert``."""
-    return "--" + key.rsplit(".", 1)[-1].replace("_", "-")
+    return _FLAG_ALIASES.get(key) or "--" + key.rsplit(".", 1)[-1].replace("_", "-")
+
+
+def section_keys(section: str) -> list[tuple[str, bool]]:
+    """The dotted keys of one ``[section]`` with whether each takes a list of values."""
+    return [
+        (f"{section}.{f.name}", str(f.type).startswith(("tuple", "list")))
+        for f in dataclasses.fields(_SECTIONS[section])
+    ]
 
 
 def flag_overrides(section: str, flags: Mapping[str, Any]) -> dict[str, Any]:
@@ -349,18 +367,24 @@ def flag_overrides(section: str, flags: Mapping[str, Any]) -> dict[str, Any]:
 
     ``flags`` maps parameter names (``port``, ``data_dir``, ``fsync``) to values; ``None``
     values (flag not given) are dropped.  ``data_dir`` is top level, names of ``[log]`` keys
-    go to ``log.``, everything else to ``<section>.``; names that are no config key (such as
-    ``config`` or ``json``) are ignored, so a command can pass all its parameters.
+    go to ``log.``, ``<other>__<key>`` to ``<other>.<key>`` (the agent's ``broker__port``),
+    everything else to ``<section>.``; names that are no config key (such as ``config`` or
+    ``json``) are ignored, so a command can pass all its parameters.
     """
     log_keys = {f.name for f in dataclasses.fields(LogSection)}
-    section_keys = {f.name for f in dataclasses.fields(_SECTIONS[section])}
+    own_keys = {f.name for f in dataclasses.fields(_SECTIONS[section])}
     out: dict[str, Any] = {}
     for name, value in flags.items():
-        if value is None:
+        if value is None or value == ():
             continue
-        if name in _TOP_LEVEL:
+        if isinstance(value, tuple):  # a repeated flag (click's multiple=True)
+            value = list(value)
+        other, sep, key = name.partition("__")
+        if sep and other in _SECTIONS:  # ``broker__max_connections``: a key of another section
+            out[f"{other}.{key}"] = value
+        elif name in _TOP_LEVEL:
             out[name] = value
-        elif name in section_keys:
+        elif name in own_keys:
             out[f"{section}.{name}"] = value
         elif name in log_keys:
             out[f"log.{name}"] = value

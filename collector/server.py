@@ -25,7 +25,6 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-import signal
 import socket
 import time
 from collections.abc import Callable
@@ -48,6 +47,7 @@ from filemq.batch import (
 )
 from filemq.broker import Broker, ClientInfo, HookResult
 from filemq.config import Config, ConfigError
+from filemq.service import Sidecar, run_until_signalled, serve_until_signalled
 from segments.fileio import OS_FILE_IO, FileIO, atomic_write
 
 if TYPE_CHECKING:
@@ -59,9 +59,6 @@ QUARANTINE_DIR = "quarantine"
 MIN_PACKET_SIZE = 64 << 20  # batches are up to batch_bytes (1 MiB default) plus a header
 DEFAULT_WAL_RETENTION_MS = 3_600_000  # landed WAL segments are kept an hour, then deleted
 
-EXIT_OK = 0
-EXIT_RUNTIME = 1
-EXIT_CONFIG = 2
 
 
 @dataclass
@@ -289,57 +286,23 @@ async def serve_collector(
     stop: asyncio.Event | None = None,
 ) -> int:
     """Run a collector until ``stop`` or SIGTERM/SIGINT; returns the exit code."""
-    try:
-        collector = Collector(config)
-        await collector.start()
-    except ConfigError as exc:
-        log.error("configuration error: %s", exc)
-        return EXIT_CONFIG
-    except OSError as exc:
+
+    def metrics(collector: Collector) -> Sidecar | None:
         c = config.collector
-        log.error("cannot start the collector on %s:%d (data dir %s): %s", c.host, c.port, config.data_dir, exc)
-        return EXIT_RUNTIME
-    metrics = None
-    if config.collector.metrics_port is not None:
+        if c.metrics_port is None:
+            return None
         from collector.metrics import start_metrics_server
 
-        try:
-            metrics = start_metrics_server(collector, config.collector.metrics_port, config.collector.host)
-        except OSError as exc:
-            log.error("cannot serve metrics on port %d: %s", config.collector.metrics_port, exc)
-            await collector.stop()
-            return EXIT_RUNTIME
-    stop = stop or asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        with contextlib.suppress(NotImplementedError, RuntimeError):
-            loop.add_signal_handler(sig, stop.set)
-    line = (f"filemq collector {collector.collector_id} listening on {collector.broker.listening},"
-            f" landing in {collector.landing_dir}")
-    log.info("%s", line)
-    if ready is not None:
-        ready(line)
-    try:
-        await stop.wait()
-    finally:
-        log.info("collector shutting down")
-        try:
-            await collector.stop()
-        except Exception:
-            log.exception("error during collector shutdown")
-            return EXIT_RUNTIME
-        finally:
-            if metrics is not None:
-                metrics.shutdown()
-    return EXIT_OK
+        return start_metrics_server(collector, c.metrics_port, c.host)
+
+    c = config.collector
+    return await serve_until_signalled(
+        lambda: Collector(config), name="collector", where=f"{c.host}:{c.port} (data dir {config.data_dir})",
+        describe=lambda collector: (f"filemq collector {collector.collector_id} listening on "
+                                    f"{collector.broker.listening}, landing in {collector.landing_dir}"),
+        log=log, ready=ready, stop=stop, sidecar=metrics)
 
 
 def run_collector(config: Config, ready: Callable[[str], None] | None = None) -> int:
     """``filemq collector``: run until SIGTERM/SIGINT in a new event loop; the exit code."""
-    try:
-        return asyncio.run(serve_collector(config, ready))
-    except KeyboardInterrupt:
-        return EXIT_RUNTIME
-    except Exception:
-        log.exception("the collector failed")
-        return EXIT_RUNTIME
+    return run_until_signalled(serve_collector(config, ready), name="collector", log=log)

@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import signal
 import ssl
 from collections.abc import Callable
 from pathlib import Path
@@ -25,14 +24,12 @@ from pathlib import Path
 from filemq.broker import Broker
 from filemq.config import Config, ConfigError
 from filemq.mqtt.client import MQTTClient
+from filemq.service import Sidecar, run_until_signalled, serve_until_signalled
 from worker_agent.forwarder import Forwarder, ForwarderConfig, Upstream
 
 log = logging.getLogger("filemq.agent")
 
 GROUP_NAME = "forwarder"
-EXIT_OK = 0
-EXIT_RUNTIME = 1
-EXIT_CONFIG = 2
 UPSTREAM_MAX_PACKET = 1 << 20  # the collector only sends small packets back
 
 
@@ -140,57 +137,23 @@ class Agent:
 async def serve_agent(config: Config, ready: Callable[[str], None] | None = None,
                       stop: asyncio.Event | None = None) -> int:
     """Start the agent, call ``ready(line)``, run until ``stop`` or a signal; the exit code."""
-    try:
-        agent = Agent(config)
-        await agent.start()
-    except ConfigError as exc:
-        log.error("configuration error: %s", exc)
-        return EXIT_CONFIG
-    except OSError as exc:
-        b = config.broker
-        log.error("cannot start the agent's broker on %s:%d (data dir %s): %s", b.host, b.port, config.data_dir, exc)
-        return EXIT_RUNTIME
-    metrics = None
-    if config.agent.metrics_port is not None:
+
+    def metrics(agent: Agent) -> Sidecar | None:
+        if config.agent.metrics_port is None:
+            return None
         from worker_agent.metrics import start_metrics_server
 
-        try:
-            metrics = start_metrics_server(agent, config.agent.metrics_port)
-        except OSError as exc:
-            log.error("cannot serve metrics on port %d: %s", config.agent.metrics_port, exc)
-            await agent.stop()
-            return EXIT_RUNTIME
-    stop = stop or asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        with contextlib.suppress(NotImplementedError, RuntimeError):
-            loop.add_signal_handler(sig, stop.set)
-    line = (f"filemq agent {agent.forwarder_config.device_id}: broker listening on {agent.broker.listening},"
-            f" data dir {agent.broker.data_dir}, forwarding to {config.agent.collector}")
-    log.info("%s", line)
-    if ready is not None:
-        ready(line)
-    try:
-        await stop.wait()
-    finally:
-        log.info("agent shutting down")
-        try:
-            await agent.stop()
-        except Exception:
-            log.exception("error during agent shutdown")
-            return EXIT_RUNTIME
-        finally:
-            if metrics is not None:
-                metrics.shutdown()
-    return EXIT_OK
+        return start_metrics_server(agent, config.agent.metrics_port)
+
+    b = config.broker
+    return await serve_until_signalled(
+        lambda: Agent(config), name="agent", where=f"{b.host}:{b.port} (data dir {config.data_dir})",
+        describe=lambda agent: (f"filemq agent {agent.forwarder_config.device_id}: broker listening on "
+                                f"{agent.broker.listening}, data dir {agent.broker.data_dir}, "
+                                f"forwarding to {config.agent.collector}"),
+        log=log, ready=ready, stop=stop, sidecar=metrics)
 
 
 def run_agent(config: Config, ready: Callable[[str], None] | None = None) -> int:
     """``filemq agent``: run until SIGTERM/SIGINT in a new event loop; the exit code."""
-    try:
-        return asyncio.run(serve_agent(config, ready))
-    except KeyboardInterrupt:
-        return EXIT_RUNTIME
-    except Exception:
-        log.exception("the agent failed")
-        return EXIT_RUNTIME
+    return run_until_signalled(serve_agent(config, ready), name="agent", log=log)

@@ -1,0 +1,109 @@
+"""Running one long-lived service (broker, agent, collector) in a process until a signal.
+
+The one place that owns the process contract the commands share: start, install
+SIGTERM/SIGINT handlers, announce a ready line, wait, stop cleanly, and map what happened to
+the exit code — 0 after a clean shutdown, 2 for a configuration problem, 1 for a runtime
+failure (port in use, metrics port taken, an error while stopping). Problems are logged in
+words a person can act on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+from collections.abc import Callable, Coroutine
+from typing import Any, Protocol, TypeVar
+
+from filemq.config import ConfigError
+
+EXIT_OK = 0
+EXIT_RUNTIME = 1
+EXIT_CONFIG = 2
+
+
+class Service(Protocol):
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
+
+class Sidecar(Protocol):
+    """Something started next to the service (the metrics HTTP server) and shut down after it."""
+
+    def shutdown(self) -> None: ...
+
+
+S = TypeVar("S", bound=Service)
+
+
+async def serve_until_signalled(
+    make: Callable[[], S],
+    *,
+    name: str,
+    where: str,
+    describe: Callable[[S], str],
+    log: logging.Logger,
+    ready: Callable[[str], None] | None = None,
+    stop: asyncio.Event | None = None,
+    sidecar: Callable[[S], Sidecar | None] | None = None,
+) -> int:
+    """Build and start the service, call ``ready(describe(service))`` once it is up, run until
+    ``stop`` is set or SIGTERM/SIGINT arrives, then stop it; returns the exit code.
+
+    ``where`` says what the service tried to bind (``"127.0.0.1:1883 (data dir /x)"``) for the
+    error a person reads when start-up fails; ``sidecar`` starts an optional companion after the
+    service (an ``OSError`` from it stops the service and exits 1).
+    """
+    try:
+        service = make()
+        await service.start()
+    except ConfigError as exc:
+        log.error("configuration error: %s", exc)
+        return EXIT_CONFIG
+    except OSError as exc:
+        log.error("cannot start the %s on %s: %s", name, where, exc)
+        return EXIT_RUNTIME
+    extra: Sidecar | None = None
+    if sidecar is not None:
+        try:
+            extra = sidecar(service)
+        except OSError as exc:
+            log.error("cannot start the %s's metrics server: %s", name, exc)
+            await service.stop()
+            return EXIT_RUNTIME
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        # Not possible outside the main thread (tests serve in one): Ctrl-C still works there.
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(sig, stop.set)
+    line = describe(service)
+    log.info("%s", line)
+    if ready is not None:
+        ready(line)
+    try:
+        await stop.wait()
+    finally:
+        log.info("%s shutting down", name)
+        try:
+            await service.stop()
+        except Exception:
+            log.exception("error during %s shutdown", name)
+            return EXIT_RUNTIME
+        finally:
+            if extra is not None:
+                extra.shutdown()
+    return EXIT_OK
+
+
+def run_until_signalled(main: Coroutine[Any, Any, int], *, name: str, log: logging.Logger) -> int:
+    """Run ``main`` (a :func:`serve_until_signalled` call) in a new event loop; the exit code."""
+    try:
+        return asyncio.run(main)
+    except KeyboardInterrupt:  # a second Ctrl-C during shutdown
+        return EXIT_RUNTIME
+    except Exception:
+        log.exception("the %s failed", name)
+        return EXIT_RUNTIME

@@ -14,18 +14,15 @@ private registry), so the hot path never touches prometheus-client. Metric names
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector as PromCollector
 
-if TYPE_CHECKING:
-    from wsgiref.simple_server import WSGIServer
+from filemq.metrics_http import MetricsServer, serve_metrics
 
+if TYPE_CHECKING:
     from collector.server import Collector
 
 
@@ -65,22 +62,6 @@ class CollectorMetrics(PromCollector):
             yield GaugeMetricFamily(p + name, doc, value=level)
 
 
-@dataclass
-class MetricsServer:
-    """A running metrics endpoint; :meth:`shutdown` stops it."""
-
-    server: WSGIServer
-    thread: threading.Thread
-    port: int
-
-    def shutdown(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-
-
 def start_metrics_server(collector: Collector, port: int, addr: str = "127.0.0.1") -> MetricsServer:
     """Serve ``/metrics`` for ``collector`` on ``addr:port`` (0 = any free port)."""
-    registry = CollectorRegistry()
-    registry.register(CollectorMetrics(collector))
-    server, thread = start_http_server(port, addr=addr, registry=registry)
-    return MetricsServer(server, thread, server.server_port)
+    return serve_metrics(CollectorMetrics(collector), port, addr)

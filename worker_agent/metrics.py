@@ -13,12 +13,9 @@ without it still run the agent. Metric names: ``filemq_agent_batches_sent_total`
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -27,11 +24,10 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector as PromCollector
 
+from filemq.metrics_http import MetricsServer, serve_metrics
 from worker_agent.forwarder import LATENCY_BUCKETS
 
 if TYPE_CHECKING:
-    from wsgiref.simple_server import WSGIServer
-
     from worker_agent.app import Agent
 
 
@@ -72,22 +68,6 @@ class AgentMetrics(PromCollector):
                                     buckets=buckets, sum_value=s.latency_sum_s)
 
 
-@dataclass
-class MetricsServer:
-    """A running metrics endpoint; :meth:`shutdown` stops it."""
-
-    server: WSGIServer
-    thread: threading.Thread
-    port: int
-
-    def shutdown(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-
-
 def start_metrics_server(agent: Agent, port: int, addr: str = "127.0.0.1") -> MetricsServer:
     """Serve ``/metrics`` for ``agent`` on ``addr:port`` (0 = any free port)."""
-    registry = CollectorRegistry()
-    registry.register(AgentMetrics(agent))
-    server, thread = start_http_server(port, addr=addr, registry=registry)
-    return MetricsServer(server, thread, server.server_port)
+    return serve_metrics(AgentMetrics(agent), port, addr)

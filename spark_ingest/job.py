@@ -27,6 +27,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -277,8 +278,19 @@ class BatchIngestor:
         self, files: list[LandingFileCheck], table_files: list[Path], batch_id: int
     ) -> tuple[DataFrame, int]:
         """Duplicates found with pyarrow on the driver; Spark scans the batch once, to write."""
-        found = find_duplicates([c.path for c in files], table_files)
-        batch = self.spark.read.schema(LANDING_SPARK_SCHEMA).parquet(*[str(c.path) for c in files])
+        # pyarrow and the Spark driver (planning the read, in the JVM) both work outside
+        # the GIL: find the duplicates while Spark plans.
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            finding = pool.submit(find_duplicates, [c.path for c in files], table_files)
+            batch = self.spark.read.schema(LANDING_SPARK_SCHEMA).parquet(
+                *[str(c.path) for c in files]
+            )
+            located = batch.select(
+                *LANDING_COLUMNS,
+                F.col("_metadata.file_name").alias(DROP_FILE),
+                F.col("_metadata.row_index").alias(DROP_ROW),
+            )
+            found = finding.result()
         if found.rows.num_rows == 0:
             return batch, 0
         # The rows to drop go to Spark as a small Parquet file under the table's _tmp (on the
@@ -290,11 +302,6 @@ class BatchIngestor:
         drop = self.spark.read.schema(_DROP_SCHEMA).parquet(str(drop_file))
         if found.rows.num_rows <= _BROADCAST_DROPS:
             drop = F.broadcast(drop)
-        located = batch.select(
-            *LANDING_COLUMNS,
-            F.col("_metadata.file_name").alias(DROP_FILE),
-            F.col("_metadata.row_index").alias(DROP_ROW),
-        )
         rows = located.join(drop, [DROP_FILE, DROP_ROW], "left_anti").drop(DROP_FILE, DROP_ROW)
         return rows, found.keys
 

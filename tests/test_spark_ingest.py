@@ -93,10 +93,18 @@ def expected_keys(*batches: list[dict[str, Any]]) -> set[tuple[str, str, int]]:
     return {(r["device_id"], r["stream"], r["offset"]) for b in batches for r in b}
 
 
+# The dedup runs on the driver (pyarrow) below a key budget and distributed in Spark above
+# it; the scenarios that matter most run through both.
+BOTH_DEDUP_PATHS = pytest.mark.parametrize(
+    "budget", [0, 10_000_000], ids=["spark-dedup", "driver-dedup"]
+)
+
+
+@BOTH_DEDUP_PATHS
 def test_duplicates_within_file_across_files_and_runs_give_one_row_each(
-    spark: Any, tmp_path: Path
+    spark: Any, tmp_path: Path, budget: int
 ) -> None:
-    p = Pipeline(tmp_path, spark)
+    p = Pipeline(tmp_path, spark, driver_dedup_max_keys=budget)
     first = rows(range(0, 10))
     # Within one file: offsets 3 and 4 twice. Across files: 5..14 overlaps the first file.
     p.land(first + rows([3, 4], received=NOW + timedelta(minutes=5)))
@@ -168,10 +176,11 @@ def test_crash_between_batches_replays_without_duplicates(spark: Any, tmp_path: 
     assert p.keys() == Counter(expected_keys(rows(range(10))))
 
 
+@BOTH_DEDUP_PATHS
 def test_crash_in_the_middle_of_an_append_adds_no_duplicate(
-    spark: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    spark: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, budget: int
 ) -> None:
-    p = Pipeline(tmp_path, spark)
+    p = Pipeline(tmp_path, spark, driver_dedup_max_keys=budget)
     p.land(rows(range(0, 3), published=NOW - timedelta(days=1)))
     p.land(rows(range(3, 6)))  # a second partition, so the append renames two files
 
@@ -443,7 +452,7 @@ def test_find_duplicates_refuses_two_files_with_one_name(tmp_path: Path) -> None
         find_duplicates([one, two], [])
 
 
-@pytest.mark.parametrize("budget", [0, 10_000_000], ids=["spark-dedup", "driver-dedup"])
+@BOTH_DEDUP_PATHS
 def test_both_dedup_paths_keep_the_same_rows(spark: Any, tmp_path: Path, budget: int) -> None:
     p = Pipeline(tmp_path, spark, driver_dedup_max_keys=budget)
     p.land(rows(range(0, 20)))

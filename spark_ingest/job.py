@@ -31,7 +31,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import unquote
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 from pyspark.errors import StreamingQueryException
 from pyspark.sql import DataFrame, SparkSession
@@ -293,14 +295,15 @@ class BatchIngestor:
             found = finding.result()
         if found.rows.num_rows == 0:
             return batch, 0
+        drops = _rename_files(found.rows, files, _names_in_spark(batch, files))
         # The rows to drop go to Spark as a small Parquet file under the table's _tmp (on the
         # same storage as the table, so executors of a cluster read it too); append()
         # removes _tmp when the batch is written.
         drop_file = self.table.tmp_dir / f"duplicates-batch={batch_id}.parquet"
         drop_file.parent.mkdir(parents=True, exist_ok=True)
-        pq.write_table(found.rows, drop_file)
+        pq.write_table(drops, drop_file)
         drop = self.spark.read.schema(_DROP_SCHEMA).parquet(str(drop_file))
-        if found.rows.num_rows <= _BROADCAST_DROPS:
+        if drops.num_rows <= _BROADCAST_DROPS:
             drop = F.broadcast(drop)
         rows = located.join(drop, [DROP_FILE, DROP_ROW], "left_anti").drop(DROP_FILE, DROP_ROW)
         return rows, found.keys
@@ -308,19 +311,16 @@ class BatchIngestor:
     def _dedup_in_spark(
         self, files: list[LandingFileCheck], partitions: list[Path]
     ) -> tuple[DataFrame, int]:
-        names = [c.path.name for c in files]
+        scan = self.spark.read.schema(LANDING_SPARK_SCHEMA).parquet(*[str(c.path) for c in files])
+        names = _names_in_spark(scan, files)
         index = F.create_map(*[x for i, n in enumerate(names) for x in (F.lit(n), F.lit(i))])
         # A unique long per row that orders copies by landing file name (= landing time)
         # then position: the first landed copy of a key is the one kept.
         row_id = F.element_at(index, F.col(_FILE)).cast("long") * F.lit(1 << 32) + F.col(_ROW)
-        batch = (
-            self.spark.read.schema(LANDING_SPARK_SCHEMA)
-            .parquet(*[str(c.path) for c in files])
-            .select(
-                *LANDING_COLUMNS,
-                F.col("_metadata.file_name").alias(_FILE),
-                F.col("_metadata.row_index").alias(_ROW),
-            )
+        batch = scan.select(
+            *LANDING_COLUMNS,
+            F.col("_metadata.file_name").alias(_FILE),
+            F.col("_metadata.row_index").alias(_ROW),
         )
         return self.table.new_rows(
             self.spark, batch, row_id, partitions, helper_columns=(_FILE, _ROW)
@@ -350,6 +350,32 @@ class BatchIngestor:
             path,
         )
         report.missing.append(str(path))
+
+
+def _names_in_spark(batch: DataFrame, files: list[LandingFileCheck]) -> list[str]:
+    """Each file's name as ``_metadata.file_name`` gives it for ``batch`` (read from ``files``).
+
+    Spark gives the name URL-encoded (``a b#.parquet`` is ``a%20b%23.parquet``); matching
+    rows to files by the plain name would silently match nothing for such a file.
+    """
+    spark_names: dict[str, str] = {}
+    for uri in batch.inputFiles():
+        encoded = uri.rstrip("/").rsplit("/", 1)[-1]
+        spark_names[unquote(encoded)] = encoded
+    missing = [str(c.path) for c in files if c.path.name not in spark_names]
+    if missing:
+        raise IngestError(f"Spark does not list landing file(s) {', '.join(missing)} it was given")
+    return [spark_names[c.path.name] for c in files]
+
+
+def _rename_files(drops: pa.Table, files: list[LandingFileCheck], names: list[str]) -> pa.Table:
+    """``drops`` with each file named as Spark names it (only differs for unusual names)."""
+    renamed = {c.path.name: n for c, n in zip(files, names, strict=True) if c.path.name != n}
+    if not renamed:
+        return drops
+    column = [renamed.get(v, v) for v in drops.column(DROP_FILE).to_pylist()]
+    index = drops.schema.get_field_index(DROP_FILE)
+    return drops.set_column(index, DROP_FILE, pa.array(column, pa.string()))
 
 
 def run_ingest(
@@ -464,6 +490,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--payload-schema", default=None)
     parser.add_argument("--archive", type=Path, default=None)
     parser.add_argument("--max-files-per-batch", type=int, default=1000)
+    parser.add_argument(
+        "--driver-dedup-max-keys", type=int, default=DRIVER_DEDUP_MAX_KEYS,
+        help="find duplicates on the driver up to this many keys, in Spark above it",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = IngestConfig(
@@ -473,6 +503,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         payload_schema=args.payload_schema,
         archive=args.archive,
         max_files_per_batch=args.max_files_per_batch,
+        driver_dedup_max_keys=args.driver_dedup_max_keys,
     )
     spark = build_session(master=args.master)
     try:

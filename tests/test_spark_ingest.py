@@ -475,3 +475,18 @@ def test_both_dedup_paths_keep_the_same_rows(spark: Any, tmp_path: Path, budget:
     assert kept[19] == NOW + timedelta(seconds=1)
     assert kept[21] == NOW + timedelta(minutes=1)
     assert kept[23] == NOW + timedelta(minutes=2)
+
+
+@BOTH_DEDUP_PATHS
+def test_files_with_unusual_names_are_deduplicated(spark: Any, tmp_path: Path, budget: int) -> None:
+    # Spark gives _metadata.file_name URL-encoded ("a b#" -> "a%20b%23"): rows must still be
+    # matched to their file, or the copies in such a file would all be kept.
+    p = Pipeline(tmp_path, spark, driver_dedup_max_keys=budget)
+    p.land(rows(range(0, 5)))
+    copied = p.land(rows(range(3, 8), received=NOW + timedelta(minutes=1)))
+    renamed = copied.with_name("20991231 re-sent #1 100%.parquet")
+    copied.rename(renamed)
+    summary = p.ingest()
+    assert summary.files == 2 and summary.quarantined == []
+    assert p.keys() == Counter(expected_keys(rows(range(0, 8))))
+    assert summary.duplicates_removed == 2

@@ -34,11 +34,6 @@ DROP_FILE = "_filemq_file"
 DROP_ROW = "_filemq_row"
 """Column of :attr:`Duplicates.rows`: the row position in that file (``_metadata.row_index``)."""
 
-# Row ids: (index of the file in the batch) << 32 | position, so ids order the copies of a
-# key by landing file name (= landing time), then position. Table rows get -1: a key
-# already in the table always wins, and such rows are never dropped (they are written).
-_FILE_SHIFT = 32
-_IN_TABLE = -1
 _STRING_KEYS = [k for k in KEYS if k != "offset"]
 _READERS = max(2, min(8, os.cpu_count() or 2))
 
@@ -70,46 +65,56 @@ def find_duplicates(batch_files: Sequence[Path], table_files: Sequence[Path]) ->
         raise ValueError("batch files must have distinct names (they identify the rows)")
     codes = {name: _Codes() for name in _STRING_KEYS}
     # Parquet decoding releases the GIL: read the files in parallel, then encode in order.
-    first_ids: list[int | None] = [None] * len(table_files)
-    first_ids += [i << _FILE_SHIFT for i in range(len(batch_files))]
     with ThreadPoolExecutor(max_workers=_READERS) as pool:
         tables = list(pool.map(_read_key_columns, [*table_files, *batch_files]))
-    parts = [_encode(table, codes, first_id) for table, first_id in zip(tables, first_ids, strict=True)]
-    keys = pa.concat_tables(parts)
+    keys = pa.concat_tables([_encode(table, codes) for table in tables])
     if keys.num_rows < 2:
         return Duplicates(_empty_rows(), 0)
+    # A row's number in `keys` orders the copies of a key: table rows come first (a key
+    # already in the table always wins and is never dropped), then the batch files in
+    # landing order, each in row order. No id column is built for the millions of rows.
+    table_rows = sum(t.num_rows for t in tables[: len(table_files)])
+    batch_sizes = [t.num_rows for t in tables[len(table_files):]]
     # One integer per (device_id, stream) pair; sorting integers is the cheapest exact
     # grouping Arrow offers here (a string group_by is ~5x slower on 5 M rows).
     device, stream = (keys.column(name) for name in _STRING_KEYS)
-    pairs_count = max(1, len(codes[_STRING_KEYS[1]])) * max(1, len(codes[_STRING_KEYS[0]]))
-    pair = pc.add(pc.multiply(device, max(1, len(codes[_STRING_KEYS[1]]))), stream)
-    keys = pa.table({"pair": pair, "offset": keys.column("offset"), "id": keys.column("id")})
+    streams = max(1, len(codes[_STRING_KEYS[1]]))
+    pairs_count = streams * max(1, len(codes[_STRING_KEYS[0]]))
+    keys = pa.table({"pair": pc.add(pc.multiply(device, streams), stream),
+                     "offset": keys.column("offset")})
     order, same_as_previous = _sort_keys(keys, pairs_count)
     if not pc.any(same_as_previous).as_py():
         return Duplicates(_empty_rows(), 0)
-    # Rows in a run of equal keys: few. Sorted again with the id, the first of each run
-    # is the copy to keep (the smallest id), so nothing depends on the first sort being
-    # stable. (A sort, not Arrow's group_by/join: those load Acero, ~1 s on first use.)
+    # Rows in a run of equal keys: few. Sorted again with the row number, the first of
+    # each run is the copy to keep, so nothing depends on the first sort being stable.
+    # (A sort, not Arrow's group_by/join: those load Acero, ~1 s on first use.)
     in_run = pc.or_(
         pa.concat_arrays([pa.array([False]), same_as_previous]),
         pa.concat_arrays([same_as_previous, pa.array([False])]),
     )
-    copies = keys.take(order.filter(in_run))
+    rows_in_runs = order.filter(in_run).cast(pa.int64())
+    copies = keys.take(rows_in_runs).append_column("row", rows_in_runs)
     copies = copies.take(
         pc.sort_indices(
-            copies, sort_keys=[("pair", "ascending"), ("offset", "ascending"), ("id", "ascending")]
+            copies, sort_keys=[("pair", "ascending"), ("offset", "ascending"), ("row", "ascending")]
         )
     ).combine_chunks()
-    pairs, offsets, ids = (copies.column(name) for name in ("pair", "offset", "id"))
+    pairs, offsets, numbers = (copies.column(name) for name in ("pair", "offset", "row"))
     later_copy = pa.concat_arrays([
         pa.array([False]),
         pc.and_(pc.equal(pairs[1:], pairs[:-1]), pc.equal(offsets[1:], offsets[:-1]))
         .combine_chunks(),
     ])
     duplicated_keys = copies.num_rows - pc.sum(later_copy).as_py()
-    drop = ids.filter(pc.and_(later_copy, pc.greater_equal(ids, 0)))
-    file_index = pc.shift_right(drop, _FILE_SHIFT)
-    position = pc.bit_wise_and(drop, (1 << _FILE_SHIFT) - 1)
+    dropped = pc.subtract(
+        numbers.filter(pc.and_(later_copy, pc.greater_equal(numbers, table_rows))), table_rows
+    )
+    file_of_row = pa.concat_arrays(
+        [pa.repeat(pa.scalar(i, pa.int32()), n) for i, n in enumerate(batch_sizes)]
+    )
+    file_index = pc.take(file_of_row, dropped)
+    starts = pa.array([sum(batch_sizes[:i]) for i in range(len(batch_sizes))], pa.int64())
+    position = pc.subtract(dropped, pc.take(starts, file_index))
     rows = pa.table(
         {DROP_FILE: pc.take(pa.array(names, pa.string()), file_index), DROP_ROW: position}
     )
@@ -166,14 +171,9 @@ def _read_key_columns(path: Path) -> pa.Table:
     return pq.read_table(path, columns=KEYS, read_dictionary=_STRING_KEYS, use_threads=False)
 
 
-def _encode(table: pa.Table, codes: dict[str, _Codes], first_id: int | None) -> pa.Table:
-    if first_id is None:
-        ids: pa.Array = pa.repeat(pa.scalar(_IN_TABLE, pa.int64()), table.num_rows)
-    else:
-        ones = pa.repeat(pa.scalar(1, pa.int64()), table.num_rows)
-        ids = pc.add(pc.cumulative_sum(ones), first_id - 1)
+def _encode(table: pa.Table, codes: dict[str, _Codes]) -> pa.Table:
     columns = {name: codes[name].encode(table.column(name)) for name in _STRING_KEYS}
-    return pa.table({**columns, "offset": table.column("offset"), "id": ids})
+    return pa.table({**columns, "offset": table.column("offset")})
 
 
 def _empty_rows() -> pa.Table:

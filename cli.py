@@ -618,7 +618,7 @@ def bench_ingest(rows: int, files: int, dup_frac: float, work_dir: str | None, m
                    f"ratio {result.ratio:.2f}x (acceptance <= {ACCEPTANCE_RATIO}x) "
                    f"{'PASS' if result.passed else 'FAIL'}")
         if result.cpu_ratio is not None:
-            click.echo(f"JVM CPU time: copy {result.copy_cpu_seconds:.1f}s, ingest "
+            click.echo(f"CPU time (Spark JVM + Python driver): copy {result.copy_cpu_seconds:.1f}s, ingest "
                        f"{result.ingest_cpu_seconds:.1f}s, ratio {result.cpu_ratio:.2f}x")
     if not result.passed:
         sys.exit(1)

@@ -8,7 +8,9 @@ micro-batch in its checkpoint. Each micro-batch is handled by :class:`BatchInges
 1. a batch already appended (``_ingest/commit.json`` of the table) is skipped (replay);
 2. every file's footer is checked; a bad file is quarantined and reported, not fatal;
 3. the good files are read, copies of a key within the batch and keys already in the
-   curated partitions the batch touches are dropped (:meth:`CuratedTable.new_rows`);
+   curated partitions the batch touches are dropped: found on the driver with pyarrow
+   (:func:`~spark_ingest.key_dedup.find_duplicates`) up to a key budget, by a distributed
+   Spark job (:meth:`CuratedTable.new_rows`) above it;
 4. the payload is optionally parsed as JSON into typed columns;
 5. the rows are appended idempotently (:meth:`CuratedTable.append`) and the batch is
    recorded as committed, then Spark records it in the checkpoint.

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import shutil
-import tempfile
 import time
 from collections import deque
 from collections.abc import Callable
@@ -18,6 +16,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from bench.workdir import bench_workdir
 from segments import GroupCommitter, Log, LogConfig
 
 Progress = Callable[[str], None]
@@ -116,10 +115,7 @@ def run_append_bench(
     keep: bool, progress: Progress, baseline_seconds: float = 2.0,
 ) -> tuple[list[AppendResult], dict[str, float]]:
     """Run filemq and both baselines; returns the results and filemq's ratios to each baseline."""
-    root = Path(data_dir) if data_dir else Path(tempfile.mkdtemp(prefix="filemq-bench-"))
-    root.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix="append-", dir=root))
-    try:
+    with bench_workdir(data_dir, "append", keep, progress) as work:
         progress(f"filemq: {records:,} records of {size} B, {producers} producers x {inflight} in flight, fsync={fsync}")
         ours = asyncio.run(_filemq(work / "log", records, size, producers, inflight, fsync))
         progress(f"  {ours.rate:,.0f} records/s, {ours.fsyncs} fsyncs")
@@ -129,12 +125,5 @@ def run_append_bench(
         progress(f"baseline B: persist-queue SQLiteAckQueue.put for up to {baseline_seconds:.0f} s")
         base_b = _baseline_sqlite_ack_queue(work, size, records, baseline_seconds)
         progress(f"  {base_b.rate:,.0f} records/s")
-    finally:
-        if keep:
-            progress(f"kept {work}")
-        else:
-            shutil.rmtree(work, ignore_errors=True)
-            if not data_dir:
-                shutil.rmtree(root, ignore_errors=True)
     ratios = {"vs_fdatasync_per_record": ours.rate / base_a.rate, "vs_sqlite_ack_queue": ours.rate / base_b.rate}
     return [ours, base_a, base_b], ratios

@@ -11,8 +11,6 @@ The log is filled once (flushed, not fsync'ed per record: this bench measures co
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -20,6 +18,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from bench.workdir import bench_workdir
 from filemq.groups import ConsumerGroup, GroupConfig
 from segments import Log, LogConfig
 
@@ -116,9 +115,7 @@ def run_consume_bench(
 
     The ratio is group records/s over raw-read records/s (1.0 would mean groups cost nothing).
     """
-    root = Path(data_dir) if data_dir else Path(tempfile.mkdtemp(prefix="filemq-bench-consume-"))
-    root.mkdir(parents=True, exist_ok=True)
-    try:
+    with bench_workdir(data_dir, "consume", keep, progress) as root:
         lg = Log.open(root / "log", LogConfig())
         progress(f"filling {root / 'log'} with {records:,} records of {size} bytes")
         _fill(lg, records, size, progress)
@@ -134,9 +131,6 @@ def run_consume_bench(
                 f"{results[-1].rate:,.0f} records/s, {results[-1].offset_writes} offset-file writes"
             )
         lg.close()
-    finally:
-        if not keep:
-            shutil.rmtree(root, ignore_errors=True)
     baseline = max(baselines, key=lambda r: r.rate)
     result = max(results, key=lambda r: r.rate)
     ratio = result.rate / baseline.rate if baseline.rate else 0.0

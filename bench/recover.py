@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import os
 import random
-import shutil
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from bench.workdir import bench_workdir
 from segments import Log, LogConfig
 
 Progress = Callable[[str], None]
@@ -70,11 +69,8 @@ def run_recover_bench(
     data_dir: str | None, size_mb: int, payload_size: int, segment_bytes: int, keep: bool,
     progress: Progress, seed: int | None = None,
 ) -> RecoverResult:
-    root = Path(data_dir) if data_dir else Path(tempfile.mkdtemp(prefix="filemq-bench-"))
-    root.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix="recover-", dir=root))
     config = LogConfig(segment_bytes=segment_bytes)
-    try:
+    with bench_workdir(data_dir, "recover", keep, progress) as work:
         progress(f"building a {size_mb} MiB log of {payload_size}-byte payloads in {work}")
         records = build_log(work, size_mb << 20, payload_size, config, progress)
         tail = sorted(work.glob("*.log"))[-1]
@@ -104,10 +100,3 @@ def run_recover_bench(
         )
         log.close()
         return result
-    finally:
-        if keep:
-            progress(f"kept {work}")
-        else:
-            shutil.rmtree(work, ignore_errors=True)
-            if not data_dir:
-                shutil.rmtree(root, ignore_errors=True)

@@ -34,9 +34,8 @@ import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
-from filemq.config import ConfigError
+from filemq.config import ConfigError, read_config_text
 from filemq.topics import InvalidTopic, parse_shared, topic_matches, validate_topic_filter
 
 log = logging.getLogger(__name__)
@@ -197,13 +196,7 @@ class Acl:
         if path is None:
             return cls.permissive()
         file = os.fspath(path)
-        try:
-            text = Path(file).read_text(encoding="utf-8")
-        except OSError as exc:
-            raise ConfigError(f"cannot read ACL file: {exc.strerror}", file=file) from exc
-        except UnicodeDecodeError as exc:
-            raise ConfigError(f"ACL file is not UTF-8 ({exc.reason})", file=file) from exc
-        return cls.parse(text, file)
+        return cls.parse(read_config_text(file, "ACL file"), file)
 
     @classmethod
     def parse(cls, text: str, file: str = "<acl>") -> Acl:

@@ -43,7 +43,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
-from filemq.config import ConfigError
+from filemq.config import ConfigError, read_config_text
 from segments.fileio import OS_FILE_IO, FileIO, atomic_write
 
 SCHEME = "filemq-pbkdf2-sha512"
@@ -167,12 +167,7 @@ class PasswordFile:
     def load(cls, path: str | os.PathLike[str], *, cache_size: int = 1024) -> PasswordFile:
         """Read and validate ``path``; raises :class:`ConfigError` (with line) on any problem."""
         file = os.fspath(path)
-        try:
-            text = Path(file).read_text(encoding="utf-8")
-        except OSError as exc:
-            raise ConfigError(f"cannot read password file: {exc.strerror}", file=file) from exc
-        except UnicodeDecodeError as exc:
-            raise ConfigError(f"password file is not UTF-8 ({exc.reason})", file=file) from exc
+        text = read_config_text(file, "password file")
         entries = {user: entry for user, (_, entry) in _parse(text, file).items()}
         return cls(entries, path=file, cache_size=cache_size)
 

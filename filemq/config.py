@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import ipaddress
+import os
 import re
 import tomllib
 from collections.abc import Callable, Mapping
@@ -53,6 +54,21 @@ class ConfigError(ValueError):
         self.key = key
         self.column = column
         super().__init__(f"{file}: {message}" if file else message)
+
+
+def read_config_text(path: str | os.PathLike[str], what: str) -> str:
+    """The text of a file the configuration names (password file, ACL file), as UTF-8.
+
+    Raises :class:`ConfigError` naming the file and ``what`` it is when it cannot be read or
+    is not UTF-8, so start-up fails with a sentence a person can act on.
+    """
+    file = os.fspath(path)
+    try:
+        return Path(file).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"cannot read {what}: {exc.strerror}", file=file) from exc
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{what} is not UTF-8 ({exc.reason})", file=file) from exc
 
 
 # -- value checkers -----------------------------------------------------------------------

@@ -78,7 +78,8 @@ class DoorStats:
 
 def broker_config(config: Config) -> Config:
     """The broker settings for a collector: listener and auth from ``[collector]``, the WAL
-    from ``[log]``; a TLS listener comes from ``[broker]`` ``tls_cert``/``tls_key``/``tls_port``."""
+    from ``[log]``; a TLS listener comes from ``[broker]`` ``tls_cert``/``tls_key``/``tls_port``.
+    ACL-denied batches are never acknowledged (``acl_denied_publish = "disconnect"``)."""
     c = config.collector
     broker = dataclasses.replace(
         config.broker,
@@ -88,6 +89,8 @@ def broker_config(config: Config) -> Config:
         acl_file=c.acl_file,
         allow_anonymous=c.allow_anonymous,
         max_packet_size=max(config.broker.max_packet_size, MIN_PACKET_SIZE),
+        # A device writing outside its own id is misconfigured: never ack (and so lose) its batch.
+        acl_denied_publish="disconnect",
     )
     log_section = config.log
     if log_section.retention_ms is None and log_section.retention_bytes is None:

@@ -247,6 +247,7 @@ class BrokerSection:
     tls_cert: str | None = field(default=None, metadata=_spec(_str))
     tls_key: str | None = field(default=None, metadata=_spec(_str))
     sys_interval_s: int = field(default=10, metadata=_spec(_NONNEG))
+    acl_denied_publish: str = field(default="ack_drop", metadata=_spec(_enum("ack_drop", "disconnect")))
     auto_subscribe: tuple[AutoSubscribe, ...] = field(
         default=(), metadata=_spec(_auto_subscribe)
     )

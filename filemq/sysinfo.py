@@ -141,7 +141,7 @@ class BrokerStats:
         self.messages_sent += count
 
     def publish_denied(self) -> None:
-        """A PUBLISH acked and dropped because the ACL denied it."""
+        """A PUBLISH the ACL (or the $-topic rule) denied: acked and dropped, or its connection closed."""
         self.publish_dropped += 1
 
     def received_bytes(self, n: int) -> None:

@@ -162,6 +162,26 @@ def test_password_and_acl(tmp_path: Path) -> None:
     asyncio.run(main())
 
 
+def test_acl_denied_publish_disconnect_mode_never_acks(tmp_path: Path) -> None:
+    """With acl_denied_publish = "disconnect" (what the collector uses) a denied PUBLISH gets no
+    PUBACK and its connection is closed, so the sender still holds the message."""
+    acl = tmp_path / "acl"
+    acl.write_text("topic write up/#\n")
+
+    async def main() -> None:
+        cfg = make_config(tmp_path / "d", acl_file=str(acl), acl_denied_publish="disconnect")
+        async with running(cfg) as b:
+            c = MQTTClient("d1", port=b.port)
+            await c.connect()
+            await c.publish("up/x", b"ok", qos=1)
+            with pytest.raises(TimeoutError):
+                await c.publish("elsewhere", b"denied, not acked", qos=1, timeout=2)
+            assert c.closed.is_set()
+            assert b.queue is not None
+            assert [r.topic for r in b.queue.log.read(0)] == ["up/x"]
+    asyncio.run(main())
+
+
 def test_publish_hook_over_the_wire(tmp_path: Path) -> None:
     def hook(info: Any, p: Publish) -> HookResult:
         return HookResult.reject("bad batch") if p.payload == b"bad" else HookResult.store()

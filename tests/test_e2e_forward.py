@@ -504,13 +504,16 @@ def test_tls_and_device_logins(tmp_path: Path) -> None:
         fwd = agent.forwarder
         assert fwd is not None
         await until(lambda: fwd.backlog == 0, what="drained over TLS")
-        # Another device may not write under dev-1's id: denied by the ACL (acked, dropped).
+        # Another device may not write under dev-1's id: denied by the ACL, and at the collector
+        # never acknowledged (a misconfigured device keeps its batch): the connection is closed.
         intruder = MQTTClient("dev-2", "localhost", tls_port, username="dev-2", password="other",
                               ssl=ssl.create_default_context(cafile=str(cert)))
         await intruder.connect()
         forged = encode_batch(DEVICE, "main", [BatchRecord(10_000, 1, "x", b"forged", 1)])
-        await intruder.publish(f"filemq/v1/{DEVICE}/main", forged, qos=1, timeout=5)
-        await intruder.disconnect()
+        with pytest.raises(TimeoutError):  # no PUBACK: our client keeps it pending for a resend
+            await intruder.publish(f"filemq/v1/{DEVICE}/main", forged, qos=1, timeout=2)
+        assert intruder.closed.is_set()
+        assert collector.broker.core is not None and collector.broker.core.stats.publish_dropped >= 1
         # A wrong password is refused.
         refused = MQTTClient("dev-2", "localhost", tls_port, username="dev-2", password="wrong",
                              ssl=ssl.create_default_context(cafile=str(cert)))

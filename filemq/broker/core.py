@@ -728,9 +728,14 @@ class BrokerCore:
             return
         acl = conn.acl
         if acl is not None and not acl.can_publish(topic):
+            stats.publish_denied()
+            if self.config.acl_denied_publish == "disconnect":
+                # Not acknowledged: the sender keeps the message and can be fixed and resend it.
+                conn.close(f"PUBLISH to {topic!r} denied by the ACL for user {conn.username!r}; "
+                           "not acknowledged", will=True, level=logging.WARNING)
+                return
             log.warning("client %r (user %r): PUBLISH to %r denied by the ACL; acknowledged and dropped",
                         conn.client_id, conn.username, topic)
-            stats.publish_denied()
             self._ack_now(conn, p)
             return
         state = conn.session

@@ -141,7 +141,7 @@ class FakeTransport:
 class Client:
     """One fake connection: send packets, read what the broker sent back."""
 
-    def __init__(self, h: Harness, peer: str) -> None:
+    def __init__(self, h: Clients, peer: str) -> None:
         self.h = h
         self.transport = FakeTransport()
         self.conn = Connection(h.core, peer, self.transport, max_inflight=h.config.max_inflight,
@@ -174,7 +174,31 @@ class Client:
         return out[0]
 
 
-class Harness:
+class Clients:
+    """Fake connections to a harness's ``core``: numbered peers, optionally connected."""
+
+    core: BrokerCore
+    config: BrokerSection
+    _n: int
+    peer_prefix = "10.0.0.1:"
+
+    def client(self) -> Client:
+        self._n += 1
+        return Client(self, f"{self.peer_prefix}{1000 + self._n}")
+
+    def connected(self, client_id: str, clean: bool = True, *, subscribe: Subscribe | None = None,
+                  **kw: Any) -> Client:
+        """A new client, CONNECTed; with ``subscribe``, also subscribed (its SUBACK and any
+        retained deliveries read and dropped)."""
+        c = self.client()
+        c.connect(client_id, clean, **kw)
+        if subscribe is not None:
+            c.send(subscribe)
+            c.received()
+        return c
+
+
+class Harness(Clients):
     def __init__(self, tmp: Path, **broker: Any) -> None:
         self.tmp = tmp
         self.config = BrokerSection(**broker)
@@ -192,10 +216,6 @@ class Harness:
         return BrokerCore(self.queue, TailCache(self.queue.log), config=self.config,  # type: ignore[arg-type]
                           store=self.store, retained=self.retained, stats=self.stats, acl=self.acl,
                           publish_hook=self.hook)
-
-    def client(self) -> Client:
-        self._n += 1
-        return Client(self, f"10.0.0.1:{1000 + self._n}")
 
     async def commit(self) -> None:
         self.queue.commit()
@@ -303,8 +323,7 @@ def test_password_checks(tmp_path: Path) -> None:
 def test_puback_only_after_commit_and_batched(tmp_path: Path) -> None:
     async def main() -> None:
         h = Harness(tmp_path)
-        c = h.client()
-        c.connect("p")
+        c = h.connected("p")
         c.send(*[Publish("t/a", b"%d" % i, qos=1, packet_id=i + 1) for i in range(50)])
         await asyncio.sleep(0)
         assert c.received() == []  # not committed yet: nothing acknowledged
@@ -320,8 +339,7 @@ def test_puback_only_after_commit_and_batched(tmp_path: Path) -> None:
 def test_failed_commit_closes_without_ack(tmp_path: Path) -> None:
     async def main() -> None:
         h = Harness(tmp_path)
-        c = h.client()
-        c.connect("p")
+        c = h.connected("p")
         c.send(Publish("t", b"x", qos=1, packet_id=7))
         h.queue.fail_next = True
         await h.commit()
@@ -333,8 +351,7 @@ def test_failed_commit_closes_without_ack(tmp_path: Path) -> None:
 def test_qos2_inbound_is_stored_once(tmp_path: Path) -> None:
     async def main() -> None:
         h = Harness(tmp_path)
-        c = h.client()
-        c.connect("q2", clean=False)
+        c = h.connected("q2", clean=False)
         c.send(Publish("t", b"once", qos=2, packet_id=5))
         c.send(Publish("t", b"once", qos=2, packet_id=5, dup=True))
         await h.commit()
@@ -356,8 +373,7 @@ def test_qos2_inbound_is_stored_once(tmp_path: Path) -> None:
 def test_qos2_ids_survive_a_restart(tmp_path: Path) -> None:
     async def main() -> None:
         h = Harness(tmp_path)
-        c = h.client()
-        c.connect("q2", clean=False)
+        c = h.connected("q2", clean=False)
         c.send(Publish("t", b"m", qos=2, packet_id=9))
         await h.commit()
         assert c.received() == [Pubrec(9)]
@@ -381,8 +397,7 @@ def test_acl_denied_and_dollar_publishes_are_acked_and_dropped(tmp_path: Path) -
     async def main() -> None:
         h = Harness(tmp_path)
         h.core.acl = Acl.parse("topic write allowed/#\n")
-        c = h.client()
-        c.connect("p")
+        c = h.connected("p")
         c.send(Publish("denied/x", b"1", qos=1, packet_id=1), Publish("$SYS/x", b"2", qos=1, packet_id=2),
                Publish("allowed/x", b"3", qos=1, packet_id=3))
         assert c.received() == [Puback(1), Puback(2)]
@@ -408,8 +423,7 @@ def test_publish_hook(tmp_path: Path) -> None:
         h = Harness(tmp_path)
         h.hook = hook
         h.core = h.make_core()
-        c = h.client()
-        c.connect("hk")
+        c = h.connected("hk")
         c.send(Publish("ok", b"abc", qos=1, packet_id=1), Publish("dup", b"x", qos=1, packet_id=2))
         await h.commit()
         assert c.received() == [Puback(1), Puback(2)]
@@ -428,12 +442,10 @@ def test_suback_codes_and_delivery_qos(tmp_path: Path) -> None:
     async def main() -> None:
         h = Harness(tmp_path)
         h.core.acl = Acl.parse("topic read a/#\ntopic write #\n")
-        s = h.client()
-        s.connect("s")
+        s = h.connected("s")
         s.send(Subscribe(1, [("a/+", 1), ("a/#/x", 1), ("b/#", 0), ("a/q2", 2)]))
         assert s.received() == [Suback(1, [1, 0x80, 0x80, 2])]
-        p = h.client()
-        p.connect("p")
+        p = h.connected("p")
         p.send(Publish("a/b", b"q0", 0), Publish("a/b", b"q2", 2, packet_id=1),
                Publish("a/q2", b"q2b", 2, packet_id=2))
         await h.commit()
@@ -454,12 +466,8 @@ def test_suback_codes_and_delivery_qos(tmp_path: Path) -> None:
 def test_inflight_window_and_pingreq(tmp_path: Path) -> None:
     async def main() -> None:
         h = Harness(tmp_path, max_inflight=3)
-        s = h.client()
-        s.connect("s")
-        s.send(Subscribe(1, [("t", 1)]))
-        s.received()
-        p = h.client()
-        p.connect("p")
+        s = h.connected("s", subscribe=Subscribe(1, [("t", 1)]))
+        p = h.connected("p")
         p.send(*[Publish("t", b"%d" % i, 1, packet_id=i + 1) for i in range(10)])
         await h.commit()
         first = s.received()
@@ -474,17 +482,12 @@ def test_inflight_window_and_pingreq(tmp_path: Path) -> None:
 def test_new_filter_in_a_lagging_session_gets_only_newer_records(tmp_path: Path) -> None:
     async def main() -> None:
         h = Harness(tmp_path)
-        s = h.client()
-        s.connect("s", clean=False)
-        s.send(Subscribe(1, [("a", 1)]))
-        s.received()
+        s = h.connected("s", clean=False, subscribe=Subscribe(1, [("a", 1)]))
         s.send(Disconnect())
-        p = h.client()
-        p.connect("p")
+        p = h.connected("p")
         p.send(Publish("a", b"a1", 1, packet_id=1), Publish("b", b"b-old", 1, packet_id=2))
         await h.commit()
-        s2 = h.client()
-        s2.connect("s", clean=False)
+        s2 = h.connected("s", clean=False)
         s2.send(Subscribe(2, [("b", 1)]))
         p.send(Publish("b", b"b-new", 1, packet_id=3))
         await h.commit()
@@ -496,12 +499,8 @@ def test_new_filter_in_a_lagging_session_gets_only_newer_records(tmp_path: Path)
 def test_persistent_session_redelivers_with_dup_and_same_ids(tmp_path: Path) -> None:
     async def main() -> None:
         h = Harness(tmp_path)
-        s = h.client()
-        s.connect("s", clean=False)
-        s.send(Subscribe(1, [("t/#", 1)]))
-        s.received()
-        p = h.client()
-        p.connect("p")
+        s = h.connected("s", clean=False, subscribe=Subscribe(1, [("t/#", 1)]))
+        p = h.connected("p")
         p.send(Publish("t/1", b"m1", 1, packet_id=1), Publish("t/1", b"m2", 1, packet_id=2))
         await h.commit()
         got = s.received()
@@ -518,8 +517,7 @@ def test_persistent_session_redelivers_with_dup_and_same_ids(tmp_path: Path) -> 
 def test_clean_session_discards_persistent_state(tmp_path: Path) -> None:
     async def main() -> None:
         h = Harness(tmp_path)
-        s = h.client()
-        s.connect("s", clean=False)
+        s = h.connected("s", clean=False)
         s.send(Subscribe(1, [("t", 1)]), Disconnect())
         assert h.store.load("s") is not None
         c = h.client()
@@ -534,8 +532,7 @@ def test_clean_session_discards_persistent_state(tmp_path: Path) -> None:
 def test_takeover_closes_old_connection_and_publishes_its_will(tmp_path: Path) -> None:
     async def main() -> None:
         h = Harness(tmp_path)
-        old = h.client()
-        old.connect("dev", will_topic="status/dev", will_payload=b"gone", will_qos=1)
+        old = h.connected("dev", will_topic="status/dev", will_payload=b"gone", will_qos=1)
         new = h.client()
         assert new.connect("dev").return_code == 0
         assert old.conn.closed and "taken over" in old.conn.close_reason
@@ -551,8 +548,7 @@ def test_takeover_closes_old_connection_and_publishes_its_will(tmp_path: Path) -
 def test_keepalive_expiry_publishes_will(tmp_path: Path) -> None:
     async def main() -> None:
         h = Harness(tmp_path)
-        c = h.client()
-        c.connect("k", keepalive=2, will_topic="w", will_payload=b"bye")
+        c = h.connected("k", keepalive=2, will_topic="w", will_payload=b"bye")
         t0 = c.conn.last_rx
         h.core.tick(t0 + 2.9)
         assert not c.conn.closed
@@ -566,12 +562,10 @@ def test_keepalive_expiry_publishes_will(tmp_path: Path) -> None:
 def test_retained_delivered_on_subscribe_and_cleared(tmp_path: Path) -> None:
     async def main() -> None:
         h = Harness(tmp_path)
-        p = h.client()
-        p.connect("p")
+        p = h.connected("p")
         p.send(Publish("r/1", b"one", 1, True, packet_id=1), Publish("r/2", b"two", 0, True))
         await h.commit()
-        s = h.client()
-        s.connect("s")
+        s = h.connected("s")
         s.send(Subscribe(1, [("r/#", 1)]))
         out = s.received()
         assert out[0] == Suback(1, [1])
@@ -579,8 +573,7 @@ def test_retained_delivered_on_subscribe_and_cleared(tmp_path: Path) -> None:
             ("r/1", b"one", 1, True), ("r/2", b"two", 0, True)]
         p.send(Publish("r/1", b"", 0, True))
         await h.commit()
-        s2 = h.client()
-        s2.connect("s2")
+        s2 = h.connected("s2")
         s2.send(Subscribe(1, [("r/#", 0)]))
         assert [m.topic for m in s2.received()[1:]] == ["r/2"]
     run(main())
@@ -598,8 +591,7 @@ def test_shared_subscription_splits_records(tmp_path: Path) -> None:
         solo.send(Subscribe(1, [("jobs/#", 1)]))
         for c in (a, b, solo):
             c.received()
-        p = h.client()
-        p.connect("p")
+        p = h.connected("p")
         n = 30
         for i in range(n):
             p.send(Publish("jobs/x", b"%d" % i, 1, packet_id=i + 1))
@@ -625,10 +617,8 @@ def test_shared_subscription_splits_records(tmp_path: Path) -> None:
 def test_auto_subscribe_rule(tmp_path: Path) -> None:
     async def main() -> None:
         h = Harness(tmp_path, auto_subscribe=(AutoSubscribe("cmd/%c/#", 1),))
-        d = h.client()
-        d.connect("dev7", clean=False)
-        p = h.client()
-        p.connect("p")
+        d = h.connected("dev7", clean=False)
+        p = h.connected("p")
         p.send(Publish("cmd/dev7/reboot", b"now", 1, packet_id=1), Publish("cmd/other/x", b"no", 1, packet_id=2))
         await h.commit()
         assert [m.payload for m in d.received()] == [b"now"]
@@ -638,10 +628,7 @@ def test_auto_subscribe_rule(tmp_path: Path) -> None:
 def test_dollar_topics_not_matched_by_wildcards_and_sys_messages(tmp_path: Path) -> None:
     async def main() -> None:
         h = Harness(tmp_path)
-        s = h.client()
-        s.connect("s")
-        s.send(Subscribe(1, [("#", 0), ("$SYS/broker/uptime", 0)]))
-        s.received()
+        s = h.connected("s", subscribe=Subscribe(1, [("#", 0), ("$SYS/broker/uptime", 0)]))
         h.core.publish_sys([("$SYS/broker/uptime", b"5 seconds"), ("$SYS/broker/clients/connected", b"1")])
         assert [(m.topic, m.payload) for m in s.received()] == [("$SYS/broker/uptime", b"5 seconds")]
         s.send(Subscribe(2, [("$SYS/#", 0)]))
@@ -698,12 +685,8 @@ def test_random_packet_sequences(tmp_path: Path, ops: list[tuple[Any, ...]]) -> 
 
     async def main() -> None:
         h = Harness(d)
-        c = h.client()
-        c.connect("hyp", clean=False)
-        other = h.client()
-        other.connect("other")
-        other.send(Subscribe(1, [("#", 2)]))
-        other.received()
+        c = h.connected("hyp", clean=False)
+        other = h.connected("other", subscribe=Subscribe(1, [("#", 2)]))
         # pid -> committed?  Filled as PUBLISHes are sent; checked against acks received.
         waiting: dict[int, int] = {}
         for op in ops:
@@ -733,8 +716,7 @@ def test_random_packet_sequences(tmp_path: Path, ops: list[tuple[Any, ...]]) -> 
                 await h.commit()
             elif kind == "reconnect":
                 c.conn.connection_lost()
-                c = h.client()
-                c.connect("hyp", clean=op[1])
+                c = h.connected("hyp", clean=op[1])
                 waiting.clear()
             for packet in c.received():
                 if isinstance(packet, (Puback, Pubrec)) and packet.packet_id in waiting:
@@ -758,12 +740,10 @@ def test_retained_rebuilt_in_background(tmp_path: Path) -> None:
         old = RetainedStore(tmp_path)
         old.apply(Record(0, 0, "r/a", b"from-snapshot", 1, True))
         h.core.retained_ready = False
-        p = h.client()
-        p.connect("p")
+        p = h.connected("p")
         p.send(Publish("r/b", b"live", 0, True), Publish("r/a", b"", 0, True))
         await h.commit()
-        s = h.client()
-        s.connect("s")
+        s = h.connected("s")
         s.send(Subscribe(1, [("r/#", 0)]))
         assert s.received() == [Suback(1, [0])]
         h.core.retained_recovered(old)
@@ -821,8 +801,7 @@ def test_tail_cache_reads_like_the_log(tmp_path: Path) -> None:
 def test_qos2_resend_on_takeover_waits_for_the_first_commit(tmp_path: Path) -> None:
     async def main() -> None:
         h = Harness(tmp_path)
-        old = h.client()
-        old.connect("q", clean=False)
+        old = h.connected("q", clean=False)
         old.send(Publish("t", b"m", 2, packet_id=4))
         new = h.client()  # takes over before the first copy is committed
         new.connect("q", clean=False)
@@ -839,14 +818,12 @@ def test_qos2_resend_on_takeover_waits_for_the_first_commit(tmp_path: Path) -> N
 def test_qos2_resend_after_failed_commit_is_stored(tmp_path: Path) -> None:
     async def main() -> None:
         h = Harness(tmp_path)
-        c = h.client()
-        c.connect("q", clean=False)
+        c = h.connected("q", clean=False)
         c.send(Publish("t", b"m", 2, packet_id=4))
         h.queue.fail_next = True
         await h.commit()
         assert c.conn.closed and c.received() == []
-        c2 = h.client()
-        c2.connect("q", clean=False)
+        c2 = h.connected("q", clean=False)
         c2.send(Publish("t", b"m", 2, dup=True, packet_id=4))
         await h.commit()
         assert c2.received() == [Pubrec(4)]
@@ -873,13 +850,9 @@ def test_live_delivery_wakes_only_matching_sessions_and_reads_from_memory(tmp_pa
         h = Harness(tmp_path)
         subs = []
         for i in range(5):
-            c = h.client()
-            c.connect(f"s{i}", clean=i % 2 == 0)
-            c.send(Subscribe(1, [(f"dev/{i}/#", 1)]))
-            c.received()
+            c = h.connected(f"s{i}", clean=i % 2 == 0, subscribe=Subscribe(1, [(f"dev/{i}/#", 1)]))
             subs.append(c)
-        p = h.client()
-        p.connect("p")
+        p = h.connected("p")
         woken: list[str] = []
         real_pump = h.core.pump
 
@@ -912,12 +885,8 @@ def test_live_delivery_wakes_only_matching_sessions_and_reads_from_memory(tmp_pa
 def test_bulk_pubacks_and_a_bad_one(tmp_path: Path) -> None:
     async def main() -> None:
         h = Harness(tmp_path, max_inflight=50)
-        s = h.client()
-        s.connect("s")
-        s.send(Subscribe(1, [("t", 1)]))
-        s.received()
-        p = h.client()
-        p.connect("p")
+        s = h.connected("s", subscribe=Subscribe(1, [("t", 1)]))
+        p = h.connected("p")
         p.send(*[Publish("t", b"%d" % i, 1, packet_id=i + 1) for i in range(40)])
         await h.commit()
         got = s.received()
@@ -938,8 +907,7 @@ def test_unsubscribing_from_a_share_leaves_it(tmp_path: Path) -> None:
         for c in (a, b):
             c.send(Subscribe(1, [("$share/g/t", 1)]))
             c.received()
-        p = h.client()
-        p.connect("p")
+        p = h.connected("p")
         p.send(*[Publish("t", b"%d" % i, 1, packet_id=i + 1) for i in range(6)])
         await h.commit()
         got_a = a.received()
@@ -963,8 +931,10 @@ def test_unsubscribing_from_a_share_leaves_it(tmp_path: Path) -> None:
 # ---- at-least-once across disconnects and restarts, on the real queue --------------------------
 
 
-class RealHarness:
+class RealHarness(Clients):
     """BrokerCore over a real Queue (fsync = never for speed; restarts are clean here)."""
+
+    peer_prefix = "10.0.0.2:"
 
     def __init__(self, tmp: Path) -> None:
         self.tmp = tmp
@@ -1002,10 +972,6 @@ class RealHarness:
             await asyncio.sleep(0)
         self.core.flush()
 
-    def client(self) -> Client:
-        self._n += 1
-        return Client(self, f"10.0.0.2:{self._n}")  # type: ignore[arg-type]
-
 
 _sub_ops = st.lists(
     st.one_of(
@@ -1039,8 +1005,7 @@ def test_persistent_subscriber_gets_every_acked_message(tmp_path: Path, ops: lis
         unacked: list[int] = []
         acked_payloads: set[bytes] = set()
         sent: dict[int, bytes] = {}
-        pub = h.client()
-        pub.connect("pub")
+        pub = h.connected("pub")
         counter = 0
 
         def take(c: Client) -> None:
@@ -1069,20 +1034,17 @@ def test_persistent_subscriber_gets_every_acked_message(tmp_path: Path, ops: lis
             elif op[0] == "reconnect":
                 if sub is not None:
                     sub.conn.connection_lost()
-                sub = h.client()
-                sub.connect("durable", clean=False)
+                sub = h.connected("durable", clean=False)
                 unacked[:] = []
             elif op[0] == "restart":
                 await h.restart()
                 sub, unacked[:] = None, []
-                pub = h.client()
-                pub.connect("pub")
+                pub = h.connected("pub")
             if sub is not None:
                 take(sub)
         # Come back and ack everything until nothing more arrives.
         if sub is None:
-            sub = h.client()
-            sub.connect("durable", clean=False)
+            sub = h.connected("durable", clean=False)
             unacked[:] = []
         for _ in range(200):
             await h.settle()
@@ -1108,12 +1070,8 @@ def test_group_offsets_persisted_soon_after_acks(tmp_path: Path) -> None:
 
     async def main() -> None:
         h = Harness(tmp_path)
-        s = h.client()
-        s.connect("s", clean=False)
-        s.send(Subscribe(1, [("t", 1)]))
-        s.received()
-        p = h.client()
-        p.connect("p")
+        s = h.connected("s", clean=False, subscribe=Subscribe(1, [("t", 1)]))
+        p = h.connected("p")
         p.send(*[Publish("t", b"x", 1, packet_id=i + 1) for i in range(5)])
         await h.commit()
         got = s.received()

@@ -838,7 +838,7 @@ def test_qos2_resend_after_failed_commit_is_stored(tmp_path: Path) -> None:
        pid=st.integers(1, 0xFFFF))
 def test_publish_bytes_matches_the_codec(topic: str, payload: bytes, qos: int, dup: bool, retain: bool,
                                          pid: int) -> None:
-    from filemq.broker.core import publish_bytes
+    from filemq.mqtt.codec import publish_bytes
 
     dup = dup and qos > 0
     expected = encode(Publish(topic, payload, qos, retain, dup, pid if qos else None))

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from filemq.broker.session import AUTHENTICATING, AWAITING_CONNECT, CONNECTED, Connection
 from filemq.broker.sessions import SessionStore, StoredSession, StoredSubscription
-from filemq.mqtt.codec import ProtocolError, encode, encode_puback
+from filemq.mqtt.codec import ProtocolError, encode, encode_puback, publish_bytes
 from filemq.mqtt.packets import (
     CONNACK_ACCEPTED,
     CONNACK_BAD_USERNAME_OR_PASSWORD,
@@ -91,44 +91,6 @@ _MAX_PUMP = 1000  # records pushed to one connection per wake-up before yielding
 
 def _ack(first: int, packet_id: int) -> bytes:
     return bytes((first, 2, packet_id >> 8, packet_id & 0xFF))
-
-
-_topic_bytes: dict[str, bytes] = {}
-
-
-def publish_bytes(topic: str, payload: bytes, qos: int, dup: bool, packet_id: int | None,
-                  retain: bool = False) -> bytes:
-    """PUBLISH wire bytes (same as ``encode(Publish(...))``), with the topic's encoding cached:
-    a record fanned out to N subscribers encodes its topic once."""
-    tb = _topic_bytes.get(topic)
-    if tb is None:
-        raw = topic.encode("utf-8")
-        tb = len(raw).to_bytes(2, "big") + raw
-        if len(_topic_bytes) >= 4096:
-            _topic_bytes.clear()  # bounded with unbounded distinct topics
-        _topic_bytes[topic] = tb
-    first = 0x30 | (qos << 1) | (0x08 if dup else 0) | (0x01 if retain else 0)
-    if qos:
-        assert packet_id is not None
-        rem = len(tb) + 2 + len(payload)
-        pid = packet_id.to_bytes(2, "big")
-    else:
-        rem = len(tb) + len(payload)
-        pid = b""
-    if rem < 0x80:
-        head = bytes((first, rem))
-    elif rem < 0x4000:
-        head = bytes((first, (rem & 0x7F) | 0x80, rem >> 7))
-    else:
-        out = bytearray((first,))
-        while True:
-            byte = rem & 0x7F
-            rem >>= 7
-            out.append(byte | 0x80 if rem else byte)
-            if not rem:
-                break
-        head = bytes(out)
-    return b"".join((head, tb, pid, payload))
 
 
 # ---- the publish hook (collector: dedup and CRC checks) -----------------------------------

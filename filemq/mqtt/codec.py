@@ -255,6 +255,28 @@ def encode_puback(packet_id: int) -> bytes:
     return _pack_BBH(0x40, 2, packet_id)
 
 
+_topic_bytes: dict[str, bytes] = {}
+
+
+def publish_bytes(topic: str, payload: bytes, qos: int, dup: bool, packet_id: int | None,
+                  retain: bool = False) -> bytes:
+    """PUBLISH bytes, the same as ``encode(Publish(...))``, without building a :class:`Publish`
+    and with each topic's encoding cached: a record fanned out to N subscribers encodes its
+    topic once (the broker's delivery hot path; the topic was validated when it was stored)."""
+    tb = _topic_bytes.get(topic)
+    if tb is None:
+        raw = topic.encode("utf-8")
+        tb = _pack_H(len(raw)) + raw
+        if len(_topic_bytes) >= 4096:
+            _topic_bytes.clear()  # bounded with unbounded distinct topics
+        _topic_bytes[topic] = tb
+    first = 0x30 | (qos << 1) | (0x08 if dup else 0) | (0x01 if retain else 0)
+    if qos:
+        assert packet_id is not None
+        return b"".join((_fixed_header(first, len(tb) + 2 + len(payload)), tb, _pack_H(packet_id), payload))
+    return b"".join((_fixed_header(first, len(tb) + len(payload)), tb, payload))
+
+
 # --------------------------------------------------------------------------- decoding
 
 

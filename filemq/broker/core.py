@@ -32,7 +32,7 @@ import logging
 import secrets
 import time
 from collections import Counter, deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -992,26 +992,17 @@ class BrokerCore:
             conn.send(parts[0] if len(parts) == 1 else b"".join(parts))
 
     def on_puback(self, conn: Connection, pid: int) -> None:
-        state = conn.session
-        assert state is not None
-        out = state.inflight.get(pid)
-        if out is None or out.qos != 1:
-            log.debug("client %r: PUBACK for unknown packet id %d ignored", conn.client_id, pid)
-            return
-        del state.inflight[pid]
-        if out.group is not None:
-            out.group.ack(out.offset)
-            self._acked = True
-        self._to_pump.add(conn)
+        self.on_pubacks(conn, (pid,))
 
-    def on_pubacks(self, conn: Connection, pids: list[int]) -> None:
-        """Many PUBACKs at once (a read that held nothing else)."""
+    def on_pubacks(self, conn: Connection, pids: Sequence[int]) -> None:
+        """PUBACKs, many at once when a read held nothing else."""
         state = conn.session
         assert state is not None
         inflight = state.inflight
         for pid in pids:
             out = inflight.get(pid)
             if out is None or out.qos != 1:
+                log.debug("client %r: PUBACK for unknown packet id %d ignored", conn.client_id, pid)
                 continue
             del inflight[pid]
             if out.group is not None:

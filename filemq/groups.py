@@ -39,11 +39,12 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal
 
 from filemq.offsets import OffsetFile
 from filemq.topics import topic_matches, validate_topic_filter
 from segments.fileio import OS_FILE_IO, FileIO, atomic_write
+from segments.log import LogView
 
 if TYPE_CHECKING:
     from segments import Record
@@ -62,26 +63,6 @@ _MATCH_CACHE_SIZE = 4096
 _MIN_READ = 256  # records per log read in fetch, however few are wanted
 
 Start = Literal["earliest", "latest"]
-
-
-class LogView(Protocol):
-    """What a group needs from :class:`segments.Log` (a protocol so tests can use fakes too).
-
-    Anything that serves the records of the group's own log qualifies, e.g. the broker's
-    tail cache over it (see :meth:`ConsumerGroup.use_reader`): ``read`` must return what
-    ``Log.read`` would (records ``>= offset`` and ``< committed_offset``, in order).
-    """
-
-    @property
-    def first_offset(self) -> int: ...
-
-    @property
-    def next_offset(self) -> int: ...
-
-    @property
-    def committed_offset(self) -> int: ...
-
-    def read(self, offset: int, max_records: int = 1000, max_bytes: int = 1 << 20) -> list[Record]: ...
 
 
 class InvalidGroupName(ValueError):

@@ -39,12 +39,12 @@ import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
 
 from crc32c import crc32c
 
 from filemq.topics import parse_shared, topic_matches
 from segments.fileio import OS_FILE_IO, FileIO, atomic_write
+from segments.log import LogView
 from segments.record import Record
 
 log = logging.getLogger(__name__)
@@ -55,18 +55,6 @@ _HEADER = struct.Struct(">8sQI")
 _ENTRY = struct.Struct(">QqBHI")
 _CRC = struct.Struct(">I")
 _REPLAY_BATCH = 1000
-
-
-class LogReader(Protocol):
-    """The part of :class:`segments.log.Log` recovery needs."""
-
-    @property
-    def first_offset(self) -> int: ...
-
-    @property
-    def committed_offset(self) -> int: ...
-
-    def read(self, offset: int, max_records: int = ..., max_bytes: int = ...) -> list[Record]: ...
 
 
 class CorruptSnapshot(ValueError):
@@ -228,7 +216,7 @@ class RetainedStore:
         finally:
             handle.close()
 
-    def recover(self, log_: LogReader) -> RetainedRecovery:
+    def recover(self, log_: LogView) -> RetainedRecovery:
         """Rebuild the map: snapshot, then the log from ``covered_offset`` to its end."""
         report = RetainedRecovery()
         self._messages.clear()

@@ -24,7 +24,7 @@ from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Literal, Protocol
 
 from segments.errors import SegmentError
 from segments.fileio import OS_FILE_IO, DiskFull, FileIO
@@ -160,6 +160,23 @@ class Batch:
     first_offset: int
     end_offset: int
     nbytes: int
+
+
+class LogView(Protocol):
+    """The read side of a :class:`Log`, as consumers see it (a protocol so a cache over the
+    log, or a test fake, can stand in): ``read`` returns what ``Log.read`` would, records
+    ``>= offset`` and ``< committed_offset``, in order."""
+
+    @property
+    def first_offset(self) -> int: ...
+
+    @property
+    def next_offset(self) -> int: ...
+
+    @property
+    def committed_offset(self) -> int: ...
+
+    def read(self, offset: int, max_records: int = 1000, max_bytes: int = 1 << 20) -> list[Record]: ...
 
 
 class Log:

@@ -1,6 +1,6 @@
 """A bounded in-memory cache of recent log records, shaped like the log's read side.
 
-Consumer groups read through it (it satisfies :class:`filemq.groups.LogView`), so
+Consumer groups read through it (it satisfies :class:`segments.LogView`), so
 subscribers that keep up are served from memory and never re-read the segment files;
 subscribers that are behind miss the cache and read the log in batches of
 ``read_ahead`` records, which are then kept for the next reader at the same place.

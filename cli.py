@@ -236,18 +236,27 @@ def passwd(file: str, user: str, password_stdin: bool, iterations: int | None) -
 def broker(config_file: str | None, **flags: object) -> None:
     """Run the MQTT broker on the log until SIGTERM/SIGINT (exit 0 clean, 2 config, 1 failure)."""
     from filemq.broker.app import run_broker
+
+    _serve("broker", config_file, flags, lambda c: [("--data-dir", c.data_dir)], run_broker)
+
+
+def _serve(name: str, config_file: str | None, flags: dict[str, object],
+           required: Callable[[Any], list[tuple[str, object]]], run: Callable[..., int]) -> None:
+    """The shared body of broker/agent/collector: config (file, then flags), exit 2 with the
+    reason on a bad or incomplete one, then run the service and exit with its code."""
     from filemq.config import ConfigError, flag_overrides, load_config
 
     try:
-        config = load_config(config_file, flag_overrides("broker", flags))
+        config = load_config(config_file, flag_overrides(name, flags))
     except ConfigError as exc:
-        click.echo(f"filemq broker: {exc}", err=True)
+        click.echo(f"filemq {name}: {exc}", err=True)
         sys.exit(2)
-    if config.data_dir is None:
-        click.echo("filemq broker: no data directory; pass --data-dir DIR or set data_dir in the config", err=True)
+    missing = [flag for flag, value in required(config) if value is None]
+    if missing:
+        click.echo(f"filemq {name}: missing {', '.join(missing)} (or the same keys in the config file)", err=True)
         sys.exit(2)
     logging.getLogger("filemq").setLevel(min(logging.getLogger().level, logging.WARNING))
-    sys.exit(run_broker(config, ready=lambda line: click.echo(line)))
+    sys.exit(run(config, ready=lambda line: click.echo(line)))
 
 
 @main.command()
@@ -277,21 +286,10 @@ def broker(config_file: str | None, **flags: object) -> None:
               help="When the log is fdatasync'ed before acks (default always).")
 def agent(config_file: str | None, **flags: object) -> None:
     """Run the device broker plus the forwarder to the collector until SIGTERM/SIGINT."""
-    from filemq.config import ConfigError, flag_overrides, load_config
     from worker_agent.app import run_agent
 
-    try:
-        config = load_config(config_file, flag_overrides("agent", flags))
-    except ConfigError as exc:
-        click.echo(f"filemq agent: {exc}", err=True)
-        sys.exit(2)
-    missing = [flag for flag, value in (("--data-dir", config.data_dir), ("--device-id", config.agent.device_id),
-                                        ("--collector", config.agent.collector)) if value is None]
-    if missing:
-        click.echo(f"filemq agent: missing {', '.join(missing)} (or the same keys in the config file)", err=True)
-        sys.exit(2)
-    logging.getLogger("filemq").setLevel(min(logging.getLogger().level, logging.WARNING))
-    sys.exit(run_agent(config, ready=lambda line: click.echo(line)))
+    _serve("agent", config_file, flags, lambda c: [("--data-dir", c.data_dir), ("--device-id", c.agent.device_id),
+                                                   ("--collector", c.agent.collector)], run_agent)
 
 
 @main.command()
@@ -313,20 +311,9 @@ def agent(config_file: str | None, **flags: object) -> None:
 def collector(config_file: str | None, **flags: object) -> None:
     """Receive device batches and land them as Parquet until SIGTERM/SIGINT."""
     from collector.server import run_collector
-    from filemq.config import ConfigError, flag_overrides, load_config
 
-    try:
-        config = load_config(config_file, flag_overrides("collector", flags))
-    except ConfigError as exc:
-        click.echo(f"filemq collector: {exc}", err=True)
-        sys.exit(2)
-    missing = [flag for flag, value in (("--data-dir", config.data_dir), ("--landing", config.collector.landing))
-               if value is None]
-    if missing:
-        click.echo(f"filemq collector: missing {', '.join(missing)} (or the same keys in the config file)", err=True)
-        sys.exit(2)
-    logging.getLogger("filemq").setLevel(min(logging.getLogger().level, logging.WARNING))
-    sys.exit(run_collector(config, ready=lambda line: click.echo(line)))
+    _serve("collector", config_file, flags,
+           lambda c: [("--data-dir", c.data_dir), ("--landing", c.collector.landing)], run_collector)
 
 
 def _quiet_recovery_logs() -> None:

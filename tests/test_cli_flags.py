@@ -77,3 +77,26 @@ def test_a_bad_flag_value_names_the_flag() -> None:
     with pytest.raises(ConfigError) as err:
         _config("broker", ["--max-connections", "lots"])
     assert "flag --max-connections" in str(err.value) and "got 'lots'" in str(err.value)
+
+
+@pytest.mark.parametrize(("command", "missing"), [
+    ("broker", "--data-dir"),
+    ("agent", "--data-dir, --device-id, --collector"),
+    ("collector", "--data-dir, --landing"),
+])
+def test_a_service_without_its_required_keys_exits_2_naming_them(command: str, missing: str) -> None:
+    from click.testing import CliRunner
+
+    result = CliRunner().invoke(cli.main, [command])
+    assert result.exit_code == 2
+    assert f"filemq {command}: missing {missing} (or the same keys in the config file)" in result.output
+
+
+def test_a_bad_config_file_exits_2_with_file_and_line(tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    conf = tmp_path / "bad.toml"
+    conf.write_text("[broker]\nprot = 1884\n")
+    result = CliRunner().invoke(cli.main, ["broker", "--config", str(conf), "--data-dir", str(tmp_path)])
+    assert result.exit_code == 2
+    assert str(conf) in result.output and "line 2" in result.output and "broker.port" in result.output

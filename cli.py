@@ -583,9 +583,11 @@ def ingest(config_file: str | None, once: bool, as_json: bool, **flags: object) 
 @click.option("--work-dir", type=click.Path(file_okay=False), default=None,
               help="Where to put landing, table and copy (a temporary directory if omitted).")
 @click.option("--master", default="local[2]", show_default=True)
+@click.option("--rounds", type=click.IntRange(min=1), default=3, show_default=True,
+              help="Timed rounds of each side (after one untimed warm-up run of each).")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per line on stdout.")
 def bench_ingest(rows: int, files: int, dup_frac: float, work_dir: str | None, master: str,
-                 as_json: bool) -> None:
+                 rounds: int, as_json: bool) -> None:
     """Our Spark ingest vs a plain spark.read.parquet().write.parquet() of the same files."""
     import json
     import tempfile
@@ -596,7 +598,7 @@ def bench_ingest(rows: int, files: int, dup_frac: float, work_dir: str | None, m
     if logging.getLogger().getEffectiveLevel() > logging.INFO:
         logging.getLogger("bench.ingest").setLevel(logging.INFO)
     with tempfile.TemporaryDirectory(prefix="filemq-bench-ingest-") as tmp:
-        result = run_ingest_bench(Path(work_dir or tmp), rows, files, dup_frac, master)
+        result = run_ingest_bench(Path(work_dir or tmp), rows, files, dup_frac, master, rounds)
     if as_json:
         click.echo(json.dumps(result.as_dict()))
     else:

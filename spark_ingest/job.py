@@ -38,12 +38,20 @@ from urllib.parse import unquote
 import pyarrow as pa
 import pyarrow.parquet as pq
 from pyspark.errors import StreamingQueryException
-from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as F
 
 from collector.landing import INCOMING_DIR, QUARANTINE_DIR, quarantine
-from spark_ingest.curated import CuratedTable, partition_value
-from spark_ingest.key_dedup import DROP_FILE, DROP_ROW, find_duplicates
+from spark_ingest.curated import CuratedTable, RowCountMismatch, partition_value
+from spark_ingest.key_dedup import (
+    DROP_FILE,
+    DROP_PROBE,
+    DROP_ROW,
+    PROBE_MTIME_SHIFT,
+    PROBE_OFFSET_SHIFT,
+    PROBE_SIZE_SHIFT,
+    find_duplicates,
+)
 from spark_ingest.landing_files import LandingFileCheck, batch_files, check_landing_file
 from spark_ingest.schema import (
     LANDING_COLUMNS,
@@ -247,9 +255,19 @@ class BatchIngestor:
         checked = time.monotonic()
         deduped = written = checked
         if nonempty:
-            rows, _ = self._new_rows(nonempty, batch_id)
+            rows, expected = self._new_rows(nonempty, batch_id, exact_join=False)
             deduped = time.monotonic()
-            report.rows_written = self.table.append(rows, query_id, batch_id)
+            try:
+                report.rows_written = self.table.append(
+                    rows, query_id, batch_id, expected_rows=expected
+                )
+            except RowCountMismatch as exc:
+                # The probe join removed other rows than the driver found (a landing file
+                # changed size under us?). Nothing was moved into the table: redo the batch
+                # with the join on (file name, row index), which does not depend on sizes.
+                log.warning("batch %d: %s; writing it again with the exact join", batch_id, exc)
+                rows, _ = self._new_rows(nonempty, batch_id, exact_join=True)
+                report.rows_written = self.table.append(rows, query_id, batch_id)
             written = time.monotonic()
         report.duplicates_removed = report.rows_in - report.rows_written
         self.table.mark_committed(query_id, batch_id)
@@ -260,7 +278,11 @@ class BatchIngestor:
             time.monotonic() - written,
         )
 
-    def _new_rows(self, files: list[LandingFileCheck], batch_id: int) -> tuple[DataFrame, int]:
+    def _new_rows(
+        self, files: list[LandingFileCheck], batch_id: int, exact_join: bool
+    ) -> tuple[DataFrame, int | None]:
+        """The batch's rows to append (duplicates removed, ``dt`` added), and how many rows
+        that must be when the driver knows it in advance (else None)."""
         first = min(c.first_day for c in files if c.first_day)
         last = max(c.last_day for c in files if c.last_day)
         partitions = self.table.partitions_between(first, last)
@@ -269,19 +291,30 @@ class BatchIngestor:
         if keys <= self.config.driver_dedup_max_keys:
             keys += sum(pq.read_metadata(f).num_rows for f in table_files)
         names = [c.path.name for c in files]
+        expected: int | None = None
         if keys <= self.config.driver_dedup_max_keys and len(set(names)) == len(names):
-            rows, duplicated_keys = self._dedup_on_driver(files, table_files, batch_id)
+            rows, _, expected = self._dedup_on_driver(files, table_files, batch_id, exact_join)
         else:
-            rows, duplicated_keys = self._dedup_in_spark(files, partitions)
+            rows, _ = self._dedup_in_spark(files, partitions)
         rows = rows.withColumn(PARTITION_COLUMN, partition_value("publish_ts"))
         if self.payload is not None:
             rows = self._parse_payload(rows, self.payload)
-        return rows, duplicated_keys
+        return rows, expected
 
     def _dedup_on_driver(
-        self, files: list[LandingFileCheck], table_files: list[Path], batch_id: int
-    ) -> tuple[DataFrame, int]:
-        """Duplicates found with pyarrow on the driver; Spark scans the batch once, to write."""
+        self,
+        files: list[LandingFileCheck],
+        table_files: list[Path],
+        batch_id: int,
+        exact_join: bool,
+    ) -> tuple[DataFrame, int, int | None]:
+        """Duplicates found with pyarrow on the driver; Spark scans the batch once, to write.
+
+        Rows are dropped by probe key (see :mod:`spark_ingest.key_dedup`) when the probes
+        are unambiguous and ``exact_join`` is false, else by ``(file name, row index)``.
+        Returns the rows, the number of duplicated keys, and, for the probe join, how many
+        rows the result must hold (else None).
+        """
         # pyarrow and the Spark driver (planning the read, in the JVM) both work outside
         # the GIL: find the duplicates while Spark plans.
         with ThreadPoolExecutor(max_workers=1) as pool:
@@ -289,26 +322,37 @@ class BatchIngestor:
             batch = self.spark.read.schema(LANDING_SPARK_SCHEMA).parquet(
                 *[str(c.path) for c in files]
             )
-            located = batch.select(
-                *LANDING_COLUMNS,
-                F.col("_metadata.file_name").alias(DROP_FILE),
-                F.col("_metadata.row_index").alias(DROP_ROW),
-            )
+            names = _names_in_spark(batch, files)
             found = finding.result()
         if found.rows.num_rows == 0:
-            return batch, 0
-        drops = _rename_files(found.rows, files, _names_in_spark(batch, files))
-        # The rows to drop go to Spark as a small Parquet file under the table's _tmp (on the
-        # same storage as the table, so executors of a cluster read it too); append()
-        # removes _tmp when the batch is written.
+            return batch, 0, None
+        if found.probes is not None and not exact_join:
+            located = batch.select(*LANDING_COLUMNS, probe_column().alias(DROP_PROBE))
+            drop = self._drop_frame(found.probes, batch_id, f"{DROP_PROBE} long")
+            rows = located.join(drop, DROP_PROBE, "left_anti").drop(DROP_PROBE)
+            return rows, found.keys, sum(c.rows for c in files) - found.rows.num_rows
+        located = batch.select(
+            *LANDING_COLUMNS,
+            F.col("_metadata.file_name").alias(DROP_FILE),
+            F.col("_metadata.row_index").alias(DROP_ROW),
+        )
+        drops = _rename_files(found.rows, files, names)
+        drop = self._drop_frame(drops, batch_id, _DROP_SCHEMA)
+        rows = located.join(drop, [DROP_FILE, DROP_ROW], "left_anti").drop(DROP_FILE, DROP_ROW)
+        return rows, found.keys, None
+
+    def _drop_frame(self, drops: pa.Table, batch_id: int, schema: str) -> DataFrame:
+        """``drops`` as a DataFrame to anti-join with, broadcast unless large.
+
+        The rows go to Spark as a small Parquet file under the table's _tmp (on the same
+        storage as the table, so executors of a cluster read it too); append() removes _tmp
+        when the batch is written.
+        """
         drop_file = self.table.tmp_dir / f"duplicates-batch={batch_id}.parquet"
         drop_file.parent.mkdir(parents=True, exist_ok=True)
         pq.write_table(drops, drop_file)
-        drop = self.spark.read.schema(_DROP_SCHEMA).parquet(str(drop_file))
-        if drops.num_rows <= _BROADCAST_DROPS:
-            drop = F.broadcast(drop)
-        rows = located.join(drop, [DROP_FILE, DROP_ROW], "left_anti").drop(DROP_FILE, DROP_ROW)
-        return rows, found.keys
+        drop = self.spark.read.schema(schema).parquet(str(drop_file))
+        return F.broadcast(drop) if drops.num_rows <= _BROADCAST_DROPS else drop
 
     def _dedup_in_spark(
         self, files: list[LandingFileCheck], partitions: list[Path]
@@ -352,6 +396,19 @@ class BatchIngestor:
             path,
         )
         report.missing.append(str(path))
+
+
+def probe_column() -> Column:
+    """Each row's probe key in Spark: :func:`spark_ingest.key_dedup.probe_key` of the row's
+    file size, file modification time (ms), offset and row index. Shifts and XORs only:
+    they wrap like the pyarrow side and never raise under ANSI mode."""
+    mtime_ms = F.unix_millis(F.col("_metadata.file_modification_time"))
+    return (
+        F.shiftleft(F.col("_metadata.file_size"), PROBE_SIZE_SHIFT)
+        .bitwiseXOR(F.shiftleft(mtime_ms, PROBE_MTIME_SHIFT))
+        .bitwiseXOR(F.shiftleft(F.col("offset"), PROBE_OFFSET_SHIFT))
+        .bitwiseXOR(F.col("_metadata.row_index"))
+    )
 
 
 def _names_in_spark(batch: DataFrame, files: list[LandingFileCheck]) -> list[str]:

@@ -7,6 +7,16 @@ drop as ``(file name, row index)`` pairs, which the ingest removes in the same S
 that writes the table (a broadcast anti join), so the batch's files are scanned by Spark
 once.
 
+Joining millions of rows on a file name (a string) costs Spark about a third of a plain
+copy of the data. So each dropped row also gets a *probe*: one 64-bit integer made from
+the file's size and modification time, the row's offset and its position in the file
+(:func:`probe_key`; Spark computes the same from ``_metadata.file_size``,
+``_metadata.file_modification_time``, ``offset`` and ``_metadata.row_index``).
+The probe is not unique by construction, so it is only used when this module has checked,
+over every row of the batch, that no row to keep has the probe of a row to drop; then an
+anti join on the probe removes exactly the rows to drop. Otherwise ``Duplicates.probes``
+is None and the ingest joins on ``(file name, row index)``.
+
 Memory on the driver is about 50 bytes per key read (batch rows plus the table rows of the
 partitions the batch touches); the caller chooses this path only below a key budget and
 uses the distributed dedup (:meth:`spark_ingest.curated.CuratedTable.new_rows`) above it.
@@ -33,9 +43,21 @@ DROP_FILE = "_filemq_file"
 """Column of :attr:`Duplicates.rows`: the landing file name (as ``_metadata.file_name``)."""
 DROP_ROW = "_filemq_row"
 """Column of :attr:`Duplicates.rows`: the row position in that file (``_metadata.row_index``)."""
+DROP_PROBE = "_filemq_probe"
+"""Column of :attr:`Duplicates.probes`: the probe key of a row to drop (:func:`probe_key`)."""
+
+PROBE_SIZE_SHIFT = 40
+PROBE_MTIME_SHIFT = 24
+PROBE_OFFSET_SHIFT = 20
+"""Probe key: ``(size << 40) ^ (mtime_ms << 24) ^ (offset << 20) ^ row_index``, computed in
+64-bit two's complement (bits shifted past bit 63 are lost), ``mtime_ms`` being the file's
+modification time in whole milliseconds since the epoch."""
+_INT64_MASK = (1 << 64) - 1
 
 _STRING_KEYS = [k for k in KEYS if k != "offset"]
 _READERS = max(2, min(8, os.cpu_count() or 2))
+_SORTERS = max(1, min(4, os.cpu_count() or 1))
+_PARALLEL_SORT_ROWS = 500_000
 
 
 @dataclass(frozen=True)
@@ -49,6 +71,9 @@ class Duplicates:
 
     rows: pa.Table
     keys: int
+    probes: pa.Table | None = None
+    """The rows to drop as probe keys (one column, :data:`DROP_PROBE`), or None when some
+    row to keep has the same probe as a row to drop (then only ``rows`` identifies them)."""
 
 
 def find_duplicates(batch_files: Sequence[Path], table_files: Sequence[Path]) -> Duplicates:
@@ -82,17 +107,12 @@ def find_duplicates(batch_files: Sequence[Path], table_files: Sequence[Path]) ->
     pairs_count = streams * max(1, len(codes[_STRING_KEYS[0]]))
     keys = pa.table({"pair": pc.add(pc.multiply(device, streams), stream),
                      "offset": keys.column("offset")})
-    order, same_as_previous = _sort_keys(keys, pairs_count)
-    if not pc.any(same_as_previous).as_py():
+    rows_in_runs = _rows_in_runs(keys, pairs_count)
+    if len(rows_in_runs) == 0:
         return Duplicates(_empty_rows(), 0)
     # Rows in a run of equal keys: few. Sorted again with the row number, the first of
     # each run is the copy to keep, so nothing depends on the first sort being stable.
     # (A sort, not Arrow's group_by/join: those load Acero, ~1 s on first use.)
-    in_run = pc.or_(
-        pa.concat_arrays([pa.array([False]), same_as_previous]),
-        pa.concat_arrays([same_as_previous, pa.array([False])]),
-    )
-    rows_in_runs = order.filter(in_run).cast(pa.int64())
     copies = keys.take(rows_in_runs).append_column("row", rows_in_runs)
     copies = copies.take(
         pc.sort_indices(
@@ -118,28 +138,101 @@ def find_duplicates(batch_files: Sequence[Path], table_files: Sequence[Path]) ->
     rows = pa.table(
         {DROP_FILE: pc.take(pa.array(names, pa.string()), file_index), DROP_ROW: position}
     )
-    log.debug("%d duplicated keys, %d rows to drop", duplicated_keys, rows.num_rows)
-    return Duplicates(rows, duplicated_keys)
+    probes = _probes(batch_files, tables[len(table_files):], dropped)
+    log.debug(
+        "%d duplicated keys, %d rows to drop, %s", duplicated_keys, rows.num_rows,
+        "probe keys usable" if probes is not None else "probe keys collide: join on file/row",
+    )
+    return Duplicates(rows, duplicated_keys, probes)
 
 
-def _sort_keys(keys: pa.Table, pairs_count: int) -> tuple[pa.Array, pa.Array]:
-    """Indices that sort ``keys`` by (pair, offset), and "same key as the previous" for each
-    sorted row after the first."""
+def probe_key(file_size: int, mtime_ms: int, offset: int, row_index: int) -> int:
+    """The probe key of one row, as a signed 64-bit integer (the reference for tests)."""
+    value = (
+        (file_size << PROBE_SIZE_SHIFT)
+        ^ (mtime_ms << PROBE_MTIME_SHIFT)
+        ^ (offset << PROBE_OFFSET_SHIFT)
+        ^ row_index
+    ) & _INT64_MASK
+    return value - (1 << 64) if value >> 63 else value
+
+
+def file_probe(path: Path) -> int:
+    """The file's part of its rows' probe keys (size and mtime as Spark's file listing
+    reports them: bytes, and milliseconds truncated)."""
+    stat = path.stat()
+    return probe_key(stat.st_size, stat.st_mtime_ns // 1_000_000, 0, 0)
+
+
+def _probes(
+    paths: Sequence[Path], tables: Sequence[pa.Table], dropped: pa.Array
+) -> pa.Table | None:
+    """The probe keys of the ``dropped`` batch rows, or None if a kept row shares one.
+
+    ``tables`` are the key columns of ``paths`` in order; ``dropped`` numbers rows over all
+    of them.
+    """
+    longest = max(t.num_rows for t in tables)
+    positions = pc.subtract(
+        pc.cumulative_sum(pa.repeat(pa.scalar(1, pa.int64()), longest)), 1
+    )
+    chunks = []
+    for path, table in zip(paths, tables, strict=True):
+        file_part = file_probe(path)
+        offsets = table.column("offset").combine_chunks()
+        mixed = pc.bit_wise_xor(
+            pc.shift_left(offsets, PROBE_OFFSET_SHIFT), positions.slice(0, table.num_rows)
+        )
+        chunks.append(pc.bit_wise_xor(mixed, pa.scalar(file_part, pa.int64())))
+    every_row = pa.chunked_array(chunks, pa.int64())
+    probes = every_row.take(dropped)
+    # Each dropped row matches its own probe; any other match is a row to keep.
+    matching = pc.sum(pc.is_in(every_row, value_set=probes.combine_chunks())).as_py() or 0
+    if matching != len(dropped):
+        return None
+    return pa.table({DROP_PROBE: probes})
+
+
+def _rows_in_runs(keys: pa.Table, pairs_count: int) -> pa.Array:
+    """Numbers (int64) of the rows of ``keys`` whose (pair, offset) occurs more than once."""
     low, high = pc.min_max(keys.column("offset")).values()
     shift = 63 - pairs_count.bit_length()
-    if low.as_py() >= 0 and high.as_py() < (1 << shift):
-        # Both fit in one int64 (offsets are counters from 0): one array to sort and
-        # compare instead of two, about twice as fast.
-        packed = pc.add(pc.shift_left(keys.column("pair"), shift), keys.column("offset"))
-        packed = packed.combine_chunks()
-        order = pc.sort_indices(packed)
-        ordered = packed.take(order)
-        return order, pc.equal(ordered[1:], ordered[:-1])
-    order = pc.sort_indices(keys, sort_keys=[("pair", "ascending"), ("offset", "ascending")])
-    pairs = keys.column("pair").take(order)
-    offsets = keys.column("offset").take(order)
-    same = pc.and_(pc.equal(pairs[1:], pairs[:-1]), pc.equal(offsets[1:], offsets[:-1]))
-    return order, same.combine_chunks()
+    if not (low.as_py() >= 0 and high.as_py() < (1 << shift)):
+        order = pc.sort_indices(keys, sort_keys=[("pair", "ascending"), ("offset", "ascending")])
+        pairs = keys.column("pair").take(order)
+        offsets = keys.column("offset").take(order)
+        same = pc.and_(pc.equal(pairs[1:], pairs[:-1]), pc.equal(offsets[1:], offsets[:-1]))
+        return _in_runs(order, same.combine_chunks())
+    # Both fit in one int64 (offsets are counters from 0): one array to sort and compare
+    # instead of two, about twice as fast. Equal keys have equal remainders, so the rows
+    # are split by remainder and the parts sorted in parallel (Arrow sorts outside the GIL).
+    packed = pc.add(pc.shift_left(keys.column("pair"), shift), keys.column("offset"))
+    packed = packed.combine_chunks()
+    if len(packed) < _PARALLEL_SORT_ROWS:
+        return _sorted_runs(packed)
+    remainder = pc.remainder(packed, _SORTERS)
+    parts = [pc.indices_nonzero(pc.equal(remainder, n)) for n in range(_SORTERS)]
+    with ThreadPoolExecutor(max_workers=_SORTERS) as pool:
+        found = list(pool.map(lambda rows: rows.take(_sorted_runs(packed.take(rows))), parts))
+    return pa.concat_arrays([f.cast(pa.int64()) for f in found])
+
+
+def _sorted_runs(values: pa.Array) -> pa.Array:
+    """Positions in ``values`` (int64) of the values that occur more than once."""
+    order = pc.sort_indices(values)
+    ordered = values.take(order)
+    return _in_runs(order, pc.equal(ordered[1:], ordered[:-1]))
+
+
+def _in_runs(order: pa.Array, same_as_previous: pa.Array) -> pa.Array:
+    """The entries of ``order`` in a run of equal keys (``same_as_previous`` per sorted row)."""
+    if not pc.any(same_as_previous).as_py():
+        return pa.array([], pa.int64())
+    in_run = pc.or_(
+        pa.concat_arrays([pa.array([False]), same_as_previous]),
+        pa.concat_arrays([same_as_previous, pa.array([False])]),
+    )
+    return order.filter(in_run).cast(pa.int64())
 
 
 class _Codes:

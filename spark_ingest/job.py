@@ -38,20 +38,12 @@ from urllib.parse import unquote
 import pyarrow as pa
 import pyarrow.parquet as pq
 from pyspark.errors import StreamingQueryException
-from pyspark.sql import Column, DataFrame, SparkSession
+from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 
 from collector.landing import INCOMING_DIR, QUARANTINE_DIR, quarantine
 from spark_ingest.curated import CuratedTable, RowCountMismatch, partition_value
-from spark_ingest.key_dedup import (
-    DROP_FILE,
-    DROP_PROBE,
-    DROP_ROW,
-    PROBE_MTIME_SHIFT,
-    PROBE_OFFSET_SHIFT,
-    PROBE_SIZE_SHIFT,
-    find_duplicates,
-)
+from spark_ingest.key_dedup import DROP_FILE, DROP_ROW, find_duplicates
 from spark_ingest.landing_files import LandingFileCheck, batch_files, check_landing_file
 from spark_ingest.schema import (
     LANDING_COLUMNS,
@@ -67,6 +59,8 @@ log = logging.getLogger(__name__)
 _CORRUPT = "_filemq_corrupt_payload"
 _FILE = "_filemq_file"
 _ROW = "_filemq_row"
+_IN_FILE = "_filemq_batch_file"
+_IN_ROW = "_filemq_batch_row"
 # Spark's file source forgets files older than maxFileAge relative to the newest file it
 # has seen, and would then never ingest a landing file copied in later with an old mtime.
 # Ten years means "never"; the cost is one entry per file in the driver (see INGEST.md).
@@ -255,19 +249,17 @@ class BatchIngestor:
         checked = time.monotonic()
         deduped = written = checked
         if nonempty:
-            rows, expected = self._new_rows(nonempty, batch_id, exact_join=False)
+            rows, expected = self._new_rows(nonempty, batch_id)
             deduped = time.monotonic()
             try:
                 report.rows_written = self.table.append(
                     rows, query_id, batch_id, expected_rows=expected
                 )
             except RowCountMismatch as exc:
-                # The probe join removed other rows than the driver found (a landing file
-                # changed size under us?). Nothing was moved into the table: redo the batch
-                # with the join on (file name, row index), which does not depend on sizes.
-                log.warning("batch %d: %s; writing it again with the exact join", batch_id, exc)
-                rows, _ = self._new_rows(nonempty, batch_id, exact_join=True)
-                report.rows_written = self.table.append(rows, query_id, batch_id)
+                raise IngestError(
+                    f"{exc}: the rows dropped are not the duplicates found; nothing of the"
+                    " batch was added to the table"
+                ) from exc
             written = time.monotonic()
         report.duplicates_removed = report.rows_in - report.rows_written
         self.table.mark_committed(query_id, batch_id)
@@ -279,7 +271,7 @@ class BatchIngestor:
         )
 
     def _new_rows(
-        self, files: list[LandingFileCheck], batch_id: int, exact_join: bool
+        self, files: list[LandingFileCheck], batch_id: int
     ) -> tuple[DataFrame, int | None]:
         """The batch's rows to append (duplicates removed, ``dt`` added), and how many rows
         that must be when the driver knows it in advance (else None)."""
@@ -293,7 +285,7 @@ class BatchIngestor:
         names = [c.path.name for c in files]
         expected: int | None = None
         if keys <= self.config.driver_dedup_max_keys and len(set(names)) == len(names):
-            rows, _, expected = self._dedup_on_driver(files, table_files, batch_id, exact_join)
+            rows, _, expected = self._dedup_on_driver(files, table_files, batch_id)
         else:
             rows, _ = self._dedup_in_spark(files, partitions)
         rows = rows.withColumn(PARTITION_COLUMN, partition_value("publish_ts"))
@@ -302,18 +294,12 @@ class BatchIngestor:
         return rows, expected
 
     def _dedup_on_driver(
-        self,
-        files: list[LandingFileCheck],
-        table_files: list[Path],
-        batch_id: int,
-        exact_join: bool,
-    ) -> tuple[DataFrame, int, int | None]:
+        self, files: list[LandingFileCheck], table_files: list[Path], batch_id: int
+    ) -> tuple[DataFrame, int, int]:
         """Duplicates found with pyarrow on the driver; Spark scans the batch once, to write.
 
-        Rows are dropped by probe key (see :mod:`spark_ingest.key_dedup`) when the probes
-        are unambiguous and ``exact_join`` is false, else by ``(file name, row index)``.
-        Returns the rows, the number of duplicated keys, and, for the probe join, how many
-        rows the result must hold (else None).
+        Returns the rows, the number of duplicated keys, and how many rows the result must
+        hold.
         """
         # pyarrow and the Spark driver (planning the read, in the JVM) both work outside
         # the GIL: find the duplicates while Spark plans.
@@ -324,24 +310,29 @@ class BatchIngestor:
             )
             names = _names_in_spark(batch, files)
             found = finding.result()
+        expected = sum(c.rows for c in files) - found.rows.num_rows
         if found.rows.num_rows == 0:
-            return batch, 0, None
-        if found.probes is not None and not exact_join:
-            located = batch.select(*LANDING_COLUMNS, probe_column().alias(DROP_PROBE))
-            drop = self._drop_frame(found.probes, batch_id, f"{DROP_PROBE} long")
-            rows = located.join(drop, DROP_PROBE, "left_anti").drop(DROP_PROBE)
-            return rows, found.keys, sum(c.rows for c in files) - found.rows.num_rows
+            return batch, 0, expected
         located = batch.select(
             *LANDING_COLUMNS,
-            F.col("_metadata.file_name").alias(DROP_FILE),
-            F.col("_metadata.row_index").alias(DROP_ROW),
+            F.col("_metadata.file_name").alias(_IN_FILE),
+            F.col("_metadata.row_index").alias(_IN_ROW),
         )
-        drops = _rename_files(found.rows, files, names)
-        drop = self._drop_frame(drops, batch_id, _DROP_SCHEMA)
-        rows = located.join(drop, [DROP_FILE, DROP_ROW], "left_anti").drop(DROP_FILE, DROP_ROW)
-        return rows, found.keys, None
+        drop = self._drop_frame(_rename_files(found.rows, files, names), batch_id)
+        # The join key is the row index alone, a long: Spark probes a LongHashedRelation,
+        # a plain array indexed by row index when the drops' indexes are compact, and rows
+        # are probed in row-index order. Only for a row whose index is dropped in some file
+        # is the file name compared, as a join condition. (Written as greatest == least so
+        # that the optimizer does not turn it into a second join key: a key with a string
+        # makes Spark hash every row's file name, which cost about a third of a plain
+        # copy of the data.) Both names are never null, so this is plain equality.
+        same_file = F.greatest(located[_IN_FILE], drop[DROP_FILE]) == F.least(
+            located[_IN_FILE], drop[DROP_FILE]
+        )
+        rows = located.join(drop, (located[_IN_ROW] == drop[DROP_ROW]) & same_file, "left_anti")
+        return rows.drop(_IN_FILE, _IN_ROW), found.keys, expected
 
-    def _drop_frame(self, drops: pa.Table, batch_id: int, schema: str) -> DataFrame:
+    def _drop_frame(self, drops: pa.Table, batch_id: int) -> DataFrame:
         """``drops`` as a DataFrame to anti-join with, broadcast unless large.
 
         The rows go to Spark as a small Parquet file under the table's _tmp (on the same
@@ -351,7 +342,7 @@ class BatchIngestor:
         drop_file = self.table.tmp_dir / f"duplicates-batch={batch_id}.parquet"
         drop_file.parent.mkdir(parents=True, exist_ok=True)
         pq.write_table(drops, drop_file)
-        drop = self.spark.read.schema(schema).parquet(str(drop_file))
+        drop = self.spark.read.schema(_DROP_SCHEMA).parquet(str(drop_file))
         return F.broadcast(drop) if drops.num_rows <= _BROADCAST_DROPS else drop
 
     def _dedup_in_spark(
@@ -396,19 +387,6 @@ class BatchIngestor:
             path,
         )
         report.missing.append(str(path))
-
-
-def probe_column() -> Column:
-    """Each row's probe key in Spark: :func:`spark_ingest.key_dedup.probe_key` of the row's
-    file size, file modification time (ms), offset and row index. Shifts and XORs only:
-    they wrap like the pyarrow side and never raise under ANSI mode."""
-    mtime_ms = F.unix_millis(F.col("_metadata.file_modification_time"))
-    return (
-        F.shiftleft(F.col("_metadata.file_size"), PROBE_SIZE_SHIFT)
-        .bitwiseXOR(F.shiftleft(mtime_ms, PROBE_MTIME_SHIFT))
-        .bitwiseXOR(F.shiftleft(F.col("offset"), PROBE_OFFSET_SHIFT))
-        .bitwiseXOR(F.col("_metadata.row_index"))
-    )
 
 
 def _names_in_spark(batch: DataFrame, files: list[LandingFileCheck]) -> list[str]:

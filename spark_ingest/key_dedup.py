@@ -6,20 +6,6 @@ codes), sorted by key in Arrow, and neighbours compared. The answer is the list 
 drop as ``(file name, row index)`` pairs, which the ingest removes in the same Spark pass
 that writes the table (a broadcast anti join), so the batch's files are scanned by Spark
 once.
-
-Joining millions of rows on a file name (a string) costs Spark about a third of a plain
-copy of the data. So each dropped row also gets a *probe*: one 64-bit integer made from
-the file's size and modification time, the row's offset and its position in the file
-(:func:`probe_key`; Spark computes the same from ``_metadata.file_size``,
-``_metadata.file_modification_time``, ``offset`` and ``_metadata.row_index``).
-The probe is not unique by construction, so it is only used when this module has checked,
-over every row of the batch, that no row to keep has the probe of a row to drop; then an
-anti join on the probe removes exactly the rows to drop. Otherwise ``Duplicates.probes``
-is None and the ingest joins on ``(file name, row index)``.
-
-Memory on the driver is about 50 bytes per key read (batch rows plus the table rows of the
-partitions the batch touches); the caller chooses this path only below a key budget and
-uses the distributed dedup (:meth:`spark_ingest.curated.CuratedTable.new_rows`) above it.
 """
 
 from __future__ import annotations
@@ -43,16 +29,6 @@ DROP_FILE = "_filemq_file"
 """Column of :attr:`Duplicates.rows`: the landing file name (as ``_metadata.file_name``)."""
 DROP_ROW = "_filemq_row"
 """Column of :attr:`Duplicates.rows`: the row position in that file (``_metadata.row_index``)."""
-DROP_PROBE = "_filemq_probe"
-"""Column of :attr:`Duplicates.probes`: the probe key of a row to drop (:func:`probe_key`)."""
-
-PROBE_SIZE_SHIFT = 40
-PROBE_MTIME_SHIFT = 24
-PROBE_OFFSET_SHIFT = 20
-"""Probe key: ``(size << 40) ^ (mtime_ms << 24) ^ (offset << 20) ^ row_index``, computed in
-64-bit two's complement (bits shifted past bit 63 are lost), ``mtime_ms`` being the file's
-modification time in whole milliseconds since the epoch."""
-_INT64_MASK = (1 << 64) - 1
 
 _STRING_KEYS = [k for k in KEYS if k != "offset"]
 _READERS = max(2, min(8, os.cpu_count() or 2))
@@ -71,9 +47,6 @@ class Duplicates:
 
     rows: pa.Table
     keys: int
-    probes: pa.Table | None = None
-    """The rows to drop as probe keys (one column, :data:`DROP_PROBE`), or None when some
-    row to keep has the same probe as a row to drop (then only ``rows`` identifies them)."""
 
 
 def find_duplicates(batch_files: Sequence[Path], table_files: Sequence[Path]) -> Duplicates:
@@ -138,59 +111,8 @@ def find_duplicates(batch_files: Sequence[Path], table_files: Sequence[Path]) ->
     rows = pa.table(
         {DROP_FILE: pc.take(pa.array(names, pa.string()), file_index), DROP_ROW: position}
     )
-    probes = _probes(batch_files, tables[len(table_files):], dropped)
-    log.debug(
-        "%d duplicated keys, %d rows to drop, %s", duplicated_keys, rows.num_rows,
-        "probe keys usable" if probes is not None else "probe keys collide: join on file/row",
-    )
-    return Duplicates(rows, duplicated_keys, probes)
-
-
-def probe_key(file_size: int, mtime_ms: int, offset: int, row_index: int) -> int:
-    """The probe key of one row, as a signed 64-bit integer (the reference for tests)."""
-    value = (
-        (file_size << PROBE_SIZE_SHIFT)
-        ^ (mtime_ms << PROBE_MTIME_SHIFT)
-        ^ (offset << PROBE_OFFSET_SHIFT)
-        ^ row_index
-    ) & _INT64_MASK
-    return value - (1 << 64) if value >> 63 else value
-
-
-def file_probe(path: Path) -> int:
-    """The file's part of its rows' probe keys (size and mtime as Spark's file listing
-    reports them: bytes, and milliseconds truncated)."""
-    stat = path.stat()
-    return probe_key(stat.st_size, stat.st_mtime_ns // 1_000_000, 0, 0)
-
-
-def _probes(
-    paths: Sequence[Path], tables: Sequence[pa.Table], dropped: pa.Array
-) -> pa.Table | None:
-    """The probe keys of the ``dropped`` batch rows, or None if a kept row shares one.
-
-    ``tables`` are the key columns of ``paths`` in order; ``dropped`` numbers rows over all
-    of them.
-    """
-    longest = max(t.num_rows for t in tables)
-    positions = pc.subtract(
-        pc.cumulative_sum(pa.repeat(pa.scalar(1, pa.int64()), longest)), 1
-    )
-    chunks = []
-    for path, table in zip(paths, tables, strict=True):
-        file_part = file_probe(path)
-        offsets = table.column("offset").combine_chunks()
-        mixed = pc.bit_wise_xor(
-            pc.shift_left(offsets, PROBE_OFFSET_SHIFT), positions.slice(0, table.num_rows)
-        )
-        chunks.append(pc.bit_wise_xor(mixed, pa.scalar(file_part, pa.int64())))
-    every_row = pa.chunked_array(chunks, pa.int64())
-    probes = every_row.take(dropped)
-    # Each dropped row matches its own probe; any other match is a row to keep.
-    matching = pc.sum(pc.is_in(every_row, value_set=probes.combine_chunks())).as_py() or 0
-    if matching != len(dropped):
-        return None
-    return pa.table({DROP_PROBE: probes})
+    log.debug("%d duplicated keys, %d rows to drop", duplicated_keys, rows.num_rows)
+    return Duplicates(rows, duplicated_keys)
 
 
 def _rows_in_runs(keys: pa.Table, pairs_count: int) -> pa.Array:

@@ -492,85 +492,31 @@ def test_files_with_unusual_names_are_deduplicated(spark: Any, tmp_path: Path, b
     assert summary.duplicates_removed == 2
 
 
-def _spark_probes(spark: Any, paths: list[Path]) -> dict[tuple[str, int], int]:
-    """Every row's probe key as Spark computes it, by (file name, row index)."""
-    from pyspark.sql import functions as F
-
-    from spark_ingest.job import probe_column
-
-    frame = spark.read.schema(LANDING_SPARK_SCHEMA).parquet(*[str(p) for p in paths]).select(
-        F.col("_metadata.file_name").alias("f"), F.col("_metadata.row_index").alias("r"),
-        probe_column().alias("k"),
-    )
-    return {(row["f"], row["r"]): row["k"] for row in frame.collect()}
-
-
-def test_probe_keys_are_the_same_in_spark_and_pyarrow(spark: Any, tmp_path: Path) -> None:
-    from spark_ingest.key_dedup import DROP_PROBE, probe_key
-
-    # Offsets far past 2**44 push bits out of the 64-bit key: both sides must wrap alike.
-    def at(offsets: list[int]) -> list[dict[str, Any]]:
-        return [{**r, "offset": o} for r, o in zip(rows(range(len(offsets))), offsets, strict=True)]
-
-    big = [0, 1, 2**43 + 7, 2**50 + 3, 2**62 + 1, 5]
-    a = _landing_file(tmp_path / "a.parquet", at(big))
-    b = _landing_file(tmp_path / "b.parquet", at([5, 2**62 + 1, 9, 2**50 + 3]))
-    os.utime(b, ns=(1_900_000_000_123_456_789, 1_900_000_000_123_456_789))
-    found = find_duplicates([a, b], [])
-    assert found.probes is not None
-    spark_keys = _spark_probes(spark, [a, b])
-    # The reference implementation, row by row.
-    for path, offsets in ((a, big), (b, [5, 2**62 + 1, 9, 2**50 + 3])):
-        mtime_ms = path.stat().st_mtime_ns // 1_000_000
-        for index, offset in enumerate(offsets):
-            assert spark_keys[(path.name, index)] == probe_key(
-                path.stat().st_size, mtime_ms, offset, index
-            )
-    # The rows find_duplicates drops (a's 5 and 2**62+1 landed first) and their probes.
-    dropped = [(r[DROP_FILE], r[DROP_ROW]) for r in found.rows.to_pylist()]
-    assert sorted(dropped) == [("b.parquet", 0), ("b.parquet", 1), ("b.parquet", 3)]
-    assert found.probes.column(DROP_PROBE).to_pylist() == [spark_keys[d] for d in dropped]
-
-
-def test_colliding_probe_keys_fall_back_to_the_exact_join(
-    spark: Any, tmp_path: Path, caplog: pytest.LogCaptureFixture
+def test_rows_dropped_must_be_the_duplicates_found(
+    spark: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # A file landed twice, byte for byte with the same mtime: each row of the copy has the
-    # probe key of the row it repeats, so probes cannot tell them apart.
-    p = Pipeline(tmp_path, spark)
-    first = p.land(rows(range(0, 6)) + rows(range(0, 3), device="dev-2"))
-    copy = first.with_name(first.name.replace(".parquet", "-copy.parquet"))
-    copy.write_bytes(first.read_bytes())
-    stat = first.stat()
-    os.utime(copy, ns=(stat.st_atime_ns, stat.st_mtime_ns))
-    assert find_duplicates([first, copy], []).probes is None
-    with caplog.at_level("DEBUG", logger="spark_ingest.key_dedup"):
-        summary = p.ingest()
-    assert "probe keys collide" in caplog.text
-    assert summary.rows_written == 9 and summary.duplicates_removed == 9
-    assert p.keys() == Counter(expected_keys(rows(range(0, 6)), rows(range(0, 3), device="dev-2")))
-
-
-def test_a_probe_join_that_drops_other_rows_is_redone_exactly(
-    spark: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
-) -> None:
-    # If Spark's probe keys ever differed from the driver's (a landing file rewritten under
-    # the job, a file system reporting another mtime), the anti join would keep copies. The
-    # row count of the staged batch catches it before anything reaches the table.
-    from pyspark.sql import functions as F
-
+    # The staged batch must hold exactly rows in - duplicates found before anything is
+    # renamed into the table. Break the drop (Spark gets an empty drop list): the batch
+    # fails, the table is untouched, and a run with the drop intact adds each key once.
     import spark_ingest.job as job
 
-    monkeypatch.setattr(job, "probe_column", lambda: F.col("offset"))
+    drop_frame = job.BatchIngestor._drop_frame
+
+    def no_drops(self: Any, drops: pa.Table, batch_id: int) -> Any:
+        return drop_frame(self, drops.slice(0, 0), batch_id)
+
     p = Pipeline(tmp_path, spark)
     p.land(rows(range(0, 5)))
     p.land(rows(range(3, 9), received=NOW + timedelta(minutes=1)))
-    with caplog.at_level("WARNING", logger="spark_ingest.job"):
-        summary = p.ingest()
-    assert "writing it again with the exact join" in caplog.text
+    monkeypatch.setattr(job.BatchIngestor, "_drop_frame", no_drops)
+    with pytest.raises(IngestError, match="written with 11 rows, expected 9"):
+        p.ingest()
+    assert list(p.config.table.glob("dt=*")) == []
+    assert not (p.config.table / "_tmp").exists()
+    monkeypatch.setattr(job.BatchIngestor, "_drop_frame", drop_frame)
+    summary = p.ingest()
     assert summary.rows_written == 9 and summary.duplicates_removed == 2
     assert p.keys() == Counter(expected_keys(rows(range(0, 9))))
-    assert not (p.config.table / "_tmp").exists()
 
 
 def test_append_refuses_a_batch_with_the_wrong_row_count(spark: Any, tmp_path: Path) -> None:

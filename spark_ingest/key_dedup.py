@@ -1,8 +1,8 @@
-"""Which rows of a micro-batch repeat a key: exact, on the driver, with pyarrow.
+"""Which rows of a micro-batch repeat a key: exact, on the driver, with pyarrow and numpy.
 
 For a batch of a few million rows this is far cheaper than a Spark shuffle: only the three
 key columns are read (the string columns as Parquet dictionaries, turned into small integer
-codes), sorted by key in Arrow, and neighbours compared. The answer is the list of rows to
+codes), packed into one integer per key and sorted, and neighbours compared. The answer is the list of rows to
 drop as ``(file name, row index)`` pairs, which the ingest removes in the same Spark pass
 that writes the table (a broadcast anti join), so the batch's files are scanned by Spark
 once.
@@ -17,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
@@ -32,8 +33,6 @@ DROP_ROW = "_filemq_row"
 
 _STRING_KEYS = [k for k in KEYS if k != "offset"]
 _READERS = max(2, min(8, os.cpu_count() or 2))
-_SORTERS = max(1, min(4, os.cpu_count() or 1))
-_PARALLEL_SORT_ROWS = 500_000
 
 
 @dataclass(frozen=True)
@@ -125,25 +124,17 @@ def _rows_in_runs(keys: pa.Table, pairs_count: int) -> pa.Array:
         offsets = keys.column("offset").take(order)
         same = pc.and_(pc.equal(pairs[1:], pairs[:-1]), pc.equal(offsets[1:], offsets[:-1]))
         return _in_runs(order, same.combine_chunks())
-    # Both fit in one int64 (offsets are counters from 0): one array to sort and compare
-    # instead of two, about twice as fast. Equal keys have equal remainders, so the rows
-    # are split by remainder and the parts sorted in parallel (Arrow sorts outside the GIL).
+    # Both fit in one int64 (offsets are counters from 0). numpy sorts the values (no
+    # indices) about 20x faster than Arrow's sort_indices; equal neighbours give the few
+    # repeated keys, and a hash lookup of every row in that small set gives their rows.
     packed = pc.add(pc.shift_left(keys.column("pair"), shift), keys.column("offset"))
-    packed = packed.combine_chunks()
-    if len(packed) < _PARALLEL_SORT_ROWS:
-        return _sorted_runs(packed)
-    remainder = pc.remainder(packed, _SORTERS)
-    parts = [pc.indices_nonzero(pc.equal(remainder, n)) for n in range(_SORTERS)]
-    with ThreadPoolExecutor(max_workers=_SORTERS) as pool:
-        found = list(pool.map(lambda rows: rows.take(_sorted_runs(packed.take(rows))), parts))
-    return pa.concat_arrays([f.cast(pa.int64()) for f in found])
-
-
-def _sorted_runs(values: pa.Array) -> pa.Array:
-    """Positions in ``values`` (int64) of the values that occur more than once."""
-    order = pc.sort_indices(values)
-    ordered = values.take(order)
-    return _in_runs(order, pc.equal(ordered[1:], ordered[:-1]))
+    values = packed.combine_chunks()
+    ordered = np.sort(values.to_numpy())
+    repeated = ordered[1:][ordered[1:] == ordered[:-1]]
+    if len(repeated) == 0:
+        return pa.array([], pa.int64())
+    in_set = pc.is_in(values, value_set=pa.array(np.unique(repeated)))
+    return pc.indices_nonzero(in_set).cast(pa.int64())
 
 
 def _in_runs(order: pa.Array, same_as_previous: pa.Array) -> pa.Array:

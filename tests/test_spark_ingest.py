@@ -18,6 +18,8 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from collector.landing import LANDING_SCHEMA, LandingWriter
 from segments.fileio import OsFileIO
@@ -442,6 +444,81 @@ def test_find_duplicates_with_offsets_too_large_to_pack(tmp_path: Path) -> None:
         ("b.parquet", 0), ("b.parquet", 1),
     ]
     assert found.keys == 2
+
+
+def _key(offsets: st.SearchStrategy[int]) -> st.SearchStrategy[tuple[str, str, int]]:
+    return st.tuples(
+        st.sampled_from(["dev-1", "dev-2", "d3"]), st.sampled_from(["telemetry", "events"]), offsets
+    )
+
+
+# Offsets that pack into one integer per key, and offsets that do not (huge or negative).
+_PACKED_KEY = _key(st.integers(0, 12))
+_WIDE_KEY = _key(st.one_of(st.integers(0, 3), st.sampled_from([2**40, 2**62 + 3, -7])))
+_REFERENCE_SETTINGS = settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+
+
+@_REFERENCE_SETTINGS
+@given(
+    table_keys=st.lists(_PACKED_KEY, max_size=10, unique=True),
+    split=st.integers(0, 10),
+    batch=st.lists(st.lists(_PACKED_KEY, max_size=8), min_size=1, max_size=4),
+)
+def test_find_duplicates_matches_a_reference(
+    tmp_path_factory: pytest.TempPathFactory,
+    table_keys: list[tuple[str, str, int]],
+    split: int,
+    batch: list[list[tuple[str, str, int]]],
+) -> None:
+    _check_against_reference(tmp_path_factory.mktemp("keys"), table_keys, split, batch)
+
+
+@_REFERENCE_SETTINGS
+@given(
+    table_keys=st.lists(_WIDE_KEY, max_size=10, unique=True),
+    split=st.integers(0, 10),
+    batch=st.lists(st.lists(_WIDE_KEY, max_size=8), min_size=1, max_size=4),
+)
+def test_find_duplicates_matches_a_reference_with_wide_offsets(
+    tmp_path_factory: pytest.TempPathFactory,
+    table_keys: list[tuple[str, str, int]],
+    split: int,
+    batch: list[list[tuple[str, str, int]]],
+) -> None:
+    _check_against_reference(tmp_path_factory.mktemp("keys"), table_keys, split, batch)
+
+
+def _check_against_reference(
+    root: Path,
+    table_keys: list[tuple[str, str, int]],
+    split: int,
+    batch: list[list[tuple[str, str, int]]],
+) -> None:
+    # Reference: walk the table rows, then the batch files in order, each in row order; a
+    # batch row whose key was seen before is dropped.
+    def write(name: str, keys: list[tuple[str, str, int]]) -> Path:
+        return _landing_file(root / name, [
+            {**rows([0], device=d, stream=s)[0], "offset": o} for d, s, o in keys
+        ])
+
+    # The table holds each key once, in up to two files.
+    table = [keys for keys in (table_keys[:split], table_keys[split:]) if keys]
+    table_files = [write(f"t{i}.parquet", keys) for i, keys in enumerate(table)]
+    batch_files = [write(f"b{i}.parquet", keys) for i, keys in enumerate(batch)]
+    seen = set(table_keys)
+    expected = []
+    for path, keys in zip(batch_files, batch, strict=True):
+        for index, key in enumerate(keys):
+            if key in seen:
+                expected.append((path.name, index))
+            seen.add(key)
+    in_batch = Counter(k for keys in batch for k in keys)
+    duplicated = {k for k, n in in_batch.items() if n > 1 or k in set(table_keys)}
+    found = find_duplicates(batch_files, table_files)
+    assert sorted((r[DROP_FILE], r[DROP_ROW]) for r in found.rows.to_pylist()) == sorted(expected)
+    assert found.keys == len(duplicated)
 
 
 def test_find_duplicates_refuses_two_files_with_one_name(tmp_path: Path) -> None:

@@ -29,7 +29,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -43,8 +43,13 @@ from pyspark.sql import functions as F
 
 from collector.landing import INCOMING_DIR, QUARANTINE_DIR, quarantine
 from spark_ingest.curated import CuratedTable, RowCountMismatch, partition_value
-from spark_ingest.key_dedup import DROP_FILE, DROP_ROW, find_duplicates
-from spark_ingest.landing_files import LandingFileCheck, batch_files, check_landing_file
+from spark_ingest.key_dedup import DROP_FILE, DROP_ROW, Duplicates, find_duplicates
+from spark_ingest.landing_files import (
+    LandingFileCheck,
+    batch_files,
+    check_landing_file,
+    seen_files,
+)
 from spark_ingest.schema import (
     LANDING_COLUMNS,
     LANDING_SPARK_SCHEMA,
@@ -201,6 +206,56 @@ class BatchIngestor:
         self.on_batch = on_batch
         self.failure: tuple[int, Exception] | None = None
         self._query_id: str | None = None
+        self._ahead: Future[_FoundAhead | None] | None = None
+
+    def find_ahead(self) -> None:
+        """Start finding the duplicates of the first batch now, while Spark starts the query.
+
+        That batch is predicted as every landing file the checkpoint has not seen (when they
+        fit in one batch, are all valid and the driver dedups them); it uses the result only
+        if its files, their sizes and mtimes, and the table files checked against are
+        exactly the predicted ones. Otherwise the batch does the work itself, as always.
+        """
+        pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="filemq-dedup-ahead")
+        self._ahead = pool.submit(self._find_ahead)
+        pool.shutdown(wait=False)
+
+    def _find_ahead(self) -> _FoundAhead | None:
+        try:
+            incoming = (self.config.landing / INCOMING_DIR).absolute()
+            seen = seen_files(self.config.checkpoint)
+            paths = sorted(
+                (p for p in _visible_files(incoming) if p not in seen), key=lambda p: p.name
+            )
+            if not paths or len(paths) > self.config.max_files_per_batch:
+                return None
+            stats = {p: _stat_key(p) for p in paths}
+            files = [check_landing_file(p) for p in paths]
+            if not all(c.ok and c.rows for c in files):
+                return None
+            partitions, table_files, on_driver = self._plan(files)
+            if not on_driver:
+                return None
+            return _FoundAhead(stats, tuple(table_files), find_duplicates(paths, table_files))
+        except Exception as exc:  # noqa: BLE001 - only a head start: the batch redoes it
+            log.debug("finding duplicates ahead of the first batch failed: %s", exc)
+            return None
+
+    def _found_ahead(
+        self, files: list[LandingFileCheck], table_files: list[Path]
+    ) -> Duplicates | None:
+        """The duplicates found ahead for exactly these files and table files, or None."""
+        ahead, self._ahead = self._ahead, None
+        result = ahead.result() if ahead is not None else None
+        if result is None or result.table_files != tuple(table_files):
+            return None
+        paths = [c.path for c in files]
+        if sorted(result.stats) != sorted(paths):
+            return None
+        if any(_stat_key(p) != result.stats[p] for p in paths):
+            return None
+        log.debug("using the duplicates found ahead of the batch")
+        return result.found
 
     def __call__(self, _stream_batch: DataFrame, batch_id: int) -> None:
         # The streaming DataFrame is not used: it cannot skip a corrupt file. The batch's
@@ -275,6 +330,20 @@ class BatchIngestor:
     ) -> tuple[DataFrame, int | None]:
         """The batch's rows to append (duplicates removed, ``dt`` added), and how many rows
         that must be when the driver knows it in advance (else None)."""
+        partitions, table_files, on_driver = self._plan(files)
+        expected: int | None = None
+        if on_driver:
+            rows, _, expected = self._dedup_on_driver(files, table_files, batch_id)
+        else:
+            rows, _ = self._dedup_in_spark(files, partitions)
+        rows = rows.withColumn(PARTITION_COLUMN, partition_value("publish_ts"))
+        if self.payload is not None:
+            rows = self._parse_payload(rows, self.payload)
+        return rows, expected
+
+    def _plan(self, files: list[LandingFileCheck]) -> tuple[list[Path], list[Path], bool]:
+        """For non-empty ``files``: the table partitions that may hold their keys, the data
+        files in them, and whether the driver dedups them (within the key budget)."""
         first = min(c.first_day for c in files if c.first_day)
         last = max(c.last_day for c in files if c.last_day)
         partitions = self.table.partitions_between(first, last)
@@ -283,15 +352,8 @@ class BatchIngestor:
         if keys <= self.config.driver_dedup_max_keys:
             keys += sum(pq.read_metadata(f).num_rows for f in table_files)
         names = [c.path.name for c in files]
-        expected: int | None = None
-        if keys <= self.config.driver_dedup_max_keys and len(set(names)) == len(names):
-            rows, _, expected = self._dedup_on_driver(files, table_files, batch_id)
-        else:
-            rows, _ = self._dedup_in_spark(files, partitions)
-        rows = rows.withColumn(PARTITION_COLUMN, partition_value("publish_ts"))
-        if self.payload is not None:
-            rows = self._parse_payload(rows, self.payload)
-        return rows, expected
+        on_driver = keys <= self.config.driver_dedup_max_keys and len(set(names)) == len(names)
+        return partitions, table_files, on_driver
 
     def _dedup_on_driver(
         self, files: list[LandingFileCheck], table_files: list[Path], batch_id: int
@@ -301,15 +363,23 @@ class BatchIngestor:
         Returns the rows, the number of duplicated keys, and how many rows the result must
         hold.
         """
+        found = self._found_ahead(files, table_files)
         # pyarrow and the Spark driver (planning the read, in the JVM) both work outside
         # the GIL: find the duplicates while Spark plans.
         with ThreadPoolExecutor(max_workers=1) as pool:
-            finding = pool.submit(find_duplicates, [c.path for c in files], table_files)
+            finding = (
+                pool.submit(find_duplicates, [c.path for c in files], table_files)
+                if found is None
+                else None
+            )
             batch = self.spark.read.schema(LANDING_SPARK_SCHEMA).parquet(
                 *[str(c.path) for c in files]
             )
             names = _names_in_spark(batch, files)
-            found = finding.result()
+            if finding is not None:
+                found = finding.result()
+        if found is None:  # unreachable: keeps mypy and readers sure
+            raise IngestError("no duplicate list for the batch")
         expected = sum(c.rows for c in files) - found.rows.num_rows
         if found.rows.num_rows == 0:
             return batch, 0, expected
@@ -387,6 +457,30 @@ class BatchIngestor:
             path,
         )
         report.missing.append(str(path))
+
+
+@dataclass(frozen=True)
+class _FoundAhead:
+    """:func:`find_duplicates` run before the first batch, on the files predicted for it."""
+
+    stats: dict[Path, tuple[int, int]]
+    table_files: tuple[Path, ...]
+    found: Duplicates
+
+
+def _stat_key(path: Path) -> tuple[int, int]:
+    stat = path.stat()
+    return stat.st_size, stat.st_mtime_ns
+
+
+def _visible_files(root: Path) -> list[Path]:
+    """Files under ``root`` as Spark's file source lists them: none below a name that
+    starts with ``_`` or ``.``."""
+    return [
+        p for p in root.rglob("*")
+        if p.is_file()
+        and not any(part.startswith(("_", ".")) for part in p.relative_to(root).parts)
+    ]
 
 
 def _names_in_spark(batch: DataFrame, files: list[LandingFileCheck]) -> list[str]:
@@ -471,6 +565,7 @@ def run_ingest(
             if once
             else writer.trigger(processingTime=f"{every} seconds")
         )
+        ingestor.find_ahead()
         query = writer.start()
         try:
             while query.isActive:

@@ -54,10 +54,29 @@ def batch_files(checkpoint: Path, batch_id: int, source: int = 0) -> list[Path]:
     log_file = plain if plain.exists() else compact
     if not log_file.exists():
         raise CheckpointError(f"no file list for batch {batch_id} in {log_dir}")
+    paths = [path for entry_batch, path in _log_entries(log_file) if entry_batch == batch_id]
+    return sorted(paths, key=lambda p: p.name)
+
+
+def seen_files(checkpoint: Path, source: int = 0) -> set[Path]:
+    """Every landing file the checkpoint's file-source log lists (all batches so far)."""
+    log_dir = checkpoint / "sources" / str(source)
+    if not log_dir.is_dir():
+        return set()
+    seen: set[Path] = set()
+    for log_file in log_dir.iterdir():
+        if log_file.name.removesuffix(".compact").isdigit():
+            seen.update(path for _, path in _log_entries(log_file))
+    return seen
+
+
+def _log_entries(log_file: Path) -> list[tuple[int | None, Path]]:
+    """(batch id, path) of each entry of one file-source log file. A compact file lists
+    the entries of every earlier batch too, each with its batch id."""
     lines = log_file.read_text(encoding="utf-8").splitlines()
     if not lines or not lines[0].startswith("v"):
         raise CheckpointError(f"{log_file}: not a file-source log (no version line)")
-    paths: list[Path] = []
+    entries: list[tuple[int | None, Path]] = []
     for number, line in enumerate(lines[1:], start=2):
         if not line.strip():
             continue
@@ -65,10 +84,8 @@ def batch_files(checkpoint: Path, batch_id: int, source: int = 0) -> list[Path]:
             entry = json.loads(line)
         except json.JSONDecodeError as exc:
             raise CheckpointError(f"{log_file}:{number}: bad entry: {exc}") from exc
-        if entry.get("batchId") != batch_id:
-            continue  # a compact file lists every earlier batch too
-        paths.append(_local_path(entry["path"], log_file))
-    return sorted(paths, key=lambda p: p.name)
+        entries.append((entry.get("batchId"), _local_path(entry["path"], log_file)))
+    return entries
 
 
 def _local_path(uri: str, log_file: Path) -> Path:

@@ -607,3 +607,38 @@ def test_append_refuses_a_batch_with_the_wrong_row_count(spark: Any, tmp_path: P
     assert not (tmp_path / "table" / "_tmp").exists()
     assert list((tmp_path / "table").glob("dt=*")) == []
     assert table.append(frame, "query-1", 0, expected_rows=4) == 4
+
+
+def test_duplicates_found_ahead_are_used_only_for_the_files_seen(
+    spark: Any, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from spark_ingest.job import BatchIngestor
+
+    p = Pipeline(tmp_path, spark)
+    first = [p.land(rows(range(0, 5))), p.land(rows(range(3, 8), received=NOW))]
+    checks = [check_landing_file(f) for f in first]
+    ahead = BatchIngestor(spark, p.config, lambda report: None)
+    ahead.find_ahead()
+    found = ahead._found_ahead(checks, [])
+    assert found is not None
+    assert found.rows.to_pylist() == find_duplicates(first, []).rows.to_pylist()
+    assert ahead._found_ahead(checks, []) is None  # used once
+    # A file rewritten after the prediction (another mtime): not used.
+    ahead.find_ahead()
+    assert ahead._ahead is not None and ahead._ahead.result() is not None
+    stat = first[1].stat()
+    os.utime(first[1], ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000))
+    assert ahead._found_ahead(checks, []) is None
+    # A real run uses it; afterwards only the files the checkpoint has not seen are predicted.
+    with caplog.at_level("DEBUG", logger="spark_ingest.job"):
+        assert p.ingest().rows_written == 8
+    assert "using the duplicates found ahead of the batch" in caplog.text
+    late = p.land(rows(range(6, 10), received=NOW + timedelta(minutes=5)))
+    ahead.find_ahead()
+    assert ahead._ahead is not None
+    predicted = ahead._ahead.result()
+    assert predicted is not None and list(predicted.stats) == [late.absolute()]
+    assert predicted.table_files  # checked against the table partition it touches
+    summary = p.ingest()
+    assert summary.rows_written == 2 and summary.duplicates_removed == 2
+    assert p.keys() == Counter(expected_keys(rows(range(0, 10))))

@@ -460,33 +460,17 @@ _REFERENCE_SETTINGS = settings(
 )
 
 
+@pytest.mark.parametrize("key", [_PACKED_KEY, _WIDE_KEY], ids=["packed", "wide-offsets"])
 @_REFERENCE_SETTINGS
-@given(
-    table_keys=st.lists(_PACKED_KEY, max_size=10, unique=True),
-    split=st.integers(0, 10),
-    batch=st.lists(st.lists(_PACKED_KEY, max_size=8), min_size=1, max_size=4),
-)
+@given(data=st.data())
 def test_find_duplicates_matches_a_reference(
     tmp_path_factory: pytest.TempPathFactory,
-    table_keys: list[tuple[str, str, int]],
-    split: int,
-    batch: list[list[tuple[str, str, int]]],
+    key: st.SearchStrategy[tuple[str, str, int]],
+    data: st.DataObject,
 ) -> None:
-    _check_against_reference(tmp_path_factory.mktemp("keys"), table_keys, split, batch)
-
-
-@_REFERENCE_SETTINGS
-@given(
-    table_keys=st.lists(_WIDE_KEY, max_size=10, unique=True),
-    split=st.integers(0, 10),
-    batch=st.lists(st.lists(_WIDE_KEY, max_size=8), min_size=1, max_size=4),
-)
-def test_find_duplicates_matches_a_reference_with_wide_offsets(
-    tmp_path_factory: pytest.TempPathFactory,
-    table_keys: list[tuple[str, str, int]],
-    split: int,
-    batch: list[list[tuple[str, str, int]]],
-) -> None:
+    table_keys = data.draw(st.lists(key, max_size=10, unique=True), label="table keys")
+    split = data.draw(st.integers(0, 10), label="split")
+    batch = data.draw(st.lists(st.lists(key, max_size=8), min_size=1, max_size=4), label="batch")
     _check_against_reference(tmp_path_factory.mktemp("keys"), table_keys, split, batch)
 
 

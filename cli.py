@@ -583,7 +583,7 @@ def ingest(config_file: str | None, once: bool, as_json: bool, **flags: object) 
 @click.option("--work-dir", type=click.Path(file_okay=False), default=None,
               help="Where to put landing, table and copy (a temporary directory if omitted).")
 @click.option("--master", default="local[2]", show_default=True)
-@click.option("--rounds", type=click.IntRange(min=1), default=3, show_default=True,
+@click.option("--rounds", type=click.IntRange(min=1), default=5, show_default=True,
               help="Timed rounds of each side (after one untimed warm-up run of each).")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per line on stdout.")
 def bench_ingest(rows: int, files: int, dup_frac: float, work_dir: str | None, master: str,

@@ -135,6 +135,8 @@ class IngestBenchResult:
     passed: bool
     copy_runs: list[float] = field(default_factory=list)
     ingest_runs: list[float] = field(default_factory=list)
+    round_ratios: list[float] = field(default_factory=list)
+    """ingest / copy of each round (the two runs of a round are back to back)."""
 
     def as_dict(self) -> dict[str, Any]:
         return {"bench": "ingest", **asdict(self)}
@@ -149,7 +151,7 @@ def run_ingest_bench(
     files: int = 50,
     dup_frac: float = 0.01,
     master: str = "local[2]",
-    rounds: int = 3,
+    rounds: int = 5,
 ) -> IngestBenchResult:
     """Generate the landing files, time the plain copy and our ingest, compare.
 
@@ -236,6 +238,7 @@ def run_ingest_bench(
         passed=correct and ratio <= ACCEPTANCE_RATIO,
         copy_runs=[round(r.seconds, 3) for r in copies],
         ingest_runs=[round(r.seconds, 3) for r in ingests],
+        round_ratios=[round(i.seconds / c.seconds, 3) for c, i in zip(copies, ingests, strict=True)],
     )
 
 

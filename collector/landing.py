@@ -248,6 +248,17 @@ _LANDED_NAME = re.compile(
 )
 
 
+def visible_files(root: Path, pattern: str = "*") -> list[Path]:
+    """Files matching ``pattern`` under ``root`` that a reader of landing files sees, as
+    Spark's file source lists them: none with a name below ``root`` starting with ``_`` or
+    ``.`` (``_staging``, ``.crc`` files, ...)."""
+    return [
+        p for p in root.rglob(pattern)
+        if p.is_file()
+        and not any(part.startswith(("_", ".")) for part in p.relative_to(root).parts)
+    ]
+
+
 def staging_owner(name: str) -> str | None:
     """The collector id in a landing file name written by :class:`LandingWriter`, or None."""
     match = _LANDED_NAME.fullmatch(name)

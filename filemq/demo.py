@@ -822,11 +822,13 @@ class _Demo:
         except ImportError:
             raise DemoError("verify", "pyarrow is not installed: pip install 'filemq[collector]'") from None
 
+        from collector.landing import visible_files
+
         landing = self.dir / "landing" / "incoming"
         if landing.exists():
             landed = ds.dataset(str(landing), format="parquet", partitioning="hive").to_table(
                 columns=["device_id", "stream", "offset", "payload"])
-            self.result.landing_files = sum(1 for p in landing.rglob("*.parquet") if not _hidden(p, landing))
+            self.result.landing_files = len(visible_files(landing, "*.parquet"))
         else:
             landed = None
             self.result.landing_files = 0
@@ -910,10 +912,6 @@ def _tail(path: Path, lines: int) -> list[str]:
     except OSError:
         return []
     return [line.rstrip() for line in text.splitlines()[-lines:]]
-
-
-def _hidden(path: Path, root: Path) -> bool:
-    return any(part.startswith(("_", ".")) for part in path.relative_to(root).parts)
 
 
 def _opt(value: int | None) -> str:

@@ -16,6 +16,7 @@ from collector.landing import (
     LandingError,
     LandingWriter,
     quarantine,
+    visible_files,
 )
 from segments.fileio import OS_FILE_IO, FileHandle
 
@@ -251,3 +252,16 @@ def test_quarantine_outside_incoming_needs_landing_dir(tmp_path: Path) -> None:
         quarantine(stray, "junk")
     moved = quarantine(stray, "junk", landing_dir=tmp_path / "landing")
     assert moved == tmp_path / "landing" / "quarantine" / "stray.parquet"
+
+
+def test_visible_files_skips_what_spark_treats_as_hidden(tmp_path: Path) -> None:
+    writer = LandingWriter(tmp_path, "c1")
+    landed = writer.write(rows(2))
+    incoming = tmp_path / "incoming"
+    (landed.parent / f".{landed.name}.crc").write_bytes(b"x")
+    (landed.parent / "_SUCCESS").write_bytes(b"")
+    (incoming / "_tmp").mkdir()
+    (incoming / "_tmp" / "part.parquet").write_bytes(b"x")
+    (landed.parent / "notes.txt").write_text("x")
+    assert visible_files(incoming, "*.parquet") == [landed]
+    assert sorted(visible_files(incoming)) == sorted([landed, landed.parent / "notes.txt"])

@@ -41,7 +41,7 @@ from pyspark.errors import StreamingQueryException
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 
-from collector.landing import INCOMING_DIR, QUARANTINE_DIR, quarantine
+from collector.landing import INCOMING_DIR, QUARANTINE_DIR, quarantine, visible_files
 from spark_ingest.curated import CuratedTable, RowCountMismatch, partition_value
 from spark_ingest.key_dedup import DROP_FILE, DROP_ROW, Duplicates, find_duplicates
 from spark_ingest.landing_files import (
@@ -62,10 +62,10 @@ from spark_ingest.schema import (
 log = logging.getLogger(__name__)
 
 _CORRUPT = "_filemq_corrupt_payload"
-_FILE = "_filemq_file"
-_ROW = "_filemq_row"
-_IN_FILE = "_filemq_batch_file"
-_IN_ROW = "_filemq_batch_row"
+# Where each batch row comes from (its file, its position), in both dedup paths; named
+# apart from the drop list's columns, which the anti join matches them against.
+_FILE = "_filemq_batch_file"
+_ROW = "_filemq_batch_row"
 # Spark's file source forgets files older than maxFileAge relative to the newest file it
 # has seen, and would then never ingest a landing file copied in later with an old mtime.
 # Ten years means "never"; the cost is one entry per file in the driver (see INGEST.md).
@@ -225,7 +225,7 @@ class BatchIngestor:
             incoming = (self.config.landing / INCOMING_DIR).absolute()
             seen = seen_files(self.config.checkpoint)
             paths = sorted(
-                (p for p in _visible_files(incoming) if p not in seen), key=lambda p: p.name
+                (p for p in visible_files(incoming) if p not in seen), key=lambda p: p.name
             )
             if not paths or len(paths) > self.config.max_files_per_batch:
                 return None
@@ -385,8 +385,8 @@ class BatchIngestor:
             return batch, 0, expected
         located = batch.select(
             *LANDING_COLUMNS,
-            F.col("_metadata.file_name").alias(_IN_FILE),
-            F.col("_metadata.row_index").alias(_IN_ROW),
+            F.col("_metadata.file_name").alias(_FILE),
+            F.col("_metadata.row_index").alias(_ROW),
         )
         drop = self._drop_frame(_rename_files(found.rows, files, names), batch_id)
         # The join key is the row index alone, a long: Spark probes a LongHashedRelation,
@@ -396,11 +396,11 @@ class BatchIngestor:
         # that the optimizer does not turn it into a second join key: a key with a string
         # makes Spark hash every row's file name, which cost about a third of a plain
         # copy of the data.) Both names are never null, so this is plain equality.
-        same_file = F.greatest(located[_IN_FILE], drop[DROP_FILE]) == F.least(
-            located[_IN_FILE], drop[DROP_FILE]
+        same_file = F.greatest(located[_FILE], drop[DROP_FILE]) == F.least(
+            located[_FILE], drop[DROP_FILE]
         )
-        rows = located.join(drop, (located[_IN_ROW] == drop[DROP_ROW]) & same_file, "left_anti")
-        return rows.drop(_IN_FILE, _IN_ROW), found.keys, expected
+        rows = located.join(drop, (located[_ROW] == drop[DROP_ROW]) & same_file, "left_anti")
+        return rows.drop(_FILE, _ROW), found.keys, expected
 
     def _drop_frame(self, drops: pa.Table, batch_id: int) -> DataFrame:
         """``drops`` as a DataFrame to anti-join with, broadcast unless large.
@@ -471,16 +471,6 @@ class _FoundAhead:
 def _stat_key(path: Path) -> tuple[int, int]:
     stat = path.stat()
     return stat.st_size, stat.st_mtime_ns
-
-
-def _visible_files(root: Path) -> list[Path]:
-    """Files under ``root`` as Spark's file source lists them: none below a name that
-    starts with ``_`` or ``.``."""
-    return [
-        p for p in root.rglob("*")
-        if p.is_file()
-        and not any(part.startswith(("_", ".")) for part in p.relative_to(root).parts)
-    ]
 
 
 def _names_in_spark(batch: DataFrame, files: list[LandingFileCheck]) -> list[str]:

@@ -122,8 +122,15 @@ def _rows_in_runs(keys: pa.Table, pairs_count: int) -> pa.Array:
         order = pc.sort_indices(keys, sort_keys=[("pair", "ascending"), ("offset", "ascending")])
         pairs = keys.column("pair").take(order)
         offsets = keys.column("offset").take(order)
-        same = pc.and_(pc.equal(pairs[1:], pairs[:-1]), pc.equal(offsets[1:], offsets[:-1]))
-        return _in_runs(order, same.combine_chunks())
+        same = pc.and_(
+            pc.equal(pairs[1:], pairs[:-1]), pc.equal(offsets[1:], offsets[:-1])
+        ).combine_chunks()
+        # A row is in a run if it equals its predecessor or its successor.
+        in_run = pc.or_(
+            pa.concat_arrays([pa.array([False]), same]),
+            pa.concat_arrays([same, pa.array([False])]),
+        )
+        return order.filter(in_run).cast(pa.int64())
     # Both fit in one int64 (offsets are counters from 0). numpy sorts the values (no
     # indices) about 20x faster than Arrow's sort_indices; equal neighbours give the few
     # repeated keys, and a hash lookup of every row in that small set gives their rows.
@@ -135,17 +142,6 @@ def _rows_in_runs(keys: pa.Table, pairs_count: int) -> pa.Array:
         return pa.array([], pa.int64())
     in_set = pc.is_in(values, value_set=pa.array(np.unique(repeated)))
     return pc.indices_nonzero(in_set).cast(pa.int64())
-
-
-def _in_runs(order: pa.Array, same_as_previous: pa.Array) -> pa.Array:
-    """The entries of ``order`` in a run of equal keys (``same_as_previous`` per sorted row)."""
-    if not pc.any(same_as_previous).as_py():
-        return pa.array([], pa.int64())
-    in_run = pc.or_(
-        pa.concat_arrays([pa.array([False]), same_as_previous]),
-        pa.concat_arrays([same_as_previous, pa.array([False])]),
-    )
-    return order.filter(in_run).cast(pa.int64())
 
 
 class _Codes:

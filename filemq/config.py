@@ -236,7 +236,8 @@ class BrokerSection:
     port: int = field(default=1883, metadata=_spec(_PORT))
     password_file: str | None = field(default=None, metadata=_spec(_str))
     acl_file: str | None = field(default=None, metadata=_spec(_str))
-    # None = the default rule: anonymous clients only when bound to a loopback address.
+    # None = the default rule: anonymous clients only when no password file is set (and the
+    # validator refuses a non-loopback host without a password file unless this is true).
     allow_anonymous: bool | None = field(default=None, metadata=_spec(_bool))
     max_connections: int = field(default=1000, metadata=_spec(_POS))
     max_packet_size: int = field(default=1 * MIB, metadata=_spec(_int(64, 268_435_455, sizes=True)))
@@ -253,10 +254,12 @@ class BrokerSection:
     )
 
     def anonymous_allowed(self) -> bool:
-        """Whether clients without a username may connect (``allow_anonymous`` or the default)."""
+        """Whether clients without a username may connect: ``allow_anonymous`` when set, else
+        only without a password file (a password file means a login is required, on loopback
+        too)."""
         if self.allow_anonymous is not None:
             return self.allow_anonymous
-        return is_loopback(self.host)
+        return self.password_file is None
 
     @property
     def tls_enabled(self) -> bool:
@@ -306,7 +309,7 @@ class CollectorSection:
         """Whether devices without a username may connect (same rule as the broker)."""
         if self.allow_anonymous is not None:
             return self.allow_anonymous
-        return is_loopback(self.host)
+        return self.password_file is None
 
 
 @dataclass(frozen=True)

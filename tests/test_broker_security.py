@@ -81,3 +81,123 @@ def test_anonymous_rule_of_broker_and_collector_sections() -> None:
     assert CollectorSection().anonymous_allowed()
     assert not CollectorSection(password_file="pw").anonymous_allowed()
     assert CollectorSection(password_file="pw", allow_anonymous=True).anonymous_allowed()
+
+
+# ---- issue 10 item 5: a session belongs to the user who made it ------------------------------
+
+ALICE_MALLORY_ACL = """
+user alice
+topic readwrite alice/#
+user mallory
+topic readwrite mallory/#
+"""
+
+
+def test_other_user_cannot_take_a_persistent_session_0x05(tmp_path: Path) -> None:
+    """MQTT 3.1.1 §3.2.2.3: mallory CONNECTing with alice's client id (clean session 0 or 1)
+    is refused with 0x05; alice's queued message is neither delivered to him nor wiped."""
+    pw_file = _users(tmp_path, "alice", "mallory", "pub")
+
+    async def main() -> None:
+        h = Harness(tmp_path, password_file=str(pw_file))
+        _with_logins(h, pw_file, ALICE_MALLORY_ACL + "user pub\ntopic write #\n")
+        alice, connack = await _login(h, "alice-1", "alice", clean=False)
+        assert connack.return_code == 0
+        alice.send(Subscribe(1, [("alice/secret/#", 1)]))
+        alice.received()
+        alice.conn.close("test: alice goes offline", will=False)
+        pub, _ = await _login(h, "pub-1", "pub")
+        pub.send(Publish("alice/secret/1", b"for alice", qos=1, packet_id=1))
+        await h.commit()
+        assert pub.received() == [Puback(1)]
+        for clean in (False, True):
+            mallory, connack = await _login(h, "alice-1", "mallory", clean=clean)
+            assert connack == Connack(False, CONNACK_NOT_AUTHORIZED)
+            assert mallory.conn.closed and mallory.received() == []
+        assert h.store.load("alice-1") is not None  # clean session 1 did not wipe it
+        alice, connack = await _login(h, "alice-1", "alice", clean=False)
+        assert connack == Connack(True, 0)
+        got = alice.received()
+        assert [(p.topic, p.payload) for p in got] == [("alice/secret/1", b"for alice")]
+    run(main())
+
+
+def test_other_user_cannot_take_over_a_live_connection(tmp_path: Path) -> None:
+    """A take-over (MQTT-3.1.4-2) is only for the same user: mallory is refused with 0x05 and
+    alice's live connection stays open and keeps receiving."""
+    pw_file = _users(tmp_path, "alice", "mallory")
+
+    async def main() -> None:
+        h = Harness(tmp_path, password_file=str(pw_file))
+        _with_logins(h, pw_file, ALICE_MALLORY_ACL)
+        alice, _ = await _login(h, "shared-id", "alice")
+        alice.send(Subscribe(1, [("alice/#", 0)]))
+        alice.received()
+        mallory, connack = await _login(h, "shared-id", "mallory")
+        assert connack.return_code == CONNACK_NOT_AUTHORIZED
+        assert not alice.conn.closed
+        alice.send(Publish("alice/x", b"still mine"))
+        await h.commit()
+        assert [p.payload for p in alice.received()] == [b"still mine"]
+        again, connack = await _login(h, "shared-id", "alice")  # the same user may take over
+        assert connack.return_code == 0 and alice.conn.closed
+    run(main())
+
+
+def test_session_owner_is_stored_and_survives_a_restart(tmp_path: Path) -> None:
+    pw_file = _users(tmp_path, "alice", "mallory")
+
+    async def main() -> None:
+        h = Harness(tmp_path, password_file=str(pw_file))
+        _with_logins(h, pw_file, ALICE_MALLORY_ACL)
+        await _login(h, "alice-1", "alice", clean=False)
+        stored = h.store.load("alice-1")
+        assert stored is not None and stored.owner == "alice" and stored.owner_known
+        h2 = Harness(tmp_path, password_file=str(pw_file))  # a new core on the same files
+        _with_logins(h2, pw_file, ALICE_MALLORY_ACL)
+        _, connack = await _login(h2, "alice-1", "mallory", clean=False)
+        assert connack.return_code == CONNACK_NOT_AUTHORIZED
+    run(main())
+
+
+def test_session_file_without_owner_is_adopted_only_within_the_acl(tmp_path: Path) -> None:
+    """A session file written before owners were recorded: mallory, whose ACL does not allow
+    its subscription, is refused; alice adopts it and her ownership is written."""
+    pw_file = _users(tmp_path, "alice", "mallory")
+    (tmp_path / "sessions").mkdir()
+    (tmp_path / "sessions" / "alice-1.json").write_text(
+        '{"format":1,"client_id":"alice-1","subscriptions":{"alice/secret/#":{"qos":1,"start":0}},'
+        '"qos2_inbound":[]}\n')
+
+    async def main() -> None:
+        h = Harness(tmp_path, password_file=str(pw_file))
+        _with_logins(h, pw_file, ALICE_MALLORY_ACL)
+        _, connack = await _login(h, "alice-1", "mallory", clean=False)
+        assert connack.return_code == CONNACK_NOT_AUTHORIZED
+        _, connack = await _login(h, "alice-1", "alice", clean=False)
+        assert connack == Connack(True, 0)
+        stored = h.store.load("alice-1")
+        assert stored is not None and stored.owner == "alice" and stored.owner_known
+    run(main())
+
+
+def test_every_delivery_is_checked_against_the_receivers_read_rights(tmp_path: Path) -> None:
+    """A subscription granted under older rules delivers nothing the user may no longer read
+    (no deny rule involved: the check is not limited to ACLs with deny rules)."""
+    async def main() -> None:
+        h = Harness(tmp_path)
+        h.core.acl = Acl.parse("user alice\ntopic readwrite alice/#\n")
+        alice = h.connected("alice-1", clean=False, username="alice",
+                            subscribe=Subscribe(1, [("alice/secret/#", 0)]))
+        alice.conn.close("test: offline", will=False)
+        h.core.acl = Acl.parse("user alice\ntopic readwrite alice/public/#\nuser pub\ntopic write #\n")
+        alice = h.connected("alice-1", clean=False, username="alice")
+        pub = h.connected("pub-1", username="pub")
+        pub.send(Publish("alice/secret/1", b"no longer readable"))
+        await h.commit()
+        assert [p.payload for p in alice.received()] == []
+        alice.send(Subscribe(2, [("alice/public/#", 0)]))
+        pub.send(Publish("alice/secret/2", b"no"), Publish("alice/public/2", b"yes"))
+        await h.commit()
+        assert [p.payload for p in alice.received() if isinstance(p, Publish)] == [b"yes"]
+    run(main())

@@ -172,9 +172,10 @@ class SessionState:
     """One client id's session; a persistent one outlives its connections (and, through the
     :class:`SessionStore`, the broker process)."""
 
-    def __init__(self, client_id: str, persistent: bool) -> None:
+    def __init__(self, client_id: str, persistent: bool, owner: str | None = None) -> None:
         self.client_id = client_id
         self.persistent = persistent
+        self.owner = owner  # the username that created the session; only it may resume it
         self.subs: dict[str, Subscription] = {}
         self.group: ConsumerGroup | None = None
         self.inflight: dict[int, Outbound] = {}
@@ -239,6 +240,7 @@ class SessionState:
             self.client_id,
             {f: StoredSubscription(s.qos, s.start) for f, s in self.subs.items()},
             ids | self.qos2_uncertain,
+            owner=self.owner,
         )
 
 
@@ -423,9 +425,42 @@ class BrokerCore:
             self._refuse(conn, CONNACK_BAD_USERNAME_OR_PASSWORD, f"wrong password for user {p.username!r}")
         self.flush()
 
+    def _not_owner(self, conn: Connection, mem: SessionState | None,
+                   stored: StoredSession | None) -> str | None:
+        """Why ``conn``'s user may not take its client id (another user's session), or None."""
+        user, cid = conn.username, conn.client_id
+        old = self.connections.get(cid)
+        if old is not None and old is not conn and old.username != user:
+            return f"client id {cid!r} is connected as user {old.username!r}, not {user!r}"
+        if mem is not None:
+            owner, known, filters = mem.owner, True, list(mem.subs)
+        elif stored is not None:
+            owner, known, filters = stored.owner, stored.owner_known, list(stored.subscriptions)
+        else:
+            return None
+        if known:
+            if owner != user:
+                return f"the session of client id {cid!r} belongs to user {owner!r}, not {user!r}"
+            return None
+        # A session file from before owners were recorded: adopted by the first client whose
+        # ACL allows all its subscriptions (see sessions.py).
+        assert conn.acl is not None
+        denied = [f for f in filters if not conn.acl.can_subscribe(f)]
+        if denied:
+            return (f"the session of client id {cid!r} has no recorded owner and user {user!r} "
+                    f"may not subscribe to its filter {denied[0]!r}")
+        return None
+
     def _accept(self, conn: Connection, p: Connect) -> None:
         cid = conn.client_id
         conn.acl = self.acl.for_client(conn.username, cid)
+        mem = self.sessions.get(cid)
+        stored = self.store.load(cid) if mem is None else None
+        why = self._not_owner(conn, mem, stored)
+        if why is not None:
+            # Neither resumed nor discarded: a session belongs to the user who made it.
+            self._refuse(conn, CONNACK_NOT_AUTHORIZED, why)
+            return
         old = self.connections.get(cid)
         if old is not None and old is not conn:
             # 3.1.4-2: the existing client is disconnected; it did not send DISCONNECT, so
@@ -434,14 +469,12 @@ class BrokerCore:
         present = False
         if p.clean_session:
             self._discard_persistent(cid)
-            state = SessionState(cid, persistent=False)
+            state = SessionState(cid, persistent=False, owner=conn.username)
         else:
-            mem = self.sessions.get(cid)
             if mem is not None:
                 state, present = mem, True
             else:
-                stored = self.store.load(cid)
-                state = SessionState(cid, persistent=True)
+                state = SessionState(cid, persistent=True, owner=conn.username)
                 if stored is not None:
                     present = True
                     for f, entry in stored.subscriptions.items():
@@ -451,6 +484,10 @@ class BrokerCore:
                     state.subs_changed()
                     if state.own_filters():
                         state.group = self._group(SESSION_GROUP_PREFIX + cid, state.own_filters(), True)
+                    if not stored.owner_known:
+                        log.warning("client %r: its session file has no owner (written by an older "
+                                    "filemq); adopted by user %r", cid, conn.username)
+                        self._save_session(state)
                 else:
                     # Written now so a reconnect after a restart reports session_present = 1.
                     self._save_session(state)
@@ -639,7 +676,7 @@ class BrokerCore:
             return
         acl = conn.acl
         for m in self.retained.match(sub.plain):
-            if acl is not None and acl.has_deny and not acl.can_receive(m.topic):
+            if acl is not None and not acl.can_receive(m.topic):
                 continue
             qos = min(sub.qos, m.qos)
             if len(state.inflight) >= _MAX_RETAINED_INFLIGHT:
@@ -962,7 +999,8 @@ class BrokerCore:
         """Send ``records`` (fetched from ``group`` for ``conn``) in one write; records no
         subscription of ``conn`` takes (older than it, or denied by the ACL) are acked."""
         acl = conn.acl
-        check_acl = acl is not None and acl.has_deny
+        # Every delivery is checked against the receiving user's read rights (cached per topic).
+        check_acl = acl is not None and not acl.allow_all
         granted = state.granted_qos
         inflight = state.inflight
         ack = group.ack

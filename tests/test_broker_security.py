@@ -9,6 +9,7 @@ from pathlib import Path
 
 from filemq.acl import Acl
 from filemq.auth import PasswordFile, add_or_update
+from filemq.broker.sessions import SessionStore, StoredSession, StoredSubscription
 from filemq.config import BrokerSection, CollectorSection
 from filemq.mqtt.packets import Connack, Connect, Publish, Puback, Subscribe
 from tests.test_broker_session import Harness, run
@@ -200,4 +201,64 @@ def test_every_delivery_is_checked_against_the_receivers_read_rights(tmp_path: P
         pub.send(Publish("alice/secret/2", b"no"), Publish("alice/public/2", b"yes"))
         await h.commit()
         assert [p.payload for p in alice.received() if isinstance(p, Publish)] == [b"yes"]
+    run(main())
+
+
+# ---- issue 10 item 6: a shared subscription is its share name and its filter -----------------
+
+
+def test_share_groups_are_per_name_and_filter(tmp_path: Path) -> None:
+    """MQTT 5 §4.8.2 (a Shared Subscription is identified by ShareName *and* Topic Filter):
+    mallory's ``$share/work/mallory/#`` is not a member of alice's ``$share/work/alice/jobs/#``,
+    so he takes none of her messages (he used to drain half of them)."""
+    async def main() -> None:
+        h = Harness(tmp_path)
+        h.core.acl = Acl.parse("user alice\ntopic readwrite alice/#\nuser mallory\ntopic readwrite mallory/#\n"
+                               "user pub\ntopic write #\n")
+        alice = h.connected("alice-1", username="alice", subscribe=Subscribe(1, [("$share/work/alice/jobs/#", 1)]))
+        mallory = h.connected("m-1", username="mallory", subscribe=Subscribe(1, [("$share/work/mallory/#", 1)]))
+        pub = h.connected("pub-1", username="pub")
+        n = 20
+        pub.send(*[Publish("alice/jobs/x", b"%d" % i, 1, packet_id=i + 1) for i in range(n)])
+        await h.commit()
+        got: list[Publish] = []
+        for _ in range(n):  # bounded: one PUBACK round per in-flight window
+            batch = [p for p in alice.received() if isinstance(p, Publish)]
+            if not batch:
+                break
+            got += batch
+            alice.send(*[Puback(p.packet_id) for p in batch])  # type: ignore[arg-type]
+        assert sorted(p.payload for p in got) == sorted(b"%d" % i for i in range(n))
+        assert mallory.received() == []
+        names = {g for g in h.queue._groups if g.startswith("mqtt-share:")}
+        assert names == {"mqtt-share:work/alice/jobs/#", "mqtt-share:work/mallory/#"}
+    run(main())
+
+
+def test_old_share_group_is_split_per_filter_without_loss(tmp_path: Path) -> None:
+    """A data dir from before: ``mqtt-share:pool`` (filters of all members) becomes one group per
+    filter, each starting at the old group's Pending offset, and the old group is dropped."""
+    from filemq.broker.server import log_config
+    from filemq.mqtt.client import MQTTClient
+    from filemq.queue import Queue, QueueConfig
+    from tests.test_broker_server import collect, make_config, running
+
+    async def main() -> None:
+        cfg = make_config(tmp_path)
+        async with Queue.open(tmp_path, QueueConfig(log=log_config(cfg))) as q:
+            q.group("mqtt-share:pool", ("jobs/#", "other/#"), durable=True)
+            for i in range(5):
+                await q.publish("jobs/a", b"%d" % i, qos=1)
+        # The member subscribed before those records (a persistent session from before).
+        SessionStore(tmp_path).save(StoredSession("member", {"$share/pool/jobs/#": StoredSubscription(1, 0)}))
+        async with running(cfg) as b:
+            assert b.queue is not None
+            names = sorted(g.name for g in b.queue.groups())
+            assert names == ["mqtt-share:pool/jobs/#", "mqtt-share:pool/other/#"]
+            got: list[Publish] = []
+            member = MQTTClient("member", port=b.port, clean_session=False, on_message=got.append)
+            assert (await member.connect()).session_present
+            await collect(got, 5)
+            assert [m.payload for m in got] == [b"%d" % i for i in range(5)]
+            await member.disconnect()
     run(main())

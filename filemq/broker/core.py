@@ -19,7 +19,9 @@ What a caller may rely on:
   at disconnect); a persistent session gets the durable group ``mqtt-session:<client id>`` and
   a :class:`~filemq.broker.sessions.StoredSession` (subscriptions with their start offsets,
   QoS 2 inbound ids).  ``$share/<name>/<filter>`` subscriptions share the durable group
-  ``mqtt-share:<name>``: each record goes to one live member.
+  ``mqtt-share:<name>/<filter>``: a shared subscription is its share name *and* its filter
+  (MQTT 5 §4.8.2), so members with another filter never take its records; each record goes
+  to one live member.
 * Delivered QoS = min(subscription QoS, message QoS); records older than the subscription
   that matches them (its ``start``) are skipped and acked.
 """
@@ -93,6 +95,14 @@ def _ack(first: int, packet_id: int) -> bytes:
     return bytes((first, 2, packet_id >> 8, packet_id & 0xFF))
 
 
+def parse_share_key(topic_filter: str) -> tuple[str | None, str]:
+    """``(share key, plain filter)``: the key of ``$share/<name>/<filter>`` is ``<name>/<filter>``
+    (a shared subscription is named by share name and filter, MQTT 5 §4.8.2); None otherwise.
+    Raises :class:`InvalidTopic` as :func:`~filemq.topics.parse_shared`."""
+    name, plain = parse_shared(topic_filter)
+    return (None if name is None else f"{name}/{plain}"), plain
+
+
 # ---- the publish hook (collector: dedup and CRC checks) -----------------------------------
 
 
@@ -144,7 +154,7 @@ class Subscription:
 
     filter: str  # as the client gave it, ``$share/...`` included
     plain: str  # the filter without the share prefix
-    share: str | None
+    share: str | None  # the share key ``<name>/<filter>`` of a ``$share`` subscription
     qos: int
     start: int
 
@@ -478,7 +488,7 @@ class BrokerCore:
                 if stored is not None:
                     present = True
                     for f, entry in stored.subscriptions.items():
-                        share, plain = parse_shared(f)
+                        share, plain = parse_share_key(f)
                         state.subs[f] = Subscription(f, plain, share, entry.qos, entry.start)
                     state.qos2_uncertain = set(stored.qos2_inbound)
                     state.subs_changed()
@@ -526,7 +536,7 @@ class BrokerCore:
             if f in state.subs:
                 continue
             try:
-                share, plain = parse_shared(f)
+                share, plain = parse_share_key(f)
                 validate_topic_filter(plain)
             except InvalidTopic as exc:
                 log.warning("auto-subscribe %r for client %r skipped: %s", rule.filter, conn.client_id, exc)
@@ -628,7 +638,7 @@ class BrokerCore:
         start = self.log.next_offset
         for f, qos in p.topics:
             try:
-                share, plain = parse_shared(f)
+                share, plain = parse_share_key(f)
                 validate_topic_filter(plain)
             except InvalidTopic as exc:
                 log.info("client %r: SUBSCRIBE %r refused: %s", conn.client_id, f, exc)

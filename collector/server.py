@@ -168,6 +168,10 @@ class Collector:
             await self.lander.stop()
         await self.broker.stop()
 
+    def reload(self) -> bool:
+        """SIGHUP: re-read the device password file and the ACL file (:meth:`Broker.reload`)."""
+        return self.broker.reload()
+
     async def _tail_wal(self) -> None:
         """Advance the door's marks from every batch header committed to the WAL, in order."""
         queue = self.broker.queue

@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+import pytest
+
 from filemq.acl import Acl
 from filemq.auth import PasswordFile, add_or_update
 from filemq.broker.sessions import SessionStore, StoredSession, StoredSubscription
@@ -262,3 +264,159 @@ def test_old_share_group_is_split_per_filter_without_loss(tmp_path: Path) -> Non
             assert [m.payload for m in got] == [b"%d" % i for i in range(5)]
             await member.disconnect()
     run(main())
+
+
+# ---- issue 11 item 4: SIGHUP reloads the password and ACL files -------------------------------
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+class _Process:
+    """A real ``filemq`` process run with ``-v``; its stderr is read line by line on demand."""
+
+    def __init__(self, proc: asyncio.subprocess.Process) -> None:
+        self.proc = proc
+        self.stderr: list[str] = []
+
+    @classmethod
+    async def start(cls, *args: str, ready: str) -> tuple[_Process, str]:
+        import os
+        import sys
+
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "cli", "-v", *args, cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)),
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        assert proc.stdout is not None
+        line = (await asyncio.wait_for(proc.stdout.readline(), 30)).decode()
+        assert ready in line, line
+        return cls(proc), line
+
+    async def expect(self, text: str, timeout: float = 20.0) -> str:
+        """The next stderr line containing ``text`` (bounded wait)."""
+        assert self.proc.stderr is not None
+        async with asyncio.timeout(timeout):
+            while True:
+                raw = await self.proc.stderr.readline()
+                if not raw:
+                    raise AssertionError(f"process ended before logging {text!r}: {self.stderr[-5:]}")
+                line = raw.decode(errors="replace")
+                self.stderr.append(line)
+                if text in line:
+                    return line
+
+    async def hup(self, expect: str) -> str:
+        import signal
+
+        self.proc.send_signal(signal.SIGHUP)
+        line = await self.expect(expect)
+        assert self.proc.returncode is None
+        return line
+
+    async def terminate(self) -> int:
+        import signal
+
+        if self.proc.returncode is None:
+            self.proc.send_signal(signal.SIGTERM)
+        async with asyncio.timeout(30):
+            return await self.proc.wait()
+
+    async def kill(self) -> None:
+        if self.proc.returncode is None:
+            self.proc.kill()
+            await self.proc.wait()
+
+
+def test_sighup_reloads_password_and_acl_files_in_a_running_broker(tmp_path: Path) -> None:
+    """The real ``filemq broker`` process: SIGHUP keeps it running with its connections; a login
+    added to the password file works at once; a read right removed from the ACL stops deliveries
+    to an existing subscription; a new file that fails to parse keeps the old one in force."""
+    from filemq.mqtt.client import ConnectionRefused, MQTTClient
+
+    pw_file = _users(tmp_path, "alice", "pub")
+    acl = tmp_path / "acl"
+    acl.write_text("user alice\ntopic read alice/#\nuser pub\ntopic write #\nuser carol\ntopic read #\n")
+
+    async def main() -> None:
+        broker, line = await _Process.start(
+            "broker", "--data-dir", str(tmp_path / "d"), "--port", "0", "--password-file", str(pw_file),
+            "--acl-file", str(acl), ready="filemq broker listening on")
+        try:
+            port = int(line.split("127.0.0.1:")[1].split(",")[0])
+            got: list[Publish] = []
+            alice = MQTTClient("alice-1", port=port, username="alice", password="alice-pw", on_message=got.append)
+            await alice.connect()
+            assert await alice.subscribe([("alice/#", 1)]) == [1]
+            pub = MQTTClient("pub-1", port=port, username="pub", password="pub-pw")
+            await pub.connect()
+            with pytest.raises(ConnectionRefused):
+                await MQTTClient("carol-1", port=port, username="carol", password="carol-pw").connect()
+
+            add_or_update(pw_file, "carol", "carol-pw", iterations=1000)
+            acl.write_text("user alice\ntopic read alice/public/#\nuser pub\ntopic write #\n"
+                           "user carol\ntopic read #\n")
+            await broker.hup("reload: ACL file")
+            carol = MQTTClient("carol-1", port=port, username="carol", password="carol-pw")
+            await carol.connect()  # the added login works at once
+            await pub.publish("alice/secret/1", b"no longer readable", qos=1)
+            await pub.publish("alice/public/1", b"readable", qos=1)
+            await _collect(got, 1)
+            assert [m.payload for m in got] == [b"readable"]  # in log order: secret/1 was skipped
+
+            acl.write_text("user alice\ntopic read alice/#\nfrobnicate everything\n")
+            good_pw = pw_file.read_text()
+            pw_file.write_text(good_pw + "dave:plaintext\n")
+            await broker.hup("the password file in force is kept")
+            await broker.expect("the ACL in force is kept")
+            dave = MQTTClient("dave-1", port=port, username="carol", password="carol-pw")
+            await dave.connect()  # the old password file is still in force
+            await dave.disconnect()
+            await pub.publish("alice/secret/2", b"still not", qos=1)
+            await pub.publish("alice/public/2", b"old ACL in force", qos=1)
+            await _collect(got, 2)
+            assert [m.payload for m in got] == [b"readable", b"old ACL in force"]
+            assert not alice.closed.is_set() and not pub.closed.is_set()
+            for c in (alice, pub, carol):
+                await c.disconnect()
+            assert await broker.terminate() == 0
+        finally:
+            await broker.kill()
+    asyncio.run(main())
+
+
+async def _collect(got: list[Publish], n: int, timeout: float = 10.0) -> None:
+    async with asyncio.timeout(timeout):
+        while len(got) < n:
+            await asyncio.sleep(0.01)
+
+
+@pytest.mark.parametrize("service", ["agent", "collector"])
+def test_sighup_reloads_and_does_not_end_agent_or_collector(tmp_path: Path, service: str) -> None:
+    """``filemq agent`` (its device broker) and ``filemq collector`` reload their password
+    (and ACL) files on SIGHUP and keep running; SIGTERM still ends them with 0."""
+    from filemq.mqtt.client import MQTTClient
+
+    pw_file = _users(tmp_path, "dev1")
+    acl = tmp_path / "acl"
+    acl.write_text("pattern write filemq/v1/%u/#\n")
+    if service == "agent":
+        args = ["agent", "--data-dir", str(tmp_path / "a"), "--device-id", "dev1", "--collector", "127.0.0.1:1",
+                "--port", "0", "--broker-password-file", str(pw_file)]
+        ready, expect = "broker listening on 127.0.0.1:", "reload: password file"
+    else:
+        args = ["collector", "--data-dir", str(tmp_path / "c"), "--landing", str(tmp_path / "land"), "--port", "0",
+                "--password-file", str(pw_file), "--acl-file", str(acl)]
+        ready, expect = "listening on 127.0.0.1:", "reload: ACL file"
+
+    async def main() -> None:
+        proc, line = await _Process.start(*args, ready=ready)
+        try:
+            port = int(line.split("127.0.0.1:")[1].split(",")[0].split()[0])
+            add_or_update(pw_file, "dev2", "dev2-pw", iterations=1000)
+            await proc.hup(expect)
+            dev2 = MQTTClient("dev2", port=port, username="dev2", password="dev2-pw")
+            await dev2.connect()  # the login added before SIGHUP works
+            await dev2.disconnect()
+            assert await proc.terminate() == 0
+        finally:
+            await proc.kill()
+    asyncio.run(main())

@@ -122,6 +122,10 @@ class Agent:
             await self.forwarder.stop()
         await self.broker.stop()
 
+    def reload(self) -> bool:
+        """SIGHUP: the device broker re-reads its password and ACL files (:meth:`Broker.reload`)."""
+        return self.broker.reload()
+
     async def _publish_sys(self) -> None:
         interval = self.config.broker.sys_interval_s
         while True:

@@ -364,6 +364,14 @@ class BrokerCore:
                 conn.transport.write(data)
         self.stats.sent_bytes(sent)
 
+    def set_acl(self, acl: Acl) -> None:
+        """Put a new ACL in force (reload): every connected client's rules are rebuilt at once,
+        so its existing subscriptions deliver only what it may still read."""
+        self.acl = acl
+        for conn in self.conns:
+            if conn.state == CONNECTED:
+                conn.acl = acl.for_client(conn.username, conn.client_id)
+
     def new_connection(self, conn: Connection) -> None:
         self.conns.add(conn)
 

@@ -294,6 +294,41 @@ class Broker:
                 await asyncio.wait_for(server.wait_closed(), 2.0)
         log.info("broker stopped")
 
+    def reload(self) -> bool:
+        """Re-read the password file and the ACL file (SIGHUP); no connection is dropped.
+
+        The one place a reload happens (the TLS certificate reload belongs here too). Each file
+        is parsed in full first; one that cannot be read or parsed is logged (ERROR, with the
+        line) and the one in force stays. A new password file applies to every later CONNECT
+        (its login cache starts empty; connected clients stay logged in); a new ACL applies at
+        once to every connected client, existing subscriptions included (every delivery is
+        checked against the receiver's read rights). True when every file was taken.
+        """
+        core = self.core
+        if core is None or self._stopped:
+            return False
+        b = self.config.broker
+        ok = True
+        if b.password_file:
+            try:
+                passwords = PasswordFile.load(b.password_file)
+            except (ConfigError, OSError, ValueError) as exc:
+                ok = False
+                log.error("reload: the password file in force is kept, the new one is not usable: %s", exc)
+            else:
+                core.passwords = passwords
+                log.info("reload: password file %s in force (%d users)", b.password_file, len(passwords.users))
+        if b.acl_file:
+            try:
+                acl = Acl.load(b.acl_file)
+            except (ConfigError, OSError, ValueError) as exc:
+                ok = False
+                log.error("reload: the ACL in force is kept, the new file is not usable: %s", exc)
+            else:
+                core.set_acl(acl)
+                log.info("reload: ACL file %s in force for %d connected clients", b.acl_file, len(core.connections))
+        return ok
+
     @property
     def listening(self) -> str:
         b = self.config.broker

@@ -5,6 +5,9 @@ tests/test_broker_session.py for the harness)."""
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
+import sys
 from pathlib import Path
 
 import pytest
@@ -13,7 +16,7 @@ from filemq.acl import Acl
 from filemq.auth import PasswordFile, add_or_update
 from filemq.broker.sessions import SessionStore, StoredSession, StoredSubscription
 from filemq.config import BrokerSection, CollectorSection
-from filemq.mqtt.packets import Connack, Connect, Publish, Puback, Subscribe
+from filemq.mqtt.packets import Connack, Connect, Puback, Publish, Subscribe
 from tests.test_broker_session import Harness, run
 
 CONNACK_NOT_AUTHORIZED = 0x05
@@ -280,9 +283,6 @@ class _Process:
 
     @classmethod
     async def start(cls, *args: str, ready: str) -> tuple[_Process, str]:
-        import os
-        import sys
-
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "cli", "-v", *args, cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)),
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
@@ -305,16 +305,12 @@ class _Process:
                     return line
 
     async def hup(self, expect: str) -> str:
-        import signal
-
         self.proc.send_signal(signal.SIGHUP)
         line = await self.expect(expect)
         assert self.proc.returncode is None
         return line
 
     async def terminate(self) -> int:
-        import signal
-
         if self.proc.returncode is None:
             self.proc.send_signal(signal.SIGTERM)
         async with asyncio.timeout(30):

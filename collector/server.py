@@ -5,7 +5,9 @@ write-ahead log, with the durable group commit before every PUBACK) plus:
 
 * a publish hook at the door (:meth:`Collector.check_publish`) that, for every PUBLISH:
   rejects a batch whose CRC fails (no PUBACK, the connection is closed: the agent resends);
-  quarantines a malformed one (written to ``<data_dir>/quarantine/``, acknowledged,
+  rejects the same way a valid batch whose topic is not ``filemq/v1/<device>/<stream>`` of
+  its CRC-covered header (the topic is outside the CRC: a byte flipped in it must not be
+  acknowledged); quarantines a malformed one (written to ``<data_dir>/quarantine/``, acknowledged,
   counted); acknowledges and drops a duplicate (its offsets are all held: committed to the
   WAL, as a WAL tail reader tracks, or landed); stores an overlapping one with the held
   records trimmed off (:mod:`collector.dedup`);
@@ -40,6 +42,7 @@ from filemq.batch import (
     BatchCrcError,
     BatchError,
     MalformedBatch,
+    batch_topic,
     decode_batch,
     encode_batch,
     parse_batch_topic,
@@ -74,6 +77,7 @@ class DoorStats:
     trimmed_records: int = 0
     quarantined: int = 0
     crc_rejected: int = 0
+    topic_rejected: int = 0  # a valid batch on a topic that disagrees with its header
 
 
 def broker_config(config: Config) -> Config:
@@ -212,24 +216,29 @@ class Collector:
         """The publish hook: CRC, structure, duplicate and overlap checks (see module doc)."""
         stats = self.stats
         payload = packet.payload
-        key = parse_batch_topic(packet.topic)
-        if key is None:
-            return self._quarantine(client, packet, f"topic {packet.topic!r} is not filemq/v1/<device_id>/<stream>")
+        foreign = None
+        if parse_batch_topic(packet.topic) is None:
+            foreign = f"topic {packet.topic!r} is not filemq/v1/<device_id>/<stream>"
         try:
             header = peek_header(payload)
         except BatchCrcError as exc:
+            if foreign is not None:  # not a batch on a batch topic: nothing a resend could fix
+                return self._quarantine(client, packet, foreign)
             stats.crc_rejected += 1
             log.warning("client %r: batch on %r failed its CRC (%s); not acknowledged", client.client_id,
                         packet.topic, exc)
             return HookResult.reject(str(exc))
         except MalformedBatch as exc:
-            return self._quarantine(client, packet, str(exc))
-        if (header.device_id, header.stream) != key:
-            return self._quarantine(
-                client, packet,
-                f"topic {packet.topic!r} does not match the batch header's device {header.device_id!r}"
-                f" stream {header.stream!r}",
-            )
+            return self._quarantine(client, packet, foreign or str(exc))
+        if packet.topic != batch_topic(header.device_id, header.stream):
+            # The topic is outside the CRC; the header (device, stream, offsets) is inside it
+            # and decides where the records go. A topic that disagrees was damaged on the way
+            # (or the sender is misconfigured): never acknowledge, so the agent resends.
+            stats.topic_rejected += 1
+            reason = (f"topic {packet.topic!r} does not match the batch header's device"
+                      f" {header.device_id!r} stream {header.stream!r}")
+            log.warning("client %r: %s; not acknowledged", client.client_id, reason)
+            return HookResult.reject(reason)
         held, overlaps = self._held(header.device_id, header.stream, header.first_offset, header.last_offset)
         if held:
             stats.duplicate_batches += 1

@@ -108,13 +108,11 @@ def test_door_decisions(tmp_path: Path) -> None:
 def test_door_quarantines_malformed_and_foreign(tmp_path: Path) -> None:
     collector = Collector(config(tmp_path))
     check = collector.check_publish
-    # A batch for another device on this device's topic.
-    other = batch(0, 3, device="dev-2")
-    assert check(CLIENT, Publish(TOPIC, other, 1, False, False, 1)).action == "ack_drop"
     # Not a batch at all (valid CRC impossible): garbage on a batch topic is a CRC error...
     assert check(CLIENT, Publish(TOPIC, b"hello world", 1, False, False, 2)).action == "reject"
     # ...but a batch topic with bad structure is malformed, and a foreign topic too.
     assert check(CLIENT, Publish("sensors/t", b"x", 1, False, False, 3)).action == "ack_drop"
+    assert check(CLIENT, Publish("sensors/t", b"hello world", 1, False, False, 5)).action == "ack_drop"
     assert check(CLIENT, Publish(TOPIC, b"FMQ", 1, False, False, 4)).action == "ack_drop"
     assert collector.stats.quarantined == 3
     qdir = tmp_path / "data" / "quarantine"
@@ -122,9 +120,34 @@ def test_door_quarantines_malformed_and_foreign(tmp_path: Path) -> None:
     payloads = sorted(qdir.glob("*.batch"))
     assert len(reasons) == 3 and len(payloads) == 3
     texts = [r.read_text() for r in reasons]
-    assert any("does not match the batch header" in t for t in texts)
-    assert any("not filemq/v1/" in t for t in texts)
-    assert {p.read_bytes() for p in payloads} == {other, b"x", b"FMQ"}
+    assert sum("not filemq/v1/" in t for t in texts) == 2
+    assert {p.read_bytes() for p in payloads} == {b"x", b"hello world", b"FMQ"}
+
+
+@pytest.mark.parametrize(
+    "topic",
+    [
+        "filemq/v1/dev-2/main",  # another device's id
+        "filemq/v1/Dev-1/main",  # one bit flipped in the device id
+        "filemq/v1/dev-1/maiN",  # in the stream
+        "filemq/v1/dev-1\x0fmain",  # the '/' damaged: no batch topic at all
+        "filemq/v1/dev-1/main/x",
+    ],
+)
+def test_door_rejects_unacknowledged_a_batch_whose_topic_disagrees_with_its_header(
+    tmp_path: Path, topic: str
+) -> None:
+    """Issue 10 item 2: the topic is not covered by the batch CRC, the header (device, stream,
+    offsets) is. A valid batch on any other topic than its header's is refused without a
+    PUBACK (the agent resends), never quarantined and acknowledged."""
+    collector = Collector(config(tmp_path))
+    result = collector.check_publish(CLIENT, Publish(topic, batch(0, 10), 1, False, False, 1))
+    assert result.action == "reject" and "does not match the batch header" in result.reason
+    assert collector.stats.topic_rejected == 1
+    assert collector.stats.quarantined == 0 and collector.stats.batches_received == 0
+    assert not (tmp_path / "data" / "quarantine").exists()
+    # The same bytes on the right topic (the agent's resend) are stored.
+    assert collector.check_publish(CLIENT, Publish(TOPIC, batch(0, 10), 1, False, False, 2)).action == "store"
 
 
 # -- the lander on a queue (no network) -------------------------------------------------------

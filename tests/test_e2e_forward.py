@@ -572,3 +572,42 @@ def test_agent_progress_in_sys_topics_and_metrics(tmp_path: Path) -> None:
             await collector.stop()
 
     run(scenario())
+
+
+@pytest.mark.parametrize(
+    ("index", "what"),
+    [(10, "device id 'dev-1' becomes 'Dev-1'"), (15, "the '/' before the stream becomes 0x0f")],
+)
+def test_topic_byte_flipped_in_transit_is_resent_not_quarantined(tmp_path: Path, index: int, what: str) -> None:
+    """Issue 10 item 2: the batch topic is outside the batch CRC, so a flipped topic byte must
+    not be acknowledged as quarantined: the collector rejects it unacknowledged (the topic
+    disagrees with the CRC-covered header) and the agent resends the batch."""
+
+    async def scenario() -> None:
+        collector = Collector(collector_config(tmp_path))
+        await collector.start()
+        proxy = TcpProxy(collector.port)
+        await proxy.start()
+        proxy.flip_in(f"filemq/v1/{DEVICE}/main".encode(), index)
+        agent = Agent(agent_config(tmp_path, proxy.port))
+        await agent.start()
+        pubs = Publishers(lambda: agent.broker.port, count=2)
+        pubs.start(messages_each=300)
+        await pubs.wait()
+        fwd = agent.forwarder
+        assert fwd is not None
+        await until(lambda: fwd.backlog == 0, what="agent backlog drained")
+        lander = collector.lander
+        assert lander is not None
+        lander.request_roll()
+        await until(lambda: lander.stats.rows_landed >= 600, what="all rows landed")
+        await agent.stop()
+        await collector.stop()
+        await proxy.stop()
+        assert proxy.flips == 1, what
+        assert collector.stats.quarantined == 0
+        assert collector.stats.topic_rejected == 1
+        assert len(pubs.acked) == 600
+        check_oracle(tmp_path, pubs.acked)
+
+    run(scenario())

@@ -35,7 +35,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from collector.dedup import SNAPSHOT_FILE, HighWaterMarks
+from collector.dedup import SNAPSHOT_FILE, HighWaterMarks, batch_ranges
 from collector.lander import Lander
 from collector.landing import LandingWriter
 from filemq.batch import (
@@ -191,10 +191,10 @@ class Collector:
                     try:
                         # The WAL's record CRC already covers these bytes.
                         header = peek_header(record.payload, verify_crc=False)
+                        ranges = batch_ranges(header, record.payload)
                     except BatchError:
                         continue
-                    self.door_marks.add(header.device_id, header.stream, header.first_offset,
-                                        header.last_offset)
+                    self.door_marks.add_ranges(header.device_id, header.stream, ranges)
                 self._tail_pos = records[-1].offset + 1
                 await asyncio.sleep(0)  # a long replay at start must not stall the listener
             await queue.wait_for_records(self._tail_pos)

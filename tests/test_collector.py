@@ -11,13 +11,15 @@ from typing import Any
 
 import pyarrow.parquet as pq
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from collector.dedup import HighWaterMarks
+from collector.dedup import HighWaterMarks, batch_ranges, offset_runs
 from collector.lander import Lander
 from collector.landing import LANDING_SCHEMA, LandingWriter
 from collector.metrics import start_metrics_server
 from collector.server import Collector
-from filemq.batch import BatchRecord, decode_batch, encode_batch
+from filemq.batch import BatchRecord, decode_batch, encode_batch, peek_header
 from filemq.broker import ClientInfo
 from filemq.config import load_config
 from filemq.mqtt.client import MQTTClient
@@ -368,7 +370,7 @@ def test_held_ranges_merge_and_keep_holes() -> None:
         marks.add("d", "s", 5, 4)
 
 
-def test_held_ranges_are_bounded(caplog: pytest.LogCaptureFixture) -> None:
+def test_held_ranges_are_bounded_by_forgetting_never_by_merging(caplog: pytest.LogCaptureFixture) -> None:
     from collector.dedup import MAX_RANGES
 
     marks = HighWaterMarks(None)
@@ -376,9 +378,67 @@ def test_held_ranges_are_bounded(caplog: pytest.LogCaptureFixture) -> None:
         marks.add("d", "s", 10 * i, 10 * i + 5)  # every batch after a gap
     ranges = marks.ranges("d", "s")
     assert len(ranges) == MAX_RANGES
-    assert ranges[0] == (0, 55)  # the oldest holes were closed
+    assert ranges[0] == (50, 55)  # the five lowest were forgotten, no hole was closed
     assert ranges[-1] == (10 * (MAX_RANGES + 4), 10 * (MAX_RANGES + 4) + 5)
-    assert "separate offset ranges" in caplog.text
+    assert not marks.holds("d", "s", 6, 9) and not marks.overlaps("d", "s", 0, 49)
+    assert "forgetting the lowest" in caplog.text
+
+
+def test_a_batch_holds_exactly_the_offsets_it_carries() -> None:
+    """Issue 10 item 3: a batch with offsets {0, 10**9} holds those two, not 0..10**9."""
+    forged = encode_batch("d", "s", [BatchRecord(0, 1, "t", b"a", 1), BatchRecord(10**9, 1, "t", b"b", 1)])
+    header = peek_header(forged)
+    assert batch_ranges(header, forged) == [(0, 0), (10**9, 10**9)]
+    marks = HighWaterMarks(None)
+    marks.add_ranges("d", "s", batch_ranges(header, forged))
+    assert not marks.holds("d", "s", 1, 500) and marks.overlaps("d", "s", 1, 500) == []
+    gapped = encode_batch("d", "s", [BatchRecord(o, 1, "t", b"x", 1) for o in (5, 6, 7, 9, 12, 13)])
+    assert batch_ranges(peek_header(gapped), gapped) == [(5, 7), (9, 9), (12, 13)]
+    contiguous = batch(3, 4)
+    assert batch_ranges(peek_header(contiguous), contiguous) == [(3, 6)]
+    assert offset_runs(0, []) == [] and offset_runs(7, [0]) == [(7, 7)]
+
+
+def _runs(offsets: set[int]) -> list[tuple[int, int]]:
+    return offset_runs(0, sorted(offsets))
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    ops=st.lists(
+        st.tuples(st.integers(0, 200), st.integers(0, 12)), min_size=1, max_size=40
+    ),
+    probes=st.lists(st.tuples(st.integers(0, 220), st.integers(0, 30)), max_size=20),
+    max_ranges=st.sampled_from([2, 3, 5, 1024]),
+)
+def test_held_ranges_against_a_set_model(
+    ops: list[tuple[int, int]], probes: list[tuple[int, int]], max_ranges: int
+) -> None:
+    """HighWaterMarks against a reference set of the offsets added: while the range bound is not
+    hit it is exactly that set; once hit it holds a subset of it (ranges are forgotten, holes
+    never closed), so nothing that was not added is ever held."""
+    marks = HighWaterMarks(None, max_ranges=max_ranges)
+    model: set[int] = set()
+    for first, length in ops:
+        marks.add("d", "s", first, first + length)
+        model.update(range(first, first + length + 1))
+        ranges = marks.ranges("d", "s")
+        held = {o for lo, hi in ranges for o in range(lo, hi + 1)}
+        assert held <= model
+        assert len(ranges) <= max_ranges
+        assert all(hi + 1 < lo2 for (_, hi), (lo2, _) in zip(ranges, ranges[1:], strict=False))
+        if len(_runs(model)) <= max_ranges and len(ranges) == len(_runs(model)):
+            assert ranges == _runs(model)
+    exact = len(_runs(model)) <= max_ranges and marks.ranges("d", "s") == _runs(model)
+    if max_ranges == 1024:
+        assert exact  # never overflowed: exactly the model
+    held = {o for lo, hi in marks.ranges("d", "s") for o in range(lo, hi + 1)}
+    for first, length in probes:
+        span = set(range(first, first + length + 1))
+        assert marks.holds("d", "s", first, first + length) == (span <= held)
+        clipped = marks.overlaps("d", "s", first, first + length)
+        assert clipped == _runs(span & held)
+        assert marks.get("d", "s") == (max(held) if held else -1)
 
 
 def test_door_stores_a_late_fill_in_of_a_gap(tmp_path: Path) -> None:

@@ -611,3 +611,43 @@ def test_topic_byte_flipped_in_transit_is_resent_not_quarantined(tmp_path: Path,
         check_oracle(tmp_path, pubs.acked)
 
     run(scenario())
+
+
+def test_forged_batch_with_a_huge_gap_does_not_drop_real_records(tmp_path: Path) -> None:
+    """Issue 10 item 3: one batch for dev-1 holding offsets {0, 10^9} (valid CRC, published
+    by someone with write rights on the topic) must hold exactly those two offsets, not the
+    span 0..10^9: the device's real records 1..499 that follow all land. Offset 0 is claimed
+    by the forged record (the key (device, stream, offset) is what it forged)."""
+
+    async def scenario() -> None:
+        collector = Collector(collector_config(tmp_path))
+        await collector.start()
+        forger = MQTTClient("forger", port=collector.port)
+        await forger.connect(timeout=5)
+        forged = encode_batch(DEVICE, "main", [BatchRecord(0, 1, "x", b"forged-0", 1),
+                                                BatchRecord(10**9, 1, "x", b"forged-1e9", 1)])
+        await forger.publish(f"filemq/v1/{DEVICE}/main", forged, qos=1)
+        await forger.disconnect()
+        lander = collector.lander
+        assert lander is not None
+        await until(lambda: collector.door_marks.get(DEVICE, "main") == 10**9, what="forged batch committed")
+        agent = Agent(agent_config(tmp_path, collector.port))
+        await agent.start()
+        pubs = Publishers(lambda: agent.broker.port, count=1)
+        pubs.start(messages_each=500)
+        await pubs.wait()
+        fwd = agent.forwarder
+        assert fwd is not None
+        await until(lambda: fwd.backlog == 0, what="agent backlog drained")
+        lander.request_roll()
+        await until(lambda: lander.stats.rows_landed >= 2 + 499, what="real rows landed")
+        await agent.stop()
+        await collector.stop()
+        rows = landed(tmp_path / "landing")
+        by_offset = {r["offset"]: r["payload"] for r in rows}
+        assert len(by_offset) == len(rows) == 501
+        assert by_offset[0] == b"forged-0" and by_offset[10**9] == b"forged-1e9"
+        real = {by_offset[o] for o in range(1, 500)}
+        assert len(pubs.acked) == 500 and real <= pubs.acked and len(real) == 499
+
+    run(scenario())

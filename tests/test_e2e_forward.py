@@ -651,3 +651,36 @@ def test_forged_batch_with_a_huge_gap_does_not_drop_real_records(tmp_path: Path)
         assert len(pubs.acked) == 500 and real <= pubs.acked and len(real) == 499
 
     run(scenario())
+
+
+def test_oversized_local_message_is_set_aside_and_the_stream_keeps_flowing(tmp_path: Path) -> None:
+    """Issue 10 item 11 end to end: the agent's broker accepts a 1.5 MiB message (raised
+    broker.max_packet_size) while the collector's limit is given as 1 MiB: that one record is
+    skipped upstream and counted; the messages before and after it land."""
+
+    async def scenario() -> None:
+        collector = Collector(collector_config(tmp_path))
+        await collector.start()
+        agent = Agent(agent_config(tmp_path, collector.port, **{
+            "broker.max_packet_size": "4MiB", "agent.upstream_max_packet_size": "1MiB"}))
+        await agent.start()
+        client = MQTTClient("big", port=agent.broker.port, max_packet_size=8 << 20)
+        await client.connect(timeout=5)
+        await client.publish("sensors/a", b"before", qos=1)
+        await client.publish("sensors/big", b"B" * (3 << 19), qos=1)
+        await client.publish("sensors/a", b"after", qos=1)
+        await client.disconnect()
+        fwd = agent.forwarder
+        assert fwd is not None
+        await until(lambda: fwd.backlog == 0, what="agent backlog drained past the big record")
+        lander = collector.lander
+        assert lander is not None
+        lander.request_roll()
+        await until(lambda: lander.stats.rows_landed >= 2, what="rows landed")
+        await agent.stop()
+        await collector.stop()
+        assert fwd.stats.oversized_records == 1
+        rows = landed(tmp_path / "landing")
+        assert [(r["offset"], r["payload"]) for r in rows] == [(0, b"before"), (2, b"after")]
+
+    run(scenario())

@@ -50,6 +50,7 @@ from filemq.batch import (
 )
 from filemq.broker import Broker, ClientInfo, HookResult
 from filemq.config import Config, ConfigError
+from filemq.fdlimit import FD_RESERVE, connection_capacity, raise_nofile_limit
 from filemq.service import Sidecar, run_until_signalled, serve_until_signalled
 from segments.fileio import OS_FILE_IO, FileIO, atomic_write
 
@@ -83,10 +84,17 @@ class DoorStats:
 def broker_config(config: Config) -> Config:
     """The broker settings for a collector: listener and auth from ``[collector]``, the WAL
     from ``[log]``; a TLS listener comes from ``[broker]`` ``tls_cert``/``tls_key``/``tls_port``.
-    ACL-denied batches are never acknowledged (``acl_denied_publish = "disconnect"``)."""
+    ACL-denied batches are never acknowledged (``acl_denied_publish = "disconnect"``).
+    The connection limit is ``collector.max_connections`` or, unset, sized from the process's
+    file-descriptor limit (soft raised to hard where allowed; :mod:`filemq.fdlimit`)."""
     c = config.collector
+    max_connections = c.max_connections
+    if max_connections is None:
+        soft, _ = raise_nofile_limit()
+        max_connections = connection_capacity(soft)
     broker = dataclasses.replace(
         config.broker,
+        max_connections=max_connections,
         host=c.host,
         port=c.port,
         password_file=c.password_file,
@@ -161,6 +169,10 @@ class Collector:
         self._tail_task = asyncio.create_task(self._tail_wal(), name="filemq-collector-wal-tail")
         log.info("collector %s listening on %s, landing in %s, WAL backlog %d batches",
                  self.collector_id, self.broker.listening, self.landing_dir, lander.lag)
+        soft, hard = raise_nofile_limit()  # as broker_config left it (already raised)
+        log.info("collector %s: serving up to %d device connections (max_connections; file descriptors:"
+                 " soft limit %d, hard %d, %d kept for files)", self.collector_id,
+                 self.broker.config.broker.max_connections, soft, hard, FD_RESERVE)
 
     async def stop(self) -> None:
         """Land what is buffered (bounded wait), then stop the broker (persists everything)."""

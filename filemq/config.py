@@ -303,6 +303,8 @@ class CollectorSection:
     roll_bytes: int = field(default=64 * MIB, metadata=_spec(_SIZE))
     roll_seconds: int = field(default=60, metadata=_spec(_POS))
     metrics_port: int | None = field(default=None, metadata=_spec(_PORT))
+    # None: sized from the file-descriptor limit (filemq.fdlimit), not broker.max_connections.
+    max_connections: int | None = field(default=None, metadata=_spec(_POS))
 
     def anonymous_allowed(self) -> bool:
         """Whether devices without a username may connect (same rule as the broker)."""

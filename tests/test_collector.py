@@ -612,3 +612,54 @@ def test_a_failed_offset_write_is_retried_without_landing_twice(tmp_path: Path) 
 
     run(scenario())
     assert [r["offset"] for r in landed_rows(tmp_path / "landing")] == list(range(10))
+
+
+# -- connection capacity (issue 11 item 7) -----------------------------------------------------
+
+
+def test_collector_sizes_max_connections_from_the_fd_limit(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A collector serves a fleet: unless collector.max_connections is set, its limit comes from
+    RLIMIT_NOFILE (soft raised to hard where allowed) minus a reserve for its own files, not
+    the device broker's 1,000; the capacity is logged at start."""
+    import resource
+
+    from filemq.fdlimit import FD_RESERVE
+
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    collector = Collector(config(tmp_path))
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY:
+        assert soft == hard  # raised (allowed: an unprivileged process may raise soft to hard)
+    assert collector.broker.config.broker.max_connections == soft - FD_RESERVE > 1000
+    explicit = Collector(config(tmp_path / "x", **{"collector.max_connections": 20_000}))
+    assert explicit.broker.config.broker.max_connections == 20_000
+
+    async def start_stop() -> None:
+        await collector.start()
+        await collector.stop()
+
+    caplog.set_level("INFO")
+    run(start_stop())
+    assert f"up to {soft - FD_RESERVE} device connections" in caplog.text
+
+
+def test_fd_limit_raise_and_capacity(monkeypatch: pytest.MonkeyPatch) -> None:
+    import resource
+
+    from filemq import fdlimit
+
+    calls: list[tuple[int, int]] = []
+    monkeypatch.setattr(resource, "getrlimit", lambda _: (1024, 4096))
+
+    def refuse(_: int, limits: tuple[int, int]) -> None:
+        calls.append(limits)
+        raise ValueError("not allowed")
+
+    monkeypatch.setattr(resource, "setrlimit", refuse)
+    assert fdlimit.raise_nofile_limit() == (1024, 4096)  # refused: the soft limit stays
+    assert calls == [(4096, 4096)]
+    monkeypatch.setattr(resource, "setrlimit", lambda _, limits: calls.append(limits))
+    assert fdlimit.raise_nofile_limit() == (4096, 4096)
+    assert fdlimit.connection_capacity(4096) == 4096 - fdlimit.FD_RESERVE
+    assert fdlimit.connection_capacity(300) == 150  # a tiny limit: half for connections
+    assert fdlimit.connection_capacity(1) == 1

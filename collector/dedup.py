@@ -97,6 +97,7 @@ class HighWaterMarks:
         if max_ranges < 1:
             raise ValueError("max_ranges must be at least 1")
         self.max_ranges = max_ranges
+        self.forgotten_ranges = 0  # ranges dropped to stay within max_ranges (logged)
         self.path = Path(path) if path is not None else None
         self._fileio = fileio
         # Per stream: first offsets and last offsets of disjoint, non-adjacent ranges, sorted.
@@ -141,11 +142,13 @@ class HighWaterMarks:
         if len(firsts) > self.max_ranges:
             # Forget (never merge across a hole): a forgotten range can only let a resend land
             # twice (removed downstream by key); a merged hole would drop real records.
-            log.warning(
-                "device %r stream %r: more than %d separate offset ranges; forgetting the lowest"
-                " %d..%d (a resend of those records would land again)",
-                device_id, stream, self.max_ranges, firsts[0], lasts[0],
-            )
+            self.forgotten_ranges += 1
+            if self.forgotten_ranges % 1000 == 1:  # one gappy batch must not flood the log
+                log.warning(
+                    "device %r stream %r: more than %d separate offset ranges; forgetting the lowest"
+                    " %d..%d (a resend of those records would land again; %d forgotten so far)",
+                    device_id, stream, self.max_ranges, firsts[0], lasts[0], self.forgotten_ranges,
+                )
             del firsts[0], lasts[0]
 
     def add_ranges(self, device_id: str, stream: str, ranges: Iterable[Range]) -> None:

@@ -381,7 +381,7 @@ def test_held_ranges_are_bounded_by_forgetting_never_by_merging(caplog: pytest.L
     assert ranges[0] == (50, 55)  # the five lowest were forgotten, no hole was closed
     assert ranges[-1] == (10 * (MAX_RANGES + 4), 10 * (MAX_RANGES + 4) + 5)
     assert not marks.holds("d", "s", 6, 9) and not marks.overlaps("d", "s", 0, 49)
-    assert "forgetting the lowest" in caplog.text
+    assert "forgetting the lowest" in caplog.text and marks.forgotten_ranges == 5
 
 
 def test_a_batch_holds_exactly_the_offsets_it_carries() -> None:

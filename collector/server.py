@@ -323,7 +323,9 @@ async def serve_collector(
     return await serve_until_signalled(
         lambda: Collector(config), name="collector", where=f"{c.host}:{c.port} (data dir {config.data_dir})",
         describe=lambda collector: (f"filemq collector {collector.collector_id} listening on "
-                                    f"{collector.broker.listening}, landing in {collector.landing_dir}"),
+                                    f"{collector.broker.listening}, landing in {collector.landing_dir},"
+                                    f" serving up to {collector.broker.config.broker.max_connections}"
+                                    " device connections"),
         log=log, ready=ready, stop=stop, sidecar=metrics)
 
 

@@ -368,3 +368,19 @@ async def test_a_record_too_large_for_the_collector_is_set_aside_not_retried_for
     topics = dict(fwd.sys_messages())
     assert topics["$SYS/broker/forwarder/records/oversized_skipped"] == b"1"
     assert topics["$SYS/broker/forwarder/backlog"] == b"0"
+
+
+@device_test
+async def test_a_batch_of_only_oversized_records_does_not_leak_the_window(device: Device, collector: FakeCollector) -> None:
+    """With window 1, a batch made only of set-aside records must give its window slot back,
+    or nothing after it would ever be sent."""
+    collector.max_packet_size = 2000
+    await device.publish(1, size=5000)
+    fwd = make_forwarder(device, collector, window=1, upstream_max_packet_size=2000)
+    fwd.start()
+    await until(lambda: device.group.pending_offset == 1)
+    await device.publish(2, size=50)
+    await until(lambda: device.group.pending_offset == 3)
+    await fwd.stop()
+    assert collector.acked_offsets() == [1, 2] and collector.too_large == 0
+    assert fwd.stats.oversized_records == 1

@@ -288,6 +288,8 @@ class AgentSection:
     metrics_port: int | None = field(default=None, metadata=_spec(_PORT))
     stream: str = field(default="main", metadata=_spec(_str))
     ack_timeout_ms: int = field(default=30_000, metadata=_spec(_POS))
+    # The collector's packet limit (at least 64 MiB): a record too large for it is set aside.
+    upstream_max_packet_size: int = field(default=64 * MIB, metadata=_spec(_int(1024, 268_435_455, sizes=True)))
 
 
 @dataclass(frozen=True)
@@ -304,6 +306,8 @@ class CollectorSection:
     roll_bytes: int = field(default=64 * MIB, metadata=_spec(_SIZE))
     roll_seconds: int = field(default=60, metadata=_spec(_POS))
     metrics_port: int | None = field(default=None, metadata=_spec(_PORT))
+    # None: sized from the file-descriptor limit (filemq.fdlimit), not broker.max_connections.
+    max_connections: int | None = field(default=None, metadata=_spec(_POS))
 
     def anonymous_allowed(self) -> bool:
         """Whether devices without a username may connect (same rule as the broker)."""

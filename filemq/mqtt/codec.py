@@ -334,6 +334,11 @@ PROPERTY_TYPES: dict[int, tuple[str, int]] = {
     0x29: ("subscription_identifier_available", _P_BYTE),
     0x2A: ("shared_subscription_available", _P_BYTE),
 }
+# The spec's name of each property, for error messages.
+PROPERTY_NAMES: dict[int, str] = {
+    ident: attr.replace("_", " ").replace("identifiers", "identifier").replace("properties", "property")
+    for ident, (attr, _kind) in PROPERTY_TYPES.items()
+}
 # The two properties that may repeat (spec 3.1.2.11.8 user property; 3.3.2.3.8 subscription
 # identifier, several on a PUBLISH to a client -- but only one on a SUBSCRIBE, 3.8.2.1.2).
 _LIST_PROPERTIES = frozenset({0x0B, 0x26})
@@ -398,7 +403,7 @@ def _encode_properties(props: Properties | None, name: str) -> bytes:
         value = getattr(props, attr)
         if value is None or (pid in _LIST_PROPERTIES and not value):
             continue
-        what = attr.replace("_", " ")
+        what = PROPERTY_NAMES[pid]
         if pid not in allowed:
             raise ValueError(f"{name} may not carry the {what} property (spec 2.2.2.2)")
         if kind == _P_PAIR:
@@ -904,7 +909,7 @@ def _decode_properties(
         if spec is None:
             raise ProtocolError(f"{name} unknown property identifier 0x{ident:02x}", name)
         attr, ptype = spec
-        what = attr.replace("_", " ")
+        what = PROPERTY_NAMES[ident]
         if ident not in allowed:
             where = "will properties" if kind == "WILL" else name
             raise ProtocolError(f"{where} may not carry the {what} property (0x{ident:02x})", name)
@@ -941,7 +946,8 @@ def _decode_properties(
             props.subscription_identifiers.append(value)  # type: ignore[arg-type]
             continue
         if getattr(props, attr) is not None:
-            raise _protocol_error(f"{name} repeats the {what} property (spec 2.2.2.2, 3.x.2.x)", name)
+            # Each property's section: "It is a Protocol Error to include ... more than once".
+            raise _protocol_error(f"{name} repeats the {what} property", name)
         if ident in _BOOLEAN_PROPERTIES and value not in (0, 1):
             raise _protocol_error(f"{name} {what} is {value}; only 0 and 1 are defined", name)
         if ident in _NONZERO_PROPERTIES and value == 0:

@@ -14,6 +14,8 @@ from filemq.mqtt.codec import (
     Decoder,
     ProtocolError,
     encode,
+    encode5,
+    encoder,
 )
 from filemq.mqtt.packets import (
     AUTH_REASON_CODES,
@@ -187,19 +189,19 @@ def decode5(data: bytes, *, server: bool = True, max_packet_size: int = 1 << 20)
 @given(client_packets5)
 @settings(max_examples=400)
 def test_client_packets_round_trip(packet: Packet) -> None:
-    assert decode5(encode(packet, 5), server=True) == [packet]
+    assert decode5(encode5(packet), server=True) == [packet]
 
 
 @given(server_packets5)
 @settings(max_examples=400)
 def test_server_packets_round_trip(packet: Packet) -> None:
-    assert decode5(encode(packet, 5), server=False) == [packet]
+    assert decode5(encode5(packet), server=False) == [packet]
 
 
 @given(st.lists(client_packets5, min_size=1, max_size=6), st.data())
 @settings(max_examples=100)
 def test_any_split_of_a_v5_stream_decodes_identically(packets: list[Packet], data: st.DataObject) -> None:
-    stream = b"".join(encode(p, 5) for p in packets)
+    stream = b"".join(encode5(p) for p in packets)
     cuts = sorted(data.draw(st.lists(st.integers(0, len(stream)), max_size=10)))
     decoder = Decoder(protocol_level=5)
     got: list[Packet] = []
@@ -216,7 +218,7 @@ def test_user_property_order_and_repeats_are_kept() -> None:
     # (MQTT-3.3.2-18 for forwarding).
     pairs = [("b", "1"), ("a", "2"), ("b", "0"), ("", "")]
     packet = Publish("t", b"x", 1, packet_id=7, properties=Properties(user_properties=pairs))
-    [got] = decode5(encode(packet, 5))
+    [got] = decode5(encode5(packet))
     assert isinstance(got, Publish) and got.properties is not None
     assert got.properties.user_properties == pairs
 
@@ -226,19 +228,19 @@ def test_user_property_order_and_repeats_are_kept() -> None:
 
 def test_known_v5_bytes_match_the_spec() -> None:
     # Hand-assembled from the spec's layout, not from our encoder.
-    assert encode(Connect(client_id="c", keepalive=60, protocol_level=5), 5) == (
+    assert encode5(Connect(client_id="c", keepalive=60, protocol_level=5)) == (
         b"\x10\x0e\x00\x04MQTT\x05\x02\x00\x3c\x00\x00\x01c"
     )
     props = Properties(message_expiry_interval=10, user_properties=[("k", "v")])
-    assert encode(Publish("a", b"hi", 1, packet_id=1, properties=props), 5) == (
+    assert encode5(Publish("a", b"hi", 1, packet_id=1, properties=props)) == (
         b"\x32\x14\x00\x01a\x00\x01\x0c\x02\x00\x00\x00\x0a\x26\x00\x01k\x00\x01vhi"
     )
-    assert encode(Subscribe(2, [("x", subscription_options(1, True, True, 2))]), 5) == (
+    assert encode5(Subscribe(2, [("x", subscription_options(1, True, True, 2))])) == (
         b"\x82\x07\x00\x02\x00\x00\x01x\x2d"
     )
-    assert encode(Connack(False, 0x00, Properties(receive_maximum=10)), 5) == b"\x20\x06\x00\x00\x03\x21\x00\x0a"
-    assert encode(Unsuback(3, [0x00, 0x11]), 5) == b"\xb0\x05\x00\x03\x00\x00\x11"
-    assert encode(Auth(0x18, Properties(authentication_method="m")), 5) == b"\xf0\x06\x18\x04\x15\x00\x01m"
+    assert encode5(Connack(False, 0x00, Properties(receive_maximum=10))) == b"\x20\x06\x00\x00\x03\x21\x00\x0a"
+    assert encode5(Unsuback(3, [0x00, 0x11])) == b"\xb0\x05\x00\x03\x00\x00\x11"
+    assert encode5(Auth(0x18, Properties(authentication_method="m"))) == b"\xf0\x06\x18\x04\x15\x00\x01m"
 
 
 @pytest.mark.parametrize(
@@ -259,7 +261,7 @@ def test_known_v5_bytes_match_the_spec() -> None:
     ],
 )
 def test_short_forms(packet: Packet, wire: bytes) -> None:
-    assert encode(packet, 5) == wire
+    assert encode5(packet) == wire
     assert decode5(wire, server=False) == [packet]
 
 
@@ -275,7 +277,7 @@ def test_connack_of_a_311_server_reads_on_a_v5_client() -> None:
 def test_server_decoder_switches_on_a_level_5_connect_before_pipelined_packets() -> None:
     connect = Connect(client_id="c", protocol_level=5, properties=Properties(receive_maximum=5))
     publish = Publish("t", b"x", 1, packet_id=1, properties=Properties(content_type="text/plain"))
-    stream = encode(connect, 5) + encode(publish, 5) + encode(Disconnect(0x04, Properties()), 5)
+    stream = encode5(connect) + encode5(publish) + encode5(Disconnect(0x04, Properties()))
     decoder = Decoder()
     assert decoder.protocol_level == 4
     decoder.feed(stream)
@@ -308,7 +310,7 @@ def test_a_level_5_connect_decodes_for_the_broker_to_refuse() -> None:
 def test_client_decoder_is_told_the_level() -> None:
     decoder = Decoder(server=False)
     decoder.protocol_level = 5
-    decoder.feed(encode(Disconnect(0x8B, Properties(reason_string="bye")), 5))
+    decoder.feed(encode5(Disconnect(0x8B, Properties(reason_string="bye"))))
     assert decoder.packets() == [Disconnect(0x8B, Properties(reason_string="bye"))]
     with pytest.raises(ValueError, match="protocol level must be 3, 4 or 5"):
         decoder.protocol_level = 6
@@ -334,12 +336,17 @@ def test_encoder_refuses_what_311_cannot_say() -> None:
         encode(Disconnect(0x8E))
     with pytest.raises(ValueError, match="need MQTT 5"):
         encode(Unsuback(1, [0x87]))
-    with pytest.raises(ValueError, match="cannot be encoded at protocol level 4"):
+    with pytest.raises(ValueError, match="AUTH cannot be encoded at protocol level 3 or 4"):
         encode(Auth())
     with pytest.raises(ValueError, match="need protocol_level 5"):
         encode(Connect(properties=Properties()))
     # Properties are simply not on the 3.1.1 wire.
     assert encode(Publish("t", b"", 0, properties=Properties(content_type="x"))) == encode(Publish("t", b"", 0))
+    # The ack encoder's combined hot-path check still refuses every bad packet id.
+    for pid in (0, -1, 0x10000):
+        with pytest.raises(ValueError, match="packet id must be 1..65535"):
+            encode(Pubrec(pid))
+    assert encoder(4) is encode and encoder(3) is encode and encoder(5) is encode5
 
 
 @pytest.mark.parametrize(
@@ -359,7 +366,7 @@ def test_encoder_refuses_what_311_cannot_say() -> None:
 )
 def test_v5_encoder_refuses_invalid_packets(packet: Packet, fragment: str) -> None:
     with pytest.raises(ValueError, match=fragment):
-        encode(packet, 5)
+        encode5(packet)
 
 
 # ---------------------------------------------------------------- malformed and protocol errors
@@ -536,7 +543,7 @@ def test_packet_too_large_carries_0x95() -> None:
     # Spec 3.2.2.3.6 / 4.13: a packet over the maximum packet size is 0x95 Packet too large.
     decoder = Decoder(max_packet_size=100, protocol_level=5)
     with pytest.raises(ProtocolError, match="exceeds max_packet_size") as info:
-        decoder.feed(encode(Publish("t", b"x" * 200, 0), 5))
+        decoder.feed(encode5(Publish("t", b"x" * 200, 0)))
     assert info.value.reason_code == 0x95
 
 

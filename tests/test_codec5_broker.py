@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from filemq.mqtt.codec import Decoder, encode
+from filemq.mqtt.codec import Decoder, encode, encode5
 from filemq.mqtt.packets import Connack, Connect, Properties, Publish
 from tests.test_broker_session import Harness, run
 
@@ -20,8 +20,8 @@ def test_level_5_connect_is_refused_with_0x01(tmp_path: Path) -> None:
                           properties=Properties(session_expiry_interval=60, user_properties=[("a", "b")]),
                           will_properties=Properties(will_delay_interval=5))
         # Pipelined behind the CONNECT, as clients do: it must not be handled either.
-        c.send_bytes(encode(connect) + encode(Publish("t", b"x", 1, packet_id=1,
-                                                      properties=Properties(content_type="c")), 5))
+        c.send_bytes(encode(connect) + encode5(Publish("t", b"x", 1, packet_id=1,
+                                                      properties=Properties(content_type="c"))))
         assert c.received() == [Connack(False, 0x01)]
         assert c.conn.closed and c.transport.closed
         # An MQTT 5 client can read that refusal (3.1.4: the server answers in its own level).

@@ -7,7 +7,14 @@ from __future__ import annotations
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from filemq.mqtt.codec import ALLOWED_PROPERTIES, PROPERTY_TYPES, Decoder, ProtocolError, encode
+from filemq.mqtt.codec import (
+    ALLOWED_PROPERTIES,
+    PROPERTY_TYPES,
+    Decoder,
+    ProtocolError,
+    encode5,
+    encoder,
+)
 from filemq.mqtt.packets import Connack, Connect, Packet
 from tests.test_codec5 import client_packets5, server_packets5
 
@@ -37,7 +44,7 @@ def _recheck(packets: list[Packet], server: bool) -> None:
     # The decoder never yields an invalid object: it encodes, and decodes back equal.
     for packet in packets:
         # (A 3.1.1 server's CONNACK refusal is read as such by a v5 client: it has no properties.)
-        wire = encode(packet, 4 if isinstance(packet, Connack) and packet.properties is None else 5)
+        wire = encoder(4 if isinstance(packet, Connack) and packet.properties is None else 5)(packet)
         decoder = Decoder(1 << 20, server=server, protocol_level=5)
         decoder.feed(wire)
         assert decoder.packets() == [packet]
@@ -152,7 +159,7 @@ def test_random_bytes_at_level_5(chunks: list[bytes], server: bool) -> None:
 @settings(max_examples=600, suppress_health_check=[HealthCheck.too_slow])
 def test_mutated_valid_v5_streams(server: bool, data: st.DataObject) -> None:
     packets = data.draw(st.lists(client_packets5 if server else server_packets5, min_size=1, max_size=4))
-    stream = bytearray(b"".join(encode(p, 5) for p in packets))
+    stream = bytearray(b"".join(encode5(p) for p in packets))
     for _ in range(data.draw(st.integers(1, 4))):
         kind = data.draw(st.sampled_from(["flip", "set", "delete", "insert", "truncate"]))
         if not stream:
@@ -177,5 +184,5 @@ def test_mutated_valid_v5_streams(server: bool, data: st.DataObject) -> None:
 @settings(max_examples=300)
 def test_v5_connect_then_garbage_on_a_fresh_server_decoder(packets: list[Packet], garbage: bytes) -> None:
     # The level switch itself under fuzz: a level-5 CONNECT, then valid packets, then noise.
-    stream = encode(Connect(client_id="f", protocol_level=5), 5) + b"".join(encode(p, 5) for p in packets)
+    stream = encode5(Connect(client_id="f", protocol_level=5)) + b"".join(encode5(p) for p in packets)
     drive5([stream + garbage], level=4)

@@ -6,8 +6,8 @@ malformed input raises :class:`ProtocolError` with a reason a person can act on 
 reason code (0x81 Malformed Packet, 0x82 Protocol Error, ...) to close with; the caller
 closes that one connection (architecture guarantee 6).
 
-The protocol level is per connection: ``encode(packet, protocol_level)`` and
-``Decoder(protocol_level=...)``; a server-side decoder switches to level 5 itself when it
+The protocol level is per connection: ``encode`` (3.1.1) or ``encode5`` (``encoder(level)``
+picks one) and ``Decoder(protocol_level=...)``; a server-side decoder switches to level 5 itself when it
 decodes a level-5 CONNECT, so packets pipelined behind the CONNECT decode right.  The 3.1.1
 paths are unchanged.  The MQTT 5 packet and property tables are in ``docs/MQTT5.md``.
 """
@@ -186,11 +186,15 @@ def _encode_publish(p: Publish) -> bytes:
 def _encode_ack(first: int, name: str) -> Callable[[Puback | Pubrec | Pubrel | Pubcomp], bytes]:
     def encode_ack(p: Puback | Pubrec | Pubrel | Pubcomp) -> bytes:
         pid = p.packet_id
-        if not 0 < pid <= 0xFFFF:
+        # One test for both faults on this hot path; struct refuses a pid outside 0..65535.
+        if not pid or p.reason_code:
+            if pid:  # 3.1.1 has no way to say it: never send a refusal as a success
+                raise ValueError(f"{name} reason code 0x{p.reason_code:02x} needs MQTT 5 (protocol level 5)")
             raise ValueError(f"{name} packet id must be 1..65535, got {pid!r}")
-        if p.reason_code:  # 3.1.1 has no way to say it: never send a refusal as a success
-            raise ValueError(f"{name} reason code 0x{p.reason_code:02x} needs MQTT 5 (protocol level 5)")
-        return _pack_BBH(first, 2, pid)
+        try:
+            return _pack_BBH(first, 2, pid)
+        except struct.error:
+            raise ValueError(f"{name} packet id must be 1..65535, got {pid!r}") from None
 
     return encode_ack
 
@@ -201,6 +205,10 @@ def _encode_unsuback(p: Unsuback) -> bytes:
     if any(p.reason_codes):
         raise ValueError(f"UNSUBACK reason codes {p.reason_codes!r} need MQTT 5 (protocol level 5)")
     return _pack_BBH(0xB0, 2, p.packet_id)
+
+
+def _encode_auth_311(p: Auth) -> bytes:
+    raise ValueError("AUTH cannot be encoded at protocol level 3 or 4 (it is MQTT 5 only)")
 
 
 def _encode_disconnect(p: Disconnect) -> bytes:
@@ -296,6 +304,7 @@ _ENCODERS: dict[type, Callable[[object], bytes]] = {
     Pingreq: lambda _p: _PINGREQ,
     Pingresp: lambda _p: _PINGRESP,
     Disconnect: _encode_disconnect,  # type: ignore[dict-item]
+    Auth: _encode_auth_311,  # type: ignore[dict-item]
 }
 
 
@@ -578,24 +587,33 @@ _ENCODERS5: dict[type, Callable[[object], bytes]] = {
 }
 
 
-def encode(packet: Packet, protocol_level: int = PROTOCOL_LEVEL) -> bytes:
-    """The wire bytes of ``packet`` on a connection of ``protocol_level`` (3 and 4: MQTT 3.1
-    and 3.1.1, 5: MQTT 5.0; a CONNECT is encoded at its own ``protocol_level``).
+def encode(packet: Packet) -> bytes:
+    """The MQTT 3.1.1 (and 3.1) wire bytes of ``packet``; :func:`encode5` gives the MQTT 5.0
+    ones, :func:`encoder` the one for a connection's level.  A :class:`Connect` is encoded at
+    its own ``protocol_level`` by both.
 
     Raises ``ValueError`` for a packet that cannot be framed (QoS outside 0-2, a missing or
     out-of-range packet id, a string over 65535 bytes, a body over 256 MB, an empty
-    SUBSCRIBE/UNSUBSCRIBE/SUBACK list; on level 5 a property the packet may not carry, a
-    property value out of range, a reason code the packet does not define; below level 5 a
-    non-zero reason code or an AUTH, which 3.1.1 cannot express).  Properties are dropped
-    below level 5 (3.1.1 has none).  It does not check topic wildcard rules: that is
-    :mod:`filemq.topics`' job.
+    SUBSCRIBE/UNSUBSCRIBE/SUBACK list; a non-zero reason code or an AUTH, which 3.1.1 cannot
+    express: a refusal is never sent as a success).  Properties are not on the 3.1.1 wire and
+    are dropped.  It does not check topic wildcard rules: that is :mod:`filemq.topics`' job.
     """
-    try:
-        if protocol_level == PROTOCOL_LEVEL_5:
-            return _ENCODERS5[type(packet)](packet)
-        return _ENCODERS[type(packet)](packet)
-    except KeyError:
-        raise ValueError(f"{type(packet).__name__} cannot be encoded at protocol level {protocol_level}") from None
+    return _ENCODERS[type(packet)](packet)
+
+
+def encode5(packet: Packet) -> bytes:
+    """The MQTT 5.0 wire bytes of ``packet`` (spec chapter 3): properties, reason codes, the
+    short forms of 3.4.2.1 / 3.14.2.1 / 3.15.2.1 when they apply.
+
+    Raises ``ValueError`` as :func:`encode` does, and for a property the packet may not carry
+    (spec 2.2.2.2), a property value out of its range, a reason code the packet does not define.
+    """
+    return _ENCODERS5[type(packet)](packet)
+
+
+def encoder(protocol_level: int) -> Callable[[Packet], bytes]:
+    """:func:`encode5` for protocol level 5, else :func:`encode` (3 and 4)."""
+    return encode5 if protocol_level == PROTOCOL_LEVEL_5 else encode
 
 
 def encode_puback(packet_id: int) -> bytes:

@@ -44,7 +44,7 @@ def _recheck(packets: list[Packet], server: bool) -> None:
     # The decoder never yields an invalid object: it encodes, and decodes back equal.
     for packet in packets:
         # (A 3.1.1 server's CONNACK refusal is read as such by a v5 client: it has no properties.)
-        wire = encoder(4 if isinstance(packet, Connack) and packet.properties is None else 5)(packet)
+        wire = encoder(4 if isinstance(packet, Connack) and 1 <= packet.return_code <= 5 else 5)(packet)
         decoder = Decoder(1 << 20, server=server, protocol_level=5)
         decoder.feed(wire)
         assert decoder.packets() == [packet]

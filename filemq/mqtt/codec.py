@@ -14,6 +14,7 @@ paths are unchanged.  The MQTT 5 packet and property tables are in ``docs/MQTT5.
 
 from __future__ import annotations
 
+import operator
 import struct
 from collections.abc import Callable
 
@@ -379,6 +380,9 @@ ALLOWED_PROPERTIES: dict[str, frozenset[int]] = {
     "DISCONNECT": frozenset({0x11, 0x1C, 0x1F, 0x26}),
     "AUTH": frozenset({0x15, 0x16, 0x1F, 0x26}),
 }
+# (identifier, type) in table order, and a getter of every Properties field in that order.
+_PROPERTY_KINDS = tuple((ident, kind) for ident, (_attr, kind) in PROPERTY_TYPES.items())
+_all_properties = operator.attrgetter(*(attr for attr, _kind in PROPERTY_TYPES.values()))
 _MAX_VBI = 268_435_455
 _pack_I = struct.Struct("!I").pack
 _unpack_I = struct.Struct("!I").unpack_from
@@ -408,8 +412,7 @@ def _encode_properties(props: Properties | None, name: str) -> bytes:
         return b"\x00"
     allowed = ALLOWED_PROPERTIES[name]
     out = bytearray()
-    for pid, (attr, kind) in PROPERTY_TYPES.items():
-        value = getattr(props, attr)
+    for (pid, kind), value in zip(_PROPERTY_KINDS, _all_properties(props), strict=True):
         if value is None or (pid in _LIST_PROPERTIES and not value):
             continue
         what = PROPERTY_NAMES[pid]
@@ -906,9 +909,10 @@ def _read_vbi(buf: bytes | bytearray, pos: int, end: int, what: str, name: str) 
 
 def _decode_properties(
     buf: bytes | bytearray, pos: int, end: int, name: str, kind: str | None = None
-) -> tuple[Properties, int]:
+) -> tuple[Properties | None, int]:
     """Property length and properties at ``pos`` of packet ``name`` (``kind`` selects the allowed
-    set when it differs from the packet's, i.e. "WILL"); returns them and the position after.
+    set when it differs from the packet's, i.e. "WILL"); returns them (None for a property
+    length of 0) and the position after.
 
     Spec 2.2.2.2: an identifier not valid for the packet, or a value not of its type, is a
     Malformed Packet (0x81); each property's own section makes a repeat, and the values it
@@ -917,6 +921,8 @@ def _decode_properties(
     pend = pos + length
     if pend > end:
         raise ProtocolError(f"{name} property length {length} runs past the end of the packet", name)
+    if not length:
+        return None, pos
     props = Properties()
     allowed = ALLOWED_PROPERTIES[kind or name]
     types = PROPERTY_TYPES
@@ -931,6 +937,11 @@ def _decode_properties(
         if ident not in allowed:
             where = "will properties" if kind == "WILL" else name
             raise ProtocolError(f"{where} may not carry the {what} property (0x{ident:02x})", name)
+        if ptype == _P_PAIR:  # the user property, the one most often repeated
+            key, pos = _read_str(buf, pos, pend, "user property name", name)
+            val, pos = _read_str(buf, pos, pend, "user property value", name)
+            props.user_properties.append((key, val))
+            continue
         value: object
         if ptype == _P_BYTE:
             if pos >= pend:
@@ -951,13 +962,8 @@ def _decode_properties(
             value, pos = _read_vbi(buf, pos, pend, what, name)
         elif ptype == _P_STR:
             value, pos = _read_str(buf, pos, pend, what, name)
-        elif ptype == _P_BIN:
-            value, pos = _read_bin(buf, pos, pend, what, name)
         else:
-            key, pos = _read_str(buf, pos, pend, f"{what} name", name)
-            val, pos = _read_str(buf, pos, pend, f"{what} value", name)
-            props.user_properties.append((key, val))
-            continue
+            value, pos = _read_bin(buf, pos, pend, what, name)
         if ident in _LIST_PROPERTIES:  # the subscription identifier
             if value == 0:
                 raise _protocol_error(f"{name} subscription identifier 0 (spec 3.3.2.3.8, 3.8.2.1.2)", name)
@@ -1018,12 +1024,14 @@ def _decode_publish5(buf: bytes | bytearray, pos: int, end: int, flags: int, ser
             raise ProtocolError("PUBLISH QoS>0 with packet id 0", name)
         pos += 2
     props, pos = _decode_properties(buf, pos, end, name)
-    if props.topic_alias == 0:
-        raise ProtocolError("PUBLISH topic alias 0 (MQTT-3.3.2-8)", name, reason_code=RC_TOPIC_ALIAS_INVALID)
-    if not topic and props.topic_alias is None:
+    if props is not None:
+        if props.topic_alias == 0:
+            raise ProtocolError("PUBLISH topic alias 0 (MQTT-3.3.2-8)", name, reason_code=RC_TOPIC_ALIAS_INVALID)
+        if server and props.subscription_identifiers:
+            raise _protocol_error("PUBLISH from a client carries a subscription identifier (MQTT-3.3.4-6)",
+                                  name)
+    if not topic and (props is None or props.topic_alias is None):
         raise _protocol_error("PUBLISH with an empty topic name and no topic alias (spec 3.3.2.1)", name)
-    if server and props.subscription_identifiers:
-        raise _protocol_error("PUBLISH from a client carries a subscription identifier (MQTT-3.3.4-6)", name)
     if "+" in topic or "#" in topic:
         raise ProtocolError(f"wildcard in PUBLISH topic name {topic!r}", name)
     return Publish(topic, bytes(buf[pos:end]), qos, bool(flags & 1), bool(flags & 8), packet_id, props)
@@ -1046,10 +1054,10 @@ def _decode_ack5(ptype: int, buf: bytes | bytearray, pos: int, end: int) -> Puba
     if pid == 0:
         raise ProtocolError(f"{name} with packet id 0", name)
     if end - pos == 2:  # spec 3.4.2.1: no reason code means 0x00
-        return cls(pid, 0, Properties())
+        return cls(pid)
     code = _check_reason_code(buf[pos + 2], codes, name)
     if end - pos == 3:  # spec 3.4.2.2.1: no property length means none
-        return cls(pid, code, Properties())
+        return cls(pid, code)
     props, pos = _decode_properties(buf, pos + 3, end, name)
     if pos != end:
         raise ProtocolError(f"{end - pos} unexpected bytes after the {name} properties", name)
@@ -1060,7 +1068,7 @@ def _decode_subscribe5(buf: bytes | bytearray, pos: int, end: int) -> Subscribe:
     name = "SUBSCRIBE"
     pid = _decode_header_packet_id(buf, pos, end, name)
     props, pos = _decode_properties(buf, pos + 2, end, name)
-    if len(props.subscription_identifiers) > 1:
+    if props is not None and len(props.subscription_identifiers) > 1:
         raise _protocol_error("SUBSCRIBE repeats the subscription identifier (spec 3.8.2.1.2)", name)
     topics: list[tuple[str, int]] = []
     while pos < end:
@@ -1127,7 +1135,7 @@ def _decode_reason_only(ptype: int, buf: bytes | bytearray, pos: int, end: int, 
     name = "AUTH" if ptype == AUTH else "DISCONNECT"
     codes = AUTH_REASON_CODES if ptype == AUTH else DISCONNECT_REASON_CODES
     code = 0
-    props = Properties()
+    props = None
     if end > pos:  # spec 3.14.2.1 / 3.15.2.1: no reason code means 0x00
         code = _check_reason_code(buf[pos], codes, name)
         if end - pos > 1:  # spec 3.14.2.2.1: no property length means none
@@ -1136,7 +1144,7 @@ def _decode_reason_only(ptype: int, buf: bytes | bytearray, pos: int, end: int, 
                 raise ProtocolError(f"{end - pos} unexpected bytes after the {name} properties", name)
     if ptype == AUTH:
         return Auth(code, props)
-    if not server and props.session_expiry_interval is not None:
+    if not server and props is not None and props.session_expiry_interval is not None:
         raise _protocol_error("DISCONNECT from the server carries a session expiry interval (MQTT-3.14.2-2)",
                               name)
     return Disconnect(code, props)
@@ -1181,8 +1189,9 @@ class Decoder:
     later through the :attr:`protocol_level` property (a client sets it to the level of the
     CONNECT it sent).  A server-side decoder switches to 5 by itself on decoding a level-5
     CONNECT, before the packets pipelined behind it; a CONNECT of any level is decoded by its
-    own level byte.  On level 5 every packet carries a :class:`Properties` (empty when the
-    wire has none) and a PUBLISH's topic is not cached.
+    own level byte.  A packet's ``properties`` is a :class:`Properties` when the wire carries
+    any, else None (always None on 3.1.1).  Level 5 has the same PUBLISH fast path as 3.1.1
+    for packets without properties.
 
     After a :class:`ProtocolError` the decoder is poisoned: every later call re-raises it,
     because a byte stream cannot be resynchronised after a framing error.
@@ -1406,14 +1415,55 @@ class Decoder:
         return out
 
     def _decode5(self, limit: int) -> list[Packet]:
-        """The general path for MQTT 5.0 (no topic cache: a PUBLISH's properties vary)."""
+        """:meth:`_decode` for MQTT 5.0, with the same PUBLISH fast path for packets without
+        properties."""
         out: list[Packet] = []
         buf = self._buf
         n = len(buf)
         pos = self._pos
+        maxsize = self._max
+        cache = self._topics
+        as_bytes = type(buf) is bytes
         server = self._server
         try:
             while limit and n - pos >= 2:
+                first = buf[pos]
+                # Fast path: a PUBLISH with a 1- or 2-byte remaining length, a property length
+                # of 0 and a topic seen before; anything else takes the general path below.
+                if first >> 4 == PUBLISH:
+                    second = buf[pos + 1]
+                    if second < 0x80:
+                        start = pos + 2
+                        end = start + second
+                    elif n - pos >= 3 and buf[pos + 2] < 0x80:
+                        start = pos + 3
+                        end = start + ((second & 0x7F) | (buf[pos + 2] << 7))
+                    else:
+                        end = 0
+                    if end:
+                        if end - pos > maxsize or end - start < 3:
+                            end = 0
+                        elif end > n:
+                            break
+                    if end:
+                        tend = start + 2 + ((buf[start] << 8) | buf[start + 1])
+                        qos = (first >> 1) & 0x03
+                        if qos:
+                            plen = tend + 2
+                            pid: int | None = (buf[tend] << 8) | buf[tend + 1] if plen < end else 0
+                        else:
+                            plen = tend
+                            pid = None
+                        if plen < end and not buf[plen] and pid != 0 and qos != 3:
+                            key = buf[start + 2 : tend]
+                            topic = cache.get(key if as_bytes else bytes(key))  # type: ignore[arg-type]
+                            if topic is not None:
+                                plen += 1
+                                payload = buf[plen:end] if as_bytes else bytes(buf[plen:end])
+                                out.append(Publish(topic, payload, qos, bool(first & 1), bool(first & 8), pid))  # type: ignore[arg-type]
+                                pos = end
+                                limit -= 1
+                                continue
                 self._pos = pos
                 header = self._header()
                 if header is None:
@@ -1422,7 +1472,11 @@ class Decoder:
                 end = pos + header_len + remaining
                 if end > n:
                     break
-                out.append(_decode_body5(ptype, flags, buf, pos + header_len, end, server))
+                packet = _decode_body5(ptype, flags, buf, pos + header_len, end, server)
+                if ptype == PUBLISH and packet.topic and packet.properties is None:  # type: ignore[union-attr]
+                    # Only a topic the fast path can use (it takes packets without properties).
+                    self._remember_topic(packet.topic)  # type: ignore[union-attr]
+                out.append(packet)
                 pos = end
                 limit -= 1
         except ProtocolError as exc:

@@ -4,7 +4,7 @@ Instances are what :mod:`filemq.mqtt.codec` decodes and encodes.  Fields follow 
 MQTT 3.1.1 names; strings are ``str`` (UTF-8 on the wire), binary fields are ``bytes``.
 
 MQTT 5.0 (OASIS Standard, 7 March 2019) adds, on the same classes, ``properties`` (a
-:class:`Properties`, None on a 3.1.1 connection), a ``reason_code`` on the acknowledgements
+:class:`Properties`, None when a packet has none and always on a 3.1.1 connection), a ``reason_code`` on the acknowledgements
 and DISCONNECT, reason codes per filter on UNSUBACK, subscription options in the SUBSCRIBE
 option byte, and the AUTH packet.  The defaults (reason code 0, no properties) are exactly the
 3.1.1 packets, so 3.1.1 code builds and reads them unchanged.

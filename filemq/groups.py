@@ -209,6 +209,7 @@ class ConsumerGroup:
         self._acks_at_persist = 0
         self._last_persist = time.monotonic()
         self._persisted = persisted or OffsetSnapshot(-1, -1)
+        self.journaled = (-1, -1)  # (pending, doing) last appended to the progress journal
         self._write_lock = threading.Lock()
         self._closed = False
         self._dropped = False
@@ -275,8 +276,12 @@ class ConsumerGroup:
         *,
         config: GroupConfig | None = None,
         fileio: FileIO = OS_FILE_IO,
+        journaled: tuple[int, int] | None = None,
     ) -> ConsumerGroup:
         """Reopen a durable group from ``directory``; resumes at Pending (doing := pending).
+
+        ``journaled``: (Pending, Doing) replayed from the queue's progress journal
+        (:class:`filemq.offsets.ProgressJournal`); each is used where it is ahead of the file's.
 
         The safe side is always taken, never the one that skips records:
 
@@ -305,6 +310,13 @@ class ConsumerGroup:
         doing_file = OffsetFile(directory / DOING_FILE, fileio)
         pending = pending_file.read()
         doing = doing_file.read()
+        on_disk = OffsetSnapshot(pending if pending is not None else -1, doing if doing is not None else -1)
+        if journaled is not None:
+            # Acked progress written after the offset files (a Pending too: never past an unacked record).
+            if pending is None or journaled[0] > pending:
+                pending = journaled[0]
+            if doing is None or journaled[1] > doing:
+                doing = journaled[1]
         if pending is None:
             log.warning(
                 "consumer group %r: Pending offset file %s unusable; re-delivering from the log's first offset %d",
@@ -327,6 +339,7 @@ class ConsumerGroup:
             # stay on disk and, once new records reuse those offsets, skip them at next restart.
             pending_file.write(end)
             pending = end
+            on_disk = OffsetSnapshot(end, on_disk.doing)
         else:
             start = pending
         # Records between Pending and the last persisted Doing were handed out before.
@@ -339,7 +352,7 @@ class ConsumerGroup:
             durable=True,
             directory=directory,
             redelivered_below=redelivered_below,
-            persisted=OffsetSnapshot(pending if pending is not None else -1, doing if doing is not None else -1),
+            persisted=on_disk,
             created=created,
             config=config,
             fileio=fileio,

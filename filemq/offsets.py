@@ -28,6 +28,7 @@ from __future__ import annotations
 import logging
 import os
 import struct
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -136,3 +137,128 @@ class OffsetFile:
     def write(self, value: int) -> None:
         """Durably replace the stored offset with ``value`` (atomic: old or new after a crash)."""
         atomic_write(self.path, encode_offset(value), self._fileio)
+
+
+# ---- the progress journal -------------------------------------------------------------------
+
+JOURNAL_MAGIC = b"FMQJ"
+_JHEAD = struct.Struct(">4sH")  # magic, key length
+_JBODY = struct.Struct(">QQ")  # pending, doing
+FORGET = MAX_OFFSET  # pending == doing == FORGET: drop every earlier record of the key
+
+
+def encode_journal_record(key: str, pending: int, doing: int) -> bytes:
+    """One journal record: magic, u16 key length, key (ASCII), u64 pending, u64 doing, CRC-32C."""
+    raw = key.encode("ascii")
+    body = _JHEAD.pack(JOURNAL_MAGIC, len(raw)) + raw + _JBODY.pack(pending, doing)
+    return body + _CRC.pack(crc32c.crc32c(body))
+
+
+def decode_journal(data: bytes) -> tuple[dict[str, tuple[int, int]], int]:
+    """Replay journal bytes: per key the highest (pending, doing) since its last FORGET record,
+    and how many leading bytes were valid (replay stops at the first torn or damaged record)."""
+    progress: dict[str, tuple[int, int]] = {}
+    pos = 0
+    while pos + _JHEAD.size <= len(data):
+        magic, n = _JHEAD.unpack_from(data, pos)
+        end = pos + _JHEAD.size + n + _JBODY.size + _CRC.size
+        if magic != JOURNAL_MAGIC or end > len(data):
+            break
+        crc_at = end - _CRC.size
+        if _CRC.unpack_from(data, crc_at)[0] != crc32c.crc32c(data[pos:crc_at]):
+            break
+        try:
+            key = data[pos + _JHEAD.size : pos + _JHEAD.size + n].decode("ascii")
+        except UnicodeDecodeError:
+            break
+        pending, doing = _JBODY.unpack_from(data, pos + _JHEAD.size + n)
+        if pending == FORGET and doing == FORGET:
+            progress.pop(key, None)
+        else:
+            old = progress.get(key)
+            progress[key] = (pending, doing) if old is None else (max(old[0], pending), max(old[1], doing))
+        pos = end
+    return progress, pos
+
+
+class ProgressJournal:
+    """Consumer groups' acknowledged progress between two writes of their offset files.
+
+    The Doing/Pending files are replaced with write-temp-fsync-rename, which is too costly to
+    do on every ack. The broker therefore appends each changed group's (Pending, Doing) to
+    this one file after every event-loop turn that processed acks (one ``pwrite``, no fsync:
+    it survives a process crash such as ``kill -9``), and the group commit fdatasyncs it
+    together with the log (:meth:`sync`), so a power loss costs at most the acks since the
+    last log commit. On open the journal is replayed (:func:`decode_journal`: per group the
+    highest values since its last FORGET record; replay stops at the first damaged record)
+    and compacted: the queue writes the replayed values into the offset files, then
+    :meth:`reset` empties the journal. It is also compacted when it grows past
+    ``compact_bytes``. A journal value is, like an offset file, a Pending that was the lowest
+    unacked offset when written: using it never skips an unacked record.
+
+    Thread-safety: :meth:`record`, :meth:`forget`, :meth:`sync` and :meth:`reset` may be
+    called from any thread (one lock).
+    """
+
+    def __init__(self, path: str | os.PathLike[str], fileio: FileIO = OS_FILE_IO,
+                 *, compact_bytes: int = 1 << 20) -> None:
+        self.path = Path(path)
+        self.compact_bytes = compact_bytes
+        self._fileio = fileio
+        self._lock = threading.Lock()
+        existed = self.path.exists()
+        self._handle = fileio.open(self.path, create=True)
+        if not existed:
+            fileio.fsync_dir(self.path.parent)  # its name must outlive a power loss too
+        data = self._handle.pread(self._handle.size(), 0)
+        self.replayed, valid = decode_journal(data)
+        if valid < len(data):
+            log.warning("progress journal %s: %d damaged trailing bytes ignored (torn by a crash)",
+                        self.path, len(data) - valid)
+        self._end = len(data)
+        self._dirty = False
+        self.records = 0  # appended since open
+
+    @property
+    def size(self) -> int:
+        return self._end
+
+    def record(self, entries: list[tuple[str, int, int]]) -> None:
+        """Append (key, pending, doing) records with one write; not synced (see :meth:`sync`)."""
+        if not entries:
+            return
+        data = b"".join(encode_journal_record(k, p, d) for k, p, d in entries)
+        with self._lock:
+            self._handle.pwrite(data, self._end)
+            self._end += len(data)
+            self._dirty = True
+            self.records += len(entries)
+
+    def forget(self, key: str) -> None:
+        """Durably discard ``key``'s earlier records (the group was created anew or dropped)."""
+        data = encode_journal_record(key, FORGET, FORGET)
+        with self._lock:
+            self._handle.pwrite(data, self._end)
+            self._end += len(data)
+            self._handle.datasync()
+            self._dirty = False
+        self.replayed.pop(key, None)
+
+    def sync(self) -> None:
+        """fdatasync the appended records, if any (called by the group commit's thread)."""
+        with self._lock:
+            if self._dirty:
+                self._handle.datasync()
+                self._dirty = False
+
+    def reset(self) -> None:
+        """Empty the journal (after every group's offset files were written)."""
+        with self._lock:
+            self._handle.truncate(0)
+            self._handle.datasync()
+            self._end = 0
+            self._dirty = False
+
+    def close(self) -> None:
+        with self._lock:
+            self._handle.close()

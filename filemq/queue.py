@@ -33,8 +33,10 @@ from filemq.groups import (
     OffsetSnapshot,
     Start,
     group_directories,
+    escape_group_name,
     purge_dropped,
 )
+from filemq.offsets import ProgressJournal
 from filemq.topics import validate_topic_name
 from segments import GroupCommitter, Log, LogConfig, RetentionReport
 from segments.fileio import OS_FILE_IO, FileIO
@@ -43,6 +45,7 @@ log = logging.getLogger(__name__)
 
 LOG_DIR = "log"
 GROUPS_DIR = "groups"
+JOURNAL_FILE = "progress.journal"  # in the groups directory, see ProgressJournal
 
 
 @dataclass
@@ -65,6 +68,7 @@ class Queue:
         self.config = config
         self._fileio = fileio
         self._groups: dict[str, ConsumerGroup] = {}
+        self._journal: ProgressJournal | None = None
         self._committer: GroupCommitter | None = None
         self._housekeeping: asyncio.Task[None] | None = None
         self._closed = False
@@ -86,9 +90,11 @@ class Queue:
             # Make the new directory's name durable: losing it would lose every group.
             io.fsync_dir(root)
         purge_dropped(queue.groups_dir, io)
+        journal = queue._journal = ProgressJournal(queue.groups_dir / JOURNAL_FILE, io)
         for directory in group_directories(queue.groups_dir):
             try:
-                group = ConsumerGroup.load(directory, lg, config=cfg.group, fileio=io)
+                group = ConsumerGroup.load(directory, lg, config=cfg.group, fileio=io,
+                                           journaled=journal.replayed.get(directory.name))
             except CorruptGroup as exc:
                 log.error("%s; skipped (run `filemq verify`)", exc)
                 continue
@@ -96,6 +102,9 @@ class Queue:
                 log.error("two directories hold consumer group %r; using the first, skipping %s", group.name, directory)
                 continue
             queue._groups[group.name] = group
+        if journal.size:
+            queue._compact_journal([(g, g.snapshot()) for g in queue._groups.values() if g.durable])
+        journal.replayed.clear()
         log.info("opened queue %s: %r, %d durable groups", root, lg, len(queue._groups))
         return queue
 
@@ -106,6 +115,8 @@ class Queue:
         if self._committer is not None:
             return
         self._committer = GroupCommitter(self.log)
+        if self._journal is not None:
+            self._committer.add_sync_companion(self._journal.sync)
         await self._committer.start()
         self._housekeeping = asyncio.get_running_loop().create_task(
             self._run_housekeeping(), name="filemq-queue-housekeeping"
@@ -125,6 +136,11 @@ class Queue:
         if self._committer is not None:
             await self._committer.close()
         self.log.close()
+        if self._journal is not None:
+            # Every group was just persisted: the journal holds nothing the files lack.
+            with contextlib.suppress(OSError):
+                self._journal.reset()
+            self._journal.close()
 
     async def __aenter__(self) -> Queue:
         await self.start()
@@ -195,6 +211,8 @@ class Queue:
         """
         group = self._groups.get(name)
         if group is None:
+            if durable and self._journal is not None:
+                self._journal.forget(escape_group_name(name))  # a dropped namesake's progress
             group = ConsumerGroup.create(
                 name, self.log, self.groups_dir, filters=filters or ("#",), durable=durable,
                 start=start, config=self.config.group, fileio=self._fileio,
@@ -215,6 +233,8 @@ class Queue:
         group = self._groups.pop(name, None)
         if group is None:
             return False
+        if group.durable and group.directory is not None and self._journal is not None:
+            self._journal.forget(group.directory.name)
         group.drop()
         return True
 
@@ -235,6 +255,39 @@ class Queue:
         return min((g.pending_offset for g in self._groups.values()), default=None)
 
     # ---- housekeeping ----------------------------------------------------------------------
+
+    def journal_progress(self) -> int:
+        """Append every durable group's changed (Pending, Doing) to the progress journal with
+        one write (loop thread; the broker calls it after each loop turn that processed acks).
+        Returns how many groups were journaled. A failed write is logged: it only means more
+        redeliveries after a crash."""
+        journal = self._journal
+        if journal is None:
+            return 0
+        entries: list[tuple[str, int, int]] = []
+        for g in self._groups.values():
+            if g.durable and g.directory is not None:
+                now = (g.pending_offset, g.doing_offset)
+                if now != g.journaled:
+                    g.journaled = now
+                    entries.append((g.directory.name, now[0], now[1]))
+        if entries:
+            try:
+                journal.record(entries)
+            except OSError as exc:
+                log.warning("could not append to the progress journal %s: %s", journal.path, exc)
+        return len(entries)
+
+    def _compact_journal(self, snapshots: list[tuple[ConsumerGroup, OffsetSnapshot]]) -> None:
+        """Write ``snapshots`` (every durable group, taken after the journal's last record
+        that matters) into the offset files, then empty the journal. Any thread.
+
+        The journal is emptied even if a write failed: that only loses acked progress (more
+        redeliveries), never skips a record, while a kept journal could hold a Pending beyond
+        a log that lost its tail."""
+        self.write_snapshots(snapshots)
+        if self._journal is not None:
+            self._journal.reset()
 
     def persist_due(self, now: float | None = None) -> list[tuple[ConsumerGroup, OffsetSnapshot]]:
         """Snapshots of every group whose offsets should be written now (loop thread)."""
@@ -266,6 +319,11 @@ class Queue:
         while True:
             await asyncio.sleep(persist_every)
             try:
+                journal = self._journal
+                if journal is not None and journal.size > journal.compact_bytes:
+                    self.journal_progress()
+                    snaps = [(g, g.snapshot()) for g in self._groups.values() if g.durable]
+                    await asyncio.to_thread(self._compact_journal, snaps)
                 snapshots = self.persist_due()
                 if snapshots:
                     await asyncio.to_thread(self.write_snapshots, snapshots)

@@ -28,7 +28,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
-from segments.log import Log
+from segments.log import Batch, Log
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +66,7 @@ class GroupCommitter:
         self._wake = asyncio.Event()
         self._closing = False
         self._listeners: list[Callable[[int], None]] = []
+        self._companions: list[Callable[[], None]] = []
         self._waiters: list[tuple[int, int, asyncio.Future[None]]] = []
         self._waiter_ids = itertools.count()
 
@@ -133,6 +134,21 @@ class GroupCommitter:
         heapq.heappush(self._waiters, (offset, next(self._waiter_ids), future))
         await future
 
+    def add_sync_companion(self, sync: Callable[[], None]) -> None:
+        """Run ``sync()`` in the commit thread after each commit that fdatasynced the log, so
+        another file (the consumer groups' progress journal) is made durable with the group
+        commit, without a schedule of its own. Its errors are logged, never fail the commit."""
+        self._companions.append(sync)
+
+    def _write(self, batch: Batch, sync: bool) -> None:
+        self.log.write_batch(batch, sync)
+        if sync:
+            for companion in self._companions:
+                try:
+                    companion()
+                except OSError as exc:
+                    log.warning("%s: sync companion %r failed: %s", self.log.directory, companion, exc)
+
     def add_commit_listener(self, callback: Callable[[int], None]) -> None:
         """Call ``callback(committed_offset)`` on the loop after each successful commit."""
         self._listeners.append(callback)
@@ -173,7 +189,7 @@ class GroupCommitter:
             )
             try:
                 if batch is not None:
-                    await loop.run_in_executor(executor, self.log.write_batch, batch, sync)
+                    await loop.run_in_executor(executor, self._write, batch, sync)
             except Exception as exc:  # every failure goes to the waiters, the task keeps running
                 self._fail(batches, exc)
                 continue

@@ -235,3 +235,103 @@ def test_power_cut_while_persisting_never_skips_and_keeps_completed_writes(tmp_p
     assert durable <= again.pending_offset <= g.pending_offset
     assert [r.offset for r in again.fetch(1000)] == list(range(again.pending_offset, 100))
     lg2.close()
+
+
+# ---- the progress journal: acked progress between two writes of the offset files ----------
+
+NO_FILE_WRITES = GroupConfig(persist_every_acks=10**9, persist_interval_ms=10**9)
+
+
+def _quiet_cfg() -> QueueConfig:
+    """Offset files are never written by housekeeping: only the journal carries progress."""
+    return QueueConfig(log=LogConfig(segment_bytes=1 << 16), group=NO_FILE_WRITES,
+                       housekeeping_interval_ms=10**6, retention_interval_ms=10**6)
+
+
+def test_acked_progress_survives_a_process_crash_through_the_journal(tmp_path: Path) -> None:
+    """issue 11 item 8: a kill -9 re-delivers only what was acked after the last journal
+    write, not everything since the offset files' last (~100 ms / 1 s) rewrite."""
+
+    async def crashing() -> None:
+        q = FQueue.open(tmp_path, _quiet_cfg())
+        await q.start()
+        g = q.group("sub", ["#"], start="earliest")
+        for i in range(100):
+            await q.publish("t", bytes([i]), qos=1)
+        for r in g.fetch(100, "c")[:60]:
+            g.ack(r.offset)
+        assert q.journal_progress() == 1
+        assert q.journal_progress() == 0, "unchanged progress is not journaled again"
+        # kill -9: no close, no persist; the journal's write is in the page cache.
+
+    run(crashing())
+    assert OffsetFile(tmp_path / "groups" / "sub" / "pending").read() == 0
+    q = FQueue.open(tmp_path, _quiet_cfg())
+    g = q.group("sub")
+    assert g.pending_offset == 60
+    assert [r.offset for r in g.fetch(1000)] == list(range(60, 100))
+    # Opening compacted the journal into the offset files.
+    assert OffsetFile(tmp_path / "groups" / "sub" / "pending").read() == 60
+    assert (tmp_path / "groups" / "progress.journal").stat().st_size == 0
+    q.log.close()
+
+
+@pytest.mark.parametrize("mode", ["drop", "tear"])
+def test_journaled_progress_is_durable_with_the_next_group_commit(tmp_path: Path, mode: str) -> None:
+    """Power loss: acks journaled before a group commit that fdatasynced the log are kept;
+    acks journaled after it may be lost (more redeliveries) but never skip a record."""
+    import random
+
+    faults = pytest.importorskip("tests.faults", reason="needs the fault-injection file layer")
+    io = faults.FaultyFileIO(tmp_path)
+
+    async def crashing() -> None:
+        q = FQueue.open(tmp_path, _quiet_cfg(), fileio=io)
+        await q.start()
+        g = q.group("sub", ["#"], start="earliest")
+        for i in range(100):
+            await q.publish("t", bytes([i]), qos=1)
+        got = g.fetch(100, "c")
+        for r in got[:40]:
+            g.ack(r.offset)
+        q.journal_progress()
+        await q.publish("t", b"commit")  # its fdatasync carries the journal
+        for r in got[40:70]:
+            g.ack(r.offset)
+        q.journal_progress()  # not synced by any commit before the power cut
+
+    run(crashing())
+    io.crash(mode, random.Random(7))
+    q = FQueue.open(tmp_path, _quiet_cfg(), fileio=io)
+    g = q.group("sub")
+    assert 40 <= g.pending_offset <= 70
+    assert [r.offset for r in g.fetch(1000)] == list(range(g.pending_offset, 101))
+    q.log.close()
+
+
+def test_a_recreated_group_does_not_inherit_a_dropped_namesakes_journal(tmp_path: Path) -> None:
+    """Dropping a group durably forgets its journaled progress: a new group of the same name
+    starting at the earliest offset must get every record, even after a power cut."""
+    import random
+
+    faults = pytest.importorskip("tests.faults", reason="needs the fault-injection file layer")
+    io = faults.FaultyFileIO(tmp_path)
+
+    async def crashing() -> None:
+        q = FQueue.open(tmp_path, _quiet_cfg(), fileio=io)
+        await q.start()
+        g = q.group("sub", ["#"], start="earliest")
+        for i in range(50):
+            await q.publish("t", bytes([i]), qos=1)
+        for r in g.fetch(100, "c"):
+            g.ack(r.offset)
+        q.journal_progress()
+        await q.publish("t", b"commit")
+        assert q.drop_group("sub")
+        q.group("sub", ["#"], start="earliest")
+
+    run(crashing())
+    io.crash("drop", random.Random(3))
+    q = FQueue.open(tmp_path, _quiet_cfg(), fileio=io)
+    assert q.group("sub").pending_offset == 0
+    q.log.close()

@@ -330,6 +330,8 @@ class BrokerCore:
         """Write every connection's queued output with one transport write each."""
         if self._acked:
             self._acked = False
+            # One write per loop turn with acks: a kill -9 re-delivers only the acks of this turn.
+            self.queue.journal_progress()
             if self._persist_handle is None:
                 self._persist_handle = asyncio.get_running_loop().call_later(
                     PERSIST_DELAY_S, self._persist_offsets)

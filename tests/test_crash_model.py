@@ -35,6 +35,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from filemq.groups import ConsumerGroup, GroupConfig
+from filemq.offsets import ProgressJournal
 from filemq.topics import topic_matches
 from segments import GroupCommitter, Log, LogConfig, Record
 from segments.fileio import DiskFull
@@ -151,6 +152,7 @@ class CrashModel(RuleBasedStateMachine):
             GROUP, self.log, self.groups_dir, filters=FILTERS, start="earliest",
             config=GroupConfig(persist_every_acks=10**9, persist_interval_ms=10**9), fileio=self.io,
         )
+        self.journal = ProgressJournal(self.groups_dir / "progress.journal", self.io)
 
     def teardown(self) -> None:
         shutil.rmtree(self.tmp, ignore_errors=True)
@@ -340,6 +342,29 @@ class CrashModel(RuleBasedStateMachine):
         self.io.power_cut_after(None)
         self.persisted = {pending}
 
+    @rule(sync=st.booleans(), cut_after=st.one_of(st.none(), st.integers(0, 3)),
+          mode=st.sampled_from(["drop", "tear", "flip"]), seed=st.integers(0, 2**32))
+    def journal_progress(self, sync: bool, cut_after: int | None, mode: str, seed: int) -> None:
+        """The broker's per-loop-turn journal write of the group's progress, maybe fdatasynced
+        (as the group commit does), maybe cut by a power loss."""
+        assert self.group is not None and self.group.directory is not None
+        pending = self.group.pending_offset
+        if cut_after is not None:
+            self.io.power_cut_after(cut_after)
+        try:
+            self.journal.record([(self.group.directory.name, pending, self.group.doing_offset)])
+            if sync:
+                self.journal.sync()
+        except PowerCut:
+            self.persisted.add(pending)  # the record may or may not have reached the disk
+            self._crash_and_reopen(mode, seed)
+            return
+        self.io.power_cut_after(None)
+        if sync:
+            self.persisted = {pending}  # journal values only grow: the replay yields exactly this
+        else:
+            self.persisted.add(pending)
+
     # -- crashes and reopening ---------------------------------------------------------------
 
     @rule(
@@ -453,10 +478,16 @@ class CrashModel(RuleBasedStateMachine):
         self.durable_end = self.committed_end = n
         # The group resumes exactly at the last persisted Pending (clamped to the log).
         assert self.group is not None
+        self.journal = ProgressJournal(self.groups_dir / "progress.journal", self.io)
+        [directory] = [p for p in self.groups_dir.iterdir() if p.is_dir()]
         self.group = ConsumerGroup.load(
-            self.groups_dir / os.listdir(self.groups_dir)[0], log,
+            directory, log,
             config=GroupConfig(persist_every_acks=10**9, persist_interval_ms=10**9), fileio=self.io,
+            journaled=self.journal.replayed.get(directory.name),
         )
+        # Compaction, as Queue.open does it: the replayed values into the files, then empty.
+        self.group.persist()
+        self.journal.reset()
         pending = self.group.pending_offset
         allowed = {min(max(p, self.first), n) for p in self.persisted}
         if pending_flipped:

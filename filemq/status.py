@@ -32,6 +32,7 @@ from filemq.groups import (
     GROUP_FILE,
     GROUP_FORMAT,
     PENDING_FILE,
+    escape_group_name,
     group_directories,
     read_group_file,
     unescape_group_name,
@@ -493,4 +494,46 @@ def verify_data_dir(path: str | os.PathLike[str], repair: bool = False) -> Verif
             report.notes.append(f"{leftover.name}: a dropped group not fully deleted (removed at next start-up)")
     for directory in group_directories(layout.groups_dir):
         _check_group(directory, first, end, report, repair)
+    _check_session_groups(layout.groups_dir, report)
     return report
+
+
+def _check_session_groups(groups_dir: Path, report: VerifyReport) -> None:
+    """A broker data dir: every stored session with subscriptions has its group directory,
+    and every MQTT group directory has an owner (a stray one pins retention for ever)."""
+    from filemq.broker.core import SESSION_GROUP_PREFIX, SHARE_GROUP_PREFIX
+    from filemq.broker.sessions import SESSIONS_DIR, CorruptSession, StoredSession
+    from filemq.topics import parse_shared
+
+    sessions_dir = groups_dir.parent / SESSIONS_DIR
+    if not sessions_dir.is_dir():
+        return  # not a broker's data dir (an agent's or a collector's): no MQTT owners
+    wanted: dict[str, str] = {}  # group name -> who needs it
+    for path in sorted(sessions_dir.glob("*.json")):
+        try:
+            session = StoredSession.from_json(path.read_bytes(), str(path))
+        except (OSError, CorruptSession):
+            continue
+        for f in session.subscriptions:
+            share, _plain = parse_shared(f)
+            if share is None:
+                wanted[SESSION_GROUP_PREFIX + session.client_id] = f"session {session.client_id!r}"
+            else:
+                wanted.setdefault(SHARE_GROUP_PREFIX + share, f"session {session.client_id!r} ({f})")
+    present: dict[str, Path] = {}
+    for directory in group_directories(groups_dir):
+        info = read_group_file(directory)
+        name = info[0] if info is not None else unescape_group_name(directory.name)
+        if name is not None:
+            present[name] = directory
+    for name, owner in sorted(wanted.items()):
+        if name not in present:
+            report.problems.append(
+                f"{owner}: its consumer group directory {groups_dir / escape_group_name(name)} is missing; "
+                f"the broker re-creates it at the log's first offset (re-delivers every retained message)")
+    for name, directory in sorted(present.items()):
+        if name.startswith((SESSION_GROUP_PREFIX, SHARE_GROUP_PREFIX)) and name not in wanted:
+            pending = OffsetFile(directory / PENDING_FILE).inspect().value
+            report.problems.append(
+                f"stray group directory {directory}: no stored session owns group {name!r}, yet its "
+                f"Pending {pending} holds back retention; delete the directory if the session is gone")

@@ -98,13 +98,19 @@ class FakeQueue:
     def add_commit_listener(self, cb: Any) -> None:
         self._listeners.append(cb)
 
-    def group(self, name: str, filters: Any = None, durable: bool = True) -> ConsumerGroup:
+    def group(self, name: str, filters: Any = None, durable: bool = True, start: Any = "latest") -> ConsumerGroup:
         g = self._groups.get(name)
         if g is None:
             g = ConsumerGroup.create(name, self.log, self.groups_dir, filters=filters or ("#",),
-                                     durable=durable)
+                                     durable=durable, start=start)
             self._groups[name] = g
         return g
+
+    def get_group(self, name: str) -> ConsumerGroup | None:
+        return self._groups.get(name)
+
+    def journal_progress(self) -> int:
+        return 0
 
     def persist_due(self) -> list[Any]:
         import time as _time
@@ -390,6 +396,37 @@ def test_qos2_ids_survive_a_restart(tmp_path: Path) -> None:
         c2.send(Pubrel(9), Publish("t", b"new", qos=2, packet_id=9))
         await h.commit()
         assert len(h.queue.log.records) == 2
+    run(main())
+
+
+def test_missing_group_directory_restarts_the_session_at_the_log_start_not_its_end(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """issue 10 item 13: a stored persistent session whose consumer-group directory is gone
+    must not be resumed at the log's end (that silently lost every queued message): the group
+    is re-created at the log's first offset, loudly; acknowledged messages are never lost."""
+    import shutil
+
+    from filemq.groups import escape_group_name
+
+    async def main() -> None:
+        h = Harness(tmp_path)
+        c = h.connected("s1", clean=False, subscribe=Subscribe(1, [("t", 1)]))
+        c.send(Disconnect())
+        p = h.connected("pub")
+        p.send(*[Publish("t", b"m%d" % i, qos=1, packet_id=i + 1) for i in range(5)])
+        await h.commit()
+        # The broker stops; the session's group directory is lost (deleted by hand, bad restore).
+        shutil.rmtree(tmp_path / "groups" / escape_group_name("mqtt-session:s1"))
+        log_ = h.queue.log
+        h.queue = FakeQueue(tmp_path / "groups")
+        h.queue.log = log_
+        h.core = h.make_core()
+        c2 = h.client()
+        with caplog.at_level(logging.ERROR, "filemq.broker"):
+            assert c2.connect("s1", clean=False).session_present
+        got = [x for x in c2.received() if isinstance(x, Publish)]
+        assert [x.payload for x in got] == [b"m%d" % i for i in range(5)]
+        assert "consumer group" in caplog.text and "missing" in caplog.text
     run(main())
 
 

@@ -229,6 +229,36 @@ def test_verify_doing_below_pending_is_a_problem(data: Path) -> None:
     assert code == 1 and "Doing 3 is below Pending 20" in out
 
 
+def test_verify_reports_a_missing_session_group_and_a_stray_group_directory(tmp_path: Path) -> None:
+    """issue 10 item 13: a stored session whose group directory is gone (its queued messages
+    would be lost) and a group directory no session owns (it pins retention) are problems."""
+    from filemq.broker.sessions import SessionStore, StoredSession, StoredSubscription
+
+    data = tmp_path / "data"
+
+    async def body() -> None:
+        q = Queue.open(data, QueueConfig(log=LogConfig(segment_bytes=SEGMENT_BYTES)))
+        await q.start()
+        q.group("mqtt-session:owned", ["t"], start="earliest")
+        q.group("mqtt-session:gone", ["t"], start="earliest")
+        for i in range(10):
+            await q.publish("t", b"%d" % i, qos=1)
+        await q.close()
+
+    asyncio.run(body())
+    store = SessionStore(data)
+    store.save(StoredSession("owned", {"t": StoredSubscription(1, 0)}))
+    store.save(StoredSession("lost", {"t": StoredSubscription(1, 0)}))
+    store.save(StoredSession("idle"))  # no subscriptions: needs no group
+    code, out = invoke("verify", str(data), "--json")
+    report = json.loads(out)
+    problems = "\n".join(report["problems"])
+    assert code == 1, out
+    assert "session 'lost'" in problems and "missing" in problems
+    assert "stray group directory" in problems and "mqtt-session:gone" in problems and "Pending 0" in problems
+    assert len(report["problems"]) == 2, problems
+
+
 # ---- the dry-run file layer ------------------------------------------------------------
 
 

@@ -452,7 +452,7 @@ class BrokerCore:
                     state.qos2_uncertain = set(stored.qos2_inbound)
                     state.subs_changed()
                     if state.own_filters():
-                        state.group = self._group(SESSION_GROUP_PREFIX + cid, state.own_filters(), True)
+                        state.group = self._stored_session_group(cid, state.own_filters())
                 else:
                     # Written now so a reconnect after a restart reports session_present = 1.
                     self._save_session(state)
@@ -521,6 +521,18 @@ class BrokerCore:
         if tuple(group.filters) != filters:
             group.set_filters(filters)
         return self._through_cache(group)
+
+    def _stored_session_group(self, cid: str, filters: tuple[str, ...]) -> ConsumerGroup:
+        """The group of a session loaded from its file. If the group's directory is gone it is
+        re-created at the log's first offset, never at its end: re-delivering what is still
+        retained loses nothing acknowledged, resuming at the end would (issue 10 item 13)."""
+        name = SESSION_GROUP_PREFIX + cid
+        if self.queue.get_group(name) is None:
+            log.error("client %r: its session is stored but its consumer group %r is missing (directory "
+                      "deleted or unreadable, see `filemq verify`); re-created at the log's first offset %d: "
+                      "every retained message is delivered again", cid, name, self.log.first_offset)
+            return self._through_cache(self.queue.group(name, filters, durable=True, start="earliest"))
+        return self._group(name, filters, True)
 
     def _through_cache(self, group: ConsumerGroup) -> ConsumerGroup:
         # Groups read the log through the tail cache, so live subscribers never hit the files.

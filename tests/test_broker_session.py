@@ -430,6 +430,50 @@ def test_missing_group_directory_restarts_the_session_at_the_log_start_not_its_e
     run(main())
 
 
+def test_full_disk_refuses_a_new_persistent_session_with_server_unavailable(tmp_path: Path) -> None:
+    """issue 10 item 14 (MQTT-3.2.2-4/-5, return code 0x03): CONNACK 0 promises a session
+    that survives a restart; when its file cannot be written the CONNECT is refused instead."""
+    from tests.faults import FaultyFileIO
+
+    async def main() -> None:
+        h = Harness(tmp_path)
+        io = FaultyFileIO(tmp_path)
+        h.store = SessionStore(tmp_path, io)
+        h.core = h.make_core()
+        io.disk_full = True
+        c = h.client()
+        ack = c.connect("new-persistent", clean=False)
+        assert ack.return_code == 0x03 and not ack.session_present
+        assert c.conn.state == CLOSED and c.transport.closed
+        assert h.store.load("new-persistent") is None
+        # A clean session needs no file: still accepted on the full disk.
+        assert h.client().connect("clean", clean=True).return_code == 0
+    run(main())
+
+
+def test_full_disk_subscribe_that_cannot_be_persisted_closes_cleanly(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """issue 10 item 14: a persistent session's SUBSCRIBE whose state cannot be made durable
+    gets no SUBACK (it would promise a subscription a restart forgets); the connection is
+    closed with the reason logged, not an internal error."""
+    from tests.faults import FaultyFileIO
+
+    async def main() -> None:
+        h = Harness(tmp_path)
+        io = FaultyFileIO(tmp_path)
+        h.store = SessionStore(tmp_path, io)
+        h.core = h.make_core()
+        c = h.connected("p1", clean=False)
+        io.disk_full = True
+        with caplog.at_level(logging.ERROR, "filemq.broker"):
+            c.send(Subscribe(1, [("t", 1)]))
+        assert not [x for x in c.received() if isinstance(x, Suback)]
+        assert c.conn.state == CLOSED and c.transport.closed
+        assert "internal error" not in caplog.text
+        assert "SUBSCRIBE" in caplog.text and "persist" in caplog.text
+    run(main())
+
+
 def test_acl_denied_and_dollar_publishes_are_acked_and_dropped(tmp_path: Path) -> None:
     async def main() -> None:
         h = Harness(tmp_path)

@@ -45,6 +45,7 @@ from filemq.mqtt.packets import (
     CONNACK_IDENTIFIER_REJECTED,
     CONNACK_NOT_AUTHORIZED,
     CONNACK_RETURN_CODE_NAMES,
+    CONNACK_SERVER_UNAVAILABLE,
     CONNACK_UNACCEPTABLE_PROTOCOL_VERSION,
     SUBACK_FAILURE,
     Connack,
@@ -454,8 +455,13 @@ class BrokerCore:
                     if state.own_filters():
                         state.group = self._stored_session_group(cid, state.own_filters())
                 else:
-                    # Written now so a reconnect after a restart reports session_present = 1.
-                    self._save_session(state)
+                    # Written now so a reconnect after a restart reports session_present = 1;
+                    # a session that cannot be made durable is refused, not promised (0x03).
+                    try:
+                        self.store.save(state.stored())
+                    except OSError as exc:
+                        self._refuse(conn, CONNACK_SERVER_UNAVAILABLE, f"its persistent session cannot be written: {exc}")
+                        return
                 self.sessions[cid] = state
             self._auto_subscribe(conn, state)
         conn.session = state
@@ -634,7 +640,13 @@ class BrokerCore:
             for sub in new_subs:
                 self._register(conn, state, sub)
             if state.persistent:
-                self.store.save(state.stored())
+                try:
+                    self.store.save(state.stored())
+                except OSError as exc:
+                    # No SUBACK for a subscription a restart would forget.
+                    conn.close(f"SUBSCRIBE refused: the session's subscriptions cannot be persisted: {exc}",
+                               will=True, level=logging.ERROR)
+                    return
         conn.send_packet(Suback(p.packet_id, codes))
         for sub in new_subs:
             self._send_retained(conn, state, sub)

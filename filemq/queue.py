@@ -32,8 +32,8 @@ from filemq.groups import (
     GroupConfig,
     OffsetSnapshot,
     Start,
-    group_directories,
     escape_group_name,
+    group_directories,
     purge_dropped,
 )
 from filemq.offsets import ProgressJournal

@@ -335,3 +335,31 @@ def test_a_recreated_group_does_not_inherit_a_dropped_namesakes_journal(tmp_path
     q = FQueue.open(tmp_path, _quiet_cfg(), fileio=io)
     assert q.group("sub").pending_offset == 0
     q.log.close()
+
+
+def test_housekeeping_compacts_a_grown_journal_into_the_offset_files(tmp_path: Path) -> None:
+    """Past ``compact_bytes`` the journal is folded into the offset files and emptied."""
+
+    async def body() -> None:
+        q = FQueue.open(tmp_path, QueueConfig(log=LogConfig(segment_bytes=1 << 16), group=NO_FILE_WRITES,
+                                              housekeeping_interval_ms=5, retention_interval_ms=10**6))
+        journal = q._journal
+        assert journal is not None
+        journal.compact_bytes = 200
+        await q.start()
+        g = q.group("sub", ["#"], start="earliest")
+        for i in range(30):
+            await q.publish("t", bytes([i]), qos=1)
+        for r in g.fetch(30, "c"):
+            g.ack(r.offset)
+            q.journal_progress()  # one record per ack: the journal passes 200 bytes
+        assert journal.records == 30
+        for _ in range(400):  # bounded: housekeeping runs every 5 ms
+            if journal.size == 0:
+                break
+            await asyncio.sleep(0.005)
+        assert journal.size == 0, "the journal was not compacted"
+        assert OffsetFile(tmp_path / "groups" / "sub" / "pending").read() == 30
+        await q.close()
+
+    run(body())

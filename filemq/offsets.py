@@ -188,8 +188,8 @@ class ProgressJournal:
     do on every ack. The broker therefore appends each changed group's (Pending, Doing) to
     this one file after every event-loop turn that processed acks (one ``pwrite``, no fsync:
     it survives a process crash such as ``kill -9``), and the group commit fdatasyncs it
-    together with the log (:meth:`sync`), so a power loss costs at most the acks since the
-    last log commit. On open the journal is replayed (:func:`decode_journal`: per group the
+    after each log commit that synced (:meth:`sync`, on a thread of its own), so a power
+    loss costs about the acks of the last one or two commit cycles. On open the journal is replayed (:func:`decode_journal`: per group the
     highest values since its last FORGET record; replay stops at the first damaged record)
     and compacted: the queue writes the replayed values into the offset files, then
     :meth:`reset` empties the journal. It is also compacted when it grows past

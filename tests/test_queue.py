@@ -295,12 +295,12 @@ def test_journaled_progress_is_durable_with_the_next_group_commit(tmp_path: Path
         for r in got[:40]:
             g.ack(r.offset)
         q.journal_progress()
-        await q.publish("t", b"commit")  # its fdatasync carries the journal
+        await q.publish("t", b"commit")  # a synced commit: it starts the journal's fdatasync
         for r in got[40:70]:
             g.ack(r.offset)
-        q.journal_progress()  # not synced by any commit before the power cut
+        q.journal_progress()  # not synced by any commit before the power cut (maybe by the running sync)
 
-    run(crashing())
+    run(crashing())  # asyncio.run waits for the journal sync the commit started
     io.crash(mode, random.Random(7))
     q = FQueue.open(tmp_path, _quiet_cfg(), fileio=io)
     g = q.group("sub")

@@ -410,13 +410,15 @@ def test_missing_group_directory_restarts_the_session_at_the_log_start_not_its_e
 
     async def main() -> None:
         h = Harness(tmp_path)
-        c = h.connected("s1", clean=False, subscribe=Subscribe(1, [("t", 1)]))
+        c = h.connected("s1", clean=False, subscribe=Subscribe(1, [("t", 1), ("$share/g/s", 1)]))
         c.send(Disconnect())
         p = h.connected("pub")
         p.send(*[Publish("t", b"m%d" % i, qos=1, packet_id=i + 1) for i in range(5)])
+        p.send(*[Publish("s", b"s%d" % i, qos=1, packet_id=i + 11) for i in range(3)])
         await h.commit()
-        # The broker stops; the session's group directory is lost (deleted by hand, bad restore).
+        # The broker stops; the groups' directories are lost (deleted by hand, bad restore).
         shutil.rmtree(tmp_path / "groups" / escape_group_name("mqtt-session:s1"))
+        shutil.rmtree(tmp_path / "groups" / escape_group_name("mqtt-share:g"))
         log_ = h.queue.log
         h.queue = FakeQueue(tmp_path / "groups")
         h.queue.log = log_
@@ -424,9 +426,9 @@ def test_missing_group_directory_restarts_the_session_at_the_log_start_not_its_e
         c2 = h.client()
         with caplog.at_level(logging.ERROR, "filemq.broker"):
             assert c2.connect("s1", clean=False).session_present
-        got = [x for x in c2.received() if isinstance(x, Publish)]
-        assert [x.payload for x in got] == [b"m%d" % i for i in range(5)]
-        assert "consumer group" in caplog.text and "missing" in caplog.text
+        got = [x.payload for x in c2.received() if isinstance(x, Publish)]
+        assert sorted(got) == sorted([b"m%d" % i for i in range(5)] + [b"s%d" % i for i in range(3)])
+        assert "'mqtt-session:s1' is missing" in caplog.text and "'mqtt-share:g' is missing" in caplog.text
     run(main())
 
 

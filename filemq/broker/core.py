@@ -452,8 +452,12 @@ class BrokerCore:
                         state.subs[f] = Subscription(f, plain, share, entry.qos, entry.start)
                     state.qos2_uncertain = set(stored.qos2_inbound)
                     state.subs_changed()
+                    for sub in state.subs.values():
+                        if sub.share is not None:
+                            self._recreate_if_missing(cid, SHARE_GROUP_PREFIX + sub.share, (sub.plain,))
                     if state.own_filters():
-                        state.group = self._stored_session_group(cid, state.own_filters())
+                        self._recreate_if_missing(cid, SESSION_GROUP_PREFIX + cid, state.own_filters())
+                        state.group = self._group(SESSION_GROUP_PREFIX + cid, state.own_filters(), True)
                 else:
                     # Written now so a reconnect after a restart reports session_present = 1;
                     # a session that cannot be made durable is refused, not promised (0x03).
@@ -528,17 +532,15 @@ class BrokerCore:
             group.set_filters(filters)
         return self._through_cache(group)
 
-    def _stored_session_group(self, cid: str, filters: tuple[str, ...]) -> ConsumerGroup:
-        """The group of a session loaded from its file. If the group's directory is gone it is
-        re-created at the log's first offset, never at its end: re-delivering what is still
-        retained loses nothing acknowledged, resuming at the end would (issue 10 item 13)."""
-        name = SESSION_GROUP_PREFIX + cid
+    def _recreate_if_missing(self, cid: str, name: str, filters: tuple[str, ...]) -> None:
+        """A group a session loaded from its file needs: if its directory is gone, re-create it
+        at the log's first offset, never at its end: re-delivering what is still retained
+        loses nothing acknowledged, resuming at the end would (issue 10 item 13)."""
         if self.queue.get_group(name) is None:
             log.error("client %r: its session is stored but its consumer group %r is missing (directory "
                       "deleted or unreadable, see `filemq verify`); re-created at the log's first offset %d: "
                       "every retained message is delivered again", cid, name, self.log.first_offset)
-            return self._through_cache(self.queue.group(name, filters, durable=True, start="earliest"))
-        return self._group(name, filters, True)
+            self.queue.group(name, filters, durable=True, start="earliest")
 
     def _through_cache(self, group: ConsumerGroup) -> ConsumerGroup:
         # Groups read the log through the tail cache, so live subscribers never hit the files.

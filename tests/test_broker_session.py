@@ -473,6 +473,20 @@ def test_full_disk_subscribe_that_cannot_be_persisted_closes_cleanly(
         assert c.conn.state == CLOSED and c.transport.closed
         assert "internal error" not in caplog.text
         assert "SUBSCRIBE" in caplog.text and "persist" in caplog.text
+        # Same when the new consumer group's files cannot be written (a clean session too).
+        io.disk_full = False
+
+        def no_space(*args: Any, **kw: Any) -> ConsumerGroup:
+            raise OSError(28, "No space left on device")
+
+        h.queue.group = no_space  # type: ignore[method-assign]
+        caplog.clear()
+        c2 = h.connected("c2", clean=True)
+        with caplog.at_level(logging.ERROR, "filemq.broker"):
+            c2.send(Subscribe(1, [("t", 1)]))
+        assert not [x for x in c2.received() if isinstance(x, Suback)]
+        assert c2.conn.state == CLOSED and "internal error" not in caplog.text
+        assert "SUBSCRIBE refused" in caplog.text
     run(main())
 
 

@@ -638,17 +638,16 @@ class BrokerCore:
             codes.append(qos)
         if new_subs:
             state.subs_changed()
-            self._update_groups(state)
-            for sub in new_subs:
-                self._register(conn, state, sub)
-            if state.persistent:
-                try:
+            try:  # group files (a new session or $share group) and the session file
+                self._update_groups(state)
+                for sub in new_subs:
+                    self._register(conn, state, sub)
+                if state.persistent:
                     self.store.save(state.stored())
-                except OSError as exc:
-                    # No SUBACK for a subscription a restart would forget.
-                    conn.close(f"SUBSCRIBE refused: the session's subscriptions cannot be persisted: {exc}",
-                               will=True, level=logging.ERROR)
-                    return
+            except OSError as exc:
+                # No SUBACK for a subscription whose state is not durable (a restart would forget it).
+                conn.close(f"SUBSCRIBE refused: its state cannot be persisted: {exc}", will=True, level=logging.ERROR)
+                return
         conn.send_packet(Suback(p.packet_id, codes))
         for sub in new_subs:
             self._send_retained(conn, state, sub)

@@ -252,7 +252,20 @@ def record_text(scanned: ScannedRecord, with_payload: bool = False) -> str:
 # ---- status ----------------------------------------------------------------------------
 
 
-def _group_status(directory: Path, first: int, committed: int) -> dict[str, Any]:
+def _journaled(groups_dir: Path) -> dict[str, tuple[int, int]]:
+    """The progress journal's replay (read-only): per group directory, (Pending, Doing)
+    acked after the offset files were last written (see filemq.offsets.ProgressJournal)."""
+    from filemq.offsets import decode_journal
+    from filemq.queue import JOURNAL_FILE
+
+    try:
+        return decode_journal((groups_dir / JOURNAL_FILE).read_bytes())[0]
+    except OSError:
+        return {}
+
+
+def _group_status(directory: Path, first: int, committed: int,
+                  journaled: tuple[int, int] | None = None) -> dict[str, Any]:
     info = read_group_file(directory)
     name = info[0] if info else unescape_group_name(directory.name)
     pending = OffsetFile(directory / PENDING_FILE).inspect()
@@ -262,6 +275,8 @@ def _group_status(directory: Path, first: int, committed: int) -> dict[str, Any]
         problems.append(f"{directory / GROUP_FILE}: missing or damaged")
     # What the broker would resume from: Pending, or the safe fallback (see ConsumerGroup.load).
     effective = pending.value if pending.value is not None else first
+    if journaled is not None:
+        effective = max(effective, journaled[0])  # as ConsumerGroup.load takes it
     effective = min(max(effective, first), committed)
     return {
         "name": name,
@@ -270,6 +285,7 @@ def _group_status(directory: Path, first: int, committed: int) -> dict[str, Any]
         "created": info[2] if info else None,
         "doing": doing.value,
         "pending": pending.value,
+        "journaled_pending": journaled[0] if journaled is not None else None,
         "lag": committed - effective,
         "problems": problems,
     }
@@ -296,7 +312,9 @@ def data_dir_status(path: str | os.PathLike[str]) -> dict[str, Any]:
         lg.close()
     groups: list[dict[str, Any]] = []
     if layout.groups_dir is not None:
-        groups = [_group_status(d, first, committed) for d in group_directories(layout.groups_dir)]
+        journal = _journaled(layout.groups_dir)
+        groups = [_group_status(d, first, committed, journal.get(d.name))
+                  for d in group_directories(layout.groups_dir)]
     return {"log": log_info, "groups": groups}
 
 
@@ -317,6 +335,7 @@ def status_text(status: dict[str, Any]) -> list[str]:
         lines.append(
             f"group {name!r}: doing={g['doing']} pending={g['pending']} lag={g['lag']:,} "
             f"filters={g['filters']}"
+            + (f" (journaled pending={g['journaled_pending']})" if g.get("journaled_pending") is not None else "")
         )
         for problem in g["problems"]:
             lines.append(f"  PROBLEM {problem}")

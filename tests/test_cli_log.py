@@ -259,6 +259,22 @@ def test_verify_reports_a_missing_session_group_and_a_stray_group_directory(tmp_
     assert len(report["problems"]) == 2, problems
 
 
+def test_status_counts_acks_the_progress_journal_holds(data: Path) -> None:
+    """After a crash the journal may be ahead of the offset files: status shows the lag
+    the broker will resume with (Pending 20 in the file, 45 journaled)."""
+    from filemq.offsets import ProgressJournal
+
+    journal = ProgressJournal(data / "groups" / "progress.journal")
+    journal.record([(group_dir(data).name, 45, 50)])
+    journal.close()
+    code, out = invoke("status", str(data), "--json")
+    assert code == 0, out
+    [g] = json.loads(out)["groups"]
+    assert (g["pending"], g["journaled_pending"], g["lag"]) == (20, 45, RECORDS - 45)
+    code, out = invoke("status", str(data))
+    assert "journaled pending=45" in out
+
+
 # ---- the dry-run file layer ------------------------------------------------------------
 
 

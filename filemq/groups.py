@@ -210,6 +210,8 @@ class ConsumerGroup:
         self._last_persist = time.monotonic()
         self._persisted = persisted or OffsetSnapshot(-1, -1)
         self.journaled = (-1, -1)  # (pending, doing) last appended to the progress journal
+        self.progress_dirty = False  # acked since the queue last journaled this group
+        self._dirty_sink: set[ConsumerGroup] | None = None
         self._write_lock = threading.Lock()
         self._closed = False
         self._dropped = False
@@ -576,6 +578,10 @@ class ConsumerGroup:
         if outstanding.pop(offset, None) is None:
             return False
         self._acks += 1
+        if not self.progress_dirty:
+            self.progress_dirty = True
+            if self._dirty_sink is not None:
+                self._dirty_sink.add(self)
         if self._again:
             self._again.discard(offset)
         order = self._order
@@ -585,6 +591,11 @@ class ConsumerGroup:
             while order and order[0] not in outstanding:
                 order.popleft()
         return True
+
+    def report_progress_to(self, sink: set[ConsumerGroup]) -> None:
+        """Add this group to ``sink`` at its first ack after :attr:`progress_dirty` was
+        cleared (the queue's progress journal then looks at these groups only)."""
+        self._dirty_sink = sink
 
     def nack(self, offset: int) -> bool:
         """Give ``offset`` back for redelivery soon (before new records). False if not in flight."""

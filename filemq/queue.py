@@ -69,6 +69,7 @@ class Queue:
         self._fileio = fileio
         self._groups: dict[str, ConsumerGroup] = {}
         self._journal: ProgressJournal | None = None
+        self._progress_dirty: set[ConsumerGroup] = set()  # acked since last journaled
         self._committer: GroupCommitter | None = None
         self._housekeeping: asyncio.Task[None] | None = None
         self._closed = False
@@ -102,6 +103,7 @@ class Queue:
                 log.error("two directories hold consumer group %r; using the first, skipping %s", group.name, directory)
                 continue
             queue._groups[group.name] = group
+            group.report_progress_to(queue._progress_dirty)
         if journal.size:
             queue._compact_journal([(g, g.snapshot()) for g in queue._groups.values() if g.durable])
         journal.replayed.clear()
@@ -218,6 +220,8 @@ class Queue:
                 start=start, config=self.config.group, fileio=self._fileio,
             )
             self._groups[name] = group
+            if durable:
+                group.report_progress_to(self._progress_dirty)
             return group
         if group.durable != durable:
             raise ValueError(
@@ -233,6 +237,7 @@ class Queue:
         group = self._groups.pop(name, None)
         if group is None:
             return False
+        self._progress_dirty.discard(group)  # never journaled after its FORGET record
         if group.durable and group.directory is not None and self._journal is not None:
             self._journal.forget(group.directory.name)
         group.drop()
@@ -262,15 +267,18 @@ class Queue:
         Returns how many groups were journaled. A failed write is logged: it only means more
         redeliveries after a crash."""
         journal = self._journal
-        if journal is None:
+        dirty = self._progress_dirty
+        if journal is None or not dirty:
             return 0
         entries: list[tuple[str, int, int]] = []
-        for g in self._groups.values():
-            if g.durable and g.directory is not None:
+        for g in dirty:  # only groups acked into since the last call: O(busy groups)
+            g.progress_dirty = False
+            if g.directory is not None and self._groups.get(g.name) is g:
                 now = (g.pending_offset, g.doing_offset)
                 if now != g.journaled:
                     g.journaled = now
                     entries.append((g.directory.name, now[0], now[1]))
+        dirty.clear()
         if entries:
             try:
                 journal.record(entries)
@@ -321,7 +329,6 @@ class Queue:
             try:
                 journal = self._journal
                 if journal is not None and journal.size > journal.compact_bytes:
-                    self.journal_progress()
                     snaps = [(g, g.snapshot()) for g in self._groups.values() if g.durable]
                     await asyncio.to_thread(self._compact_journal, snaps)
                 snapshots = self.persist_due()

@@ -11,6 +11,10 @@ What a caller may rely on:
   and runs retention with ``min_needed_offset`` = :meth:`Queue.min_pending`, so age-based
   retention never deletes a record some group has not acked. :meth:`Queue.close` persists
   every group, then commits and closes the log.
+* Acked progress between two offset-file writes goes to ``groups/progress.journal``
+  (:class:`filemq.offsets.ProgressJournal`): :meth:`Queue.journal_progress` appends the
+  groups acked into since its last call, the group commit fdatasyncs it, :meth:`Queue.open`
+  replays it into the offset files and empties it, housekeeping compacts it past 1 MiB.
 * Everything except :meth:`start`, :meth:`close`, :meth:`publish` and
   :meth:`wait_for_records` is a plain method to be called on the event-loop thread.
 """

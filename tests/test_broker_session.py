@@ -1086,3 +1086,48 @@ def test_group_offsets_persisted_soon_after_acks(tmp_path: Path) -> None:
         assert pending.read() == 5
         await h.core.stop_persisting()
     run(main())
+
+
+# ---- protocol conformance: DUP on QoS 0, topic length in bytes, pattern substitution -------------
+
+
+def test_qos0_publish_with_dup_closes_the_connection_mqtt_3_3_1_2(tmp_path: Path) -> None:
+    """MQTT-3.3.1-2: DUP MUST be 0 for QoS 0; a QoS 0 PUBLISH with DUP = 1 is a protocol
+    violation: the connection is closed and nothing is stored or forwarded."""
+    async def main() -> None:
+        h = Harness(tmp_path)
+        s = h.connected("s", subscribe=Subscribe(1, [("t", 0)]))
+        p = h.connected("p")
+        p.send_bytes(b"\x38\x04\x00\x01tx")  # PUBLISH, DUP=1, QoS 0, topic "t", payload "x"
+        assert p.conn.closed and "MQTT-3.3.1-2" in p.conn.close_reason
+        await h.commit()
+        assert h.queue.log.records == [] and s.received() == []
+    run(main())
+
+
+def test_max_topic_length_counts_utf8_bytes(tmp_path: Path) -> None:
+    """``max_topic_length`` is in bytes (docs/CONFIG.md): 4 characters of 3 bytes each are
+    12 bytes, over a limit of 10, for PUBLISH topics and SUBSCRIBE filters alike."""
+    async def main() -> None:
+        h = Harness(tmp_path, max_topic_length=10)
+        s = h.connected("s")
+        s.send(Subscribe(1, [("\u20ac\u20ac\u20ac\u20ac", 0), ("abcdefghij", 0)]))
+        assert s.received() == [Suback(1, [0x80, 0])]
+        p = h.connected("p")
+        p.send(Publish("abcdefghij", b"ok", 1, packet_id=1))  # exactly 10 bytes: allowed
+        p.send(Publish("\u20ac\u20ac\u20ac\u20ac", b"x", 1, packet_id=2))
+        assert p.conn.closed and "12 bytes exceeds max_topic_length 10" in p.conn.close_reason
+        await h.commit()
+        assert [r.topic for r in h.queue.log.records] == ["abcdefghij"]
+    run(main())
+
+
+def test_auto_subscribe_substitutes_in_one_pass(tmp_path: Path) -> None:
+    """A client id containing ``%u`` is inserted literally, not substituted again with the
+    username: the rule ``cmd/%c/#`` subscribes client ``%u`` (user ``alice``) to
+    ``cmd/%u/#``, never to ``cmd/alice/#``."""
+    async def main() -> None:
+        h = Harness(tmp_path, auto_subscribe=(AutoSubscribe("cmd/%c/#", 1),))
+        d = h.connected("%u", clean=False, username="alice")
+        assert d.conn.session is not None and list(d.conn.session.subs) == ["cmd/%u/#"]
+    run(main())

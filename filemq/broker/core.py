@@ -36,6 +36,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
+from filemq.acl import fill_pattern
 from filemq.broker.session import AUTHENTICATING, AWAITING_CONNECT, CONNECTED, Connection
 from filemq.broker.sessions import SessionStore, StoredSession, StoredSubscription
 from filemq.mqtt.codec import ProtocolError, encode, encode_puback, publish_bytes
@@ -91,6 +92,12 @@ _MAX_PUMP = 1000  # records pushed to one connection per wake-up before yielding
 
 def _ack(first: int, packet_id: int) -> bytes:
     return bytes((first, 2, packet_id >> 8, packet_id & 0xFF))
+
+
+def _too_long(topic: str, limit: int) -> bool:
+    """``max_topic_length`` counts UTF-8 bytes (a character is 1-4 of them)."""
+    n = len(topic)
+    return n > limit or (n * 4 > limit and len(topic.encode("utf-8")) > limit)
 
 
 # ---- the publish hook (collector: dedup and CRC checks) -----------------------------------
@@ -477,15 +484,10 @@ class BrokerCore:
     def _auto_subscribe(self, conn: Connection, state: SessionState) -> None:
         changed = False
         for rule in self.config.auto_subscribe:
-            f = rule.filter
-            if "%c" in f:
-                if any(ch in conn.client_id for ch in "+#/"):
-                    continue
-                f = f.replace("%c", conn.client_id)
-            if "%u" in f:
-                if conn.username is None or any(ch in conn.username for ch in "+#/"):
-                    continue
-                f = f.replace("%u", conn.username)
+            filled = fill_pattern(rule.filter, conn.username, conn.client_id)  # one pass
+            if filled is None:
+                continue
+            f = filled
             if f in state.subs:
                 continue
             try:
@@ -597,9 +599,9 @@ class BrokerCore:
                 log.info("client %r: SUBSCRIBE %r refused: %s", conn.client_id, f, exc)
                 codes.append(SUBACK_FAILURE)
                 continue
-            if len(f) > self.config.max_topic_length:
-                log.info("client %r: SUBSCRIBE filter of %d characters refused (max_topic_length %d)",
-                         conn.client_id, len(f), self.config.max_topic_length)
+            if _too_long(f, self.config.max_topic_length):
+                log.info("client %r: SUBSCRIBE filter of %d bytes refused (max_topic_length %d)",
+                         conn.client_id, len(f.encode("utf-8")), self.config.max_topic_length)
                 codes.append(SUBACK_FAILURE)
                 continue
             if not acl.can_subscribe(f):
@@ -677,11 +679,13 @@ class BrokerCore:
         stats = self.stats
         topic = p.topic
         stats.publish_received(topic, time.monotonic())
-        if len(topic) > self.config.max_topic_length:
-            conn.close(f"PUBLISH topic of {len(topic)} characters exceeds max_topic_length "
+        qos = p.qos
+        if p.dup and not qos:
+            raise ProtocolError("QoS 0 PUBLISH with DUP = 1 (MQTT-3.3.1-2)", "PUBLISH")
+        if _too_long(topic, self.config.max_topic_length):
+            conn.close(f"PUBLISH topic of {len(topic.encode('utf-8'))} bytes exceeds max_topic_length "
                        f"{self.config.max_topic_length}", will=True, level=logging.WARNING)
             return
-        qos = p.qos
         if topic[0] == "$":
             log.warning("client %r: PUBLISH to %r dropped: clients may not publish to $-topics",
                         conn.client_id, topic)

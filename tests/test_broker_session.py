@@ -219,6 +219,13 @@ class Harness(Clients):
 
     async def commit(self) -> None:
         self.queue.commit()
+        await self.settle()
+
+    async def settle(self) -> None:
+        """Let commit callbacks and session-file writes (worker threads) finish; flush."""
+        for _ in range(3):
+            await asyncio.sleep(0)
+        await self.core.session_writes_done()
         for _ in range(3):
             await asyncio.sleep(0)
         self.core.flush()
@@ -361,6 +368,7 @@ def test_qos2_inbound_is_stored_once(tmp_path: Path) -> None:
         stored = h.store.load("q2")
         assert stored is not None and stored.qos2_inbound == {5}
         c.send(Pubrel(5))
+        await h.settle()
         assert c.received() == [Pubcomp(5)]
         # After PUBREL the id may be reused for a new message.
         c.send(Publish("t", b"second", qos=2, packet_id=5))
@@ -1130,4 +1138,59 @@ def test_auto_subscribe_substitutes_in_one_pass(tmp_path: Path) -> None:
         h = Harness(tmp_path, auto_subscribe=(AutoSubscribe("cmd/%c/#", 1),))
         d = h.connected("%u", clean=False, username="alice")
         assert d.conn.session is not None and list(d.conn.session.subs) == ["cmd/%u/#"]
+    run(main())
+
+
+def test_qos2_id_reused_after_a_crash_is_stored_before_pubrec(tmp_path: Path) -> None:
+    """Issue 10 item 1 (in-process): after a completed QoS 2 flow (PUBLISH, PUBREC, PUBREL,
+    PUBCOMP) and a crash, a *new* message under the same id with DUP = 1 is stored before its
+    PUBREC: the id's removal was durable before PUBCOMP left, so the session file no longer
+    lists it (no PUBREC for anything not in the log)."""
+    async def main() -> None:
+        h = Harness(tmp_path)
+        c = h.connected("q2", clean=False)
+        c.send(Publish("t", b"first", qos=2, packet_id=1))
+        await h.commit()
+        assert c.received() == [Pubrec(1)]
+        c.send(Pubrel(1))
+        await h.settle()
+        assert c.received() == [Pubcomp(1)]
+        stored = h.store.load("q2")
+        assert stored is not None and stored.qos2_inbound == set()
+        h.core = h.make_core()  # "kill -9": no shutdown save
+        c2 = h.client()
+        assert c2.connect("q2", clean=False).session_present
+        c2.send(Publish("t", b"second", qos=2, packet_id=1, dup=True))
+        await h.commit()
+        assert c2.received() == [Pubrec(1)]
+        assert [r.payload for r in h.queue.log.records] == [b"first", b"second"]
+    run(main())
+
+
+def test_qos2_pubcomp_waits_for_the_durable_removal(tmp_path: Path) -> None:
+    """PUBCOMP leaves only after the session file without the id is written; a failed write
+    sends no PUBCOMP and closes the connection (the client re-sends PUBREL)."""
+    async def main() -> None:
+        h = Harness(tmp_path)
+        c = h.connected("q2", clean=False)
+        c.send(Publish("t", b"m", qos=2, packet_id=3))
+        await h.commit()
+        assert c.received() == [Pubrec(3)]
+        writes = h.store.writes
+        c.send(Pubrel(3), Pubrel(3))
+        assert c.received() == []  # not written yet
+        await h.settle()
+        assert c.received() == [Pubcomp(3), Pubcomp(3)]
+        assert h.store.writes == writes + 1  # both removals in one write
+        c.send(Publish("t", b"m2", qos=2, packet_id=4))
+        await h.commit()
+        assert c.received() == [Pubrec(4)]
+
+        def fail(snap: Any) -> None:
+            raise OSError(28, "No space left on device")
+
+        h.store.write = fail  # type: ignore[method-assign]
+        c.send(Pubrel(4))
+        await h.settle()
+        assert c.received() == [] and c.conn.closed
     run(main())

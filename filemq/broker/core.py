@@ -94,6 +94,17 @@ def _ack(first: int, packet_id: int) -> bytes:
     return bytes((first, 2, packet_id >> 8, packet_id & 0xFF))
 
 
+def _copy_outcome(dst: asyncio.Future[None], src: asyncio.Future[None]) -> None:
+    if dst.done():
+        return
+    if src.cancelled():
+        dst.cancel()
+    elif (exc := src.exception()) is not None:
+        dst.set_exception(exc)
+    else:
+        dst.set_result(None)
+
+
 def _too_long(topic: str, limit: int) -> bool:
     """``max_topic_length`` counts UTF-8 bytes (a character is 1-4 of them)."""
     n = len(topic)
@@ -186,10 +197,13 @@ class SessionState:
         self.group: ConsumerGroup | None = None
         self.inflight: dict[int, Outbound] = {}
         self.next_pid = 1
-        # QoS 2 inbound ids waiting for PUBREL -> the commit future of the stored record.
+        # QoS 2 inbound ids waiting for PUBREL -> the commit future of the stored record
+        # (None: committed long ago, or loaded from the session file, which is exact).
         self.qos2_in: dict[int, asyncio.Future[None] | None] = {}
-        # Ids loaded from disk after a restart: maybe stale (their PUBREL write was lazy).
-        self.qos2_uncertain: set[int] = set()
+        # Commit future -> future that resolves once that commit's QoS 2 ids are written.
+        self.qos2_gates: dict[asyncio.Future[None], asyncio.Future[None]] = {}
+        self.save_next: asyncio.Future[None] | None = None  # the next session-file write
+        self.save_running = False  # a session-file write is in a worker thread
         self.save_due = False  # something changed that should be written lazily
         self.conn: Connection | None = None
         self._qos_cache: dict[str, list[tuple[int, int, str | None]]] = {}
@@ -232,9 +246,6 @@ class SessionState:
         self.next_pid = pid % 0xFFFF + 1
         return pid
 
-    def has_qos2_in(self, fut: asyncio.Future[None]) -> bool:
-        return any(f is fut for f in self.qos2_in.values())
-
     def stored(self) -> StoredSession:
         """What to write; QoS 2 ids whose record is not committed yet are left out (an id on
         disk without its record would make a re-sent PUBLISH look like a duplicate)."""
@@ -245,7 +256,7 @@ class SessionState:
         return StoredSession(
             self.client_id,
             {f: StoredSubscription(s.qos, s.start) for f, s in self.subs.items()},
-            ids | self.qos2_uncertain,
+            ids,
         )
 
 
@@ -320,6 +331,7 @@ class BrokerCore:
         self._acked = False  # group acks since the last persistence nudge
         self._persist_handle: asyncio.TimerHandle | None = None
         self._persist_task: asyncio.Task[None] | None = None
+        self._session_writes: set[asyncio.Future[None]] = set()  # running session-file writes
         self.anonymous_allowed = config.anonymous_allowed()
         queue.add_commit_listener(self._on_committed)
 
@@ -454,7 +466,7 @@ class BrokerCore:
                     for f, entry in stored.subscriptions.items():
                         share, plain = parse_shared(f)
                         state.subs[f] = Subscription(f, plain, share, entry.qos, entry.start)
-                    state.qos2_uncertain = set(stored.qos2_inbound)
+                    state.qos2_in = dict.fromkeys(stored.qos2_inbound)
                     state.subs_changed()
                     if state.own_filters():
                         state.group = self._group(SESSION_GROUP_PREFIX + cid, state.own_filters(), True)
@@ -714,19 +726,17 @@ class BrokerCore:
                 del state.qos2_in[pid]  # its commit failed: nothing was stored, store this one
             if pid in state.qos2_in:
                 # Already stored, PUBREL not seen: PUBREC again, do not store twice (4.3.3).
+                # The set is exact (ids leave it durably before PUBCOMP), so this id names
+                # the stored message; its PUBREC waits until the id is durable too.
+                wait: asyncio.Future[None] | None = None
                 if fut is not None and not fut.done():
-                    conn.queue_ack(fut, _ack(_PUBREC, pid))
-                    if conn.last_batch is not fut:
-                        self._join_batch(conn, fut)
-                else:
-                    conn.queue_ack(None, _ack(_PUBREC, pid))
+                    wait = self._qos2_gate(state, fut) if state.persistent else fut
+                elif state.persistent and (state.save_running or state.save_next is not None):
+                    wait = self._save_soon(state)
+                conn.queue_ack(wait, _ack(_PUBREC, pid))
+                if wait is not None and conn.last_batch is not wait:
+                    self._join_batch(conn, wait)
                 return
-            if pid in state.qos2_uncertain:
-                state.qos2_uncertain.discard(pid)
-                if p.dup:
-                    state.qos2_in[pid] = None
-                    conn.queue_ack(None, _ack(_PUBREC, pid))
-                    return
         payload = p.payload
         hook = self.hook
         if hook is not None:
@@ -761,6 +771,9 @@ class BrokerCore:
             conn.queue_ack(fut, encode_puback(pid), offset)
         else:
             state.qos2_in[pid] = fut
+            if state.persistent:
+                # PUBREC once the record is committed *and* its id is in the session file.
+                fut = self._qos2_gate(state, fut)
             conn.queue_ack(fut, _ack(_PUBREC, pid), offset)
         if conn.last_batch is not fut:
             self._join_batch(conn, fut)
@@ -794,18 +807,81 @@ class BrokerCore:
     def _on_batch_done(self, fut: asyncio.Future[None]) -> None:
         """Release the acks a commit batch covers, connection by connection."""
         conns = self._batches.pop(fut, ())
-        ok = not fut.cancelled() and fut.exception() is None
         for conn in conns:
             if conn.last_batch is fut:
                 conn.last_batch = None
-            state = conn.session
-            if ok and state is not None and state.persistent and state.has_qos2_in(fut):
-                # The record is durable; its id must be too before the PUBREC goes out (also
-                # when this connection was taken over meanwhile: the session is the same).
-                self._save_session(state)
             if not conn.closed:
                 conn.ack_ready()
         self.flush()
+
+    # ---- session-file writes off the event loop -----------------------------------------
+
+    def _qos2_gate(self, state: SessionState, fut: asyncio.Future[None]) -> asyncio.Future[None]:
+        """A future that resolves once commit ``fut`` resolved and then the session file
+        (with the QoS 2 ids ``fut`` stored) was written; one per commit batch and session,
+        so one write covers every QoS 2 PUBREC of the batch (also across a takeover: the
+        session is the same).  Fails as ``fut`` or the write fails."""
+        gate = state.qos2_gates.get(fut)
+        if gate is None:
+            gate = state.qos2_gates[fut] = asyncio.get_running_loop().create_future()
+            fut.add_done_callback(functools.partial(self._qos2_committed, state, gate))
+        return gate
+
+    def _qos2_committed(self, state: SessionState, gate: asyncio.Future[None], fut: asyncio.Future[None]) -> None:
+        state.qos2_gates.pop(fut, None)
+        if fut.cancelled():
+            gate.cancel()
+        elif (exc := fut.exception()) is not None:
+            gate.set_exception(exc)
+        else:
+            self._save_soon(state).add_done_callback(functools.partial(_copy_outcome, gate))
+
+    def _save_soon(self, state: SessionState) -> asyncio.Future[None]:
+        """Write ``state``'s session file in a worker thread, soon (changes made before the
+        write starts are all in it: one write per batch).  The future resolves when it is
+        durable, or fails with the OSError."""
+        fut = state.save_next
+        if fut is None:
+            loop = asyncio.get_running_loop()
+            fut = state.save_next = loop.create_future()
+            if not state.save_running:
+                loop.call_soon(self._start_save, state)
+        return fut
+
+    def _start_save(self, state: SessionState) -> None:
+        fut, state.save_next = state.save_next, None
+        if fut is None:
+            return
+        state.save_running = True
+        state.save_due = False
+        snap = self.store.snapshot(state.stored())
+        job = asyncio.get_running_loop().run_in_executor(None, self.store.write, snap)
+        self._session_writes.add(job)
+        job.add_done_callback(functools.partial(self._save_done, state, fut))
+
+    def _save_done(self, state: SessionState, fut: asyncio.Future[None], job: asyncio.Future[None]) -> None:
+        self._session_writes.discard(job)
+        state.save_running = False
+        exc = None if job.cancelled() else job.exception()
+        if job.cancelled():
+            fut.cancel()
+        elif exc is not None:
+            log.error("client %r: writing the session file failed: %s", state.client_id, exc)
+            fut.set_exception(exc)
+        else:
+            fut.set_result(None)
+        if state.save_next is not None:
+            self._start_save(state)
+
+    async def session_writes_done(self) -> None:
+        """Wait until no session-file write is running or due (tests, shutdown)."""
+        for _ in range(1000):
+            await asyncio.sleep(0)
+            if not self._session_writes:
+                if not any(s.save_next is not None for s in self.sessions.values()):
+                    return
+                continue
+            await asyncio.gather(*self._session_writes, return_exceptions=True)
 
     def _save_session(self, state: SessionState) -> None:
         state.save_due = False
@@ -1040,11 +1116,17 @@ class BrokerCore:
     def on_pubrel(self, conn: Connection, pid: int) -> None:
         state = conn.session
         assert state is not None
-        if state.qos2_in.pop(pid, None) is not None or pid in state.qos2_uncertain:
-            state.qos2_uncertain.discard(pid)
-        if state.persistent:
-            state.save_due = True  # removals are written lazily (see sessions.py)
-        conn.queue_ack(None, _ack(_PUBCOMP, pid))
+        known = pid in state.qos2_in
+        state.qos2_in.pop(pid, None)
+        if state.persistent and (known or state.save_running or state.save_next is not None):
+            # The removal is durable before PUBCOMP, so the id set on disk stays exact: after
+            # PUBCOMP the client may reuse the id for a new message, which must be stored.
+            done = self._save_soon(state)
+            conn.queue_ack(done, _ack(_PUBCOMP, pid))
+            if conn.last_batch is not done:
+                self._join_batch(conn, done)
+        else:
+            conn.queue_ack(None, _ack(_PUBCOMP, pid))
 
     # ---- disconnect ------------------------------------------------------------------------
 

@@ -9,9 +9,10 @@ a reader sees the old or the new version after a crash, never a mix.  What it ho
   added later to a session whose consumer group is behind does not pull in older records.
 * ``qos2_inbound``: packet ids of QoS 2 PUBLISHes that were stored and PUBREC'ed but whose
   PUBREL has not been seen.  Added ids are written *after* the record's commit and *before*
-  the PUBREC goes out; removals (PUBREL) are written lazily with the next write.  So after a
-  crash the set may hold stale ids; the broker treats a loaded id as a duplicate only when
-  the re-sent PUBLISH has DUP = 1 (see docs/BROKER.md, "QoS 2 inbound").
+  the PUBREC goes out; removals are written *before* the PUBCOMP goes out.  So the set on
+  disk is exact: an id in it names a stored message whose PUBREL was not answered, and a
+  PUBLISH with that id can only be a re-send of it (see docs/BROKER.md, "QoS 2 inbound").
+  The broker writes in a worker thread (:meth:`SessionStore.write`), never on the event loop.
 
 The message backlog is not here: it stays in the log, behind the session's consumer group
 (:mod:`filemq.groups`).  Writes happen on SUBSCRIBE/UNSUBSCRIBE and on QoS 2 traffic, never
@@ -23,6 +24,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -101,6 +103,15 @@ class StoredSession:
         return session
 
 
+@dataclass(frozen=True, slots=True)
+class SessionSnapshot:
+    """A session's file content at one moment; ``seq`` orders snapshots of one store."""
+
+    client_id: str
+    seq: int
+    data: bytes
+
+
 class CorruptSession(ValueError):
     """A session file that cannot be parsed; ``path`` and ``reason`` say which and why."""
 
@@ -124,6 +135,10 @@ class SessionStore:
         self._fileio = fileio
         os.makedirs(self.directory, exist_ok=True)
         self.writes = 0
+        self._seq = 0  # snapshot numbers (event loop thread)
+        self._written: dict[str, int] = {}  # client id -> number of the snapshot on disk
+        self._locks: dict[str, threading.Lock] = {}
+        self._locks_lock = threading.Lock()
 
     def path_of(self, client_id: str) -> Path:
         return self.directory / (escape_group_name(client_id) + ".json")
@@ -147,17 +162,45 @@ class SessionStore:
         return session
 
     def save(self, session: StoredSession) -> None:
-        atomic_write(self.path_of(session.client_id), session.to_json(), self._fileio)
-        self.writes += 1
+        self.write(self.snapshot(session))
+
+    def snapshot(self, session: StoredSession) -> SessionSnapshot:
+        """``session`` as it is now, numbered; pass it to :meth:`write` (possibly in a thread).
+
+        Call on the thread that changes the sessions (the event loop): the numbers order the
+        snapshots as the state changed."""
+        self._seq += 1
+        return SessionSnapshot(session.client_id, self._seq, session.to_json())
+
+    def write(self, snap: SessionSnapshot) -> None:
+        """Write ``snap`` durably (any thread).  A snapshot older than the one last written
+        (or than a :meth:`delete`) for the same client is skipped: a slow write never
+        replaces newer state."""
+        with self._lock_of(snap.client_id):
+            if snap.seq <= self._written.get(snap.client_id, 0):
+                return
+            atomic_write(self.path_of(snap.client_id), snap.data, self._fileio)
+            self._written[snap.client_id] = snap.seq
+            self.writes += 1
+
+    def _lock_of(self, client_id: str) -> threading.Lock:
+        with self._locks_lock:
+            lock = self._locks.get(client_id)
+            if lock is None:
+                lock = self._locks[client_id] = threading.Lock()
+            return lock
 
     def delete(self, client_id: str) -> bool:
         """Forget a session (clean_session = 1 discards the old one). True if a file existed."""
-        path = self.path_of(client_id)
-        if not path.exists():
-            return False
-        self._fileio.unlink(path)
-        self._fileio.fsync_dir(self.directory)
-        return True
+        self._seq += 1
+        with self._lock_of(client_id):
+            self._written[client_id] = self._seq  # a write still in flight must not revive it
+            path = self.path_of(client_id)
+            if not path.exists():
+                return False
+            self._fileio.unlink(path)
+            self._fileio.fsync_dir(self.directory)
+            return True
 
     def client_ids(self) -> Iterator[str]:
         """Client ids of every readable stored session (for status output and tests)."""

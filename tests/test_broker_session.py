@@ -710,14 +710,15 @@ def test_random_packet_sequences(tmp_path: Path, ops: list[tuple[Any, ...]]) -> 
                 c.send(Subscribe(op[3], [(op[1], op[2])]))
             elif kind == "unsub":
                 c.send(Unsubscribe(op[2], [op[1]]))
-            elif kind == "puback":
-                c.send(Puback(op[1]))
-            elif kind == "pubrec":
-                c.send(Pubrec(op[1]))
+            elif kind in ("puback", "pubrec", "pubcomp"):
+                assert c.conn.session is not None
+                out = c.conn.session.inflight.get(op[1])
+                fits = out is None or (kind == "puback") == (out.qos == 1) and (
+                    kind != "pubcomp" or out.stage == 1)
+                if fits:  # a wrong one closes the connection (tested on its own)
+                    c.send({"puback": Puback, "pubrec": Pubrec, "pubcomp": Pubcomp}[kind](op[1]))
             elif kind == "pubrel":
                 c.send(Pubrel(op[1]))
-            elif kind == "pubcomp":
-                c.send(Pubcomp(op[1]))
             elif kind == "ping":
                 c.send(Pingreq())
             elif kind == "commit":
@@ -1193,4 +1194,79 @@ def test_qos2_pubcomp_waits_for_the_durable_removal(tmp_path: Path) -> None:
         c.send(Pubrel(4))
         await h.settle()
         assert c.received() == [] and c.conn.closed
+    run(main())
+
+
+# ---- outbound acknowledgements of the wrong type (MQTT-4.8.0-1) ---------------------------------
+
+
+async def _one_delivery(h: Harness, qos: int) -> tuple[Client, Publish]:
+    s = h.connected("s", clean=False, subscribe=Subscribe(1, [("t", 2)]))
+    p = h.connected("p")
+    p.send(Publish("t", b"m", qos, packet_id=1))
+    await h.commit()
+    [m] = s.received()
+    assert isinstance(m, Publish) and m.qos == qos and not m.dup
+    return s, m
+
+
+@pytest.mark.parametrize(
+    ("qos", "acks", "resent"),
+    [
+        (2, [Pubcomp], "publish"),  # PUBCOMP without PUBREC
+        (2, [Puback], "publish"),  # PUBACK to QoS 2
+        (2, [Pubrec, Puback], "pubrel"),  # PUBACK after PUBREL
+        (1, [Pubrec], "publish"),  # PUBREC to QoS 1 (was answered with PUBREL)
+        (1, [Pubcomp], "publish"),  # PUBCOMP to QoS 1
+    ],
+)
+def test_wrong_ack_type_closes_and_keeps_the_message_in_flight_mqtt_4_8_0_1(
+        tmp_path: Path, qos: int, acks: list[Any], resent: str) -> None:
+    """MQTT-4.8.0-1 / 4.3: an acknowledgement that does not fit the packet id's state is a
+    protocol violation: the connection is closed, nothing else is sent, the delivery is not
+    completed, and the persistent session re-sends it on reconnect (PUBLISH with DUP = 1,
+    or PUBREL when PUBREC had been received)."""
+    async def main() -> None:
+        h = Harness(tmp_path)
+        s, m = await _one_delivery(h, qos)
+        pid = m.packet_id
+        assert pid is not None
+        for i, ack in enumerate(acks):
+            s.send(ack(pid))
+            if i < len(acks) - 1:
+                assert s.received() == [Pubrel(pid)] and not s.conn.closed
+        assert s.conn.closed and "MQTT-4.8.0-1" in s.conn.close_reason
+        assert s.received() == []
+        s2 = h.client()
+        assert s2.connect("s", clean=False).session_present
+        again = s2.received()
+        if resent == "publish":
+            assert again == [Publish("t", b"m", qos, False, True, pid)]
+        else:
+            assert again == [Pubrel(pid)]
+    run(main())
+
+
+def test_wrong_ack_in_a_read_of_pubacks_closes(tmp_path: Path) -> None:
+    """The PUBACK fast path (a read of nothing but PUBACKs) applies the same rule."""
+    async def main() -> None:
+        h = Harness(tmp_path)
+        s, m = await _one_delivery(h, 2)
+        assert m.packet_id is not None
+        s.send_bytes(encode(Puback(m.packet_id)))
+        assert s.conn.closed and "MQTT-4.8.0-1" in s.conn.close_reason
+    run(main())
+
+
+def test_acks_for_unknown_packet_ids_are_ignored(tmp_path: Path) -> None:
+    """Policy: an ack for an id not in flight (e.g. for a message re-sent under a new id after
+    a restart, or already completed) is ignored -- not closed -- so legitimate late acks
+    never cost the connection; PUBREC for an unknown id is still answered with PUBREL."""
+    async def main() -> None:
+        h = Harness(tmp_path)
+        s = h.connected("s", clean=False)
+        s.send(Puback(7), Pubcomp(8), Pubrec(9))
+        assert s.received() == [Pubrel(9)] and not s.conn.closed
+        s.send(Pubcomp(9))
+        assert s.received() == [] and not s.conn.closed
     run(main())

@@ -1081,9 +1081,12 @@ class BrokerCore:
         inflight = state.inflight
         for pid in pids:
             out = inflight.get(pid)
-            if out is None or out.qos != 1:
+            if out is None:
                 log.debug("client %r: PUBACK for unknown packet id %d ignored", conn.client_id, pid)
                 continue
+            if out.qos != 1:
+                self._wrong_ack(conn, "PUBACK", pid, out)
+                break
             del inflight[pid]
             if out.group is not None:
                 out.group.ack(out.offset)
@@ -1094,24 +1097,38 @@ class BrokerCore:
         state = conn.session
         assert state is not None
         out = state.inflight.get(pid)
-        if out is not None and out.qos == 2 and out.stage == 0:
+        if out is not None and out.qos != 2:
+            self._wrong_ack(conn, "PUBREC", pid, out)
+            return
+        if out is not None and out.stage == 0:
             out.stage = 1
             if out.group is not None:
                 # The client has the message: the group may move on; only the id is pending.
                 out.group.ack(out.offset)
                 self._acked = True
+        # Also for an unknown id or a repeated PUBREC: PUBREL is idempotent (4.3.3).
         conn.send(_ack(_PUBREL, pid))
 
     def on_pubcomp(self, conn: Connection, pid: int) -> None:
         state = conn.session
         assert state is not None
         out = state.inflight.get(pid)
-        if out is not None and out.qos == 2:
-            del state.inflight[pid]
-            if out.stage == 0 and out.group is not None:
-                out.group.ack(out.offset)
-                self._acked = True
+        if out is None:
+            log.debug("client %r: PUBCOMP for unknown packet id %d ignored", conn.client_id, pid)
+            return
+        if out.qos != 2 or out.stage == 0:
+            self._wrong_ack(conn, "PUBCOMP", pid, out)
+            return
+        del state.inflight[pid]
         self._to_pump.add(conn)
+
+    def _wrong_ack(self, conn: Connection, ack: str, pid: int, out: Outbound) -> None:
+        """An acknowledgement that does not fit the in-flight message's state is a protocol
+        violation (MQTT-4.8.0-1, 4.3): close; the message stays in flight and is re-sent
+        (DUP = 1, or its PUBREL) when the session reconnects."""
+        expected = "PUBACK" if out.qos == 1 else ("PUBREC" if out.stage == 0 else "PUBCOMP")
+        conn.close(f"protocol error: {ack} for packet id {pid}, which awaits {expected} "
+                   f"(QoS {out.qos} delivery; MQTT-4.8.0-1)", will=True, level=logging.WARNING)
 
     def on_pubrel(self, conn: Connection, pid: int) -> None:
         state = conn.session

@@ -242,6 +242,8 @@ class BrokerSection:
     max_packet_size: int = field(default=1 * MIB, metadata=_spec(_int(64, 268_435_455, sizes=True)))
     max_inflight: int = field(default=20, metadata=_spec(_int(1, 65535)))
     max_topic_length: int = field(default=1024, metadata=_spec(_int(1, 65535)))
+    # Largest PUBLISH / will payload in bytes; None = no limit of its own (max_packet_size bounds it).
+    message_size_limit: int | None = field(default=None, metadata=_spec(_int(1, 268_435_455, sizes=True)))
     keepalive_max: int | None = field(default=None, metadata=_spec(_int(1, 65535)))
     tls_port: int = field(default=8883, metadata=_spec(_PORT))
     tls_cert: str | None = field(default=None, metadata=_spec(_str))

@@ -1270,3 +1270,41 @@ def test_acks_for_unknown_packet_ids_are_ignored(tmp_path: Path) -> None:
         s.send(Pubcomp(9))
         assert s.received() == [] and not s.conn.closed
     run(main())
+
+
+# ---- message_size_limit (payload bytes, like Mosquitto's) ----------------------------------------
+
+
+def test_message_size_limit_closes_without_storing_or_acking(tmp_path: Path) -> None:
+    """A PUBLISH whose payload exceeds ``message_size_limit`` closes the connection (MQTT
+    3.1.1 has no negative ack): nothing stored, nothing acknowledged, for every QoS; a payload
+    of exactly the limit is accepted."""
+    async def main() -> None:
+        h = Harness(tmp_path, message_size_limit=100)
+        p = h.connected("p")
+        p.send(Publish("t", b"x" * 100, 1, packet_id=1))
+        await h.commit()
+        assert p.received() == [Puback(1)]
+        for qos in (0, 1, 2):
+            c = h.connected(f"big{qos}", clean=False)
+            c.send(Publish("t", b"x" * 101, qos, packet_id=qos or None))
+            assert c.conn.closed and "message_size_limit 100" in c.conn.close_reason
+            await h.commit()
+            assert c.received() == []
+        assert [len(r.payload) for r in h.queue.log.records] == [100]
+    run(main())
+
+
+def test_message_size_limit_refuses_a_larger_will_at_connect(tmp_path: Path) -> None:
+    """A will payload over ``message_size_limit`` refuses the CONNECT: the connection is
+    closed without CONNACK (3.1.1 has no return code for it) and no session is made."""
+    async def main() -> None:
+        h = Harness(tmp_path, message_size_limit=10)
+        c = h.client()
+        c.send(Connect(client_id="w", clean_session=False, will_topic="w/t", will_payload=b"x" * 11))
+        assert c.received() == [] and c.conn.closed
+        assert "will payload of 11 bytes exceeds message_size_limit 10" in c.conn.close_reason
+        assert h.store.load("w") is None
+        ok = h.client()
+        assert ok.connect("w2", will_topic="w/t", will_payload=b"x" * 10).return_code == 0
+    run(main())

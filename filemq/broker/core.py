@@ -402,6 +402,12 @@ class BrokerCore:
                 validate_topic_name(p.will_topic)
             except InvalidTopic as exc:
                 raise ProtocolError(f"invalid will topic: {exc}", "CONNECT") from None
+            limit = self.config.message_size_limit
+            if limit is not None and len(p.will_payload) > limit:
+                # 3.1.1 has no CONNACK code for it: refused by closing, as Mosquitto does.
+                conn.close(f"CONNECT refused: will payload of {len(p.will_payload)} bytes exceeds "
+                           f"message_size_limit {limit}", will=False, level=logging.WARNING)
+                return
             conn.will = Publish(p.will_topic, p.will_payload, p.will_qos, p.will_retain)
         keepalive = p.keepalive
         kmax = self.config.keepalive_max
@@ -697,6 +703,12 @@ class BrokerCore:
         if _too_long(topic, self.config.max_topic_length):
             conn.close(f"PUBLISH topic of {len(topic.encode('utf-8'))} bytes exceeds max_topic_length "
                        f"{self.config.max_topic_length}", will=True, level=logging.WARNING)
+            return
+        limit = self.config.message_size_limit
+        if limit is not None and len(p.payload) > limit:
+            # 3.1.1 has no negative ack: close; not stored, not acknowledged.
+            conn.close(f"PUBLISH payload of {len(p.payload)} bytes to {topic!r} exceeds message_size_limit "
+                       f"{limit}; not stored, not acknowledged", will=True, level=logging.WARNING)
             return
         if topic[0] == "$":
             log.warning("client %r: PUBLISH to %r dropped: clients may not publish to $-topics",

@@ -23,7 +23,17 @@ import pytest
 
 from bench.broker import run_kill9
 from filemq.mqtt.codec import Decoder, encode
-from filemq.mqtt.packets import Connack, Connect, Puback, Pubcomp, Publish, Pubrec, Pubrel, Suback, Subscribe
+from filemq.mqtt.packets import (
+    Connack,
+    Connect,
+    Puback,
+    Pubcomp,
+    Publish,
+    Pubrec,
+    Pubrel,
+    Suback,
+    Subscribe,
+)
 
 log = logging.getLogger(__name__)
 
@@ -122,7 +132,7 @@ def test_qos2_id_reused_after_kill9_is_stored_before_pubrec(tmp_path: Path) -> N
         got: list[bytes] = []
         for _ in range(2):
             m = sub.next()
-            assert isinstance(m, Publish), m
+            assert isinstance(m, Publish) and m.packet_id is not None, m
             got.append(m.payload)
             sub.send(Puback(m.packet_id))
         assert got == [b"first", b"second"]

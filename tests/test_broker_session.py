@@ -8,6 +8,7 @@ record is committed.  A few tests use the real Queue on a temporary directory.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from pathlib import Path
 from typing import Any
@@ -213,9 +214,22 @@ class Harness(Clients):
         self.core = self.make_core()
 
     def make_core(self) -> BrokerCore:
-        return BrokerCore(self.queue, TailCache(self.queue.log), config=self.config,  # type: ignore[arg-type]
+        core = BrokerCore(self.queue, TailCache(self.queue.log), config=self.config,  # type: ignore[arg-type]
                           store=self.store, retained=self.retained, stats=self.stats, acl=self.acl,
                           publish_hook=self.hook)
+        if not self.threaded_writes:
+            core.session_writer = self._write_inline  # CONNACK of a new session at once
+        return core
+
+    threaded_writes = False
+
+    def _write_inline(self, snap: Any, done: Any) -> None:
+        try:
+            self.store.write(snap)
+        except OSError as exc:
+            done(exc)
+            return
+        done(None)
 
     async def commit(self) -> None:
         self.queue.commit()
@@ -963,6 +977,7 @@ class RealHarness(Clients):
         self.retained.recover(self.queue.log)
         self.core = BrokerCore(self.queue, TailCache(self.queue.log), config=self.config, store=self.store,
                                retained=self.retained, stats=BrokerStats(started_at=0.0), acl=Acl.permissive())
+        self.core.session_writer = functools.partial(Harness._write_inline, self)  # type: ignore[arg-type]
 
     async def restart(self) -> None:
         await self.settle()
@@ -1307,4 +1322,51 @@ def test_message_size_limit_refuses_a_larger_will_at_connect(tmp_path: Path) -> 
         assert h.store.load("w") is None
         ok = h.client()
         assert ok.connect("w2", will_topic="w/t", will_payload=b"x" * 10).return_code == 0
+    run(main())
+
+
+# ---- session files are written off the event loop, before CONNACK ------------------------------
+
+
+def test_new_persistent_session_is_written_off_the_loop_before_connack(tmp_path: Path) -> None:
+    """Issue 10 item 15: creating a persistent session writes (fsyncs) its file in a worker
+    thread, not on the event loop, and CONNACK leaves only once it is durable; packets sent
+    behind the CONNECT wait for it.  A failed write refuses the CONNECT (0x03) and leaves no
+    session behind."""
+    import threading
+
+    async def main() -> None:
+        h = Harness(tmp_path)
+        h.threaded_writes = True
+        h.core = h.make_core()
+        threads: list[threading.Thread] = []
+        real_write = h.store.write
+
+        def write(snap: Any) -> None:
+            threads.append(threading.current_thread())
+            real_write(snap)
+
+        h.store.write = write  # type: ignore[method-assign]
+        c = h.client()
+        c.send(Connect(client_id="new", clean_session=False), Subscribe(1, [("t", 1)]))
+        assert c.received() == []  # not durable yet: no CONNACK
+        await h.settle()
+        assert c.received() == [Connack(False, 0), Suback(1, [1])]
+        assert threads[0] is not threading.main_thread()  # the creation write
+        stored = h.store.load("new")
+        assert stored is not None and "t" in stored.subscriptions
+
+        def fail(snap: Any) -> None:
+            raise OSError(28, "No space left on device")
+
+        h.store.write = fail  # type: ignore[method-assign]
+        bad = h.client()
+        bad.send(Connect(client_id="full", clean_session=False))
+        await h.settle()
+        assert bad.received() == [Connack(False, 0x03)] and bad.conn.closed
+        h.store.write = real_write  # type: ignore[method-assign]
+        again = h.client()
+        again.send(Connect(client_id="full", clean_session=False))
+        await h.settle()
+        assert again.received() == [Connack(False, 0)]  # not "present": nothing was on disk
     run(main())

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from filemq.acl import fill_pattern
 from filemq.broker.session import AUTHENTICATING, AWAITING_CONNECT, CONNECTED, Connection
-from filemq.broker.sessions import SessionStore, StoredSession, StoredSubscription
+from filemq.broker.sessions import SessionSnapshot, SessionStore, StoredSession, StoredSubscription
 from filemq.mqtt.codec import ProtocolError, encode, encode_puback, publish_bytes
 from filemq.mqtt.packets import (
     CONNACK_ACCEPTED,
@@ -46,6 +46,7 @@ from filemq.mqtt.packets import (
     CONNACK_IDENTIFIER_REJECTED,
     CONNACK_NOT_AUTHORIZED,
     CONNACK_RETURN_CODE_NAMES,
+    CONNACK_SERVER_UNAVAILABLE,
     CONNACK_UNACCEPTABLE_PROTOCOL_VERSION,
     SUBACK_FAILURE,
     Connack,
@@ -332,6 +333,10 @@ class BrokerCore:
         self._persist_handle: asyncio.TimerHandle | None = None
         self._persist_task: asyncio.Task[None] | None = None
         self._session_writes: set[asyncio.Future[None]] = set()  # running session-file writes
+        # Writes a session snapshot durably, then calls ``done(None or the exception)``; by
+        # default in a worker thread (never an fsync on the event loop); tests may replace it.
+        self.session_writer: Callable[[SessionSnapshot, Callable[[BaseException | None], None]], None] = (
+            self._write_in_thread)
         self.anonymous_allowed = config.anonymous_allowed()
         queue.add_commit_listener(self._on_committed)
 
@@ -476,11 +481,42 @@ class BrokerCore:
                     state.subs_changed()
                     if state.own_filters():
                         state.group = self._group(SESSION_GROUP_PREFIX + cid, state.own_filters(), True)
-                else:
-                    # Written now so a reconnect after a restart reports session_present = 1.
-                    self._save_session(state)
                 self.sessions[cid] = state
-            self._auto_subscribe(conn, state)
+            # A new session's file, or one auto-subscribe changed, is written before CONNACK
+            # (so a reconnect after a crash reports session_present = 1), in a worker
+            # thread; a write of this session already under way is waited for too.
+            if (self._auto_subscribe(conn, state) or not present or state.save_running
+                    or state.save_next is not None):
+                written = self._save_now(state)
+                if written.done():  # (a writer that runs inline, as in tests)
+                    self._session_written(conn, state, p, present, written)
+                    return
+                conn.state = AUTHENTICATING  # packets arriving meanwhile wait (backlog)
+                written.add_done_callback(functools.partial(self._session_written, conn, state, p, present))
+                return
+        self._connected(conn, state, p, present)
+
+    def _session_written(self, conn: Connection, state: SessionState, p: Connect, present: bool,
+                         done: asyncio.Future[None]) -> None:
+        failed = done.cancelled() or done.exception() is not None
+        if failed and not present and self.sessions.get(state.client_id) is state and state.conn is None:
+            del self.sessions[state.client_id]  # never report a session that is not on disk
+        if conn.closed:
+            return
+        if failed:
+            self._refuse(conn, CONNACK_SERVER_UNAVAILABLE, "writing the session file failed")
+        else:
+            old = self.connections.get(conn.client_id)
+            if old is not None and old is not conn:
+                old.close(f"session taken over by a new connection from {conn.peer}", will=True)
+            conn.state = AWAITING_CONNECT
+            self._connected(conn, state, p, present)
+            conn.resume_after_auth()
+        self.flush()
+
+    def _connected(self, conn: Connection, state: SessionState, p: Connect, present: bool) -> None:
+        """CONNACK (accepted) and the session's start: subscriptions, re-sends, deliveries."""
+        cid = conn.client_id
         conn.session = state
         state.conn = conn
         self.connections[cid] = conn
@@ -499,7 +535,8 @@ class BrokerCore:
                  cid, conn.peer, p.clean_session, conn.keepalive, present)
         self.pump(conn)
 
-    def _auto_subscribe(self, conn: Connection, state: SessionState) -> None:
+    def _auto_subscribe(self, conn: Connection, state: SessionState) -> bool:
+        """Add the auto-subscribe rules' filters; True if any was new (to be written)."""
         changed = False
         for rule in self.config.auto_subscribe:
             filled = fill_pattern(rule.filter, conn.username, conn.client_id)  # one pass
@@ -523,7 +560,7 @@ class BrokerCore:
         if changed:
             state.subs_changed()
             self._update_groups(state)
-            self.store.save(state.stored())
+        return changed
 
     def _discard_persistent(self, cid: str) -> None:
         state = self.sessions.pop(cid, None)
@@ -848,6 +885,13 @@ class BrokerCore:
         else:
             self._save_soon(state).add_done_callback(functools.partial(_copy_outcome, gate))
 
+    def _save_now(self, state: SessionState) -> asyncio.Future[None]:
+        """:meth:`_save_soon`, but started at once when no write of ``state`` is running."""
+        fut = self._save_soon(state)
+        if not state.save_running:
+            self._start_save(state)
+        return fut
+
     def _save_soon(self, state: SessionState) -> asyncio.Future[None]:
         """Write ``state``'s session file in a worker thread, soon (changes made before the
         write starts are all in it: one write per batch).  The future resolves when it is
@@ -867,15 +911,22 @@ class BrokerCore:
         state.save_running = True
         state.save_due = False
         snap = self.store.snapshot(state.stored())
+        self.session_writer(snap, functools.partial(self._save_done, state, fut))
+
+    def _write_in_thread(self, snap: SessionSnapshot, done: Callable[[BaseException | None], None]) -> None:
+        """The default :attr:`session_writer`: ``store.write`` in the loop's executor."""
         job = asyncio.get_running_loop().run_in_executor(None, self.store.write, snap)
         self._session_writes.add(job)
-        job.add_done_callback(functools.partial(self._save_done, state, fut))
 
-    def _save_done(self, state: SessionState, fut: asyncio.Future[None], job: asyncio.Future[None]) -> None:
-        self._session_writes.discard(job)
+        def finished(j: asyncio.Future[None]) -> None:
+            self._session_writes.discard(j)
+            done(asyncio.CancelledError() if j.cancelled() else j.exception())
+
+        job.add_done_callback(finished)
+
+    def _save_done(self, state: SessionState, fut: asyncio.Future[None], exc: BaseException | None) -> None:
         state.save_running = False
-        exc = None if job.cancelled() else job.exception()
-        if job.cancelled():
+        if isinstance(exc, asyncio.CancelledError):
             fut.cancel()
         elif exc is not None:
             log.error("client %r: writing the session file failed: %s", state.client_id, exc)

@@ -1370,3 +1370,19 @@ def test_new_persistent_session_is_written_off_the_loop_before_connack(tmp_path:
         await h.settle()
         assert again.received() == [Connack(False, 0)]  # not "present": nothing was on disk
     run(main())
+
+
+def test_a_session_write_due_when_the_session_is_discarded_does_not_revive_it(tmp_path: Path) -> None:
+    """A session-file write still due (PUBREL) when clean_session = 1 discards the session is
+    dropped: the discarded session's file does not come back."""
+    async def main() -> None:
+        h = Harness(tmp_path)
+        c = h.connected("x", clean=False)
+        c.send(Publish("t", b"m", 2, packet_id=1))
+        await h.commit()
+        assert c.received() == [Pubrec(1)]
+        c.send(Pubrel(1))  # its write is due, not started
+        h.connected("x", clean=True)
+        await h.settle()
+        assert h.store.load("x") is None
+    run(main())

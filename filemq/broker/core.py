@@ -27,6 +27,7 @@ What a caller may rely on:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import secrets
@@ -908,6 +909,9 @@ class BrokerCore:
         fut, state.save_next = state.save_next, None
         if fut is None:
             return
+        if state.persistent and self.sessions.get(state.client_id) is not state:
+            fut.set_result(None)  # discarded meanwhile (clean_session = 1): never revive its file
+            return
         state.save_running = True
         state.save_due = False
         snap = self.store.snapshot(state.stored())
@@ -1306,12 +1310,14 @@ class BrokerCore:
         return [f for f in self._batches if not f.done()]
 
     async def stop_persisting(self) -> None:
-        """Cancel the pending offset nudge and wait for a write in progress (shutdown)."""
+        """Cancel the pending offset nudge; wait for offset and session-file writes in progress (shutdown)."""
         if self._persist_handle is not None:
             self._persist_handle.cancel()
             self._persist_handle = None
         if self._persist_task is not None:
             await asyncio.gather(self._persist_task, return_exceptions=True)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.session_writes_done(), 5.0)  # bounded: a stuck disk
 
     def close_all(self, reason: str) -> None:
         for conn in list(self.conns):

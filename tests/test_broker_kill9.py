@@ -139,3 +139,80 @@ def test_qos2_id_reused_after_kill9_is_stored_before_pubrec(tmp_path: Path) -> N
     finally:
         proc.kill()
         proc.wait(timeout=10)
+
+
+def test_qos2_random_kills_lose_no_pubrecd_message(tmp_path: Path) -> None:
+    """Issue 10 item 1 under random kills: a publisher runs QoS 2 flows cycling through packet
+    ids 1-3, every PUBLISH with DUP = 1 (a client that cannot tell a re-send from a new
+    message); the broker gets SIGKILL at random moments and is restarted.  After a kill the
+    publisher re-sends the interrupted message (same id) or its PUBREL, as 4.4 says.  Every
+    message that got a PUBREC must reach the persistent subscriber."""
+    seed = int(os.environ.get("FILEMQ_KILL9_SEED", random.randrange(1 << 30)))
+    rng = random.Random(seed)
+    proc, port = _start_broker(tmp_path)
+    sub = _Raw(port, Connect(client_id="sub", clean_session=False))
+    sub.send(Subscribe(1, [("t", 1)]))
+    assert sub.next() == Suback(1, [1])
+    sub.close()
+    acked: list[bytes] = []
+    n = 0
+    pending: tuple[int, bytes, bool] | None = None  # (pid, payload, PUBREC received)
+    try:
+        for _ in range(6):
+            pub = _Raw(port, Connect(client_id="pub", clean_session=False))
+            deadline = time.monotonic() + rng.uniform(0.05, 0.3)
+            killed = False
+            try:
+                while True:
+                    if pending is None:
+                        n += 1
+                        pending = (n % 3 + 1, b"m%d" % n, False)
+                    pid, payload, recd = pending
+                    if not recd:
+                        pub.send(Publish("t", payload, 2, dup=True, packet_id=pid))
+                        assert pub.next() == Pubrec(pid)
+                        acked.append(payload)
+                        pending = (pid, payload, True)
+                    late = time.monotonic() > deadline and rng.random() < 0.5
+                    if time.monotonic() > deadline and not late:
+                        proc.kill()  # between PUBREC and PUBREL
+                        killed = True
+                        break
+                    pub.send(Pubrel(pid))
+                    assert pub.next() == Pubcomp(pid)
+                    pending = None
+                    if late:
+                        proc.kill()  # right after PUBCOMP: the id is free for a new message
+                        killed = True
+                        break
+            except (AssertionError, OSError) as exc:
+                assert killed, f"the broker closed the connection without being killed: {exc!r}"
+            proc.kill()
+            proc.wait(timeout=10)
+            pub.close()
+            proc, port = _start_broker(tmp_path)
+        if pending is not None:  # finish the interrupted flow
+            pub = _Raw(port, Connect(client_id="pub", clean_session=False))
+            pid, payload, recd = pending
+            if not recd:
+                pub.send(Publish("t", payload, 2, dup=True, packet_id=pid))
+                assert pub.next() == Pubrec(pid)
+                acked.append(payload)
+            pub.send(Pubrel(pid))
+            assert pub.next() == Pubcomp(pid)
+            pub.close()
+        sub = _Raw(port, Connect(client_id="sub", clean_session=False))
+        got: set[bytes] = set()
+        while not set(acked) <= got:
+            m = sub.next()  # bounded by the socket timeout
+            assert isinstance(m, Publish) and m.packet_id is not None, m
+            got.add(m.payload)
+            sub.send(Puback(m.packet_id))
+        sub.close()
+    except (AssertionError, TimeoutError) as exc:
+        missing = sorted(set(acked) - got) if "got" in locals() else []
+        raise AssertionError(f"seed {seed} (rerun with FILEMQ_KILL9_SEED={seed}); {len(acked)} PUBREC'd, "
+                             f"missing {missing[:10]}: {exc!r}") from exc
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)

@@ -1386,3 +1386,33 @@ def test_a_session_write_due_when_the_session_is_discarded_does_not_revive_it(tm
         await h.settle()
         assert h.store.load("x") is None
     run(main())
+
+
+def test_loaded_qos2_id_suppresses_a_store_only_for_the_same_logged_message(tmp_path: Path) -> None:
+    """Issue 10 item 1: an id read from the session file may suppress a re-store only if it
+    provably names the same message: the log's record at the id's stored offset has the
+    re-sent topic and payload.  An id whose offset holds another message (e.g. a tail lost
+    under fsync = never, offsets reused since) or that has no offset (a file from before
+    offsets were recorded) is stored again -- at worst a duplicate, never a PUBREC for a
+    message that is not in the log."""
+    from filemq.broker.sessions import StoredSession
+
+    async def main() -> None:
+        h = Harness(tmp_path)
+        p = h.connected("p")
+        p.send(Publish("t", b"same", 1, packet_id=1), Publish("t", b"other", 1, packet_id=2))
+        await h.commit()
+        h.store.save(StoredSession("q", {}, {4, 5, 6}, qos2_offsets={4: 0, 5: 1}))
+        c = h.connected("q", clean=False)
+        c.send(Publish("t", b"same", 2, dup=True, packet_id=4),  # offset 0 holds it: duplicate
+               Publish("t", b"new", 2, dup=True, packet_id=5),  # offset 1 holds another message
+               Publish("t", b"old", 2, dup=True, packet_id=6))  # no offset recorded
+        await h.commit()
+        assert c.received() == [Pubrec(4), Pubrec(5), Pubrec(6)]
+        assert [r.payload for r in h.queue.log.records] == [b"same", b"other", b"new", b"old"]
+        stored = h.store.load("q")
+        assert stored is not None and stored.qos2_offsets == {4: 0, 5: 2, 6: 3}
+        c.send(Publish("t", b"new", 2, dup=True, packet_id=5))  # a re-send now: not stored again
+        await h.commit()
+        assert c.received() == [Pubrec(5)] and len(h.queue.log.records) == 4
+    run(main())

@@ -213,6 +213,8 @@ class SessionState:
         # QoS 2 inbound ids waiting for PUBREL -> the commit future of the stored record
         # (None: committed long ago, or loaded from the session file, which is exact).
         self.qos2_in: dict[int, asyncio.Future[None] | None] = {}
+        self.qos2_offsets: dict[int, int] = {}  # QoS 2 inbound id -> its record's offset
+        self.qos2_loaded: set[int] = set()  # ids read from the session file, not yet re-checked
         # Commit future -> future that resolves once that commit's QoS 2 ids are written.
         self.qos2_gates: dict[asyncio.Future[None], asyncio.Future[None]] = {}
         self.save_next: asyncio.Future[None] | None = None  # the next session-file write
@@ -271,6 +273,7 @@ class SessionState:
             {f: StoredSubscription(s.qos, s.start) for f, s in self.subs.items()},
             ids,
             owner=self.owner,
+            qos2_offsets={pid: off for pid, off in self.qos2_offsets.items() if pid in ids},
         )
 
 
@@ -530,6 +533,8 @@ class BrokerCore:
                         share, plain = parse_share_key(f)
                         state.subs[f] = Subscription(f, plain, share, entry.qos, entry.start)
                     state.qos2_in = dict.fromkeys(stored.qos2_inbound)
+                    state.qos2_offsets = dict(stored.qos2_offsets)
+                    state.qos2_loaded = set(stored.qos2_inbound)
                     state.subs_changed()
                     if state.own_filters():
                         state.group = self._group(SESSION_GROUP_PREFIX + cid, state.own_filters(), True)
@@ -829,6 +834,13 @@ class BrokerCore:
             fut = state.qos2_in.get(pid)
             if fut is not None and fut.done() and (fut.cancelled() or fut.exception() is not None):
                 del state.qos2_in[pid]  # its commit failed: nothing was stored, store this one
+            if pid in state.qos2_loaded:
+                # From the session file (a restart): a duplicate only if the log holds this
+                # very message at the id's offset; otherwise it is stored (at worst twice).
+                state.qos2_loaded.discard(pid)
+                if not self._stored_at(state.qos2_offsets.get(pid), p):
+                    del state.qos2_in[pid]
+                    state.qos2_offsets.pop(pid, None)
             if pid in state.qos2_in:
                 # Already stored, PUBREL not seen: PUBREC again, do not store twice (4.3.3).
                 # The set is exact (ids leave it durably before PUBCOMP), so this id names
@@ -876,12 +888,25 @@ class BrokerCore:
             conn.queue_ack(fut, encode_puback(pid), offset)
         else:
             state.qos2_in[pid] = fut
+            state.qos2_offsets[pid] = offset
             if state.persistent:
                 # PUBREC once the record is committed *and* its id is in the session file.
                 fut = self._qos2_gate(state, fut)
             conn.queue_ack(fut, _ack(_PUBREC, pid), offset)
         if conn.last_batch is not fut:
             self._join_batch(conn, fut)
+
+    def _stored_at(self, offset: int | None, p: Publish) -> bool:
+        """Whether the log's record at ``offset`` is ``p`` (same topic and payload)."""
+        if offset is None:
+            return False
+        try:
+            records = self.log.read(offset, 1)
+        except (OSError, ValueError) as exc:
+            log.warning("reading offset %d to check a QoS 2 re-send failed: %s", offset, exc)
+            return False
+        return bool(records) and records[0].offset == offset and records[0].topic == p.topic \
+            and records[0].payload == p.payload
 
     def _ack_now(self, conn: Connection, p: Publish) -> None:
         if p.qos == 1:
@@ -1258,6 +1283,8 @@ class BrokerCore:
         assert state is not None
         known = pid in state.qos2_in
         state.qos2_in.pop(pid, None)
+        state.qos2_offsets.pop(pid, None)
+        state.qos2_loaded.discard(pid)
         if state.persistent and (known or state.save_running or state.save_next is not None):
             # The removal is durable before PUBCOMP, so the id set on disk stays exact: after
             # PUBCOMP the client may reuse the id for a new message, which must be stored.

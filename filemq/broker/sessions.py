@@ -17,6 +17,8 @@ a reader sees the old or the new version after a crash, never a mix.  What it ho
   the PUBREC goes out; removals are written *before* the PUBCOMP goes out.  So the set on
   disk is exact: an id in it names a stored message whose PUBREL was not answered, and a
   PUBLISH with that id can only be a re-send of it (see docs/BROKER.md, "QoS 2 inbound").
+  ``qos2_offsets`` maps each id to its record's log offset, so after a restart the broker
+  checks a re-sent PUBLISH against that record before it answers PUBREC without storing.
   The broker writes in a worker thread (:meth:`SessionStore.write`), never on the event loop.
 
 The message backlog is not here: it stays in the log, behind the session's consumer group
@@ -60,6 +62,8 @@ class StoredSession:
     client_id: str
     subscriptions: dict[str, StoredSubscription] = field(default_factory=dict)
     qos2_inbound: set[int] = field(default_factory=set)
+    # id -> log offset of the stored message (files before this field have none).
+    qos2_offsets: dict[int, int] = field(default_factory=dict)
     owner: str | None = None  # the username that created the session (None: anonymous)
     owner_known: bool = True  # False: a file from before owners were recorded
 
@@ -72,6 +76,7 @@ class StoredSession:
                 f: {"qos": s.qos, "start": s.start} for f, s in sorted(self.subscriptions.items())
             },
             "qos2_inbound": sorted(self.qos2_inbound),
+            "qos2_offsets": {str(pid): off for pid, off in sorted(self.qos2_offsets.items())},
         }
         return json.dumps(body, ensure_ascii=True, separators=(",", ":")).encode("ascii") + b"\n"
 
@@ -110,6 +115,13 @@ class StoredSession:
             if not isinstance(pid, int) or not 0 < pid <= 0xFFFF:
                 raise CorruptSession(path, f"bad QoS 2 packet id {pid!r}")
             session.qos2_inbound.add(pid)
+        offsets = raw.get("qos2_offsets", {})
+        if not isinstance(offsets, dict):
+            raise CorruptSession(path, "qos2_offsets is not an object")
+        for key, off in offsets.items():
+            if not key.isdigit() or int(key) not in session.qos2_inbound or not isinstance(off, int) or off < 0:
+                raise CorruptSession(path, f"bad qos2_offsets entry {key!r}: {off!r}")
+            session.qos2_offsets[int(key)] = off
         return session
 
 

@@ -1416,3 +1416,20 @@ def test_loaded_qos2_id_suppresses_a_store_only_for_the_same_logged_message(tmp_
         await h.commit()
         assert c.received() == [Pubrec(5)] and len(h.queue.log.records) == 4
     run(main())
+
+
+def test_connect_waiting_for_its_session_file_when_a_clean_connect_discards_it(tmp_path: Path) -> None:
+    """A CONNECT whose new session file is still being written when another connection with
+    clean_session = 1 discards that session is refused (0x03), not connected to a session
+    that no longer exists; the clean connection stays."""
+    async def main() -> None:
+        h = Harness(tmp_path)
+        h.threaded_writes = True
+        h.core = h.make_core()
+        a = h.client()
+        a.send(Connect(client_id="x", clean_session=False))
+        b = h.connected("x", clean=True)
+        await h.settle()
+        assert a.received() == [Connack(False, 0x03)] and a.conn.closed
+        assert not b.conn.closed and h.store.load("x") is None
+    run(main())

@@ -566,6 +566,8 @@ class BrokerCore:
             return
         if failed:
             self._refuse(conn, CONNACK_SERVER_UNAVAILABLE, "writing the session file failed")
+        elif self.sessions.get(state.client_id) is not state:
+            self._refuse(conn, CONNACK_SERVER_UNAVAILABLE, "its session was discarded meanwhile (clean_session = 1)")
         else:
             old = self.connections.get(conn.client_id)
             if old is not None and old is not conn:

@@ -239,6 +239,8 @@ class BrokerSection:
     # None = the default rule: anonymous clients only when bound to a loopback address.
     allow_anonymous: bool | None = field(default=None, metadata=_spec(_bool))
     max_connections: int = field(default=1000, metadata=_spec(_POS))
+    # Sockets accepted but not yet CONNECTed, counted apart from max_connections.
+    max_connecting: int = field(default=128, metadata=_spec(_POS))
     max_packet_size: int = field(default=1 * MIB, metadata=_spec(_int(64, 268_435_455, sizes=True)))
     max_inflight: int = field(default=20, metadata=_spec(_int(1, 65535)))
     max_topic_length: int = field(default=1024, metadata=_spec(_int(1, 65535)))

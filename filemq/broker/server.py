@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 from filemq.acl import Acl
 from filemq.auth import PasswordFile
 from filemq.broker.core import SESSION_GROUP_PREFIX, BrokerCore, PublishHook
-from filemq.broker.session import Connection
+from filemq.broker.session import AUTHENTICATING, AWAITING_CONNECT, CONNECTED, Connection
 from filemq.broker.sessions import SessionStore
 from filemq.broker.tailcache import TailCache
 from filemq.config import ConfigError
@@ -48,23 +48,67 @@ RETAINED_IDLE_SNAPSHOT_S = 60.0  # otherwise, to keep the replay at start short
 WRITE_BUFFER_HIGH = 256 * 1024
 
 
+class HalfOpen:
+    """Connections accepted but not yet CONNECTed (or still authenticating), oldest first.
+
+    At most ``limit`` (``max_connecting``) of them: a new socket at the limit closes the
+    oldest one still waiting for its CONNECT, so sockets that never finish a CONNECT cannot
+    lock real clients out (issue 10 item 9); when every one is authenticating, the new
+    socket is refused instead.  Connected clients are counted apart (``max_connections``).
+    """
+
+    __slots__ = ("limit", "conns")
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.conns: dict[Connection, None] = {}  # insertion order = accept order
+
+    def __len__(self) -> int:
+        self._prune()
+        return len(self.conns)
+
+    def _prune(self) -> None:
+        for conn in [c for c in self.conns if c.closed or c.state == CONNECTED]:
+            del self.conns[conn]
+
+    def admit(self, conn: Connection) -> bool:
+        """Register ``conn``; False if it must be refused (all half-open ones authenticating)."""
+        if len(self.conns) >= self.limit:
+            self._prune()
+        while len(self.conns) >= self.limit:
+            oldest = next((c for c in self.conns if c.state == AWAITING_CONNECT), None)
+            if oldest is None:
+                return False
+            del self.conns[oldest]
+            oldest.close(f"max_connecting ({self.limit}) half-open connections reached; the oldest "
+                         f"makes room for a new one", will=False, level=logging.INFO)
+        self.conns[conn] = None
+        return True
+
+
 class _MQTTProtocol(asyncio.Protocol):
     """Bytes between one socket and its :class:`Connection`."""
 
-    __slots__ = ("core", "conn", "max_packet_size", "max_inflight")
+    __slots__ = ("core", "conn", "max_packet_size", "max_inflight", "half_open", "transport",
+                 "reading")
 
-    def __init__(self, core: BrokerCore, max_packet_size: int, max_inflight: int) -> None:
+    def __init__(self, core: BrokerCore, max_packet_size: int, max_inflight: int,
+                 half_open: HalfOpen | None = None) -> None:
         self.core = core
         self.conn: Connection | None = None
         self.max_packet_size = max_packet_size
         self.max_inflight = max_inflight
+        self.half_open = half_open
+        self.transport: asyncio.Transport | None = None
+        self.reading = True
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
         peername = transport.get_extra_info("peername")
         peer = f"{peername[0]}:{peername[1]}" if isinstance(peername, tuple) else str(peername)
         core = self.core
-        if core.at_capacity():
+        # max_connections counts connected clients; half-open sockets have their own cap.
+        if len(core.connections) >= core.config.max_connections:
             log.warning("refusing connection from %s: max_connections (%d) reached",
                         peer, core.config.max_connections)
             transport.close()
@@ -72,8 +116,30 @@ class _MQTTProtocol(asyncio.Protocol):
         transport.set_write_buffer_limits(high=WRITE_BUFFER_HIGH)
         conn = Connection(core, peer, transport, max_packet_size=self.max_packet_size,
                           max_inflight=self.max_inflight)
+        if self.half_open is not None and not self.half_open.admit(conn):
+            log.warning("refusing connection from %s: max_connecting (%d) connections are "
+                        "authenticating", peer, self.half_open.limit)
+            transport.close()
+            return
         self.conn = conn
+        self.transport = transport
+        conn.reading_changed = self._update_reading
         core.new_connection(conn)
+
+    def _update_reading(self) -> None:
+        """Read from the socket only while the connection can take input: not while its
+        password is checked, and not while its output is backed up (issue 10 item 10: a
+        client that never reads must not have its PINGREQs answered without limit)."""
+        conn, transport = self.conn, self.transport
+        if conn is None or transport is None or conn.closed:
+            return
+        want = not conn.paused and conn.state != AUTHENTICATING
+        if want != self.reading:
+            self.reading = want
+            if want:
+                transport.resume_reading()
+            else:
+                transport.pause_reading()
 
     def data_received(self, data: bytes) -> None:
         conn = self.conn
@@ -82,6 +148,7 @@ class _MQTTProtocol(asyncio.Protocol):
         self.core.stats.received_bytes(len(data))
         conn.receive_data(data)
         self.core.flush()
+        self._update_reading()
 
     def eof_received(self) -> bool | None:
         return None  # close the transport; connection_lost follows
@@ -97,11 +164,13 @@ class _MQTTProtocol(asyncio.Protocol):
     def pause_writing(self) -> None:
         if self.conn is not None:
             self.conn.paused = True
+            self._update_reading()
 
     def resume_writing(self) -> None:
         conn = self.conn
         if conn is not None:
             conn.paused = False
+            self._update_reading()
             self.core.pump(conn)
             self.core.flush()
 
@@ -166,8 +235,10 @@ class Broker:
         self.recovery_seconds = time.perf_counter() - started
         loop = asyncio.get_running_loop()
 
+        half_open = HalfOpen(b.max_connecting)
+
         def factory() -> _MQTTProtocol:
-            return _MQTTProtocol(core, b.max_packet_size, b.max_inflight)
+            return _MQTTProtocol(core, b.max_packet_size, b.max_inflight, half_open)
 
         try:
             server = await loop.create_server(factory, b.host, b.port, reuse_address=True, backlog=1024)

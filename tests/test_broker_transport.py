@@ -9,7 +9,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import shutil
 import socket
+import ssl
+import subprocess
+import threading
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -18,9 +22,17 @@ from typing import Any
 import pytest
 
 from filemq.broker import Broker
+from filemq.broker.server import certificate_cn
 from filemq.broker.session import AWAITING_CONNECT, CLOSED, MAX_CONNECT_PACKET
-from filemq.config import Config, load_config
-from filemq.mqtt.client import MQTTClient
+from filemq.config import (
+    Config,
+    ConfigError,
+    Listener,
+    broker_listeners,
+    flag_overrides,
+    load_config,
+)
+from filemq.mqtt.client import ConnectionLost, ConnectionRefused, MQTTClient
 from filemq.mqtt.codec import Decoder, encode
 from filemq.mqtt.packets import Connack, Connect, Pingreq, Publish
 from tests.test_broker_session import Harness
@@ -276,6 +288,249 @@ def test_paused_connection_is_read_again_when_drained(tmp_path: Path) -> None:
                     assert data
                     got += len(data)
             assert got == 2 * n
+            w.close()
+
+    asyncio.run(main())
+
+
+# ---- listeners (issue 11 item 5) ------------------------------------------------------------
+
+needs_openssl = pytest.mark.skipif(shutil.which("openssl") is None,
+                                   reason="openssl CLI is not installed; cannot make test certificates")
+
+
+def _openssl(*args: str) -> None:
+    subprocess.run(["openssl", *args], check=True, capture_output=True, timeout=60)
+
+
+def _ca(d: Path, name: str) -> tuple[Path, Path]:
+    cert, key = d / f"{name}.pem", d / f"{name}.key"
+    _openssl("req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
+             "-keyout", str(key), "-out", str(cert), "-days", "2", "-subj", f"/CN={name}")
+    return cert, key
+
+
+def _signed(d: Path, name: str, cn: str, ca: tuple[Path, Path]) -> tuple[Path, Path]:
+    """A certificate for ``cn`` signed by ``ca``, valid for 127.0.0.1 (server and client use)."""
+    cert, key, csr, ext = d / f"{name}.pem", d / f"{name}.key", d / f"{name}.csr", d / f"{name}.ext"
+    ext.write_text("subjectAltName = IP:127.0.0.1, DNS:localhost\n")
+    _openssl("req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
+             "-keyout", str(key), "-out", str(csr), "-subj", f"/CN={cn}")
+    _openssl("x509", "-req", "-in", str(csr), "-CA", str(ca[0]), "-CAkey", str(ca[1]),
+             "-CAcreateserial", "-out", str(cert), "-days", "2", "-extfile", str(ext))
+    return cert, key
+
+
+def _client_ctx(ca: Path, cert: tuple[Path, Path] | None = None) -> ssl.SSLContext:
+    ctx = ssl.create_default_context(cafile=str(ca))
+    if cert is not None:
+        ctx.load_cert_chain(str(cert[0]), str(cert[1]))
+    return ctx
+
+
+def _load(tmp: Path, text: str, **overrides: Any) -> Config:
+    conf = tmp / "filemq.toml"
+    conf.write_text(text)
+    return load_config(conf, {"data_dir": str(tmp / "data"), **overrides})
+
+
+def test_listener_tables_and_flag_shorthand(tmp_path: Path) -> None:
+    """[[listener]] tables parse into Listener values; the --listener string form gives the
+    same; without them the --host/--port/--tls-* shorthand yields the listener list."""
+    c = _load(tmp_path, '[[listener]]\nport = 1883\n\n[[listener]]\nhost = "127.0.0.2"\nport = 8883\n'
+                        'tls_cert = "c.pem"\ntls_key = "k.pem"\ntls_ca = "ca.pem"\nrequire_certificate = true\n'
+                        'use_identity_as_username = true\n\n[[listener]]\nport = 8080\nprotocol = "websockets"\n')
+    assert c.listener == (
+        Listener(port=1883),
+        Listener(host="127.0.0.2", port=8883, tls_cert="c.pem", tls_key="k.pem", tls_ca="ca.pem",
+                 require_certificate=True, use_identity_as_username=True),
+        Listener(port=8080, protocol="websockets"),
+    )
+    flags = load_config(None, flag_overrides("broker", {"listener": (
+        "127.0.0.1:1883", "127.0.0.2:8883,tls_cert=c.pem,tls_key=k.pem,tls_ca=ca.pem,"
+        "require_certificate=true,use_identity_as_username=true", "127.0.0.1:8080,protocol=websockets")}))
+    assert flags.listener == c.listener and broker_listeners(flags) == c.listener
+    short = load_config(None, {"broker.port": 1999, "broker.tls_cert": "c", "broker.tls_key": "k",
+                               "broker.tls_port": 8999})
+    assert broker_listeners(short) == (Listener(port=1999), Listener(port=8999, tls_cert="c", tls_key="k"))
+
+
+@pytest.mark.parametrize(("text", "words"), [
+    ('[[listener]]\nport = 1\nprotocol = "ws"\n', "protocol must be one of"),
+    ('[[listener]]\nport = 1\nhots = "x"\n', "unknown key 'hots'"),
+    ('[[listener]]\nport = 1\ntls_cert = "c"\n', "TLS needs both"),
+    ('[[listener]]\nport = 1\ntls_cert = "c"\ntls_key = "k"\nrequire_certificate = true\n', "needs tls_ca"),
+    ('[[listener]]\nport = 1\ntls_cert = "c"\ntls_key = "k"\ntls_ca = "a"\nuse_identity_as_username = true\n',
+     "needs require_certificate"),
+    ('[[listener]]\nhost = "0.0.0.0"\nport = 1\n', "no password file"),
+    ('[broker]\nport = 5\n[[listener]]\nport = 1\n', "both set"),
+])
+def test_listener_config_errors(tmp_path: Path, text: str, words: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        _load(tmp_path, text)
+    assert words in str(info.value)
+    assert info.value.line is not None
+
+
+@needs_openssl
+def test_tls_client_certificate_identity_as_username(tmp_path: Path) -> None:
+    """A plain listener and a TLS listener with require_certificate + use_identity_as_username
+    on one broker: a client certificate with CN alice logs in as alice whatever username and
+    password it sends (the password file is not consulted) and gets alice's ACL rights; no
+    certificate, or one from another CA, fails the handshake.  The same bad login on the plain
+    listener gets CONNACK 4."""
+    from filemq.auth import add_or_update
+
+    ca = _ca(tmp_path, "ca")
+    server = _signed(tmp_path, "server", "broker", ca)
+    alice = _signed(tmp_path, "alice", "alice", ca)
+    rogue = _signed(tmp_path, "rogue", "alice", _ca(tmp_path, "rogue-ca"))
+    pw = tmp_path / "passwd"
+    add_or_update(pw, "bob", "bob-secret", iterations=1000)
+    acl = tmp_path / "acl"
+    acl.write_text("user alice\ntopic readwrite alice/#\nuser bob\ntopic read #\n")
+    text = (f'[broker]\npassword_file = "{pw}"\nacl_file = "{acl}"\n\n[[listener]]\nport = 0\n\n'
+            f'[[listener]]\nport = 0\ntls_cert = "{server[0]}"\ntls_key = "{server[1]}"\n'
+            f'tls_ca = "{ca[0]}"\nrequire_certificate = true\nuse_identity_as_username = true\n')
+
+    async def main() -> None:
+        async with running(_load(tmp_path, text)) as b:
+            assert b.core is not None and b.tls_port is not None and b.ports == [b.port, b.tls_port]
+            got: list[Publish] = []
+            watcher = MQTTClient("watch", port=b.port, username="bob", password="bob-secret",
+                                 on_message=got.append)
+            await watcher.connect(timeout=10)
+            await watcher.subscribe([("#", 1)])
+            cert_client = MQTTClient("cert", port=b.tls_port, ssl=_client_ctx(ca[0], alice),
+                                     username="mallory", password="wrong")
+            assert (await cert_client.connect(timeout=10)).return_code == 0
+            assert b.core.connections["cert"].username == "alice"
+            await cert_client.publish("mallory/x", b"denied", qos=1)  # ACL: alice/# only
+            await cert_client.publish("alice/x", b"hello", qos=1)
+            await collect(got, 1)
+            assert [(m.topic, m.payload) for m in got] == [("alice/x", b"hello")]
+            await cert_client.disconnect()
+            for ctx in (_client_ctx(ca[0]), _client_ctx(ca[0], rogue)):
+                c = MQTTClient("nocert", port=b.tls_port, ssl=ctx)
+                with pytest.raises((ssl.SSLError, ConnectionError, ConnectionLost, OSError)):
+                    await c.connect(timeout=10)
+            plain = MQTTClient("plain", port=b.port, username="mallory", password="wrong")
+            with pytest.raises(ConnectionRefused) as refused:
+                await plain.connect(timeout=10)
+            assert refused.value.return_code == 4
+            await watcher.disconnect()
+
+    asyncio.run(main())
+
+
+async def collect(msgs: list[Publish], n: int, timeout: float = 5.0) -> None:
+    async with asyncio.timeout(timeout):
+        while len(msgs) < n:
+            await asyncio.sleep(0.01)
+
+
+def _peer_cn(port: int, ca: Path) -> str | None:
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as raw, \
+            _client_ctx(ca).wrap_socket(raw, server_hostname="127.0.0.1") as s:
+        return certificate_cn(s.getpeercert())
+
+
+@needs_openssl
+def test_reload_tls(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Broker.reload_tls(): new connections get the certificate now in the files, an open one
+    keeps working; files that fail to load keep the previous certificate, and say why."""
+    ca = _ca(tmp_path, "ca")
+    first = _signed(tmp_path, "first", "first", ca)
+    second = _signed(tmp_path, "second", "second", ca)
+    cert, key = tmp_path / "server.pem", tmp_path / "server.key"
+    shutil.copy(first[0], cert)
+    shutil.copy(first[1], key)
+
+    async def main() -> None:
+        async with running(make_config(tmp_path / "d", tls_cert=str(cert), tls_key=str(key), tls_port=0)) as b:
+            assert b.tls_port is not None
+            assert await asyncio.to_thread(_peer_cn, b.tls_port, ca[0]) == "first"
+            open_client = MQTTClient("kept", port=b.tls_port, ssl=_client_ctx(ca[0]))
+            await open_client.connect(timeout=10)
+            shutil.copy(second[0], cert)
+            shutil.copy(second[1], key)
+            assert b.reload_tls()
+            assert await asyncio.to_thread(_peer_cn, b.tls_port, ca[0]) == "second"
+            await open_client.publish("t", b"still here", qos=1)  # the old connection lives on
+            cert.write_text("not a certificate\n")
+            with caplog.at_level(logging.ERROR, "filemq.broker"):
+                assert not b.reload_tls()
+            assert "keeps its previous certificates" in caplog.text and str(cert) in caplog.text
+            assert await asyncio.to_thread(_peer_cn, b.tls_port, ca[0]) == "second"
+            await open_client.disconnect()
+
+    asyncio.run(main())
+
+
+def test_websockets_listener_with_paho(tmp_path: Path) -> None:
+    """MQTT over WebSockets (subprotocol mqtt) on its own listener next to plain TCP, with
+    paho-mqtt's transport="websockets" as the independent client: it connects, subscribes,
+    publishes QoS 1 and receives what a TCP client publishes, and vice versa."""
+    import paho.mqtt.client as paho
+    from paho.mqtt.enums import CallbackAPIVersion
+
+    text = '[[listener]]\nport = 0\n\n[[listener]]\nport = 0\nprotocol = "websockets"\n'
+
+    async def main() -> None:
+        async with running(_load(tmp_path, text)) as b:
+            ws_port = b.ports[1]
+            connected, subscribed = threading.Event(), threading.Event()
+            received: list[tuple[str, bytes]] = []
+            got_one = threading.Event()
+            ws = paho.Client(CallbackAPIVersion.VERSION2, client_id="ws-client", transport="websockets")
+            ws.on_connect = lambda c, u, f, rc, p: connected.set()
+            ws.on_subscribe = lambda c, u, mid, rcs, p: subscribed.set()
+
+            def on_message(c: Any, u: Any, m: Any) -> None:
+                received.append((m.topic, m.payload))
+                got_one.set()
+
+            ws.on_message = on_message
+            # paho's connect blocks on the upgrade: off the loop, which serves it.
+            await asyncio.to_thread(ws.connect, "127.0.0.1", ws_port, 30)
+            ws.loop_start()
+            try:
+                assert await asyncio.to_thread(connected.wait, 10)
+                ws.subscribe("from/tcp", qos=1)
+                assert await asyncio.to_thread(subscribed.wait, 10)
+                tcp_got: list[Publish] = []
+                tcp = MQTTClient("tcp", port=b.port, on_message=tcp_got.append)
+                await tcp.connect(timeout=5)
+                await tcp.subscribe([("from/ws", 1)])
+                big = bytes(range(256)) * 1000  # spans many WebSocket frames / TCP reads
+                info = ws.publish("from/ws", big, qos=1)
+                await asyncio.to_thread(info.wait_for_publish, 10)
+                await collect(tcp_got, 1)
+                assert (tcp_got[0].topic, tcp_got[0].payload) == ("from/ws", big)
+                await tcp.publish("from/tcp", b"hello browser", qos=1)
+                assert await asyncio.to_thread(got_one.wait, 10)
+                assert received == [("from/tcp", b"hello browser")]
+                await tcp.disconnect()
+            finally:
+                ws.disconnect()
+                ws.loop_stop()
+
+    asyncio.run(main())
+
+
+def test_websocket_upgrade_without_mqtt_subprotocol_is_refused(tmp_path: Path) -> None:
+    """An upgrade that does not offer subprotocol mqtt gets HTTP 400 and is closed."""
+    text = '[[listener]]\nport = 0\nprotocol = "websockets"\n'
+
+    async def main() -> None:
+        async with running(_load(tmp_path, text)) as b:
+            r, w = await asyncio.open_connection("127.0.0.1", b.ports[0])
+            w.write(b"GET /mqtt HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+                    b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n"
+                    b"Sec-WebSocket-Protocol: chat\r\n\r\n")
+            head = await asyncio.wait_for(r.readline(), 5)
+            assert head.startswith(b"HTTP/1.1 400")
+            assert await _closed_by_peer(r, 5)
             w.close()
 
     asyncio.run(main())

@@ -84,7 +84,7 @@ class Connection:
         "core", "peer", "transport", "decoder", "state", "out", "client_id", "username",
         "keepalive", "last_rx", "will", "session", "acl", "pending_acks", "closed",
         "close_reason", "publish_will", "paused", "max_inflight", "last_batch",
-        "connected_at", "max_packet_size", "reading_changed",
+        "connected_at", "max_packet_size", "reading_changed", "identity",
     )
 
     def __init__(
@@ -106,6 +106,9 @@ class Connection:
         self.out = bytearray()
         self.client_id = ""
         self.username: str | None = None
+        # The verified client certificate's CN on a use_identity_as_username listener: it is
+        # the username, and the password file is not consulted.
+        self.identity: str | None = None
         self.keepalive = 0
         self.last_rx = time.monotonic() if now is None else now
         self.connected_at = self.last_rx  # the accept: the CONNECT deadline counts from here

@@ -534,3 +534,43 @@ def test_websocket_upgrade_without_mqtt_subprotocol_is_refused(tmp_path: Path) -
             w.close()
 
     asyncio.run(main())
+
+
+@needs_openssl
+def test_secure_websockets_with_client_certificate(tmp_path: Path) -> None:
+    """protocol = "websockets" with TLS and use_identity_as_username (wss://): paho-mqtt over
+    WebSockets with a client certificate logs in as the certificate's CN."""
+    import paho.mqtt.client as paho
+    from paho.mqtt.enums import CallbackAPIVersion
+
+    ca = _ca(tmp_path, "ca")
+    server = _signed(tmp_path, "server", "broker", ca)
+    carol = _signed(tmp_path, "carol", "carol", ca)
+    text = (f'[[listener]]\nport = 0\nprotocol = "websockets"\ntls_cert = "{server[0]}"\n'
+            f'tls_key = "{server[1]}"\ntls_ca = "{ca[0]}"\nrequire_certificate = true\n'
+            f'use_identity_as_username = true\n')
+
+    async def main() -> None:
+        async with running(_load(tmp_path, text)) as b:
+            assert b.core is not None
+            codes: list[int] = []
+            connected = threading.Event()
+
+            def on_connect(c: Any, u: Any, f: Any, rc: Any, p: Any) -> None:
+                codes.append(int(rc.value))
+                connected.set()
+
+            ws = paho.Client(CallbackAPIVersion.VERSION2, client_id="wss-client", transport="websockets")
+            ws.tls_set(ca_certs=str(ca[0]), certfile=str(carol[0]), keyfile=str(carol[1]))
+            ws.on_connect = on_connect
+            await asyncio.to_thread(ws.connect, "127.0.0.1", b.ports[0], 30)
+            ws.loop_start()
+            try:
+                assert await asyncio.to_thread(connected.wait, 10)
+                assert codes == [0]
+                assert b.core.connections["wss-client"].username == "carol"
+            finally:
+                ws.disconnect()
+                ws.loop_stop()
+
+    asyncio.run(main())

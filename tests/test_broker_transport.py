@@ -479,6 +479,7 @@ def test_websockets_listener_with_paho(tmp_path: Path) -> None:
     async def main() -> None:
         async with running(_load(tmp_path, text)) as b:
             ws_port = b.ports[1]
+            assert b.listening == f"127.0.0.1:{b.port} (also ws://127.0.0.1:{ws_port})"
             connected, subscribed = threading.Event(), threading.Event()
             received: list[tuple[str, bytes]] = []
             got_one = threading.Event()

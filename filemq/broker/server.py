@@ -35,7 +35,7 @@ from filemq.broker.core import SESSION_GROUP_PREFIX, BrokerCore, PublishHook
 from filemq.broker.session import AUTHENTICATING, AWAITING_CONNECT, CONNECTED, Connection
 from filemq.broker.sessions import SessionStore
 from filemq.broker.tailcache import TailCache
-from filemq.config import ConfigError, Listener, broker_listeners
+from filemq.config import ConfigError, Listener, broker_listeners, is_loopback
 from filemq.queue import Queue, QueueConfig
 from filemq.retained import RetainedStore
 from filemq.sysinfo import BrokerStats
@@ -305,6 +305,11 @@ class Broker:
             acl=acl, passwords=passwords, publish_hook=self.publish_hook,
         )
         self.core = core
+        if self.config.listener and b.allow_anonymous is None and not all(
+                is_loopback(lst.host) for lst in self.listeners):
+            # The loopback default for anonymous clients looks at broker.host only; with a
+            # listener off loopback, a password file means a login is required.
+            core.anonymous_allowed = False
         core.retained_ready = False  # until the background rebuild below is done
         self.recovery_seconds = time.perf_counter() - started
         loop = asyncio.get_running_loop()
@@ -433,9 +438,16 @@ class Broker:
 
     @property
     def listening(self) -> str:
-        """``host:port`` of the first plain listener (or the first one); see :attr:`ports`."""
+        """``host:port`` of the first plain listener (or the first one); with ``[[listener]]``
+        tables, the others follow as ``(also mqtts://host:port, ws://host:port)``."""
+        bound = [dataclasses.replace(lst, port=p) for lst, p in zip(self.listeners, self.ports, strict=False)]
         plain = [lst for lst in self.listeners if not lst.tls]
-        return f"{(plain or list(self.listeners))[0].host}:{self.port}"
+        first = (plain or list(self.listeners))[0]
+        text = f"{first.host}:{self.port}"
+        if self.config.listener and len(bound) > 1:
+            main = bound[self.listeners.index(first)]
+            text += " (also " + ", ".join(lst.describe() for lst in bound if lst is not main) + ")"
+        return text
 
     def reload_tls(self) -> bool:
         """Rebuild every TLS listener's context from its files (SIGHUP).

@@ -301,7 +301,8 @@ def agent(config_file: str | None, **flags: object) -> None:
 
 @main.command()
 @config_flags("collector", "broker", skip=("broker.host", "broker.port", "broker.password_file",
-                                          "broker.acl_file", "broker.allow_anonymous"))
+                                          "broker.acl_file", "broker.allow_anonymous",
+                                          "broker.max_connections"))
 @click.option("--data-dir", type=click.Path(file_okay=False), default=None, help="Data directory (the WAL).")
 @click.option("--landing", default=None, help="Landing directory (_staging/, incoming/dt=.../).")
 @click.option("--host", default=None, help="Listen address (default 127.0.0.1).")

@@ -19,9 +19,10 @@ What a caller may rely on:
   read filter (every topic it can match is matched by that grant: ``read sensors/#``
   allows ``sensors/+/temp`` but ``read sensors/+/temp`` does not allow ``sensors/#``) and
   no deny filter contains it.  ``$share/<group>/<f>`` is checked as ``f``.
-* When a deny rule only partly overlaps a granted subscription, the broker must also check
-  each delivered message with :meth:`ClientAcl.can_receive`; :attr:`ClientAcl.has_deny`
-  says whether that can matter for this client.
+* The broker checks every delivered message with :meth:`ClientAcl.can_receive` (cached per
+  topic), so a deny rule that only partly overlaps a granted subscription, a session restored
+  under rules that changed, or a read right removed by a reload (SIGHUP) stops deliveries;
+  :attr:`ClientAcl.allow_all` says when no check is needed.
 * A username or client id containing ``+``, ``#`` or ``/`` makes the patterns that use it
   not apply to that client (as Mosquitto), so an id like ``#`` grants nothing extra.
 * Wildcard grants follow the MQTT ``$`` rule: ``read #`` does not cover ``$SYS/...``.
@@ -125,6 +126,12 @@ class ClientAcl:
         self._grants = [r for r in rules or [] if r.access != Access.DENY]
         self._denies = [r for r in rules or [] if r.access == Access.DENY]
         self._publish_cache: dict[str, bool] = {}
+        self._receive_cache: dict[str, bool] = {}
+
+    @property
+    def allow_all(self) -> bool:
+        """True when there is no ACL file: everything is allowed, no check needed."""
+        return self._allow_all
 
     @property
     def has_deny(self) -> bool:
@@ -150,7 +157,13 @@ class ClientAcl:
 
     def can_receive(self, topic: str) -> bool:
         """May a message on ``topic`` be delivered to this client?"""
-        return self._allowed(topic, Access.READ)
+        cached = self._receive_cache.get(topic)
+        if cached is None:
+            cached = self._allowed(topic, Access.READ)
+            if len(self._receive_cache) >= self._CACHE_MAX:
+                self._receive_cache.clear()
+            self._receive_cache[topic] = cached
+        return cached
 
     def can_subscribe(self, topic_filter: str) -> bool:
         """May this client subscribe to ``topic_filter`` (``$share/<g>/<f>`` checks ``f``)?"""

@@ -330,7 +330,8 @@ class BrokerSection:
     port: int = field(default=1883, metadata=_spec(_PORT))
     password_file: str | None = field(default=None, metadata=_spec(_str))
     acl_file: str | None = field(default=None, metadata=_spec(_str))
-    # None = the default rule: anonymous clients only when bound to a loopback address.
+    # None = the default rule: anonymous clients only when no password file is set (and the
+    # validator refuses a non-loopback host without a password file unless this is true).
     allow_anonymous: bool | None = field(default=None, metadata=_spec(_bool))
     max_connections: int = field(default=1000, metadata=_spec(_POS))
     # Sockets accepted but not yet CONNECTed, counted apart from max_connections.
@@ -349,10 +350,12 @@ class BrokerSection:
     )
 
     def anonymous_allowed(self) -> bool:
-        """Whether clients without a username may connect (``allow_anonymous`` or the default)."""
+        """Whether clients without a username may connect: ``allow_anonymous`` when set, else
+        only without a password file (a password file means a login is required, on loopback
+        too)."""
         if self.allow_anonymous is not None:
             return self.allow_anonymous
-        return is_loopback(self.host)
+        return self.password_file is None
 
     @property
     def tls_enabled(self) -> bool:
@@ -381,6 +384,8 @@ class AgentSection:
     metrics_port: int | None = field(default=None, metadata=_spec(_PORT))
     stream: str = field(default="main", metadata=_spec(_str))
     ack_timeout_ms: int = field(default=30_000, metadata=_spec(_POS))
+    # The collector's packet limit (at least 64 MiB): a record too large for it is set aside.
+    upstream_max_packet_size: int = field(default=64 * MIB, metadata=_spec(_int(1024, 268_435_455, sizes=True)))
 
 
 @dataclass(frozen=True)
@@ -397,12 +402,14 @@ class CollectorSection:
     roll_bytes: int = field(default=64 * MIB, metadata=_spec(_SIZE))
     roll_seconds: int = field(default=60, metadata=_spec(_POS))
     metrics_port: int | None = field(default=None, metadata=_spec(_PORT))
+    # None: sized from the file-descriptor limit (filemq.fdlimit), not broker.max_connections.
+    max_connections: int | None = field(default=None, metadata=_spec(_POS))
 
     def anonymous_allowed(self) -> bool:
         """Whether devices without a username may connect (same rule as the broker)."""
         if self.allow_anonymous is not None:
             return self.allow_anonymous
-        return is_loopback(self.host)
+        return self.password_file is None
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,8 @@ COMMANDS: dict[str, tuple[str, tuple[str, ...], set[str]]] = {
     "broker": ("broker", (), set()),
     "agent": ("agent", ("broker",), set()),
     "collector": ("collector", ("broker",), {"broker.host", "broker.port", "broker.password_file",
-                                              "broker.acl_file", "broker.allow_anonymous"}),
+                                              "broker.acl_file", "broker.allow_anonymous",
+                                              "broker.max_connections"}),
     "ingest": ("ingest", (), set()),
 }
 
@@ -66,7 +67,7 @@ def test_agent_broker_keys_and_its_own_keys_do_not_collide(tmp_path: Path) -> No
 
 def test_collector_allow_anonymous_and_ingest_keys(tmp_path: Path) -> None:
     c = _config("collector", ["--allow-anonymous", "true", "--max-connections", "3"])
-    assert c.collector.allow_anonymous is True and c.broker.max_connections == 3
+    assert c.collector.allow_anonymous is True and c.collector.max_connections == 3
     conf = tmp_path / "i.toml"
     conf.write_text('[ingest]\nlanding = "/l"\ntable = "/t"\ncheckpoint = "/c"\nspark_master = "spark://h:7077"\n')
     i = _config("ingest", ["--every", "30", "--table", "/t2"], conf).ingest

@@ -19,7 +19,9 @@ What a caller may rely on:
   at disconnect); a persistent session gets the durable group ``mqtt-session:<client id>`` and
   a :class:`~filemq.broker.sessions.StoredSession` (subscriptions with their start offsets,
   QoS 2 inbound ids).  ``$share/<name>/<filter>`` subscriptions share the durable group
-  ``mqtt-share:<name>``: each record goes to one live member.
+  ``mqtt-share:<name>/<filter>``: a shared subscription is its share name *and* its filter
+  (MQTT 5 §4.8.2), so members with another filter never take its records; each record goes
+  to one live member.
 * Delivered QoS = min(subscription QoS, message QoS); records older than the subscription
   that matches them (its ``start``) are skipped and acked.
 """
@@ -93,6 +95,14 @@ def _ack(first: int, packet_id: int) -> bytes:
     return bytes((first, 2, packet_id >> 8, packet_id & 0xFF))
 
 
+def parse_share_key(topic_filter: str) -> tuple[str | None, str]:
+    """``(share key, plain filter)``: the key of ``$share/<name>/<filter>`` is ``<name>/<filter>``
+    (a shared subscription is named by share name and filter, MQTT 5 §4.8.2); None otherwise.
+    Raises :class:`InvalidTopic` as :func:`~filemq.topics.parse_shared`."""
+    name, plain = parse_shared(topic_filter)
+    return (None if name is None else f"{name}/{plain}"), plain
+
+
 # ---- the publish hook (collector: dedup and CRC checks) -----------------------------------
 
 
@@ -144,7 +154,7 @@ class Subscription:
 
     filter: str  # as the client gave it, ``$share/...`` included
     plain: str  # the filter without the share prefix
-    share: str | None
+    share: str | None  # the share key ``<name>/<filter>`` of a ``$share`` subscription
     qos: int
     start: int
 
@@ -172,9 +182,10 @@ class SessionState:
     """One client id's session; a persistent one outlives its connections (and, through the
     :class:`SessionStore`, the broker process)."""
 
-    def __init__(self, client_id: str, persistent: bool) -> None:
+    def __init__(self, client_id: str, persistent: bool, owner: str | None = None) -> None:
         self.client_id = client_id
         self.persistent = persistent
+        self.owner = owner  # the username that created the session; only it may resume it
         self.subs: dict[str, Subscription] = {}
         self.group: ConsumerGroup | None = None
         self.inflight: dict[int, Outbound] = {}
@@ -239,6 +250,7 @@ class SessionState:
             self.client_id,
             {f: StoredSubscription(s.qos, s.start) for f, s in self.subs.items()},
             ids | self.qos2_uncertain,
+            owner=self.owner,
         )
 
 
@@ -352,6 +364,14 @@ class BrokerCore:
                 conn.transport.write(data)
         self.stats.sent_bytes(sent)
 
+    def set_acl(self, acl: Acl) -> None:
+        """Put a new ACL in force (reload): every connected client's rules are rebuilt at once,
+        so its existing subscriptions deliver only what it may still read."""
+        self.acl = acl
+        for conn in self.conns:
+            if conn.state == CONNECTED:
+                conn.acl = acl.for_client(conn.username, conn.client_id)
+
     def new_connection(self, conn: Connection) -> None:
         self.conns.add(conn)
 
@@ -427,9 +447,42 @@ class BrokerCore:
             self._refuse(conn, CONNACK_BAD_USERNAME_OR_PASSWORD, f"wrong password for user {p.username!r}")
         self.flush()
 
+    def _not_owner(self, conn: Connection, mem: SessionState | None,
+                   stored: StoredSession | None) -> str | None:
+        """Why ``conn``'s user may not take its client id (another user's session), or None."""
+        user, cid = conn.username, conn.client_id
+        old = self.connections.get(cid)
+        if old is not None and old is not conn and old.username != user:
+            return f"client id {cid!r} is connected as user {old.username!r}, not {user!r}"
+        if mem is not None:
+            owner, known, filters = mem.owner, True, list(mem.subs)
+        elif stored is not None:
+            owner, known, filters = stored.owner, stored.owner_known, list(stored.subscriptions)
+        else:
+            return None
+        if known:
+            if owner != user:
+                return f"the session of client id {cid!r} belongs to user {owner!r}, not {user!r}"
+            return None
+        # A session file from before owners were recorded: adopted by the first client whose
+        # ACL allows all its subscriptions (see sessions.py).
+        assert conn.acl is not None
+        denied = [f for f in filters if not conn.acl.can_subscribe(f)]
+        if denied:
+            return (f"the session of client id {cid!r} has no recorded owner and user {user!r} "
+                    f"may not subscribe to its filter {denied[0]!r}")
+        return None
+
     def _accept(self, conn: Connection, p: Connect) -> None:
         cid = conn.client_id
         conn.acl = self.acl.for_client(conn.username, cid)
+        mem = self.sessions.get(cid)
+        stored = self.store.load(cid) if mem is None else None
+        why = self._not_owner(conn, mem, stored)
+        if why is not None:
+            # Neither resumed nor discarded: a session belongs to the user who made it.
+            self._refuse(conn, CONNACK_NOT_AUTHORIZED, why)
+            return
         old = self.connections.get(cid)
         if old is not None and old is not conn:
             # 3.1.4-2: the existing client is disconnected; it did not send DISCONNECT, so
@@ -438,23 +491,25 @@ class BrokerCore:
         present = False
         if p.clean_session:
             self._discard_persistent(cid)
-            state = SessionState(cid, persistent=False)
+            state = SessionState(cid, persistent=False, owner=conn.username)
         else:
-            mem = self.sessions.get(cid)
             if mem is not None:
                 state, present = mem, True
             else:
-                stored = self.store.load(cid)
-                state = SessionState(cid, persistent=True)
+                state = SessionState(cid, persistent=True, owner=conn.username)
                 if stored is not None:
                     present = True
                     for f, entry in stored.subscriptions.items():
-                        share, plain = parse_shared(f)
+                        share, plain = parse_share_key(f)
                         state.subs[f] = Subscription(f, plain, share, entry.qos, entry.start)
                     state.qos2_uncertain = set(stored.qos2_inbound)
                     state.subs_changed()
                     if state.own_filters():
                         state.group = self._group(SESSION_GROUP_PREFIX + cid, state.own_filters(), True)
+                    if not stored.owner_known:
+                        log.warning("client %r: its session file has no owner (written by an older "
+                                    "filemq); adopted by user %r", cid, conn.username)
+                        self._save_session(state)
                 else:
                     # Written now so a reconnect after a restart reports session_present = 1.
                     self._save_session(state)
@@ -493,7 +548,7 @@ class BrokerCore:
             if f in state.subs:
                 continue
             try:
-                share, plain = parse_shared(f)
+                share, plain = parse_share_key(f)
                 validate_topic_filter(plain)
             except InvalidTopic as exc:
                 log.warning("auto-subscribe %r for client %r skipped: %s", rule.filter, conn.client_id, exc)
@@ -595,7 +650,7 @@ class BrokerCore:
         start = self.log.next_offset
         for f, qos in p.topics:
             try:
-                share, plain = parse_shared(f)
+                share, plain = parse_share_key(f)
                 validate_topic_filter(plain)
             except InvalidTopic as exc:
                 log.info("client %r: SUBSCRIBE %r refused: %s", conn.client_id, f, exc)
@@ -643,7 +698,7 @@ class BrokerCore:
             return
         acl = conn.acl
         for m in self.retained.match(sub.plain):
-            if acl is not None and acl.has_deny and not acl.can_receive(m.topic):
+            if acl is not None and not acl.can_receive(m.topic):
                 continue
             qos = min(sub.qos, m.qos)
             if len(state.inflight) >= _MAX_RETAINED_INFLIGHT:
@@ -966,7 +1021,8 @@ class BrokerCore:
         """Send ``records`` (fetched from ``group`` for ``conn``) in one write; records no
         subscription of ``conn`` takes (older than it, or denied by the ACL) are acked."""
         acl = conn.acl
-        check_acl = acl is not None and acl.has_deny
+        # Every delivery is checked against the receiving user's read rights (cached per topic).
+        check_acl = acl is not None and not acl.allow_all
         granted = state.granted_qos
         inflight = state.inflight
         ack = group.ack

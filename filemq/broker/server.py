@@ -31,11 +31,11 @@ from typing import TYPE_CHECKING
 
 from filemq.acl import Acl
 from filemq.auth import PasswordFile
-from filemq.broker.core import SESSION_GROUP_PREFIX, BrokerCore, PublishHook
+from filemq.broker.core import SESSION_GROUP_PREFIX, SHARE_GROUP_PREFIX, BrokerCore, PublishHook
 from filemq.broker.session import AUTHENTICATING, AWAITING_CONNECT, CONNECTED, Connection
 from filemq.broker.sessions import SessionStore
 from filemq.broker.tailcache import TailCache
-from filemq.config import ConfigError, Listener, broker_listeners, is_loopback
+from filemq.config import ConfigError, Listener, broker_listeners
 from filemq.queue import Queue, QueueConfig
 from filemq.retained import RetainedStore
 from filemq.sysinfo import BrokerStats
@@ -298,6 +298,7 @@ class Broker:
         self.queue = queue
         store = SessionStore(self.data_dir)
         self._drop_orphan_session_groups(queue, store)
+        self._migrate_share_groups(queue)
         await queue.start()
         cache = TailCache(queue.log)
         core = BrokerCore(
@@ -305,11 +306,6 @@ class Broker:
             acl=acl, passwords=passwords, publish_hook=self.publish_hook,
         )
         self.core = core
-        if self.config.listener and b.allow_anonymous is None and not all(
-                is_loopback(lst.host) for lst in self.listeners):
-            # The loopback default for anonymous clients looks at broker.host only; with a
-            # listener off loopback, a password file means a login is required.
-            core.anonymous_allowed = False
         core.retained_ready = False  # until the background rebuild below is done
         self.recovery_seconds = time.perf_counter() - started
         loop = asyncio.get_running_loop()
@@ -365,6 +361,26 @@ class Broker:
                 if not store.path_of(client_id).exists():
                     log.warning("consumer group %r has no session file; dropped", group.name)
                     queue.drop_group(group.name)
+
+    @staticmethod
+    def _migrate_share_groups(queue: Queue) -> None:
+        # Before share groups were keyed by (name, filter), `$share/<name>/...` used one group
+        # `mqtt-share:<name>` for every filter. Each of its filters gets its own group
+        # `mqtt-share:<name>/<filter>` starting at the old group's Pending offset (so nothing
+        # unacknowledged is lost; records acked out of order above it may be re-delivered once),
+        # then the old group is dropped. Share names cannot contain '/', so old names have none.
+        for group in queue.groups():
+            rest = group.name[len(SHARE_GROUP_PREFIX):]
+            if not group.name.startswith(SHARE_GROUP_PREFIX) or "/" in rest:
+                continue
+            start = group.pending_offset
+            for f in group.filters:
+                name = f"{SHARE_GROUP_PREFIX}{rest}/{f}"
+                if queue.get_group(name) is None:
+                    queue.group(name, (f,), durable=True, start=start)
+            log.warning("shared-subscription group %r (filters %s) split into one group per filter "
+                        "from offset %d; the old group is dropped", group.name, list(group.filters), start)
+            queue.drop_group(group.name)
 
     def _start_retained_recovery(self, core: BrokerCore, queue: Queue) -> None:
         loop = asyncio.get_running_loop()
@@ -435,6 +451,41 @@ class Broker:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(server.wait_closed(), 2.0)
         log.info("broker stopped")
+
+    def reload(self) -> bool:
+        """Re-read the password file and the ACL file (SIGHUP); no connection is dropped.
+
+        The one place a reload happens (the TLS certificate reload belongs here too). Each file
+        is parsed in full first; one that cannot be read or parsed is logged (ERROR, with the
+        line) and the one in force stays. A new password file applies to every later CONNECT
+        (its login cache starts empty; connected clients stay logged in); a new ACL applies at
+        once to every connected client, existing subscriptions included (every delivery is
+        checked against the receiver's read rights). True when every file was taken.
+        """
+        core = self.core
+        if core is None or self._stopped:
+            return False
+        b = self.config.broker
+        ok = True
+        if b.password_file:
+            try:
+                passwords = PasswordFile.load(b.password_file)
+            except (ConfigError, OSError, ValueError) as exc:
+                ok = False
+                log.error("reload: the password file in force is kept, the new one is not usable: %s", exc)
+            else:
+                core.passwords = passwords
+                log.info("reload: password file %s in force (%d users)", b.password_file, len(passwords.users))
+        if b.acl_file:
+            try:
+                acl = Acl.load(b.acl_file)
+            except (ConfigError, OSError, ValueError) as exc:
+                ok = False
+                log.error("reload: the ACL in force is kept, the new file is not usable: %s", exc)
+            else:
+                core.set_acl(acl)
+                log.info("reload: ACL file %s in force for %d connected clients", b.acl_file, len(core.connections))
+        return ok
 
     @property
     def listening(self) -> str:

@@ -7,6 +7,11 @@ a reader sees the old or the new version after a crash, never a mix.  What it ho
 * ``subscriptions``: filter -> ``{"qos", "start"}``; ``start`` is the log offset from which
   the subscription receives records (the log's next offset at SUBSCRIBE time), so a filter
   added later to a session whose consumer group is behind does not pull in older records.
+* ``owner``: the username (``null`` for anonymous) of the client that created the session.
+  Only that user may resume or discard it; another user with the same client id is refused
+  (CONNACK 0x05).  A file written before this field existed has no owner: the first client
+  that connects with its id adopts it (and the owner is written at once), but only when that
+  client's ACL allows every stored subscription -- otherwise it is refused.
 * ``qos2_inbound``: packet ids of QoS 2 PUBLISHes that were stored and PUBREC'ed but whose
   PUBREL has not been seen.  Added ids are written *after* the record's commit and *before*
   the PUBREC goes out; removals (PUBREL) are written lazily with the next write.  So after a
@@ -53,11 +58,14 @@ class StoredSession:
     client_id: str
     subscriptions: dict[str, StoredSubscription] = field(default_factory=dict)
     qos2_inbound: set[int] = field(default_factory=set)
+    owner: str | None = None  # the username that created the session (None: anonymous)
+    owner_known: bool = True  # False: a file from before owners were recorded
 
     def to_json(self) -> bytes:
         body: dict[str, Any] = {
             "format": SESSION_FORMAT,
             "client_id": self.client_id,
+            "owner": self.owner,
             "subscriptions": {
                 f: {"qos": s.qos, "start": s.start} for f, s in sorted(self.subscriptions.items())
             },
@@ -79,7 +87,9 @@ class StoredSession:
         ids = raw.get("qos2_inbound")
         if not isinstance(client_id, str) or not isinstance(subs, dict) or not isinstance(ids, list):
             raise CorruptSession(path, "client_id, subscriptions or qos2_inbound missing or of the wrong type")
-        session = cls(client_id)
+        if "owner" in raw and raw["owner"] is not None and not isinstance(raw["owner"], str):
+            raise CorruptSession(path, "owner is not a username")
+        session = cls(client_id, owner=raw.get("owner"), owner_known="owner" in raw)
         for topic_filter, sub in subs.items():
             try:
                 _, plain = parse_shared(topic_filter)

@@ -575,3 +575,26 @@ def test_secure_websockets_with_client_certificate(tmp_path: Path) -> None:
                 ws.loop_stop()
 
     asyncio.run(main())
+
+
+def test_websocket_upgrade_is_under_the_connect_deadline(tmp_path: Path) -> None:
+    """A WebSocket connection is a half-open connection from the accept: an upgrade request
+    trickled in forever is cut off at the CONNECT deadline like a slow CONNECT."""
+    text = '[[listener]]\nport = 0\nprotocol = "websockets"\n'
+
+    async def main() -> None:
+        async with running(_load(tmp_path, text)) as b:
+            assert b.core is not None
+            b.core.connect_timeout = 0.5
+            r, w = await asyncio.open_connection("127.0.0.1", b.ports[0])
+            request = b"GET /mqtt HTTP/1.1\r\nHost: x\r\n"
+            closed = False
+            for i in range(len(request)):  # a byte every 0.1 s: well inside any idle timeout
+                w.write(request[i:i + 1])
+                if await _closed_by_peer(r, 0.1):
+                    closed = True
+                    break
+            assert closed
+            w.close()
+
+    asyncio.run(main())

@@ -66,10 +66,6 @@ class HalfOpen:
         self.limit = limit
         self.conns: dict[Connection, None] = {}  # insertion order = accept order
 
-    def __len__(self) -> int:
-        self._prune()
-        return len(self.conns)
-
     def _prune(self) -> None:
         for conn in [c for c in self.conns if c.closed or c.state == CONNECTED]:
             del self.conns[conn]

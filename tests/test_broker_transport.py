@@ -454,7 +454,7 @@ def test_reload_tls(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
             await open_client.connect(timeout=10)
             shutil.copy(second[0], cert)
             shutil.copy(second[1], key)
-            assert b.reload_tls()
+            assert b.reload()  # what SIGHUP calls: password file, ACL and TLS files
             assert await asyncio.to_thread(_peer_cn, b.tls_port, ca[0]) == "second"
             await open_client.publish("t", b"still here", qos=1)  # the old connection lives on
             cert.write_text("not a certificate\n")

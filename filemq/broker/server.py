@@ -449,9 +449,10 @@ class Broker:
         log.info("broker stopped")
 
     def reload(self) -> bool:
-        """Re-read the password file and the ACL file (SIGHUP); no connection is dropped.
+        """Re-read the password file, the ACL file and every TLS listener's certificate files
+        (SIGHUP); no connection is dropped.
 
-        The one place a reload happens (the TLS certificate reload belongs here too). Each file
+        The one place a reload happens (TLS: :meth:`reload_tls`). Each file
         is parsed in full first; one that cannot be read or parsed is logged (ERROR, with the
         line) and the one in force stays. A new password file applies to every later CONNECT
         (its login cache starts empty; connected clients stay logged in); a new ACL applies at
@@ -481,6 +482,8 @@ class Broker:
             else:
                 core.set_acl(acl)
                 log.info("reload: ACL file %s in force for %d connected clients", b.acl_file, len(core.connections))
+        if not self.reload_tls():
+            ok = False
         return ok
 
     @property

@@ -91,7 +91,8 @@ def broker_config(config: Config) -> Config:
     max_connections = c.max_connections
     if max_connections is None:
         soft, _ = raise_nofile_limit()
-        max_connections = connection_capacity(soft)
+        # Sockets still in their CONNECT (up to broker.max_connecting) hold descriptors too.
+        max_connections = max(1, connection_capacity(soft) - config.broker.max_connecting)
     broker = dataclasses.replace(
         config.broker,
         max_connections=max_connections,

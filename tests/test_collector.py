@@ -619,8 +619,9 @@ def test_a_failed_offset_write_is_retried_without_landing_twice(tmp_path: Path) 
 
 def test_collector_sizes_max_connections_from_the_fd_limit(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """A collector serves a fleet: unless collector.max_connections is set, its limit comes from
-    RLIMIT_NOFILE (soft raised to hard where allowed) minus a reserve for its own files, not
-    the device broker's 1,000; the capacity is logged at start."""
+    RLIMIT_NOFILE (soft raised to hard where allowed) minus a reserve for its own files and for
+    sockets still in their CONNECT (broker.max_connecting), not the device broker's 1,000; the
+    capacity is logged at start."""
     import resource
 
     from filemq.fdlimit import FD_RESERVE
@@ -630,7 +631,9 @@ def test_collector_sizes_max_connections_from_the_fd_limit(tmp_path: Path, caplo
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
     if hard != resource.RLIM_INFINITY:
         assert soft == hard  # raised (allowed: an unprivileged process may raise soft to hard)
-    assert collector.broker.config.broker.max_connections == soft - FD_RESERVE > 1000
+    connecting = collector.broker.config.broker.max_connecting
+    capacity = soft - FD_RESERVE - connecting
+    assert collector.broker.config.broker.max_connections == capacity > 1000
     explicit = Collector(config(tmp_path / "x", **{"collector.max_connections": 20_000}))
     assert explicit.broker.config.broker.max_connections == 20_000
 
@@ -640,7 +643,7 @@ def test_collector_sizes_max_connections_from_the_fd_limit(tmp_path: Path, caplo
 
     caplog.set_level("INFO")
     run(start_stop())
-    assert f"up to {soft - FD_RESERVE} device connections" in caplog.text
+    assert f"up to {capacity} device connections" in caplog.text
 
 
 def test_fd_limit_raise_and_capacity(monkeypatch: pytest.MonkeyPatch) -> None:

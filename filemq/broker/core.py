@@ -443,6 +443,10 @@ class BrokerCore:
         if kmax is not None and (keepalive == 0 or keepalive > kmax):
             keepalive = kmax
         conn.keepalive = keepalive
+        if conn.identity is not None:  # use_identity_as_username: the certificate logged in
+            conn.username = conn.identity
+            self._accept(conn, p)
+            return
         passwords = self.passwords
         if p.username is None:
             if passwords is not None and not self.anonymous_allowed:

@@ -520,9 +520,8 @@ def verify_data_dir(path: str | os.PathLike[str], repair: bool = False) -> Verif
 def _check_session_groups(groups_dir: Path, report: VerifyReport) -> None:
     """A broker data dir: every stored session with subscriptions has its group directory,
     and every MQTT group directory has an owner (a stray one pins retention for ever)."""
-    from filemq.broker.core import SESSION_GROUP_PREFIX, SHARE_GROUP_PREFIX
+    from filemq.broker.core import SESSION_GROUP_PREFIX, SHARE_GROUP_PREFIX, parse_share_key
     from filemq.broker.sessions import SESSIONS_DIR, CorruptSession, StoredSession
-    from filemq.topics import parse_shared
 
     sessions_dir = groups_dir.parent / SESSIONS_DIR
     if not sessions_dir.is_dir():
@@ -534,7 +533,7 @@ def _check_session_groups(groups_dir: Path, report: VerifyReport) -> None:
         except (OSError, CorruptSession):
             continue
         for f in session.subscriptions:
-            share, _plain = parse_shared(f)
+            share, _plain = parse_share_key(f)
             if share is None:
                 wanted[SESSION_GROUP_PREFIX + session.client_id] = f"session {session.client_id!r}"
             else:

@@ -98,11 +98,11 @@ class FakeQueue:
     def add_commit_listener(self, cb: Any) -> None:
         self._listeners.append(cb)
 
-    def group(self, name: str, filters: Any = None, durable: bool = True) -> ConsumerGroup:
+    def group(self, name: str, filters: Any = None, durable: bool = True, start: Any = "latest") -> ConsumerGroup:
         g = self._groups.get(name)
         if g is None:
             g = ConsumerGroup.create(name, self.log, self.groups_dir, filters=filters or ("#",),
-                                     durable=durable)
+                                     durable=durable, start=start)
             self._groups[name] = g
         return g
 

@@ -289,12 +289,14 @@ class BrokerCore:
         self.retained_ready = True
         self.retained_changes = 0  # retained records routed so far (snapshot trigger)
         self._retained_buffer: list[Record] = []
-        self._retained_waiting: list[tuple[Connection, SessionState, Subscription]] = []
+        self._retained_waiting: list[tuple[Connection, SessionState, Subscription, int]] = []
         self.stats = stats
         self.acl = acl
         self.passwords = passwords
         self.hook = publish_hook
-        self._group_factory = group_factory or (lambda n, f, d: queue.group(n, f, durable=d))
+        # New groups start at the routed offset, as new subscriptions do (see on_subscribe).
+        self._group_factory = group_factory or (
+            lambda n, f, d: queue.group(n, f, durable=d, start=self._routed))
         self.connect_timeout = 10.0
         self.conns: set[Connection] = set()
         self.connections: dict[str, Connection] = {}  # client id -> live connection
@@ -305,6 +307,7 @@ class BrokerCore:
         self._dirty: set[Connection] = set()
         self._pending: deque[tuple[Record, asyncio.Future[None]]] = deque()
         self._routed = self.log.committed_offset
+        cache.limit = self._routed  # groups see a record only once it is routed
         self._batches: dict[asyncio.Future[None], set[Connection]] = {}
         self._clean_ids = 0
         self._repump: set[Connection] = set()
@@ -498,7 +501,7 @@ class BrokerCore:
             if not conn.acl.can_subscribe(f):
                 log.warning("auto-subscribe %r for client %r denied by the ACL", f, conn.client_id)
                 continue
-            state.subs[f] = Subscription(f, plain, share, rule.qos, self.log.next_offset)
+            state.subs[f] = Subscription(f, plain, share, rule.qos, self._routed)
             changed = True
         if changed:
             state.subs_changed()
@@ -588,7 +591,11 @@ class BrokerCore:
         assert state is not None and acl is not None
         codes: list[int] = []
         new_subs: list[Subscription] = []
-        start = self.log.next_offset
+        # MQTT-3.3.1-6: records routed before this point are in the retained store, records
+        # from it on are delivered live (groups never read past it, see TailCache.limit), so
+        # a retained message is never neither.  next_offset would skip appended records that
+        # are not committed yet, while the retained store only has committed ones.
+        start = self._routed
         for f, qos in p.topics:
             try:
                 share, plain = parse_shared(f)
@@ -623,10 +630,12 @@ class BrokerCore:
                 self.store.save(state.stored())
         conn.send_packet(Suback(p.packet_id, codes))
         for sub in new_subs:
-            self._send_retained(conn, state, sub)
+            self._send_retained(conn, state, sub, start)
         self.pump(conn)
 
-    def _send_retained(self, conn: Connection, state: SessionState, sub: Subscription) -> None:
+    def _send_retained(self, conn: Connection, state: SessionState, sub: Subscription, below: int) -> None:
+        """Send the retained messages ``sub`` matches that were stored below offset ``below``
+        (the routed offset at SUBSCRIBE time): later ones reach it live."""
         if sub.share is not None:
             return  # retained messages are not sent for shared subscriptions (as MQTT 5)
         if sub.plain.startswith("$SYS"):
@@ -635,10 +644,12 @@ class BrokerCore:
                     conn.send(encode(Publish(topic, payload, 0, True)))
             return
         if not self.retained_ready:
-            self._retained_waiting.append((conn, state, sub))
+            self._retained_waiting.append((conn, state, sub, below))
             return
         acl = conn.acl
         for m in self.retained.match(sub.plain):
+            if m.offset >= below:
+                continue  # routed after the SUBSCRIBE (store rebuilt late): delivered live
             if acl is not None and acl.has_deny and not acl.can_receive(m.topic):
                 continue
             qos = min(sub.qos, m.qos)
@@ -840,6 +851,7 @@ class BrokerCore:
             records.extend(self._read_gap(routed, committed))
             routed = committed
         self._routed = max(routed, self._routed)
+        self.cache.limit = self._routed
         if records:
             self._route(records)
 
@@ -888,9 +900,9 @@ class BrokerCore:
         self.retained = store
         self.retained_ready = True
         waiting, self._retained_waiting = self._retained_waiting, []
-        for conn, state, sub in waiting:
+        for conn, state, sub, below in waiting:
             if not conn.closed and state.conn is conn and state.subs.get(sub.filter) is sub:
-                self._send_retained(conn, state, sub)
+                self._send_retained(conn, state, sub, below)
         self.flush()
 
     # ---- delivery --------------------------------------------------------------------------

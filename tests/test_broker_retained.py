@@ -204,3 +204,84 @@ def test_retained_waiting_for_the_rebuild_are_not_sent_twice(tmp_path: Path) -> 
         h.core.retained_recovered(RetainedStore(tmp_path))
         assert s.received() == []
     run(main())
+
+
+# ---- retained amplification (issue 10 item 8) ---------------------------------------------------
+
+
+class _PausingTransport:
+    """Buffers writes like asyncio's transport; over ``high`` bytes it pauses the connection
+    (what ``pause_writing`` does in the server) until the test drains it."""
+
+    def __init__(self, high: int) -> None:
+        self.high = high
+        self.buffered = 0
+        self.data = bytearray()
+        self.conn: Any = None
+        self.closed = False
+
+    def write(self, data: bytes) -> None:
+        self.buffered += len(data)
+        self.data += data
+        if self.buffered > self.high and self.conn is not None:
+            self.conn.paused = True
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_subscribes_of_a_client_that_does_not_read_queue_bounded_retained_bytes(tmp_path: Path) -> None:
+    """20 big retained messages and a client that never reads sending 30 SUBSCRIBEs to them:
+    the broker hands its transport at most about one high-water mark of retained PUBLISHes
+    (not 30 x 20 x 32 KiB); once the client reads, every retained message arrives, newest
+    values, retain = 1 (MQTT-3.3.1-8), QoS 1 ones within the in-flight window."""
+    from filemq.broker.core import RETAINED_OUT_HIGH
+    from filemq.broker.session import Connection
+    from filemq.mqtt.packets import Puback
+    from tests.test_broker_session import Harness, run
+
+    size = 32 * 1024
+
+    async def main() -> None:
+        h = Harness(tmp_path)
+        p = h.connected("p")
+        for i in range(20):
+            p.send(Publish(f"ret/{i}", bytes([i]) * size, 1, True, packet_id=i + 1))
+        await h.commit()
+        t = _PausingTransport(high=64 * 1024)
+        conn = Connection(h.core, "10.0.0.9:1", t, max_inflight=h.config.max_inflight)
+        t.conn = conn
+        h.core.new_connection(conn)
+        conn.receive_data(encode(Connect(client_id="slow")))
+        h.core.flush()
+        for i in range(30):
+            conn.receive_data(encode(Subscribe(i + 1, [("ret/#", i % 2)])))
+            h.core.flush()
+            for _ in range(3):
+                await asyncio.sleep(0)  # scheduled re-pumps run (and find the transport paused)
+        assert t.buffered <= t.high + RETAINED_OUT_HIGH + size + 4096, t.buffered
+        # The client reads now: drain like resume_writing does until nothing more comes.
+        dec = Decoder(server=False)
+        got: list[Any] = []
+        for _ in range(10_000):
+            dec.feed(bytes(t.data))
+            t.data.clear()
+            t.buffered = 0
+            new = dec.packets()
+            got.extend(new)
+            acks = [Puback(m.packet_id) for m in new if isinstance(m, Publish) and m.qos]
+            conn.paused = False
+            if acks:
+                conn.receive_data(b"".join(encode(a) for a in acks))
+            h.core.pump(conn)
+            h.core.flush()
+            for _ in range(3):
+                await asyncio.sleep(0)
+            if not t.data:
+                break
+        pubs = [m for m in got if isinstance(m, Publish)]
+        assert {m.topic for m in pubs} == {f"ret/{i}" for i in range(20)}
+        assert all(m.retain and m.payload == bytes([int(m.topic[4:])]) * size for m in pubs)
+        assert len([m for m in got if isinstance(m, Suback)]) == 30
+        assert not h.core._retained_out
+    run(main())

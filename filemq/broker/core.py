@@ -72,7 +72,7 @@ if TYPE_CHECKING:
     from filemq.config import BrokerSection
     from filemq.groups import ConsumerGroup
     from filemq.queue import Queue
-    from filemq.retained import RetainedStore
+    from filemq.retained import RetainedMessage, RetainedStore
     from filemq.sysinfo import BrokerStats
 
 log = logging.getLogger("filemq.broker")
@@ -84,7 +84,7 @@ CLEAN_GROUP_PREFIX = "mqtt-clean:"
 _PUBREC = 0x50
 _PUBREL = 0x62
 _PUBCOMP = 0x70
-_MAX_RETAINED_INFLIGHT = 60000
+RETAINED_OUT_HIGH = 256 * 1024  # retained PUBLISH bytes queued in one connection's output at once
 PERSIST_DELAY_S = 0.1  # group offsets are written this long after subscriber acks
 _MAX_PUMP = 1000  # records pushed to one connection per wake-up before yielding the loop
 
@@ -290,6 +290,10 @@ class BrokerCore:
         self.retained_changes = 0  # retained records routed so far (snapshot trigger)
         self._retained_buffer: list[Record] = []
         self._retained_waiting: list[tuple[Connection, SessionState, Subscription, int]] = []
+        # Retained messages a SUBSCRIBE matched and the connection has not taken yet (filter,
+        # message, QoS): sent as its output drains, so a client that does not read cannot
+        # make the broker queue them again and again (issue 10 item 8).
+        self._retained_out: dict[Connection, deque[tuple[str, RetainedMessage, int]]] = {}
         self.stats = stats
         self.acl = acl
         self.passwords = passwords
@@ -647,21 +651,53 @@ class BrokerCore:
             self._retained_waiting.append((conn, state, sub, below))
             return
         acl = conn.acl
+        queue = self._retained_out.get(conn)
+        if queue is None:
+            queue = self._retained_out[conn] = deque()
+        elif any(e[0] == sub.filter for e in queue):
+            # A repeated SUBSCRIBE re-sends (MQTT-3.8.4-3): what it still had queued is replaced.
+            queue = self._retained_out[conn] = deque(e for e in queue if e[0] != sub.filter)
         for m in self.retained.match(sub.plain):
             if m.offset >= below:
                 continue  # routed after the SUBSCRIBE (store rebuilt late): delivered live
             if acl is not None and acl.has_deny and not acl.can_receive(m.topic):
                 continue
-            qos = min(sub.qos, m.qos)
-            if len(state.inflight) >= _MAX_RETAINED_INFLIGHT:
-                qos = 0  # never run out of packet ids, however many retained messages match
+            queue.append((sub.filter, m, min(sub.qos, m.qos)))
+        self._drain_retained(conn, state)
+
+    def _drain_retained(self, conn: Connection, state: SessionState) -> bool:
+        """Send queued retained messages while the connection takes them: its output below
+        :data:`RETAINED_OUT_HIGH`, its transport not paused, QoS 1/2 ones within the in-flight
+        window.  The queue holds the store's messages (no payload copies); True when empty."""
+        queue = self._retained_out.get(conn)
+        if queue is None:
+            return True
+        sent = 0
+        inflight = state.inflight
+        blocked = False
+        while queue and not conn.closed and not conn.paused:
+            if len(conn.out) >= RETAINED_OUT_HIGH:
+                break
+            _, m, qos = queue[0]
+            if qos and len(inflight) >= max(conn.max_inflight, 1):
+                blocked = True  # the acks that free the window pump again
+                break
+            queue.popleft()
             if qos == 0:
-                conn.send(encode(Publish(m.topic, m.payload, 0, True)))
+                conn.send(publish_bytes(m.topic, m.payload, 0, False, None, True))
             else:
                 pid = state.alloc_pid()
-                state.inflight[pid] = Outbound(m.offset, None, qos, m.topic, m.payload, None, True)
-                conn.send(encode(Publish(m.topic, m.payload, qos, True, False, pid)))
-            self.stats.publish_sent()
+                inflight[pid] = Outbound(m.offset, None, qos, m.topic, m.payload, None, True)
+                conn.send(publish_bytes(m.topic, m.payload, qos, False, pid, True))
+            sent += 1
+        if sent:
+            self.stats.publish_sent(sent)
+        if queue:
+            if not blocked and not conn.paused and not conn.closed:
+                self._schedule_repump(conn)  # after this event's flush wrote the output
+            return False
+        del self._retained_out[conn]
+        return True
 
     def on_unsubscribe(self, conn: Connection, p: Unsubscribe) -> None:
         state = conn.session
@@ -912,6 +948,8 @@ class BrokerCore:
         state = conn.session
         if state is None or conn.closed or conn.paused or state.conn is not conn:
             return
+        if conn in self._retained_out and not self._drain_retained(conn, state):
+            return  # live records after the retained ones, never before
         group = state.group
         pushed = 0
         if group is not None:
@@ -1061,6 +1099,7 @@ class BrokerCore:
         self._dirty.discard(conn)
         self._repump.discard(conn)
         self._to_pump.discard(conn)
+        self._retained_out.pop(conn, None)
         if prev_state != CONNECTED:
             return
         self.stats.client_disconnected()

@@ -269,7 +269,7 @@ def test_subscribes_of_a_client_that_does_not_read_queue_bounded_retained_bytes(
             t.buffered = 0
             new = dec.packets()
             got.extend(new)
-            acks = [Puback(m.packet_id) for m in new if isinstance(m, Publish) and m.qos]
+            acks = [Puback(m.packet_id) for m in new if isinstance(m, Publish) and m.packet_id is not None]
             conn.paused = False
             if acks:
                 conn.receive_data(b"".join(encode(a) for a in acks))
@@ -285,3 +285,113 @@ def test_subscribes_of_a_client_that_does_not_read_queue_bounded_retained_bytes(
         assert len([m for m in got if isinstance(m, Suback)]) == 30
         assert not h.core._retained_out
     run(main())
+
+
+# ---- $SYS (issue 10 item 7) ---------------------------------------------------------------------
+
+
+def test_sys_deliveries_follow_acl_deny_rules(tmp_path: Path) -> None:
+    """A deny rule covers ``$SYS`` like any topic: neither the periodic messages nor the ones
+    sent on SUBSCRIBE reach a client denied them."""
+    from filemq.acl import Acl
+    from tests.test_broker_session import Harness, run
+
+    async def main() -> None:
+        h = Harness(tmp_path)
+        h.core.acl = Acl.parse("pattern read $SYS/#\npattern deny $SYS/broker/backlog/#\n")
+        s = h.connected("s", subscribe=Subscribe(1, [("$SYS/#", 0)]))
+        msgs = [("$SYS/broker/uptime", b"5 seconds"), ("$SYS/broker/backlog/mqtt-session:alice", b"7")]
+        h.core.publish_sys(msgs)
+        assert [m.topic for m in s.received()] == ["$SYS/broker/uptime"]
+        s2 = h.connected("s2")
+        s2.send(Subscribe(1, [("$SYS/#", 0)]))
+        out = s2.received()
+        assert out[0] == Suback(1, [0])
+        assert [m.topic for m in out[1:]] == ["$SYS/broker/uptime"]
+    run(main())
+
+
+def test_sys_topic_over_the_limit_is_skipped_once_not_fatal(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A 65,535-byte client id makes ``$SYS/broker/backlog/mqtt-session:<id>`` longer than a
+    topic may be (MQTT 1.5.3): it is skipped and counted with one warning, while new ``$SYS/#``
+    subscribers keep their connection and get every valid topic."""
+    from tests.test_broker_session import Harness, run
+
+    long_topic = "$SYS/broker/backlog/mqtt-session:" + "x" * 65535
+
+    async def main() -> None:
+        h = Harness(tmp_path)
+        s = h.connected("s", subscribe=Subscribe(1, [("$SYS/#", 0)]))
+        with caplog.at_level("WARNING", logger="filemq.broker"):
+            for _ in range(3):  # three ticks
+                h.core.publish_sys([(long_topic, b"1"), ("$SYS/broker/uptime", b"5 seconds")])
+        assert [m.topic for m in s.received()] == ["$SYS/broker/uptime"] * 3
+        assert h.stats.sys_skipped == 3
+        warnings = [r for r in caplog.records if "$SYS message not published" in r.getMessage()]
+        assert len(warnings) == 1 and warnings[0].exc_info is None
+        late = h.connected("late")
+        late.send(Subscribe(1, [("$SYS/#", 0)]))
+        out = late.received()
+        assert out[0] == Suback(1, [0]) and [m.topic for m in out[1:]] == ["$SYS/broker/uptime"]
+        assert not late.conn.closed
+    run(main())
+
+
+def test_sys_backlog_of_a_discarded_session_is_no_longer_retained(tmp_path: Path) -> None:
+    """``$SYS`` values are the latest set only: the backlog topic of a session discarded since
+    the previous tick is not sent to new subscribers any more."""
+    from tests.test_broker_session import Harness, run
+
+    async def main() -> None:
+        h = Harness(tmp_path)
+        h.core.publish_sys([("$SYS/broker/backlog/mqtt-session:gone", b"3"), ("$SYS/broker/uptime", b"1 seconds")])
+        h.core.publish_sys([("$SYS/broker/uptime", b"2 seconds")])
+        s = h.connected("s")
+        s.send(Subscribe(1, [("$SYS/#", 0)]))
+        assert [(m.topic, m.payload) for m in s.received()[1:]] == [("$SYS/broker/uptime", b"2 seconds")]
+    run(main())
+
+
+def test_sys_backlog_of_a_discarded_session_disappears_in_the_broker(tmp_path: Path) -> None:
+    """End to end: a persistent session's backlog topic goes away once clean_session = 1
+    discards the session (within one ``sys_interval_s``)."""
+    cfg = load_config(None, {"data_dir": str(tmp_path), "broker.port": 0, "broker.sys_interval_s": 1})
+
+    def topics(port: int) -> set[str]:
+        s, dec = _connect(port, "watch")
+        try:
+            s.sendall(encode(Subscribe(1, [("$SYS/broker/backlog/#", 0)])))
+            got: list[Any] = []
+            deadline = time.monotonic() + 0.5
+            while time.monotonic() < deadline:
+                got.extend(_recv_packets(s, dec, deadline))
+            return {p.topic for p in got if isinstance(p, Publish)}
+        finally:
+            s.close()
+
+    async def until(cond: Any) -> None:
+        async with asyncio.timeout(5):
+            while not cond():
+                await asyncio.sleep(0.02)
+
+    async def main() -> None:
+        b = Broker(cfg)
+        await b.start()
+        try:
+            c = socket.create_connection(("127.0.0.1", b.port), timeout=5)
+            c.sendall(encode(Connect(client_id="dev", clean_session=False)) + encode(Subscribe(1, [("a", 1)])))
+            assert b.core is not None
+            core = b.core
+            await until(lambda: "a" in getattr(core.sessions.get("dev"), "subs", {}))
+            c.close()
+            await until(lambda: "$SYS/broker/backlog/mqtt-session:dev" in core.sys_retained)
+            assert "$SYS/broker/backlog/mqtt-session:dev" in await asyncio.to_thread(topics, b.port)
+            c = socket.create_connection(("127.0.0.1", b.port), timeout=5)
+            c.sendall(encode(Connect(client_id="dev", clean_session=True)) + encode(Disconnect()))
+            await until(lambda: "dev" not in core.sessions)
+            c.close()
+            await until(lambda: "$SYS/broker/backlog/mqtt-session:dev" not in core.sys_retained)
+            assert "$SYS/broker/backlog/mqtt-session:dev" not in await asyncio.to_thread(topics, b.port)
+        finally:
+            await b.stop()
+    asyncio.run(main())

@@ -308,6 +308,7 @@ class BrokerCore:
         self.shares: dict[str, SharedGroup] = {}
         self.trie: TopicTrie[Any] = TopicTrie()
         self.sys_retained: dict[str, bytes] = {}
+        self._sys_warned: set[str] = set()  # invalid $SYS topics already warned about
         self._dirty: set[Connection] = set()
         self._pending: deque[tuple[Record, asyncio.Future[None]]] = deque()
         self._routed = self.log.committed_offset
@@ -643,8 +644,10 @@ class BrokerCore:
         if sub.share is not None:
             return  # retained messages are not sent for shared subscriptions (as MQTT 5)
         if sub.plain.startswith("$SYS"):
+            acl = conn.acl
             for topic, payload in self.sys_retained.items():
-                if topic_matches(sub.plain, topic):
+                if topic_matches(sub.plain, topic) and (
+                        acl is None or not acl.has_deny or acl.can_receive(topic)):
                     conn.send(encode(Publish(topic, payload, 0, True)))
             return
         if not self.retained_ready:
@@ -1172,13 +1175,42 @@ class BrokerCore:
         self.flush()
 
     def publish_sys(self, messages: list[tuple[str, bytes]]) -> None:
-        """Send ``$SYS`` messages (not stored in the log) to live subscribers as QoS 0."""
+        """Send ``$SYS`` messages (not stored in the log) to live subscribers as QoS 0.
+
+        ``messages`` is the whole current set: topics missing from it (e.g. the backlog of a
+        session discarded since) are no longer sent to new subscribers.  Each delivery is
+        checked against the receiver's ACL like any other; a topic that is not a valid topic
+        name (e.g. over 65,535 UTF-8 bytes, from a huge client id) is skipped and counted in
+        ``stats.sys_skipped``, with one warning per topic.
+        """
+        current: dict[str, bytes] = {}
         for topic, payload in messages:
-            self.sys_retained[topic] = payload
+            if not self._sys_topic_ok(topic):
+                continue
+            current[topic] = payload
+            data = None
             for target in self.trie.match(topic):
                 if isinstance(target, Connection) and not target.closed:
-                    target.send(encode(Publish(topic, payload)))
+                    acl = target.acl
+                    if acl is not None and acl.has_deny and not acl.can_receive(topic):
+                        continue
+                    if data is None:
+                        data = publish_bytes(topic, payload, 0, False, None)
+                    target.send(data)
+        self.sys_retained = current
         self.flush()
+
+    def _sys_topic_ok(self, topic: str) -> bool:
+        try:
+            validate_topic_name(topic)  # MQTT 1.5.3: at most 65,535 UTF-8 bytes, no U+0000
+        except InvalidTopic as exc:
+            self.stats.sys_skipped += 1
+            warned = self._sys_warned
+            if topic not in warned and len(warned) < 1024:
+                warned.add(topic)
+                log.warning("$SYS message not published (invalid topic name): %s", exc)
+            return False
+        return True
 
     def save_sessions(self) -> None:
         """Write every persistent session with unwritten changes (shutdown, periodic)."""

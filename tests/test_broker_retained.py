@@ -338,17 +338,22 @@ def test_sys_topic_over_the_limit_is_skipped_once_not_fatal(tmp_path: Path, capl
 
 
 def test_sys_backlog_of_a_discarded_session_is_no_longer_retained(tmp_path: Path) -> None:
-    """``$SYS`` values are the latest set only: the backlog topic of a session discarded since
-    the previous tick is not sent to new subscribers any more."""
+    """The broker's backlog topics are published as a complete set: the backlog topic of a
+    session discarded since the previous tick is not sent to new subscribers any more, and
+    ``$SYS`` topics of another source (the agent's forwarder) are kept."""
     from tests.test_broker_session import Harness, run
 
     async def main() -> None:
         h = Harness(tmp_path)
-        h.core.publish_sys([("$SYS/broker/backlog/mqtt-session:gone", b"3"), ("$SYS/broker/uptime", b"1 seconds")])
-        h.core.publish_sys([("$SYS/broker/uptime", b"2 seconds")])
+        backlog = "$SYS/broker/backlog/"
+        h.core.publish_sys([(backlog + "mqtt-session:gone", b"3"), ("$SYS/broker/uptime", b"1 seconds")],
+                           replace=backlog)
+        h.core.publish_sys([("$SYS/broker/forwarder/lag", b"0")])
+        h.core.publish_sys([("$SYS/broker/uptime", b"2 seconds")], replace=backlog)
         s = h.connected("s")
         s.send(Subscribe(1, [("$SYS/#", 0)]))
-        assert [(m.topic, m.payload) for m in s.received()[1:]] == [("$SYS/broker/uptime", b"2 seconds")]
+        assert sorted((m.topic, m.payload) for m in s.received()[1:]) == [
+            ("$SYS/broker/forwarder/lag", b"0"), ("$SYS/broker/uptime", b"2 seconds")]
     run(main())
 
 

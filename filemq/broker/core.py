@@ -1174,16 +1174,19 @@ class BrokerCore:
                     conn.close(f"keepalive expired (no packet for 1.5 x {conn.keepalive} s)", will=True)
         self.flush()
 
-    def publish_sys(self, messages: list[tuple[str, bytes]]) -> None:
+    def publish_sys(self, messages: list[tuple[str, bytes]], *, replace: str | None = None) -> None:
         """Send ``$SYS`` messages (not stored in the log) to live subscribers as QoS 0.
 
-        ``messages`` is the whole current set: topics missing from it (e.g. the backlog of a
-        session discarded since) are no longer sent to new subscribers.  Each delivery is
+        The latest value per topic is kept for new subscribers.  ``replace`` is a topic prefix
+        that ``messages`` covers completely: kept topics under it that are missing from
+        ``messages`` (e.g. the backlog of a session discarded since) are dropped.  Each delivery is
         checked against the receiver's ACL like any other; a topic that is not a valid topic
         name (e.g. over 65,535 UTF-8 bytes, from a huge client id) is skipped and counted in
         ``stats.sys_skipped``, with one warning per topic.
         """
-        current: dict[str, bytes] = {}
+        current = self.sys_retained
+        if replace is not None:
+            current = {t: v for t, v in current.items() if not t.startswith(replace)}
         for topic, payload in messages:
             if not self._sys_topic_ok(topic):
                 continue

@@ -233,6 +233,10 @@ def passwd(file: str, user: str, password_stdin: bool, iterations: int | None) -
 @click.option("--tls-cert", default=None, help="TLS certificate (PEM) for the TLS listener.")
 @click.option("--tls-key", default=None, help="TLS private key (PEM).")
 @click.option("--tls-port", type=int, default=None, help="TLS listener port (default 8883).")
+@click.option("--listener", multiple=True, default=None, metavar="HOST:PORT[,key=value...]",
+              help="A listener (repeatable; replaces --host/--port/--tls-*), e.g. "
+                   "0.0.0.0:8883,tls_cert=c.pem,tls_key=k.pem,tls_ca=ca.pem,require_certificate=true "
+                   "or 0.0.0.0:8080,protocol=websockets. Config: [[listener]] (docs/CONFIG.md).")
 def broker(config_file: str | None, **flags: object) -> None:
     """Run the MQTT broker on the log until SIGTERM/SIGINT (exit 0 clean, 2 config, 1 failure)."""
     from filemq.broker.app import run_broker
@@ -284,6 +288,9 @@ def _serve(name: str, config_file: str | None, flags: dict[str, object],
 @click.option("--acl-file", "broker__acl_file", default=None, help="ACL file for local clients.")
 @click.option("--fsync", type=click.Choice(["always", "interval", "never"]), default=None,
               help="When the log is fdatasync'ed before acks (default always).")
+@click.option("--listener", multiple=True, default=None, metavar="HOST:PORT[,key=value...]",
+              help="A local broker listener (repeatable; replaces --host/--port/--tls-*). "
+                   "Config: [[listener]] (docs/CONFIG.md).")
 def agent(config_file: str | None, **flags: object) -> None:
     """Run the device broker plus the forwarder to the collector until SIGTERM/SIGINT."""
     from worker_agent.app import run_agent
@@ -294,7 +301,8 @@ def agent(config_file: str | None, **flags: object) -> None:
 
 @main.command()
 @config_flags("collector", "broker", skip=("broker.host", "broker.port", "broker.password_file",
-                                          "broker.acl_file", "broker.allow_anonymous"))
+                                          "broker.acl_file", "broker.allow_anonymous",
+                                          "broker.max_connections"))
 @click.option("--data-dir", type=click.Path(file_okay=False), default=None, help="Data directory (the WAL).")
 @click.option("--landing", default=None, help="Landing directory (_staging/, incoming/dt=.../).")
 @click.option("--host", default=None, help="Listen address (default 127.0.0.1).")

@@ -19,9 +19,10 @@ What a caller may rely on:
   read filter (every topic it can match is matched by that grant: ``read sensors/#``
   allows ``sensors/+/temp`` but ``read sensors/+/temp`` does not allow ``sensors/#``) and
   no deny filter contains it.  ``$share/<group>/<f>`` is checked as ``f``.
-* When a deny rule only partly overlaps a granted subscription, the broker must also check
-  each delivered message with :meth:`ClientAcl.can_receive`; :attr:`ClientAcl.has_deny`
-  says whether that can matter for this client.
+* The broker checks every delivered message with :meth:`ClientAcl.can_receive` (cached per
+  topic), so a deny rule that only partly overlaps a granted subscription, a session restored
+  under rules that changed, or a read right removed by a reload (SIGHUP) stops deliveries;
+  :attr:`ClientAcl.allow_all` says when no check is needed.
 * A username or client id containing ``+``, ``#`` or ``/`` makes the patterns that use it
   not apply to that client (as Mosquitto), so an id like ``#`` grants nothing extra.
 * Wildcard grants follow the MQTT ``$`` rule: ``read #`` does not cover ``$SYS/...``.
@@ -32,6 +33,7 @@ from __future__ import annotations
 import enum
 import logging
 import os
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -95,17 +97,18 @@ def filter_within(inner: str, outer: str) -> bool:
     return len(i_levels) == len(o_levels)
 
 
-def _substitute(filter_: str, username: str | None, client_id: str) -> str | None:
-    """Fill %u/%c, or None when the pattern cannot apply to this client."""
-    if "%u" in filter_:
-        if username is None or not _safe(username):
-            return None
-        filter_ = filter_.replace("%u", username)
-    if "%c" in filter_:
-        if not _safe(client_id):
-            return None
-        filter_ = filter_.replace("%c", client_id)
-    return filter_
+_PLACEHOLDER = re.compile("%[uc]")
+
+
+def fill_pattern(filter_: str, username: str | None, client_id: str) -> str | None:
+    """``filter_`` with every ``%u`` (username) and ``%c`` (client id) replaced in one pass;
+    None when it needs a value that is missing or unsafe (see :func:`_safe`)."""
+    if "%u" in filter_ and (username is None or not _safe(username)):
+        return None
+    if "%c" in filter_ and not _safe(client_id):
+        return None
+    values = {"%u": username or "", "%c": client_id}
+    return _PLACEHOLDER.sub(lambda m: values[m.group()], filter_)
 
 
 def _safe(value: str) -> bool:
@@ -125,6 +128,12 @@ class ClientAcl:
         self._grants = [r for r in rules or [] if r.access != Access.DENY]
         self._denies = [r for r in rules or [] if r.access == Access.DENY]
         self._publish_cache: dict[str, bool] = {}
+        self._receive_cache: dict[str, bool] = {}
+
+    @property
+    def allow_all(self) -> bool:
+        """True when there is no ACL file: everything is allowed, no check needed."""
+        return self._allow_all
 
     @property
     def has_deny(self) -> bool:
@@ -150,7 +159,13 @@ class ClientAcl:
 
     def can_receive(self, topic: str) -> bool:
         """May a message on ``topic`` be delivered to this client?"""
-        return self._allowed(topic, Access.READ)
+        cached = self._receive_cache.get(topic)
+        if cached is None:
+            cached = self._allowed(topic, Access.READ)
+            if len(self._receive_cache) >= self._CACHE_MAX:
+                self._receive_cache.clear()
+            self._receive_cache[topic] = cached
+        return cached
 
     def can_subscribe(self, topic_filter: str) -> bool:
         """May this client subscribe to ``topic_filter`` (``$share/<g>/<f>`` checks ``f``)?"""
@@ -238,7 +253,7 @@ class Acl:
         own = self.anonymous if username is None else self.users.get(username, [])
         rules = list(own)
         for p in self.patterns:
-            filt = _substitute(p.filter, username, client_id)
+            filt = fill_pattern(p.filter, username, client_id)
             if filt is not None:
                 rules.append(Rule(p.access, filt, p.line))
         return ClientAcl(rules)

@@ -9,6 +9,17 @@ raw MQTT) password bytes with a random 16-byte salt; the 64-byte result is compa
 ``hmac.compare_digest``.  Usernames are non-empty and contain no ``:``, whitespace or
 control characters.
 
+Files written by Mosquitto's ``mosquitto_passwd`` drop in: its lines are read as they are
+(the format as in Mosquitto's ``password_mosq.c``; salts of any length, 12 bytes there)::
+
+    alice:$7$101$<salt base64>$<hash base64>   # PBKDF2-HMAC-SHA512(password, salt, 101), 64 bytes
+    bob:$6$<salt base64>$<hash base64>         # SHA-512(password || salt), 64 bytes
+
+and checked in constant time too.  An entry weaker than :data:`MIN_STRONG_ITERATIONS` PBKDF2
+rounds (Mosquitto writes 101) or a ``$6$`` entry is logged once (WARNING, per file, user and
+hash) with the ``filemq passwd FILE USER`` command that replaces it with this module's scheme;
+``filemq passwd`` only ever writes that scheme.
+
 What a caller may rely on:
 
 * :meth:`PasswordFile.load` raises :class:`~filemq.config.ConfigError` with the line number
@@ -35,6 +46,7 @@ import base64
 import binascii
 import hashlib
 import hmac
+import logging
 import os
 import re
 import secrets
@@ -51,6 +63,16 @@ DEFAULT_ITERATIONS = 210_000
 """OWASP's recommendation for PBKDF2-HMAC-SHA512 (2023)."""
 SALT_BYTES = 16
 HASH_BYTES = 64
+MOSQUITTO_PBKDF2 = "7"
+"""``mosquitto_passwd``'s default scheme: ``$7$<iterations>$<salt>$<hash>``, PBKDF2-HMAC-SHA512."""
+MOSQUITTO_SHA512 = "6"
+"""``mosquitto_passwd -H sha512`` (Mosquitto 1.6 and older): ``$6$<salt>$<hash>``, SHA-512(pw || salt)."""
+MIN_STRONG_ITERATIONS = 100_000
+"""PBKDF2 entries with fewer rounds are logged as weak (Mosquitto's default is 101)."""
+
+_warned_weak: set[tuple[str, str, str]] = set()  # (file, user, hash) already logged as weak
+
+log = logging.getLogger(__name__)
 
 _USER_RE = re.compile(r"^[^:\s\x00-\x1f\x7f]+$")
 
@@ -66,11 +88,13 @@ def _as_bytes(password: str | bytes) -> bytes:
 
 @dataclass(frozen=True)
 class PasswordHash:
-    """One stored hash: iteration count, salt and derived key."""
+    """One stored hash: iteration count, salt and derived key, and the scheme that made it
+    (:data:`SCHEME`, or Mosquitto's :data:`MOSQUITTO_PBKDF2` / :data:`MOSQUITTO_SHA512`)."""
 
     iterations: int
     salt: bytes
     digest: bytes
+    scheme: str = SCHEME
 
     @classmethod
     def create(
@@ -85,23 +109,46 @@ class PasswordHash:
 
     def verify(self, password: str | bytes) -> bool:
         """Derive and compare in constant time."""
-        derived = hashlib.pbkdf2_hmac("sha512", _as_bytes(password), self.salt, self.iterations)
+        if self.scheme == MOSQUITTO_SHA512:
+            derived = hashlib.sha512(_as_bytes(password) + self.salt).digest()
+        else:
+            derived = hashlib.pbkdf2_hmac("sha512", _as_bytes(password), self.salt, self.iterations)
         return hmac.compare_digest(derived, self.digest)
 
+    def weakness(self) -> str | None:
+        """Why this entry is weak (a Mosquitto ``$6$`` hash, few PBKDF2 rounds), or None."""
+        if self.scheme == MOSQUITTO_SHA512:
+            return "a single salted SHA-512 ($6$, mosquitto_passwd -H sha512)"
+        if self.iterations < MIN_STRONG_ITERATIONS:
+            return f"only {self.iterations} PBKDF2 iterations (at least {MIN_STRONG_ITERATIONS:,} recommended)"
+        return None
+
     def encode(self) -> str:
-        """The ``$filemq-pbkdf2-sha512$<iterations>$<salt>$<hash>`` text."""
+        """The ``$filemq-pbkdf2-sha512$<iterations>$<salt>$<hash>`` text (Mosquitto entries keep
+        their own ``$7$``/``$6$`` form)."""
         salt = base64.b64encode(self.salt).decode("ascii")
         digest = base64.b64encode(self.digest).decode("ascii")
-        return f"${SCHEME}${self.iterations}${salt}${digest}"
+        if self.scheme == MOSQUITTO_SHA512:
+            return f"${MOSQUITTO_SHA512}${salt}${digest}"
+        return f"${self.scheme}${self.iterations}${salt}${digest}"
 
     @classmethod
     def decode(cls, text: str) -> PasswordHash:
         """Parse :meth:`encode` output; ``ValueError`` says what is wrong."""
         parts = text.split("$")
-        if len(parts) != 5 or parts[0] != "":
+        if len(parts) < 2 or parts[0] != "":
             raise ValueError(f"expected ${SCHEME}$<iterations>$<salt>$<hash>")
-        if parts[1] != SCHEME:
-            raise ValueError(f"unknown hash scheme {parts[1]!r} (expected {SCHEME!r})")
+        scheme = parts[1]
+        if scheme == MOSQUITTO_SHA512:
+            if len(parts) != 4:
+                raise ValueError("expected $6$<salt>$<hash> (mosquitto_passwd -H sha512)")
+            parts.insert(2, "1")  # one SHA-512: no iteration count on the line
+        elif scheme in (SCHEME, MOSQUITTO_PBKDF2):
+            if len(parts) != 5:
+                raise ValueError(f"expected ${scheme}$<iterations>$<salt>$<hash>")
+        else:
+            raise ValueError(f"unknown hash scheme {scheme!r} (expected {SCHEME!r}, or "
+                             "mosquitto_passwd's '7' or '6')")
         if not parts[2].isdigit() or int(parts[2]) < 1:
             raise ValueError(f"iterations must be a positive integer, got {parts[2]!r}")
         try:
@@ -113,7 +160,7 @@ class PasswordHash:
             raise ValueError("empty salt")
         if len(digest) != HASH_BYTES:
             raise ValueError(f"hash is {len(digest)} bytes, expected {HASH_BYTES}")
-        return cls(int(parts[2]), salt, digest)
+        return cls(int(parts[2]), salt, digest, scheme)
 
 
 def _parse(text: str, file: str) -> dict[str, tuple[int, PasswordHash]]:
@@ -155,9 +202,11 @@ class PasswordFile:
     ) -> None:
         self.path = path
         self._entries = dict(entries)
-        iterations = next(iter(entries.values())).iterations if entries else DEFAULT_ITERATIONS
+        first = next(iter(entries.values()), None)
+        iterations = first.iterations if first is not None else DEFAULT_ITERATIONS
         # Unknown users are checked against this so they cost the same as a wrong password.
-        self._dummy = PasswordHash(iterations, secrets.token_bytes(SALT_BYTES), bytes(HASH_BYTES))
+        self._dummy = PasswordHash(iterations, secrets.token_bytes(SALT_BYTES), bytes(HASH_BYTES),
+                                   first.scheme if first is not None else SCHEME)
         self._cache_key = secrets.token_bytes(32)
         self._cache: OrderedDict[bytes, None] = OrderedDict()
         self._cache_size = cache_size
@@ -168,7 +217,15 @@ class PasswordFile:
         """Read and validate ``path``; raises :class:`ConfigError` (with line) on any problem."""
         file = os.fspath(path)
         text = read_config_text(file, "password file")
-        entries = {user: entry for user, (_, entry) in _parse(text, file).items()}
+        parsed = _parse(text, file)
+        for user, (lineno, entry) in parsed.items():
+            why = entry.weakness()
+            key = (file, user, entry.encode())
+            if why is not None and key not in _warned_weak:
+                _warned_weak.add(key)
+                log.warning("password file %s line %d: user %r has a weak hash, %s; rehash it with "
+                            "`filemq passwd %s %s`", file, lineno, user, why, file, user)
+        entries = {user: entry for user, (_, entry) in parsed.items()}
         return cls(entries, path=file, cache_size=cache_size)
 
     @property

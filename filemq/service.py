@@ -2,7 +2,7 @@
 
 The one place that owns the process contract the commands share: start, install
 SIGTERM/SIGINT handlers, announce a ready line, wait, stop cleanly, and map what happened to
-the exit code — 0 after a clean shutdown, 2 for a configuration problem, 1 for a runtime
+the exit code (SIGHUP calls the service's ``reload()`` where it has one and never ends it) — 0 after a clean shutdown, 2 for a configuration problem, 1 for a runtime
 failure (port in use, metrics port taken, an error while stopping). Problems are logged in
 words a person can act on.
 """
@@ -79,6 +79,11 @@ async def serve_until_signalled(
         # Not possible outside the main thread (tests serve in one): Ctrl-C still works there.
         with contextlib.suppress(NotImplementedError, RuntimeError):
             loop.add_signal_handler(sig, stop.set)
+    reload = getattr(service, "reload", None)
+    if callable(reload) and hasattr(signal, "SIGHUP"):
+        # SIGHUP (`systemctl reload`) re-reads the files the service names; it never ends it.
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(signal.SIGHUP, _reload, reload, name, log)
     line = describe(service)
     log.info("%s", line)
     if ready is not None:
@@ -96,6 +101,14 @@ async def serve_until_signalled(
             if extra is not None:
                 extra.shutdown()
     return EXIT_OK
+
+
+def _reload(reload: Callable[[], object], name: str, log: logging.Logger) -> None:
+    log.info("SIGHUP: the %s reloads its files", name)
+    try:
+        reload()
+    except Exception:
+        log.exception("reloading the %s failed; what was in force stays in force", name)
 
 
 def run_until_signalled(main: Coroutine[Any, Any, int], *, name: str, log: logging.Logger) -> int:

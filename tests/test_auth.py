@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import base64
+import hashlib
+import logging
+import shutil
 import stat
+import subprocess
 import time
 from pathlib import Path
 
@@ -216,3 +220,67 @@ def test_cli_passwd_rejects_bad_input(tmp_path: Path) -> None:
     )
     assert r.exit_code == 1 and "line 1" in r.output
     assert p.read_text() == "garbage line\n"
+
+
+# ---- mosquitto_passwd files drop in ---------------------------------------------------------
+
+MOSQUITTO_PASSWD = shutil.which("mosquitto_passwd") or "/usr/bin/mosquitto_passwd"
+needs_mosquitto_passwd = pytest.mark.skipif(
+    not Path(MOSQUITTO_PASSWD).exists(), reason="Debian's mosquitto_passwd is not installed")
+
+
+def _mosquitto_file(path: Path, users: dict[str, str], *args: str) -> None:
+    for i, (user, password) in enumerate(users.items()):
+        create = ["-c"] if i == 0 else []
+        subprocess.run([MOSQUITTO_PASSWD, *args, *create, "-b", str(path), user, password],
+                       check=True, capture_output=True, timeout=30)
+
+
+@needs_mosquitto_passwd
+@pytest.mark.parametrize(("hash_args", "prefix"), [((), "$7$101$"), (("-H", "sha512"), "$6$")])
+def test_mosquitto_passwd_files_drop_in(tmp_path: Path, hash_args: tuple[str, ...], prefix: str,
+                                        caplog: pytest.LogCaptureFixture) -> None:
+    """Files written by Debian's mosquitto_passwd ($7$ PBKDF2-SHA512 by default, $6$ salted
+    SHA-512 with -H sha512) load and check; each weak entry is logged once with the fix."""
+    p = tmp_path / "mosq.pw"
+    _mosquitto_file(p, {"alice": "secret", "bob": "pä ss wörd"}, *hash_args)
+    assert all(line.split(":", 1)[1].startswith(prefix) for line in p.read_text().splitlines())
+    with caplog.at_level(logging.WARNING, "filemq.auth"):
+        pw = PasswordFile.load(p)
+        PasswordFile.load(p)  # a reload does not repeat the warnings
+    assert pw.users == ["alice", "bob"]
+    assert pw.check("alice", "secret") and pw.check("bob", "pä ss wörd".encode())
+    assert not pw.check("alice", "secreT") and not pw.check("bob", "secret") and not pw.check("eve", "x")
+    weak = [r.getMessage() for r in caplog.records if "weak hash" in r.getMessage()]
+    assert len(weak) == 2
+    assert f"`filemq passwd {p} alice`" in weak[0] and f"`filemq passwd {p} bob`" in weak[1]
+
+
+@needs_mosquitto_passwd
+def test_filemq_passwd_rehashes_a_mosquitto_entry_with_the_strong_scheme(tmp_path: Path) -> None:
+    p = tmp_path / "mosq.pw"
+    _mosquitto_file(p, {"alice": "secret", "bob": "hunter2"})
+    bob_line = p.read_text().splitlines()[1]
+    assert not add_or_update(p, "alice", "new secret", iterations=FAST)
+    lines = p.read_text().splitlines()
+    assert lines[0].startswith(f"alice:${SCHEME}$") and lines[1] == bob_line  # bob kept as is
+    pw = PasswordFile.load(p)
+    assert pw.check("alice", "new secret") and pw.check("bob", "hunter2")
+    assert PasswordHash.decode(lines[0].split(":", 1)[1]).weakness() is not None  # FAST rounds
+    assert PasswordHash.create("x").weakness() is None  # the default is strong
+
+
+def test_mosquitto_hashes_match_the_reference_construction() -> None:
+    """The formulas of Mosquitto's password_mosq.c, independent of the mosquitto_passwd binary."""
+    salt = bytes(range(12))
+    pbkdf2 = hashlib.pbkdf2_hmac("sha512", b"pw", salt, 101)
+    b64 = base64.b64encode
+    h7 = PasswordHash.decode(f"$7$101${b64(salt).decode()}${b64(pbkdf2).decode()}")
+    assert h7.verify("pw") and not h7.verify("pw2")
+    assert h7.encode() == f"$7$101${b64(salt).decode()}${b64(pbkdf2).decode()}"
+    sha = hashlib.sha512(b"pw" + salt).digest()
+    h6 = PasswordHash.decode(f"$6${b64(salt).decode()}${b64(sha).decode()}")
+    assert h6.verify("pw") and not h6.verify("pw2")
+    assert h6.encode() == f"$6${b64(salt).decode()}${b64(sha).decode()}"
+    with pytest.raises(ValueError, match=r"expected \$6\$"):
+        PasswordHash.decode(f"$6$101${b64(salt).decode()}${b64(sha).decode()}")

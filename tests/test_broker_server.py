@@ -415,7 +415,7 @@ def test_clean_sessions_leave_no_groups_and_shared_group_survives_restart(tmp_pa
                     break
                 await asyncio.sleep(0.02)
             names = sorted(g.name for g in b.queue.groups())
-            assert names == ["mqtt-share:pool"]
+            assert names == ["mqtt-share:pool/jobs/#"]
             pub = MQTTClient("pub", port=b.port)
             await pub.connect()
             for i in range(10):

@@ -54,6 +54,7 @@ def forwarder_config(config: Config) -> ForwarderConfig:
             backoff_initial_s=a.backoff_initial_ms / 1000,
             backoff_max_s=a.backoff_max_ms / 1000,
             ack_timeout_s=a.ack_timeout_ms / 1000,
+            upstream_max_packet_size=a.upstream_max_packet_size,
         )
     except ValueError as exc:
         raise ConfigError(f"agent: {exc}", key="agent.device_id") from exc
@@ -112,6 +113,11 @@ class Agent:
             self._sys_task = asyncio.create_task(self._publish_sys(), name="filemq-agent-sys")
         log.info("agent %s forwarding %s to %s; backlog %d records", self.forwarder_config.device_id,
                  self.forwarder.topic, self.config.agent.collector, group.lag)
+        local, upstream = self.config.broker.max_packet_size, self.forwarder_config.upstream_max_packet_size
+        if local > upstream:
+            log.warning("broker.max_packet_size %d exceeds agent.upstream_max_packet_size %d: a local"
+                        " message too large for the collector is skipped upstream (counted as"
+                        " oversized_skipped, logged with its offset), not forwarded", local, upstream)
 
     async def stop(self) -> None:
         if self._sys_task is not None:
@@ -121,6 +127,10 @@ class Agent:
         if self.forwarder is not None:
             await self.forwarder.stop()
         await self.broker.stop()
+
+    def reload(self) -> bool:
+        """SIGHUP: the device broker re-reads its password and ACL files (:meth:`Broker.reload`)."""
+        return self.broker.reload()
 
     async def _publish_sys(self) -> None:
         interval = self.config.broker.sys_interval_s

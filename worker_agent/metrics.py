@@ -51,6 +51,8 @@ class AgentMetrics(PromCollector):
             ("resent_records", "Records handed back for resending after a lost connection", s.resent_records),
             ("reconnects", "Upstream connections that ended", s.disconnects),
             ("ack_timeouts", "Batches not acknowledged in time", s.ack_timeouts),
+            ("oversized_records_skipped", "Records too large for the collector's packet limit, skipped",
+             s.oversized_records),
         ):
             yield CounterMetricFamily(p + name, doc, value=value)
         for name, doc, level in (

@@ -810,6 +810,8 @@ class BrokerCore:
                 blocked = True  # the acks that free the window pump again
                 break
             queue.popleft()
+            if conn.acl is not None and not conn.acl.can_receive(m.topic):
+                continue  # the read right went away (ACL reload) while it was queued
             if qos == 0:
                 conn.send(publish_bytes(m.topic, m.payload, 0, False, None, True))
             else:

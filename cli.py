@@ -260,7 +260,7 @@ def _serve(name: str, config_file: str | None, flags: dict[str, object],
 
 
 @main.command()
-@config_flags("agent", "broker")
+@config_flags("agent", "broker", skip=("broker.metrics_port",))
 @click.option("--data-dir", type=click.Path(file_okay=False), default=None, help="Data directory (log, groups, sessions).")
 @click.option("--device-id", default=None, help="This device's id (idempotency key, upstream client id).")
 @click.option("--collector", default=None, help="Upstream collector as HOST:PORT.")
@@ -294,7 +294,7 @@ def agent(config_file: str | None, **flags: object) -> None:
 
 @main.command()
 @config_flags("collector", "broker", skip=("broker.host", "broker.port", "broker.password_file",
-                                          "broker.acl_file", "broker.allow_anonymous"))
+                                          "broker.acl_file", "broker.allow_anonymous", "broker.metrics_port"))
 @click.option("--data-dir", type=click.Path(file_okay=False), default=None, help="Data directory (the WAL).")
 @click.option("--landing", default=None, help="Landing directory (_staging/, incoming/dt=.../).")
 @click.option("--host", default=None, help="Listen address (default 127.0.0.1).")

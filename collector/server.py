@@ -46,6 +46,7 @@ from filemq.batch import (
     peek_header,
 )
 from filemq.broker import Broker, ClientInfo, HookResult
+from filemq.broker.metrics import backlog_status
 from filemq.config import Config, ConfigError
 from filemq.service import Sidecar, run_until_signalled, serve_until_signalled
 from segments.fileio import OS_FILE_IO, FileIO, atomic_write
@@ -303,7 +304,7 @@ async def serve_collector(
         lambda: Collector(config), name="collector", where=f"{c.host}:{c.port} (data dir {config.data_dir})",
         describe=lambda collector: (f"filemq collector {collector.collector_id} listening on "
                                     f"{collector.broker.listening}, landing in {collector.landing_dir}"),
-        log=log, ready=ready, stop=stop, sidecar=metrics)
+        log=log, ready=ready, stop=stop, sidecar=metrics, status=lambda c: backlog_status(c.broker))
 
 
 def run_collector(config: Config, ready: Callable[[str], None] | None = None) -> int:

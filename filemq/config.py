@@ -248,6 +248,7 @@ class BrokerSection:
     tls_key: str | None = field(default=None, metadata=_spec(_str))
     sys_interval_s: int = field(default=10, metadata=_spec(_NONNEG))
     acl_denied_publish: str = field(default="ack_drop", metadata=_spec(_enum("ack_drop", "disconnect")))
+    metrics_port: int | None = field(default=None, metadata=_spec(_PORT))
     auto_subscribe: tuple[AutoSubscribe, ...] = field(
         default=(), metadata=_spec(_auto_subscribe)
     )

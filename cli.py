@@ -58,7 +58,9 @@ def config_flags(own: str, *others: str, skip: tuple[str, ...] = ()) -> Callable
         # the order the keys are declared. (click's show_default would print "(1 MiB)":
         # the default is written into the help instead; the flag's own default stays None
         # so that the config file is not overridden.)
-        order = {key: i for i, key in enumerate(known_keys())}
+        # The command's own section first (the collector's --host before broker keys).
+        keys = known_keys()
+        order = {key: i for i, key in enumerate(sorted(keys, key=lambda k: (k.split(".")[0] != own, keys.index(k))))}
         for param in getattr(fn, "__click_params__", []):
             pkey = key_of_param(own, param.name or "")
             if pkey is None or not isinstance(param, click.Option):

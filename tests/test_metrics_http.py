@@ -94,6 +94,7 @@ def test_broker_metrics_endpoint_exports_the_sys_figures(tmp_path: Path, monkeyp
     assert all(name.endswith("_total") for name, _ in s if kinds.get(name.removesuffix("_total")) == "counter")
     assert s[("filemq_broker_messages_received_total", ())] == 6
     assert s[("filemq_broker_publish_dropped_total", ())] == 1
+    assert s[("filemq_broker_sys_skipped_total", ())] == 0
     assert s[("filemq_broker_connections_total", ())] == 2
     assert s[("filemq_broker_messages_sent_total", ())] == 0
     assert s[("filemq_broker_received_bytes_total", ())] > 6 * 5

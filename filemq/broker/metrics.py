@@ -99,6 +99,8 @@ def broker_families(broker: Broker, now: float | None = None) -> list[Family]:
         _counter("messages_received", "PUBLISH packets received from clients", s.messages_received),
         _counter("messages_sent", "PUBLISH packets sent to subscribers", s.messages_sent),
         _counter("publish_dropped", "PUBLISH packets denied by the ACL or the $-topic rule", s.publish_dropped),
+        _counter("sys_skipped", "$SYS messages not published: their topic was not a valid topic name",
+                 s.sys_skipped),
         _counter("received_bytes", "Bytes received from clients", s.bytes_received),
         _counter("sent_bytes", "Bytes sent to clients", s.bytes_sent),
         _gauge("store_bytes", "Bytes of the log's segment files", lg.size_bytes()),

@@ -49,6 +49,7 @@ from filemq.batch import (
     peek_header,
 )
 from filemq.broker import Broker, ClientInfo, HookResult
+from filemq.broker.metrics import backlog_status
 from filemq.config import Config, ConfigError
 from filemq.fdlimit import FD_RESERVE, connection_capacity, raise_nofile_limit
 from filemq.service import Sidecar, run_until_signalled, serve_until_signalled
@@ -331,7 +332,7 @@ async def serve_collector(
                                     f"{collector.broker.listening}, landing in {collector.landing_dir},"
                                     f" serving up to {collector.broker.config.broker.max_connections}"
                                     " device connections"),
-        log=log, ready=ready, stop=stop, sidecar=metrics)
+        log=log, ready=ready, stop=stop, sidecar=metrics, status=lambda c: backlog_status(c.broker))
 
 
 def run_collector(config: Config, ready: Callable[[str], None] | None = None) -> int:

@@ -77,7 +77,7 @@ if TYPE_CHECKING:
     from filemq.config import BrokerSection
     from filemq.groups import ConsumerGroup
     from filemq.queue import Queue
-    from filemq.retained import RetainedStore
+    from filemq.retained import RetainedMessage, RetainedStore
     from filemq.sysinfo import BrokerStats
 
 log = logging.getLogger("filemq.broker")
@@ -89,7 +89,7 @@ CLEAN_GROUP_PREFIX = "mqtt-clean:"
 _PUBREC = 0x50
 _PUBREL = 0x62
 _PUBCOMP = 0x70
-_MAX_RETAINED_INFLIGHT = 60000
+RETAINED_OUT_HIGH = 256 * 1024  # retained PUBLISH bytes queued in one connection's output at once
 PERSIST_DELAY_S = 0.1  # group offsets are written this long after subscriber acks
 _MAX_PUMP = 1000  # records pushed to one connection per wake-up before yielding the loop
 
@@ -324,12 +324,18 @@ class BrokerCore:
         self.retained_ready = True
         self.retained_changes = 0  # retained records routed so far (snapshot trigger)
         self._retained_buffer: list[Record] = []
-        self._retained_waiting: list[tuple[Connection, SessionState, Subscription]] = []
+        self._retained_waiting: list[tuple[Connection, SessionState, Subscription, int]] = []
+        # Retained messages a SUBSCRIBE matched and the connection has not taken yet (filter,
+        # message, QoS): sent as its output drains, so a client that does not read cannot
+        # make the broker queue them again and again (issue 10 item 8).
+        self._retained_out: dict[Connection, deque[tuple[str, RetainedMessage, int]]] = {}
         self.stats = stats
         self.acl = acl
         self.passwords = passwords
         self.hook = publish_hook
-        self._group_factory = group_factory or (lambda n, f, d: queue.group(n, f, durable=d))
+        # New groups start at the routed offset, as new subscriptions do (see on_subscribe).
+        self._group_factory = group_factory or (
+            lambda n, f, d: queue.group(n, f, durable=d, start=self._routed))
         self.connect_timeout = 10.0
         self.conns: set[Connection] = set()
         self.connections: dict[str, Connection] = {}  # client id -> live connection
@@ -337,9 +343,11 @@ class BrokerCore:
         self.shares: dict[str, SharedGroup] = {}
         self.trie: TopicTrie[Any] = TopicTrie()
         self.sys_retained: dict[str, bytes] = {}
+        self._sys_warned: set[str] = set()  # invalid $SYS topics already warned about
         self._dirty: set[Connection] = set()
         self._pending: deque[tuple[Record, asyncio.Future[None]]] = deque()
         self._routed = self.log.committed_offset
+        cache.limit = self._routed  # groups see a record only once it is routed
         self._batches: dict[asyncio.Future[None], set[Connection]] = {}
         self._clean_ids = 0
         self._repump: set[Connection] = set()
@@ -628,7 +636,7 @@ class BrokerCore:
             if not conn.acl.can_subscribe(f):
                 log.warning("auto-subscribe %r for client %r denied by the ACL", f, conn.client_id)
                 continue
-            state.subs[f] = Subscription(f, plain, share, rule.qos, self.log.next_offset)
+            state.subs[f] = Subscription(f, plain, share, rule.qos, self._routed)
             changed = True
         if changed:
             state.subs_changed()
@@ -728,7 +736,11 @@ class BrokerCore:
         assert state is not None and acl is not None
         codes: list[int] = []
         new_subs: list[Subscription] = []
-        start = self.log.next_offset
+        # MQTT-3.3.1-6: records routed before this point are in the retained store, records
+        # from it on are delivered live (groups never read past it, see TailCache.limit), so
+        # a retained message is never neither.  next_offset would skip appended records that
+        # are not committed yet, while the retained store only has committed ones.
+        start = self._routed
         for f, qos in p.topics:
             try:
                 share, plain = parse_share_key(f)
@@ -768,34 +780,74 @@ class BrokerCore:
                 return
         conn.send_packet(Suback(p.packet_id, codes))
         for sub in new_subs:
-            self._send_retained(conn, state, sub)
+            self._send_retained(conn, state, sub, start)
         self.pump(conn)
 
-    def _send_retained(self, conn: Connection, state: SessionState, sub: Subscription) -> None:
+    def _send_retained(self, conn: Connection, state: SessionState, sub: Subscription, below: int) -> None:
+        """Send the retained messages ``sub`` matches that were stored below offset ``below``
+        (the routed offset at SUBSCRIBE time): later ones reach it live."""
         if sub.share is not None:
             return  # retained messages are not sent for shared subscriptions (as MQTT 5)
         if sub.plain.startswith("$SYS"):
+            acl = conn.acl
             for topic, payload in self.sys_retained.items():
-                if topic_matches(sub.plain, topic):
+                if topic_matches(sub.plain, topic) and (
+                        acl is None or acl.can_receive(topic)):
                     conn.send(encode(Publish(topic, payload, 0, True)))
             return
         if not self.retained_ready:
-            self._retained_waiting.append((conn, state, sub))
+            self._retained_waiting.append((conn, state, sub, below))
             return
         acl = conn.acl
+        queue = self._retained_out.get(conn)
+        if queue is None:
+            queue = self._retained_out[conn] = deque()
+        elif any(e[0] == sub.filter for e in queue):
+            # A repeated SUBSCRIBE re-sends (MQTT-3.8.4-3): what it still had queued is replaced.
+            queue = self._retained_out[conn] = deque(e for e in queue if e[0] != sub.filter)
         for m in self.retained.match(sub.plain):
+            if m.offset >= below:
+                continue  # routed after the SUBSCRIBE (store rebuilt late): delivered live
             if acl is not None and not acl.can_receive(m.topic):
                 continue
-            qos = min(sub.qos, m.qos)
-            if len(state.inflight) >= _MAX_RETAINED_INFLIGHT:
-                qos = 0  # never run out of packet ids, however many retained messages match
+            queue.append((sub.filter, m, min(sub.qos, m.qos)))
+        self._drain_retained(conn, state)
+
+    def _drain_retained(self, conn: Connection, state: SessionState) -> bool:
+        """Send queued retained messages while the connection takes them: its output below
+        :data:`RETAINED_OUT_HIGH`, its transport not paused, QoS 1/2 ones within the in-flight
+        window.  The queue holds the store's messages (no payload copies); True when empty."""
+        queue = self._retained_out.get(conn)
+        if queue is None:
+            return True
+        sent = 0
+        inflight = state.inflight
+        blocked = False
+        while queue and not conn.closed and not conn.paused:
+            if len(conn.out) >= RETAINED_OUT_HIGH:
+                break
+            _, m, qos = queue[0]
+            if qos and len(inflight) >= max(conn.max_inflight, 1):
+                blocked = True  # the acks that free the window pump again
+                break
+            queue.popleft()
+            if conn.acl is not None and not conn.acl.can_receive(m.topic):
+                continue  # the read right went away (ACL reload) while it was queued
             if qos == 0:
-                conn.send(encode(Publish(m.topic, m.payload, 0, True)))
+                conn.send(publish_bytes(m.topic, m.payload, 0, False, None, True))
             else:
                 pid = state.alloc_pid()
-                state.inflight[pid] = Outbound(m.offset, None, qos, m.topic, m.payload, None, True)
-                conn.send(encode(Publish(m.topic, m.payload, qos, True, False, pid)))
-            self.stats.publish_sent()
+                inflight[pid] = Outbound(m.offset, None, qos, m.topic, m.payload, None, True)
+                conn.send(publish_bytes(m.topic, m.payload, qos, False, pid, True))
+            sent += 1
+        if sent:
+            self.stats.publish_sent(sent)
+        if queue:
+            if not blocked and not conn.paused and not conn.closed:
+                self._schedule_repump(conn)  # after this event's flush wrote the output
+            return False
+        del self._retained_out[conn]
+        return True
 
     def on_unsubscribe(self, conn: Connection, p: Unsubscribe) -> None:
         state = conn.session
@@ -1094,6 +1146,7 @@ class BrokerCore:
             records.extend(self._read_gap(routed, committed))
             routed = committed
         self._routed = max(routed, self._routed)
+        self.cache.limit = self._routed
         if records:
             self._route(records)
 
@@ -1142,9 +1195,9 @@ class BrokerCore:
         self.retained = store
         self.retained_ready = True
         waiting, self._retained_waiting = self._retained_waiting, []
-        for conn, state, sub in waiting:
+        for conn, state, sub, below in waiting:
             if not conn.closed and state.conn is conn and state.subs.get(sub.filter) is sub:
-                self._send_retained(conn, state, sub)
+                self._send_retained(conn, state, sub, below)
         self.flush()
 
     # ---- delivery --------------------------------------------------------------------------
@@ -1154,6 +1207,8 @@ class BrokerCore:
         state = conn.session
         if state is None or conn.closed or conn.paused or state.conn is not conn:
             return
+        if conn in self._retained_out and not self._drain_retained(conn, state):
+            return  # live records after the retained ones, never before
         group = state.group
         pushed = 0
         if group is not None:
@@ -1329,6 +1384,7 @@ class BrokerCore:
         self._dirty.discard(conn)
         self._repump.discard(conn)
         self._to_pump.discard(conn)
+        self._retained_out.pop(conn, None)
         if prev_state != CONNECTED:
             return
         self.stats.client_disconnected()
@@ -1400,14 +1456,46 @@ class BrokerCore:
                     conn.close(f"keepalive expired (no packet for 1.5 x {conn.keepalive} s)", will=True)
         self.flush()
 
-    def publish_sys(self, messages: list[tuple[str, bytes]]) -> None:
-        """Send ``$SYS`` messages (not stored in the log) to live subscribers as QoS 0."""
+    def publish_sys(self, messages: list[tuple[str, bytes]], *, replace: str | None = None) -> None:
+        """Send ``$SYS`` messages (not stored in the log) to live subscribers as QoS 0.
+
+        The latest value per topic is kept for new subscribers.  ``replace`` is a topic prefix
+        that ``messages`` covers completely: kept topics under it that are missing from
+        ``messages`` (e.g. the backlog of a session discarded since) are dropped.  Each delivery is
+        checked against the receiver's ACL like any other; a topic that is not a valid topic
+        name (e.g. over 65,535 UTF-8 bytes, from a huge client id) is skipped and counted in
+        ``stats.sys_skipped``, with one warning per topic.
+        """
+        current = self.sys_retained
+        if replace is not None:
+            current = {t: v for t, v in current.items() if not t.startswith(replace)}
         for topic, payload in messages:
-            self.sys_retained[topic] = payload
+            if not self._sys_topic_ok(topic):
+                continue
+            current[topic] = payload
+            data = None
             for target in self.trie.match(topic):
                 if isinstance(target, Connection) and not target.closed:
-                    target.send(encode(Publish(topic, payload)))
+                    acl = target.acl
+                    if acl is not None and not acl.can_receive(topic):
+                        continue
+                    if data is None:
+                        data = publish_bytes(topic, payload, 0, False, None)
+                    target.send(data)
+        self.sys_retained = current
         self.flush()
+
+    def _sys_topic_ok(self, topic: str) -> bool:
+        try:
+            validate_topic_name(topic)  # MQTT 1.5.3: at most 65,535 UTF-8 bytes, no U+0000
+        except InvalidTopic as exc:
+            self.stats.sys_skipped += 1
+            warned = self._sys_warned
+            if topic not in warned and len(warned) < 1024:
+                warned.add(topic)
+                log.warning("$SYS message not published (invalid topic name): %s", exc)
+            return False
+        return True
 
     def save_sessions(self) -> None:
         """Write every persistent session with unwritten changes (shutdown, periodic)."""

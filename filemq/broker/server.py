@@ -38,7 +38,7 @@ from filemq.broker.tailcache import TailCache
 from filemq.config import ConfigError, Listener, broker_listeners
 from filemq.queue import Queue, QueueConfig
 from filemq.retained import RetainedStore
-from filemq.sysinfo import BrokerStats
+from filemq.sysinfo import SYS_PREFIX, BrokerStats
 from segments import LogConfig
 
 if TYPE_CHECKING:
@@ -554,7 +554,8 @@ class Broker:
                         self.stats.remove_backlog(name)
                     for name, lag in backlog.items():
                         self.stats.set_backlog(name, lag)
-                    core.publish_sys(self.stats.sys_messages(now))
+                    # The backlog topics are the complete set: a dropped group's topic goes away.
+                    core.publish_sys(self.stats.sys_messages(now), replace=SYS_PREFIX + "backlog/")
                 if now >= next_snapshot and core.retained_ready:
                     next_snapshot = now + RETAINED_SNAPSHOT_INTERVAL_S
                     routed = core.routed_offset

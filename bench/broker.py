@@ -11,7 +11,7 @@ Debian mosquitto and stock amqtt from :mod:`bench.baselines`) with the same load
 * ``idle``    RSS and CPU of filemq with idle clients and an on-disk backlog (mosquitto's RSS
   with the same clients for reference);
 * ``startup`` spawn -> first CONNACK on a big log with a torn tail vs a full scan of the log;
-* ``trie``    subscription matching, :class:`filemq.topics.TopicTrie` vs brute force;
+* ``trie``    subscription matching, :class:`filemq.common.topics.TopicTrie` vs brute force;
 * ``kill9``   ``kill -9`` under load; every PUBACKed message must reach the persistent
   subscriber after the restart (:func:`run_kill9`, also used by tests/test_broker_kill9.py).
 
@@ -339,7 +339,7 @@ def mark_retained_snapshot_current(data_dir: Path, next_offset: int) -> None:
     measures the bench's shortcut, not the broker.  Only valid because the backlog holds no
     retained records and the snapshot (from :func:`register_offline_subscriber`) is empty.
     """
-    from filemq.retained import RetainedStore, decode_snapshot
+    from filemq.queue.retained import RetainedStore, decode_snapshot
 
     store = RetainedStore(data_dir)
     messages, _ = decode_snapshot(store.path.read_bytes(), str(store.path))
@@ -463,7 +463,7 @@ def trie_filters(n: int, rng: random.Random) -> list[str]:
 
 def scenario_trie(opts: BrokerBenchOptions, say: Progress, n_filters: int = 10_000) -> dict[str, Any]:
     """Matching topics against ``n_filters`` subscriptions: TopicTrie vs topic_matches over all."""
-    from filemq.topics import TopicTrie, topic_matches
+    from filemq.common.topics import TopicTrie, topic_matches
 
     rng = random.Random(opts.seed if opts.seed is not None else 7)
     filters = trie_filters(n_filters, rng)

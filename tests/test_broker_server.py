@@ -26,7 +26,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from filemq.broker import Broker, HookResult
-from filemq.config import Config, load_config
+from filemq.common.config import Config, load_config
 from filemq.mqtt.client import ConnectionLost, ConnectionRefused, MQTTClient, Will
 from filemq.mqtt.codec import Decoder, encode
 from filemq.mqtt.packets import Connect, Pingreq, Pingresp, Publish
@@ -168,7 +168,7 @@ def test_max_connections(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> No
 
 
 def test_password_and_acl(tmp_path: Path) -> None:
-    from filemq.auth import add_or_update
+    from filemq.broker.auth import add_or_update
 
     pw = tmp_path / "pw"
     add_or_update(pw, "dev", "s3cret", iterations=1000)

@@ -17,13 +17,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from filemq.acl import Acl
+from filemq.broker.acl import Acl
 from filemq.broker.core import BrokerCore, HookResult
 from filemq.broker.session import CLOSED, CONNECTED, Connection
 from filemq.broker.sessions import SessionStore
+from filemq.broker.sysinfo import BrokerStats
 from filemq.broker.tailcache import TailCache
-from filemq.config import AutoSubscribe, BrokerSection
-from filemq.groups import ConsumerGroup
+from filemq.common.config import AutoSubscribe, BrokerSection
 from filemq.mqtt.codec import Decoder, encode
 from filemq.mqtt.packets import (
     Connack,
@@ -41,8 +41,8 @@ from filemq.mqtt.packets import (
     Unsuback,
     Unsubscribe,
 )
-from filemq.retained import RetainedStore
-from filemq.sysinfo import BrokerStats
+from filemq.queue.groups import ConsumerGroup
+from filemq.queue.retained import RetainedStore
 from segments.record import Record
 
 # ---- a queue whose commits the test controls -----------------------------------------------
@@ -311,7 +311,7 @@ def test_zero_length_client_id_gets_an_assigned_id(tmp_path: Path) -> None:
 
 
 def test_password_checks(tmp_path: Path) -> None:
-    from filemq.auth import PasswordFile, add_or_update
+    from filemq.broker.auth import PasswordFile, add_or_update
 
     pw_file = tmp_path / "pw"
     add_or_update(pw_file, "alice", "secret", iterations=1000)
@@ -428,7 +428,7 @@ def test_missing_group_directory_restarts_the_session_at_the_log_start_not_its_e
     is re-created at the log's first offset, loudly; acknowledged messages are never lost."""
     import shutil
 
-    from filemq.groups import escape_group_name
+    from filemq.queue.groups import escape_group_name
 
     async def main() -> None:
         h = Harness(tmp_path)
@@ -1187,7 +1187,7 @@ def test_persistent_subscriber_gets_every_acked_message(tmp_path: Path, ops: lis
 def test_group_offsets_persisted_soon_after_acks(tmp_path: Path) -> None:
     """Under traffic, a persistent subscriber's Pending is on disk ~100 ms after its acks
     (not only at the queue's once-a-second housekeeping)."""
-    from filemq.offsets import OffsetFile
+    from filemq.queue.offsets import OffsetFile
 
     async def main() -> None:
         h = Harness(tmp_path)

@@ -12,10 +12,10 @@ import pytest
 from click.testing import CliRunner
 
 from cli import main
-from filemq.groups import escape_group_name
-from filemq.offsets import OffsetFile, encode_offset
+from filemq.ops.status import DryRunFileIO
 from filemq.queue import Queue, QueueConfig
-from filemq.status import DryRunFileIO
+from filemq.queue.groups import escape_group_name
+from filemq.queue.offsets import OffsetFile, encode_offset
 from segments import Log, LogConfig
 
 SEGMENT_BYTES = 2048
@@ -262,7 +262,7 @@ def test_verify_reports_a_missing_session_group_and_a_stray_group_directory(tmp_
 def test_status_counts_acks_the_progress_journal_holds(data: Path) -> None:
     """After a crash the journal may be ahead of the offset files: status shows the lag
     the broker will resume with (Pending 20 in the file, 45 journaled)."""
-    from filemq.offsets import ProgressJournal
+    from filemq.queue.offsets import ProgressJournal
 
     journal = ProgressJournal(data / "groups" / "progress.journal")
     journal.record([(group_dir(data).name, 45, 50)])

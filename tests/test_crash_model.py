@@ -2,7 +2,7 @@
 
 A Hypothesis ``RuleBasedStateMachine`` (as Vector's disk-buffer model test) drives the real
 :class:`segments.Log` (directly and through the real :class:`segments.GroupCommitter` on an
-event loop) and a real :class:`filemq.groups.ConsumerGroup`, all writing through
+event loop) and a real :class:`filemq.queue.groups.ConsumerGroup`, all writing through
 :class:`tests.faults.FaultyFileIO`, with small segments so rolling, sealing and the index are
 exercised.  It crashes (drop / tear / flip, optionally in the middle of an operation), reopens,
 and checks after every step:
@@ -34,9 +34,9 @@ from hypothesis import HealthCheck, Phase, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from filemq.groups import ConsumerGroup, GroupConfig
-from filemq.offsets import ProgressJournal
-from filemq.topics import topic_matches
+from filemq.common.topics import topic_matches
+from filemq.queue.groups import ConsumerGroup, GroupConfig
+from filemq.queue.offsets import ProgressJournal
 from segments import GroupCommitter, Log, LogConfig, Record
 from segments.fileio import DiskFull
 from segments.record import HEADER_SIZE, LENGTH
@@ -653,7 +653,7 @@ def test_group_committer_close_releases_its_thread_when_the_final_sync_fails(tmp
 def test_power_cut_at_every_step_of_dropping_a_group(tmp_path: Path, mode: str) -> None:
     """After a power cut anywhere in ConsumerGroup.drop(), the group is either gone or intact
     (its persisted Pending), never half there; drops that returned are final."""
-    from filemq.groups import group_directories, purge_dropped
+    from filemq.queue.groups import group_directories, purge_dropped
 
     cfg = GroupConfig(persist_every_acks=10**9, persist_interval_ms=10**9)
     step = 0

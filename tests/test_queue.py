@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from filemq.groups import GROUP_FILE, GroupConfig, escape_group_name
-from filemq.offsets import OffsetFile
+from filemq.common.topics import InvalidTopic
 from filemq.queue import Queue as FQueue
 from filemq.queue import QueueConfig
-from filemq.topics import InvalidTopic
+from filemq.queue.groups import GROUP_FILE, GroupConfig, escape_group_name
+from filemq.queue.offsets import OffsetFile
 from segments import LogConfig
 
 
@@ -202,7 +202,7 @@ def test_damaged_group_directory_is_skipped_not_fatal(tmp_path: Path) -> None:
 def test_power_cut_while_persisting_never_skips_and_keeps_completed_writes(tmp_path: Path, seed: int) -> None:
     import random
 
-    from filemq.groups import ConsumerGroup, group_directories
+    from filemq.queue.groups import ConsumerGroup, group_directories
     from segments import Log
 
     faults = pytest.importorskip("tests.faults", reason="needs the fault-injection file layer")

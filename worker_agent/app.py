@@ -23,9 +23,9 @@ from pathlib import Path
 
 from filemq.broker import Broker
 from filemq.broker.metrics import backlog_status
-from filemq.config import Config, ConfigError
+from filemq.common.config import Config, ConfigError
 from filemq.mqtt.client import MQTTClient
-from filemq.service import Sidecar, run_until_signalled, serve_until_signalled
+from filemq.ops.service import Sidecar, run_until_signalled, serve_until_signalled
 from worker_agent.forwarder import Forwarder, ForwarderConfig, Upstream
 
 log = logging.getLogger("filemq.agent")

@@ -26,7 +26,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from filemq.groups import (
+from filemq.queue.groups import (
     DOING_FILE,
     DROPPED_SUFFIX,
     GROUP_FILE,
@@ -37,7 +37,7 @@ from filemq.groups import (
     read_group_file,
     unescape_group_name,
 )
-from filemq.offsets import OffsetFile, OffsetReading
+from filemq.queue.offsets import OffsetFile, OffsetReading
 from segments import Log, LogConfig, ScannedRecord
 from segments.fileio import OS_FILE_IO, FileHandle, atomic_write
 from segments.segment import parse_segment_name
@@ -254,9 +254,9 @@ def record_text(scanned: ScannedRecord, with_payload: bool = False) -> str:
 
 def _journaled(groups_dir: Path) -> dict[str, tuple[int, int]]:
     """The progress journal's replay (read-only): per group directory, (Pending, Doing)
-    acked after the offset files were last written (see filemq.offsets.ProgressJournal)."""
-    from filemq.offsets import decode_journal
-    from filemq.queue import JOURNAL_FILE
+    acked after the offset files were last written (see filemq.queue.offsets.ProgressJournal)."""
+    from filemq.queue.api import JOURNAL_FILE
+    from filemq.queue.offsets import decode_journal
 
     try:
         return decode_journal((groups_dir / JOURNAL_FILE).read_bytes())[0]

@@ -12,7 +12,7 @@ What a caller may rely on:
   retention never deletes a record some group has not acked. :meth:`Queue.close` persists
   every group, then commits and closes the log.
 * Acked progress between two offset-file writes goes to ``groups/progress.journal``
-  (:class:`filemq.offsets.ProgressJournal`): :meth:`Queue.journal_progress` appends the
+  (:class:`filemq.queue.offsets.ProgressJournal`): :meth:`Queue.journal_progress` appends the
   groups acked into since its last call, the group commit fdatasyncs it, :meth:`Queue.open`
   replays it into the offset files and empties it, housekeeping compacts it past 1 MiB.
 * Everything except :meth:`start`, :meth:`close`, :meth:`publish` and
@@ -30,7 +30,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from filemq.groups import (
+from filemq.common.topics import validate_topic_name
+from filemq.queue.groups import (
     ConsumerGroup,
     CorruptGroup,
     GroupConfig,
@@ -40,8 +41,7 @@ from filemq.groups import (
     group_directories,
     purge_dropped,
 )
-from filemq.offsets import ProgressJournal
-from filemq.topics import validate_topic_name
+from filemq.queue.offsets import ProgressJournal
 from segments import GroupCommitter, Log, LogConfig, RetentionReport
 from segments.fileio import OS_FILE_IO, FileIO
 
@@ -163,10 +163,10 @@ class Queue:
     ) -> tuple[int, asyncio.Future[None]]:
         """Append a record; returns its offset and the (shared) future of its commit.
 
-        Raises :class:`filemq.topics.InvalidTopic` for a bad topic name, ``RuntimeError``
+        Raises :class:`filemq.common.topics.InvalidTopic` for a bad topic name, ``RuntimeError``
         before :meth:`start`; the future raises DiskFull/OSError if the commit fails.
         ``validated=True`` skips the topic-name check: only for callers that already
-        enforced :func:`filemq.topics.validate_topic_name`'s rules (the broker: its MQTT
+        enforced :func:`filemq.common.topics.validate_topic_name`'s rules (the broker: its MQTT
         decoder and CONNECT handling do), since a wildcard or U+0000 stored in the log
         would break every subscriber's matching.
         """

@@ -20,7 +20,7 @@ What a caller may rely on:
 * Non-durable groups (MQTT clean sessions) write nothing and start at the log's end.
 
 On disk, per durable group: ``<groups>/<escaped name>/doing``, ``.../pending`` (offset files,
-:mod:`filemq.offsets`) and ``.../group.json`` (name, filters, created), each replaced with
+:mod:`filemq.queue.offsets`) and ``.../group.json`` (name, filters, created), each replaced with
 :func:`segments.fileio.atomic_write`. :func:`escape_group_name` makes any client id or share
 name a safe, case-insensitively unique directory name.
 """
@@ -41,8 +41,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from filemq.offsets import OffsetFile
-from filemq.topics import topic_matches, validate_topic_filter
+from filemq.common.topics import topic_matches, validate_topic_filter
+from filemq.queue.offsets import OffsetFile
 from segments.fileio import OS_FILE_IO, FileIO, atomic_write
 from segments.log import LogView
 
@@ -283,7 +283,7 @@ class ConsumerGroup:
         """Reopen a durable group from ``directory``; resumes at Pending (doing := pending).
 
         ``journaled``: (Pending, Doing) replayed from the queue's progress journal
-        (:class:`filemq.offsets.ProgressJournal`); each is used where it is ahead of the file's.
+        (:class:`filemq.queue.offsets.ProgressJournal`); each is used where it is ahead of the file's.
 
         The safe side is always taken, never the one that skips records:
 

@@ -19,12 +19,12 @@ from collector.lander import Lander
 from collector.landing import LANDING_SCHEMA, LandingWriter
 from collector.metrics import start_metrics_server
 from collector.server import Collector
-from filemq.batch import BatchRecord, decode_batch, encode_batch, peek_header
 from filemq.broker import ClientInfo
-from filemq.config import load_config
+from filemq.common.config import load_config
 from filemq.mqtt.client import MQTTClient
 from filemq.mqtt.packets import Publish
 from filemq.queue import Queue, QueueConfig
+from filemq.upstream.batch import BatchRecord, decode_batch, encode_batch, peek_header
 from segments import LogConfig
 
 pytestmark = pytest.mark.timeout(60)
@@ -619,18 +619,21 @@ def test_a_failed_offset_write_is_retried_without_landing_twice(tmp_path: Path) 
 
 def test_collector_sizes_max_connections_from_the_fd_limit(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """A collector serves a fleet: unless collector.max_connections is set, its limit comes from
-    RLIMIT_NOFILE (soft raised to hard where allowed) minus a reserve for its own files, not
-    the device broker's 1,000; the capacity is logged at start."""
+    RLIMIT_NOFILE (soft raised to hard where allowed) minus a reserve for its own files and for
+    sockets still in their CONNECT (broker.max_connecting), not the device broker's 1,000; the
+    capacity is logged at start."""
     import resource
 
-    from filemq.fdlimit import FD_RESERVE
+    from filemq.ops.fdlimit import FD_RESERVE
 
     _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     collector = Collector(config(tmp_path))
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
     if hard != resource.RLIM_INFINITY:
         assert soft == hard  # raised (allowed: an unprivileged process may raise soft to hard)
-    assert collector.broker.config.broker.max_connections == soft - FD_RESERVE > 1000
+    connecting = collector.broker.config.broker.max_connecting
+    capacity = soft - FD_RESERVE - connecting
+    assert collector.broker.config.broker.max_connections == capacity > 1000
     explicit = Collector(config(tmp_path / "x", **{"collector.max_connections": 20_000}))
     assert explicit.broker.config.broker.max_connections == 20_000
 
@@ -640,13 +643,13 @@ def test_collector_sizes_max_connections_from_the_fd_limit(tmp_path: Path, caplo
 
     caplog.set_level("INFO")
     run(start_stop())
-    assert f"up to {soft - FD_RESERVE} device connections" in caplog.text
+    assert f"up to {capacity} device connections" in caplog.text
 
 
 def test_fd_limit_raise_and_capacity(monkeypatch: pytest.MonkeyPatch) -> None:
     import resource
 
-    from filemq import fdlimit
+    from filemq.ops import fdlimit
 
     calls: list[tuple[int, int]] = []
     monkeypatch.setattr(resource, "getrlimit", lambda _: (1024, 4096))

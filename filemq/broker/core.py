@@ -29,1138 +29,68 @@ What a caller may rely on:
 from __future__ import annotations
 
 import asyncio
-import functools
+import contextlib
 import logging
-import secrets
 import time
-from collections import Counter, deque
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING
 
-from filemq.broker.session import AUTHENTICATING, AWAITING_CONNECT, CONNECTED, Connection
-from filemq.broker.sessions import SessionStore, StoredSession, StoredSubscription
-from filemq.mqtt.codec import ProtocolError, encode, encode_puback, publish_bytes
-from filemq.mqtt.packets import (
-    CONNACK_ACCEPTED,
-    CONNACK_BAD_USERNAME_OR_PASSWORD,
-    CONNACK_IDENTIFIER_REJECTED,
-    CONNACK_NOT_AUTHORIZED,
-    CONNACK_RETURN_CODE_NAMES,
-    CONNACK_UNACCEPTABLE_PROTOCOL_VERSION,
-    SUBACK_FAILURE,
-    Connack,
-    Connect,
-    Publish,
-    Suback,
-    Subscribe,
-    Unsuback,
-    Unsubscribe,
+from filemq.broker.connect import ConnectMixin
+from filemq.broker.delivery import DeliveryMixin
+from filemq.broker.publish import PublishMixin
+from filemq.broker.session import AWAITING_CONNECT, Connection
+from filemq.broker.state import (
+    CLEAN_GROUP_PREFIX,
+    PERSIST_DELAY_S,
+    RETAINED_OUT_HIGH,
+    SESSION_GROUP_PREFIX,
+    SHARE_GROUP_PREFIX,
+    STORE,
+    ClientInfo,
+    HookResult,
+    Outbound,
+    PublishHook,
+    SessionState,
+    SharedGroup,
+    Subscription,
+    parse_share_key,
 )
-from filemq.topics import (
+from filemq.broker.subscribe import SubscribeMixin
+from filemq.common.topics import (
     InvalidTopic,
-    TopicTrie,
-    parse_shared,
-    topic_matches,
-    validate_topic_filter,
     validate_topic_name,
 )
-from segments.record import Record
+from filemq.mqtt.codec import publish_bytes
 
 if TYPE_CHECKING:
-    from filemq.acl import Acl
-    from filemq.auth import PasswordFile
-    from filemq.broker.tailcache import TailCache
-    from filemq.config import BrokerSection
-    from filemq.groups import ConsumerGroup
-    from filemq.queue import Queue
-    from filemq.retained import RetainedStore
-    from filemq.sysinfo import BrokerStats
+    pass
 
 log = logging.getLogger("filemq.broker")
 
-SESSION_GROUP_PREFIX = "mqtt-session:"
-SHARE_GROUP_PREFIX = "mqtt-share:"
-CLEAN_GROUP_PREFIX = "mqtt-clean:"
-
-_PUBREC = 0x50
-_PUBREL = 0x62
-_PUBCOMP = 0x70
-_MAX_RETAINED_INFLIGHT = 60000
-PERSIST_DELAY_S = 0.1  # group offsets are written this long after subscriber acks
-_MAX_PUMP = 1000  # records pushed to one connection per wake-up before yielding the loop
-
-
-def _ack(first: int, packet_id: int) -> bytes:
-    return bytes((first, 2, packet_id >> 8, packet_id & 0xFF))
-
-
-def parse_share_key(topic_filter: str) -> tuple[str | None, str]:
-    """``(share key, plain filter)``: the key of ``$share/<name>/<filter>`` is ``<name>/<filter>``
-    (a shared subscription is named by share name and filter, MQTT 5 §4.8.2); None otherwise.
-    Raises :class:`InvalidTopic` as :func:`~filemq.topics.parse_shared`."""
-    name, plain = parse_shared(topic_filter)
-    return (None if name is None else f"{name}/{plain}"), plain
-
-
-# ---- the publish hook (collector: dedup and CRC checks) -----------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class ClientInfo:
-    """Who sent a PUBLISH: what a :data:`PublishHook` may base its decision on."""
-
-    client_id: str
-    username: str | None
-    peer: str
-
-
-@dataclass(frozen=True, slots=True)
-class HookResult:
-    """A :data:`PublishHook`'s verdict; build it with :meth:`store`, :meth:`ack_drop`, :meth:`reject`."""
-
-    action: Literal["store", "ack_drop", "reject"]
-    payload: bytes | None = None
-    reason: str = ""
-
-    @classmethod
-    def store(cls, payload: bytes | None = None) -> HookResult:
-        """Store the message (with ``payload`` instead of the received one, if given)."""
-        return cls("store", payload)
-
-    @classmethod
-    def ack_drop(cls, reason: str = "") -> HookResult:
-        """Acknowledge without storing (e.g. a duplicate); counted as dropped."""
-        return cls("ack_drop", None, reason)
-
-    @classmethod
-    def reject(cls, reason: str) -> HookResult:
-        """Do not acknowledge; close the connection, logging ``reason``."""
-        return cls("reject", None, reason)
-
-
-STORE = HookResult.store()
-
-PublishHook = Callable[[ClientInfo, Publish], HookResult]
-"""Called for every inbound PUBLISH (after validation and ACL) before it is stored."""
-
-
-# ---- per-client state ----------------------------------------------------------------------
-
-
-@dataclass(slots=True)
-class Subscription:
-    """One subscription of a session; ``start`` is the first log offset it receives."""
-
-    filter: str  # as the client gave it, ``$share/...`` included
-    plain: str  # the filter without the share prefix
-    share: str | None  # the share key ``<name>/<filter>`` of a ``$share`` subscription
-    qos: int
-    start: int
-
-
-class Outbound:
-    """A QoS 1/2 PUBLISH sent to the client and not yet completed."""
-
-    __slots__ = ("offset", "group", "qos", "topic", "payload", "share", "stage", "retain")
-
-    def __init__(
-        self, offset: int, group: ConsumerGroup | None, qos: int, topic: str, payload: bytes,
-        share: str | None, retain: bool = False,
-    ) -> None:
-        self.offset = offset
-        self.group = group  # None: a retained-message delivery, not a group record
-        self.qos = qos
-        self.topic = topic
-        self.payload = payload
-        self.share = share
-        self.stage = 0  # 0: PUBLISH sent; 1: PUBREC received, PUBREL sent (QoS 2)
-        self.retain = retain
-
-
-class SessionState:
-    """One client id's session; a persistent one outlives its connections (and, through the
-    :class:`SessionStore`, the broker process)."""
-
-    def __init__(self, client_id: str, persistent: bool, owner: str | None = None) -> None:
-        self.client_id = client_id
-        self.persistent = persistent
-        self.owner = owner  # the username that created the session; only it may resume it
-        self.subs: dict[str, Subscription] = {}
-        self.group: ConsumerGroup | None = None
-        self.inflight: dict[int, Outbound] = {}
-        self.next_pid = 1
-        # QoS 2 inbound ids waiting for PUBREL -> the commit future of the stored record.
-        self.qos2_in: dict[int, asyncio.Future[None] | None] = {}
-        # Ids loaded from disk after a restart: maybe stale (their PUBREL write was lazy).
-        self.qos2_uncertain: set[int] = set()
-        self.save_due = False  # something changed that should be written lazily
-        self.conn: Connection | None = None
-        self._qos_cache: dict[str, list[tuple[int, int, str | None]]] = {}
-        self._share_names: frozenset[str] | None = None
-
-    def own_filters(self) -> tuple[str, ...]:
-        return tuple(sorted({s.plain for s in self.subs.values() if s.share is None}))
-
-    def share_names(self) -> frozenset[str]:
-        names = self._share_names
-        if names is None:
-            names = self._share_names = frozenset(s.share for s in self.subs.values() if s.share is not None)
-        return names
-
-    def subs_changed(self) -> None:
-        self._qos_cache.clear()
-        self._share_names = None
-
-    def granted_qos(self, topic: str, offset: int, share: str | None) -> int:
-        """Highest QoS of this session's subscriptions (of ``share``) that take this record; -1: none."""
-        entries = self._qos_cache.get(topic)
-        if entries is None:
-            entries = [
-                (s.start, s.qos, s.share) for s in self.subs.values() if topic_matches(s.plain, topic)
-            ]
-            if len(self._qos_cache) > 4096:
-                self._qos_cache.clear()
-            self._qos_cache[topic] = entries
-        best = -1
-        for start, qos, sh in entries:
-            if sh == share and start <= offset and qos > best:
-                best = qos
-        return best
-
-    def alloc_pid(self) -> int:
-        pid = self.next_pid
-        inflight = self.inflight
-        while pid in inflight:
-            pid = pid % 0xFFFF + 1
-        self.next_pid = pid % 0xFFFF + 1
-        return pid
-
-    def has_qos2_in(self, fut: asyncio.Future[None]) -> bool:
-        return any(f is fut for f in self.qos2_in.values())
-
-    def stored(self) -> StoredSession:
-        """What to write; QoS 2 ids whose record is not committed yet are left out (an id on
-        disk without its record would make a re-sent PUBLISH look like a duplicate)."""
-        ids = {
-            pid for pid, f in self.qos2_in.items()
-            if f is None or (f.done() and not f.cancelled() and f.exception() is None)
-        }
-        return StoredSession(
-            self.client_id,
-            {f: StoredSubscription(s.qos, s.start) for f, s in self.subs.items()},
-            ids | self.qos2_uncertain,
-            owner=self.owner,
-        )
-
-
-class SharedGroup:
-    """``$share/<name>/...``: one durable consumer group whose live members share records."""
-
-    def __init__(self, name: str, group: ConsumerGroup) -> None:
-        self.name = name
-        self.group = group
-        self.members: list[Connection] = []
-        self.filter_refs: Counter[str] = Counter()
-        self.rr = 0
-
-    def __repr__(self) -> str:
-        return f"SharedGroup({self.name!r}, members={len(self.members)})"
-
-
-# ---- the core ------------------------------------------------------------------------------
-
-
-class BrokerCore:
-    """Broker state shared by all connections; see the module docstring for the guarantees."""
-
-    def __init__(
-        self,
-        queue: Queue,
-        cache: TailCache,
-        *,
-        config: BrokerSection,
-        store: SessionStore,
-        retained: RetainedStore,
-        stats: BrokerStats,
-        acl: Acl,
-        passwords: PasswordFile | None = None,
-        publish_hook: PublishHook | None = None,
-        group_factory: Callable[[str, tuple[str, ...], bool], ConsumerGroup] | None = None,
-    ) -> None:
-        self.queue = queue
-        self.log = queue.log
-        # Topics reaching _append passed the codec's and CONNECT's topic-name checks already.
-        self._append = functools.partial(queue.publish_nowait, validated=True)
-        self.cache = cache
-        self.config = config
-        self.store = store
-        self.retained = retained
-        # False while the retained store is being rebuilt in the background (big logs):
-        # retained records are buffered and SUBSCRIBEs wait for their retained messages.
-        self.retained_ready = True
-        self.retained_changes = 0  # retained records routed so far (snapshot trigger)
-        self._retained_buffer: list[Record] = []
-        self._retained_waiting: list[tuple[Connection, SessionState, Subscription]] = []
-        self.stats = stats
-        self.acl = acl
-        self.passwords = passwords
-        self.hook = publish_hook
-        self._group_factory = group_factory or (lambda n, f, d: queue.group(n, f, durable=d))
-        self.connect_timeout = 10.0
-        self.conns: set[Connection] = set()
-        self.connections: dict[str, Connection] = {}  # client id -> live connection
-        self.sessions: dict[str, SessionState] = {}  # persistent sessions known in memory
-        self.shares: dict[str, SharedGroup] = {}
-        self.trie: TopicTrie[Any] = TopicTrie()
-        self.sys_retained: dict[str, bytes] = {}
-        self._dirty: set[Connection] = set()
-        self._pending: deque[tuple[Record, asyncio.Future[None]]] = deque()
-        self._routed = self.log.committed_offset
-        self._batches: dict[asyncio.Future[None], set[Connection]] = {}
-        self._clean_ids = 0
-        self._repump: set[Connection] = set()
-        self._to_pump: set[Connection] = set()
-        self._repump_scheduled = False
-        self._acked = False  # group acks since the last persistence nudge
-        self._persist_handle: asyncio.TimerHandle | None = None
-        self._persist_task: asyncio.Task[None] | None = None
-        self.anonymous_allowed = config.anonymous_allowed()
-        queue.add_commit_listener(self._on_committed)
-
-    @property
-    def routed_offset(self) -> int:
-        """Every committed record below this offset has been routed (and applied to retained)."""
-        return self._routed
-
-    # ---- output --------------------------------------------------------------------------
-
-    def mark_dirty(self, conn: Connection) -> None:
-        self._dirty.add(conn)
-
-    def flush(self) -> None:
-        """Write every connection's queued output with one transport write each."""
-        if self._acked:
-            self._acked = False
-            if self._persist_handle is None:
-                self._persist_handle = asyncio.get_running_loop().call_later(
-                    PERSIST_DELAY_S, self._persist_offsets)
-        if self._to_pump:
-            # Window room freed by the acks of one read is filled with one fetch, not one each.
-            to_pump, self._to_pump = self._to_pump, set()
-            for conn in to_pump:
-                self.pump(conn)
-        dirty = self._dirty
-        if not dirty:
-            return
-        self._dirty = set()
-        sent = 0
-        for conn in dirty:
-            if conn.closed or conn.transport is None:
-                continue
-            data = conn.data_to_send()
-            if data:
-                sent += len(data)
-                conn.transport.write(data)
-        self.stats.sent_bytes(sent)
-
-    def set_acl(self, acl: Acl) -> None:
-        """Put a new ACL in force (reload): every connected client's rules are rebuilt at once,
-        so its existing subscriptions deliver only what it may still read."""
-        self.acl = acl
-        for conn in self.conns:
-            if conn.state == CONNECTED:
-                conn.acl = acl.for_client(conn.username, conn.client_id)
-
-    def new_connection(self, conn: Connection) -> None:
-        self.conns.add(conn)
-
-    def at_capacity(self) -> bool:
-        return len(self.conns) >= self.config.max_connections
-
-    # ---- CONNECT -------------------------------------------------------------------------
-
-    def _refuse(self, conn: Connection, code: int, why: str) -> None:
-        conn.send_packet(Connack(False, code))
-        conn.close(f"CONNECT refused ({CONNACK_RETURN_CODE_NAMES.get(code, code)}): {why}", will=False,
-                   level=logging.WARNING)
-
-    def on_connect(self, conn: Connection, p: Connect) -> None:
-        if p.protocol_name != "MQTT" or p.protocol_level != 4:
-            self._refuse(conn, CONNACK_UNACCEPTABLE_PROTOCOL_VERSION,
-                         f"protocol {p.protocol_name!r} level {p.protocol_level}; only MQTT 3.1.1 (level 4)")
-            return
-        conn.client_id = p.client_id
-        conn.username = p.username
-        if not p.client_id:
-            if not p.clean_session:
-                self._refuse(conn, CONNACK_IDENTIFIER_REJECTED,
-                             "zero-length client id needs clean_session = 1")
-                return
-            conn.client_id = "filemq-" + secrets.token_hex(8)
-        if p.will_topic is not None:
-            try:
-                validate_topic_name(p.will_topic)
-            except InvalidTopic as exc:
-                raise ProtocolError(f"invalid will topic: {exc}", "CONNECT") from None
-            conn.will = Publish(p.will_topic, p.will_payload, p.will_qos, p.will_retain)
-        keepalive = p.keepalive
-        kmax = self.config.keepalive_max
-        if kmax is not None and (keepalive == 0 or keepalive > kmax):
-            keepalive = kmax
-        conn.keepalive = keepalive
-        passwords = self.passwords
-        if p.username is None:
-            if passwords is not None and not self.anonymous_allowed:
-                self._refuse(conn, CONNACK_NOT_AUTHORIZED, "anonymous clients are not allowed; send a username")
-                return
-            self._accept(conn, p)
-            return
-        if passwords is None:
-            self._accept(conn, p)  # no password file: usernames only select ACL rules
-            return
-        if p.password is None:
-            self._refuse(conn, CONNACK_BAD_USERNAME_OR_PASSWORD, f"user {p.username!r} sent no password")
-            return
-        if passwords.cached(p.username, p.password):
-            self._accept(conn, p)
-            return
-        # PBKDF2 takes ~100 ms: run it off the loop; packets arriving meanwhile wait.
-        conn.state = AUTHENTICATING
-        loop = asyncio.get_running_loop()
-        fut = loop.run_in_executor(None, passwords.check, p.username, p.password)
-        fut.add_done_callback(lambda f: self._auth_done(conn, p, f))
-
-    def _auth_done(self, conn: Connection, p: Connect, fut: asyncio.Future[bool]) -> None:
-        if conn.closed:
-            return
-        ok = not fut.cancelled() and fut.exception() is None and fut.result()
-        conn.state = AWAITING_CONNECT
-        if ok:
-            self._accept(conn, p)
-            conn.resume_after_auth()
-        else:
-            self._refuse(conn, CONNACK_BAD_USERNAME_OR_PASSWORD, f"wrong password for user {p.username!r}")
-        self.flush()
-
-    def _not_owner(self, conn: Connection, mem: SessionState | None,
-                   stored: StoredSession | None) -> str | None:
-        """Why ``conn``'s user may not take its client id (another user's session), or None."""
-        user, cid = conn.username, conn.client_id
-        old = self.connections.get(cid)
-        if old is not None and old is not conn and old.username != user:
-            return f"client id {cid!r} is connected as user {old.username!r}, not {user!r}"
-        if mem is not None:
-            owner, known, filters = mem.owner, True, list(mem.subs)
-        elif stored is not None:
-            owner, known, filters = stored.owner, stored.owner_known, list(stored.subscriptions)
-        else:
-            return None
-        if known:
-            if owner != user:
-                return f"the session of client id {cid!r} belongs to user {owner!r}, not {user!r}"
-            return None
-        # A session file from before owners were recorded: adopted by the first client whose
-        # ACL allows all its subscriptions (see sessions.py).
-        assert conn.acl is not None
-        denied = [f for f in filters if not conn.acl.can_subscribe(f)]
-        if denied:
-            return (f"the session of client id {cid!r} has no recorded owner and user {user!r} "
-                    f"may not subscribe to its filter {denied[0]!r}")
-        return None
-
-    def _accept(self, conn: Connection, p: Connect) -> None:
-        cid = conn.client_id
-        conn.acl = self.acl.for_client(conn.username, cid)
-        mem = self.sessions.get(cid)
-        stored = self.store.load(cid) if mem is None else None
-        why = self._not_owner(conn, mem, stored)
-        if why is not None:
-            # Neither resumed nor discarded: a session belongs to the user who made it.
-            self._refuse(conn, CONNACK_NOT_AUTHORIZED, why)
-            return
-        old = self.connections.get(cid)
-        if old is not None and old is not conn:
-            # 3.1.4-2: the existing client is disconnected; it did not send DISCONNECT, so
-            # its will is published (3.1.2.5).
-            old.close(f"session taken over by a new connection from {conn.peer}", will=True)
-        present = False
-        if p.clean_session:
-            self._discard_persistent(cid)
-            state = SessionState(cid, persistent=False, owner=conn.username)
-        else:
-            if mem is not None:
-                state, present = mem, True
-            else:
-                state = SessionState(cid, persistent=True, owner=conn.username)
-                if stored is not None:
-                    present = True
-                    for f, entry in stored.subscriptions.items():
-                        share, plain = parse_share_key(f)
-                        state.subs[f] = Subscription(f, plain, share, entry.qos, entry.start)
-                    state.qos2_uncertain = set(stored.qos2_inbound)
-                    state.subs_changed()
-                    if state.own_filters():
-                        state.group = self._group(SESSION_GROUP_PREFIX + cid, state.own_filters(), True)
-                    if not stored.owner_known:
-                        log.warning("client %r: its session file has no owner (written by an older "
-                                    "filemq); adopted by user %r", cid, conn.username)
-                        self._save_session(state)
-                else:
-                    # Written now so a reconnect after a restart reports session_present = 1.
-                    self._save_session(state)
-                self.sessions[cid] = state
-            self._auto_subscribe(conn, state)
-        conn.session = state
-        state.conn = conn
-        self.connections[cid] = conn
-        conn.state = CONNECTED
-        conn.send_packet(Connack(present, CONNACK_ACCEPTED))
-        self.stats.client_connected()
-        for sub in state.subs.values():
-            self._register(conn, state, sub)
-        # 4.4: re-send unacknowledged PUBLISH (DUP) and PUBREL with their original ids.
-        for pid, out in state.inflight.items():
-            if out.stage == 0:
-                conn.send(encode(Publish(out.topic, out.payload, out.qos, out.retain, True, pid)))
-            else:
-                conn.send(_ack(_PUBREL, pid))
-        log.info("client %r connected from %s (clean_session=%s, keepalive=%d, session_present=%s)",
-                 cid, conn.peer, p.clean_session, conn.keepalive, present)
-        self.pump(conn)
-
-    def _auto_subscribe(self, conn: Connection, state: SessionState) -> None:
-        changed = False
-        for rule in self.config.auto_subscribe:
-            f = rule.filter
-            if "%c" in f:
-                if any(ch in conn.client_id for ch in "+#/"):
-                    continue
-                f = f.replace("%c", conn.client_id)
-            if "%u" in f:
-                if conn.username is None or any(ch in conn.username for ch in "+#/"):
-                    continue
-                f = f.replace("%u", conn.username)
-            if f in state.subs:
-                continue
-            try:
-                share, plain = parse_share_key(f)
-                validate_topic_filter(plain)
-            except InvalidTopic as exc:
-                log.warning("auto-subscribe %r for client %r skipped: %s", rule.filter, conn.client_id, exc)
-                continue
-            assert conn.acl is not None
-            if not conn.acl.can_subscribe(f):
-                log.warning("auto-subscribe %r for client %r denied by the ACL", f, conn.client_id)
-                continue
-            state.subs[f] = Subscription(f, plain, share, rule.qos, self.log.next_offset)
-            changed = True
-        if changed:
-            state.subs_changed()
-            self._update_groups(state)
-            self.store.save(state.stored())
-
-    def _discard_persistent(self, cid: str) -> None:
-        state = self.sessions.pop(cid, None)
-        # Group first, file second: a crash in between leaves a session file whose group is
-        # gone (harmless), never a group without a file holding back retention.
-        dropped = self.queue.drop_group(SESSION_GROUP_PREFIX + cid)
-        stored = self.store.delete(cid)
-        if state is not None or stored or dropped:
-            log.info("client %r connected with clean_session = 1: its persistent session was discarded", cid)
-
-    def _group(self, name: str, filters: tuple[str, ...], durable: bool) -> ConsumerGroup:
-        group = self._group_factory(name, filters, durable)
-        if tuple(group.filters) != filters:
-            group.set_filters(filters)
-        return self._through_cache(group)
-
-    def _through_cache(self, group: ConsumerGroup) -> ConsumerGroup:
-        # Groups read the log through the tail cache, so live subscribers never hit the files.
-        if group.reader is not self.cache:
-            group.use_reader(self.cache)
-        return group
-
-    def _drop_group(self, name: str) -> None:
-        self.queue.drop_group(name)
-
-    # ---- subscriptions -------------------------------------------------------------------
-
-    def _register(self, conn: Connection, state: SessionState, sub: Subscription) -> None:
-        if sub.share is None:
-            self.trie.add(sub.plain, conn)
-            return
-        sh = self._share(sub.share, sub.plain)
-        if conn not in sh.members:
-            sh.members.append(conn)
-        sh.filter_refs[sub.plain] += 1
-        if sh.filter_refs[sub.plain] == 1:
-            self.trie.add(sub.plain, sh)
-
-    def _unregister(self, conn: Connection, sub: Subscription) -> None:
-        if sub.share is None:
-            self.trie.remove(sub.plain, conn)
-            return
-        sh = self.shares.get(sub.share)
-        if sh is None:
-            return
-        sh.filter_refs[sub.plain] -= 1
-        if sh.filter_refs[sub.plain] <= 0:
-            del sh.filter_refs[sub.plain]
-            self.trie.remove(sub.plain, sh)
-
-    def _share(self, name: str, plain: str) -> SharedGroup:
-        sh = self.shares.get(name)
-        if sh is None:
-            group = self._through_cache(self._group_factory(SHARE_GROUP_PREFIX + name, (plain,), True))
-            sh = self.shares[name] = SharedGroup(name, group)
-        filters = sh.group.filters
-        if plain not in filters:
-            # Shared-group filters only grow: offline members may still need the old ones.
-            sh.group.set_filters(tuple(filters) + (plain,))
-        return sh
-
-    def _update_groups(self, state: SessionState) -> None:
-        own = state.own_filters()
-        if not own:
-            if state.group is not None and not state.persistent:
-                self._drop_group(state.group.name)
-                state.group = None
-            return
-        if state.group is None:
-            if state.persistent:
-                name = SESSION_GROUP_PREFIX + state.client_id
-            else:
-                self._clean_ids += 1
-                name = f"{CLEAN_GROUP_PREFIX}{state.client_id}:{self._clean_ids}"
-            state.group = self._group(name, own, state.persistent)
-        elif tuple(state.group.filters) != own:
-            state.group.set_filters(own)
-
-    def on_subscribe(self, conn: Connection, p: Subscribe) -> None:
-        state = conn.session
-        acl = conn.acl
-        assert state is not None and acl is not None
-        codes: list[int] = []
-        new_subs: list[Subscription] = []
-        start = self.log.next_offset
-        for f, qos in p.topics:
-            try:
-                share, plain = parse_share_key(f)
-                validate_topic_filter(plain)
-            except InvalidTopic as exc:
-                log.info("client %r: SUBSCRIBE %r refused: %s", conn.client_id, f, exc)
-                codes.append(SUBACK_FAILURE)
-                continue
-            if len(f) > self.config.max_topic_length:
-                log.info("client %r: SUBSCRIBE filter of %d characters refused (max_topic_length %d)",
-                         conn.client_id, len(f), self.config.max_topic_length)
-                codes.append(SUBACK_FAILURE)
-                continue
-            if not acl.can_subscribe(f):
-                log.info("client %r (user %r): SUBSCRIBE %r denied by the ACL", conn.client_id, conn.username, f)
-                codes.append(SUBACK_FAILURE)
-                continue
-            qos = min(qos, 2)
-            old = state.subs.get(f)
-            if old is not None:
-                self._unregister(conn, old)
-            sub = Subscription(f, plain, share, qos, old.start if old is not None else start)
-            state.subs[f] = sub
-            new_subs.append(sub)
-            codes.append(qos)
-        if new_subs:
-            state.subs_changed()
-            self._update_groups(state)
-            for sub in new_subs:
-                self._register(conn, state, sub)
-            if state.persistent:
-                self.store.save(state.stored())
-        conn.send_packet(Suback(p.packet_id, codes))
-        for sub in new_subs:
-            self._send_retained(conn, state, sub)
-        self.pump(conn)
-
-    def _send_retained(self, conn: Connection, state: SessionState, sub: Subscription) -> None:
-        if sub.share is not None:
-            return  # retained messages are not sent for shared subscriptions (as MQTT 5)
-        if sub.plain.startswith("$SYS"):
-            for topic, payload in self.sys_retained.items():
-                if topic_matches(sub.plain, topic):
-                    conn.send(encode(Publish(topic, payload, 0, True)))
-            return
-        if not self.retained_ready:
-            self._retained_waiting.append((conn, state, sub))
-            return
-        acl = conn.acl
-        for m in self.retained.match(sub.plain):
-            if acl is not None and not acl.can_receive(m.topic):
-                continue
-            qos = min(sub.qos, m.qos)
-            if len(state.inflight) >= _MAX_RETAINED_INFLIGHT:
-                qos = 0  # never run out of packet ids, however many retained messages match
-            if qos == 0:
-                conn.send(encode(Publish(m.topic, m.payload, 0, True)))
-            else:
-                pid = state.alloc_pid()
-                state.inflight[pid] = Outbound(m.offset, None, qos, m.topic, m.payload, None, True)
-                conn.send(encode(Publish(m.topic, m.payload, qos, True, False, pid)))
-            self.stats.publish_sent()
-
-    def on_unsubscribe(self, conn: Connection, p: Unsubscribe) -> None:
-        state = conn.session
-        assert state is not None
-        changed = False
-        shares_before = state.share_names()
-        for f in p.topics:
-            sub = state.subs.pop(f, None)
-            if sub is not None:
-                self._unregister(conn, sub)
-                changed = True
-        if changed:
-            state.subs_changed()
-            for name in shares_before - state.share_names():
-                self._leave_share(conn, state, name)
-            self._update_groups(state)
-            if state.persistent:
-                self.store.save(state.stored())
-        conn.send_packet(Unsuback(p.packet_id))
-
-    # ---- inbound PUBLISH -----------------------------------------------------------------
-
-    def on_publish(self, conn: Connection, p: Publish) -> None:
-        stats = self.stats
-        topic = p.topic
-        stats.publish_received(topic, time.monotonic())
-        if len(topic) > self.config.max_topic_length:
-            conn.close(f"PUBLISH topic of {len(topic)} characters exceeds max_topic_length "
-                       f"{self.config.max_topic_length}", will=True, level=logging.WARNING)
-            return
-        qos = p.qos
-        if topic[0] == "$":
-            log.warning("client %r: PUBLISH to %r dropped: clients may not publish to $-topics",
-                        conn.client_id, topic)
-            stats.publish_denied()
-            self._ack_now(conn, p)
-            return
-        acl = conn.acl
-        if acl is not None and not acl.can_publish(topic):
-            stats.publish_denied()
-            if self.config.acl_denied_publish == "disconnect":
-                # Not acknowledged: the sender keeps the message and can be fixed and resend it.
-                conn.close(f"PUBLISH to {topic!r} denied by the ACL for user {conn.username!r}; "
-                           "not acknowledged", will=True, level=logging.WARNING)
-                return
-            log.warning("client %r (user %r): PUBLISH to %r denied by the ACL; acknowledged and dropped",
-                        conn.client_id, conn.username, topic)
-            self._ack_now(conn, p)
-            return
-        state = conn.session
-        assert state is not None
-        if qos == 2:
-            pid = p.packet_id
-            assert pid is not None
-            fut = state.qos2_in.get(pid)
-            if fut is not None and fut.done() and (fut.cancelled() or fut.exception() is not None):
-                del state.qos2_in[pid]  # its commit failed: nothing was stored, store this one
-            if pid in state.qos2_in:
-                # Already stored, PUBREL not seen: PUBREC again, do not store twice (4.3.3).
-                if fut is not None and not fut.done():
-                    conn.queue_ack(fut, _ack(_PUBREC, pid))
-                    if conn.last_batch is not fut:
-                        self._join_batch(conn, fut)
-                else:
-                    conn.queue_ack(None, _ack(_PUBREC, pid))
-                return
-            if pid in state.qos2_uncertain:
-                state.qos2_uncertain.discard(pid)
-                if p.dup:
-                    state.qos2_in[pid] = None
-                    conn.queue_ack(None, _ack(_PUBREC, pid))
-                    return
-        payload = p.payload
-        hook = self.hook
-        if hook is not None:
-            result = hook(ClientInfo(conn.client_id, conn.username, conn.peer), p)
-            if result.action == "reject":
-                conn.close(f"PUBLISH to {topic!r} rejected: {result.reason}", will=True, level=logging.WARNING)
-                return
-            if result.action == "ack_drop":
-                stats.publish_denied()
-                if qos == 2:
-                    assert p.packet_id is not None
-                    state.qos2_in[p.packet_id] = None
-                self._ack_now(conn, p)
-                return
-            if result.payload is not None:
-                payload = result.payload
-        ts = time.time_ns() // 1000
-        try:
-            offset, fut = self._append(topic, payload, qos, p.retain, ts)
-        except (OSError, ValueError) as exc:
-            if qos:
-                conn.close(f"storing PUBLISH to {topic!r} failed: {exc}", will=True, level=logging.ERROR)
-            else:
-                log.error("client %r: QoS 0 PUBLISH to %r dropped: %s", conn.client_id, topic, exc)
-            return
-        self._track(Record(offset, ts, topic, payload, qos, p.retain), fut)
-        if qos == 0:
-            return
-        pid = p.packet_id
-        assert pid is not None
-        if qos == 1:
-            conn.queue_ack(fut, encode_puback(pid), offset)
-        else:
-            state.qos2_in[pid] = fut
-            conn.queue_ack(fut, _ack(_PUBREC, pid), offset)
-        if conn.last_batch is not fut:
-            self._join_batch(conn, fut)
-
-    def _ack_now(self, conn: Connection, p: Publish) -> None:
-        if p.qos == 1:
-            assert p.packet_id is not None
-            conn.queue_ack(None, encode_puback(p.packet_id))
-        elif p.qos == 2:
-            assert p.packet_id is not None
-            conn.session.qos2_in.setdefault(p.packet_id, None)  # type: ignore[union-attr]
-            conn.queue_ack(None, _ack(_PUBREC, p.packet_id))
-
-    def _track(self, record: Record, fut: asyncio.Future[None]) -> None:
-        pending = self._pending
-        if pending and pending[-1][0].offset >= record.offset:
-            # A failed commit made the log reuse offsets: those entries were never stored.
-            while pending and pending[-1][0].offset >= record.offset:
-                pending.pop()
-        pending.append((record, fut))
-
-    def _join_batch(self, conn: Connection, fut: asyncio.Future[None]) -> None:
-        """Have ``conn``'s acks released when the commit ``fut`` resolves (one callback per batch)."""
-        conns = self._batches.get(fut)
-        if conns is None:
-            conns = self._batches[fut] = set()
-            fut.add_done_callback(self._on_batch_done)
-        conns.add(conn)
-        conn.last_batch = fut
-
-    def _on_batch_done(self, fut: asyncio.Future[None]) -> None:
-        """Release the acks a commit batch covers, connection by connection."""
-        conns = self._batches.pop(fut, ())
-        ok = not fut.cancelled() and fut.exception() is None
-        for conn in conns:
-            if conn.last_batch is fut:
-                conn.last_batch = None
-            state = conn.session
-            if ok and state is not None and state.persistent and state.has_qos2_in(fut):
-                # The record is durable; its id must be too before the PUBREC goes out (also
-                # when this connection was taken over meanwhile: the session is the same).
-                self._save_session(state)
-            if not conn.closed:
-                conn.ack_ready()
-        self.flush()
-
-    def _save_session(self, state: SessionState) -> None:
-        state.save_due = False
-        try:
-            self.store.save(state.stored())
-        except OSError as exc:
-            log.error("client %r: writing the session file failed: %s", state.client_id, exc)
-
-    def store_internal(self, topic: str, payload: bytes, qos: int, retain: bool) -> None:
-        """Store a message the broker itself publishes (a will); nobody waits for its ack."""
-        ts = time.time_ns() // 1000
-        try:
-            offset, fut = self._append(topic, payload, qos, retain, ts)
-        except (OSError, ValueError, RuntimeError) as exc:
-            log.error("message to %r not stored: %s", topic, exc)
-            return
-        self._track(Record(offset, ts, topic, payload, qos, retain), fut)
-
-    # ---- routing committed records ---------------------------------------------------------
-
-    def _on_committed(self, committed: int) -> None:
-        pending = self._pending
-        routed = self._routed
-        records: list[Record] = []
-        while pending and pending[0][0].offset < committed:
-            record, fut = pending.popleft()
-            if fut.done() and (fut.cancelled() or fut.exception() is not None):
-                continue
-            if record.offset < routed:
-                continue
-            if record.offset > routed:
-                records.extend(self._read_gap(routed, record.offset))
-            records.append(record)
-            routed = record.offset + 1
-        if routed < committed and not (pending and pending[0][0].offset == routed):
-            records.extend(self._read_gap(routed, committed))
-            routed = committed
-        self._routed = max(routed, self._routed)
-        if records:
-            self._route(records)
-
-    def _read_gap(self, start: int, end: int) -> list[Record]:
-        """Records appended by someone else (e.g. the queue API) that the broker must route."""
-        out: list[Record] = []
-        while start < end:
-            batch = self.log.read(start, min(1000, end - start))
-            batch = [r for r in batch if r.offset < end]
-            if not batch:
-                break
-            out.extend(batch)
-            start = batch[-1].offset + 1
-        return out
-
-    def _route(self, records: list[Record]) -> None:
-        cache_put = self.cache.put
-        retained = self.retained
-        ready = self.retained_ready
-        match = self.trie.match
-        woken: set[Any] = set()
-        seen: dict[str, None] = {}
-        for r in records:
-            cache_put(r)
-            if r.retain:
-                self.retained_changes += 1
-                if ready:
-                    retained.apply(r)
-                else:
-                    self._retained_buffer.append(r)
-            if r.topic not in seen:
-                seen[r.topic] = None
-                woken |= match(r.topic)
-        for target in woken:
-            if isinstance(target, SharedGroup):
-                self.pump_share(target)
-            else:
-                self.pump(target)
-        self.flush()
-
-    def retained_recovered(self, store: RetainedStore) -> None:
-        """Switch to the store rebuilt in the background; catch up and answer waiting SUBSCRIBEs."""
-        for r in self._retained_buffer:
-            store.apply(r)
-        self._retained_buffer = []
-        self.retained = store
-        self.retained_ready = True
-        waiting, self._retained_waiting = self._retained_waiting, []
-        for conn, state, sub in waiting:
-            if not conn.closed and state.conn is conn and state.subs.get(sub.filter) is sub:
-                self._send_retained(conn, state, sub)
-        self.flush()
-
-    # ---- delivery --------------------------------------------------------------------------
-
-    def pump(self, conn: Connection) -> None:
-        """Push records to ``conn`` while its in-flight window has room."""
-        state = conn.session
-        if state is None or conn.closed or conn.paused or state.conn is not conn:
-            return
-        group = state.group
-        pushed = 0
-        if group is not None:
-            cid = conn.client_id
-            while pushed < _MAX_PUMP:
-                room = conn.max_inflight - len(state.inflight)
-                if room <= 0 or conn.paused:
-                    break
-                records = group.fetch(min(room, 100), cid)
-                if not records:
-                    break
-                self._deliver(conn, state, group, records, None)
-                pushed += len(records)
-            if pushed >= _MAX_PUMP:
-                self._schedule_repump(conn)
-        for name in state.share_names():
-            sh = self.shares.get(name)
-            if sh is not None:
-                self.pump_share(sh)
-
-    def _schedule_repump(self, conn: Connection) -> None:
-        self._repump.add(conn)
-        if not self._repump_scheduled:
-            self._repump_scheduled = True
-            asyncio.get_running_loop().call_soon(self._do_repump)
-
-    def _do_repump(self) -> None:
-        self._repump_scheduled = False
-        conns, self._repump = self._repump, set()
-        for conn in conns:
-            self.pump(conn)
-        self.flush()
-
-    def pump_share(self, sh: SharedGroup) -> None:
-        """Hand the shared group's records to its live members, a few at a time each."""
-        members = [m for m in sh.members if not m.closed and not m.paused and m.session is not None]
-        if not members:
-            return
-        group = sh.group
-        for _ in range(_MAX_PUMP):
-            progress = False
-            n = len(members)
-            for i in range(n):
-                conn = members[(sh.rr + i) % n]
-                state = conn.session
-                assert state is not None
-                room = conn.max_inflight - len(state.inflight)
-                if room <= 0 or conn.paused:
-                    continue
-                records = group.fetch(min(room, 8), conn.client_id)
-                if records:
-                    progress = True
-                    self._deliver(conn, state, group, records, sh.name)
-            sh.rr += 1
-            if not progress:
-                return
-
-    def _deliver(self, conn: Connection, state: SessionState, group: ConsumerGroup,
-                 records: list[Record], share: str | None) -> None:
-        """Send ``records`` (fetched from ``group`` for ``conn``) in one write; records no
-        subscription of ``conn`` takes (older than it, or denied by the ACL) are acked."""
-        acl = conn.acl
-        # Every delivery is checked against the receiving user's read rights (cached per topic).
-        check_acl = acl is not None and not acl.allow_all
-        granted = state.granted_qos
-        inflight = state.inflight
-        ack = group.ack
-        redelivered = group.redelivered
-        parts: list[bytes] = []
-        for r in records:
-            offset = r.offset
-            topic = r.topic
-            qos = granted(topic, offset, share)
-            if qos < 0 or (check_acl and not acl.can_receive(topic)):  # type: ignore[union-attr]
-                ack(offset)
-                continue
-            if r.qos < qos:
-                qos = r.qos
-            if qos == 0:
-                parts.append(publish_bytes(topic, r.payload, 0, False, None))
-                ack(offset)
-                continue
-            pid = state.next_pid
-            while pid in inflight:
-                pid = pid % 0xFFFF + 1
-            state.next_pid = pid % 0xFFFF + 1
-            inflight[pid] = Outbound(offset, group, qos, topic, r.payload, share)
-            parts.append(publish_bytes(topic, r.payload, qos, redelivered(offset), pid))
-        if parts:
-            self.stats.publish_sent(len(parts))
-            conn.send(parts[0] if len(parts) == 1 else b"".join(parts))
-
-    def on_puback(self, conn: Connection, pid: int) -> None:
-        self.on_pubacks(conn, (pid,))
-
-    def on_pubacks(self, conn: Connection, pids: Sequence[int]) -> None:
-        """PUBACKs, many at once when a read held nothing else."""
-        state = conn.session
-        assert state is not None
-        inflight = state.inflight
-        for pid in pids:
-            out = inflight.get(pid)
-            if out is None or out.qos != 1:
-                log.debug("client %r: PUBACK for unknown packet id %d ignored", conn.client_id, pid)
-                continue
-            del inflight[pid]
-            if out.group is not None:
-                out.group.ack(out.offset)
-                self._acked = True
-        self._to_pump.add(conn)
-
-    def on_pubrec(self, conn: Connection, pid: int) -> None:
-        state = conn.session
-        assert state is not None
-        out = state.inflight.get(pid)
-        if out is not None and out.qos == 2 and out.stage == 0:
-            out.stage = 1
-            if out.group is not None:
-                # The client has the message: the group may move on; only the id is pending.
-                out.group.ack(out.offset)
-                self._acked = True
-        conn.send(_ack(_PUBREL, pid))
-
-    def on_pubcomp(self, conn: Connection, pid: int) -> None:
-        state = conn.session
-        assert state is not None
-        out = state.inflight.get(pid)
-        if out is not None and out.qos == 2:
-            del state.inflight[pid]
-            if out.stage == 0 and out.group is not None:
-                out.group.ack(out.offset)
-                self._acked = True
-        self._to_pump.add(conn)
-
-    def on_pubrel(self, conn: Connection, pid: int) -> None:
-        state = conn.session
-        assert state is not None
-        if state.qos2_in.pop(pid, None) is not None or pid in state.qos2_uncertain:
-            state.qos2_uncertain.discard(pid)
-        if state.persistent:
-            state.save_due = True  # removals are written lazily (see sessions.py)
-        conn.queue_ack(None, _ack(_PUBCOMP, pid))
-
-    # ---- disconnect ------------------------------------------------------------------------
-
-    def on_close(self, conn: Connection, prev_state: str) -> None:
-        self.conns.discard(conn)
-        self._dirty.discard(conn)
-        self._repump.discard(conn)
-        self._to_pump.discard(conn)
-        if prev_state != CONNECTED:
-            return
-        self.stats.client_disconnected()
-        cid = conn.client_id
-        if self.connections.get(cid) is conn:
-            del self.connections[cid]
-        state = conn.session
-        if state is not None and state.conn is conn:
-            state.conn = None
-            for sub in state.subs.values():
-                self._unregister(conn, sub)
-            for name in state.share_names():
-                self._leave_share(conn, state, name)
-            if state.persistent:
-                if state.save_due:
-                    self._save_session(state)
-            elif state.group is not None:
-                self._drop_group(state.group.name)
-                state.group = None
-        will = conn.will
-        if conn.publish_will and will is not None:
-            acl = conn.acl
-            if will.topic.startswith("$") or (acl is not None and not acl.can_publish(will.topic)):
-                log.warning("client %r: will to %r not published (ACL or $-topic)", cid, will.topic)
-            else:
-                log.info("client %r: publishing its will to %r", cid, will.topic)
-                self.store_internal(will.topic, will.payload, will.qos, will.retain)
-
-    def _leave_share(self, conn: Connection, state: SessionState, name: str) -> None:
-        """``conn`` stops being a member of share ``name`` (disconnect or last UNSUBSCRIBE)."""
-        sh = self.shares.get(name)
-        if sh is None:
-            return
-        if conn in sh.members:
-            sh.members.remove(conn)
-        # Its unacked shared records go to the other members, not back to it later.
-        for pid in [p for p, o in state.inflight.items() if o.share == name and o.stage == 0]:
-            del state.inflight[pid]
-        if sh.group.release(conn.client_id):
-            self.pump_share(sh)
-
-    def _persist_offsets(self) -> None:
-        """Write the offsets of groups that subscribers acked into, ~100 ms after the acks.
-
-        The queue's own housekeeping runs once a second (an idle broker must not wake more
-        often); under traffic this keeps the re-delivery after a crash to ~100 ms of acks.
-        The writes (fsync + rename) run in a worker thread.
-        """
-        self._persist_handle = None
-        if self._persist_task is not None and not self._persist_task.done():
-            self._acked = True  # try again after the running write
-            return
-        snapshots = self.queue.persist_due()
-        if snapshots:
-            self._persist_task = asyncio.get_running_loop().create_task(
-                asyncio.to_thread(self.queue.write_snapshots, snapshots), name="filemq-broker-offsets")
+__all__ = [
+    "BrokerCore",
+    "CLEAN_GROUP_PREFIX",
+    "ClientInfo",
+    "HookResult",
+    "Outbound",
+    "PERSIST_DELAY_S",
+    "PublishHook",
+    "RETAINED_OUT_HIGH",
+    "SESSION_GROUP_PREFIX",
+    "SHARE_GROUP_PREFIX",
+    "STORE",
+    "SessionState",
+    "SharedGroup",
+    "Subscription",
+    "parse_share_key",
+]
+
+
+class BrokerCore(ConnectMixin, SubscribeMixin, PublishMixin, DeliveryMixin):
+    """Broker state shared by all connections; see the module docstring for the guarantees.
+
+    One mixin per concern (:mod:`.connect`, :mod:`.subscribe`, :mod:`.publish`,
+    :mod:`.delivery`) over the shared state of :class:`~filemq.broker.base.CoreBase`;
+    the periodic work ($SYS, session saves, shutdown) is here."""
 
     # ---- periodic work ---------------------------------------------------------------------
 
@@ -1176,14 +106,46 @@ class BrokerCore:
                     conn.close(f"keepalive expired (no packet for 1.5 x {conn.keepalive} s)", will=True)
         self.flush()
 
-    def publish_sys(self, messages: list[tuple[str, bytes]]) -> None:
-        """Send ``$SYS`` messages (not stored in the log) to live subscribers as QoS 0."""
+    def publish_sys(self, messages: list[tuple[str, bytes]], *, replace: str | None = None) -> None:
+        """Send ``$SYS`` messages (not stored in the log) to live subscribers as QoS 0.
+
+        The latest value per topic is kept for new subscribers.  ``replace`` is a topic prefix
+        that ``messages`` covers completely: kept topics under it that are missing from
+        ``messages`` (e.g. the backlog of a session discarded since) are dropped.  Each delivery is
+        checked against the receiver's ACL like any other; a topic that is not a valid topic
+        name (e.g. over 65,535 UTF-8 bytes, from a huge client id) is skipped and counted in
+        ``stats.sys_skipped``, with one warning per topic.
+        """
+        current = self.sys_retained
+        if replace is not None:
+            current = {t: v for t, v in current.items() if not t.startswith(replace)}
         for topic, payload in messages:
-            self.sys_retained[topic] = payload
+            if not self._sys_topic_ok(topic):
+                continue
+            current[topic] = payload
+            data = None
             for target in self.trie.match(topic):
                 if isinstance(target, Connection) and not target.closed:
-                    target.send(encode(Publish(topic, payload)))
+                    acl = target.acl
+                    if acl is not None and not acl.can_receive(topic):
+                        continue
+                    if data is None:
+                        data = publish_bytes(topic, payload, 0, False, None)
+                    target.send(data)
+        self.sys_retained = current
         self.flush()
+
+    def _sys_topic_ok(self, topic: str) -> bool:
+        try:
+            validate_topic_name(topic)  # MQTT 1.5.3: at most 65,535 UTF-8 bytes, no U+0000
+        except InvalidTopic as exc:
+            self.stats.sys_skipped += 1
+            warned = self._sys_warned
+            if topic not in warned and len(warned) < 1024:
+                warned.add(topic)
+                log.warning("$SYS message not published (invalid topic name): %s", exc)
+            return False
+        return True
 
     def save_sessions(self) -> None:
         """Write every persistent session with unwritten changes (shutdown, periodic)."""
@@ -1196,12 +158,14 @@ class BrokerCore:
         return [f for f in self._batches if not f.done()]
 
     async def stop_persisting(self) -> None:
-        """Cancel the pending offset nudge and wait for a write in progress (shutdown)."""
+        """Cancel the pending offset nudge; wait for offset and session-file writes in progress (shutdown)."""
         if self._persist_handle is not None:
             self._persist_handle.cancel()
             self._persist_handle = None
         if self._persist_task is not None:
             await asyncio.gather(self._persist_task, return_exceptions=True)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.session_writes_done(), 5.0)  # bounded: a stuck disk
 
     def close_all(self, reason: str) -> None:
         for conn in list(self.conns):

@@ -599,7 +599,7 @@ def encode(packet: Packet) -> bytes:
     out-of-range packet id, a string over 65535 bytes, a body over 256 MB, an empty
     SUBSCRIBE/UNSUBSCRIBE/SUBACK list; a non-zero reason code or an AUTH, which 3.1.1 cannot
     express: a refusal is never sent as a success).  Properties are not on the 3.1.1 wire and
-    are dropped.  It does not check topic wildcard rules: that is :mod:`filemq.topics`' job.
+    are dropped.  It does not check topic wildcard rules: that is :mod:`filemq.common.topics`' job.
     """
     return _ENCODERS[type(packet)](packet)
 
@@ -770,7 +770,7 @@ def _decode_publish(buf: bytes | bytearray, pos: int, end: int, flags: int) -> P
         topic = buf[tstart:pos].decode("utf-8")
     except UnicodeDecodeError as exc:
         raise ProtocolError(f"invalid UTF-8 in topic at byte {exc.start}", "PUBLISH") from None
-    # Cheap checks only; the full topic grammar lives in filemq.topics.
+    # Cheap checks only; the full topic grammar lives in filemq.common.topics.
     if "\x00" in topic:
         raise ProtocolError("U+0000 in topic", "PUBLISH")
     if "+" in topic or "#" in topic:
@@ -1238,6 +1238,18 @@ class Decoder:
     def buffered(self) -> int:
         """Bytes received but not yet returned as packets."""
         return len(self._buf) - self._pos
+
+    @property
+    def max_packet_size(self) -> int:
+        """The largest packet accepted; may be changed between packets (the broker accepts
+        only CONNECT-sized packets before CONNECT, its configured limit afterwards)."""
+        return self._max
+
+    @max_packet_size.setter
+    def max_packet_size(self, value: int) -> None:
+        if value < 2:
+            raise ValueError(f"max_packet_size must be at least 2 bytes, got {value}")
+        self._max = value
 
     def feed(self, data: bytes | bytearray | memoryview) -> None:
         """Append received bytes; decoding happens in :meth:`packets` / :meth:`next_packet`."""

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from filemq.topics import InvalidTopic, validate_topic_filter
+from filemq.common.topics import InvalidTopic, validate_topic_filter
 
 KIB = 1024
 MIB = 1024 * KIB
@@ -205,6 +205,100 @@ def _spec(check: Checker) -> dict[str, Any]:
     return {"check": check}
 
 
+@dataclass(frozen=True)
+class Listener:
+    """One listening socket of the broker (a ``[[listener]]`` table).
+
+    ``protocol`` is ``"mqtt"`` (MQTT over TCP) or ``"websockets"`` (MQTT over WebSockets,
+    subprotocol ``mqtt``; needs the ``websockets`` extra, i.e. ``wsproto``).  ``tls_cert`` +
+    ``tls_key`` make it TLS; ``tls_ca`` verifies client certificates, which
+    ``require_certificate`` makes mandatory; ``use_identity_as_username`` (as Mosquitto)
+    takes the client certificate's CN as the username and does not consult the password
+    file for it.
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 1883
+    protocol: str = "mqtt"
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_ca: str | None = None
+    require_certificate: bool = False
+    use_identity_as_username: bool = False
+
+    @property
+    def tls(self) -> bool:
+        return self.tls_cert is not None
+
+    def describe(self) -> str:
+        scheme = {"mqtt": "mqtt", "websockets": "ws"}[self.protocol] + ("s" if self.tls else "")
+        return f"{scheme}://{self.host}:{self.port}"
+
+
+_LISTENER_WHAT = (
+    "a list of [[listener]] tables with host, port, protocol = \"mqtt\" | \"websockets\", "
+    "tls_cert, tls_key, tls_ca, require_certificate, use_identity_as_username "
+    "(or strings 'HOST:PORT[,key=value...]')"
+)
+
+
+def _listener(item: Any, from_flag: bool, n: int) -> Listener:
+    if isinstance(item, Listener):
+        return item
+    if isinstance(item, str):  # --listener 0.0.0.0:8883,tls_cert=c.pem,tls_key=k.pem
+        first, *rest = item.split(",")
+        host, sep, port = first.strip().rpartition(":")
+        if not sep or not host:
+            raise _Bad(_LISTENER_WHAT)
+        raw: dict[str, Any] = {"host": host.strip("[]"), "port": port}
+        for part in rest:
+            k, eq, v = part.partition("=")
+            if not eq:
+                raise _Bad(_LISTENER_WHAT)
+            raw[k.strip()] = v.strip()
+        from_flag = True
+    elif isinstance(item, dict):
+        raw = dict(item)
+    else:
+        raise _Bad(_LISTENER_WHAT)
+    names = {f.name for f in dataclasses.fields(Listener)}
+    unknown = sorted(set(raw) - names)
+    if unknown:
+        raise _Bad(f"{_LISTENER_WHAT}; listener {n} has unknown key {unknown[0]!r}")
+    checks: dict[str, Checker] = {
+        "host": _str, "port": _PORT, "protocol": _enum("mqtt", "websockets"), "tls_cert": _str,
+        "tls_key": _str, "tls_ca": _str, "require_certificate": _bool,
+        "use_identity_as_username": _bool,
+    }
+    values: dict[str, Any] = {}
+    for k, v in raw.items():
+        try:
+            values[k] = checks[k](v, from_flag)
+        except _Bad as bad:
+            raise _Bad(f"{_LISTENER_WHAT}; listener {n}: {k} must be {bad.expected}") from None
+    lst = Listener(**values)
+    problem = None
+    if (lst.tls_cert is None) != (lst.tls_key is None):
+        problem = "TLS needs both tls_cert and tls_key"
+    elif lst.tls_ca is not None and not lst.tls:
+        problem = "tls_ca verifies client certificates of a TLS listener; set tls_cert and tls_key"
+    elif lst.require_certificate and lst.tls_ca is None:
+        problem = "require_certificate needs tls_ca (the CA that signs client certificates)"
+    elif lst.use_identity_as_username and not lst.require_certificate:
+        problem = "use_identity_as_username needs require_certificate = true"
+    if problem is not None:
+        raise _Bad(f"{_LISTENER_WHAT}; listener {n} ({lst.host}:{lst.port}): {problem}")
+    return lst
+
+
+def _listeners(value: Any, from_flag: bool) -> tuple[Listener, ...]:
+    if isinstance(value, (str, dict, Listener)):
+        value = [value]
+    if not isinstance(value, (list, tuple)):
+        raise _Bad(_LISTENER_WHAT)
+    return tuple(_listener(item, from_flag, n) for n, item in enumerate(value, start=1))
+
+
 # -- sections -----------------------------------------------------------------------------
 
 _PORT = _int(0, 65535, note=" (0 = any free port)")
@@ -240,15 +334,20 @@ class BrokerSection:
     # validator refuses a non-loopback host without a password file unless this is true).
     allow_anonymous: bool | None = field(default=None, metadata=_spec(_bool))
     max_connections: int = field(default=1000, metadata=_spec(_POS))
+    # Sockets accepted but not yet CONNECTed, counted apart from max_connections.
+    max_connecting: int = field(default=128, metadata=_spec(_POS))
     max_packet_size: int = field(default=1 * MIB, metadata=_spec(_int(64, 268_435_455, sizes=True)))
     max_inflight: int = field(default=20, metadata=_spec(_int(1, 65535)))
     max_topic_length: int = field(default=1024, metadata=_spec(_int(1, 65535)))
+    # Largest PUBLISH / will payload in bytes; None = no limit of its own (max_packet_size bounds it).
+    message_size_limit: int | None = field(default=None, metadata=_spec(_int(1, 268_435_455, sizes=True)))
     keepalive_max: int | None = field(default=None, metadata=_spec(_int(1, 65535)))
     tls_port: int = field(default=8883, metadata=_spec(_PORT))
     tls_cert: str | None = field(default=None, metadata=_spec(_str))
     tls_key: str | None = field(default=None, metadata=_spec(_str))
     sys_interval_s: int = field(default=10, metadata=_spec(_NONNEG))
     acl_denied_publish: str = field(default="ack_drop", metadata=_spec(_enum("ack_drop", "disconnect")))
+    metrics_port: int | None = field(default=None, metadata=_spec(_PORT))
     auto_subscribe: tuple[AutoSubscribe, ...] = field(
         default=(), metadata=_spec(_auto_subscribe)
     )
@@ -306,7 +405,7 @@ class CollectorSection:
     roll_bytes: int = field(default=64 * MIB, metadata=_spec(_SIZE))
     roll_seconds: int = field(default=60, metadata=_spec(_POS))
     metrics_port: int | None = field(default=None, metadata=_spec(_PORT))
-    # None: sized from the file-descriptor limit (filemq.fdlimit), not broker.max_connections.
+    # None: sized from the file-descriptor limit (filemq.ops.fdlimit), not broker.max_connections.
     max_connections: int | None = field(default=None, metadata=_spec(_POS))
 
     def anonymous_allowed(self) -> bool:
@@ -336,6 +435,8 @@ class Config:
     """Every setting, typed and validated; build it with :func:`load_config`."""
 
     data_dir: str | None = field(default=None, metadata=_spec(_str))
+    # The broker's listeners; empty = the shorthand broker.host/port (+ tls_port with tls_cert).
+    listener: tuple[Listener, ...] = field(default=(), metadata=_spec(_listeners))
     log: LogSection = field(default_factory=LogSection)
     broker: BrokerSection = field(default_factory=BrokerSection)
     agent: AgentSection = field(default_factory=AgentSection)
@@ -350,7 +451,7 @@ _SECTIONS: dict[str, type[Any]] = {
     "collector": CollectorSection,
     "ingest": IngestSection,
 }
-_TOP_LEVEL = ("data_dir",)
+_TOP_LEVEL = ("data_dir", "listener")
 
 
 def _checker(section_cls: type[Any], name: str) -> Checker:
@@ -597,6 +698,7 @@ def _check_combinations(
         )
     for name, sec in (("broker", b), ("collector", config.collector)):
         _check_anonymous(name, sec.host, sec.password_file, sec.allow_anonymous, err, where)
+    _check_listeners(config, values, err, where)
 
     a = config.agent
     if a.password is not None and a.password_file is not None:
@@ -610,6 +712,52 @@ def _check_combinations(
             "agent.backoff_initial_ms",
             f"agent.backoff_initial_ms{where('agent.backoff_initial_ms')} "
             f"({a.backoff_initial_ms}) is larger than agent.backoff_max_ms ({a.backoff_max_ms})",
+        )
+
+
+def broker_listeners(config: Config) -> tuple[Listener, ...]:
+    """The broker's listeners: the ``[[listener]]`` tables, or else the shorthand
+    ``broker.host``:``broker.port`` plus a TLS one on ``broker.tls_port`` when ``tls_cert``
+    is set."""
+    if config.listener:
+        return config.listener
+    b = config.broker
+    out = [Listener(host=b.host, port=b.port)]
+    if b.tls_cert is not None:
+        out.append(Listener(host=b.host, port=b.tls_port, tls_cert=b.tls_cert, tls_key=b.tls_key))
+    return tuple(out)
+
+
+_SHORTHAND = ("broker.host", "broker.port", "broker.tls_port", "broker.tls_cert", "broker.tls_key")
+
+
+def _check_listeners(
+    config: Config,
+    values: Mapping[str, tuple[_Source, Any]],
+    err: Callable[[str, str], ConfigError],
+    where: Callable[[str], str],
+) -> None:
+    if not config.listener:
+        return
+    both = [k for k in _SHORTHAND if k in values]
+    if both:
+        raise err(
+            both[0],
+            f"{both[0]}{where(both[0])} and [[listener]] tables are both set; the listener list "
+            f"replaces the shorthand broker.host/port/tls_* (flags --host/--port/--tls-*): "
+            f"keep one",
+        )
+    b = config.broker
+    for n, lst in enumerate(config.listener, start=1):
+        cert_login = lst.require_certificate and lst.use_identity_as_username
+        if is_loopback(lst.host) or cert_login or b.password_file is not None or b.allow_anonymous:
+            continue
+        raise err(
+            "listener",
+            f"listener {n} ({lst.host}:{lst.port}){where('listener')} accepts connections from "
+            f"other machines, but no password file is set. Set broker.password_file, use client "
+            f"certificates (require_certificate and use_identity_as_username), or set "
+            f"broker.allow_anonymous = true",
         )
 
 
@@ -637,3 +785,8 @@ def _check_anonymous(
             f"{key} = false{where(key)} but {section}.password_file is not set, so no client "
             f"could log in; set {section}.password_file or remove {key}",
         )
+
+
+def key_of_param(section: str, param: str) -> str | None:
+    """The dotted key a command's click parameter sets (see :func:`flag_overrides`), or None."""
+    return next(iter(flag_overrides(section, {param: "x"})), None)

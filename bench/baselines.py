@@ -155,17 +155,51 @@ class BrokerProcess:
         raise RuntimeError(f"no VmRSS for pid {self.pid}")
 
     def cpu_seconds(self) -> float:
-        """User + system CPU time used so far (/proc/PID/stat utime + stime)."""
-        stat = Path(f"/proc/{self.pid}/stat").read_text()
-        # The command name (field 2) may hold spaces; fields after its ')' are fixed.
-        fields = stat[stat.rindex(")") + 2 :].split()
-        return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS
+        """User + system CPU time used so far by the broker: the process with all its threads,
+        its live descendants (helper processes), and the children it already reaped
+        (/proc/PID/stat utime + stime + cutime + cstime of each)."""
+        return sum(_proc_cpu_ticks(pid) for pid in [self.pid, *_descendants(self.pid)]) / _CLOCK_TICKS
 
     def __enter__(self) -> BrokerProcess:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _stat_fields(pid: int) -> list[str]:
+    """Fields 3.. of /proc/PID/stat (after the command name, which may hold spaces)."""
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return stat[stat.rindex(")") + 2 :].split()
+
+
+def _proc_cpu_ticks(pid: int) -> int:
+    """utime + stime (all threads) + cutime + cstime (reaped children) of ``pid``; 0 if gone."""
+    try:
+        fields = _stat_fields(pid)
+    except (FileNotFoundError, ProcessLookupError):
+        return 0
+    return int(fields[11]) + int(fields[12]) + int(fields[13]) + int(fields[14])
+
+
+def _descendants(pid: int) -> list[int]:
+    """Live descendant processes of ``pid`` (children of any of its threads, recursively)."""
+    parents: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int(_stat_fields(int(entry.name))[1])
+        except (OSError, ValueError, IndexError):
+            continue  # exited meanwhile
+        parents.setdefault(ppid, []).append(int(entry.name))
+    found: list[int] = []
+    todo = [pid]
+    while todo:
+        kids = parents.get(todo.pop(), [])
+        found += kids
+        todo += kids
+    return found
 
 
 def spawn(name: str, argv: Sequence[str], host: str, port: int, log_path: Path,

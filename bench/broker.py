@@ -146,16 +146,18 @@ def scenario_ingest(opts: BrokerBenchOptions, say: Progress) -> dict[str, Any]:
     with _workdir(opts, "ingest") as work:
         runs = _alternate(opts, work, lambda b: _ingest_run(b, opts, messages, "bench/ingest"), amqtt=True,
                           say=lambda name, r: say(f"  {name:9}: {r.ack_rate:>10,.0f} PUBACKs/s ({r.acked:,} in "
-                                                  f"{r.ack_seconds:.2f} s, broker CPU {r.broker_cpu_pct:.0f}%)"
-                                                  + _errors(r)))
+                                                  f"{r.ack_seconds:.2f} s, broker CPU {r.broker_cpu_pct:.0f}%, "
+                                                  f"{_cpu_us(r, r.acked):.1f} us/msg)" + _errors(r)))
     for name, results in runs.items():
         best = max(results, key=lambda r: r.ack_rate)
         out[f"{name}_acks_per_s"] = round(best.ack_rate)
         out[f"{name}_acked"] = best.acked
         out[f"{name}_runs_acks_per_s"] = [round(r.ack_rate) for r in results]
         out[f"{name}_cpu_pct"] = _rnd(best.broker_cpu_pct or 0.0)
+        _cpu_figures(out, name, [_cpu_us(r, r.acked) for r in results])
         if best.errors:
             out[f"{name}_errors"] = best.errors[:4]
+    _cpu_ratios(out, ("mosquitto", "amqtt"))
     fm = out["filemq_acks_per_s"]
     checks = []
     for base, target in (("mosquitto", 0.5), ("amqtt", 4.0)):
@@ -167,6 +169,37 @@ def scenario_ingest(opts: BrokerBenchOptions, say: Progress) -> dict[str, Any]:
     out["meets_target"] = all(checks) if checks else None
     out["generator_headroom"] = _rnd(sink.ack_rate / max(out.get("mosquitto_acks_per_s") or fm, 1), 1)
     return out
+
+
+def _cpu_us(result: LoadResult, messages: int) -> float:
+    """Broker CPU (user + system, all threads and helper processes) per message, in us, over
+    the whole run; ``messages`` is PUBACKs for ingest, deliveries for fanout."""
+    return 1e6 * (result.broker_cpu_seconds or 0.0) / messages if messages else float("inf")
+
+
+def _cpu_figures(out: dict[str, Any], name: str, per_run: list[float]) -> None:
+    """``{name}_cpu_us_per_msg`` (the lowest of the runs: like the best rate, the run least
+    disturbed by foreign load) and every run's figure."""
+    out[f"{name}_runs_cpu_us_per_msg"] = [_rnd(x, 2) for x in per_run]
+    out[f"{name}_cpu_us_per_msg"] = _rnd(min(per_run), 2)
+
+
+def _cpu_ratios(out: dict[str, Any], baselines: tuple[str, ...]) -> None:
+    """``cpu_ratio_vs_X`` = X's CPU per message / filemq's (>= 1.0: filemq spends no more)."""
+    fm = out.get("filemq_cpu_us_per_msg")
+    for base in baselines:
+        other = out.get(f"{base}_cpu_us_per_msg")
+        if fm and other:
+            out[f"cpu_ratio_vs_{base}"] = _rnd(other / fm, 2)
+
+
+def _cpu_text(result: dict[str, Any], baselines: tuple[str, ...]) -> str:
+    parts = [f"filemq broker CPU {result.get('filemq_cpu_us_per_msg', '-')} us/msg"]
+    for base in baselines:
+        if f"{base}_cpu_us_per_msg" in result:
+            parts.append(f"{base} {result[f'{base}_cpu_us_per_msg']} us/msg "
+                         f"(ratio {result.get(f'cpu_ratio_vs_{base}', '-')}x)")
+    return "; ".join(parts)
 
 
 def _errors(result: LoadResult) -> str:
@@ -196,7 +229,8 @@ def _alternate(opts: BrokerBenchOptions, work: Path, run: Callable[[BrokerProces
                 cpu0, t0 = broker.cpu_seconds(), time.monotonic()
                 result = run(broker)
                 # Whole run (connects included): is the broker CPU-bound (~100% = one core)?
-                result.broker_cpu_pct = 100 * (broker.cpu_seconds() - cpu0) / (time.monotonic() - t0)
+                result.broker_cpu_seconds = broker.cpu_seconds() - cpu0
+                result.broker_cpu_pct = 100 * result.broker_cpu_seconds / (time.monotonic() - t0)
             runs.setdefault(name, []).append(result)
             say(name, result)
     return runs
@@ -225,7 +259,8 @@ def scenario_fanout(opts: BrokerBenchOptions, say: Progress) -> dict[str, Any]:
                           say=lambda name, r: say(f"  {name:9}: {r.delivery_rate:>10,.0f} deliveries/s "
                                                   f"({r.delivered:,} of {r.acked * opts.subscribers:,} in "
                                                   f"{r.delivery_seconds:.2f} s, broker CPU "
-                                                  f"{r.broker_cpu_pct:.0f}%)" + _errors(r)))
+                                                  f"{r.broker_cpu_pct:.0f}%, {_cpu_us(r, r.delivered):.1f} "
+                                                  f"us/delivery)" + _errors(r)))
     for name, results in runs.items():
         best = max(results, key=lambda r: r.delivery_rate)
         out[f"{name}_deliveries_per_s"] = round(best.delivery_rate)
@@ -233,8 +268,10 @@ def scenario_fanout(opts: BrokerBenchOptions, say: Progress) -> dict[str, Any]:
         out[f"{name}_published"] = best.acked
         out[f"{name}_runs_deliveries_per_s"] = [round(r.delivery_rate) for r in results]
         out[f"{name}_cpu_pct"] = _rnd(best.broker_cpu_pct or 0.0)
+        _cpu_figures(out, name, [_cpu_us(r, r.delivered) for r in results])
         if best.errors:
             out[f"{name}_errors"] = best.errors[:4]
+    _cpu_ratios(out, ("mosquitto",))
     base = out.get("mosquitto_deliveries_per_s")
     if base:
         ratio = out["filemq_deliveries_per_s"] / base
@@ -808,10 +845,12 @@ def summary_line(result: dict[str, Any]) -> str:
         return (f"ingest   filemq {result['filemq_acks_per_s']:,} acks/s; "
                 f"vs mosquitto {result.get('ratio_vs_mosquitto', '-')}x (>= 0.5), "
                 f"vs amqtt {result.get('ratio_vs_amqtt', '-')}x (>= 4); "
-                f"generator ceiling {result['generator_ceiling_acks_per_s']:,}/s  [{ok}]")
+                f"generator ceiling {result['generator_ceiling_acks_per_s']:,}/s  [{ok}]\n"
+                f"         {_cpu_text(result, ('mosquitto', 'amqtt'))}")
     if s == "fanout":
         return (f"fanout   filemq {result['filemq_deliveries_per_s']:,} deliveries/s; "
-                f"vs mosquitto {result.get('ratio_vs_mosquitto', '-')}x (>= 0.5)  [{ok}]")
+                f"vs mosquitto {result.get('ratio_vs_mosquitto', '-')}x (>= 0.5)  [{ok}]\n"
+                f"         {_cpu_text(result, ('mosquitto',))} per delivery")
     if s == "latency":
         ref = (f"; mosquitto p99 {result['mosquitto_p99_ms']} ms" if "mosquitto_p99_ms" in result else "")
         return (f"latency  filemq p50 {result['filemq_p50_ms']} ms, p99 {result['filemq_p99_ms']} ms, "

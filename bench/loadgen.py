@@ -551,6 +551,7 @@ class LoadResult:
     publishers: list[PublisherResult]
     subscribers: list[SubscriberResult]
     broker_cpu_pct: float | None = None  # set by callers that own the broker process
+    broker_cpu_seconds: float | None = None  # user + system, threads and helper processes; ditto
 
     @property
     def acked(self) -> int:

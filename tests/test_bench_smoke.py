@@ -21,6 +21,7 @@ from bench.broker import (
     scenario_latency,
     scenario_startup,
     scenario_trie,
+    summary_line,
     trie_filters,
 )
 from bench.loadgen import PublisherSpec, run_load, run_null_sink
@@ -66,7 +67,16 @@ def test_ingest_json_through_the_cli(tmp_path):
     assert ingest["filemq_acks_per_s"] > 0
     assert ingest["filemq_runs_acks_per_s"] == [ingest["filemq_acks_per_s"]]
     assert ingest["generator_ceiling_acks_per_s"] > 0
+    # Issue 16 item 1: broker CPU per message beside the rate, for every broker in the run.
+    assert ingest["filemq_cpu_us_per_msg"] > 0
+    assert len(ingest["filemq_runs_cpu_us_per_msg"]) == 1
+    assert "filemq broker CPU" in summary_line(ingest)
     if mosquitto_available():
+        assert ingest["mosquitto_cpu_us_per_msg"] > 0
+        assert ingest["amqtt_cpu_us_per_msg"] > 0
+        assert ingest["cpu_ratio_vs_mosquitto"] == pytest.approx(
+            ingest["mosquitto_cpu_us_per_msg"] / ingest["filemq_cpu_us_per_msg"], rel=0.05)
+        assert "mosquitto" in summary_line(ingest).split("CPU", 1)[1]
         assert ingest["mosquitto_acked"] == 2000
         assert ingest["ratio_vs_mosquitto"] > 0
         assert ingest["amqtt_acks_per_s"] > 0
@@ -84,7 +94,10 @@ def test_fanout_delivers_every_message_to_every_subscriber(tmp_path):
         assert out[f"{name}_published"] == 1000
         assert out[f"{name}_delivered"] == 1000 * 2
         assert out[f"{name}_deliveries_per_s"] > 0
+        assert out[f"{name}_cpu_us_per_msg"] > 0  # issue 16 item 1: per delivery
     assert out["ratio_vs_mosquitto"] > 0
+    assert out["cpu_ratio_vs_mosquitto"] > 0
+    assert "CPU" in summary_line(out)
     assert "meets_target" in out
 
 
@@ -126,6 +139,47 @@ def test_trie_agrees_with_brute_force_on_a_small_set(tmp_path):
     assert out["filters"] == 500
     assert out["trie_matches_per_s"] > 0
     assert out["mean_matches"] > 0
+
+
+_BURNER = """
+import subprocess, sys, threading, time
+
+def burn(seconds):
+    while time.thread_time() < seconds:
+        pass
+
+CHILD = "import sys, time\\nwhile time.process_time() < 0.3: pass\\nprint('ok', flush=True)\\nsys.stdin.read()"
+t = threading.Thread(target=burn, args=(0.3,))
+t.start()
+child = subprocess.Popen([sys.executable, "-c", CHILD], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+child.stdout.readline()
+t.join()
+print("burnt", flush=True)
+time.sleep(60)
+"""
+
+
+def test_broker_cpu_counts_threads_and_child_processes(tmp_path):
+    """Issue 16 item 1: a broker's CPU is user + system of the process, all its threads and
+    its live helper processes (reaped ones count through cutime/cstime)."""
+    import sys
+    import time
+
+    from bench.baselines import spawn
+
+    script = tmp_path / "burner.py"
+    script.write_text(_BURNER)
+    log_path = tmp_path / "burner.log"
+    broker = spawn("burner", [sys.executable, str(script)], "127.0.0.1", 1, log_path)
+    try:
+        deadline = time.monotonic() + 60
+        while "burnt" not in log_path.read_text() and time.monotonic() < deadline and broker.alive():
+            time.sleep(0.05)  # the burner's only signal is its log line
+        assert "burnt" in log_path.read_text(), log_path.read_text()
+        # 0.3 s in a thread of the process + 0.3 s in its child (+ interpreter start-ups).
+        assert broker.cpu_seconds() >= 0.55
+    finally:
+        broker.stop(timeout=5)
 
 
 def test_trie_filters_mix_exact_plus_and_hash():

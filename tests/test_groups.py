@@ -388,6 +388,30 @@ def test_many_acks_cost_few_writes(tmp_path: Path, log: Log) -> None:
     assert OffsetFile(g.directory / PENDING_FILE).read() == 3000  # type: ignore[operator]
 
 
+def test_journaled_group_rewrites_its_offset_files_at_most_once_per_interval(tmp_path: Path, log: Log) -> None:
+    """Issue 16 item 2: once the queue's progress journal makes a group's acks durable
+    (``report_progress_to``), the ack-count trigger is off: the offset files are rewritten at
+    most once per ``journaled_persist_interval_ms``, however many acks arrive."""
+    fill(log, ["t"] * 3000)
+    io = CountingIO()
+    cfg = GroupConfig(persist_every_acks=10, persist_interval_ms=100, journaled_persist_interval_ms=1000)
+    g = ConsumerGroup.create("g", log, tmp_path / "groups", start="earliest", config=cfg, fileio=io)
+    g.report_progress_to(set())
+    before = io.writes
+    t0 = 1000.0
+    g.snapshot(now=t0)
+    wrote = []
+    for i in range(1, 31):  # 3000 acks in 0.3 s
+        for r in g.fetch(100):
+            g.ack(r.offset)
+        wrote.append(g.maybe_persist(now=t0 + 0.01 * i))
+    assert not any(wrote)
+    assert io.writes == before
+    assert g.maybe_persist(now=t0 + 1.0)  # the interval elapsed: one rewrite of both files
+    assert io.writes == before + 2
+    assert g.persisted.pending == 3000
+
+
 def test_reopen_resumes_from_pending_and_flags_dup(tmp_path: Path, log: Log) -> None:
     fill(log, ["t"] * 10)
     groups = tmp_path / "groups"

@@ -16,7 +16,9 @@ What a caller may rely on:
   offset files when at least ``persist_every_acks`` acks arrived or ``persist_interval_ms``
   elapsed since the last write; :meth:`persist` forces it and :meth:`close` calls it. So a
   crash re-delivers at most the records acked since the last write (the DUP flag is set on
-  them, see :meth:`redelivered`).
+  them, see :meth:`redelivered`). A group whose acks the queue's progress journal records
+  (:meth:`report_progress_to`) is rewritten on ``journaled_persist_interval_ms`` alone: the
+  journal, not the files, then bounds what a crash re-delivers.
 * Non-durable groups (MQTT clean sessions) write nothing and start at the log's end.
 
 On disk, per durable group: ``<groups>/<escaped name>/doing``, ``.../pending`` (offset files,
@@ -92,6 +94,10 @@ class GroupConfig:
 
     persist_every_acks: int = 1000
     persist_interval_ms: int = 100
+    # A group whose acks the queue's progress journal makes durable (report_progress_to)
+    # rewrites its offset files at most this often, whatever the ack count: a crash then
+    # re-delivers only what the journal lacks, not what the files lack (docs/DURABILITY.md).
+    journaled_persist_interval_ms: int = 1000
 
 
 def escape_group_name(name: str) -> str:
@@ -626,7 +632,12 @@ class ConsumerGroup:
         """True if offsets changed and the ack count or the interval says write them now."""
         if not self.durable or self._closed:
             return False
-        if self._acks - self._acks_at_persist < self.config.persist_every_acks:
+        if self._dirty_sink is not None:  # journaled: the interval alone
+            if now is None:
+                now = time.monotonic()
+            if (now - self._last_persist) * 1000.0 < self.config.journaled_persist_interval_ms:
+                return False
+        elif self._acks - self._acks_at_persist < self.config.persist_every_acks:
             if now is None:
                 now = time.monotonic()
             if (now - self._last_persist) * 1000.0 < self.config.persist_interval_ms:

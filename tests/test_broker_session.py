@@ -255,6 +255,38 @@ def run(coro: Any) -> Any:
     return asyncio.run(coro)
 
 
+class CountingTransport(FakeTransport):
+    def __init__(self) -> None:
+        super().__init__()
+        self.writes = 0
+
+    def write(self, data: bytes) -> None:
+        self.writes += 1
+        super().write(data)
+
+
+def test_acks_and_deliveries_to_one_connection_leave_in_one_write_per_loop_pass(tmp_path: Path) -> None:
+    """Issue 16 item 2: a commit releases a connection's PUBACKs (the batch future's callback)
+    and routes the committed records to it (the commit listener); both reach the socket in
+    one transport write in the next loop pass, not one write each."""
+    async def main() -> None:
+        h = Harness(tmp_path)
+        c = h.connected("self", subscribe=Subscribe(1, [("t", 1)]))
+        counting = CountingTransport()
+        c.transport = counting
+        c.conn.transport = counting  # type: ignore[assignment]
+        c._read = 0
+        c.send(Publish("t", b"1", 1, packet_id=1), Publish("t", b"2", 1, packet_id=2))
+        assert counting.writes == 0  # the PUBACKs wait for the commit (MQTT-4.3.2-2 durable first)
+        h.queue.commit()
+        for _ in range(3):
+            await asyncio.sleep(0)  # the loop runs its passes; nobody calls flush() here
+        got = c.received()
+        assert sorted(type(p).__name__ for p in got) == ["Puback", "Puback", "Publish", "Publish"]
+        assert counting.writes == 1
+    run(main())
+
+
 # ---- CONNECT -------------------------------------------------------------------------------
 
 

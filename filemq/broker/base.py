@@ -98,6 +98,8 @@ class CoreBase:
         self._repump: set[Connection] = set()
         self._to_pump: set[Connection] = set()
         self._repump_scheduled = False
+        self._flush_scheduled = False  # a flush_soon() is pending for this loop pass
+        self._journal_scheduled = False  # a progress-journal append is pending for this pass
         self._acked = False  # group acks since the last persistence nudge
         self._persist_handle: asyncio.TimerHandle | None = None
         self._persist_task: asyncio.Task[None] | None = None
@@ -119,15 +121,34 @@ class CoreBase:
     def mark_dirty(self, conn: Connection) -> None:
         self._dirty.add(conn)
 
-    def flush(self) -> None:
-        """Write every connection's queued output with one transport write each."""
+    def flush_soon(self) -> None:
+        """Flush once the callbacks of this event-loop pass ran: the acks a commit releases
+        (its future's callbacks) and the deliveries it routes (its listener) leave for one
+        connection in one transport write, not one each."""
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            asyncio.get_running_loop().call_soon(self._flush_pass)
+
+    def _flush_pass(self) -> None:
+        self._flush_scheduled = False
+        self.flush()
+
+    def _journal_pass(self) -> None:
+        self._journal_scheduled = False
         if self._acked:
             self._acked = False
-            # One write per loop turn with acks: a kill -9 re-delivers only the acks of this turn.
             self.queue.journal_progress()
             if self._persist_handle is None:
                 self._persist_handle = asyncio.get_running_loop().call_later(
                     PERSIST_DELAY_S, self._persist_offsets)
+
+    def flush(self) -> None:
+        """Write every connection's queued output with one transport write each."""
+        if self._acked and not self._journal_scheduled:
+            # One journal append per loop pass with acks, after all of the pass's reads: a
+            # kill -9 re-delivers only the acks of about one pass.
+            self._journal_scheduled = True
+            asyncio.get_running_loop().call_soon(self._journal_pass)
         if self._to_pump:
             # Window room freed by the acks of one read is filled with one fetch, not one each.
             to_pump, self._to_pump = self._to_pump, set()

@@ -186,7 +186,7 @@ class PublishMixin(CoreBase):
                 conn.last_batch = None
             if not conn.closed:
                 conn.ack_ready()
-        self.flush()
+        self.flush_soon()  # with the deliveries this commit routes, in one write per connection
 
     # ---- routing committed records ---------------------------------------------------------
 
@@ -247,7 +247,7 @@ class PublishMixin(CoreBase):
                 self.pump_share(target)
             else:
                 self.pump(target)
-        self.flush()
+        self.flush_soon()
 
     def retained_recovered(self, store: RetainedStore) -> None:
         """Switch to the store rebuilt in the background; catch up and answer waiting SUBSCRIBEs."""

@@ -950,6 +950,35 @@ def test_tail_cache_reads_like_the_log(tmp_path: Path) -> None:
     lg.close()
 
 
+def test_tail_cache_read_ahead_runs_read_like_the_log_for_many_lagging_readers(tmp_path: Path) -> None:
+    """Issue 16 item 3: readers behind the tail are served from gap-free read-ahead runs by
+    list slices; whatever the offsets, counts and byte limits, a read returns exactly what
+    ``Log.read`` returns, and the read-ahead stays within ``max_bytes``."""
+    import random
+
+    from segments import Log
+
+    lg = Log.open(tmp_path / "log")
+    rng = random.Random(16)
+    for i in range(3000):
+        lg.append(f"t/{i % 5}", bytes(rng.choice((1, 10, 100, 1500))))
+    lg.flush()
+    cache = TailCache(lg, max_bytes=64_000, read_ahead=128)
+    for r in lg.read(2900, 100):
+        cache.put(r)
+    readers = [rng.randrange(0, 2900) for _ in range(10)]
+    for step in range(400):
+        k = step % len(readers)
+        n = rng.choice((1, 7, 100, 300))
+        max_bytes = rng.choice((1, 500, 4000, 1 << 20))
+        got = cache.read(readers[k], n, max_bytes)
+        assert got == lg.read(readers[k], n, max_bytes), (readers[k], n, max_bytes)
+        readers[k] = got[-1].offset + 1 if got and got[-1].offset < 2999 else rng.randrange(0, 2900)
+        assert cache.cached_bytes <= 64_000
+    assert cache.hits > 0 and cache.misses > 0
+    lg.close()
+
+
 def test_qos2_resend_on_takeover_waits_for_the_first_commit(tmp_path: Path) -> None:
     async def main() -> None:
         h = Harness(tmp_path)

@@ -35,6 +35,10 @@ def _size(r: Record) -> int:
     return len(r.payload) + len(r.topic) + _OVERHEAD
 
 
+def _frame_bytes(records: list[Record]) -> int:
+    return sum(len(r.payload) + len(r.topic) for r in records) + _FRAME * len(records)
+
+
 class TailCache:
     """Recent records by offset; reads fall back to the log."""
 
@@ -47,9 +51,11 @@ class TailCache:
         self._base = 0
         self._tail_bytes = 0
         self._largest = 0  # largest payload + topic in the tail: cheap max_bytes check
-        self._ahead: dict[int, Record] = {}  # read-ahead for readers behind the tail
-        self._ahead_order: deque[int] = deque()
+        # Read-ahead for readers behind the tail: gap-free runs of records (oldest first),
+        # each (first offset, records, bytes); a hit is a list slice of one run.
+        self._ahead: deque[tuple[int, list[Record], int]] = deque()
         self._ahead_bytes = 0
+        self._ahead_largest = 0  # largest payload + topic ever read ahead: cheap max_bytes check
         self.hits = 0
         self.misses = 0
         self.limit: int | None = None  # records >= limit are not visible yet (None: the log's)
@@ -69,7 +75,7 @@ class TailCache:
         return committed if limit is None or limit > committed else limit
 
     def __len__(self) -> int:
-        return len(self._tail) + len(self._ahead)
+        return len(self._tail) + sum(len(run) for _, run, _ in self._ahead)
 
     @property
     def cached_bytes(self) -> int:
@@ -109,25 +115,49 @@ class TailCache:
         self._base += drop
         self._tail_bytes -= freed
 
-    def _put_ahead(self, record: Record) -> None:
-        if record.offset in self._ahead:
-            return
-        self._ahead[record.offset] = record
-        self._ahead_order.append(record.offset)
-        self._ahead_bytes += _size(record)
+    def _put_ahead(self, records: list[Record]) -> None:
+        """Keep ``records`` (in offset order) as gap-free runs; evict the oldest runs."""
+        start = 0
+        n = len(records)
+        while start < n:
+            end = start + 1
+            first = records[start].offset
+            while end < n and records[end].offset == first + (end - start):
+                end += 1
+            run = records[start:end] if start or end < n else records
+            size = 0
+            largest = self._ahead_largest
+            for r in run:
+                k = len(r.payload) + len(r.topic)
+                size += k + _OVERHEAD
+                if k > largest:
+                    largest = k
+            self._ahead_largest = largest
+            self._ahead.append((first, run, size))
+            self._ahead_bytes += size
+            start = end
         limit = self.max_bytes - self._tail_limit
-        while self._ahead_bytes > limit and self._ahead_order:
-            r = self._ahead.pop(self._ahead_order.popleft(), None)
-            if r is not None:
-                self._ahead_bytes -= _size(r)
+        ahead = self._ahead
+        while self._ahead_bytes > limit and ahead:
+            self._ahead_bytes -= ahead.popleft()[2]
+        if not ahead:
+            self._ahead_largest = 0
+
+    def _find_ahead(self, offset: int) -> tuple[list[Record], int] | None:
+        """The run read ahead that holds ``offset`` and its index there, or None."""
+        for first, run, _ in reversed(self._ahead):  # newest first: readers move forward
+            i = offset - first
+            if 0 <= i < len(run):
+                return run, i
+        return None
 
     def clear(self) -> None:
         self._tail.clear()
         self._tail_bytes = 0
         self._largest = 0
         self._ahead.clear()
-        self._ahead_order.clear()
         self._ahead_bytes = 0
+        self._ahead_largest = 0
 
     def read(self, offset: int, max_records: int = 1000, max_bytes: int = 1 << 20) -> list[Record]:
         """Same contract as ``Log.read`` (up to :attr:`committed_offset`); served from memory where possible."""
@@ -145,29 +175,37 @@ class TailCache:
             self.hits += 1
             return out
         out = []
-        total = 0
         o = offset
-        get = self._ahead.get
+        frame = self._ahead_largest + _FRAME
         while o < committed and len(out) < max_records:
-            r = get(o)
-            if r is None:
+            found = self._find_ahead(o)
+            if found is None:
                 break
-            size = len(r.payload) + len(r.topic) + _FRAME
-            if out and total + size > max_bytes:
-                return out
-            total += size
-            out.append(r)
-            o += 1
+            run, i = found
+            take = run[i : i + min(max_records - len(out), committed - o)]
+            if (len(out) + len(take)) * frame > max_bytes:  # rare (big records): count exactly
+                total = _frame_bytes(out)
+                for r in take:
+                    size = len(r.payload) + len(r.topic) + _FRAME
+                    if out and total + size > max_bytes:
+                        self.hits += 1
+                        return out
+                    total += size
+                    out.append(r)
+            else:
+                out += take
+            o = offset + len(out)
         if len(out) >= max_records or o >= committed:
             self.hits += 1
             return out
         self.misses += 1
+        total = _frame_bytes(out)
         want = max_records - len(out)
         more = self._log.read(o, max(want, self.read_ahead), max(max_bytes - total, 1 << 16))
         tail_start = self._base
-        for r in more:
-            if r.offset < tail_start:
-                self._put_ahead(r)
+        behind = [r for r in more if r.offset < tail_start] if more and more[-1].offset >= tail_start else more
+        if behind:
+            self._put_ahead(behind)
         for r in more[:want]:
             if r.offset >= committed:
                 break

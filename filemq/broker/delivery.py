@@ -260,11 +260,12 @@ class DeliveryMixin(CoreBase):
             self.pump_share(sh)
 
     def _persist_offsets(self) -> None:
-        """Write the offsets of groups that subscribers acked into, ~100 ms after the acks.
+        """Write the offsets of groups that subscribers acked into and that are due, ~100 ms
+        after the acks (a journaled group is due once per ``journaled_persist_interval_ms``:
+        the progress journal, not these files, bounds the re-delivery after a crash).
 
         The queue's own housekeeping runs once a second (an idle broker must not wake more
-        often); under traffic this keeps the re-delivery after a crash to ~100 ms of acks.
-        The writes (fsync + rename) run in a worker thread.
+        often). The writes (fsync + rename) run in a worker thread.
         """
         self._persist_handle = None
         if self._persist_task is not None and not self._persist_task.done():

@@ -35,6 +35,7 @@ import logging
 import secrets
 import time
 from collections import Counter, deque
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
@@ -85,6 +86,10 @@ log = logging.getLogger("filemq.broker")
 SESSION_GROUP_PREFIX = "mqtt-session:"
 SHARE_GROUP_PREFIX = "mqtt-share:"
 CLEAN_GROUP_PREFIX = "mqtt-clean:"
+AUTH_THREADS = 2
+"""Worker threads for password checks.  They are the broker's own, not the loop's default
+executor: wrong-password CONNECTs (one PBKDF2 each) never queue ahead of the session-file and
+offset writes that acks wait for."""
 
 _PUBREC = 0x50
 _PUBREL = 0x62
@@ -107,6 +112,14 @@ def _copy_outcome(dst: asyncio.Future[None], src: asyncio.Future[None]) -> None:
         dst.set_exception(exc)
     else:
         dst.set_result(None)
+
+
+def _check_password(conn: Connection, passwords: PasswordFile, user: str, password: bytes) -> bool:
+    """The password check of a CONNECT, in an auth worker thread; a connection that went
+    away while it waited for a thread costs no PBKDF2."""
+    if conn.closed:
+        return False
+    return passwords.check(user, password)
 
 
 def _too_long(topic: str, limit: int) -> bool:
@@ -354,6 +367,7 @@ class BrokerCore:
         self.session_writer: Callable[[SessionSnapshot, Callable[[BaseException | None], None]], None] = (
             self._write_in_thread)
         self.anonymous_allowed = config.anonymous_allowed()
+        self._auth_pool: ThreadPoolExecutor | None = None  # created at the first password check
         queue.add_commit_listener(self._on_committed)
 
     @property
@@ -466,7 +480,9 @@ class BrokerCore:
         # PBKDF2 takes ~100 ms: run it off the loop; packets arriving meanwhile wait.
         conn.state = AUTHENTICATING
         loop = asyncio.get_running_loop()
-        fut = loop.run_in_executor(None, passwords.check, p.username, p.password)
+        if self._auth_pool is None:
+            self._auth_pool = ThreadPoolExecutor(AUTH_THREADS, thread_name_prefix="filemq-auth")
+        fut = loop.run_in_executor(self._auth_pool, _check_password, conn, passwords, p.username, p.password)
         fut.add_done_callback(lambda f: self._auth_done(conn, p, f))
 
     def _auth_done(self, conn: Connection, p: Connect, fut: asyncio.Future[bool]) -> None:
@@ -1412,3 +1428,6 @@ class BrokerCore:
         for conn in list(self.conns):
             conn.close(reason, will=False)
         self.flush()
+        if self._auth_pool is not None:
+            self._auth_pool.shutdown(wait=False, cancel_futures=True)
+            self._auth_pool = None

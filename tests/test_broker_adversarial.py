@@ -1,0 +1,73 @@
+"""Adversarial review of issue 10 / issue 11 fixes: what an outside adversarial run or
+conformance suite would still find.  Packet level through the core (tests/test_broker_session.py
+harness) where that reproduces it, real processes where it takes one."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from pathlib import Path
+
+from filemq.mqtt.packets import Connack, Connect, Publish, Pubrec, Pubrel, Pubcomp
+from tests.test_broker_security import _users, _with_logins
+from tests.test_broker_session import Harness, run
+
+
+# ---- password checks (issue 11 item 9) and session writes share no worker threads -----------
+
+
+def test_wrong_password_flood_does_not_delay_another_clients_qos2_flow(tmp_path: Path) -> None:
+    """Unauthenticated clients sending wrong passwords (one PBKDF2 each, ~0.1-0.3 s, in a
+    worker thread) must not hold up the session-file writes that an authenticated client's
+    QoS 2 PUBREC and PUBCOMP wait for.  They did: the checks and the writes shared the loop's
+    default executor, and 100 wrong-password CONNECTs against the real broker delayed a QoS 2
+    flow from 0.02 s to 33 s."""
+    async def main() -> None:
+        h = Harness(tmp_path)
+        h.threaded_writes = True
+        h.core = h.make_core()
+        _with_logins(h, _users(tmp_path, "alice"))
+        alice = h.client()
+        alice.send(Connect(client_id="alice-1", clean_session=False, username="alice",
+                           password=b"alice-pw"))
+        async with asyncio.timeout(10):
+            while not alice.received():
+                await asyncio.sleep(0.01)  # first login: a real PBKDF2 check, then cached
+        assert h.core.passwords is not None
+        release = threading.Event()
+        started: list[str] = []
+        real_check = h.core.passwords.check
+
+        def stuck_check(user: str, password: str | bytes) -> bool:
+            started.append(user)
+            release.wait(20)  # a check that takes long (huge $7$ iteration count, a slow core)
+            return real_check(user, password)
+
+        h.core.passwords.check = stuck_check  # type: ignore[method-assign]
+        attackers = [h.client() for _ in range(40)]
+        try:
+            for i, a in enumerate(attackers):
+                a.send(Connect(client_id=f"bad{i}", username="alice", password=b"wrong"))
+            alice.send(Publish("alice/t", b"m", 2, packet_id=1))
+            h.queue.commit()
+            got: list[object] = []
+            async with asyncio.timeout(5):
+                while Pubrec(1) not in got:
+                    await asyncio.sleep(0.01)
+                    got += alice.received()
+                alice.send(Pubrel(1))
+                while Pubcomp(1) not in got:
+                    await asyncio.sleep(0.01)
+                    got += alice.received()
+            # Connections that went away before their check started cost no check at all.
+            for a in attackers:
+                a.conn.connection_lost()
+            assert len(started) < 10
+        finally:
+            release.set()
+        await h.settle()
+        await asyncio.sleep(0.2)
+        assert len(started) < 10
+        assert all(a.received() == [] for a in attackers)
+        assert Connack(False, 0) not in got
+    run(main())

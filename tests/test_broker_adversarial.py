@@ -5,9 +5,14 @@ harness) where that reproduces it, real processes where it takes one."""
 from __future__ import annotations
 
 import asyncio
+import base64
 import threading
 from pathlib import Path
 
+import pytest
+
+from filemq.auth import MAX_ITERATIONS, SCHEME, PasswordFile, PasswordHash
+from filemq.config import ConfigError
 from filemq.mqtt.packets import Connack, Connect, Publish, Pubrec, Pubrel, Pubcomp
 from tests.test_broker_security import _users, _with_logins
 from tests.test_broker_session import Harness, run
@@ -71,3 +76,22 @@ def test_wrong_password_flood_does_not_delay_another_clients_qos2_flow(tmp_path:
         assert all(a.received() == [] for a in attackers)
         assert Connack(False, 0) not in got
     run(main())
+
+
+@pytest.mark.parametrize("scheme", ["7", SCHEME])
+def test_password_file_refuses_an_iteration_count_over_the_cap(tmp_path: Path, scheme: str) -> None:
+    """A ``$7$`` (or filemq) line with a huge iteration count made every login attempt --
+    for that user, and for unknown users, who are checked against the first entry's count --
+    run PBKDF2 for hours: two such CONNECTs took every auth thread and SIGTERM no longer ended
+    the broker (it waits for worker threads).  The file is refused at load, naming the line."""
+    salt = base64.b64encode(b"s" * 12).decode()
+    digest = base64.b64encode(b"h" * 64).decode()
+    p = tmp_path / "pw"
+    p.write_text(f"alice:${scheme}${MAX_ITERATIONS}${salt}${digest}\n"
+                 f"bob:${scheme}${MAX_ITERATIONS + 1}${salt}${digest}\n"
+                 f"carol:${scheme}$2000000000${salt}${digest}\n")
+    with pytest.raises(ConfigError, match="iterations") as info:
+        PasswordFile.load(p)
+    assert info.value.line == 2 and f"{MAX_ITERATIONS:,}" in str(info.value)
+    with pytest.raises(ValueError):
+        PasswordHash.create("x", MAX_ITERATIONS + 1)

@@ -86,6 +86,8 @@ log = logging.getLogger("filemq.broker")
 SESSION_GROUP_PREFIX = "mqtt-session:"
 SHARE_GROUP_PREFIX = "mqtt-share:"
 CLEAN_GROUP_PREFIX = "mqtt-clean:"
+CONNECT_TIMEOUT = 10.0
+"""Seconds from the accept to a complete CONNECT (a TLS handshake included)."""
 AUTH_THREADS = 2
 """Worker threads for password checks.  They are the broker's own, not the loop's default
 executor: wrong-password CONNECTs (one PBKDF2 each) never queue ahead of the session-file and
@@ -343,7 +345,7 @@ class BrokerCore:
         self.passwords = passwords
         self.hook = publish_hook
         self._group_factory = group_factory or (lambda n, f, d: queue.group(n, f, durable=d))
-        self.connect_timeout = 10.0
+        self.connect_timeout = CONNECT_TIMEOUT
         self.conns: set[Connection] = set()
         self.connections: dict[str, Connection] = {}  # client id -> live connection
         self.sessions: dict[str, SessionState] = {}  # persistent sessions known in memory

@@ -89,7 +89,7 @@ class _MQTTProtocol(asyncio.Protocol):
     """Bytes between one socket and its :class:`Connection`."""
 
     __slots__ = ("core", "conn", "max_packet_size", "max_inflight", "half_open", "transport",
-                 "reading", "identity_as_username")
+                 "reading", "identity_as_username", "accepted_at")
 
     def __init__(self, core: BrokerCore, max_packet_size: int, max_inflight: int,
                  half_open: HalfOpen | None = None, identity_as_username: bool = False) -> None:
@@ -101,6 +101,7 @@ class _MQTTProtocol(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.reading = True
         self.identity_as_username = identity_as_username
+        self.accepted_at = time.monotonic()  # made at the accept, before any TLS handshake
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
@@ -115,7 +116,7 @@ class _MQTTProtocol(asyncio.Protocol):
             return
         transport.set_write_buffer_limits(high=WRITE_BUFFER_HIGH)
         conn = Connection(core, peer, transport, max_packet_size=self.max_packet_size,
-                          max_inflight=self.max_inflight)
+                          max_inflight=self.max_inflight, now=self.accepted_at)
         if self.identity_as_username:
             # use_identity_as_username: the verified client certificate's CN is the username.
             conn.identity = certificate_cn(transport.get_extra_info("peercert"))
@@ -321,8 +322,11 @@ class Broker:
 
         try:
             for lst, ctx in zip(self.listeners, contexts, strict=True):
+                # The handshake runs before the broker sees the socket: bounded by the same
+                # deadline as the CONNECT (which then counts from the accept too).
+                tls_kw = {} if ctx is None else {"ssl_handshake_timeout": core.connect_timeout}
                 server = await loop.create_server(factory_for(lst), lst.host, lst.port, ssl=ctx,
-                                                  reuse_address=True, backlog=1024)
+                                                  reuse_address=True, backlog=1024, **tls_kw)
                 self._servers.append(server)
                 port = server.sockets[0].getsockname()[1]
                 self.ports.append(port)

@@ -18,7 +18,7 @@ from filemq.config import ConfigError
 from filemq.mqtt.packets import Connack, Connect, Publish, Pubrec, Pubrel, Pubcomp
 from tests.test_broker_security import _users, _with_logins
 from tests.test_broker_transport import _ca, _closed_by_peer, _load, running
-from tests.test_broker_session import Harness, run
+from tests.test_broker_session import Harness, _one_delivery, run
 
 
 # ---- password checks (issue 11 item 9) and session writes share no worker threads -----------
@@ -122,3 +122,47 @@ def test_tls_handshake_that_never_completes_is_cut_off_at_the_connect_deadline(
             w.close()
 
     asyncio.run(main())
+
+
+# ---- outbound QoS 2: the id awaiting PUBCOMP is session state (MQTT-4.3.3, 3.1.2.4) ----------
+
+
+def test_outbound_pubrel_is_resent_after_a_restart_mqtt_4_3_3(tmp_path: Path) -> None:
+    """A QoS 2 delivery whose PUBREC arrived awaits PUBCOMP; the broker's PUBREL is what
+    releases the message to a receiver using 4.3.3's Method A -- paho-mqtt hands a QoS 2
+    message to the application only on PUBREL.  Such ids are session state (3.1.2.4: "QoS 2
+    messages which have been sent to the Client, but have not been completely
+    acknowledged"): after a restart of the broker -- the group's ack already durable -- the
+    persistent session must get PUBREL again.  It got nothing: the message was lost to paho
+    (and the next message under that id overwrote it in paho's store)."""
+    async def main() -> None:
+        h = Harness(tmp_path)
+        s, m = await _one_delivery(h, 2)
+        pid = m.packet_id
+        assert pid is not None
+        s.send(Pubrec(pid))
+        await h.settle()
+        assert s.received() == [Pubrel(pid)]
+        s.conn.connection_lost()  # the PUBREL never reached the client
+        stored = h.store.load("s")
+        assert stored is not None and stored.qos2_outbound == {pid}
+        h.core = h.make_core()  # restart; the group (in memory here) keeps its ack
+        s2 = h.client()
+        assert s2.connect("s", clean=False).session_present
+        assert s2.received() == [Pubrel(pid)]  # released again, not re-sent as a PUBLISH
+        s2.send(Pubcomp(pid))
+        assert not s2.conn.closed
+        p = h.connected("p2")
+        p.send(Publish("t", b"next", 2, packet_id=1))
+        await h.commit()
+        [nxt] = s2.received()
+        assert isinstance(nxt, Publish) and nxt.payload == b"next"
+        s2.send(Pubrec(nxt.packet_id or 0))
+        await h.settle()
+        assert s2.received() == [Pubrel(nxt.packet_id or 0)]
+        s2.send(Pubcomp(nxt.packet_id or 0))
+        s2.conn.close("bye", will=False)
+        await h.settle()
+        stored = h.store.load("s")
+        assert stored is not None and stored.qos2_outbound == set()
+    run(main())

@@ -230,6 +230,7 @@ class SessionState:
         self.qos2_in: dict[int, asyncio.Future[None] | None] = {}
         self.qos2_offsets: dict[int, int] = {}  # QoS 2 inbound id -> its record's offset
         self.qos2_loaded: set[int] = set()  # ids read from the session file, not yet re-checked
+        self.qos2_out: set[int] = set()  # outbound QoS 2 ids PUBREC'd, awaiting PUBCOMP (persistent)
         # Commit future -> future that resolves once that commit's QoS 2 ids are written.
         self.qos2_gates: dict[asyncio.Future[None], asyncio.Future[None]] = {}
         self.save_next: asyncio.Future[None] | None = None  # the next session-file write
@@ -289,6 +290,7 @@ class SessionState:
             ids,
             owner=self.owner,
             qos2_offsets={pid: off for pid, off in self.qos2_offsets.items() if pid in ids},
+            qos2_outbound=set(self.qos2_out),
         )
 
 
@@ -557,6 +559,10 @@ class BrokerCore:
                     state.qos2_in = dict.fromkeys(stored.qos2_inbound)
                     state.qos2_offsets = dict(stored.qos2_offsets)
                     state.qos2_loaded = set(stored.qos2_inbound)
+                    for pid in stored.qos2_outbound:  # PUBREL re-sent below (4.4)
+                        released = state.inflight[pid] = Outbound(-1, None, 2, "", b"", None)
+                        released.stage = 1
+                    state.qos2_out = set(stored.qos2_outbound)
                     state.subs_changed()
                     if state.own_filters():
                         state.group = self._group(SESSION_GROUP_PREFIX + cid, state.own_filters(), True)
@@ -1274,7 +1280,15 @@ class BrokerCore:
             return
         if out is not None and out.stage == 0:
             out.stage = 1
-            if out.group is not None:
+            if state.persistent:
+                # The id awaiting PUBCOMP is session state (3.1.2.4): written before the
+                # group's ack can be, so after a restart the PUBREL is re-sent (a receiver
+                # may hand the message on only at PUBREL, 4.3.3 Method A).
+                state.qos2_out.add(pid)
+                written = self._save_soon(state)
+                if out.group is not None:
+                    written.add_done_callback(functools.partial(self._ack_released, out.group, out.offset))
+            elif out.group is not None:
                 # The client has the message: the group may move on; only the id is pending.
                 out.group.ack(out.offset)
                 self._acked = True
@@ -1292,7 +1306,19 @@ class BrokerCore:
             self._wrong_ack(conn, "PUBCOMP", pid, out)
             return
         del state.inflight[pid]
+        if pid in state.qos2_out:
+            state.qos2_out.discard(pid)
+            state.save_due = True  # lazily: a stale id costs one PUBREL answered by PUBCOMP
         self._to_pump.add(conn)
+
+    def _ack_released(self, group: ConsumerGroup, offset: int, written: asyncio.Future[None]) -> None:
+        """The group's ack of a record PUBREC'd by a persistent session, once the session file
+        holds its id; a failed write leaves it unacked (re-sent after a restart, not lost)."""
+        if written.cancelled() or written.exception() is not None:
+            return
+        group.ack(offset)
+        self._acked = True
+        self.flush()
 
     def _wrong_ack(self, conn: Connection, ack: str, pid: int, out: Outbound) -> None:
         """An acknowledgement that does not fit the in-flight message's state is a protocol

@@ -747,6 +747,12 @@ def _check_listeners(
             f"keep one",
         )
     b = config.broker
+    seen: dict[tuple[str, int], int] = {}
+    for n, lst in enumerate(config.listener, start=1):
+        first = seen.setdefault((lst.host, lst.port), n)
+        if lst.port != 0 and first != n:
+            raise err("listener", f"listeners {first} and {n}{where('listener')} are both on "
+                                  f"{lst.host}:{lst.port}; give each its own port")
     for n, lst in enumerate(config.listener, start=1):
         cert_login = lst.require_certificate and lst.use_identity_as_username
         if is_loopback(lst.host) or cert_login or b.password_file is not None or b.allow_anonymous:

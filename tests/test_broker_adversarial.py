@@ -166,3 +166,17 @@ def test_outbound_pubrel_is_resent_after_a_restart_mqtt_4_3_3(tmp_path: Path) ->
         stored = h.store.load("s")
         assert stored is not None and stored.qos2_outbound == set()
     run(main())
+
+
+# ---- listeners (issue 11 item 5) ------------------------------------------------------------
+
+
+def test_the_same_listener_address_twice_is_a_config_error(tmp_path: Path) -> None:
+    """Two [[listener]] tables on one host and port are refused as a configuration error
+    (exit 2, naming both), not a bind failure reported as "cannot start the broker on
+    127.0.0.1:1883" -- the shorthand address, which was not even in use."""
+    text = '[[listener]]\nport = 18831\n\n[[listener]]\nport = 18831\ntls_cert = "c"\ntls_key = "k"\n'
+    with pytest.raises(ConfigError, match=r"listeners 1 and 2 .*127\.0\.0\.1:18831"):
+        _load(tmp_path, text)
+    _load(tmp_path, '[[listener]]\nport = 0\n\n[[listener]]\nport = 0\n')  # any free port, twice
+    _load(tmp_path, '[[listener]]\nport = 18831\n\n[[listener]]\nhost = "::1"\nport = 18831\n')

@@ -180,3 +180,24 @@ def test_the_same_listener_address_twice_is_a_config_error(tmp_path: Path) -> No
         _load(tmp_path, text)
     _load(tmp_path, '[[listener]]\nport = 0\n\n[[listener]]\nport = 0\n')  # any free port, twice
     _load(tmp_path, '[[listener]]\nport = 18831\n\n[[listener]]\nhost = "::1"\nport = 18831\n')
+
+
+# ---- max_topic_length (issue 10 item 15) ----------------------------------------------------
+
+
+def test_will_topic_longer_than_max_topic_length_refuses_the_connect(tmp_path: Path) -> None:
+    """docs/CONFIG.md: "longer topics or filters are a protocol error" -- the will topic is a
+    topic the client publishes to as well.  A CONNECT whose will topic was over
+    max_topic_length (in UTF-8 bytes) was accepted and the will stored at disconnect."""
+    async def main() -> None:
+        h = Harness(tmp_path, max_topic_length=16)
+        c = h.client()
+        c.send(Connect(client_id="w", will_topic="é" * 9, will_payload=b"x"))  # 18 bytes, 9 chars
+        assert c.conn.closed and "max_topic_length" in c.conn.close_reason
+        assert c.received() == []
+        ok = h.client()
+        assert ok.connect("w2", will_topic="é" * 8, will_payload=b"x").return_code == 0
+        ok.conn.connection_lost()
+        await h.commit()
+        assert [r.topic for r in h.queue.log.records] == ["é" * 8]
+    run(main())

@@ -449,6 +449,9 @@ class BrokerCore:
                 validate_topic_name(p.will_topic)
             except InvalidTopic as exc:
                 raise ProtocolError(f"invalid will topic: {exc}", "CONNECT") from None
+            if _too_long(p.will_topic, self.config.max_topic_length):
+                raise ProtocolError(f"will topic of {len(p.will_topic.encode('utf-8'))} bytes exceeds "
+                                    f"max_topic_length {self.config.max_topic_length}", "CONNECT")
             limit = self.config.message_size_limit
             if limit is not None and len(p.will_payload) > limit:
                 # 3.1.1 has no CONNACK code for it: refused by closing, as Mosquitto does.

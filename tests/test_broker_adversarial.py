@@ -15,7 +15,8 @@ import pytest
 import filemq.broker.core as core_module
 from filemq.auth import MAX_ITERATIONS, SCHEME, PasswordFile, PasswordHash
 from filemq.config import ConfigError
-from filemq.mqtt.packets import Connack, Connect, Publish, Pubrec, Pubrel, Pubcomp
+from filemq.mqtt.packets import Connack, Connect, Pubcomp, Publish, Pubrec, Pubrel, Suback, Subscribe
+from tests.test_broker_kill9 import _Raw, _start_broker
 from tests.test_broker_security import _users, _with_logins
 from tests.test_broker_transport import _ca, _closed_by_peer, _load, running
 from tests.test_broker_session import Harness, _one_delivery, run
@@ -201,3 +202,41 @@ def test_will_topic_longer_than_max_topic_length_refuses_the_connect(tmp_path: P
         await h.commit()
         assert [r.topic for r in h.queue.log.records] == ["é" * 8]
     run(main())
+
+
+def test_outbound_pubrel_is_resent_after_kill9(tmp_path: Path) -> None:
+    """The real process, kill -9 after the subscriber's PUBREC and after the group's ack is on
+    disk: the reconnecting persistent subscriber gets PUBREL for its id (it got nothing)."""
+    proc, port = _start_broker(tmp_path)
+    try:
+        sub = _Raw(port, Connect(client_id="sub", clean_session=False))
+        sub.send(Subscribe(1, [("t", 2)]))
+        assert sub.next() == Suback(1, [2])
+        pub = _Raw(port, Connect(client_id="pub"))
+        pub.send(Publish("t", b"m", 2, packet_id=1))
+        assert pub.next() == Pubrec(1)
+        pub.send(Pubrel(1))
+        assert pub.next() == Pubcomp(1)
+        m = sub.next()
+        assert isinstance(m, Publish) and m.qos == 2 and m.packet_id is not None
+        pending = tmp_path / "groups" / "mqtt-session%3Asub" / "pending"
+        before = pending.read_bytes() if pending.exists() else b""
+        sub.send(Pubrec(m.packet_id))
+        assert sub.next() == Pubrel(m.packet_id)
+        for _ in range(200):  # the group's ack reaches its offset file (~0.1 s after the ack)
+            if pending.exists() and pending.read_bytes() != before:
+                break
+            time.sleep(0.05)
+        else:
+            raise AssertionError("the group's ack was never written")
+        proc.kill()
+        proc.wait(timeout=10)
+        sub.close()
+        proc, port = _start_broker(tmp_path)
+        sub = _Raw(port, Connect(client_id="sub", clean_session=False))
+        assert sub.next() == Pubrel(m.packet_id)
+        sub.send(Pubcomp(m.packet_id))
+        sub.close()
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)

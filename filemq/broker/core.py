@@ -1311,7 +1311,9 @@ class BrokerCore:
         del state.inflight[pid]
         if pid in state.qos2_out:
             state.qos2_out.discard(pid)
-            state.save_due = True  # lazily: a stale id costs one PUBREL answered by PUBCOMP
+            # Written soon, in a worker thread (nothing waits: a stale id would only cost one
+            # PUBREL after a crash, which the client answers with PUBCOMP).
+            self._save_soon(state)
         self._to_pump.add(conn)
 
     def _ack_released(self, group: ConsumerGroup, offset: int, written: asyncio.Future[None]) -> None:

@@ -22,8 +22,8 @@ a reader sees the old or the new version after a crash, never a mix.  What it ho
 * ``qos2_outbound`` (present when not empty): ids of QoS 2 deliveries to the client whose
   PUBREC arrived and whose PUBCOMP has not.  An id is written *before* the consumer group's
   ack of its record can be (so after a crash the record is re-sent or its PUBREL is);
-  its removal at PUBCOMP is written lazily (a stale id only costs a PUBREL the client answers
-  with PUBCOMP, MQTT-4.3.3).  On reconnect the broker re-sends PUBREL for each.
+  its removal at PUBCOMP is written soon after, not waited for (a stale id only costs a
+  PUBREL the client answers with PUBCOMP, MQTT-4.3.3).  On reconnect the broker re-sends PUBREL for each.
   The broker writes in a worker thread (:meth:`SessionStore.write`), never on the event loop.
 
 The message backlog is not here: it stays in the log, behind the session's consumer group

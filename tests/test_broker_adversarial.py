@@ -14,11 +14,13 @@ import pytest
 
 import filemq.broker.core as core_module
 from filemq.auth import MAX_ITERATIONS, SCHEME, PasswordFile, PasswordHash
+from filemq.broker.session import AUTHENTICATING
 from filemq.config import ConfigError
+from filemq.mqtt.codec import Decoder, encode
 from filemq.mqtt.packets import Connack, Connect, Pubcomp, Publish, Pubrec, Pubrel, Suback, Subscribe
 from tests.test_broker_kill9 import _Raw, _start_broker
 from tests.test_broker_security import _users, _with_logins
-from tests.test_broker_transport import _ca, _closed_by_peer, _load, running
+from tests.test_broker_transport import _ca, _closed_by_peer, _load, make_config, running
 from tests.test_broker_session import Harness, _one_delivery, run
 
 
@@ -240,3 +242,58 @@ def test_outbound_pubrel_is_resent_after_kill9(tmp_path: Path) -> None:
     finally:
         proc.kill()
         proc.wait(timeout=10)
+
+
+def test_connections_stuck_in_password_checks_do_not_lock_out_clients(tmp_path: Path) -> None:
+    """Issue 10 item 9 with logins: when every half-open slot (max_connecting) holds a
+    connection whose password is being checked, a new socket makes the oldest of them give
+    way, as sockets still waiting for their CONNECT do.  It was refused instead: 40 threads
+    sending wrong passwords (each reconnecting when refused) kept all slots authenticating
+    and locked out even a client whose login was cached -- 0 of 10 logins in 50 s against
+    the real broker."""
+    pw = _users(tmp_path, "alice")
+    config = make_config(tmp_path / "data", max_connecting=2, password_file=str(pw))
+    login = Connect(client_id="good", username="alice", password=b"alice-pw")
+
+    async def connack(port: int, connect: Connect) -> Connack | None:
+        r, w = await asyncio.open_connection("127.0.0.1", port)
+        w.write(encode(connect))
+        decoder = Decoder(server=False)
+        try:
+            async with asyncio.timeout(5):
+                while data := await r.read(65536):
+                    decoder.feed(data)
+                    for p in decoder.packets():
+                        return p if isinstance(p, Connack) else None
+        finally:
+            w.close()
+        return None
+
+    async def main() -> None:
+        async with running(config) as b:
+            assert b.core is not None and b.core.passwords is not None
+            assert await connack(b.port, login) == Connack(False, 0)  # now cached
+            release = threading.Event()
+            real_check = b.core.passwords.check
+
+            def stuck_check(user: str, password: str | bytes) -> bool:
+                release.wait(20)
+                return real_check(user, password)
+
+            b.core.passwords.check = stuck_check  # type: ignore[method-assign]
+            try:
+                held = []
+                for i in range(2):
+                    r, w = await asyncio.open_connection("127.0.0.1", b.port)
+                    w.write(encode(Connect(client_id=f"bad{i}", username="alice", password=b"wrong")))
+                    held.append(w)
+                async with asyncio.timeout(5):
+                    while sum(c.state == AUTHENTICATING for c in b.core.conns) < 2:
+                        await asyncio.sleep(0.01)
+                assert await connack(b.port, login) == Connack(False, 0)
+                for w in held:
+                    w.close()
+            finally:
+                release.set()
+
+    asyncio.run(main())

@@ -56,8 +56,9 @@ class HalfOpen:
 
     At most ``limit`` (``max_connecting``) of them: a new socket at the limit closes the
     oldest one still waiting for its CONNECT, so sockets that never finish a CONNECT cannot
-    lock real clients out (issue 10 item 9); when every one is authenticating, the new
-    socket is refused instead.  Connected clients are counted apart (``max_connections``).
+    lock real clients out (issue 10 item 9); when every one is authenticating, the oldest of
+    those gives way (its check, if not started, is skipped): wrong-password floods cannot
+    hold every slot either.  Connected clients are counted apart (``max_connections``).
     """
 
     __slots__ = ("limit", "conns")
@@ -71,13 +72,13 @@ class HalfOpen:
             del self.conns[conn]
 
     def admit(self, conn: Connection) -> bool:
-        """Register ``conn``; False if it must be refused (all half-open ones authenticating)."""
+        """Register ``conn``, closing the oldest half-open one at the limit; always True."""
         if len(self.conns) >= self.limit:
             self._prune()
         while len(self.conns) >= self.limit:
             oldest = next((c for c in self.conns if c.state == AWAITING_CONNECT), None)
             if oldest is None:
-                return False
+                oldest = next(iter(self.conns))  # all authenticating: the oldest gives way
             del self.conns[oldest]
             oldest.close(f"max_connecting ({self.limit}) half-open connections reached; the oldest "
                          f"makes room for a new one", will=False, level=logging.INFO)

@@ -12,17 +12,25 @@ from pathlib import Path
 
 import pytest
 
-import filemq.broker.core as core_module
-from filemq.auth import MAX_ITERATIONS, SCHEME, PasswordFile, PasswordHash
+import filemq.broker.base as base_module
+from filemq.broker.auth import MAX_ITERATIONS, SCHEME, PasswordFile, PasswordHash
 from filemq.broker.session import AUTHENTICATING
-from filemq.config import ConfigError
+from filemq.common.config import ConfigError
 from filemq.mqtt.codec import Decoder, encode
-from filemq.mqtt.packets import Connack, Connect, Pubcomp, Publish, Pubrec, Pubrel, Suback, Subscribe
+from filemq.mqtt.packets import (
+    Connack,
+    Connect,
+    Pubcomp,
+    Publish,
+    Pubrec,
+    Pubrel,
+    Suback,
+    Subscribe,
+)
 from tests.test_broker_kill9 import _Raw, _start_broker
 from tests.test_broker_security import _users, _with_logins
-from tests.test_broker_transport import _ca, _closed_by_peer, _load, make_config, running
 from tests.test_broker_session import Harness, _one_delivery, run
-
+from tests.test_broker_transport import _ca, _closed_by_peer, _load, make_config, running
 
 # ---- password checks (issue 11 item 9) and session writes share no worker threads -----------
 
@@ -112,7 +120,7 @@ def test_tls_handshake_that_never_completes_is_cut_off_at_the_connect_deadline(
     runs the handshake before the broker sees the socket, with its own 60 s default, so a
     socket that never sent its ClientHello held a file descriptor for 60 s (300 of them held
     309 fds of a broker with max_connecting = 16) -- the slowloris of issue 10 item 9 over TLS."""
-    monkeypatch.setattr(core_module, "CONNECT_TIMEOUT", 0.5)
+    monkeypatch.setattr(base_module, "CONNECT_TIMEOUT", 0.5)
     cert, key = _ca(tmp_path, "server")
     text = (f'[[listener]]\nport = 0\ntls_cert = "{cert}"\ntls_key = "{key}"\n')
 

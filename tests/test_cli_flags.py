@@ -9,15 +9,16 @@ from typing import Any
 import pytest
 
 import cli
-from filemq.config import ConfigError, flag_overrides, load_config, section_keys
+from filemq.common.config import ConfigError, flag_overrides, load_config, section_keys
 
 # command -> (its own section, other sections it reads, keys it takes from its own section instead)
 COMMANDS: dict[str, tuple[str, tuple[str, ...], set[str]]] = {
     "broker": ("broker", (), set()),
-    "agent": ("agent", ("broker",), set()),
+    # broker.metrics_port is `filemq broker`'s: the agent serves broker metrics on agent.metrics_port.
+    "agent": ("agent", ("broker",), {"broker.metrics_port"}),
     "collector": ("collector", ("broker",), {"broker.host", "broker.port", "broker.password_file",
                                               "broker.acl_file", "broker.allow_anonymous",
-                                              "broker.max_connections"}),
+                                              "broker.max_connections", "broker.metrics_port"}),
     "ingest": ("ingest", (), set()),
 }
 

@@ -22,9 +22,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 from filemq.broker import Broker
-from filemq.config import Config, ConfigError
+from filemq.broker.metrics import backlog_status
+from filemq.common.config import Config, ConfigError
 from filemq.mqtt.client import MQTTClient
-from filemq.service import Sidecar, run_until_signalled, serve_until_signalled
+from filemq.ops.service import Sidecar, run_until_signalled, serve_until_signalled
 from worker_agent.forwarder import Forwarder, ForwarderConfig, Upstream
 
 log = logging.getLogger("filemq.agent")
@@ -161,7 +162,7 @@ async def serve_agent(config: Config, ready: Callable[[str], None] | None = None
         describe=lambda agent: (f"filemq agent {agent.forwarder_config.device_id}: broker listening on "
                                 f"{agent.broker.listening}, data dir {agent.broker.data_dir}, "
                                 f"forwarding to {config.agent.collector}"),
-        log=log, ready=ready, stop=stop, sidecar=metrics)
+        log=log, ready=ready, stop=stop, sidecar=metrics, status=lambda agent: backlog_status(agent.broker))
 
 
 def run_agent(config: Config, ready: Callable[[str], None] | None = None) -> int:

@@ -8,13 +8,16 @@ without it still run the agent. Metric names: ``filemq_agent_batches_sent_total`
 ``filemq_agent_reconnects_total``, ``filemq_agent_ack_timeouts_total``,
 ``filemq_agent_connected``, ``filemq_agent_lag_records`` (backlog not yet acked upstream),
 ``filemq_agent_inflight_batches`` and the histogram ``filemq_agent_batch_latency_seconds``
-(send to PUBACK).
+(send to PUBACK); plus the device broker's own figures, ``filemq_broker_...``
+(:mod:`filemq.broker.metrics`, read on the event loop at scrape time).
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from prometheus_client.core import (
     CounterMetricFamily,
@@ -24,20 +27,55 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector as PromCollector
 
-from filemq.metrics_http import MetricsServer, serve_metrics
+from filemq.broker.metrics import broker_families
+from filemq.ops.metrics_http import MetricsServer, on_loop, serve_metrics
 from worker_agent.forwarder import LATENCY_BUCKETS
 
 if TYPE_CHECKING:
-    from worker_agent.app import Agent
+    from filemq.broker import Broker
+    from worker_agent.forwarder import Forwarder
+
+
+class Agent(Protocol):
+    """What the metrics read of a :class:`worker_agent.app.Agent` (a Protocol, so this module
+    and the app that starts it never import each other)."""
+
+    @property
+    def broker(self) -> Broker: ...
+
+    @property
+    def forwarder(self) -> Forwarder | None: ...
+
+
+log = logging.getLogger("worker_agent.metrics")
+
+SCRAPE_TIMEOUT_S = 5.0
 
 
 class AgentMetrics(PromCollector):
-    """Exposes one :class:`worker_agent.app.Agent`'s forwarder counters."""
+    """Exposes one :class:`worker_agent.app.Agent`'s forwarder and broker counters; the broker's
+    are read on ``loop`` (the agent's event loop) when one is given."""
 
-    def __init__(self, agent: Agent) -> None:
+    def __init__(self, agent: Agent, loop: asyncio.AbstractEventLoop | None = None) -> None:
         self.agent = agent
+        self.loop = loop
 
     def collect(self) -> Iterator[Metric]:
+        yield from self._forwarder()
+        if self.loop is None:
+            return
+        try:
+            families = on_loop(self.loop, lambda: broker_families(self.agent.broker), SCRAPE_TIMEOUT_S)
+        except Exception as exc:
+            log.warning("broker metrics not read: %r", exc)
+            return
+        for fam in families:
+            metric = Metric(fam.name, fam.help, fam.kind)
+            for name, labels, value in fam.samples:
+                metric.add_sample(name, labels, value)
+            yield metric
+
+    def _forwarder(self) -> Iterator[Metric]:
         fwd = self.agent.forwarder
         if fwd is None:
             return
@@ -71,5 +109,5 @@ class AgentMetrics(PromCollector):
 
 
 def start_metrics_server(agent: Agent, port: int, addr: str = "127.0.0.1") -> MetricsServer:
-    """Serve ``/metrics`` for ``agent`` on ``addr:port`` (0 = any free port)."""
-    return serve_metrics(AgentMetrics(agent), port, addr)
+    """Serve ``/metrics`` for ``agent`` on ``addr:port`` (0 = any free port); call from its loop."""
+    return serve_metrics(AgentMetrics(agent, asyncio.get_running_loop()), port, addr)

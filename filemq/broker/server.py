@@ -29,20 +29,20 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from filemq.acl import Acl
-from filemq.auth import PasswordFile
+from filemq.broker.acl import Acl
+from filemq.broker.auth import PasswordFile
 from filemq.broker.core import SESSION_GROUP_PREFIX, SHARE_GROUP_PREFIX, BrokerCore, PublishHook
 from filemq.broker.session import AUTHENTICATING, AWAITING_CONNECT, CONNECTED, Connection
 from filemq.broker.sessions import SessionStore
+from filemq.broker.sysinfo import SYS_PREFIX, BrokerStats
 from filemq.broker.tailcache import TailCache
-from filemq.config import ConfigError, Listener, broker_listeners
+from filemq.common.config import ConfigError, Listener, broker_listeners
 from filemq.queue import Queue, QueueConfig
-from filemq.retained import RetainedStore
-from filemq.sysinfo import BrokerStats
+from filemq.queue.retained import RetainedStore
 from segments import LogConfig
 
 if TYPE_CHECKING:
-    from filemq.config import Config
+    from filemq.common.config import Config
 
 log = logging.getLogger("filemq.broker")
 
@@ -325,9 +325,9 @@ class Broker:
             for lst, ctx in zip(self.listeners, contexts, strict=True):
                 # The handshake runs before the broker sees the socket: bounded by the same
                 # deadline as the CONNECT (which then counts from the accept too).
-                tls_kw = {} if ctx is None else {"ssl_handshake_timeout": core.connect_timeout}
-                server = await loop.create_server(factory_for(lst), lst.host, lst.port, ssl=ctx,
-                                                  reuse_address=True, backlog=1024, **tls_kw)
+                server = await loop.create_server(
+                    factory_for(lst), lst.host, lst.port, ssl=ctx, reuse_address=True, backlog=1024,
+                    ssl_handshake_timeout=None if ctx is None else core.connect_timeout)
                 self._servers.append(server)
                 port = server.sockets[0].getsockname()[1]
                 self.ports.append(port)
@@ -559,7 +559,8 @@ class Broker:
                         self.stats.remove_backlog(name)
                     for name, lag in backlog.items():
                         self.stats.set_backlog(name, lag)
-                    core.publish_sys(self.stats.sys_messages(now))
+                    # The backlog topics are the complete set: a dropped group's topic goes away.
+                    core.publish_sys(self.stats.sys_messages(now), replace=SYS_PREFIX + "backlog/")
                 if now >= next_snapshot and core.retained_ready:
                     next_snapshot = now + RETAINED_SNAPSHOT_INTERVAL_S
                     routed = core.routed_offset

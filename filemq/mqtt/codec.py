@@ -245,7 +245,7 @@ def encode(packet: Packet) -> bytes:
     Raises ``ValueError`` for a packet that cannot be framed (QoS outside 0-2, a missing or
     out-of-range packet id, a string over 65535 bytes, a body over 256 MB, an empty
     SUBSCRIBE/UNSUBSCRIBE/SUBACK list).  It does not
-    check topic wildcard rules: that is :mod:`filemq.topics`' job.
+    check topic wildcard rules: that is :mod:`filemq.common.topics`' job.
     """
     return _ENCODERS[type(packet)](packet)
 
@@ -394,7 +394,7 @@ def _decode_publish(buf: bytes | bytearray, pos: int, end: int, flags: int) -> P
         topic = buf[tstart:pos].decode("utf-8")
     except UnicodeDecodeError as exc:
         raise ProtocolError(f"invalid UTF-8 in topic at byte {exc.start}", "PUBLISH") from None
-    # Cheap checks only; the full topic grammar lives in filemq.topics.
+    # Cheap checks only; the full topic grammar lives in filemq.common.topics.
     if "\x00" in topic:
         raise ProtocolError("U+0000 in topic", "PUBLISH")
     if "+" in topic or "#" in topic:

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from filemq.topics import InvalidTopic, validate_topic_filter
+from filemq.common.topics import InvalidTopic, validate_topic_filter
 
 KIB = 1024
 MIB = 1024 * KIB
@@ -347,6 +347,7 @@ class BrokerSection:
     tls_key: str | None = field(default=None, metadata=_spec(_str))
     sys_interval_s: int = field(default=10, metadata=_spec(_NONNEG))
     acl_denied_publish: str = field(default="ack_drop", metadata=_spec(_enum("ack_drop", "disconnect")))
+    metrics_port: int | None = field(default=None, metadata=_spec(_PORT))
     auto_subscribe: tuple[AutoSubscribe, ...] = field(
         default=(), metadata=_spec(_auto_subscribe)
     )
@@ -404,7 +405,7 @@ class CollectorSection:
     roll_bytes: int = field(default=64 * MIB, metadata=_spec(_SIZE))
     roll_seconds: int = field(default=60, metadata=_spec(_POS))
     metrics_port: int | None = field(default=None, metadata=_spec(_PORT))
-    # None: sized from the file-descriptor limit (filemq.fdlimit), not broker.max_connections.
+    # None: sized from the file-descriptor limit (filemq.ops.fdlimit), not broker.max_connections.
     max_connections: int | None = field(default=None, metadata=_spec(_POS))
 
     def anonymous_allowed(self) -> bool:
@@ -790,3 +791,8 @@ def _check_anonymous(
             f"{key} = false{where(key)} but {section}.password_file is not set, so no client "
             f"could log in; set {section}.password_file or remove {key}",
         )
+
+
+def key_of_param(section: str, param: str) -> str | None:
+    """The dotted key a command's click parameter sets (see :func:`flag_overrides`), or None."""
+    return next(iter(flag_overrides(section, {param: "x"})), None)

@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import os
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -27,7 +30,7 @@ from filemq.mqtt.packets import (
     Suback,
     Subscribe,
 )
-from tests.test_broker_kill9 import _Raw, _start_broker
+from tests.test_broker_kill9 import REPO, _Raw, _start_broker
 from tests.test_broker_security import _users, _with_logins
 from tests.test_broker_session import Harness, _one_delivery, run
 from tests.test_broker_transport import _ca, _closed_by_peer, _load, make_config, running
@@ -305,3 +308,44 @@ def test_connections_stuck_in_password_checks_do_not_lock_out_clients(tmp_path: 
                 release.set()
 
     asyncio.run(main())
+
+
+# ---- SIGHUP (issue 11 item 4) ---------------------------------------------------------------
+
+_SIGHUP_DURING_START = """
+import asyncio, logging, os, signal, sys
+from filemq.ops.service import serve_until_signalled
+
+class Slow:
+    reloads = 0
+    async def start(self):  # recovery of a big log: SIGHUP (systemctl reload, kill -HUP) now
+        os.kill(os.getpid(), signal.SIGHUP)
+        await asyncio.sleep(0.2)
+    async def stop(self):
+        pass
+    def reload(self):
+        Slow.reloads += 1
+
+async def main():
+    stop = asyncio.Event()
+    svc = Slow()
+    def ready(line):
+        asyncio.get_running_loop().call_later(0.2, stop.set)
+    code = await serve_until_signalled(lambda: svc, name="broker", where="x", describe=lambda s: "up",
+                                       log=logging.getLogger("t"), ready=ready, stop=stop)
+    print(code, Slow.reloads)
+
+asyncio.run(main())
+"""
+
+
+def test_sighup_during_start_up_does_not_end_the_service(tmp_path: Path) -> None:
+    """Issue 11 item 4: SIGHUP never ends the broker, agent or collector -- during start-up
+    (log recovery, which takes seconds on a big log) too.  It did: the handler was installed
+    only once the service was up, so a SIGHUP in that window ended the process by the
+    signal's default action.  It is now taken from the start and the reload done once up."""
+    out = subprocess.run([sys.executable, "-c", _SIGHUP_DURING_START], cwd=REPO,
+                         env=dict(os.environ, PYTHONPATH=str(REPO)), capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0, (out.returncode, out.stderr[-2000:])
+    assert out.stdout.split() == ["0", "1"]

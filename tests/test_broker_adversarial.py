@@ -349,3 +349,29 @@ def test_sighup_during_start_up_does_not_end_the_service(tmp_path: Path) -> None
                          text=True, timeout=60)
     assert out.returncode == 0, (out.returncode, out.stderr[-2000:])
     assert out.stdout.split() == ["0", "1"]
+
+
+def test_outbound_qos2_completed_although_its_session_write_failed(tmp_path: Path) -> None:
+    """The group's ack of a PUBREC'd record waits for the session file; if that write fails
+    (a full disk) the ack is still given at PUBCOMP -- the client has the message for sure --
+    so the record does not stay outstanding for ever, holding the group's Pending offset."""
+    async def main() -> None:
+        h = Harness(tmp_path)
+        s, m = await _one_delivery(h, 2)
+        pid = m.packet_id
+        assert pid is not None
+        real_write = h.store.write
+
+        def fail(snap: object) -> None:
+            raise OSError(28, "No space left on device")
+
+        h.store.write = fail  # type: ignore[method-assign,assignment]
+        s.send(Pubrec(pid))
+        await h.settle()
+        assert s.received() == [Pubrel(pid)]
+        h.store.write = real_write  # type: ignore[method-assign]
+        s.send(Pubcomp(pid))
+        await h.settle()
+        group = h.queue.group("mqtt-session:s")
+        assert group.pending_offset == group.doing_offset  # nothing outstanding
+    run(main())

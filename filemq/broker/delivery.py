@@ -192,6 +192,8 @@ class DeliveryMixin(CoreBase):
             self._wrong_ack(conn, "PUBCOMP", pid, out)
             return
         del state.inflight[pid]
+        if out.group is not None and out.group.ack(out.offset):
+            self._acked = True  # not acked at PUBREC yet (session write pending or failed)
         if pid in state.qos2_out:
             state.qos2_out.discard(pid)
             # Written soon, in a worker thread (nothing waits: a stale id would only cost one
@@ -201,7 +203,8 @@ class DeliveryMixin(CoreBase):
 
     def _ack_released(self, group: ConsumerGroup, offset: int, written: asyncio.Future[None]) -> None:
         """The group's ack of a record PUBREC'd by a persistent session, once the session file
-        holds its id; a failed write leaves it unacked (re-sent after a restart, not lost)."""
+        holds its id; after a failed write the PUBCOMP acks it (until then it stays unacked:
+        re-sent after a restart, not lost)."""
         if written.cancelled() or written.exception() is not None:
             return
         group.ack(offset)

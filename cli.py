@@ -260,7 +260,7 @@ def _serve(name: str, config_file: str | None, flags: dict[str, object],
 
 
 @main.command()
-@config_flags("agent", "broker")
+@config_flags("agent", "broker", "uplink")
 @click.option("--data-dir", type=click.Path(file_okay=False), default=None, help="Data directory (log, groups, sessions).")
 @click.option("--device-id", default=None, help="This device's id (idempotency key, upstream client id).")
 @click.option("--collector", default=None, help="Upstream collector as HOST:PORT.")
@@ -289,7 +289,7 @@ def agent(config_file: str | None, **flags: object) -> None:
     from worker_agent.app import run_agent
 
     _serve("agent", config_file, flags, lambda c: [("--data-dir", c.data_dir), ("--device-id", c.agent.device_id),
-                                                   ("--collector", c.agent.collector)], run_agent)
+                                                   ("--collector or --export", c.exports or None)], run_agent)
 
 
 @main.command()

@@ -14,7 +14,7 @@ from filemq.config import ConfigError, flag_overrides, load_config, section_keys
 # command -> (its own section, other sections it reads, keys it takes from its own section instead)
 COMMANDS: dict[str, tuple[str, tuple[str, ...], set[str]]] = {
     "broker": ("broker", (), set()),
-    "agent": ("agent", ("broker",), set()),
+    "agent": ("agent", ("broker", "uplink"), set()),
     "collector": ("collector", ("broker",), {"broker.host", "broker.port", "broker.password_file",
                                               "broker.acl_file", "broker.allow_anonymous"}),
     "ingest": ("ingest", (), set()),
@@ -81,7 +81,7 @@ def test_a_bad_flag_value_names_the_flag() -> None:
 
 @pytest.mark.parametrize(("command", "missing"), [
     ("broker", "--data-dir"),
-    ("agent", "--data-dir, --device-id, --collector"),
+    ("agent", "--data-dir, --device-id, --collector or --export"),
     ("collector", "--data-dir, --landing"),
 ])
 def test_a_service_without_its_required_keys_exits_2_naming_them(command: str, missing: str) -> None:

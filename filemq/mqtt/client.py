@@ -128,9 +128,11 @@ class ClientSession:
                 return pid
         raise MQTTClientError("all 65535 packet ids are in use")
 
-    def publish(self, topic: str, payload: bytes, qos: int = 1, retain: bool = False) -> Publish:
+    def publish(self, topic: str, payload: bytes, qos: int = 1, retain: bool = False, dup: bool = False) -> Publish:
         """The PUBLISH to send; QoS 1/2 ones are tracked until acknowledged.
 
+        ``dup`` sets DUP on the first send: the caller may have sent this message before, in an
+        earlier session this object does not remember (a store-and-forward agent after a restart).
         Raises ``MQTTClientError`` if the window is full (check :meth:`window_open`).
         """
         if qos not in (0, 1, 2):
@@ -139,7 +141,7 @@ class ClientSession:
             return Publish(topic, payload, 0, retain)
         if not self.window_open():
             raise MQTTClientError(f"in-flight window of {self.max_inflight} publishes is full")
-        packet = Publish(topic, payload, qos, retain, False, self._allocate_id())
+        packet = Publish(topic, payload, qos, retain, dup, self._allocate_id())
         self._outgoing[packet.packet_id] = (packet, _AWAIT_ACK)  # type: ignore[index]
         return packet
 
@@ -374,8 +376,12 @@ class MQTTClient:
 
     # ------------------------------------------------------------------ publishing
 
-    def publish_nowait(self, topic: str, payload: bytes, qos: int = 1, retain: bool = False) -> asyncio.Future[None]:
-        """Queue a publish; the future resolves once the broker acknowledged it (see class doc)."""
+    def publish_nowait(
+        self, topic: str, payload: bytes, qos: int = 1, retain: bool = False, dup: bool = False
+    ) -> asyncio.Future[None]:
+        """Queue a publish; the future resolves once the broker acknowledged it (see class doc).
+
+        ``dup`` (QoS 1/2): send it with DUP set, for a message possibly sent before (MQTT-3.3.1-1)."""
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         if qos == 0:
             if not self.connected:
@@ -387,9 +393,9 @@ class MQTTClient:
         if qos not in (1, 2):
             raise ValueError(f"QoS must be 0, 1 or 2, got {qos}")
         if self._waiting or not self.session.window_open():
-            self._waiting.append((Publish(topic, payload, qos, retain), future))
+            self._waiting.append((Publish(topic, payload, qos, retain, dup), future))
             return future
-        self._start_publish(Publish(topic, payload, qos, retain), future)
+        self._start_publish(Publish(topic, payload, qos, retain, dup), future)
         return future
 
     async def publish(
@@ -405,7 +411,7 @@ class MQTTClient:
             await asyncio.shield(future)
 
     def _start_publish(self, template: Publish, future: asyncio.Future[None]) -> None:
-        packet = self.session.publish(template.topic, template.payload, template.qos, template.retain)
+        packet = self.session.publish(template.topic, template.payload, template.qos, template.retain, template.dup)
         self._publish_futures[packet.packet_id] = future  # type: ignore[index]
         if self.connected:
             self._send(packet)

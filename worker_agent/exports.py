@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 from filemq.config import Config, ConfigError, ExportSection, read_config_text
 from filemq.mqtt.client import MQTTClient
+from filemq.status import EXPORTS_FILE as STATUS_FILE
 from segments.fileio import atomic_write
 from worker_agent.forwarder import Forwarder, ForwarderConfig, Upstream
 from worker_agent.mqtt_export import (
@@ -53,7 +54,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 LEGACY_GROUP = "forwarder"
-STATUS_FILE = "exports.json"
 UPSTREAM_MAX_PACKET = 1 << 20  # the collector only sends small packets back
 
 
@@ -139,6 +139,7 @@ class Export:
     runner: Forwarder | MqttExport | None = None
     watch: ExportStats = field(default_factory=ExportStats)  # collector exports: last error
     lost_records: int = 0
+    stopped: bool = False  # the agent stopped it (what the status file says after shutdown)
 
     @property
     def name(self) -> str:
@@ -147,6 +148,8 @@ class Export:
     def state(self) -> str:
         if not self.spec.enabled:
             return "disabled"
+        if self.stopped:
+            return "stopped"
         r = self.runner
         if isinstance(r, MqttExport):
             return r.stats.state
@@ -160,7 +163,9 @@ class Export:
         r = self.runner
         if isinstance(r, MqttExport):
             return r.stats.last_error
-        return None if self.state() == "connected" else self.watch.last_error
+        if isinstance(r, Forwarder) and r.stats.connected:
+            return None
+        return self.watch.last_error
 
     def counters(self) -> dict[str, Any]:
         r = self.runner
@@ -259,6 +264,8 @@ class Exports:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._watch_task
         await asyncio.gather(*(e.runner.stop() for e in self.exports if e.runner is not None))
+        for e in self.exports:
+            e.stopped = True
         self.uplink.close()
         self.write_status_file()
 

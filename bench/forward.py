@@ -12,6 +12,9 @@
     row is landed.
 (c) The broker's durable ingest rate (QoS 1, fsync always, 4 publishers x 100 in flight)
     measured in the same run, to show a backlog shrinks while devices keep publishing.
+(d) The same backlog shipped by an MQTT export to Debian mosquitto (bench/forward_mqtt.py),
+    against the bridge baseline of (a); ``--only mqtt-export`` runs just this comparison, at
+    50,000 and ``--records``.
 
 Progress goes to stderr; ``--json`` prints one JSON object per line on stdout.
 """
@@ -413,9 +416,17 @@ def run_ingest(work: Path, records: int, size: int, timeout: float) -> Result:
 
 def run_forward_bench(
     *, records: int, size: int, devices: int, work_dir: str | None, keep: bool, as_json: bool,
-    skip_bridge: bool = False, ingest_records: int = 200_000, timeout: float = 900,
+    skip_bridge: bool = False, ingest_records: int = 200_000, timeout: float = 900, only: str = "all",
 ) -> dict[str, Any]:
-    """Run (a), (b), (c) and print the rates and ratios; returns the summary."""
+    """Run (a), (b), (c) and (d) and print the rates and ratios; returns the summary.
+
+    ``only="mqtt-export"`` runs just (d): the MQTT export drain against the bridge at
+    ``SMALL_BRIDGE_BACKLOG`` and ``records`` (bench/forward_mqtt.py)."""
+    if only == "mqtt-export":
+        from bench.forward_mqtt import run_export_vs_bridge
+
+        return run_export_vs_bridge(records=records, size=size, work_dir=work_dir, keep=keep, as_json=as_json,
+                                    timeout=timeout)
     base = Path(work_dir) if work_dir else Path(tempfile.mkdtemp(prefix="filemq-bench-forward-"))
     base.mkdir(parents=True, exist_ok=True)
     results: dict[str, Result] = {}
@@ -439,6 +450,10 @@ def run_forward_bench(
                 small = run_bridge(base / "bridge-small", SMALL_BRIDGE_BACKLOG, size, timeout)
                 small.name = "mosquitto_bridge_drain_small_backlog"
                 emit(small)
+        if not skip_bridge and os.path.exists(MOSQUITTO):
+            from bench.forward_mqtt import run_mqtt_export_drain
+
+            emit(run_mqtt_export_drain(base / "export", records, size, timeout))
         emit(run_devices(base / "devices", devices, records, size, timeout))
         emit(run_ingest(base / "ingest", ingest_records, size, timeout))
     finally:
@@ -457,6 +472,11 @@ def run_forward_bench(
         # The agent is the drain's bottleneck; its records per CPU-second is what one free
         # core would sustain, whatever else runs on the machine.
         summary["drain_records_per_agent_cpu_s"] = round(results["filemq_drain"].records / drain_cpu["agent"])
+    if "mqtt_export_drain" in results:
+        summary["mqtt_export_records_per_s"] = round(results["mqtt_export_drain"].rate)
+        if "mosquitto_bridge_drain" in results:
+            summary["mqtt_export_vs_bridge"] = round(
+                results["mqtt_export_drain"].rate / results["mosquitto_bridge_drain"].rate, 2)
     if "mosquitto_bridge_drain" in results:
         summary["bridge_records_per_s"] = round(results["mosquitto_bridge_drain"].rate)
         summary["drain_vs_bridge"] = round(drain / results["mosquitto_bridge_drain"].rate, 2)

@@ -30,11 +30,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
 import random
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -64,12 +63,11 @@ class ExportClient(Protocol):
     closed: asyncio.Event
     close_reason: BaseException | None
     clean_session: bool
+    on_complete: Callable[[list[int]], None] | None
 
     async def connect(self, timeout: float = 10.0) -> object: ...
 
-    def publish_nowait(
-        self, topic: str, payload: bytes, qos: int = 1, retain: bool = False, dup: bool = False
-    ) -> asyncio.Future[None]: ...
+    def publish_batch(self, messages: Iterable[tuple[str, bytes, bool, bool]], qos: int = 1) -> list[int]: ...
 
     async def disconnect(self, timeout: float = 5.0) -> None: ...
 
@@ -138,6 +136,7 @@ class MqttExport:
         self._template = self._topic_function(settings)
         self._carry: list[Record] = []  # fetched, not yet handed to the client
         self._inflight = 0
+        self._sent: dict[int, tuple[int, int]] = {}  # packet id -> (offset, payload bytes), unacknowledged
         self._room = asyncio.Event()
         self._stopping = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -172,6 +171,7 @@ class MqttExport:
 
     async def _run(self) -> None:
         client = self._make_client()
+        client.on_complete = self._completed
         fresh = self.settings.qos == 2  # see the module doc: forget stale QoS 2 packet ids once
         try:
             while not self._stopping.is_set():
@@ -190,6 +190,7 @@ class MqttExport:
                 async with asyncio.timeout(3.0):
                     await asyncio.shield(client.disconnect(timeout=1.0))
             self._carry = []
+            self._sent.clear()
             self._inflight = 0
             self.stats.inflight = 0
             self.group.release(CONSUMER)
@@ -278,17 +279,16 @@ class MqttExport:
 
     def _publish(self, client: ExportClient, records: list[Record]) -> None:
         s = self.settings
-        qos = s.qos
         retain = s.retain
         topic_of = self._template
         redelivered = self.group.redelivered
-        done = self._done
+        ids = client.publish_batch(
+            [(topic_of(r.topic), r.payload, retain and r.retain, redelivered(r.offset)) for r in records], s.qos)
+        sent = self._sent
         sent_bytes = 0
-        for r in records:
-            future = client.publish_nowait(topic_of(r.topic), r.payload, qos, retain and r.retain,
-                                           redelivered(r.offset))
+        for pid, r in zip(ids, records, strict=True):
             size = len(r.payload)
-            future.add_done_callback(functools.partial(done, r.offset, size))
+            sent[pid] = (r.offset, size)
             sent_bytes += size
         n = len(records)
         self._inflight += n
@@ -297,20 +297,35 @@ class MqttExport:
         stats.records_sent += n
         stats.bytes_sent += sent_bytes
 
-    def _done(self, offset: int, size: int, future: asyncio.Future[None]) -> None:
-        self._inflight -= 1
+    def _completed(self, packet_ids: list[int]) -> None:
+        """The destination acknowledged these publishes (PUBACK / PUBCOMP): ack their records."""
+        sent = self._sent
+        ack = self.group.ack
+        acked_bytes = 0
+        top = -1
+        n = 0
+        for pid in packet_ids:
+            entry = sent.pop(pid, None)
+            if entry is None:
+                continue
+            offset, size = entry
+            ack(offset)
+            acked_bytes += size
+            n += 1
+            if offset > top:
+                top = offset
+        if not n:
+            return
+        self._inflight -= n
         stats = self.stats
         stats.inflight = self._inflight
-        self._room.set()
-        if future.cancelled() or future.exception() is not None:
-            return  # the client was disconnected for good (stop): the record stays unacked
-        self.group.ack(offset)
-        stats.records_acked += 1
-        stats.bytes_acked += size
-        if offset > stats.acked_offset:
-            stats.acked_offset = offset
+        stats.records_acked += n
+        stats.bytes_acked += acked_bytes
+        if top > stats.acked_offset:
+            stats.acked_offset = top
         stats.last_ack_unix = time.time()
         self._attempt = 0
+        self._room.set()
 
 
 def _chunk(records: list[Record]) -> tuple[list[Record], int]:

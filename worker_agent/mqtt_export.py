@@ -99,7 +99,7 @@ class MqttExportSettings:
     qos: int = 1
     retain: bool = True
     topic_template: str = "{topic}"
-    window: int = 500
+    window: int = 2000
     backoff_initial_s: float = 0.5
     backoff_max_s: float = 60.0
     connect_timeout_s: float = 10.0
@@ -252,9 +252,11 @@ class MqttExport:
         s = self.settings
         group = self.group
         window = s.window
+        # Refill the window in chunks, not a record per acknowledgement: fewer, larger writes.
+        refill = max(1, min(window // 4, FETCH_MAX))
         limiter = self._limiter
         while True:
-            while self._inflight >= window:
+            while self._inflight > window - refill:
                 self._room.clear()
                 await self._room.wait()
             if not self._carry:

@@ -206,6 +206,14 @@ class ClientSession:
             raise ProtocolError(f"{type(packet).__name__} is not a packet a client may receive")
         return events
 
+    def complete_qos1(self, packet_id: int) -> bool:
+        """Apply a PUBACK if it completes an in-flight QoS 1 publish (True); else change nothing."""
+        entry = self._outgoing.get(packet_id)
+        if entry is None or entry[0].qos != 1:
+            return False
+        del self._outgoing[packet_id]
+        return True
+
     def accept(self, message: Publish) -> Packet | None:
         """The acknowledgement to send once ``message`` was handed to the application:
         PUBACK for QoS 1, PUBREC for QoS 2, nothing for QoS 0."""
@@ -524,8 +532,16 @@ class MQTTClient:
                     break
                 decoder.feed(data)
                 for packet in decoder.packets():
+                    # Fast path for the common case of a publish_batch() producer: a PUBACK
+                    # completing a QoS 1 publish nobody holds a future for.
+                    if type(packet) is Puback and packet.packet_id not in self._publish_futures \
+                            and self.session.complete_qos1(packet.packet_id):
+                        self._completed.append(packet.packet_id)
+                        continue
                     await self._dispatch(packet)
                 self._flush_completed()
+                if self._waiting:
+                    self._fill_window()
         except (OSError, ProtocolError) as exc:
             log.warning("client %r: connection to %s:%d failed: %s", self.client_id, self.host, self.port, exc)
             reason = exc

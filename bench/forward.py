@@ -208,7 +208,8 @@ def _mosquitto_conf(path: Path, port: int, extra: str = "") -> Path:
     return path
 
 
-def run_bridge(work: Path, records: int, size: int, timeout: float, bridge_timeout: float = 120) -> Result:
+def run_bridge(work: Path, records: int, size: int, timeout: float, bridge_timeout: float = 120,
+               mosquitto_extra: str = "") -> Result:
     """Mosquitto -> Mosquitto bridge draining a backlog of ``records`` QoS 1 messages.
 
     Mosquitto slows down as its per-client queue grows, so the drain is time-boxed to
@@ -222,13 +223,13 @@ def run_bridge(work: Path, records: int, size: int, timeout: float, bridge_timeo
     local_port, remote_port = free_port(), free_port()
     remote_conf = _mosquitto_conf(
         work / "remote.conf", remote_port,
-        f"persistence true\npersistence_location {work}/\nautosave_interval 0\n",
+        f"persistence true\npersistence_location {work}/\nautosave_interval 0\n{mosquitto_extra}",
     )
     bridge = (
         f"connection bench-bridge\naddress 127.0.0.1:{remote_port}\ntopic sensors/# out 1\n"
         "cleansession false\nrestart_timeout 1\nbridge_protocol_version mqttv311\n"
     )
-    local_conf = _mosquitto_conf(work / "local.conf", local_port, bridge)
+    local_conf = _mosquitto_conf(work / "local.conf", local_port, mosquitto_extra + bridge)
     devnull = subprocess.DEVNULL
 
     def mosq(conf: Path) -> subprocess.Popen[bytes]:
@@ -417,6 +418,7 @@ def run_ingest(work: Path, records: int, size: int, timeout: float) -> Result:
 def run_forward_bench(
     *, records: int, size: int, devices: int, work_dir: str | None, keep: bool, as_json: bool,
     skip_bridge: bool = False, ingest_records: int = 200_000, timeout: float = 900, only: str = "all",
+    mosquitto_max_inflight: int | None = None,
 ) -> dict[str, Any]:
     """Run (a), (b), (c) and (d) and print the rates and ratios; returns the summary.
 
@@ -426,7 +428,7 @@ def run_forward_bench(
         from bench.forward_mqtt import run_export_vs_bridge
 
         return run_export_vs_bridge(records=records, size=size, work_dir=work_dir, keep=keep, as_json=as_json,
-                                    timeout=timeout)
+                                    timeout=timeout, mosquitto_max_inflight=mosquitto_max_inflight)
     base = Path(work_dir) if work_dir else Path(tempfile.mkdtemp(prefix="filemq-bench-forward-"))
     base.mkdir(parents=True, exist_ok=True)
     results: dict[str, Result] = {}

@@ -37,7 +37,8 @@ from bench.forward import (
 )
 
 
-def run_mqtt_export_drain(work: Path, records: int, size: int, timeout: float) -> Result:
+def run_mqtt_export_drain(work: Path, records: int, size: int, timeout: float, upstream_extra: str = "",
+                          window: int | None = None) -> Result:
     """The agent's MQTT export draining ``records`` to mosquitto; the rate from the first arrival."""
     work.mkdir(parents=True, exist_ok=True)
     os.chmod(work.parent, 0o755)
@@ -47,7 +48,7 @@ def run_mqtt_export_drain(work: Path, records: int, size: int, timeout: float) -
     fill_agent_log(agent_dir, records, size)
     port, aport = free_port(), free_port()
     conf = _mosquitto_conf(work / "upstream.conf", port,
-                           f"persistence true\npersistence_location {work}/\nautosave_interval 0\n")
+                           f"persistence true\npersistence_location {work}/\nautosave_interval 0\n{upstream_extra}")
     devnull = subprocess.DEVNULL
     upstream = subprocess.Popen([MOSQUITTO, "-c", str(conf)], stdout=devnull, stderr=devnull)
     time.sleep(0.3)
@@ -64,7 +65,8 @@ def run_mqtt_export_drain(work: Path, records: int, size: int, timeout: float) -
         time.sleep(0.5)  # subscribed
         config = work / "agent.toml"
         config.write_text("[agent]\nbackoff_initial_ms = 50\nbackoff_max_ms = 250\n[broker]\nsys_interval_s = 0\n"
-                          f"[[export]]\nname = \"up\"\nurl = \"mqtt://127.0.0.1:{port}\"\n")
+                          f"[[export]]\nname = \"up\"\nurl = \"mqtt://127.0.0.1:{port}\"\n"
+                          + (f"window = {window}\n" if window else ""))
         _say("[export] starting the agent; timing until the subscriber upstream has every message")
         launched = time.monotonic()
         agent = _filemq("agent", "--config", str(config), "--data-dir", str(agent_dir), "--device-id", "bench-1",
@@ -98,12 +100,16 @@ def run_mqtt_export_drain(work: Path, records: int, size: int, timeout: float) -
 
 
 def run_export_vs_bridge(*, records: int, size: int, work_dir: str | None, keep: bool, as_json: bool,
-                         timeout: float = 900) -> dict[str, Any]:
+                         timeout: float = 900, mosquitto_max_inflight: int | None = None) -> dict[str, Any]:
     """The MQTT export drain and the mosquitto bridge on the same backlogs (50,000 and
-    ``records``), in this run; prints each result and the summary, returns the summary."""
+    ``records``), in this run; prints each result and the summary, returns the summary.
+
+    ``mosquitto_max_inflight`` sets ``max_inflight_messages`` in every mosquitto of both runs
+    (the upstream, the bridge's local and remote); None keeps mosquitto's default (20)."""
+    extra = "" if mosquitto_max_inflight is None else f"max_inflight_messages {mosquitto_max_inflight}\n"
     base = Path(work_dir) if work_dir else Path(tempfile.mkdtemp(prefix="filemq-bench-export-"))
     base.mkdir(parents=True, exist_ok=True)
-    summary: dict[str, Any] = {"name": "summary_mqtt_export"}
+    summary: dict[str, Any] = {"name": "summary_mqtt_export", "mosquitto_max_inflight": mosquitto_max_inflight}
 
     def emit(result: Result) -> Result:
         _say(f"{result.name}: {result.records:,} records in {result.seconds:.2f} s = {result.rate:,.0f} records/s"
@@ -114,8 +120,8 @@ def run_export_vs_bridge(*, records: int, size: int, work_dir: str | None, keep:
 
     try:
         for n in sorted({min(SMALL_BRIDGE_BACKLOG, records), records}):
-            export = emit(run_mqtt_export_drain(base / f"export-{n}", n, size, timeout))
-            bridge = emit(run_bridge(base / f"bridge-{n}", n, size, timeout))
+            export = emit(run_mqtt_export_drain(base / f"export-{n}", n, size, timeout, extra))
+            bridge = emit(run_bridge(base / f"bridge-{n}", n, size, timeout, mosquitto_extra=extra))
             agent_cpu = export.cpu_seconds.get("agent") or 0.0
             summary[f"export_{n}_records_per_s"] = round(export.rate)
             summary[f"export_{n}_records_per_agent_cpu_s"] = round(n / agent_cpu) if agent_cpu else None

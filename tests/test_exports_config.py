@@ -123,3 +123,26 @@ def test_agent_with_only_an_mqtt_export_needs_no_collector() -> None:
 
     result = CliRunner().invoke(cli.main, ["agent", "--data-dir", "/nonexistent-x", "--device-id", "d"])
     assert result.exit_code == 2 and "missing --collector or --export" in result.output
+
+
+def test_agent_rate_limit_is_the_collector_exports_own_cap(tmp_path: Path) -> None:
+    """`agent.rate_limit_bytes_per_s` (from before exports) still caps the collector export."""
+    import asyncio
+
+    from worker_agent.app import Agent
+
+    async def scenario() -> None:
+        agent = Agent(load_config(None, {
+            "data_dir": str(tmp_path), "broker.port": 0, "agent.device_id": "d", "log.fsync": "never",
+            "agent.collector": "127.0.0.1:1", "agent.rate_limit_bytes_per_s": 1000,
+            "agent.export": ["cloud=mqtt://127.0.0.1:1"]}))
+        await agent.start()
+        try:
+            collector, cloud = agent.exports.get("collector"), agent.exports.get("cloud")
+            assert collector is not None and cloud is not None
+            assert collector.runner is not None and collector.runner._bucket is not None  # type: ignore[union-attr]
+            assert cloud.runner is not None and cloud.runner._limiter is None  # type: ignore[union-attr]
+        finally:
+            await agent.stop()
+
+    asyncio.run(scenario())

@@ -238,7 +238,10 @@ class Exports:
                 continue
             group = queue.group(spec.group_name, filters=spec.topics, start="earliest")
             export.group = group
-            share = Share(self.uplink, spec.priority, spec.rate_limit_bytes_per_s)
+            own_rate = spec.rate_limit_bytes_per_s
+            if own_rate is None and spec.kind == "filemq":
+                own_rate = a.rate_limit_bytes_per_s  # the [agent] default of collector exports
+            share = Share(self.uplink, spec.priority, own_rate)
             limiter = share if share.limited else None
             if spec.kind == "filemq":
                 inner = export.factory

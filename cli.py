@@ -29,9 +29,11 @@ def config_flags(own: str, *others: str, skip: tuple[str, ...] = ()) -> Callable
     routes them) and the flag ``--<key>``, or ``--<section>-<key>`` where that is taken.
     ``skip`` lists keys the command sets from its own section instead. Generated flags pass
     their value as text; ``load_config`` checks and converts it, naming the flag on error.
+    The help of every key's flag, hand-written ones included, is the key's meaning, range and
+    default from ``filemq.config.key_help`` (so hand-written key flags carry no ``help=``).
     Apply it directly under ``@main.command()``, above the hand-written options.
     """
-    from filemq.config import flag_for, section_keys
+    from filemq.config import flag_for, key_help, key_of_param, known_keys, section_keys
 
     def decorate(fn: F) -> F:
         params = getattr(fn, "__click_params__", [])
@@ -48,13 +50,48 @@ def config_flags(own: str, *others: str, skip: tuple[str, ...] = ()) -> Callable
                     if section in (own, "log"):
                         continue  # declared by hand under another parameter name
                     flag = f"--{section}-{name.replace('_', '-')}"
-                fn = click.option(flag, pname, default=None, multiple=many, metavar="VALUE",
-                                  help=f"Config key {key} (docs/CONFIG.md).")(fn)
+                fn = click.option(flag, pname, default=None, multiple=many, metavar="VALUE")(fn)
                 names.add(pname)
                 flags.add(flag)
+        # Every flag of a key, generated or hand-written, says what the validator knows:
+        # meaning, accepted range, default (as a flag value) and its --help section, in
+        # the order the keys are declared. (click's show_default would print "(1 MiB)":
+        # the default is written into the help instead; the flag's own default stays None
+        # so that the config file is not overridden.)
+        # The command's own section first (the collector's --host before broker keys).
+        keys = known_keys()
+        order = {key: i for i, key in enumerate(sorted(keys, key=lambda k: (k.split(".")[0] != own, keys.index(k))))}
+        for param in getattr(fn, "__click_params__", []):
+            pkey = key_of_param(own, param.name or "")
+            if pkey is None or not isinstance(param, click.Option):
+                continue
+            info = key_help(pkey)
+            param.help = f"{info.text}  [default: {info.default}]"
+            param.help_section = info.section  # type: ignore[attr-defined]
+            param.help_order = order[pkey]  # type: ignore[attr-defined]
         return fn
 
     return decorate
+
+
+class SectionedCommand(click.Command):
+    """A command whose ``--help`` lists its options in sections, like a man page: the
+    section of a config key's flag comes from ``filemq.config.HELP_SECTIONS``; other options
+    (``--config``, ``--help``) are general."""
+
+    def format_options(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        from filemq.config import HELP_SECTIONS
+
+        rows: dict[str, list[tuple[int, str, str]]] = {}
+        for param in self.get_params(ctx):
+            record = param.get_help_record(ctx)
+            if record is not None:
+                rank = getattr(param, "help_order", 1 << 30)
+                rows.setdefault(getattr(param, "help_section", "general"), []).append((rank, *record))
+        for section, title in HELP_SECTIONS.items():
+            if rows.get(section):
+                with formatter.section(title):
+                    formatter.write_dl([(term, text) for _, term, text in sorted(rows[section], key=lambda r: r[0])])
 
 
 @main.group()
@@ -220,19 +257,22 @@ def passwd(file: str, user: str, password_stdin: bool, iterations: int | None) -
     click.echo(f"{'added' if new else 'updated'} user {user!r} in {file}", err=True)
 
 
-@main.command()
+@main.command(cls=SectionedCommand)
 @config_flags("broker")
-@click.option("--data-dir", type=click.Path(file_okay=False), default=None, help="Data directory (log, groups, sessions).")
-@click.option("--host", default=None, help="Listen address (default 127.0.0.1).")
-@click.option("--port", type=int, default=None, help="Listen port (default 1883; 0 = any free port).")
+@click.option("--data-dir", type=click.Path(file_okay=False), default=None)
+@click.option("--host", default=None)
+@click.option("--port", type=int, default=None)
 @click.option("--config", "config_file", type=click.Path(dir_okay=False), default=None, help="TOML config file.")
-@click.option("--password-file", default=None, help="Password file (filemq passwd); required off loopback.")
-@click.option("--acl-file", default=None, help="ACL file in Mosquitto's format.")
-@click.option("--fsync", type=click.Choice(["always", "interval", "never"]), default=None,
-              help="When the log is fdatasync'ed before acks (default always).")
-@click.option("--tls-cert", default=None, help="TLS certificate (PEM) for the TLS listener.")
-@click.option("--tls-key", default=None, help="TLS private key (PEM).")
-@click.option("--tls-port", type=int, default=None, help="TLS listener port (default 8883).")
+@click.option("--password-file", default=None)
+@click.option("--acl-file", default=None)
+@click.option("--fsync", type=click.Choice(["always", "interval", "never"]), default=None)
+@click.option("--tls-cert", default=None)
+@click.option("--tls-key", default=None)
+@click.option("--tls-port", type=int, default=None)
+@click.option("--listener", multiple=True, default=None, metavar="HOST:PORT[,key=value...]",
+              help="A listener (repeatable; replaces --host/--port/--tls-*), e.g. "
+                   "0.0.0.0:8883,tls_cert=c.pem,tls_key=k.pem,tls_ca=ca.pem,require_certificate=true "
+                   "or 0.0.0.0:8080,protocol=websockets. Config: [[listener]] (docs/CONFIG.md).")
 def broker(config_file: str | None, **flags: object) -> None:
     """Run the MQTT broker on the log until SIGTERM/SIGINT (exit 0 clean, 2 config, 1 failure)."""
     from filemq.broker.app import run_broker
@@ -259,31 +299,32 @@ def _serve(name: str, config_file: str | None, flags: dict[str, object],
     sys.exit(run(config, ready=lambda line: click.echo(line)))
 
 
-@main.command()
-@config_flags("agent", "broker", "uplink")
-@click.option("--data-dir", type=click.Path(file_okay=False), default=None, help="Data directory (log, groups, sessions).")
-@click.option("--device-id", default=None, help="This device's id (idempotency key, upstream client id).")
-@click.option("--collector", default=None, help="Upstream collector as HOST:PORT.")
-@click.option("--username", default=None, help="Upstream login.")
-@click.option("--password", default=None, help="Upstream password (prefer --password-file).")
-@click.option("--password-file", default=None, help="File whose first line is the upstream password.")
-@click.option("--tls-ca", default=None, help="CA bundle (PEM): enables TLS to the collector.")
-@click.option("--stream", default=None, help="Stream name in the batch topic (default main).")
-@click.option("--batch-records", type=click.IntRange(min=1), default=None, help="Records per batch at most (default 10000).")
-@click.option("--batch-bytes", default=None, help="Bytes per batch at most (default 1 MiB).")
-@click.option("--linger-ms", type=click.IntRange(min=0), default=None, help="Wait for a batch to fill (default 200).")
-@click.option("--window", type=click.IntRange(min=1), default=None, help="Batches in flight (default 4).")
-@click.option("--compression", type=click.Choice(["none", "zlib"]), default=None, help="Batch compression (default none).")
-@click.option("--rate-limit-bytes-per-s", default=None, help="Cap on upstream bandwidth (default unlimited).")
-@click.option("--metrics-port", type=int, default=None, help="Serve Prometheus metrics on 127.0.0.1:PORT.")
+@main.command(cls=SectionedCommand)
+@config_flags("agent", "broker", "uplink", skip=("broker.metrics_port",))
+@click.option("--data-dir", type=click.Path(file_okay=False), default=None)
+@click.option("--device-id", default=None)
+@click.option("--collector", default=None)
+@click.option("--username", default=None)
+@click.option("--password", default=None)
+@click.option("--password-file", default=None)
+@click.option("--tls-ca", default=None)
+@click.option("--stream", default=None)
+@click.option("--batch-records", type=click.IntRange(min=1), default=None)
+@click.option("--batch-bytes", default=None)
+@click.option("--linger-ms", type=click.IntRange(min=0), default=None)
+@click.option("--window", type=click.IntRange(min=1), default=None)
+@click.option("--compression", type=click.Choice(["none", "zlib"]), default=None)
+@click.option("--rate-limit-bytes-per-s", default=None)
+@click.option("--metrics-port", type=int, default=None)
 @click.option("--config", "config_file", type=click.Path(dir_okay=False), default=None, help="TOML config file.")
-@click.option("--host", "broker__host", default=None, help="Local broker listen address (default 127.0.0.1).")
-@click.option("--port", "broker__port", type=int, default=None, help="Local broker port (default 1883; 0 = any free port).")
-@click.option("--broker-password-file", "broker__password_file", default=None,
-              help="Password file for local clients (broker.password_file).")
-@click.option("--acl-file", "broker__acl_file", default=None, help="ACL file for local clients.")
-@click.option("--fsync", type=click.Choice(["always", "interval", "never"]), default=None,
-              help="When the log is fdatasync'ed before acks (default always).")
+@click.option("--host", "broker__host", default=None)
+@click.option("--port", "broker__port", type=int, default=None)
+@click.option("--broker-password-file", "broker__password_file", default=None)
+@click.option("--acl-file", "broker__acl_file", default=None)
+@click.option("--fsync", type=click.Choice(["always", "interval", "never"]), default=None)
+@click.option("--listener", multiple=True, default=None, metavar="HOST:PORT[,key=value...]",
+              help="A local broker listener (repeatable; replaces --host/--port/--tls-*). "
+                   "Config: [[listener]] (docs/CONFIG.md).")
 def agent(config_file: str | None, **flags: object) -> None:
     """Run the device broker plus the forwarder to the collector until SIGTERM/SIGINT."""
     from worker_agent.app import run_agent
@@ -292,21 +333,21 @@ def agent(config_file: str | None, **flags: object) -> None:
                                                    ("--collector or --export", c.exports or None)], run_agent)
 
 
-@main.command()
+@main.command(cls=SectionedCommand)
 @config_flags("collector", "broker", skip=("broker.host", "broker.port", "broker.password_file",
-                                          "broker.acl_file", "broker.allow_anonymous"))
-@click.option("--data-dir", type=click.Path(file_okay=False), default=None, help="Data directory (the WAL).")
-@click.option("--landing", default=None, help="Landing directory (_staging/, incoming/dt=.../).")
-@click.option("--host", default=None, help="Listen address (default 127.0.0.1).")
-@click.option("--port", type=int, default=None, help="Listen port (default 1884; 0 = any free port).")
-@click.option("--password-file", default=None, help="Device logins (filemq passwd); required off loopback.")
-@click.option("--acl-file", default=None, help="ACL file; recommended line: pattern write filemq/v1/%u/#")
-@click.option("--collector-id", default=None, help="Id written into rows and file names (default: host name).")
-@click.option("--roll-bytes", default=None, help="Roll the Parquet file at this size (default 64 MiB).")
-@click.option("--roll-seconds", type=click.IntRange(min=1), default=None, help="Roll the Parquet file at this age (default 60).")
-@click.option("--metrics-port", type=int, default=None, help="Serve Prometheus metrics on HOST:PORT.")
-@click.option("--fsync", type=click.Choice(["always", "interval", "never"]), default=None,
-              help="When the WAL is fdatasync'ed before acks (default always).")
+                                          "broker.acl_file", "broker.allow_anonymous",
+                                          "broker.max_connections", "broker.metrics_port"))
+@click.option("--data-dir", type=click.Path(file_okay=False), default=None)
+@click.option("--landing", default=None)
+@click.option("--host", default=None)
+@click.option("--port", type=int, default=None)
+@click.option("--password-file", default=None)
+@click.option("--acl-file", default=None)
+@click.option("--collector-id", default=None)
+@click.option("--roll-bytes", default=None)
+@click.option("--roll-seconds", type=click.IntRange(min=1), default=None)
+@click.option("--metrics-port", type=int, default=None)
+@click.option("--fsync", type=click.Choice(["always", "interval", "never"]), default=None)
 @click.option("--config", "config_file", type=click.Path(dir_okay=False), default=None, help="TOML config file.")
 def collector(config_file: str | None, **flags: object) -> None:
     """Receive device batches and land them as Parquet until SIGTERM/SIGINT."""

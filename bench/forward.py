@@ -124,8 +124,10 @@ class LandedCounter:
                     self.seen[path] = pq.ParquetFile(path).metadata.num_rows
         return sum(self.seen.values())
 
-    def wait_for(self, total: int, timeout: float, progress: Callable[[int], None] | None = None) -> float:
-        """Seconds until ``total`` rows are landed (raises TimeoutError after ``timeout``)."""
+    def wait_for(self, total: int, timeout: float, progress: Callable[[int], None] | None = None,
+                 abort: Callable[[], str | None] | None = None) -> float:
+        """Seconds until ``total`` rows are landed (raises TimeoutError after ``timeout``, or
+        RuntimeError as soon as ``abort`` returns a reason)."""
         start = time.monotonic()
         last_report = start
         while True:
@@ -133,6 +135,9 @@ class LandedCounter:
             now = time.monotonic()
             if n >= total:
                 return now - start
+            reason = abort() if abort is not None else None
+            if reason is not None:
+                raise RuntimeError(f"{reason} ({n} of {total} rows landed)")
             if now - start > timeout:
                 raise TimeoutError(f"only {n} of {total} rows landed after {timeout:.0f} s")
             if progress is not None and now - last_report >= 2:
@@ -296,11 +301,20 @@ def run_bridge(work: Path, records: int, size: int, timeout: float, bridge_timeo
 
 
 def _device_load(port: int, devices: range, batches: int, batch_records: int, size: int,
-                 window: int, ready: Any, go: Any, done: Any) -> None:
-    """One load process: a connection per device, each sending its pre-encoded batches."""
+                 window: int, ready: Any, go: Any, done: Any, errors: Any) -> None:
+    """One load process: a connection per device, each sending its pre-encoded batches.
+
+    If devices cannot connect (or lose their connection), one line saying how many and why
+    goes to ``errors`` and the process ends: the bench fails at once instead of waiting.
+    """
     from filemq.batch import BatchRecord, encode_batch
+    from filemq.fdlimit import raise_nofile_limit
     from filemq.mqtt.client import MQTTClient
 
+    soft, _ = raise_nofile_limit()
+    if 0 <= soft < len(devices) + 64:
+        errors.put(f"this load process may open only {soft} files (ulimit -n) for {len(devices)} devices")
+        return
     payload = os.urandom(size)
     now = time.time_ns() // 1000
     prepared: dict[int, list[bytes]] = {}
@@ -316,27 +330,59 @@ def _device_load(port: int, devices: range, batches: int, batch_records: int, si
         await asyncio.gather(*futures)
         await client.disconnect()
 
+    def report(what: str, results: list[BaseException | None]) -> bool:
+        failed = [r for r in results if isinstance(r, BaseException)]
+        if failed:
+            errors.put(f"{len(failed)} of {len(results)} devices {what}, e.g. {failed[0]!r}")
+        return bool(failed)
+
     async def main() -> None:
         clients = {d: MQTTClient(f"dev-{d}", port=port, max_inflight=window, keepalive=120) for d in devices}
-        await asyncio.gather(*(c.connect(timeout=30) for c in clients.values()))
+        connected = await asyncio.gather(*(c.connect(timeout=30) for c in clients.values()), return_exceptions=True)
+        if report("could not connect to the collector", [r if isinstance(r, BaseException) else None
+                                                           for r in connected]):
+            await asyncio.gather(*(c.disconnect(timeout=1) for c in clients.values()), return_exceptions=True)
+            return
         ready.set()
         await asyncio.get_running_loop().run_in_executor(None, go.wait)
-        await asyncio.gather(*(device(d, c) for d, c in clients.items()))
+        sent = await asyncio.gather(*(device(d, c) for d, c in clients.items()), return_exceptions=True)
+        if not report("failed while sending", sent):
+            done.set()
 
     asyncio.run(main())
-    done.set()
 
 
-def run_devices(work: Path, devices: int, records: int, size: int, timeout: float) -> Result:
+def _load_failure(procs: list[Any], errors: Any) -> str | None:
+    """Why the load processes cannot finish (a reported error, or one died), else None."""
+    import queue
+
+    try:
+        return f"devices cannot reach the collector: {errors.get_nowait()}"
+    except queue.Empty:
+        pass
+    for p in procs:
+        if not p.is_alive() and p.exitcode not in (0, None):
+            return f"a load process died (exit code {p.exitcode})"
+    return None
+
+
+DEVICES_HINT = ("; the collector's log says how many connections it serves ('serving up to N device"
+                " connections'): raise its --max-connections or the file-descriptor limit (ulimit -n)")
+
+
+def run_devices(work: Path, devices: int, records: int, size: int, timeout: float,
+                collector_args: tuple[str, ...] = ()) -> Result:
     landing, data = work / "landing", work / "collector"
     batch_records = 1000
     per_device = max(1, records // devices // batch_records)
     total = per_device * batch_records * devices
     port = free_port()
     collector = _filemq("collector", "--data-dir", str(data), "--landing", str(landing), "--port", str(port),
-                        "--collector-id", "bench", "--roll-seconds", "1", log_path=work / "collector.log")
+                        "--collector-id", "bench", "--roll-seconds", "1", *collector_args,
+                        log_path=work / "collector.log")
     ctx = multiprocessing.get_context("spawn")
     go = ctx.Event()
+    errors = ctx.Queue()
     procs = []
     try:
         halves = [range(0, devices // 2), range(devices // 2, devices)]
@@ -345,18 +391,25 @@ def run_devices(work: Path, devices: int, records: int, size: int, timeout: floa
         for part in halves:
             ready, done = ctx.Event(), ctx.Event()
             events.append((ready, done))
-            p = ctx.Process(target=_device_load, args=(port, part, per_device, batch_records, size, 4, ready, go, done))
+            p = ctx.Process(target=_device_load,
+                            args=(port, part, per_device, batch_records, size, 4, ready, go, done, errors))
             p.start()
             procs.append(p)
             waits.append(ready)
         _say(f"[devices] preparing {devices} devices x {per_device} batches of {batch_records} records")
-        for ready in waits:
-            if not ready.wait(timeout):
+        deadline = time.monotonic() + timeout
+        while not all(ready.is_set() for ready in waits):
+            failure = _load_failure(procs, errors)
+            if failure is not None:
+                raise RuntimeError(failure + DEVICES_HINT)
+            if time.monotonic() > deadline:
                 raise TimeoutError("load processes did not get ready")
+            waits[0].wait(0.1)
         _say(f"[devices] {devices} connections up; sending {total:,} records")
         start = time.monotonic()
         go.set()
-        LandedCounter(landing).wait_for(total, timeout, lambda n: _say(f"[devices]   {n:,} rows landed"))
+        LandedCounter(landing).wait_for(total, timeout, lambda n: _say(f"[devices]   {n:,} rows landed"),
+                                        abort=lambda: _load_failure(procs, errors))
         seconds = time.monotonic() - start
     finally:
         go.set()

@@ -1,22 +1,25 @@
 """Per-(device_id, stream) offsets the collector already holds: its duplicate filter.
 
-A :class:`HighWaterMarks` keeps, per ``(device_id, stream)``, the device-log offset ranges of
-the batches the collector holds durably (in its write-ahead log, or landed). Normally that is
-one range ``[first, high-water mark]``; a batch that arrives after a gap (an earlier batch
-whose commit failed, while a later one succeeded) opens a second range, and the hole closes
-when the missing batch is re-sent. Holes are never treated as held, so a late fill-in is
-stored, not dropped as a duplicate. With the ranges:
+A :class:`HighWaterMarks` keeps, per ``(device_id, stream)``, the exact device-log offsets
+the collector holds durably (in its write-ahead log, or landed), as disjoint ranges. Normally
+that is one range ``[first, high-water mark]``; a batch that arrives after a gap (an earlier
+batch whose commit failed, while a later one succeeded) opens a second range, and the hole
+closes when the missing batch is re-sent. Holes are never treated as held, so a late fill-in
+is stored, not dropped as a duplicate. With the ranges:
 
 * the door acknowledges and drops a batch whose span lies inside one held range, and trims
   the held records off one that overlaps;
 * the lander drops rows inside held ranges, so a batch stored twice (re-sent while its first
   copy was still being committed) lands once.
 
-A batch's span is ``[first_offset, last_offset]``: offsets the device skipped inside a batch
-(a corrupt record) do not exist, so counting them as held is harmless; the same skip between
-two batches leaves a permanent one-offset hole (two ranges). At most :data:`MAX_RANGES`
-ranges are kept per stream; beyond that the two lowest merge (the oldest hole counts as held,
-logged as a WARNING), which bounds memory against a misbehaving device.
+A batch adds exactly the offsets it carries (:func:`batch_ranges`): its span
+``[first_offset, last_offset]`` only when ``count`` fills it, otherwise one range per run of
+consecutive offsets. So one batch never makes the collector hold an offset it did not carry:
+a batch with offsets ``{0, 10**9}`` holds those two, and the device's real records 1, 2, ...
+are stored, not dropped as duplicates (issue 10 item 3). At most :data:`MAX_RANGES` ranges are
+kept per stream; beyond that the lowest range is *forgotten* (logged as a WARNING), never
+merged across a hole: a forgotten range can only let a resend of old records land a second
+time (the Spark ingest removes it by ``(device_id, stream, offset)``), never drop a record.
 
 Durability: :meth:`HighWaterMarks.save` writes a snapshot (``dedup.snap`` in the collector's
 data directory, via :func:`segments.fileio.atomic_write`, CRC-checked) recording the WAL
@@ -37,11 +40,12 @@ from __future__ import annotations
 import logging
 import struct
 from bisect import bisect_right
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from crc32c import crc32c
 
+from filemq.batch import BatchHeader, decode_batch
 from segments.fileio import OS_FILE_IO, FileIO, atomic_write
 
 log = logging.getLogger(__name__)
@@ -59,11 +63,41 @@ Key = tuple[str, str]
 Range = tuple[int, int]
 
 
+def offset_runs(first: int, deltas: Iterable[int]) -> list[Range]:
+    """The maximal runs of consecutive offsets ``first + d`` (``deltas`` strictly increasing)."""
+    runs: list[Range] = []
+    lo = hi = -2
+    for d in deltas:
+        offset = first + d
+        if offset != hi + 1:
+            if hi >= 0:
+                runs.append((lo, hi))
+            lo = offset
+        hi = offset
+    if hi >= 0:
+        runs.append((lo, hi))
+    return runs
+
+
+def batch_ranges(header: BatchHeader, payload: bytes | bytearray | memoryview) -> list[Range]:
+    """The exact offset ranges a batch carries: its span when ``count`` fills it, else the runs
+    of its decoded offsets. Raises :class:`filemq.batch.MalformedBatch` for a bad body."""
+    first, last = header.first_offset, header.last_offset
+    if last - first + 1 == header.count:  # strictly increasing offsets: every one is there
+        return [(first, last)]
+    return offset_runs(first, decode_batch(payload).offset_deltas)
+
+
 class HighWaterMarks:
     """Held offset ranges in memory plus the snapshot file; use from one thread (the loop)."""
 
-    def __init__(self, path: str | Path | None, fileio: FileIO = OS_FILE_IO) -> None:
+    def __init__(self, path: str | Path | None, fileio: FileIO = OS_FILE_IO, *,
+                 max_ranges: int = MAX_RANGES) -> None:
         """``path`` None: kept in memory only (:meth:`save` refuses, :meth:`load` finds nothing)."""
+        if max_ranges < 1:
+            raise ValueError("max_ranges must be at least 1")
+        self.max_ranges = max_ranges
+        self.forgotten_ranges = 0  # ranges dropped to stay within max_ranges (logged)
         self.path = Path(path) if path is not None else None
         self._fileio = fileio
         # Per stream: first offsets and last offsets of disjoint, non-adjacent ranges, sorted.
@@ -105,14 +139,22 @@ class HighWaterMarks:
             j += 1
         firsts[i:j] = [first]
         lasts[i:j] = [last]
-        if len(firsts) > MAX_RANGES:
-            log.warning(
-                "device %r stream %r: more than %d separate offset ranges; treating the hole"
-                " %d..%d as held (a batch filling it later would be dropped)",
-                device_id, stream, MAX_RANGES, lasts[0] + 1, firsts[1] - 1,
-            )
-            lasts[0] = lasts[1]
-            del firsts[1], lasts[1]
+        if len(firsts) > self.max_ranges:
+            # Forget (never merge across a hole): a forgotten range can only let a resend land
+            # twice (removed downstream by key); a merged hole would drop real records.
+            self.forgotten_ranges += 1
+            if self.forgotten_ranges % 1000 == 1:  # one gappy batch must not flood the log
+                log.warning(
+                    "device %r stream %r: more than %d separate offset ranges; forgetting the lowest"
+                    " %d..%d (a resend of those records would land again; %d forgotten so far)",
+                    device_id, stream, self.max_ranges, firsts[0], lasts[0], self.forgotten_ranges,
+                )
+            del firsts[0], lasts[0]
+
+    def add_ranges(self, device_id: str, stream: str, ranges: Iterable[Range]) -> None:
+        """:meth:`add` each range (e.g. :func:`batch_ranges` of a batch)."""
+        for first, last in ranges:
+            self.add(device_id, stream, first, last)
 
     def holds(self, device_id: str, stream: str, first: int, last: int) -> bool:
         """True if ``[first, last]`` lies inside one held range."""

@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from collector.dedup import HighWaterMarks
+from collector.dedup import HighWaterMarks, batch_ranges, offset_runs
 from collector.landing import LANDING_SCHEMA, SCHEMA_VERSION, LandingWriter
 from filemq.batch import Batch, BatchError, decode_batch, parse_batch_topic, peek_header
 
@@ -167,9 +167,10 @@ class Lander:
                     continue
                 try:
                     header = peek_header(record.payload, verify_crc=False)  # the WAL CRC covers it
+                    ranges = batch_ranges(header, record.payload)
                 except BatchError:
                     continue
-                self.marks.add(header.device_id, header.stream, header.first_offset, header.last_offset)
+                self.marks.add_ranges(header.device_id, header.stream, ranges)
                 count += 1
             start = records[-1].offset + 1
         return count
@@ -275,7 +276,10 @@ class Lander:
                 held = inside if held is None else pc.or_(held, inside)
             rows = rows.filter(pc.invert(held))
             self.stats.duplicate_rows_dropped += n - rows.num_rows
-        self.marks.add(device, stream, first, last)
+        if n == last - first + 1:
+            self.marks.add(device, stream, first, last)
+        else:  # exactly the offsets the batch carries, never the gaps between them
+            self.marks.add_ranges(device, stream, offset_runs(first, batch.offset_deltas))
         if rows.num_rows:
             self._buffer.append(rows)
             self._buffer_bytes += batch.header.body_length

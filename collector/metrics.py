@@ -6,7 +6,7 @@ private registry), so the hot path never touches prometheus-client. Metric names
 ``filemq_collector_batches_received_total``, ``filemq_collector_records_received_total``,
 ``filemq_collector_bytes_received_total``, ``filemq_collector_duplicate_records_dropped_total``
 (at the door and in the lander), ``filemq_collector_quarantined_total``,
-``filemq_collector_crc_rejected_total``, ``filemq_collector_rows_landed_total``,
+``filemq_collector_crc_rejected_total``, ``filemq_collector_topic_rejected_total``, ``filemq_collector_rows_landed_total``,
 ``filemq_collector_files_landed_total``, ``filemq_collector_land_failures_total``,
 ``filemq_collector_lag_batches`` (WAL batches not yet landed),
 ``filemq_collector_buffered_rows``, ``filemq_collector_land_seconds`` (last roll).
@@ -45,6 +45,8 @@ class CollectorMetrics(PromCollector):
              + (lander.stats.duplicate_rows_dropped if lander else 0)),
             ("quarantined", "Malformed batches quarantined", door.quarantined),
             ("crc_rejected", "Batches refused for a CRC mismatch (resent by the agent)", door.crc_rejected),
+            ("topic_rejected", "Batches refused: topic disagrees with the batch header (resent by the agent)",
+             door.topic_rejected),
             ("rows_landed", "Rows landed in Parquet files", lander.stats.rows_landed if lander else 0),
             ("files_landed", "Parquet files landed", lander.stats.files_landed if lander else 0),
             ("land_failures", "Failed landing attempts (retried)", lander.stats.land_failures if lander else 0),

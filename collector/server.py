@@ -5,7 +5,9 @@ write-ahead log, with the durable group commit before every PUBACK) plus:
 
 * a publish hook at the door (:meth:`Collector.check_publish`) that, for every PUBLISH:
   rejects a batch whose CRC fails (no PUBACK, the connection is closed: the agent resends);
-  quarantines a malformed one (written to ``<data_dir>/quarantine/``, acknowledged,
+  rejects the same way a valid batch whose topic is not ``filemq/v1/<device>/<stream>`` of
+  its CRC-covered header (the topic is outside the CRC: a byte flipped in it must not be
+  acknowledged); quarantines a malformed one (written to ``<data_dir>/quarantine/``, acknowledged,
   counted); acknowledges and drops a duplicate (its offsets are all held: committed to the
   WAL, as a WAL tail reader tracks, or landed); stores an overlapping one with the held
   records trimmed off (:mod:`collector.dedup`);
@@ -33,20 +35,23 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from collector.dedup import SNAPSHOT_FILE, HighWaterMarks
+from collector.dedup import SNAPSHOT_FILE, HighWaterMarks, batch_ranges
 from collector.lander import Lander
 from collector.landing import LandingWriter
 from filemq.batch import (
     BatchCrcError,
     BatchError,
     MalformedBatch,
+    batch_topic,
     decode_batch,
     encode_batch,
     parse_batch_topic,
     peek_header,
 )
 from filemq.broker import Broker, ClientInfo, HookResult
+from filemq.broker.metrics import backlog_status
 from filemq.config import Config, ConfigError
+from filemq.fdlimit import FD_RESERVE, connection_capacity, raise_nofile_limit
 from filemq.service import Sidecar, run_until_signalled, serve_until_signalled
 from segments.fileio import OS_FILE_IO, FileIO, atomic_write
 
@@ -74,15 +79,24 @@ class DoorStats:
     trimmed_records: int = 0
     quarantined: int = 0
     crc_rejected: int = 0
+    topic_rejected: int = 0  # a valid batch on a topic that disagrees with its header
 
 
 def broker_config(config: Config) -> Config:
     """The broker settings for a collector: listener and auth from ``[collector]``, the WAL
     from ``[log]``; a TLS listener comes from ``[broker]`` ``tls_cert``/``tls_key``/``tls_port``.
-    ACL-denied batches are never acknowledged (``acl_denied_publish = "disconnect"``)."""
+    ACL-denied batches are never acknowledged (``acl_denied_publish = "disconnect"``).
+    The connection limit is ``collector.max_connections`` or, unset, sized from the process's
+    file-descriptor limit (soft raised to hard where allowed; :mod:`filemq.fdlimit`)."""
     c = config.collector
+    max_connections = c.max_connections
+    if max_connections is None:
+        soft, _ = raise_nofile_limit()
+        # Sockets still in their CONNECT (up to broker.max_connecting) hold descriptors too.
+        max_connections = max(1, connection_capacity(soft) - config.broker.max_connecting)
     broker = dataclasses.replace(
         config.broker,
+        max_connections=max_connections,
         host=c.host,
         port=c.port,
         password_file=c.password_file,
@@ -157,6 +171,10 @@ class Collector:
         self._tail_task = asyncio.create_task(self._tail_wal(), name="filemq-collector-wal-tail")
         log.info("collector %s listening on %s, landing in %s, WAL backlog %d batches",
                  self.collector_id, self.broker.listening, self.landing_dir, lander.lag)
+        soft, hard = raise_nofile_limit()  # as broker_config left it (already raised)
+        log.info("collector %s: serving up to %d device connections (max_connections; file descriptors:"
+                 " soft limit %d, hard %d, %d kept for files)", self.collector_id,
+                 self.broker.config.broker.max_connections, soft, hard, FD_RESERVE)
 
     async def stop(self) -> None:
         """Land what is buffered (bounded wait), then stop the broker (persists everything)."""
@@ -191,10 +209,10 @@ class Collector:
                     try:
                         # The WAL's record CRC already covers these bytes.
                         header = peek_header(record.payload, verify_crc=False)
+                        ranges = batch_ranges(header, record.payload)
                     except BatchError:
                         continue
-                    self.door_marks.add(header.device_id, header.stream, header.first_offset,
-                                        header.last_offset)
+                    self.door_marks.add_ranges(header.device_id, header.stream, ranges)
                 self._tail_pos = records[-1].offset + 1
                 await asyncio.sleep(0)  # a long replay at start must not stall the listener
             await queue.wait_for_records(self._tail_pos)
@@ -216,24 +234,29 @@ class Collector:
         """The publish hook: CRC, structure, duplicate and overlap checks (see module doc)."""
         stats = self.stats
         payload = packet.payload
-        key = parse_batch_topic(packet.topic)
-        if key is None:
-            return self._quarantine(client, packet, f"topic {packet.topic!r} is not filemq/v1/<device_id>/<stream>")
+        foreign = None
+        if parse_batch_topic(packet.topic) is None:
+            foreign = f"topic {packet.topic!r} is not filemq/v1/<device_id>/<stream>"
         try:
             header = peek_header(payload)
         except BatchCrcError as exc:
+            if foreign is not None:  # not a batch on a batch topic: nothing a resend could fix
+                return self._quarantine(client, packet, foreign)
             stats.crc_rejected += 1
             log.warning("client %r: batch on %r failed its CRC (%s); not acknowledged", client.client_id,
                         packet.topic, exc)
             return HookResult.reject(str(exc))
         except MalformedBatch as exc:
-            return self._quarantine(client, packet, str(exc))
-        if (header.device_id, header.stream) != key:
-            return self._quarantine(
-                client, packet,
-                f"topic {packet.topic!r} does not match the batch header's device {header.device_id!r}"
-                f" stream {header.stream!r}",
-            )
+            return self._quarantine(client, packet, foreign or str(exc))
+        if packet.topic != batch_topic(header.device_id, header.stream):
+            # The topic is outside the CRC; the header (device, stream, offsets) is inside it
+            # and decides where the records go. A topic that disagrees was damaged on the way
+            # (or the sender is misconfigured): never acknowledge, so the agent resends.
+            stats.topic_rejected += 1
+            reason = (f"topic {packet.topic!r} does not match the batch header's device"
+                      f" {header.device_id!r} stream {header.stream!r}")
+            log.warning("client %r: %s; not acknowledged", client.client_id, reason)
+            return HookResult.reject(reason)
         held, overlaps = self._held(header.device_id, header.stream, header.first_offset, header.last_offset)
         if held:
             stats.duplicate_batches += 1
@@ -306,8 +329,10 @@ async def serve_collector(
     return await serve_until_signalled(
         lambda: Collector(config), name="collector", where=f"{c.host}:{c.port} (data dir {config.data_dir})",
         describe=lambda collector: (f"filemq collector {collector.collector_id} listening on "
-                                    f"{collector.broker.listening}, landing in {collector.landing_dir}"),
-        log=log, ready=ready, stop=stop, sidecar=metrics)
+                                    f"{collector.broker.listening}, landing in {collector.landing_dir},"
+                                    f" serving up to {collector.broker.config.broker.max_connections}"
+                                    " device connections"),
+        log=log, ready=ready, stop=stop, sidecar=metrics, status=lambda c: backlog_status(c.broker))
 
 
 def run_collector(config: Config, ready: Callable[[str], None] | None = None) -> int:

@@ -33,6 +33,7 @@ from __future__ import annotations
 import enum
 import logging
 import os
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -96,17 +97,18 @@ def filter_within(inner: str, outer: str) -> bool:
     return len(i_levels) == len(o_levels)
 
 
-def _substitute(filter_: str, username: str | None, client_id: str) -> str | None:
-    """Fill %u/%c, or None when the pattern cannot apply to this client."""
-    if "%u" in filter_:
-        if username is None or not _safe(username):
-            return None
-        filter_ = filter_.replace("%u", username)
-    if "%c" in filter_:
-        if not _safe(client_id):
-            return None
-        filter_ = filter_.replace("%c", client_id)
-    return filter_
+_PLACEHOLDER = re.compile("%[uc]")
+
+
+def fill_pattern(filter_: str, username: str | None, client_id: str) -> str | None:
+    """``filter_`` with every ``%u`` (username) and ``%c`` (client id) replaced in one pass;
+    None when it needs a value that is missing or unsafe (see :func:`_safe`)."""
+    if "%u" in filter_ and (username is None or not _safe(username)):
+        return None
+    if "%c" in filter_ and not _safe(client_id):
+        return None
+    values = {"%u": username or "", "%c": client_id}
+    return _PLACEHOLDER.sub(lambda m: values[m.group()], filter_)
 
 
 def _safe(value: str) -> bool:
@@ -251,7 +253,7 @@ class Acl:
         own = self.anonymous if username is None else self.users.get(username, [])
         rules = list(own)
         for p in self.patterns:
-            filt = _substitute(p.filter, username, client_id)
+            filt = fill_pattern(p.filter, username, client_id)
             if filt is not None:
                 rules.append(Rule(p.access, filt, p.line))
         return ClientAcl(rules)

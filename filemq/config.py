@@ -277,6 +277,100 @@ def _topic_template(value: Any, from_flag: bool) -> str:
     return value
 
 
+@dataclass(frozen=True)
+class Listener:
+    """One listening socket of the broker (a ``[[listener]]`` table).
+
+    ``protocol`` is ``"mqtt"`` (MQTT over TCP) or ``"websockets"`` (MQTT over WebSockets,
+    subprotocol ``mqtt``; needs the ``websockets`` extra, i.e. ``wsproto``).  ``tls_cert`` +
+    ``tls_key`` make it TLS; ``tls_ca`` verifies client certificates, which
+    ``require_certificate`` makes mandatory; ``use_identity_as_username`` (as Mosquitto)
+    takes the client certificate's CN as the username and does not consult the password
+    file for it.
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 1883
+    protocol: str = "mqtt"
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_ca: str | None = None
+    require_certificate: bool = False
+    use_identity_as_username: bool = False
+
+    @property
+    def tls(self) -> bool:
+        return self.tls_cert is not None
+
+    def describe(self) -> str:
+        scheme = {"mqtt": "mqtt", "websockets": "ws"}[self.protocol] + ("s" if self.tls else "")
+        return f"{scheme}://{self.host}:{self.port}"
+
+
+_LISTENER_WHAT = (
+    "a list of [[listener]] tables with host, port, protocol = \"mqtt\" | \"websockets\", "
+    "tls_cert, tls_key, tls_ca, require_certificate, use_identity_as_username "
+    "(or strings 'HOST:PORT[,key=value...]')"
+)
+
+
+def _listener(item: Any, from_flag: bool, n: int) -> Listener:
+    if isinstance(item, Listener):
+        return item
+    if isinstance(item, str):  # --listener 0.0.0.0:8883,tls_cert=c.pem,tls_key=k.pem
+        first, *rest = item.split(",")
+        host, sep, port = first.strip().rpartition(":")
+        if not sep or not host:
+            raise _Bad(_LISTENER_WHAT)
+        raw: dict[str, Any] = {"host": host.strip("[]"), "port": port}
+        for part in rest:
+            k, eq, v = part.partition("=")
+            if not eq:
+                raise _Bad(_LISTENER_WHAT)
+            raw[k.strip()] = v.strip()
+        from_flag = True
+    elif isinstance(item, dict):
+        raw = dict(item)
+    else:
+        raise _Bad(_LISTENER_WHAT)
+    names = {f.name for f in dataclasses.fields(Listener)}
+    unknown = sorted(set(raw) - names)
+    if unknown:
+        raise _Bad(f"{_LISTENER_WHAT}; listener {n} has unknown key {unknown[0]!r}")
+    checks: dict[str, Checker] = {
+        "host": _str, "port": _PORT, "protocol": _enum("mqtt", "websockets"), "tls_cert": _str,
+        "tls_key": _str, "tls_ca": _str, "require_certificate": _bool,
+        "use_identity_as_username": _bool,
+    }
+    values: dict[str, Any] = {}
+    for k, v in raw.items():
+        try:
+            values[k] = checks[k](v, from_flag)
+        except _Bad as bad:
+            raise _Bad(f"{_LISTENER_WHAT}; listener {n}: {k} must be {bad.expected}") from None
+    lst = Listener(**values)
+    problem = None
+    if (lst.tls_cert is None) != (lst.tls_key is None):
+        problem = "TLS needs both tls_cert and tls_key"
+    elif lst.tls_ca is not None and not lst.tls:
+        problem = "tls_ca verifies client certificates of a TLS listener; set tls_cert and tls_key"
+    elif lst.require_certificate and lst.tls_ca is None:
+        problem = "require_certificate needs tls_ca (the CA that signs client certificates)"
+    elif lst.use_identity_as_username and not lst.require_certificate:
+        problem = "use_identity_as_username needs require_certificate = true"
+    if problem is not None:
+        raise _Bad(f"{_LISTENER_WHAT}; listener {n} ({lst.host}:{lst.port}): {problem}")
+    return lst
+
+
+def _listeners(value: Any, from_flag: bool) -> tuple[Listener, ...]:
+    if isinstance(value, (str, dict, Listener)):
+        value = [value]
+    if not isinstance(value, (list, tuple)):
+        raise _Bad(_LISTENER_WHAT)
+    return tuple(_listener(item, from_flag, n) for n, item in enumerate(value, start=1))
+
+
 # -- sections -----------------------------------------------------------------------------
 
 _PORT = _int(0, 65535, note=" (0 = any free port)")
@@ -312,15 +406,20 @@ class BrokerSection:
     # validator refuses a non-loopback host without a password file unless this is true).
     allow_anonymous: bool | None = field(default=None, metadata=_spec(_bool))
     max_connections: int = field(default=1000, metadata=_spec(_POS))
+    # Sockets accepted but not yet CONNECTed, counted apart from max_connections.
+    max_connecting: int = field(default=128, metadata=_spec(_POS))
     max_packet_size: int = field(default=1 * MIB, metadata=_spec(_int(64, 268_435_455, sizes=True)))
     max_inflight: int = field(default=20, metadata=_spec(_int(1, 65535)))
     max_topic_length: int = field(default=1024, metadata=_spec(_int(1, 65535)))
+    # Largest PUBLISH / will payload in bytes; None = no limit of its own (max_packet_size bounds it).
+    message_size_limit: int | None = field(default=None, metadata=_spec(_int(1, 268_435_455, sizes=True)))
     keepalive_max: int | None = field(default=None, metadata=_spec(_int(1, 65535)))
     tls_port: int = field(default=8883, metadata=_spec(_PORT))
     tls_cert: str | None = field(default=None, metadata=_spec(_str))
     tls_key: str | None = field(default=None, metadata=_spec(_str))
     sys_interval_s: int = field(default=10, metadata=_spec(_NONNEG))
     acl_denied_publish: str = field(default="ack_drop", metadata=_spec(_enum("ack_drop", "disconnect")))
+    metrics_port: int | None = field(default=None, metadata=_spec(_PORT))
     auto_subscribe: tuple[AutoSubscribe, ...] = field(
         default=(), metadata=_spec(_auto_subscribe)
     )
@@ -362,6 +461,8 @@ class AgentSection:
     ack_timeout_ms: int = field(default=30_000, metadata=_spec(_POS))
     # ``--export NAME=URL`` (repeatable): an export, or the URL of the [[export]] table NAME.
     export: tuple[str, ...] = field(default=(), metadata=_spec(_export_flags))
+    # The collector's packet limit (at least 64 MiB): a record too large for it is set aside.
+    upstream_max_packet_size: int = field(default=64 * MIB, metadata=_spec(_int(1024, 268_435_455, sizes=True)))
 
 
 @dataclass(frozen=True)
@@ -385,6 +486,8 @@ class CollectorSection:
     roll_bytes: int = field(default=64 * MIB, metadata=_spec(_SIZE))
     roll_seconds: int = field(default=60, metadata=_spec(_POS))
     metrics_port: int | None = field(default=None, metadata=_spec(_PORT))
+    # None: sized from the file-descriptor limit (filemq.fdlimit), not broker.max_connections.
+    max_connections: int | None = field(default=None, metadata=_spec(_POS))
 
     def anonymous_allowed(self) -> bool:
         """Whether devices without a username may connect (same rule as the broker)."""
@@ -534,6 +637,8 @@ class Config:
     """Every setting, typed and validated; build it with :func:`load_config`."""
 
     data_dir: str | None = field(default=None, metadata=_spec(_str))
+    # The broker's listeners; empty = the shorthand broker.host/port (+ tls_port with tls_cert).
+    listener: tuple[Listener, ...] = field(default=(), metadata=_spec(_listeners))
     log: LogSection = field(default_factory=LogSection)
     broker: BrokerSection = field(default_factory=BrokerSection)
     agent: AgentSection = field(default_factory=AgentSection)
@@ -553,7 +658,7 @@ _SECTIONS: dict[str, type[Any]] = {
     "ingest": IngestSection,
     "uplink": UplinkSection,
 }
-_TOP_LEVEL = ("data_dir",)
+_TOP_LEVEL = ("data_dir", "listener")
 
 
 def _checker(section_cls: type[Any], name: str) -> Checker:
@@ -809,6 +914,7 @@ def _check_combinations(
         )
     for name, sec in (("broker", b), ("collector", config.collector)):
         _check_anonymous(name, sec.host, sec.password_file, sec.allow_anonymous, err, where)
+    _check_listeners(config, values, err, where)
 
     a = config.agent
     if a.password is not None and a.password_file is not None:
@@ -822,6 +928,52 @@ def _check_combinations(
             "agent.backoff_initial_ms",
             f"agent.backoff_initial_ms{where('agent.backoff_initial_ms')} "
             f"({a.backoff_initial_ms}) is larger than agent.backoff_max_ms ({a.backoff_max_ms})",
+        )
+
+
+def broker_listeners(config: Config) -> tuple[Listener, ...]:
+    """The broker's listeners: the ``[[listener]]`` tables, or else the shorthand
+    ``broker.host``:``broker.port`` plus a TLS one on ``broker.tls_port`` when ``tls_cert``
+    is set."""
+    if config.listener:
+        return config.listener
+    b = config.broker
+    out = [Listener(host=b.host, port=b.port)]
+    if b.tls_cert is not None:
+        out.append(Listener(host=b.host, port=b.tls_port, tls_cert=b.tls_cert, tls_key=b.tls_key))
+    return tuple(out)
+
+
+_SHORTHAND = ("broker.host", "broker.port", "broker.tls_port", "broker.tls_cert", "broker.tls_key")
+
+
+def _check_listeners(
+    config: Config,
+    values: Mapping[str, tuple[_Source, Any]],
+    err: Callable[[str, str], ConfigError],
+    where: Callable[[str], str],
+) -> None:
+    if not config.listener:
+        return
+    both = [k for k in _SHORTHAND if k in values]
+    if both:
+        raise err(
+            both[0],
+            f"{both[0]}{where(both[0])} and [[listener]] tables are both set; the listener list "
+            f"replaces the shorthand broker.host/port/tls_* (flags --host/--port/--tls-*): "
+            f"keep one",
+        )
+    b = config.broker
+    for n, lst in enumerate(config.listener, start=1):
+        cert_login = lst.require_certificate and lst.use_identity_as_username
+        if is_loopback(lst.host) or cert_login or b.password_file is not None or b.allow_anonymous:
+            continue
+        raise err(
+            "listener",
+            f"listener {n} ({lst.host}:{lst.port}){where('listener')} accepts connections from "
+            f"other machines, but no password file is set. Set broker.password_file, use client "
+            f"certificates (require_certificate and use_identity_as_username), or set "
+            f"broker.allow_anonymous = true",
         )
 
 
@@ -849,3 +1001,171 @@ def _check_anonymous(
             f"{key} = false{where(key)} but {section}.password_file is not set, so no client "
             f"could log in; set {section}.password_file or remove {key}",
         )
+
+
+# -- help text for the command-line flags (cli.py) -----------------------------------------
+# key -> (help section, one-line meaning, what an unset (None) default means). The section
+# groups `filemq broker|agent|collector --help`; range and default come from the key's
+# checker and dataclass default above, so the help cannot drift from what is accepted.
+
+HELP_SECTIONS = {
+    "general": "General options",
+    "upstream": "Upstream (forwarding to the collector)",
+    "landing": "Landing (Parquet files)",
+    "listener": "Listener",
+    "security": "Security",
+    "limits": "Limits",
+    "log": "Log (storage and durability)",
+}
+
+_KEY_HELP: dict[str, tuple[str, str, str]] = {
+    "data_dir": ("general", "Data directory: the log, offsets, sessions and retained.snap", "required"),
+    "listener": ("listener", "A listener (repeatable; replaces --host/--port/--tls-*), e.g. "
+                 "'0.0.0.0:8883,tls_cert=c.pem,tls_key=k.pem,require_certificate=true' or "
+                 "'0.0.0.0:8080,protocol=websockets'", "the --host/--port shorthand"),
+    "log.segment_bytes": ("log", "Roll to a new segment file at this size", ""),
+    "log.index_interval_bytes": ("log", "Bytes of records between two sparse-index entries", ""),
+    "log.fsync": ("log", "always: fdatasync before any ack; interval: ack first, sync every "
+                  "fsync_interval_ms; never: leave it to the OS", ""),
+    "log.fsync_interval_ms": ("log", "Sync period in milliseconds for --fsync interval", ""),
+    "log.retention_bytes": ("log", "Delete the oldest whole segments once the log exceeds this size",
+                            "no size cap"),
+    "log.retention_ms": ("log", "Delete whole segments whose newest record is older than this (ms)",
+                         "no age cap"),
+    "log.min_free_bytes": ("log", "Refuse appends (no ack) when the file system has less free space", ""),
+    "broker.host": ("listener", "Address the broker listens on; off loopback it needs a password "
+                    "file or allow_anonymous", ""),
+    "broker.port": ("listener", "Plain MQTT port", ""),
+    "broker.password_file": ("security", "Users and password hashes (filemq passwd); clients must "
+                             "log in", "no logins"),
+    "broker.acl_file": ("security", "ACL file in Mosquitto's format", "everything allowed"),
+    "broker.allow_anonymous": ("security", "Let clients without a username in, also beside a "
+                               "password file", "only when there is no password file"),
+    "broker.max_connections": ("limits", "Connected clients at most; a CONNECT beyond gets CONNACK 3", ""),
+    "broker.max_connecting": ("limits", "Sockets still in their CONNECT at most (counted apart); at "
+                              "the limit the oldest one is closed", ""),
+    "broker.message_size_limit": ("limits", "Largest PUBLISH or will payload in bytes; larger closes "
+                                  "the connection, nothing stored or acknowledged", "only max_packet_size"),
+    "broker.max_packet_size": ("limits", "A larger packet closes its connection (bytes)", ""),
+    "broker.max_inflight": ("limits", "Unacknowledged QoS 1/2 messages per subscriber", ""),
+    "broker.max_topic_length": ("limits", "Longest topic or filter in bytes; longer is a protocol error", ""),
+    "broker.keepalive_max": ("limits", "Cap on the keepalive a client may ask for (seconds)", "no cap"),
+    "broker.tls_port": ("listener", "TLS listener port, used when --tls-cert is set", ""),
+    "broker.tls_cert": ("security", "PEM certificate chain; enables the TLS listener", "no TLS"),
+    "broker.tls_key": ("security", "PEM private key for the TLS certificate", "no TLS"),
+    "broker.sys_interval_s": ("listener", "Seconds between $SYS/broker/... updates (0 = off)", ""),
+    "broker.acl_denied_publish": ("security", "A PUBLISH the ACL denies: ack_drop acknowledges and "
+                                  "drops it; disconnect closes the connection unacknowledged", ""),
+    "broker.metrics_port": ("listener", "Serve Prometheus metrics on 127.0.0.1:PORT", "off"),
+    "broker.auto_subscribe": ("listener", "Subscription added to every persistent session, e.g. "
+                              "'cmd/%c/# qos 1' (%c client id, %u username); repeatable", "none"),
+    "agent.device_id": ("upstream", "This device's id: idempotency key and upstream client id", "required"),
+    "agent.collector": ("upstream", "Upstream collector as HOST:PORT", "required"),
+    "agent.username": ("upstream", "Upstream login", "none"),
+    "agent.password": ("upstream", "Upstream password (prefer --password-file)", "none"),
+    "agent.password_file": ("upstream", "File whose first line is the upstream password", "none"),
+    "agent.tls_ca": ("upstream", "PEM CA bundle: enables TLS to the collector and verifies it", "plain TCP"),
+    "agent.batch_records": ("upstream", "Records per upstream batch at most", ""),
+    "agent.batch_bytes": ("upstream", "Bytes per upstream batch at most", ""),
+    "agent.linger_ms": ("upstream", "Wait this long (ms) for a batch to fill", ""),
+    "agent.window": ("upstream", "Batches in flight (sent, not yet acknowledged)", ""),
+    "agent.compression": ("upstream", "Compression of batch payloads", ""),
+    "agent.rate_limit_bytes_per_s": ("upstream", "Cap on upstream bandwidth (bytes per second)", "unlimited"),
+    "agent.upstream_max_packet_size": ("upstream", "Largest PUBLISH sent upstream; a record too large "
+                                       "on its own is set aside (counted, logged)", ""),
+    "agent.backoff_initial_ms": ("upstream", "First reconnect delay (ms); doubles with jitter", ""),
+    "agent.backoff_max_ms": ("upstream", "Longest reconnect delay (ms)", ""),
+    "agent.metrics_port": ("listener", "Serve Prometheus metrics (forwarder and broker) on "
+                           "127.0.0.1:PORT", "off"),
+    "agent.stream": ("upstream", "Stream name in the batch topic and the idempotency key", ""),
+    "agent.ack_timeout_ms": ("upstream", "Reconnect and resend when a batch is not acknowledged "
+                             "within this time (ms)", ""),
+    "agent.export": ("upstream", "An export NAME=URL (repeatable): filemq[s]://HOST:PORT (collector) or "
+                     "mqtt[s]://HOST[:PORT] (any MQTT broker); more keys in [[export]] tables", "none"),
+    "uplink.rate_limit_bytes_per_s": ("upstream", "Bytes per second for all exports together, "
+                                      "higher priority first", "unlimited"),
+    "collector.host": ("listener", "Address the collector listens on; off loopback it needs a "
+                       "password file or allow_anonymous", ""),
+    "collector.port": ("listener", "Port devices connect to", ""),
+    "collector.password_file": ("security", "Device logins (filemq passwd)", "no logins"),
+    "collector.acl_file": ("security", "ACL file; recommended line: pattern write filemq/v1/%u/#",
+                           "everything allowed"),
+    "collector.allow_anonymous": ("security", "Let devices without a username in, also beside a "
+                                  "password file", "only when there is no password file"),
+    "collector.max_connections": ("limits", "Device connections at most", "sized from the "
+                                  "file-descriptor limit"),
+    "collector.collector_id": ("landing", "Id written into every landed row and file name", "the host name"),
+    "collector.landing": ("landing", "Landing directory (_staging/, incoming/dt=.../)", "required"),
+    "collector.roll_bytes": ("landing", "Roll the Parquet file at this size", ""),
+    "collector.roll_seconds": ("landing", "Roll the Parquet file at this age (seconds)", ""),
+    "collector.metrics_port": ("listener", "Serve Prometheus metrics on HOST:PORT", "off"),
+    "ingest.landing": ("general", "Landing directory to read", "required"),
+    "ingest.table": ("general", "Curated table directory (Parquet, partitioned by dt)", "required"),
+    "ingest.checkpoint": ("general", "Streaming checkpoint directory, one per table", "required"),
+    "ingest.spark_master": ("general", "Spark master URL", ""),
+    "ingest.payload": ("general", "json parses payloads into the --payload-schema columns", ""),
+    "ingest.payload_schema": ("general", "Spark DDL of the JSON payload", "none"),
+    "ingest.archive": ("general", "Move ingested landing files here after their batch commits", "none"),
+    "ingest.every_s": ("general", "Keep running: a micro-batch every N seconds", "run once"),
+    "ingest.max_files_per_batch": ("general", "Landing files per micro-batch at most", ""),
+}
+
+
+@dataclass(frozen=True)
+class KeyHelp:
+    """What ``--help`` says about a key: its section, meaning, accepted values and default."""
+
+    key: str
+    section: str
+    meaning: str
+    accepts: str | None  # from the key's checker; None for any non-empty string
+    default: str  # the default as a flag value ("64 MiB", "always") or "none (...)" when unset
+
+    @property
+    def text(self) -> str:
+        return f"{self.meaning}; {self.accepts}." if self.accepts else f"{self.meaning}."
+
+
+def _field(key: str) -> dataclasses.Field[Any]:
+    section, _, name = key.rpartition(".")
+    cls = _SECTIONS[section] if section else Config
+    return next(f for f in dataclasses.fields(cls) if f.name == name)
+
+
+def _default_text(value: Any, check: Checker, unset: str) -> str:
+    if value is None or value == ():
+        return f"none ({unset})" if unset and unset != "none" else "none"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        for unit, n in (("GiB", GIB), ("MiB", MIB), ("KiB", KIB)):
+            if value >= n and value % n == 0:
+                text = f"{value // n} {unit}"
+                try:
+                    if check(text, True) == value:  # a size key: show it as one
+                        return text
+                except _Bad:
+                    pass
+        return str(value)
+    return str(value)
+
+
+def key_help(key: str) -> KeyHelp:
+    """The help of a dotted key (``"broker.max_inflight"``), from :data:`_KEY_HELP`, the
+    key's checker (range) and its default; keys without an entry get a generic meaning."""
+    f = _field(key)
+    check: Checker = f.metadata["check"]
+    section, meaning, unset = _KEY_HELP.get(key, ("general", f"Config key {key}", ""))
+    try:
+        check(object(), False)  # every checker refuses this and says what it accepts
+        accepts = None
+    except _Bad as bad:
+        accepts = None if bad.expected == "a non-empty string" else bad.expected
+    section_name, _, name = key.rpartition(".")
+    default = getattr(getattr(Config(), section_name) if section_name else Config(), name)
+    return KeyHelp(key, section, meaning, accepts, _default_text(default, check, unset))
+
+
+def key_of_param(section: str, param: str) -> str | None:
+    """The dotted key a command's click parameter sets (see :func:`flag_overrides`), or None."""
+    return next(iter(flag_overrides(section, {param: "x"})), None)

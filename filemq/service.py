@@ -2,9 +2,16 @@
 
 The one place that owns the process contract the commands share: start, install
 SIGTERM/SIGINT handlers, announce a ready line, wait, stop cleanly, and map what happened to
-the exit code (SIGHUP calls the service's ``reload()`` where it has one and never ends it) — 0 after a clean shutdown, 2 for a configuration problem, 1 for a runtime
+the exit code — 0 after a clean shutdown, 2 for a configuration problem, 1 for a runtime
 failure (port in use, metrics port taken, an error while stopping). Problems are logged in
-words a person can act on.
+words a person can act on. SIGHUP calls the service's ``reload()`` where it has one and never
+ends it.
+
+Under systemd (``Type=notify``, docs/DEPLOYMENT.md) it sends ``READY=1`` once the service has
+recovered and listens (and its metrics endpoint is up), ``STATUS=`` with the backlog every
+few seconds, ``WATCHDOG=1`` from the event loop at half of ``WatchdogSec=`` (so a wedged loop
+stops pinging and systemd restarts it) and ``STOPPING=1`` when shutdown begins
+(:mod:`filemq.sdnotify`; tests/test_sdnotify.py).
 """
 
 from __future__ import annotations
@@ -16,11 +23,13 @@ import signal
 from collections.abc import Callable, Coroutine
 from typing import Any, Protocol, TypeVar
 
+from filemq import sdnotify
 from filemq.config import ConfigError
 
 EXIT_OK = 0
 EXIT_RUNTIME = 1
 EXIT_CONFIG = 2
+STATUS_INTERVAL_S = 10.0  # STATUS= refresh period when the watchdog does not ping more often
 
 
 class Service(Protocol):
@@ -48,13 +57,15 @@ async def serve_until_signalled(
     ready: Callable[[str], None] | None = None,
     stop: asyncio.Event | None = None,
     sidecar: Callable[[S], Sidecar | None] | None = None,
+    status: Callable[[S], str] | None = None,
 ) -> int:
     """Build and start the service, call ``ready(describe(service))`` once it is up, run until
     ``stop`` is set or SIGTERM/SIGINT arrives, then stop it; returns the exit code.
 
     ``where`` says what the service tried to bind (``"127.0.0.1:1883 (data dir /x)"``) for the
     error a person reads when start-up fails; ``sidecar`` starts an optional companion after the
-    service (an ``OSError`` from it stops the service and exits 1).
+    service (an ``OSError`` from it stops the service and exits 1); ``status`` gives the
+    one-line ``STATUS=`` systemd shows (the backlog).
     """
     try:
         service = make()
@@ -88,10 +99,14 @@ async def serve_until_signalled(
     log.info("%s", line)
     if ready is not None:
         ready(line)
+    pinger = _start_systemd_pings(service, line, status, log)
     try:
         await stop.wait()
     finally:
         log.info("%s shutting down", name)
+        if pinger is not None:
+            pinger.cancel()
+            sdnotify.notify("STOPPING=1", f"STATUS={name} shutting down")
         try:
             await service.stop()
         except Exception:
@@ -109,6 +124,34 @@ def _reload(reload: Callable[[], object], name: str, log: logging.Logger) -> Non
         reload()
     except Exception:
         log.exception("reloading the %s failed; what was in force stays in force", name)
+
+
+def _start_systemd_pings(service: S, line: str, status: Callable[[S], str] | None,
+                         log: logging.Logger) -> asyncio.Task[None] | None:
+    """Tell systemd we are ready; keep STATUS= fresh and ping the watchdog from this loop."""
+    def status_line() -> str:
+        try:
+            return status(service) if status is not None else line
+        except Exception:  # a status is information, never a reason to stop
+            log.exception("computing the systemd status failed")
+            return line
+
+    if not sdnotify.notify("READY=1", f"STATUS={status_line()}"):
+        return None  # not under systemd (or it does not listen): nothing to ping
+    watchdog = sdnotify.watchdog_interval()
+    period = min(watchdog, STATUS_INTERVAL_S) if watchdog is not None else STATUS_INTERVAL_S
+
+    async def ping() -> None:
+        while True:
+            await asyncio.sleep(period)
+            if watchdog is not None:
+                sdnotify.notify("WATCHDOG=1", f"STATUS={status_line()}")
+            else:
+                sdnotify.notify(f"STATUS={status_line()}")
+
+    if watchdog is not None:
+        log.info("systemd watchdog: pinging every %.1f s", watchdog)
+    return asyncio.create_task(ping(), name="filemq-systemd-notify")
 
 
 def run_until_signalled(main: Coroutine[Any, Any, int], *, name: str, log: logging.Logger) -> int:

@@ -115,6 +115,7 @@ class BrokerStats:
     bytes_sent: int = 0
     publish_dropped: int = 0
     store_bytes: int = 0
+    sys_skipped: int = 0  # $SYS messages not published: their topic was not a valid topic name
     backlog: dict[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:

@@ -5,6 +5,8 @@ accepted connection to ``127.0.0.1:target_port``. :meth:`cut_after` arms a cut: 
 many more bytes have gone client -> server (summed over connections), every open connection
 is reset, in the middle of whatever packet was passing. :meth:`cut_now` resets at once;
 ``refuse`` makes new connections fail immediately (an unreachable collector).
+:meth:`flip_in` arms a byte flip: the next client -> server chunk that holds a given byte
+string has one of its bytes XORed in transit (damage a link-layer CRC would miss).
 """
 
 from __future__ import annotations
@@ -22,7 +24,9 @@ class TcpProxy:
         self.refuse = False
         self.cuts = 0
         self.bytes_up = 0
+        self.flips = 0
         self._cut_at: int | None = None
+        self._flip: tuple[bytes, int, int] | None = None
         self._server: asyncio.Server | None = None
         self._pairs: set[tuple[asyncio.StreamWriter, asyncio.StreamWriter]] = set()
         self._tasks: set[asyncio.Task[None]] = set()
@@ -45,6 +49,25 @@ class TcpProxy:
     def cut_after(self, nbytes: int) -> None:
         """Reset every connection once ``nbytes`` more bytes went upstream."""
         self._cut_at = self.bytes_up + nbytes
+
+    def flip_in(self, needle: bytes, index: int, mask: int = 0x20) -> None:
+        """XOR ``mask`` into byte ``index`` of the next upstream occurrence of ``needle`` (once)."""
+        if not 0 <= index < len(needle) or not 0 < mask < 256:
+            raise ValueError("index must fall inside needle and mask must be 1..255")
+        self._flip = (needle, index, mask)
+
+    def _maybe_flip(self, data: bytes) -> bytes:
+        if self._flip is None:
+            return data
+        needle, index, mask = self._flip
+        at = data.find(needle)
+        if at < 0:
+            return data
+        self._flip = None
+        self.flips += 1
+        damaged = bytearray(data)
+        damaged[at + index] ^= mask
+        return bytes(damaged)
 
     def cut_now(self, count: bool = True) -> None:
         if count and self._pairs:
@@ -99,6 +122,7 @@ class TcpProxy:
                         return
                 if upstream:
                     self.bytes_up += len(data)
+                    data = self._maybe_flip(data)
                 writer.write(data)
                 await writer.drain()
         except (OSError, asyncio.IncompleteReadError):

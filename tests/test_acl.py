@@ -202,3 +202,16 @@ def test_filter_within_agrees_with_topic_matching(inner: str, outer: str) -> Non
         t for t in ALL_TOPICS if topic_matches(inner, t) and not topic_matches(outer, t)
     ]
     assert filter_within(inner, outer) == (not counterexamples), counterexamples[:3]
+
+
+def test_pattern_substitution_is_one_pass() -> None:
+    """A username or client id that itself contains ``%c``/``%u`` is taken literally: the
+    pattern is filled in one pass, so ``pattern write users/%u/x`` with username ``%c`` and
+    client id ``victim`` grants ``users/%c/x``, not ``users/victim/x``."""
+    acl = Acl.parse("pattern write users/%u/x\npattern write devices/%c/y\n", "acl.conf")
+    client = acl.for_client("%c", "victim")
+    assert client.can_publish("users/%c/x")
+    assert not client.can_publish("users/victim/x")
+    other = acl.for_client("alice", "%u")
+    assert other.can_publish("devices/%u/y")
+    assert not other.can_publish("devices/alice/y")

@@ -174,3 +174,17 @@ def test_publish_acker_acks_every_qos1_publish_across_any_split():
         assert bytes(acks[0::4]) == b"\x40" * 701 and bytes(acks[1::4]) == b"\x02" * 701
         ids = [int.from_bytes(acks[i + 2 : i + 4], "big") for i in range(0, len(acks), 4)]
         assert ids == expected_ids
+
+
+def test_bench_forward_devices_fail_fast_when_the_collector_refuses_connections(tmp_path):
+    """Issue 11 item 7: devices the collector refuses (here max_connections 4 for 12 devices)
+    end `bench forward`'s device run at once with a clear message, not after its timeout."""
+    import time
+
+    from bench.forward import run_devices
+
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match="could not connect to the collector.*--max-connections"):
+        run_devices(tmp_path, devices=12, records=12_000, size=16, timeout=150,
+                    collector_args=("--max-connections", "4"))
+    assert time.monotonic() - started < 60

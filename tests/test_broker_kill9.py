@@ -12,11 +12,28 @@ from __future__ import annotations
 import logging
 import os
 import random
+import socket
+import subprocess
+import sys
 import time
+from pathlib import Path
+from typing import Any
 
 import pytest
 
 from bench.broker import run_kill9
+from filemq.mqtt.codec import Decoder, encode
+from filemq.mqtt.packets import (
+    Connack,
+    Connect,
+    Puback,
+    Pubcomp,
+    Publish,
+    Pubrec,
+    Pubrel,
+    Suback,
+    Subscribe,
+)
 
 log = logging.getLogger(__name__)
 
@@ -42,3 +59,160 @@ def test_kill9_under_load_loses_no_acknowledged_message(tmp_path):
     assert result.sessions_lost == 0, f"the persistent session vanished after a kill -9; {context}"
     assert result.final_exit_code == 0, f"SIGTERM after the last round did not exit 0; {context}"
     log.info("kill9: %d rounds, %d acked, %d duplicates, %.1f s", ROUNDS, result.acked, result.duplicates, elapsed)
+
+
+# ---- QoS 2 inbound ids across a kill -9 (issue 10 item 1) -------------------------------------
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _start_broker(data_dir: Path) -> tuple[subprocess.Popen[str], int]:
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "cli", "broker", "--data-dir", str(data_dir), "--port", "0"],
+        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+    )
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    assert line.startswith("filemq broker listening on 127.0.0.1:"), line
+    return proc, int(line.split("127.0.0.1:")[1].split(",")[0])
+
+
+class _Raw:
+    """A packet-level MQTT client on a blocking loopback socket (bounded by its timeout)."""
+
+    def __init__(self, port: int, connect: Connect) -> None:
+        self.sock = socket.create_connection(("127.0.0.1", port), timeout=5)
+        self.decoder = Decoder(server=False)
+        self.queue: list[Any] = []
+        self.send(connect)
+        assert isinstance(self.next(), Connack)
+
+    def send(self, packet: Any) -> None:
+        self.sock.sendall(encode(packet))
+
+    def next(self) -> Any:
+        while not self.queue:
+            data = self.sock.recv(65536)
+            assert data, "connection closed by the broker"
+            self.decoder.feed(data)
+            self.queue.extend(self.decoder.packets())
+        return self.queue.pop(0)
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def test_qos2_id_reused_after_kill9_is_stored_before_pubrec(tmp_path: Path) -> None:
+    """Issue 10 item 1: a QoS 2 flow completes (PUBLISH, PUBREC, PUBREL, PUBCOMP) with packet
+    id 1, the broker is killed with SIGKILL, and after the restart the client sends a *new*
+    message under id 1 with DUP = 1.  The PUBREC it gets must mean "stored": the subscriber
+    receives both messages."""
+    proc, port = _start_broker(tmp_path)
+    try:
+        sub = _Raw(port, Connect(client_id="sub", clean_session=False))
+        sub.send(Subscribe(1, [("t", 1)]))
+        assert sub.next() == Suback(1, [1])
+        sub.close()
+        pub = _Raw(port, Connect(client_id="pub", clean_session=False))
+        pub.send(Publish("t", b"first", 2, packet_id=1))
+        assert pub.next() == Pubrec(1)
+        pub.send(Pubrel(1))
+        assert pub.next() == Pubcomp(1)
+        proc.kill()
+        proc.wait(timeout=10)
+        pub.close()
+        proc, port = _start_broker(tmp_path)
+        pub = _Raw(port, Connect(client_id="pub", clean_session=False))
+        pub.send(Publish("t", b"second", 2, dup=True, packet_id=1))
+        assert pub.next() == Pubrec(1)
+        pub.send(Pubrel(1))
+        assert pub.next() == Pubcomp(1)
+        sub = _Raw(port, Connect(client_id="sub", clean_session=False))
+        got: list[bytes] = []
+        for _ in range(2):
+            m = sub.next()
+            assert isinstance(m, Publish) and m.packet_id is not None, m
+            got.append(m.payload)
+            sub.send(Puback(m.packet_id))
+        assert got == [b"first", b"second"]
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
+
+
+def test_qos2_random_kills_lose_no_pubrecd_message(tmp_path: Path) -> None:
+    """Issue 10 item 1 under random kills: a publisher runs QoS 2 flows cycling through packet
+    ids 1-3, every PUBLISH with DUP = 1 (a client that cannot tell a re-send from a new
+    message); the broker gets SIGKILL at random moments and is restarted.  After a kill the
+    publisher re-sends the interrupted message (same id) or its PUBREL, as 4.4 says.  Every
+    message that got a PUBREC must reach the persistent subscriber."""
+    seed = int(os.environ.get("FILEMQ_KILL9_SEED", random.randrange(1 << 30)))
+    rng = random.Random(seed)
+    proc, port = _start_broker(tmp_path)
+    sub = _Raw(port, Connect(client_id="sub", clean_session=False))
+    sub.send(Subscribe(1, [("t", 1)]))
+    assert sub.next() == Suback(1, [1])
+    sub.close()
+    acked: list[bytes] = []
+    n = 0
+    pending: tuple[int, bytes, bool] | None = None  # (pid, payload, PUBREC received)
+    try:
+        for _ in range(6):
+            pub = _Raw(port, Connect(client_id="pub", clean_session=False))
+            deadline = time.monotonic() + rng.uniform(0.05, 0.3)
+            killed = False
+            try:
+                while True:
+                    if pending is None:
+                        n += 1
+                        pending = (n % 3 + 1, b"m%d" % n, False)
+                    pid, payload, recd = pending
+                    if not recd:
+                        pub.send(Publish("t", payload, 2, dup=True, packet_id=pid))
+                        assert pub.next() == Pubrec(pid)
+                        acked.append(payload)
+                        pending = (pid, payload, True)
+                    late = time.monotonic() > deadline and rng.random() < 0.5
+                    if time.monotonic() > deadline and not late:
+                        proc.kill()  # between PUBREC and PUBREL
+                        killed = True
+                        break
+                    pub.send(Pubrel(pid))
+                    assert pub.next() == Pubcomp(pid)
+                    pending = None
+                    if late:
+                        proc.kill()  # right after PUBCOMP: the id is free for a new message
+                        killed = True
+                        break
+            except (AssertionError, OSError) as exc:
+                assert killed, f"the broker closed the connection without being killed: {exc!r}"
+            proc.kill()
+            proc.wait(timeout=10)
+            pub.close()
+            proc, port = _start_broker(tmp_path)
+        if pending is not None:  # finish the interrupted flow
+            pub = _Raw(port, Connect(client_id="pub", clean_session=False))
+            pid, payload, recd = pending
+            if not recd:
+                pub.send(Publish("t", payload, 2, dup=True, packet_id=pid))
+                assert pub.next() == Pubrec(pid)
+                acked.append(payload)
+            pub.send(Pubrel(pid))
+            assert pub.next() == Pubcomp(pid)
+            pub.close()
+        sub = _Raw(port, Connect(client_id="sub", clean_session=False))
+        got: set[bytes] = set()
+        while not set(acked) <= got:
+            m = sub.next()  # bounded by the socket timeout
+            assert isinstance(m, Publish) and m.packet_id is not None, m
+            got.add(m.payload)
+            sub.send(Puback(m.packet_id))
+        sub.close()
+    except (AssertionError, TimeoutError) as exc:
+        missing = sorted(set(acked) - got) if "got" in locals() else []
+        raise AssertionError(f"seed {seed} (rerun with FILEMQ_KILL9_SEED={seed}); {len(acked)} PUBREC'd, "
+                             f"missing {missing[:10]}: {exc!r}") from exc
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)

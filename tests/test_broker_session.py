@@ -8,6 +8,7 @@ record is committed.  A few tests use the real Queue on a temporary directory.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from pathlib import Path
 from typing import Any
@@ -98,11 +99,11 @@ class FakeQueue:
     def add_commit_listener(self, cb: Any) -> None:
         self._listeners.append(cb)
 
-    def group(self, name: str, filters: Any = None, durable: bool = True) -> ConsumerGroup:
+    def group(self, name: str, filters: Any = None, durable: bool = True, start: Any = "latest") -> ConsumerGroup:
         g = self._groups.get(name)
         if g is None:
             g = ConsumerGroup.create(name, self.log, self.groups_dir, filters=filters or ("#",),
-                                     durable=durable)
+                                     durable=durable, start=start)
             self._groups[name] = g
         return g
 
@@ -213,12 +214,32 @@ class Harness(Clients):
         self.core = self.make_core()
 
     def make_core(self) -> BrokerCore:
-        return BrokerCore(self.queue, TailCache(self.queue.log), config=self.config,  # type: ignore[arg-type]
+        core = BrokerCore(self.queue, TailCache(self.queue.log), config=self.config,  # type: ignore[arg-type]
                           store=self.store, retained=self.retained, stats=self.stats, acl=self.acl,
                           publish_hook=self.hook)
+        if not self.threaded_writes:
+            core.session_writer = self._write_inline  # CONNACK of a new session at once
+        return core
+
+    threaded_writes = False
+
+    def _write_inline(self, snap: Any, done: Any) -> None:
+        try:
+            self.store.write(snap)
+        except OSError as exc:
+            done(exc)
+            return
+        done(None)
 
     async def commit(self) -> None:
         self.queue.commit()
+        await self.settle()
+
+    async def settle(self) -> None:
+        """Let commit callbacks and session-file writes (worker threads) finish; flush."""
+        for _ in range(3):
+            await asyncio.sleep(0)
+        await self.core.session_writes_done()
         for _ in range(3):
             await asyncio.sleep(0)
         self.core.flush()
@@ -361,6 +382,7 @@ def test_qos2_inbound_is_stored_once(tmp_path: Path) -> None:
         stored = h.store.load("q2")
         assert stored is not None and stored.qos2_inbound == {5}
         c.send(Pubrel(5))
+        await h.settle()
         assert c.received() == [Pubcomp(5)]
         # After PUBREL the id may be reused for a new message.
         c.send(Publish("t", b"second", qos=2, packet_id=5))
@@ -702,14 +724,15 @@ def test_random_packet_sequences(tmp_path: Path, ops: list[tuple[Any, ...]]) -> 
                 c.send(Subscribe(op[3], [(op[1], op[2])]))
             elif kind == "unsub":
                 c.send(Unsubscribe(op[2], [op[1]]))
-            elif kind == "puback":
-                c.send(Puback(op[1]))
-            elif kind == "pubrec":
-                c.send(Pubrec(op[1]))
+            elif kind in ("puback", "pubrec", "pubcomp"):
+                assert c.conn.session is not None
+                out = c.conn.session.inflight.get(op[1])
+                fits = out is None or (kind == "puback") == (out.qos == 1) and (
+                    kind != "pubcomp" or out.stage == 1)
+                if fits:  # a wrong one closes the connection (tested on its own)
+                    c.send({"puback": Puback, "pubrec": Pubrec, "pubcomp": Pubcomp}[kind](op[1]))
             elif kind == "pubrel":
                 c.send(Pubrel(op[1]))
-            elif kind == "pubcomp":
-                c.send(Pubcomp(op[1]))
             elif kind == "ping":
                 c.send(Pingreq())
             elif kind == "commit":
@@ -954,6 +977,7 @@ class RealHarness(Clients):
         self.retained.recover(self.queue.log)
         self.core = BrokerCore(self.queue, TailCache(self.queue.log), config=self.config, store=self.store,
                                retained=self.retained, stats=BrokerStats(started_at=0.0), acl=Acl.permissive())
+        self.core.session_writer = functools.partial(Harness._write_inline, self)  # type: ignore[arg-type]
 
     async def restart(self) -> None:
         await self.settle()
@@ -1085,4 +1109,327 @@ def test_group_offsets_persisted_soon_after_acks(tmp_path: Path) -> None:
             await asyncio.sleep(0.01)
         assert pending.read() == 5
         await h.core.stop_persisting()
+    run(main())
+
+
+# ---- protocol conformance: DUP on QoS 0, topic length in bytes, pattern substitution -------------
+
+
+def test_qos0_publish_with_dup_closes_the_connection_mqtt_3_3_1_2(tmp_path: Path) -> None:
+    """MQTT-3.3.1-2: DUP MUST be 0 for QoS 0; a QoS 0 PUBLISH with DUP = 1 is a protocol
+    violation: the connection is closed and nothing is stored or forwarded."""
+    async def main() -> None:
+        h = Harness(tmp_path)
+        s = h.connected("s", subscribe=Subscribe(1, [("t", 0)]))
+        p = h.connected("p")
+        p.send_bytes(b"\x38\x04\x00\x01tx")  # PUBLISH, DUP=1, QoS 0, topic "t", payload "x"
+        assert p.conn.closed and "MQTT-3.3.1-2" in p.conn.close_reason
+        await h.commit()
+        assert h.queue.log.records == [] and s.received() == []
+    run(main())
+
+
+def test_max_topic_length_counts_utf8_bytes(tmp_path: Path) -> None:
+    """``max_topic_length`` is in bytes (docs/CONFIG.md): 4 characters of 3 bytes each are
+    12 bytes, over a limit of 10, for PUBLISH topics and SUBSCRIBE filters alike."""
+    async def main() -> None:
+        h = Harness(tmp_path, max_topic_length=10)
+        s = h.connected("s")
+        s.send(Subscribe(1, [("\u20ac\u20ac\u20ac\u20ac", 0), ("abcdefghij", 0)]))
+        assert s.received() == [Suback(1, [0x80, 0])]
+        p = h.connected("p")
+        p.send(Publish("abcdefghij", b"ok", 1, packet_id=1))  # exactly 10 bytes: allowed
+        p.send(Publish("\u20ac\u20ac\u20ac\u20ac", b"x", 1, packet_id=2))
+        assert p.conn.closed and "12 bytes exceeds max_topic_length 10" in p.conn.close_reason
+        await h.commit()
+        assert [r.topic for r in h.queue.log.records] == ["abcdefghij"]
+    run(main())
+
+
+def test_auto_subscribe_substitutes_in_one_pass(tmp_path: Path) -> None:
+    """A client id containing ``%u`` is inserted literally, not substituted again with the
+    username: the rule ``cmd/%c/#`` subscribes client ``%u`` (user ``alice``) to
+    ``cmd/%u/#``, never to ``cmd/alice/#``."""
+    async def main() -> None:
+        h = Harness(tmp_path, auto_subscribe=(AutoSubscribe("cmd/%c/#", 1),))
+        d = h.connected("%u", clean=False, username="alice")
+        assert d.conn.session is not None and list(d.conn.session.subs) == ["cmd/%u/#"]
+    run(main())
+
+
+def test_qos2_id_reused_after_a_crash_is_stored_before_pubrec(tmp_path: Path) -> None:
+    """Issue 10 item 1 (in-process): after a completed QoS 2 flow (PUBLISH, PUBREC, PUBREL,
+    PUBCOMP) and a crash, a *new* message under the same id with DUP = 1 is stored before its
+    PUBREC: the id's removal was durable before PUBCOMP left, so the session file no longer
+    lists it (no PUBREC for anything not in the log)."""
+    async def main() -> None:
+        h = Harness(tmp_path)
+        c = h.connected("q2", clean=False)
+        c.send(Publish("t", b"first", qos=2, packet_id=1))
+        await h.commit()
+        assert c.received() == [Pubrec(1)]
+        c.send(Pubrel(1))
+        await h.settle()
+        assert c.received() == [Pubcomp(1)]
+        stored = h.store.load("q2")
+        assert stored is not None and stored.qos2_inbound == set()
+        h.core = h.make_core()  # "kill -9": no shutdown save
+        c2 = h.client()
+        assert c2.connect("q2", clean=False).session_present
+        c2.send(Publish("t", b"second", qos=2, packet_id=1, dup=True))
+        await h.commit()
+        assert c2.received() == [Pubrec(1)]
+        assert [r.payload for r in h.queue.log.records] == [b"first", b"second"]
+    run(main())
+
+
+def test_qos2_pubcomp_waits_for_the_durable_removal(tmp_path: Path) -> None:
+    """PUBCOMP leaves only after the session file without the id is written; a failed write
+    sends no PUBCOMP and closes the connection (the client re-sends PUBREL)."""
+    async def main() -> None:
+        h = Harness(tmp_path)
+        c = h.connected("q2", clean=False)
+        c.send(Publish("t", b"m", qos=2, packet_id=3))
+        await h.commit()
+        assert c.received() == [Pubrec(3)]
+        writes = h.store.writes
+        c.send(Pubrel(3), Pubrel(3))
+        assert c.received() == []  # not written yet
+        await h.settle()
+        assert c.received() == [Pubcomp(3), Pubcomp(3)]
+        assert h.store.writes == writes + 1  # both removals in one write
+        c.send(Publish("t", b"m2", qos=2, packet_id=4))
+        await h.commit()
+        assert c.received() == [Pubrec(4)]
+
+        def fail(snap: Any) -> None:
+            raise OSError(28, "No space left on device")
+
+        h.store.write = fail  # type: ignore[method-assign]
+        c.send(Pubrel(4))
+        await h.settle()
+        assert c.received() == [] and c.conn.closed
+    run(main())
+
+
+# ---- outbound acknowledgements of the wrong type (MQTT-4.8.0-1) ---------------------------------
+
+
+async def _one_delivery(h: Harness, qos: int) -> tuple[Client, Publish]:
+    s = h.connected("s", clean=False, subscribe=Subscribe(1, [("t", 2)]))
+    p = h.connected("p")
+    p.send(Publish("t", b"m", qos, packet_id=1))
+    await h.commit()
+    [m] = s.received()
+    assert isinstance(m, Publish) and m.qos == qos and not m.dup
+    return s, m
+
+
+@pytest.mark.parametrize(
+    ("qos", "acks", "resent"),
+    [
+        (2, [Pubcomp], "publish"),  # PUBCOMP without PUBREC
+        (2, [Puback], "publish"),  # PUBACK to QoS 2
+        (2, [Pubrec, Puback], "pubrel"),  # PUBACK after PUBREL
+        (1, [Pubrec], "publish"),  # PUBREC to QoS 1 (was answered with PUBREL)
+        (1, [Pubcomp], "publish"),  # PUBCOMP to QoS 1
+    ],
+)
+def test_wrong_ack_type_closes_and_keeps_the_message_in_flight_mqtt_4_8_0_1(
+        tmp_path: Path, qos: int, acks: list[Any], resent: str) -> None:
+    """MQTT-4.8.0-1 / 4.3: an acknowledgement that does not fit the packet id's state is a
+    protocol violation: the connection is closed, nothing else is sent, the delivery is not
+    completed, and the persistent session re-sends it on reconnect (PUBLISH with DUP = 1,
+    or PUBREL when PUBREC had been received)."""
+    async def main() -> None:
+        h = Harness(tmp_path)
+        s, m = await _one_delivery(h, qos)
+        pid = m.packet_id
+        assert pid is not None
+        for i, ack in enumerate(acks):
+            s.send(ack(pid))
+            if i < len(acks) - 1:
+                assert s.received() == [Pubrel(pid)] and not s.conn.closed
+        assert s.conn.closed and "MQTT-4.8.0-1" in s.conn.close_reason
+        assert s.received() == []
+        s2 = h.client()
+        assert s2.connect("s", clean=False).session_present
+        again = s2.received()
+        if resent == "publish":
+            assert again == [Publish("t", b"m", qos, False, True, pid)]
+        else:
+            assert again == [Pubrel(pid)]
+    run(main())
+
+
+def test_wrong_ack_in_a_read_of_pubacks_closes(tmp_path: Path) -> None:
+    """The PUBACK fast path (a read of nothing but PUBACKs) applies the same rule."""
+    async def main() -> None:
+        h = Harness(tmp_path)
+        s, m = await _one_delivery(h, 2)
+        assert m.packet_id is not None
+        s.send_bytes(encode(Puback(m.packet_id)))
+        assert s.conn.closed and "MQTT-4.8.0-1" in s.conn.close_reason
+    run(main())
+
+
+def test_acks_for_unknown_packet_ids_are_ignored(tmp_path: Path) -> None:
+    """Policy: an ack for an id not in flight (e.g. for a message re-sent under a new id after
+    a restart, or already completed) is ignored -- not closed -- so legitimate late acks
+    never cost the connection; PUBREC for an unknown id is still answered with PUBREL."""
+    async def main() -> None:
+        h = Harness(tmp_path)
+        s = h.connected("s", clean=False)
+        s.send(Puback(7), Pubcomp(8), Pubrec(9))
+        assert s.received() == [Pubrel(9)] and not s.conn.closed
+        s.send(Pubcomp(9))
+        assert s.received() == [] and not s.conn.closed
+    run(main())
+
+
+# ---- message_size_limit (payload bytes, like Mosquitto's) ----------------------------------------
+
+
+def test_message_size_limit_closes_without_storing_or_acking(tmp_path: Path) -> None:
+    """A PUBLISH whose payload exceeds ``message_size_limit`` closes the connection (MQTT
+    3.1.1 has no negative ack): nothing stored, nothing acknowledged, for every QoS; a payload
+    of exactly the limit is accepted."""
+    async def main() -> None:
+        h = Harness(tmp_path, message_size_limit=100)
+        p = h.connected("p")
+        p.send(Publish("t", b"x" * 100, 1, packet_id=1))
+        await h.commit()
+        assert p.received() == [Puback(1)]
+        for qos in (0, 1, 2):
+            c = h.connected(f"big{qos}", clean=False)
+            c.send(Publish("t", b"x" * 101, qos, packet_id=qos or None))
+            assert c.conn.closed and "message_size_limit 100" in c.conn.close_reason
+            await h.commit()
+            assert c.received() == []
+        assert [len(r.payload) for r in h.queue.log.records] == [100]
+    run(main())
+
+
+def test_message_size_limit_refuses_a_larger_will_at_connect(tmp_path: Path) -> None:
+    """A will payload over ``message_size_limit`` refuses the CONNECT: the connection is
+    closed without CONNACK (3.1.1 has no return code for it) and no session is made."""
+    async def main() -> None:
+        h = Harness(tmp_path, message_size_limit=10)
+        c = h.client()
+        c.send(Connect(client_id="w", clean_session=False, will_topic="w/t", will_payload=b"x" * 11))
+        assert c.received() == [] and c.conn.closed
+        assert "will payload of 11 bytes exceeds message_size_limit 10" in c.conn.close_reason
+        assert h.store.load("w") is None
+        ok = h.client()
+        assert ok.connect("w2", will_topic="w/t", will_payload=b"x" * 10).return_code == 0
+    run(main())
+
+
+# ---- session files are written off the event loop, before CONNACK ------------------------------
+
+
+def test_new_persistent_session_is_written_off_the_loop_before_connack(tmp_path: Path) -> None:
+    """Issue 10 item 15: creating a persistent session writes (fsyncs) its file in a worker
+    thread, not on the event loop, and CONNACK leaves only once it is durable; packets sent
+    behind the CONNECT wait for it.  A failed write refuses the CONNECT (0x03) and leaves no
+    session behind."""
+    import threading
+
+    async def main() -> None:
+        h = Harness(tmp_path)
+        h.threaded_writes = True
+        h.core = h.make_core()
+        threads: list[threading.Thread] = []
+        real_write = h.store.write
+
+        def write(snap: Any) -> None:
+            threads.append(threading.current_thread())
+            real_write(snap)
+
+        h.store.write = write  # type: ignore[method-assign]
+        c = h.client()
+        c.send(Connect(client_id="new", clean_session=False), Subscribe(1, [("t", 1)]))
+        assert c.received() == []  # not durable yet: no CONNACK
+        await h.settle()
+        assert c.received() == [Connack(False, 0), Suback(1, [1])]
+        assert threads[0] is not threading.main_thread()  # the creation write
+        stored = h.store.load("new")
+        assert stored is not None and "t" in stored.subscriptions
+
+        def fail(snap: Any) -> None:
+            raise OSError(28, "No space left on device")
+
+        h.store.write = fail  # type: ignore[method-assign]
+        bad = h.client()
+        bad.send(Connect(client_id="full", clean_session=False))
+        await h.settle()
+        assert bad.received() == [Connack(False, 0x03)] and bad.conn.closed
+        h.store.write = real_write  # type: ignore[method-assign]
+        again = h.client()
+        again.send(Connect(client_id="full", clean_session=False))
+        await h.settle()
+        assert again.received() == [Connack(False, 0)]  # not "present": nothing was on disk
+    run(main())
+
+
+def test_a_session_write_due_when_the_session_is_discarded_does_not_revive_it(tmp_path: Path) -> None:
+    """A session-file write still due (PUBREL) when clean_session = 1 discards the session is
+    dropped: the discarded session's file does not come back."""
+    async def main() -> None:
+        h = Harness(tmp_path)
+        c = h.connected("x", clean=False)
+        c.send(Publish("t", b"m", 2, packet_id=1))
+        await h.commit()
+        assert c.received() == [Pubrec(1)]
+        c.send(Pubrel(1))  # its write is due, not started
+        h.connected("x", clean=True)
+        await h.settle()
+        assert h.store.load("x") is None
+    run(main())
+
+
+def test_loaded_qos2_id_suppresses_a_store_only_for_the_same_logged_message(tmp_path: Path) -> None:
+    """Issue 10 item 1: an id read from the session file may suppress a re-store only if it
+    provably names the same message: the log's record at the id's stored offset has the
+    re-sent topic and payload.  An id whose offset holds another message (e.g. a tail lost
+    under fsync = never, offsets reused since) or that has no offset (a file from before
+    offsets were recorded) is stored again -- at worst a duplicate, never a PUBREC for a
+    message that is not in the log."""
+    from filemq.broker.sessions import StoredSession
+
+    async def main() -> None:
+        h = Harness(tmp_path)
+        p = h.connected("p")
+        p.send(Publish("t", b"same", 1, packet_id=1), Publish("t", b"other", 1, packet_id=2))
+        await h.commit()
+        h.store.save(StoredSession("q", {}, {4, 5, 6}, qos2_offsets={4: 0, 5: 1}))
+        c = h.connected("q", clean=False)
+        c.send(Publish("t", b"same", 2, dup=True, packet_id=4),  # offset 0 holds it: duplicate
+               Publish("t", b"new", 2, dup=True, packet_id=5),  # offset 1 holds another message
+               Publish("t", b"old", 2, dup=True, packet_id=6))  # no offset recorded
+        await h.commit()
+        assert c.received() == [Pubrec(4), Pubrec(5), Pubrec(6)]
+        assert [r.payload for r in h.queue.log.records] == [b"same", b"other", b"new", b"old"]
+        stored = h.store.load("q")
+        assert stored is not None and stored.qos2_offsets == {4: 0, 5: 2, 6: 3}
+        c.send(Publish("t", b"new", 2, dup=True, packet_id=5))  # a re-send now: not stored again
+        await h.commit()
+        assert c.received() == [Pubrec(5)] and len(h.queue.log.records) == 4
+    run(main())
+
+
+def test_connect_waiting_for_its_session_file_when_a_clean_connect_discards_it(tmp_path: Path) -> None:
+    """A CONNECT whose new session file is still being written when another connection with
+    clean_session = 1 discards that session is refused (0x03), not connected to a session
+    that no longer exists; the clean connection stays."""
+    async def main() -> None:
+        h = Harness(tmp_path)
+        h.threaded_writes = True
+        h.core = h.make_core()
+        a = h.client()
+        a.send(Connect(client_id="x", clean_session=False))
+        b = h.connected("x", clean=True)
+        await h.settle()
+        assert a.received() == [Connack(False, 0x03)] and a.conn.closed
+        assert not b.conn.closed and h.store.load("x") is None
     run(main())

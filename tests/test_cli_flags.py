@@ -14,9 +14,11 @@ from filemq.config import ConfigError, flag_overrides, load_config, section_keys
 # command -> (its own section, other sections it reads, keys it takes from its own section instead)
 COMMANDS: dict[str, tuple[str, tuple[str, ...], set[str]]] = {
     "broker": ("broker", (), set()),
-    "agent": ("agent", ("broker", "uplink"), set()),
+    # broker.metrics_port is `filemq broker`'s: the agent serves broker metrics on agent.metrics_port.
+    "agent": ("agent", ("broker", "uplink"), {"broker.metrics_port"}),
     "collector": ("collector", ("broker",), {"broker.host", "broker.port", "broker.password_file",
-                                              "broker.acl_file", "broker.allow_anonymous"}),
+                                              "broker.acl_file", "broker.allow_anonymous",
+                                              "broker.max_connections", "broker.metrics_port"}),
     "ingest": ("ingest", (), set()),
 }
 
@@ -66,7 +68,7 @@ def test_agent_broker_keys_and_its_own_keys_do_not_collide(tmp_path: Path) -> No
 
 def test_collector_allow_anonymous_and_ingest_keys(tmp_path: Path) -> None:
     c = _config("collector", ["--allow-anonymous", "true", "--max-connections", "3"])
-    assert c.collector.allow_anonymous is True and c.broker.max_connections == 3
+    assert c.collector.allow_anonymous is True and c.collector.max_connections == 3
     conf = tmp_path / "i.toml"
     conf.write_text('[ingest]\nlanding = "/l"\ntable = "/t"\ncheckpoint = "/c"\nspark_master = "spark://h:7077"\n')
     i = _config("ingest", ["--every", "30", "--table", "/t2"], conf).ingest
@@ -100,3 +102,16 @@ def test_a_bad_config_file_exits_2_with_file_and_line(tmp_path: Path) -> None:
     result = CliRunner().invoke(cli.main, ["broker", "--config", str(conf), "--data-dir", str(tmp_path)])
     assert result.exit_code == 2
     assert str(conf) in result.output and "line 2" in result.output and "broker.port" in result.output
+
+
+def test_message_size_limit_key_flag_and_default(tmp_path: Path) -> None:
+    """``broker.message_size_limit`` (payload bytes): unset by default (today's maximum, bounded
+    only by max_packet_size); a size from the file or the flag; out of range is an error."""
+    assert _config("broker", []).broker.message_size_limit is None
+    conf = tmp_path / "m.toml"
+    conf.write_text('[broker]\nmessage_size_limit = "64 KiB"\n')
+    assert _config("broker", [], conf).broker.message_size_limit == 64 << 10
+    assert _config("broker", ["--message-size-limit", "1000"], conf).broker.message_size_limit == 1000
+    with pytest.raises(ConfigError) as err:
+        _config("broker", ["--message-size-limit", "0"])
+    assert "flag --message-size-limit" in str(err.value)

@@ -11,13 +11,15 @@ from typing import Any
 
 import pyarrow.parquet as pq
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from collector.dedup import HighWaterMarks
+from collector.dedup import HighWaterMarks, batch_ranges, offset_runs
 from collector.lander import Lander
 from collector.landing import LANDING_SCHEMA, LandingWriter
 from collector.metrics import start_metrics_server
 from collector.server import Collector
-from filemq.batch import BatchRecord, decode_batch, encode_batch
+from filemq.batch import BatchRecord, decode_batch, encode_batch, peek_header
 from filemq.broker import ClientInfo
 from filemq.config import load_config
 from filemq.mqtt.client import MQTTClient
@@ -108,13 +110,11 @@ def test_door_decisions(tmp_path: Path) -> None:
 def test_door_quarantines_malformed_and_foreign(tmp_path: Path) -> None:
     collector = Collector(config(tmp_path))
     check = collector.check_publish
-    # A batch for another device on this device's topic.
-    other = batch(0, 3, device="dev-2")
-    assert check(CLIENT, Publish(TOPIC, other, 1, False, False, 1)).action == "ack_drop"
     # Not a batch at all (valid CRC impossible): garbage on a batch topic is a CRC error...
     assert check(CLIENT, Publish(TOPIC, b"hello world", 1, False, False, 2)).action == "reject"
     # ...but a batch topic with bad structure is malformed, and a foreign topic too.
     assert check(CLIENT, Publish("sensors/t", b"x", 1, False, False, 3)).action == "ack_drop"
+    assert check(CLIENT, Publish("sensors/t", b"hello world", 1, False, False, 5)).action == "ack_drop"
     assert check(CLIENT, Publish(TOPIC, b"FMQ", 1, False, False, 4)).action == "ack_drop"
     assert collector.stats.quarantined == 3
     qdir = tmp_path / "data" / "quarantine"
@@ -122,9 +122,34 @@ def test_door_quarantines_malformed_and_foreign(tmp_path: Path) -> None:
     payloads = sorted(qdir.glob("*.batch"))
     assert len(reasons) == 3 and len(payloads) == 3
     texts = [r.read_text() for r in reasons]
-    assert any("does not match the batch header" in t for t in texts)
-    assert any("not filemq/v1/" in t for t in texts)
-    assert {p.read_bytes() for p in payloads} == {other, b"x", b"FMQ"}
+    assert sum("not filemq/v1/" in t for t in texts) == 2
+    assert {p.read_bytes() for p in payloads} == {b"x", b"hello world", b"FMQ"}
+
+
+@pytest.mark.parametrize(
+    "topic",
+    [
+        "filemq/v1/dev-2/main",  # another device's id
+        "filemq/v1/Dev-1/main",  # one bit flipped in the device id
+        "filemq/v1/dev-1/maiN",  # in the stream
+        "filemq/v1/dev-1\x0fmain",  # the '/' damaged: no batch topic at all
+        "filemq/v1/dev-1/main/x",
+    ],
+)
+def test_door_rejects_unacknowledged_a_batch_whose_topic_disagrees_with_its_header(
+    tmp_path: Path, topic: str
+) -> None:
+    """Issue 10 item 2: the topic is not covered by the batch CRC, the header (device, stream,
+    offsets) is. A valid batch on any other topic than its header's is refused without a
+    PUBACK (the agent resends), never quarantined and acknowledged."""
+    collector = Collector(config(tmp_path))
+    result = collector.check_publish(CLIENT, Publish(topic, batch(0, 10), 1, False, False, 1))
+    assert result.action == "reject" and "does not match the batch header" in result.reason
+    assert collector.stats.topic_rejected == 1
+    assert collector.stats.quarantined == 0 and collector.stats.batches_received == 0
+    assert not (tmp_path / "data" / "quarantine").exists()
+    # The same bytes on the right topic (the agent's resend) are stored.
+    assert collector.check_publish(CLIENT, Publish(TOPIC, batch(0, 10), 1, False, False, 2)).action == "store"
 
 
 # -- the lander on a queue (no network) -------------------------------------------------------
@@ -345,7 +370,7 @@ def test_held_ranges_merge_and_keep_holes() -> None:
         marks.add("d", "s", 5, 4)
 
 
-def test_held_ranges_are_bounded(caplog: pytest.LogCaptureFixture) -> None:
+def test_held_ranges_are_bounded_by_forgetting_never_by_merging(caplog: pytest.LogCaptureFixture) -> None:
     from collector.dedup import MAX_RANGES
 
     marks = HighWaterMarks(None)
@@ -353,9 +378,67 @@ def test_held_ranges_are_bounded(caplog: pytest.LogCaptureFixture) -> None:
         marks.add("d", "s", 10 * i, 10 * i + 5)  # every batch after a gap
     ranges = marks.ranges("d", "s")
     assert len(ranges) == MAX_RANGES
-    assert ranges[0] == (0, 55)  # the oldest holes were closed
+    assert ranges[0] == (50, 55)  # the five lowest were forgotten, no hole was closed
     assert ranges[-1] == (10 * (MAX_RANGES + 4), 10 * (MAX_RANGES + 4) + 5)
-    assert "separate offset ranges" in caplog.text
+    assert not marks.holds("d", "s", 6, 9) and not marks.overlaps("d", "s", 0, 49)
+    assert "forgetting the lowest" in caplog.text and marks.forgotten_ranges == 5
+
+
+def test_a_batch_holds_exactly_the_offsets_it_carries() -> None:
+    """Issue 10 item 3: a batch with offsets {0, 10**9} holds those two, not 0..10**9."""
+    forged = encode_batch("d", "s", [BatchRecord(0, 1, "t", b"a", 1), BatchRecord(10**9, 1, "t", b"b", 1)])
+    header = peek_header(forged)
+    assert batch_ranges(header, forged) == [(0, 0), (10**9, 10**9)]
+    marks = HighWaterMarks(None)
+    marks.add_ranges("d", "s", batch_ranges(header, forged))
+    assert not marks.holds("d", "s", 1, 500) and marks.overlaps("d", "s", 1, 500) == []
+    gapped = encode_batch("d", "s", [BatchRecord(o, 1, "t", b"x", 1) for o in (5, 6, 7, 9, 12, 13)])
+    assert batch_ranges(peek_header(gapped), gapped) == [(5, 7), (9, 9), (12, 13)]
+    contiguous = batch(3, 4)
+    assert batch_ranges(peek_header(contiguous), contiguous) == [(3, 6)]
+    assert offset_runs(0, []) == [] and offset_runs(7, [0]) == [(7, 7)]
+
+
+def _runs(offsets: set[int]) -> list[tuple[int, int]]:
+    return offset_runs(0, sorted(offsets))
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    ops=st.lists(
+        st.tuples(st.integers(0, 200), st.integers(0, 12)), min_size=1, max_size=40
+    ),
+    probes=st.lists(st.tuples(st.integers(0, 220), st.integers(0, 30)), max_size=20),
+    max_ranges=st.sampled_from([2, 3, 5, 1024]),
+)
+def test_held_ranges_against_a_set_model(
+    ops: list[tuple[int, int]], probes: list[tuple[int, int]], max_ranges: int
+) -> None:
+    """HighWaterMarks against a reference set of the offsets added: while the range bound is not
+    hit it is exactly that set; once hit it holds a subset of it (ranges are forgotten, holes
+    never closed), so nothing that was not added is ever held."""
+    marks = HighWaterMarks(None, max_ranges=max_ranges)
+    model: set[int] = set()
+    for first, length in ops:
+        marks.add("d", "s", first, first + length)
+        model.update(range(first, first + length + 1))
+        ranges = marks.ranges("d", "s")
+        held = {o for lo, hi in ranges for o in range(lo, hi + 1)}
+        assert held <= model
+        assert len(ranges) <= max_ranges
+        assert all(hi + 1 < lo2 for (_, hi), (lo2, _) in zip(ranges, ranges[1:], strict=False))
+        if len(_runs(model)) <= max_ranges and len(ranges) == len(_runs(model)):
+            assert ranges == _runs(model)
+    exact = len(_runs(model)) <= max_ranges and marks.ranges("d", "s") == _runs(model)
+    if max_ranges == 1024:
+        assert exact  # never overflowed: exactly the model
+    held = {o for lo, hi in marks.ranges("d", "s") for o in range(lo, hi + 1)}
+    for first, length in probes:
+        span = set(range(first, first + length + 1))
+        assert marks.holds("d", "s", first, first + length) == (span <= held)
+        clipped = marks.overlaps("d", "s", first, first + length)
+        assert clipped == _runs(span & held)
+        assert marks.get("d", "s") == (max(held) if held else -1)
 
 
 def test_door_stores_a_late_fill_in_of_a_gap(tmp_path: Path) -> None:
@@ -529,3 +612,57 @@ def test_a_failed_offset_write_is_retried_without_landing_twice(tmp_path: Path) 
 
     run(scenario())
     assert [r["offset"] for r in landed_rows(tmp_path / "landing")] == list(range(10))
+
+
+# -- connection capacity (issue 11 item 7) -----------------------------------------------------
+
+
+def test_collector_sizes_max_connections_from_the_fd_limit(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A collector serves a fleet: unless collector.max_connections is set, its limit comes from
+    RLIMIT_NOFILE (soft raised to hard where allowed) minus a reserve for its own files and for
+    sockets still in their CONNECT (broker.max_connecting), not the device broker's 1,000; the
+    capacity is logged at start."""
+    import resource
+
+    from filemq.fdlimit import FD_RESERVE
+
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    collector = Collector(config(tmp_path))
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY:
+        assert soft == hard  # raised (allowed: an unprivileged process may raise soft to hard)
+    connecting = collector.broker.config.broker.max_connecting
+    capacity = soft - FD_RESERVE - connecting
+    assert collector.broker.config.broker.max_connections == capacity > 1000
+    explicit = Collector(config(tmp_path / "x", **{"collector.max_connections": 20_000}))
+    assert explicit.broker.config.broker.max_connections == 20_000
+
+    async def start_stop() -> None:
+        await collector.start()
+        await collector.stop()
+
+    caplog.set_level("INFO")
+    run(start_stop())
+    assert f"up to {capacity} device connections" in caplog.text
+
+
+def test_fd_limit_raise_and_capacity(monkeypatch: pytest.MonkeyPatch) -> None:
+    import resource
+
+    from filemq import fdlimit
+
+    calls: list[tuple[int, int]] = []
+    monkeypatch.setattr(resource, "getrlimit", lambda _: (1024, 4096))
+
+    def refuse(_: int, limits: tuple[int, int]) -> None:
+        calls.append(limits)
+        raise ValueError("not allowed")
+
+    monkeypatch.setattr(resource, "setrlimit", refuse)
+    assert fdlimit.raise_nofile_limit() == (1024, 4096)  # refused: the soft limit stays
+    assert calls == [(4096, 4096)]
+    monkeypatch.setattr(resource, "setrlimit", lambda _, limits: calls.append(limits))
+    assert fdlimit.raise_nofile_limit() == (4096, 4096)
+    assert fdlimit.connection_capacity(4096) == 4096 - fdlimit.FD_RESERVE
+    assert fdlimit.connection_capacity(300) == 150  # a tiny limit: half for connections
+    assert fdlimit.connection_capacity(1) == 1

@@ -572,3 +572,115 @@ def test_agent_progress_in_sys_topics_and_metrics(tmp_path: Path) -> None:
             await collector.stop()
 
     run(scenario())
+
+
+@pytest.mark.parametrize(
+    ("index", "what"),
+    [(10, "device id 'dev-1' becomes 'Dev-1'"), (15, "the '/' before the stream becomes 0x0f")],
+)
+def test_topic_byte_flipped_in_transit_is_resent_not_quarantined(tmp_path: Path, index: int, what: str) -> None:
+    """Issue 10 item 2: the batch topic is outside the batch CRC, so a flipped topic byte must
+    not be acknowledged as quarantined: the collector rejects it unacknowledged (the topic
+    disagrees with the CRC-covered header) and the agent resends the batch."""
+
+    async def scenario() -> None:
+        collector = Collector(collector_config(tmp_path))
+        await collector.start()
+        proxy = TcpProxy(collector.port)
+        await proxy.start()
+        proxy.flip_in(f"filemq/v1/{DEVICE}/main".encode(), index)
+        agent = Agent(agent_config(tmp_path, proxy.port))
+        await agent.start()
+        pubs = Publishers(lambda: agent.broker.port, count=2)
+        pubs.start(messages_each=300)
+        await pubs.wait()
+        fwd = agent.forwarder
+        assert fwd is not None
+        await until(lambda: fwd.backlog == 0, what="agent backlog drained")
+        lander = collector.lander
+        assert lander is not None
+        lander.request_roll()
+        await until(lambda: lander.stats.rows_landed >= 600, what="all rows landed")
+        await agent.stop()
+        await collector.stop()
+        await proxy.stop()
+        assert proxy.flips == 1, what
+        assert collector.stats.quarantined == 0
+        assert collector.stats.topic_rejected == 1
+        assert len(pubs.acked) == 600
+        check_oracle(tmp_path, pubs.acked)
+
+    run(scenario())
+
+
+def test_forged_batch_with_a_huge_gap_does_not_drop_real_records(tmp_path: Path) -> None:
+    """Issue 10 item 3: one batch for dev-1 holding offsets {0, 10^9} (valid CRC, published
+    by someone with write rights on the topic) must hold exactly those two offsets, not the
+    span 0..10^9: the device's real records 1..499 that follow all land. Offset 0 is claimed
+    by the forged record (the key (device, stream, offset) is what it forged)."""
+
+    async def scenario() -> None:
+        collector = Collector(collector_config(tmp_path))
+        await collector.start()
+        forger = MQTTClient("forger", port=collector.port)
+        await forger.connect(timeout=5)
+        forged = encode_batch(DEVICE, "main", [BatchRecord(0, 1, "x", b"forged-0", 1),
+                                                BatchRecord(10**9, 1, "x", b"forged-1e9", 1)])
+        await forger.publish(f"filemq/v1/{DEVICE}/main", forged, qos=1)
+        await forger.disconnect()
+        lander = collector.lander
+        assert lander is not None
+        await until(lambda: collector.door_marks.get(DEVICE, "main") == 10**9, what="forged batch committed")
+        agent = Agent(agent_config(tmp_path, collector.port))
+        await agent.start()
+        pubs = Publishers(lambda: agent.broker.port, count=1)
+        pubs.start(messages_each=500)
+        await pubs.wait()
+        fwd = agent.forwarder
+        assert fwd is not None
+        await until(lambda: fwd.backlog == 0, what="agent backlog drained")
+        lander.request_roll()
+        await until(lambda: lander.stats.rows_landed >= 2 + 499, what="real rows landed")
+        await agent.stop()
+        await collector.stop()
+        rows = landed(tmp_path / "landing")
+        by_offset = {r["offset"]: r["payload"] for r in rows}
+        assert len(by_offset) == len(rows) == 501
+        assert by_offset[0] == b"forged-0" and by_offset[10**9] == b"forged-1e9"
+        real = {by_offset[o] for o in range(1, 500)}
+        assert len(pubs.acked) == 500 and real <= pubs.acked and len(real) == 499
+
+    run(scenario())
+
+
+def test_oversized_local_message_is_set_aside_and_the_stream_keeps_flowing(tmp_path: Path) -> None:
+    """Issue 10 item 11 end to end: the agent's broker accepts a 1.5 MiB message (raised
+    broker.max_packet_size) while the collector's limit is given as 1 MiB: that one record is
+    skipped upstream and counted; the messages before and after it land."""
+
+    async def scenario() -> None:
+        collector = Collector(collector_config(tmp_path))
+        await collector.start()
+        agent = Agent(agent_config(tmp_path, collector.port, **{
+            "broker.max_packet_size": "4MiB", "agent.upstream_max_packet_size": "1MiB"}))
+        await agent.start()
+        client = MQTTClient("big", port=agent.broker.port, max_packet_size=8 << 20)
+        await client.connect(timeout=5)
+        await client.publish("sensors/a", b"before", qos=1)
+        await client.publish("sensors/big", b"B" * (3 << 19), qos=1)
+        await client.publish("sensors/a", b"after", qos=1)
+        await client.disconnect()
+        fwd = agent.forwarder
+        assert fwd is not None
+        await until(lambda: fwd.backlog == 0, what="agent backlog drained past the big record")
+        lander = collector.lander
+        assert lander is not None
+        lander.request_roll()
+        await until(lambda: lander.stats.rows_landed >= 2, what="rows landed")
+        await agent.stop()
+        await collector.stop()
+        assert fwd.stats.oversized_records == 1
+        rows = landed(tmp_path / "landing")
+        assert [(r["offset"], r["payload"]) for r in rows] == [(0, b"before"), (2, b"after")]
+
+    run(scenario())

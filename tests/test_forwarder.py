@@ -33,6 +33,8 @@ class FakeCollector:
         self.max_unacked = 0
         self.connections: list[FakeUpstream] = []
         self.on_publish: Callable[[FakeUpstream, bytes], None] | None = None
+        self.max_packet_size: int | None = None  # like the collector: a larger PUBLISH closes
+        self.too_large = 0
 
     def offsets(self) -> list[int]:
         return [o for payload in self.received for o in decode_batch(payload).offsets()]
@@ -71,6 +73,11 @@ class FakeUpstream:
         assert topic == "filemq/v1/dev-1/main"
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         c = self.collector
+        size = len(payload) + len(topic) + 9  # fixed header (<= 5), topic length, packet id
+        if c.max_packet_size is not None and size > c.max_packet_size:
+            c.too_large += 1  # MQTT 3.1.1 has no refusal: the receiver closes the connection
+            self.closed.set()
+            return future
         c.received.append(payload)
         c._pairs.append((payload, future))
         if c.auto_ack:
@@ -336,3 +343,44 @@ async def test_a_record_bigger_than_batch_bytes_goes_alone(device: Device, colle
     assert topics["$SYS/broker/forwarder/records/acked"] == b"7"
     assert topics["$SYS/broker/forwarder/backlog"] == b"0"
     assert topics["$SYS/broker/forwarder/batches/acked"] == b"3"
+
+
+@device_test
+async def test_a_record_too_large_for_the_collector_is_set_aside_not_retried_forever(
+    device: Device, collector: FakeCollector
+) -> None:
+    """Issue 10 item 11: a record accepted locally (raised max_packet_size) that no batch can
+    carry within the collector's packet limit must not wedge the stream: the forwarder sets
+    it aside (it stays in the device log, skipped upstream), counts and logs the loss, and
+    everything after it is forwarded. A multi-record batch over the limit is split."""
+    collector.max_packet_size = 2000
+    await device.publish(3, size=50)
+    await device.publish(1, size=5000)  # offset 3: bigger than the collector's packet limit
+    await device.publish(30, size=100)  # 4..33: together 4 KB, split to fit
+    fwd = make_forwarder(device, collector, batch_records=100, batch_bytes=1 << 20, upstream_max_packet_size=2000)
+    fwd.start()
+    await until(lambda: device.group.pending_offset == 34)
+    await fwd.stop()
+    assert collector.too_large == 0
+    assert collector.acked_offsets() == [0, 1, 2, *range(4, 34)]
+    assert all(len(p) + 29 <= 2000 for p in collector.received)
+    assert fwd.stats.oversized_records == 1 and fwd.stats.oversized_bytes >= 5000
+    topics = dict(fwd.sys_messages())
+    assert topics["$SYS/broker/forwarder/records/oversized_skipped"] == b"1"
+    assert topics["$SYS/broker/forwarder/backlog"] == b"0"
+
+
+@device_test
+async def test_a_batch_of_only_oversized_records_does_not_leak_the_window(device: Device, collector: FakeCollector) -> None:
+    """With window 1, a batch made only of set-aside records must give its window slot back,
+    or nothing after it would ever be sent."""
+    collector.max_packet_size = 2000
+    await device.publish(1, size=5000)
+    fwd = make_forwarder(device, collector, window=1, upstream_max_packet_size=2000)
+    fwd.start()
+    await until(lambda: device.group.pending_offset == 1)
+    await device.publish(2, size=50)
+    await until(lambda: device.group.pending_offset == 3)
+    await fwd.stop()
+    assert collector.acked_offsets() == [1, 2] and collector.too_large == 0
+    assert fwd.stats.oversized_records == 1

@@ -4,12 +4,12 @@
 stop forwarding -- unacknowledged records stay in the log for next time --, stop the broker,
 persist offsets and sessions), 2 for a configuration problem, 1 for a runtime failure.
 
-The forwarder reads the broker's log through the durable consumer group ``forwarder``
-(created at the log's first offset, so records published before the agent first ran are
-shipped too) and connects upstream with our own :class:`filemq.mqtt.MQTTClient` as client id
-``<device_id>``. Its progress is published under ``$SYS/broker/forwarder/...`` every
-``broker.sys_interval_s`` and is visible in ``filemq status DIR --json`` as the group
-``forwarder`` (doing, pending, lag).
+The agent ships its log through its exports (:mod:`worker_agent.exports`): each a durable
+consumer group ``export.NAME`` (created at the log's first offset, so records published before
+the agent first ran are shipped too) to a filemq collector or any MQTT broker. Their progress
+is published under ``$SYS/broker/export/NAME/...`` (and, for the first collector export, the
+older ``$SYS/broker/forwarder/...``) every ``broker.sys_interval_s`` and is visible in
+``filemq status DIR``.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import logging
 from collections.abc import Callable
 
 from filemq.broker import Broker
+from filemq.broker.metrics import backlog_status
 from filemq.config import Config, ConfigError
 from filemq.service import Sidecar, run_until_signalled, serve_until_signalled
 from worker_agent.exports import Exports
@@ -28,6 +29,8 @@ from worker_agent.forwarder import Forwarder, ForwarderConfig, Upstream
 
 log = logging.getLogger("filemq.agent")
 
+# The group of the --collector export (named "forwarder" before exports; renamed at start).
+GROUP_NAME = "export.collector"
 
 
 def forwarder_config(config: Config) -> ForwarderConfig:
@@ -51,6 +54,7 @@ def forwarder_config(config: Config) -> ForwarderConfig:
             backoff_initial_s=a.backoff_initial_ms / 1000,
             backoff_max_s=a.backoff_max_ms / 1000,
             ack_timeout_s=a.ack_timeout_ms / 1000,
+            upstream_max_packet_size=a.upstream_max_packet_size,
         )
     except ValueError as exc:
         raise ConfigError(f"agent: {exc}", key="agent.device_id") from exc
@@ -77,6 +81,11 @@ class Agent:
         if self.config.broker.sys_interval_s > 0:
             self._sys_task = asyncio.create_task(self._publish_sys(), name="filemq-agent-sys")
         log.info("agent %s exporting to %s", self.forwarder_config.device_id, describe_exports(self.exports))
+        local, upstream = self.config.broker.max_packet_size, self.forwarder_config.upstream_max_packet_size
+        if local > upstream and self.forwarder is not None:
+            log.warning("broker.max_packet_size %d exceeds agent.upstream_max_packet_size %d: a local"
+                        " message too large for the collector is skipped upstream (counted as"
+                        " oversized_skipped, logged with its offset), not forwarded", local, upstream)
 
     async def stop(self) -> None:
         if self._sys_task is not None:
@@ -119,7 +128,7 @@ async def serve_agent(config: Config, ready: Callable[[str], None] | None = None
         describe=lambda agent: (f"filemq agent {agent.forwarder_config.device_id}: broker listening on "
                                 f"{agent.broker.listening}, data dir {agent.broker.data_dir}, "
                                 f"exporting to {describe_exports(agent.exports)}"),
-        log=log, ready=ready, stop=stop, sidecar=metrics)
+        log=log, ready=ready, stop=stop, sidecar=metrics, status=lambda agent: backlog_status(agent.broker))
 
 
 def run_agent(config: Config, ready: Callable[[str], None] | None = None) -> int:

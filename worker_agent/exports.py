@@ -73,6 +73,7 @@ def collector_settings(config: Config, spec: ExportSection) -> ForwarderConfig:
         backoff_initial_s=a.backoff_initial_ms / 1000,
         backoff_max_s=a.backoff_max_ms / 1000,
         ack_timeout_s=a.ack_timeout_ms / 1000,
+        upstream_max_packet_size=a.upstream_max_packet_size,
     )
 
 

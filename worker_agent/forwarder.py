@@ -20,6 +20,15 @@ What a caller may rely on:
   ``backoff_max_s``; the backoff resets only when a batch is acknowledged, so a collector
   that accepts connections but never acks is not hammered.
 * An optional token bucket caps the upstream rate (bytes of batch payload per second).
+* **Nothing blocks the stream.** No PUBLISH larger than ``upstream_max_packet_size`` (the
+  collector's packet limit) is sent: a batch over it is split in halves, and a single record
+  that alone is too large (accepted locally under a raised ``broker.max_packet_size``) is set
+  aside -- skipped upstream and acked in the group, it stays in the device log until
+  retention removes it -- with an ERROR log naming its offset, and counted
+  (``oversized_records``, ``$SYS/broker/forwarder/records/oversized_skipped``,
+  ``filemq_agent_oversized_records_skipped_total``). A collector closes the connection on an
+  oversized PUBLISH (MQTT 3.1.1 has no refusal), so sending it would wedge every record
+  after it forever.
 
 Timeouts use ``asyncio.timeout`` rather than ``asyncio.wait_for``, which on Python 3.11 can
 swallow a cancellation that races with its inner result and leave a task running.
@@ -51,6 +60,8 @@ log = logging.getLogger(__name__)
 
 CONSUMER = "upstream"
 RECORD_OVERHEAD = 21  # bytes per record in a batch besides topic and payload (columns)
+PUBLISH_OVERHEAD = 9  # a QoS 1 PUBLISH besides topic and payload: fixed header <= 5, lengths, id
+DEFAULT_UPSTREAM_MAX_PACKET = 64 << 20  # every collector accepts at least this (MIN_PACKET_SIZE)
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
@@ -126,6 +137,7 @@ class ForwarderConfig:
     backoff_max_s: float = 60.0
     ack_timeout_s: float = 30.0
     connect_timeout_s: float = 10.0
+    upstream_max_packet_size: int = DEFAULT_UPSTREAM_MAX_PACKET
 
     def __post_init__(self) -> None:
         check_name("device id", self.device_id)
@@ -134,6 +146,8 @@ class ForwarderConfig:
             raise ValueError("batch_records, batch_bytes and window must be at least 1")
         if not 0 < self.backoff_initial_s <= self.backoff_max_s:
             raise ValueError("need 0 < backoff_initial_s <= backoff_max_s")
+        if self.upstream_max_packet_size < 1024:
+            raise ValueError("upstream_max_packet_size must be at least 1024 bytes")
 
 
 @dataclass
@@ -152,6 +166,8 @@ class ForwarderStats:
     bytes_sent: int = 0
     bytes_acked: int = 0
     resent_records: int = 0  # records handed back to the group by a lost connection
+    oversized_records: int = 0  # records too large for the collector: skipped (a counted loss)
+    oversized_bytes: int = 0
     inflight_batches: int = 0
     acked_offset: int = -1  # highest offset acked by the collector (in order)
     last_ack_unix: float | None = None
@@ -239,6 +255,7 @@ class Forwarder:
         self.config = config
         self.stats = ForwarderStats()
         self.topic = batch_topic(config.device_id, config.stream)
+        self._publish_overhead = PUBLISH_OVERHEAD + len(self.topic.encode())
         self._wait_for_records = wait_for_records
         self._connect = connect
         self._rng = rng or random.Random()
@@ -389,14 +406,15 @@ class Forwarder:
     # -- sending ---------------------------------------------------------------------------
 
     async def _send_loop(self, upstream: Upstream, window: asyncio.Semaphore, wake: asyncio.Event) -> None:
-        cfg = self.config
         unsent = self._unsent
         while True:
             await window.acquire()
             if not unsent:
                 records = await self._collect()
-                payload = encode_batch(cfg.device_id, cfg.stream, records, compression=cfg.compression)
-                unsent.append(_Batch([r.offset for r in records], payload))
+                unsent.extend(self._encode(records))
+                if not unsent:  # every record was set aside as too large
+                    window.release()
+                    continue
             # The batch leaves `unsent` only when it is in flight: a cancellation at any await
             # (a lost connection) leaves every record either in flight or waiting here.
             batch = unsent[0]
@@ -412,6 +430,32 @@ class Forwarder:
             stats.inflight_batches = len(self._inflight)
             wake.set()
             await asyncio.sleep(0)  # let the local broker run between batches of a backlog
+
+    def _encode(self, records: list[Record]) -> list[_Batch]:
+        """``records`` as batches that each fit one PUBLISH within the collector's limit.
+
+        A batch over the limit is split in halves; a single record that does not fit alone
+        is set aside (acked in the group, logged, counted) so that it cannot wedge the stream.
+        """
+        cfg = self.config
+        payload = encode_batch(cfg.device_id, cfg.stream, records, compression=cfg.compression)
+        if len(payload) + self._publish_overhead <= cfg.upstream_max_packet_size:
+            return [_Batch([r.offset for r in records], payload)]
+        if len(records) > 1:
+            half = len(records) // 2
+            return self._encode(records[:half]) + self._encode(records[half:])
+        record = records[0]
+        self.stats.oversized_records += 1
+        self.stats.oversized_bytes += len(record.payload)
+        log.error(
+            "forwarder: record at offset %d (topic %r, %d payload bytes) does not fit the collector's"
+            " packet limit of %d bytes even alone; skipped upstream (it stays in the device log"
+            " until retention removes it). Lower broker.max_packet_size to refuse such records"
+            " at publish time.",
+            record.offset, record.topic, len(record.payload), cfg.upstream_max_packet_size,
+        )
+        self.group.ack(record.offset)
+        return []
 
     async def _collect(self) -> list[Record]:
         """The next batch: waits for at least one record, then up to the linger time for more.
@@ -516,5 +560,6 @@ class Forwarder:
             ("bytes/sent", s.bytes_sent),
             ("reconnects", s.disconnects),
             ("ack_timeouts", s.ack_timeouts),
+            ("records/oversized_skipped", s.oversized_records),
         )
         return [(prefix + name, str(value).encode()) for name, value in values]

@@ -13,10 +13,14 @@ also has ``filemq_agent_export_<metric>{export="NAME"}``: gauges ``connected``, 
 ``lag_records``, ``lag_bytes``, ``oldest_unsent_age_seconds``, ``last_ack_timestamp_seconds``,
 ``priority`` and counters ``records_sent``, ``records_acked``, ``bytes_sent``,
 ``connect_failures``, ``lost_records``.
+Plus the device broker's own figures, ``filemq_broker_...``
+(:mod:`filemq.broker.metrics`, read on the event loop at scrape time).
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
@@ -28,21 +32,44 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector as PromCollector
 
-from filemq.metrics_http import MetricsServer, serve_metrics
+from filemq.broker.metrics import broker_families
+from filemq.metrics_http import MetricsServer, on_loop, serve_metrics
 from worker_agent.forwarder import LATENCY_BUCKETS
 
 if TYPE_CHECKING:
     from worker_agent.app import Agent
 
 
-class AgentMetrics(PromCollector):
-    """Exposes one :class:`worker_agent.app.Agent`'s forwarder counters."""
+log = logging.getLogger("worker_agent.metrics")
 
-    def __init__(self, agent: Agent) -> None:
+SCRAPE_TIMEOUT_S = 5.0
+
+
+class AgentMetrics(PromCollector):
+    """Exposes one :class:`worker_agent.app.Agent`'s forwarder and broker counters; the broker's
+    are read on ``loop`` (the agent's event loop) when one is given."""
+
+    def __init__(self, agent: Agent, loop: asyncio.AbstractEventLoop | None = None) -> None:
         self.agent = agent
+        self.loop = loop
 
     def collect(self) -> Iterator[Metric]:
         yield from self._exports()
+        yield from self._forwarder()
+        if self.loop is None:
+            return
+        try:
+            families = on_loop(self.loop, lambda: broker_families(self.agent.broker), SCRAPE_TIMEOUT_S)
+        except Exception as exc:
+            log.warning("broker metrics not read: %r", exc)
+            return
+        for fam in families:
+            metric = Metric(fam.name, fam.help, fam.kind)
+            for name, labels, value in fam.samples:
+                metric.add_sample(name, labels, value)
+            yield metric
+
+    def _forwarder(self) -> Iterator[Metric]:
         fwd = self.agent.forwarder
         if fwd is None:
             return
@@ -56,6 +83,8 @@ class AgentMetrics(PromCollector):
             ("resent_records", "Records handed back for resending after a lost connection", s.resent_records),
             ("reconnects", "Upstream connections that ended", s.disconnects),
             ("ack_timeouts", "Batches not acknowledged in time", s.ack_timeouts),
+            ("oversized_records_skipped", "Records too large for the collector's packet limit, skipped",
+             s.oversized_records),
         ):
             yield CounterMetricFamily(p + name, doc, value=value)
         for name, doc, level in (
@@ -74,7 +103,12 @@ class AgentMetrics(PromCollector):
 
     def _exports(self) -> Iterator[Metric]:
         """Per-export families, labelled ``export="NAME"`` (see the module doc)."""
-        entries = self.agent.exports.status()
+        status = self.agent.exports.status
+        try:  # on the agent's loop when there is one: it reads groups and the log
+            entries = on_loop(self.loop, status, SCRAPE_TIMEOUT_S) if self.loop is not None else status()
+        except Exception as exc:
+            log.warning("export metrics not read: %r", exc)
+            return
         p = "filemq_agent_export_"
         gauges = (
             ("connected", "1 while the export is connected to its destination", "state"),
@@ -107,5 +141,5 @@ class AgentMetrics(PromCollector):
 
 
 def start_metrics_server(agent: Agent, port: int, addr: str = "127.0.0.1") -> MetricsServer:
-    """Serve ``/metrics`` for ``agent`` on ``addr:port`` (0 = any free port)."""
-    return serve_metrics(AgentMetrics(agent), port, addr)
+    """Serve ``/metrics`` for ``agent`` on ``addr:port`` (0 = any free port); call from its loop."""
+    return serve_metrics(AgentMetrics(agent, asyncio.get_running_loop()), port, addr)

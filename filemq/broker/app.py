@@ -12,12 +12,14 @@ import asyncio
 import logging
 from collections.abc import Callable
 
+from filemq.broker.metrics import backlog_status, broker_families, render_text
 from filemq.broker.server import Broker
 from filemq.config import Config
 from filemq.service import (
     EXIT_CONFIG,
     EXIT_OK,
     EXIT_RUNTIME,
+    Sidecar,
     run_until_signalled,
     serve_until_signalled,
 )
@@ -38,10 +40,17 @@ async def serve(config: Config, ready: Callable[[str], None] | None = None,
         return (f"filemq broker listening on {broker.listening}{tls}, data dir {broker.data_dir}, "
                 f"{lg.next_offset - lg.first_offset} records, recovered in {broker.recovery_seconds * 1000:.0f} ms")
 
+    def metrics(broker: Broker) -> Sidecar | None:
+        if config.broker.metrics_port is None:
+            return None
+        from filemq.metrics_http import serve_loop_metrics
+
+        return serve_loop_metrics(lambda: render_text(broker_families(broker)), config.broker.metrics_port)
+
     b = config.broker
     return await serve_until_signalled(
         lambda: Broker(config), name="broker", where=f"{b.host}:{b.port} (data dir {config.data_dir})",
-        describe=describe, log=log, ready=ready, stop=stop)
+        describe=describe, log=log, ready=ready, stop=stop, sidecar=metrics, status=backlog_status)
 
 
 def run_broker(config: Config, ready: Callable[[str], None] | None = None) -> int:

@@ -29,6 +29,7 @@ What a caller may rely on:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import secrets
@@ -38,8 +39,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
+from filemq.acl import fill_pattern
 from filemq.broker.session import AUTHENTICATING, AWAITING_CONNECT, CONNECTED, Connection
-from filemq.broker.sessions import SessionStore, StoredSession, StoredSubscription
+from filemq.broker.sessions import SessionSnapshot, SessionStore, StoredSession, StoredSubscription
 from filemq.mqtt.codec import ProtocolError, encode, encode_puback, publish_bytes
 from filemq.mqtt.packets import (
     CONNACK_ACCEPTED,
@@ -47,6 +49,7 @@ from filemq.mqtt.packets import (
     CONNACK_IDENTIFIER_REJECTED,
     CONNACK_NOT_AUTHORIZED,
     CONNACK_RETURN_CODE_NAMES,
+    CONNACK_SERVER_UNAVAILABLE,
     CONNACK_UNACCEPTABLE_PROTOCOL_VERSION,
     SUBACK_FAILURE,
     Connack,
@@ -74,7 +77,7 @@ if TYPE_CHECKING:
     from filemq.config import BrokerSection
     from filemq.groups import ConsumerGroup
     from filemq.queue import Queue
-    from filemq.retained import RetainedStore
+    from filemq.retained import RetainedMessage, RetainedStore
     from filemq.sysinfo import BrokerStats
 
 log = logging.getLogger("filemq.broker")
@@ -86,13 +89,30 @@ CLEAN_GROUP_PREFIX = "mqtt-clean:"
 _PUBREC = 0x50
 _PUBREL = 0x62
 _PUBCOMP = 0x70
-_MAX_RETAINED_INFLIGHT = 60000
+RETAINED_OUT_HIGH = 256 * 1024  # retained PUBLISH bytes queued in one connection's output at once
 PERSIST_DELAY_S = 0.1  # group offsets are written this long after subscriber acks
 _MAX_PUMP = 1000  # records pushed to one connection per wake-up before yielding the loop
 
 
 def _ack(first: int, packet_id: int) -> bytes:
     return bytes((first, 2, packet_id >> 8, packet_id & 0xFF))
+
+
+def _copy_outcome(dst: asyncio.Future[None], src: asyncio.Future[None]) -> None:
+    if dst.done():
+        return
+    if src.cancelled():
+        dst.cancel()
+    elif (exc := src.exception()) is not None:
+        dst.set_exception(exc)
+    else:
+        dst.set_result(None)
+
+
+def _too_long(topic: str, limit: int) -> bool:
+    """``max_topic_length`` counts UTF-8 bytes (a character is 1-4 of them)."""
+    n = len(topic)
+    return n > limit or (n * 4 > limit and len(topic.encode("utf-8")) > limit)
 
 
 def parse_share_key(topic_filter: str) -> tuple[str | None, str]:
@@ -190,10 +210,15 @@ class SessionState:
         self.group: ConsumerGroup | None = None
         self.inflight: dict[int, Outbound] = {}
         self.next_pid = 1
-        # QoS 2 inbound ids waiting for PUBREL -> the commit future of the stored record.
+        # QoS 2 inbound ids waiting for PUBREL -> the commit future of the stored record
+        # (None: committed long ago, or loaded from the session file, which is exact).
         self.qos2_in: dict[int, asyncio.Future[None] | None] = {}
-        # Ids loaded from disk after a restart: maybe stale (their PUBREL write was lazy).
-        self.qos2_uncertain: set[int] = set()
+        self.qos2_offsets: dict[int, int] = {}  # QoS 2 inbound id -> its record's offset
+        self.qos2_loaded: set[int] = set()  # ids read from the session file, not yet re-checked
+        # Commit future -> future that resolves once that commit's QoS 2 ids are written.
+        self.qos2_gates: dict[asyncio.Future[None], asyncio.Future[None]] = {}
+        self.save_next: asyncio.Future[None] | None = None  # the next session-file write
+        self.save_running = False  # a session-file write is in a worker thread
         self.save_due = False  # something changed that should be written lazily
         self.conn: Connection | None = None
         self._qos_cache: dict[str, list[tuple[int, int, str | None]]] = {}
@@ -236,9 +261,6 @@ class SessionState:
         self.next_pid = pid % 0xFFFF + 1
         return pid
 
-    def has_qos2_in(self, fut: asyncio.Future[None]) -> bool:
-        return any(f is fut for f in self.qos2_in.values())
-
     def stored(self) -> StoredSession:
         """What to write; QoS 2 ids whose record is not committed yet are left out (an id on
         disk without its record would make a re-sent PUBLISH look like a duplicate)."""
@@ -249,8 +271,9 @@ class SessionState:
         return StoredSession(
             self.client_id,
             {f: StoredSubscription(s.qos, s.start) for f, s in self.subs.items()},
-            ids | self.qos2_uncertain,
+            ids,
             owner=self.owner,
+            qos2_offsets={pid: off for pid, off in self.qos2_offsets.items() if pid in ids},
         )
 
 
@@ -301,12 +324,18 @@ class BrokerCore:
         self.retained_ready = True
         self.retained_changes = 0  # retained records routed so far (snapshot trigger)
         self._retained_buffer: list[Record] = []
-        self._retained_waiting: list[tuple[Connection, SessionState, Subscription]] = []
+        self._retained_waiting: list[tuple[Connection, SessionState, Subscription, int]] = []
+        # Retained messages a SUBSCRIBE matched and the connection has not taken yet (filter,
+        # message, QoS): sent as its output drains, so a client that does not read cannot
+        # make the broker queue them again and again (issue 10 item 8).
+        self._retained_out: dict[Connection, deque[tuple[str, RetainedMessage, int]]] = {}
         self.stats = stats
         self.acl = acl
         self.passwords = passwords
         self.hook = publish_hook
-        self._group_factory = group_factory or (lambda n, f, d: queue.group(n, f, durable=d))
+        # New groups start at the routed offset, as new subscriptions do (see on_subscribe).
+        self._group_factory = group_factory or (
+            lambda n, f, d: queue.group(n, f, durable=d, start=self._routed))
         self.connect_timeout = 10.0
         self.conns: set[Connection] = set()
         self.connections: dict[str, Connection] = {}  # client id -> live connection
@@ -314,9 +343,11 @@ class BrokerCore:
         self.shares: dict[str, SharedGroup] = {}
         self.trie: TopicTrie[Any] = TopicTrie()
         self.sys_retained: dict[str, bytes] = {}
+        self._sys_warned: set[str] = set()  # invalid $SYS topics already warned about
         self._dirty: set[Connection] = set()
         self._pending: deque[tuple[Record, asyncio.Future[None]]] = deque()
         self._routed = self.log.committed_offset
+        cache.limit = self._routed  # groups see a record only once it is routed
         self._batches: dict[asyncio.Future[None], set[Connection]] = {}
         self._clean_ids = 0
         self._repump: set[Connection] = set()
@@ -325,6 +356,11 @@ class BrokerCore:
         self._acked = False  # group acks since the last persistence nudge
         self._persist_handle: asyncio.TimerHandle | None = None
         self._persist_task: asyncio.Task[None] | None = None
+        self._session_writes: set[asyncio.Future[None]] = set()  # running session-file writes
+        # Writes a session snapshot durably, then calls ``done(None or the exception)``; by
+        # default in a worker thread (never an fsync on the event loop); tests may replace it.
+        self.session_writer: Callable[[SessionSnapshot, Callable[[BaseException | None], None]], None] = (
+            self._write_in_thread)
         self.anonymous_allowed = config.anonymous_allowed()
         queue.add_commit_listener(self._on_committed)
 
@@ -403,12 +439,22 @@ class BrokerCore:
                 validate_topic_name(p.will_topic)
             except InvalidTopic as exc:
                 raise ProtocolError(f"invalid will topic: {exc}", "CONNECT") from None
+            limit = self.config.message_size_limit
+            if limit is not None and len(p.will_payload) > limit:
+                # 3.1.1 has no CONNACK code for it: refused by closing, as Mosquitto does.
+                conn.close(f"CONNECT refused: will payload of {len(p.will_payload)} bytes exceeds "
+                           f"message_size_limit {limit}", will=False, level=logging.WARNING)
+                return
             conn.will = Publish(p.will_topic, p.will_payload, p.will_qos, p.will_retain)
         keepalive = p.keepalive
         kmax = self.config.keepalive_max
         if kmax is not None and (keepalive == 0 or keepalive > kmax):
             keepalive = kmax
         conn.keepalive = keepalive
+        if conn.identity is not None:  # use_identity_as_username: the certificate logged in
+            conn.username = conn.identity
+            self._accept(conn, p)
+            return
         passwords = self.passwords
         if p.username is None:
             if passwords is not None and not self.anonymous_allowed:
@@ -484,7 +530,7 @@ class BrokerCore:
             # 3.1.4-2: the existing client is disconnected; it did not send DISCONNECT, so
             # its will is published (3.1.2.5).
             old.close(f"session taken over by a new connection from {conn.peer}", will=True)
-        present = False
+        present = adopted = False
         if p.clean_session:
             self._discard_persistent(cid)
             state = SessionState(cid, persistent=False, owner=conn.username)
@@ -498,19 +544,54 @@ class BrokerCore:
                     for f, entry in stored.subscriptions.items():
                         share, plain = parse_share_key(f)
                         state.subs[f] = Subscription(f, plain, share, entry.qos, entry.start)
-                    state.qos2_uncertain = set(stored.qos2_inbound)
+                    state.qos2_in = dict.fromkeys(stored.qos2_inbound)
+                    state.qos2_offsets = dict(stored.qos2_offsets)
+                    state.qos2_loaded = set(stored.qos2_inbound)
                     state.subs_changed()
                     if state.own_filters():
                         state.group = self._group(SESSION_GROUP_PREFIX + cid, state.own_filters(), True)
                     if not stored.owner_known:
                         log.warning("client %r: its session file has no owner (written by an older "
                                     "filemq); adopted by user %r", cid, conn.username)
-                        self._save_session(state)
-                else:
-                    # Written now so a reconnect after a restart reports session_present = 1.
-                    self._save_session(state)
+                        adopted = True  # written below, with the owner
                 self.sessions[cid] = state
-            self._auto_subscribe(conn, state)
+            # A new session's file, or one auto-subscribe changed, is written before CONNACK
+            # (so a reconnect after a crash reports session_present = 1), in a worker
+            # thread; a write of this session already under way is waited for too.
+            if (self._auto_subscribe(conn, state) or not present or adopted or state.save_running
+                    or state.save_next is not None):
+                written = self._save_now(state)
+                if written.done():  # (a writer that runs inline, as in tests)
+                    self._session_written(conn, state, p, present, written)
+                    return
+                conn.state = AUTHENTICATING  # packets arriving meanwhile wait (backlog)
+                written.add_done_callback(functools.partial(self._session_written, conn, state, p, present))
+                return
+        self._connected(conn, state, p, present)
+
+    def _session_written(self, conn: Connection, state: SessionState, p: Connect, present: bool,
+                         done: asyncio.Future[None]) -> None:
+        failed = done.cancelled() or done.exception() is not None
+        if failed and not present and self.sessions.get(state.client_id) is state and state.conn is None:
+            del self.sessions[state.client_id]  # never report a session that is not on disk
+        if conn.closed:
+            return
+        if failed:
+            self._refuse(conn, CONNACK_SERVER_UNAVAILABLE, "writing the session file failed")
+        elif self.sessions.get(state.client_id) is not state:
+            self._refuse(conn, CONNACK_SERVER_UNAVAILABLE, "its session was discarded meanwhile (clean_session = 1)")
+        else:
+            old = self.connections.get(conn.client_id)
+            if old is not None and old is not conn:
+                old.close(f"session taken over by a new connection from {conn.peer}", will=True)
+            conn.state = AWAITING_CONNECT
+            self._connected(conn, state, p, present)
+            conn.resume_after_auth()
+        self.flush()
+
+    def _connected(self, conn: Connection, state: SessionState, p: Connect, present: bool) -> None:
+        """CONNACK (accepted) and the session's start: subscriptions, re-sends, deliveries."""
+        cid = conn.client_id
         conn.session = state
         state.conn = conn
         self.connections[cid] = conn
@@ -529,18 +610,14 @@ class BrokerCore:
                  cid, conn.peer, p.clean_session, conn.keepalive, present)
         self.pump(conn)
 
-    def _auto_subscribe(self, conn: Connection, state: SessionState) -> None:
+    def _auto_subscribe(self, conn: Connection, state: SessionState) -> bool:
+        """Add the auto-subscribe rules' filters; True if any was new (to be written)."""
         changed = False
         for rule in self.config.auto_subscribe:
-            f = rule.filter
-            if "%c" in f:
-                if any(ch in conn.client_id for ch in "+#/"):
-                    continue
-                f = f.replace("%c", conn.client_id)
-            if "%u" in f:
-                if conn.username is None or any(ch in conn.username for ch in "+#/"):
-                    continue
-                f = f.replace("%u", conn.username)
+            filled = fill_pattern(rule.filter, conn.username, conn.client_id)  # one pass
+            if filled is None:
+                continue
+            f = filled
             if f in state.subs:
                 continue
             try:
@@ -553,12 +630,12 @@ class BrokerCore:
             if not conn.acl.can_subscribe(f):
                 log.warning("auto-subscribe %r for client %r denied by the ACL", f, conn.client_id)
                 continue
-            state.subs[f] = Subscription(f, plain, share, rule.qos, self.log.next_offset)
+            state.subs[f] = Subscription(f, plain, share, rule.qos, self._routed)
             changed = True
         if changed:
             state.subs_changed()
             self._update_groups(state)
-            self.store.save(state.stored())
+        return changed
 
     def _discard_persistent(self, cid: str) -> None:
         state = self.sessions.pop(cid, None)
@@ -643,7 +720,11 @@ class BrokerCore:
         assert state is not None and acl is not None
         codes: list[int] = []
         new_subs: list[Subscription] = []
-        start = self.log.next_offset
+        # MQTT-3.3.1-6: records routed before this point are in the retained store, records
+        # from it on are delivered live (groups never read past it, see TailCache.limit), so
+        # a retained message is never neither.  next_offset would skip appended records that
+        # are not committed yet, while the retained store only has committed ones.
+        start = self._routed
         for f, qos in p.topics:
             try:
                 share, plain = parse_share_key(f)
@@ -652,9 +733,9 @@ class BrokerCore:
                 log.info("client %r: SUBSCRIBE %r refused: %s", conn.client_id, f, exc)
                 codes.append(SUBACK_FAILURE)
                 continue
-            if len(f) > self.config.max_topic_length:
-                log.info("client %r: SUBSCRIBE filter of %d characters refused (max_topic_length %d)",
-                         conn.client_id, len(f), self.config.max_topic_length)
+            if _too_long(f, self.config.max_topic_length):
+                log.info("client %r: SUBSCRIBE filter of %d bytes refused (max_topic_length %d)",
+                         conn.client_id, len(f.encode("utf-8")), self.config.max_topic_length)
                 codes.append(SUBACK_FAILURE)
                 continue
             if not acl.can_subscribe(f):
@@ -678,34 +759,74 @@ class BrokerCore:
                 self.store.save(state.stored())
         conn.send_packet(Suback(p.packet_id, codes))
         for sub in new_subs:
-            self._send_retained(conn, state, sub)
+            self._send_retained(conn, state, sub, start)
         self.pump(conn)
 
-    def _send_retained(self, conn: Connection, state: SessionState, sub: Subscription) -> None:
+    def _send_retained(self, conn: Connection, state: SessionState, sub: Subscription, below: int) -> None:
+        """Send the retained messages ``sub`` matches that were stored below offset ``below``
+        (the routed offset at SUBSCRIBE time): later ones reach it live."""
         if sub.share is not None:
             return  # retained messages are not sent for shared subscriptions (as MQTT 5)
         if sub.plain.startswith("$SYS"):
+            acl = conn.acl
             for topic, payload in self.sys_retained.items():
-                if topic_matches(sub.plain, topic):
+                if topic_matches(sub.plain, topic) and (
+                        acl is None or acl.can_receive(topic)):
                     conn.send(encode(Publish(topic, payload, 0, True)))
             return
         if not self.retained_ready:
-            self._retained_waiting.append((conn, state, sub))
+            self._retained_waiting.append((conn, state, sub, below))
             return
         acl = conn.acl
+        queue = self._retained_out.get(conn)
+        if queue is None:
+            queue = self._retained_out[conn] = deque()
+        elif any(e[0] == sub.filter for e in queue):
+            # A repeated SUBSCRIBE re-sends (MQTT-3.8.4-3): what it still had queued is replaced.
+            queue = self._retained_out[conn] = deque(e for e in queue if e[0] != sub.filter)
         for m in self.retained.match(sub.plain):
+            if m.offset >= below:
+                continue  # routed after the SUBSCRIBE (store rebuilt late): delivered live
             if acl is not None and not acl.can_receive(m.topic):
                 continue
-            qos = min(sub.qos, m.qos)
-            if len(state.inflight) >= _MAX_RETAINED_INFLIGHT:
-                qos = 0  # never run out of packet ids, however many retained messages match
+            queue.append((sub.filter, m, min(sub.qos, m.qos)))
+        self._drain_retained(conn, state)
+
+    def _drain_retained(self, conn: Connection, state: SessionState) -> bool:
+        """Send queued retained messages while the connection takes them: its output below
+        :data:`RETAINED_OUT_HIGH`, its transport not paused, QoS 1/2 ones within the in-flight
+        window.  The queue holds the store's messages (no payload copies); True when empty."""
+        queue = self._retained_out.get(conn)
+        if queue is None:
+            return True
+        sent = 0
+        inflight = state.inflight
+        blocked = False
+        while queue and not conn.closed and not conn.paused:
+            if len(conn.out) >= RETAINED_OUT_HIGH:
+                break
+            _, m, qos = queue[0]
+            if qos and len(inflight) >= max(conn.max_inflight, 1):
+                blocked = True  # the acks that free the window pump again
+                break
+            queue.popleft()
+            if conn.acl is not None and not conn.acl.can_receive(m.topic):
+                continue  # the read right went away (ACL reload) while it was queued
             if qos == 0:
-                conn.send(encode(Publish(m.topic, m.payload, 0, True)))
+                conn.send(publish_bytes(m.topic, m.payload, 0, False, None, True))
             else:
                 pid = state.alloc_pid()
-                state.inflight[pid] = Outbound(m.offset, None, qos, m.topic, m.payload, None, True)
-                conn.send(encode(Publish(m.topic, m.payload, qos, True, False, pid)))
-            self.stats.publish_sent()
+                inflight[pid] = Outbound(m.offset, None, qos, m.topic, m.payload, None, True)
+                conn.send(publish_bytes(m.topic, m.payload, qos, False, pid, True))
+            sent += 1
+        if sent:
+            self.stats.publish_sent(sent)
+        if queue:
+            if not blocked and not conn.paused and not conn.closed:
+                self._schedule_repump(conn)  # after this event's flush wrote the output
+            return False
+        del self._retained_out[conn]
+        return True
 
     def on_unsubscribe(self, conn: Connection, p: Unsubscribe) -> None:
         state = conn.session
@@ -732,11 +853,19 @@ class BrokerCore:
         stats = self.stats
         topic = p.topic
         stats.publish_received(topic, time.monotonic())
-        if len(topic) > self.config.max_topic_length:
-            conn.close(f"PUBLISH topic of {len(topic)} characters exceeds max_topic_length "
+        qos = p.qos
+        if p.dup and not qos:
+            raise ProtocolError("QoS 0 PUBLISH with DUP = 1 (MQTT-3.3.1-2)", "PUBLISH")
+        if _too_long(topic, self.config.max_topic_length):
+            conn.close(f"PUBLISH topic of {len(topic.encode('utf-8'))} bytes exceeds max_topic_length "
                        f"{self.config.max_topic_length}", will=True, level=logging.WARNING)
             return
-        qos = p.qos
+        limit = self.config.message_size_limit
+        if limit is not None and len(p.payload) > limit:
+            # 3.1.1 has no negative ack: close; not stored, not acknowledged.
+            conn.close(f"PUBLISH payload of {len(p.payload)} bytes to {topic!r} exceeds message_size_limit "
+                       f"{limit}; not stored, not acknowledged", will=True, level=logging.WARNING)
+            return
         if topic[0] == "$":
             log.warning("client %r: PUBLISH to %r dropped: clients may not publish to $-topics",
                         conn.client_id, topic)
@@ -763,21 +892,26 @@ class BrokerCore:
             fut = state.qos2_in.get(pid)
             if fut is not None and fut.done() and (fut.cancelled() or fut.exception() is not None):
                 del state.qos2_in[pid]  # its commit failed: nothing was stored, store this one
+            if pid in state.qos2_loaded:
+                # From the session file (a restart): a duplicate only if the log holds this
+                # very message at the id's offset; otherwise it is stored (at worst twice).
+                state.qos2_loaded.discard(pid)
+                if not self._stored_at(state.qos2_offsets.get(pid), p):
+                    del state.qos2_in[pid]
+                    state.qos2_offsets.pop(pid, None)
             if pid in state.qos2_in:
                 # Already stored, PUBREL not seen: PUBREC again, do not store twice (4.3.3).
+                # The set is exact (ids leave it durably before PUBCOMP), so this id names
+                # the stored message; its PUBREC waits until the id is durable too.
+                wait: asyncio.Future[None] | None = None
                 if fut is not None and not fut.done():
-                    conn.queue_ack(fut, _ack(_PUBREC, pid))
-                    if conn.last_batch is not fut:
-                        self._join_batch(conn, fut)
-                else:
-                    conn.queue_ack(None, _ack(_PUBREC, pid))
+                    wait = self._qos2_gate(state, fut) if state.persistent else fut
+                elif state.persistent and (state.save_running or state.save_next is not None):
+                    wait = self._save_soon(state)
+                conn.queue_ack(wait, _ack(_PUBREC, pid))
+                if wait is not None and conn.last_batch is not wait:
+                    self._join_batch(conn, wait)
                 return
-            if pid in state.qos2_uncertain:
-                state.qos2_uncertain.discard(pid)
-                if p.dup:
-                    state.qos2_in[pid] = None
-                    conn.queue_ack(None, _ack(_PUBREC, pid))
-                    return
         payload = p.payload
         hook = self.hook
         if hook is not None:
@@ -812,9 +946,25 @@ class BrokerCore:
             conn.queue_ack(fut, encode_puback(pid), offset)
         else:
             state.qos2_in[pid] = fut
+            state.qos2_offsets[pid] = offset
+            if state.persistent:
+                # PUBREC once the record is committed *and* its id is in the session file.
+                fut = self._qos2_gate(state, fut)
             conn.queue_ack(fut, _ack(_PUBREC, pid), offset)
         if conn.last_batch is not fut:
             self._join_batch(conn, fut)
+
+    def _stored_at(self, offset: int | None, p: Publish) -> bool:
+        """Whether the log's record at ``offset`` is ``p`` (same topic and payload)."""
+        if offset is None:
+            return False
+        try:
+            records = self.log.read(offset, 1)
+        except (OSError, ValueError) as exc:
+            log.warning("reading offset %d to check a QoS 2 re-send failed: %s", offset, exc)
+            return False
+        return bool(records) and records[0].offset == offset and records[0].topic == p.topic \
+            and records[0].payload == p.payload
 
     def _ack_now(self, conn: Connection, p: Publish) -> None:
         if p.qos == 1:
@@ -845,18 +995,98 @@ class BrokerCore:
     def _on_batch_done(self, fut: asyncio.Future[None]) -> None:
         """Release the acks a commit batch covers, connection by connection."""
         conns = self._batches.pop(fut, ())
-        ok = not fut.cancelled() and fut.exception() is None
         for conn in conns:
             if conn.last_batch is fut:
                 conn.last_batch = None
-            state = conn.session
-            if ok and state is not None and state.persistent and state.has_qos2_in(fut):
-                # The record is durable; its id must be too before the PUBREC goes out (also
-                # when this connection was taken over meanwhile: the session is the same).
-                self._save_session(state)
             if not conn.closed:
                 conn.ack_ready()
         self.flush()
+
+    # ---- session-file writes off the event loop -----------------------------------------
+
+    def _qos2_gate(self, state: SessionState, fut: asyncio.Future[None]) -> asyncio.Future[None]:
+        """A future that resolves once commit ``fut`` resolved and then the session file
+        (with the QoS 2 ids ``fut`` stored) was written; one per commit batch and session,
+        so one write covers every QoS 2 PUBREC of the batch (also across a takeover: the
+        session is the same).  Fails as ``fut`` or the write fails."""
+        gate = state.qos2_gates.get(fut)
+        if gate is None:
+            gate = state.qos2_gates[fut] = asyncio.get_running_loop().create_future()
+            fut.add_done_callback(functools.partial(self._qos2_committed, state, gate))
+        return gate
+
+    def _qos2_committed(self, state: SessionState, gate: asyncio.Future[None], fut: asyncio.Future[None]) -> None:
+        state.qos2_gates.pop(fut, None)
+        if fut.cancelled():
+            gate.cancel()
+        elif (exc := fut.exception()) is not None:
+            gate.set_exception(exc)
+        else:
+            self._save_soon(state).add_done_callback(functools.partial(_copy_outcome, gate))
+
+    def _save_now(self, state: SessionState) -> asyncio.Future[None]:
+        """:meth:`_save_soon`, but started at once when no write of ``state`` is running."""
+        fut = self._save_soon(state)
+        if not state.save_running:
+            self._start_save(state)
+        return fut
+
+    def _save_soon(self, state: SessionState) -> asyncio.Future[None]:
+        """Write ``state``'s session file in a worker thread, soon (changes made before the
+        write starts are all in it: one write per batch).  The future resolves when it is
+        durable, or fails with the OSError."""
+        fut = state.save_next
+        if fut is None:
+            loop = asyncio.get_running_loop()
+            fut = state.save_next = loop.create_future()
+            if not state.save_running:
+                loop.call_soon(self._start_save, state)
+        return fut
+
+    def _start_save(self, state: SessionState) -> None:
+        fut, state.save_next = state.save_next, None
+        if fut is None:
+            return
+        if state.persistent and self.sessions.get(state.client_id) is not state:
+            fut.set_result(None)  # discarded meanwhile (clean_session = 1): never revive its file
+            return
+        state.save_running = True
+        state.save_due = False
+        snap = self.store.snapshot(state.stored())
+        self.session_writer(snap, functools.partial(self._save_done, state, fut))
+
+    def _write_in_thread(self, snap: SessionSnapshot, done: Callable[[BaseException | None], None]) -> None:
+        """The default :attr:`session_writer`: ``store.write`` in the loop's executor."""
+        job = asyncio.get_running_loop().run_in_executor(None, self.store.write, snap)
+        self._session_writes.add(job)
+
+        def finished(j: asyncio.Future[None]) -> None:
+            self._session_writes.discard(j)
+            done(asyncio.CancelledError() if j.cancelled() else j.exception())
+
+        job.add_done_callback(finished)
+
+    def _save_done(self, state: SessionState, fut: asyncio.Future[None], exc: BaseException | None) -> None:
+        state.save_running = False
+        if isinstance(exc, asyncio.CancelledError):
+            fut.cancel()
+        elif exc is not None:
+            log.error("client %r: writing the session file failed: %s", state.client_id, exc)
+            fut.set_exception(exc)
+        else:
+            fut.set_result(None)
+        if state.save_next is not None:
+            self._start_save(state)
+
+    async def session_writes_done(self) -> None:
+        """Wait until no session-file write is running or due (tests, shutdown)."""
+        for _ in range(1000):
+            await asyncio.sleep(0)
+            if not self._session_writes:
+                if not any(s.save_next is not None for s in self.sessions.values()):
+                    return
+                continue
+            await asyncio.gather(*self._session_writes, return_exceptions=True)
 
     def _save_session(self, state: SessionState) -> None:
         state.save_due = False
@@ -895,6 +1125,7 @@ class BrokerCore:
             records.extend(self._read_gap(routed, committed))
             routed = committed
         self._routed = max(routed, self._routed)
+        self.cache.limit = self._routed
         if records:
             self._route(records)
 
@@ -943,9 +1174,9 @@ class BrokerCore:
         self.retained = store
         self.retained_ready = True
         waiting, self._retained_waiting = self._retained_waiting, []
-        for conn, state, sub in waiting:
+        for conn, state, sub, below in waiting:
             if not conn.closed and state.conn is conn and state.subs.get(sub.filter) is sub:
-                self._send_retained(conn, state, sub)
+                self._send_retained(conn, state, sub, below)
         self.flush()
 
     # ---- delivery --------------------------------------------------------------------------
@@ -955,6 +1186,8 @@ class BrokerCore:
         state = conn.session
         if state is None or conn.closed or conn.paused or state.conn is not conn:
             return
+        if conn in self._retained_out and not self._drain_retained(conn, state):
+            return  # live records after the retained ones, never before
         group = state.group
         pushed = 0
         if group is not None:
@@ -1057,9 +1290,12 @@ class BrokerCore:
         inflight = state.inflight
         for pid in pids:
             out = inflight.get(pid)
-            if out is None or out.qos != 1:
+            if out is None:
                 log.debug("client %r: PUBACK for unknown packet id %d ignored", conn.client_id, pid)
                 continue
+            if out.qos != 1:
+                self._wrong_ack(conn, "PUBACK", pid, out)
+                break
             del inflight[pid]
             if out.group is not None:
                 out.group.ack(out.offset)
@@ -1070,33 +1306,55 @@ class BrokerCore:
         state = conn.session
         assert state is not None
         out = state.inflight.get(pid)
-        if out is not None and out.qos == 2 and out.stage == 0:
+        if out is not None and out.qos != 2:
+            self._wrong_ack(conn, "PUBREC", pid, out)
+            return
+        if out is not None and out.stage == 0:
             out.stage = 1
             if out.group is not None:
                 # The client has the message: the group may move on; only the id is pending.
                 out.group.ack(out.offset)
                 self._acked = True
+        # Also for an unknown id or a repeated PUBREC: PUBREL is idempotent (4.3.3).
         conn.send(_ack(_PUBREL, pid))
 
     def on_pubcomp(self, conn: Connection, pid: int) -> None:
         state = conn.session
         assert state is not None
         out = state.inflight.get(pid)
-        if out is not None and out.qos == 2:
-            del state.inflight[pid]
-            if out.stage == 0 and out.group is not None:
-                out.group.ack(out.offset)
-                self._acked = True
+        if out is None:
+            log.debug("client %r: PUBCOMP for unknown packet id %d ignored", conn.client_id, pid)
+            return
+        if out.qos != 2 or out.stage == 0:
+            self._wrong_ack(conn, "PUBCOMP", pid, out)
+            return
+        del state.inflight[pid]
         self._to_pump.add(conn)
+
+    def _wrong_ack(self, conn: Connection, ack: str, pid: int, out: Outbound) -> None:
+        """An acknowledgement that does not fit the in-flight message's state is a protocol
+        violation (MQTT-4.8.0-1, 4.3): close; the message stays in flight and is re-sent
+        (DUP = 1, or its PUBREL) when the session reconnects."""
+        expected = "PUBACK" if out.qos == 1 else ("PUBREC" if out.stage == 0 else "PUBCOMP")
+        conn.close(f"protocol error: {ack} for packet id {pid}, which awaits {expected} "
+                   f"(QoS {out.qos} delivery; MQTT-4.8.0-1)", will=True, level=logging.WARNING)
 
     def on_pubrel(self, conn: Connection, pid: int) -> None:
         state = conn.session
         assert state is not None
-        if state.qos2_in.pop(pid, None) is not None or pid in state.qos2_uncertain:
-            state.qos2_uncertain.discard(pid)
-        if state.persistent:
-            state.save_due = True  # removals are written lazily (see sessions.py)
-        conn.queue_ack(None, _ack(_PUBCOMP, pid))
+        known = pid in state.qos2_in
+        state.qos2_in.pop(pid, None)
+        state.qos2_offsets.pop(pid, None)
+        state.qos2_loaded.discard(pid)
+        if state.persistent and (known or state.save_running or state.save_next is not None):
+            # The removal is durable before PUBCOMP, so the id set on disk stays exact: after
+            # PUBCOMP the client may reuse the id for a new message, which must be stored.
+            done = self._save_soon(state)
+            conn.queue_ack(done, _ack(_PUBCOMP, pid))
+            if conn.last_batch is not done:
+                self._join_batch(conn, done)
+        else:
+            conn.queue_ack(None, _ack(_PUBCOMP, pid))
 
     # ---- disconnect ------------------------------------------------------------------------
 
@@ -1105,6 +1363,7 @@ class BrokerCore:
         self._dirty.discard(conn)
         self._repump.discard(conn)
         self._to_pump.discard(conn)
+        self._retained_out.pop(conn, None)
         if prev_state != CONNECTED:
             return
         self.stats.client_disconnected()
@@ -1176,14 +1435,46 @@ class BrokerCore:
                     conn.close(f"keepalive expired (no packet for 1.5 x {conn.keepalive} s)", will=True)
         self.flush()
 
-    def publish_sys(self, messages: list[tuple[str, bytes]]) -> None:
-        """Send ``$SYS`` messages (not stored in the log) to live subscribers as QoS 0."""
+    def publish_sys(self, messages: list[tuple[str, bytes]], *, replace: str | None = None) -> None:
+        """Send ``$SYS`` messages (not stored in the log) to live subscribers as QoS 0.
+
+        The latest value per topic is kept for new subscribers.  ``replace`` is a topic prefix
+        that ``messages`` covers completely: kept topics under it that are missing from
+        ``messages`` (e.g. the backlog of a session discarded since) are dropped.  Each delivery is
+        checked against the receiver's ACL like any other; a topic that is not a valid topic
+        name (e.g. over 65,535 UTF-8 bytes, from a huge client id) is skipped and counted in
+        ``stats.sys_skipped``, with one warning per topic.
+        """
+        current = self.sys_retained
+        if replace is not None:
+            current = {t: v for t, v in current.items() if not t.startswith(replace)}
         for topic, payload in messages:
-            self.sys_retained[topic] = payload
+            if not self._sys_topic_ok(topic):
+                continue
+            current[topic] = payload
+            data = None
             for target in self.trie.match(topic):
                 if isinstance(target, Connection) and not target.closed:
-                    target.send(encode(Publish(topic, payload)))
+                    acl = target.acl
+                    if acl is not None and not acl.can_receive(topic):
+                        continue
+                    if data is None:
+                        data = publish_bytes(topic, payload, 0, False, None)
+                    target.send(data)
+        self.sys_retained = current
         self.flush()
+
+    def _sys_topic_ok(self, topic: str) -> bool:
+        try:
+            validate_topic_name(topic)  # MQTT 1.5.3: at most 65,535 UTF-8 bytes, no U+0000
+        except InvalidTopic as exc:
+            self.stats.sys_skipped += 1
+            warned = self._sys_warned
+            if topic not in warned and len(warned) < 1024:
+                warned.add(topic)
+                log.warning("$SYS message not published (invalid topic name): %s", exc)
+            return False
+        return True
 
     def save_sessions(self) -> None:
         """Write every persistent session with unwritten changes (shutdown, periodic)."""
@@ -1196,12 +1487,14 @@ class BrokerCore:
         return [f for f in self._batches if not f.done()]
 
     async def stop_persisting(self) -> None:
-        """Cancel the pending offset nudge and wait for a write in progress (shutdown)."""
+        """Cancel the pending offset nudge; wait for offset and session-file writes in progress (shutdown)."""
         if self._persist_handle is not None:
             self._persist_handle.cancel()
             self._persist_handle = None
         if self._persist_task is not None:
             await asyncio.gather(self._persist_task, return_exceptions=True)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.session_writes_done(), 5.0)  # bounded: a stuck disk
 
     def close_all(self, reason: str) -> None:
         for conn in list(self.conns):

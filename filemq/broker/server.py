@@ -9,6 +9,8 @@ In-process API (the agent and the collector build on it)::
 
     broker = Broker(config, publish_hook=hook)
     await broker.start()          # binds; broker.port is the actual port (config port 0)
+    broker.ports                  # every listener's actual port, in config order
+    broker.reload_tls()           # new connections get the TLS files' current certificates
     broker.queue                  # the filemq.queue.Queue (log + consumer groups)
     await broker.stop()           # stop accepting, close clients, persist everything
 """
@@ -23,19 +25,20 @@ import socket
 import ssl
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from filemq.acl import Acl
 from filemq.auth import PasswordFile
 from filemq.broker.core import SESSION_GROUP_PREFIX, SHARE_GROUP_PREFIX, BrokerCore, PublishHook
-from filemq.broker.session import Connection
+from filemq.broker.session import AUTHENTICATING, AWAITING_CONNECT, CONNECTED, Connection
 from filemq.broker.sessions import SessionStore
 from filemq.broker.tailcache import TailCache
-from filemq.config import ConfigError
+from filemq.config import ConfigError, Listener, broker_listeners
 from filemq.queue import Queue, QueueConfig
 from filemq.retained import RetainedStore
-from filemq.sysinfo import BrokerStats
+from filemq.sysinfo import SYS_PREFIX, BrokerStats
 from segments import LogConfig
 
 if TYPE_CHECKING:
@@ -48,23 +51,64 @@ RETAINED_IDLE_SNAPSHOT_S = 60.0  # otherwise, to keep the replay at start short
 WRITE_BUFFER_HIGH = 256 * 1024
 
 
+class HalfOpen:
+    """Connections accepted but not yet CONNECTed (or still authenticating), oldest first.
+
+    At most ``limit`` (``max_connecting``) of them: a new socket at the limit closes the
+    oldest one still waiting for its CONNECT, so sockets that never finish a CONNECT cannot
+    lock real clients out (issue 10 item 9); when every one is authenticating, the new
+    socket is refused instead.  Connected clients are counted apart (``max_connections``).
+    """
+
+    __slots__ = ("limit", "conns")
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.conns: dict[Connection, None] = {}  # insertion order = accept order
+
+    def _prune(self) -> None:
+        for conn in [c for c in self.conns if c.closed or c.state == CONNECTED]:
+            del self.conns[conn]
+
+    def admit(self, conn: Connection) -> bool:
+        """Register ``conn``; False if it must be refused (all half-open ones authenticating)."""
+        if len(self.conns) >= self.limit:
+            self._prune()
+        while len(self.conns) >= self.limit:
+            oldest = next((c for c in self.conns if c.state == AWAITING_CONNECT), None)
+            if oldest is None:
+                return False
+            del self.conns[oldest]
+            oldest.close(f"max_connecting ({self.limit}) half-open connections reached; the oldest "
+                         f"makes room for a new one", will=False, level=logging.INFO)
+        self.conns[conn] = None
+        return True
+
+
 class _MQTTProtocol(asyncio.Protocol):
     """Bytes between one socket and its :class:`Connection`."""
 
-    __slots__ = ("core", "conn", "max_packet_size", "max_inflight")
+    __slots__ = ("core", "conn", "max_packet_size", "max_inflight", "half_open", "transport",
+                 "reading", "identity_as_username")
 
-    def __init__(self, core: BrokerCore, max_packet_size: int, max_inflight: int) -> None:
+    def __init__(self, core: BrokerCore, max_packet_size: int, max_inflight: int,
+                 half_open: HalfOpen | None = None, identity_as_username: bool = False) -> None:
         self.core = core
         self.conn: Connection | None = None
         self.max_packet_size = max_packet_size
         self.max_inflight = max_inflight
+        self.half_open = half_open
+        self.transport: asyncio.Transport | None = None
+        self.reading = True
+        self.identity_as_username = identity_as_username
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
         peername = transport.get_extra_info("peername")
         peer = f"{peername[0]}:{peername[1]}" if isinstance(peername, tuple) else str(peername)
         core = self.core
-        if core.at_capacity():
+        # max_connections counts connected clients; half-open sockets have their own cap.
+        if len(core.connections) >= core.config.max_connections:
             log.warning("refusing connection from %s: max_connections (%d) reached",
                         peer, core.config.max_connections)
             transport.close()
@@ -72,8 +116,38 @@ class _MQTTProtocol(asyncio.Protocol):
         transport.set_write_buffer_limits(high=WRITE_BUFFER_HIGH)
         conn = Connection(core, peer, transport, max_packet_size=self.max_packet_size,
                           max_inflight=self.max_inflight)
+        if self.identity_as_username:
+            # use_identity_as_username: the verified client certificate's CN is the username.
+            conn.identity = certificate_cn(transport.get_extra_info("peercert"))
+            if conn.identity is None:
+                log.warning("refusing connection from %s: its client certificate has no CN "
+                            "(use_identity_as_username)", peer)
+                transport.close()
+                return
+        if self.half_open is not None and not self.half_open.admit(conn):
+            log.warning("refusing connection from %s: max_connecting (%d) connections are "
+                        "authenticating", peer, self.half_open.limit)
+            transport.close()
+            return
         self.conn = conn
+        self.transport = transport
+        conn.reading_changed = self._update_reading
         core.new_connection(conn)
+
+    def _update_reading(self) -> None:
+        """Read from the socket only while the connection can take input: not while its
+        password is checked, and not while its output is backed up (issue 10 item 10: a
+        client that never reads must not have its PINGREQs answered without limit)."""
+        conn, transport = self.conn, self.transport
+        if conn is None or transport is None or conn.closed:
+            return
+        want = not conn.paused and conn.state != AUTHENTICATING
+        if want != self.reading:
+            self.reading = want
+            if want:
+                transport.resume_reading()
+            else:
+                transport.pause_reading()
 
     def data_received(self, data: bytes) -> None:
         conn = self.conn
@@ -82,6 +156,7 @@ class _MQTTProtocol(asyncio.Protocol):
         self.core.stats.received_bytes(len(data))
         conn.receive_data(data)
         self.core.flush()
+        self._update_reading()
 
     def eof_received(self) -> bool | None:
         return None  # close the transport; connection_lost follows
@@ -97,13 +172,64 @@ class _MQTTProtocol(asyncio.Protocol):
     def pause_writing(self) -> None:
         if self.conn is not None:
             self.conn.paused = True
+            self._update_reading()
 
     def resume_writing(self) -> None:
         conn = self.conn
         if conn is not None:
             conn.paused = False
+            self._update_reading()
             self.core.pump(conn)
             self.core.flush()
+
+
+def certificate_cn(cert: object) -> str | None:
+    """The commonName of a peer certificate as ``SSLObject.getpeercert()`` returns it."""
+    if not isinstance(cert, dict):
+        return None
+    for rdn in cert.get("subject", ()):
+        for key, value in rdn:
+            if key == "commonName" and isinstance(value, str) and value:
+                return value
+    return None
+
+
+def tls_context(listener: Listener) -> ssl.SSLContext:
+    """A server context from the listener's files; raises OSError / ssl.SSLError.
+
+    Built from ``PROTOCOL_TLS_SERVER``, not ``create_default_context``: the latter trusts the
+    system's CAs for client certificates, and any public certificate with a CN would then
+    log in under that name with ``use_identity_as_username``.  Only ``tls_ca`` is trusted.
+    """
+    assert listener.tls_cert is not None
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    ctx.load_cert_chain(listener.tls_cert, listener.tls_key)
+    if listener.tls_ca is not None:
+        ctx.load_verify_locations(listener.tls_ca)
+        ctx.verify_mode = ssl.CERT_REQUIRED if listener.require_certificate else ssl.CERT_OPTIONAL
+    return ctx
+
+
+class _TlsListener:
+    """A TLS listener's context, replaceable while it listens (:meth:`Broker.reload_tls`).
+
+    asyncio binds one SSLContext to a server for its lifetime; that first context's SNI
+    callback -- called for every handshake, with or without a server name -- hands each new
+    connection the current context, so reloaded certificates serve new connections and
+    established ones keep theirs.
+    """
+
+    def __init__(self, listener: Listener, ctx: ssl.SSLContext) -> None:
+        self.listener = listener
+        self.base = ctx
+        self.current = ctx
+        ctx.sni_callback = self._pick
+
+    def _pick(self, sslobj: ssl.SSLObject, name: str | None, ctx: ssl.SSLContext) -> None:
+        current = self.current
+        if current is not ctx:
+            sslobj.context = current
 
 
 def log_config(config: Config) -> LogConfig:
@@ -124,6 +250,9 @@ class Broker:
         self.publish_hook = publish_hook
         self.port = config.broker.port
         self.tls_port: int | None = None
+        self.listeners = broker_listeners(config)
+        self.ports: list[int] = []  # actual port of each listener, in config order
+        self._tls: list[_TlsListener] = []
         self.queue: Queue | None = None
         self.core: BrokerCore | None = None
         self.stats = BrokerStats(started_at=time.monotonic())
@@ -141,14 +270,24 @@ class Broker:
         started = time.perf_counter()
         passwords = PasswordFile.load(b.password_file) if b.password_file else None
         acl = Acl.load(b.acl_file)
-        ssl_ctx = None
-        if b.tls_cert is not None:
-            ssl_ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        contexts: list[ssl.SSLContext | None] = []
+        for lst in self.listeners:
+            if lst.tls:
+                try:
+                    contexts.append(tls_context(lst))
+                except (OSError, ssl.SSLError) as exc:
+                    key = "listener" if self.config.listener else "broker.tls_cert"
+                    raise ConfigError(f"cannot load TLS certificate {lst.tls_cert} / key {lst.tls_key}"
+                                      f"{f' / CA {lst.tls_ca}' if lst.tls_ca else ''} of listener "
+                                      f"{lst.describe()}: {exc}", key=key) from exc
+            else:
+                contexts.append(None)
+        if any(lst.protocol == "websockets" for lst in self.listeners):
             try:
-                ssl_ctx.load_cert_chain(b.tls_cert, b.tls_key)
-            except (OSError, ssl.SSLError) as exc:
-                raise ConfigError(f"cannot load TLS certificate {b.tls_cert} / key {b.tls_key}: {exc}",
-                                  key="broker.tls_cert") from exc
+                import filemq.broker.websocket  # noqa: F401  (the optional wsproto)
+            except ImportError as exc:
+                raise ConfigError("a protocol = \"websockets\" listener needs wsproto: "
+                                  "pip install 'filemq[websockets]'", key="listener") from exc
         # Housekeeping once a second: an idle broker must not wake up more often.
         queue = Queue.open(self.data_dir, QueueConfig(log=log_config(self.config),
                                                        housekeeping_interval_ms=1000))
@@ -167,18 +306,32 @@ class Broker:
         self.recovery_seconds = time.perf_counter() - started
         loop = asyncio.get_running_loop()
 
-        def factory() -> _MQTTProtocol:
-            return _MQTTProtocol(core, b.max_packet_size, b.max_inflight)
+        half_open = HalfOpen(b.max_connecting)
+
+        def factory_for(lst: Listener) -> Callable[[], asyncio.Protocol]:
+            def mqtt() -> _MQTTProtocol:
+                return _MQTTProtocol(core, b.max_packet_size, b.max_inflight, half_open,
+                                     identity_as_username=lst.use_identity_as_username)
+
+            if lst.protocol != "websockets":
+                return mqtt
+            from filemq.broker.websocket import WebSocketProtocol
+
+            return lambda: WebSocketProtocol(mqtt())
 
         try:
-            server = await loop.create_server(factory, b.host, b.port, reuse_address=True, backlog=1024)
-            self._servers.append(server)
-            self.port = server.sockets[0].getsockname()[1]
-            if ssl_ctx is not None:
-                tls = await loop.create_server(factory, b.host, b.tls_port, ssl=ssl_ctx,
-                                               reuse_address=True, backlog=1024)
-                self._servers.append(tls)
-                self.tls_port = tls.sockets[0].getsockname()[1]
+            for lst, ctx in zip(self.listeners, contexts, strict=True):
+                server = await loop.create_server(factory_for(lst), lst.host, lst.port, ssl=ctx,
+                                                  reuse_address=True, backlog=1024)
+                self._servers.append(server)
+                port = server.sockets[0].getsockname()[1]
+                self.ports.append(port)
+                if ctx is not None:
+                    self._tls.append(_TlsListener(lst, ctx))
+                    if self.tls_port is None and lst.protocol == "mqtt":
+                        self.tls_port = port
+            plain = [p for lst, p in zip(self.listeners, self.ports, strict=True) if not lst.tls]
+            self.port = plain[0] if plain else self.ports[0]
         except OSError:
             for s in self._servers:
                 s.close()
@@ -188,8 +341,9 @@ class Broker:
         # already accepts connections: the replay may be long if the snapshot is old or missing.
         self._start_retained_recovery(core, queue)
         self._ticker = loop.create_task(self._tick_loop(), name="filemq-broker-tick")
-        log.info("broker listening on %s:%d%s, data dir %s, %d records, recovered in %.0f ms",
-                 b.host, self.port, f" (TLS on {self.tls_port})" if self.tls_port else "",
+        log.info("broker listening on %s, data dir %s, %d records, recovered in %.0f ms",
+                 ", ".join(dataclasses.replace(lst, port=p).describe()
+                           for lst, p in zip(self.listeners, self.ports, strict=True)),
                  self.data_dir, queue.log.next_offset - queue.log.first_offset,
                  self.recovery_seconds * 1000)
 
@@ -295,9 +449,10 @@ class Broker:
         log.info("broker stopped")
 
     def reload(self) -> bool:
-        """Re-read the password file and the ACL file (SIGHUP); no connection is dropped.
+        """Re-read the password file, the ACL file and every TLS listener's certificate files
+        (SIGHUP); no connection is dropped.
 
-        The one place a reload happens (the TLS certificate reload belongs here too). Each file
+        The one place a reload happens (TLS: :meth:`reload_tls`). Each file
         is parsed in full first; one that cannot be read or parsed is logged (ERROR, with the
         line) and the one in force stays. A new password file applies to every later CONNECT
         (its login cache starts empty; connected clients stay logged in); a new ACL applies at
@@ -327,12 +482,43 @@ class Broker:
             else:
                 core.set_acl(acl)
                 log.info("reload: ACL file %s in force for %d connected clients", b.acl_file, len(core.connections))
+        if not self.reload_tls():
+            ok = False
         return ok
 
     @property
     def listening(self) -> str:
-        b = self.config.broker
-        return f"{b.host}:{self.port}"
+        """``host:port`` of the first plain listener (or the first one); with ``[[listener]]``
+        tables, the others follow as ``(also mqtts://host:port, ws://host:port)``."""
+        bound = [dataclasses.replace(lst, port=p) for lst, p in zip(self.listeners, self.ports, strict=False)]
+        plain = [lst for lst in self.listeners if not lst.tls]
+        first = (plain or list(self.listeners))[0]
+        text = f"{first.host}:{self.port}"
+        if self.config.listener and len(bound) > 1:
+            main = bound[self.listeners.index(first)]
+            text += " (also " + ", ".join(lst.describe() for lst in bound if lst is not main) + ")"
+        return text
+
+    def reload_tls(self) -> bool:
+        """Rebuild every TLS listener's context from its files (SIGHUP).
+
+        New connections get the new certificates; connections already open keep theirs.  A
+        listener whose files fail to load keeps its old context, and the reason is logged.
+        Returns True when every TLS listener was reloaded.
+        """
+        ok = True
+        for tls in self._tls:
+            lst = tls.listener
+            try:
+                tls.current = tls_context(lst)
+            except (OSError, ssl.SSLError) as exc:
+                ok = False
+                log.error("reloading TLS files of listener %s (%s, %s%s) failed: %s; it keeps its "
+                          "previous certificates", lst.describe(), lst.tls_cert, lst.tls_key,
+                          f", {lst.tls_ca}" if lst.tls_ca else "", exc)
+            else:
+                log.info("listener %s: TLS certificate %s reloaded", lst.describe(), lst.tls_cert)
+        return ok
 
     # ---- once a second -------------------------------------------------------------------
 
@@ -368,7 +554,8 @@ class Broker:
                         self.stats.remove_backlog(name)
                     for name, lag in backlog.items():
                         self.stats.set_backlog(name, lag)
-                    core.publish_sys(self.stats.sys_messages(now))
+                    # The backlog topics are the complete set: a dropped group's topic goes away.
+                    core.publish_sys(self.stats.sys_messages(now), replace=SYS_PREFIX + "backlog/")
                 if now >= next_snapshot and core.retained_ready:
                     next_snapshot = now + RETAINED_SNAPSHOT_INTERVAL_S
                     routed = core.routed_offset

@@ -10,7 +10,10 @@ routing, subscriptions, retained messages, wills -- is delegated to the
 What a caller may rely on:
 
 * The first packet must be CONNECT and a second CONNECT is a protocol violation; either
-  closes the connection.  Any :class:`~filemq.mqtt.ProtocolError` closes it too, with the
+  closes the connection.  Before CONNACK no packet may be larger than
+  :data:`MAX_CONNECT_PACKET` (nor ``max_packet_size``), and at most that many bytes are held
+  for the connection; the CONNECT must be complete ``connect_timeout`` after the accept,
+  however slowly its bytes arrive.  Any :class:`~filemq.mqtt.ProtocolError` closes it too, with the
   reason logged with client id and peer.  :meth:`receive_data` never raises.
 * A QoS 1 PUBACK / QoS 2 PUBREC is queued only after the record's group-commit future has
   resolved (``ack_ready`` is driven by the core from the future's callback), in arrival
@@ -29,6 +32,8 @@ from typing import TYPE_CHECKING, Protocol
 
 from filemq.mqtt.codec import Decoder, ProtocolError, encode
 from filemq.mqtt.packets import (
+    CONNACK_SERVER_UNAVAILABLE,
+    Connack,
     Connect,
     Disconnect,
     Pingreq,
@@ -43,6 +48,7 @@ from filemq.mqtt.packets import (
 
 if TYPE_CHECKING:
     import asyncio
+    from collections.abc import Callable
 
     from filemq.acl import ClientAcl
     from filemq.broker.core import BrokerCore, SessionState
@@ -50,7 +56,12 @@ if TYPE_CHECKING:
 log = logging.getLogger("filemq.broker")
 
 PINGRESP = b"\xd0\x00"
-MAX_BACKLOG = 1000  # packets buffered while a CONNECT's password is being checked
+# The largest CONNECT MQTT 3.1.1 allows: fixed header (5 bytes), variable header (10) and five
+# length-prefixed fields of at most 65,535 bytes (client id, will topic, will message,
+# username, password).  Before CONNACK no larger packet is accepted, and no more bytes than
+# this are buffered for a connection: an unauthenticated socket cannot make the broker hold
+# a 1 MiB "CONNECT" (issue 10 item 9).
+MAX_CONNECT_PACKET = 5 + 10 + 5 * (2 + 65535)
 
 AWAITING_CONNECT = "awaiting-connect"
 AUTHENTICATING = "authenticating"
@@ -72,8 +83,8 @@ class Connection:
     __slots__ = (
         "core", "peer", "transport", "decoder", "state", "out", "client_id", "username",
         "keepalive", "last_rx", "will", "session", "acl", "pending_acks", "closed",
-        "close_reason", "publish_will", "paused", "backlog", "max_inflight", "last_batch",
-        "connected_at",
+        "close_reason", "publish_will", "paused", "max_inflight", "last_batch",
+        "connected_at", "max_packet_size", "reading_changed", "identity",
     )
 
     def __init__(
@@ -89,14 +100,18 @@ class Connection:
         self.core = core
         self.peer = peer
         self.transport = transport
-        self.decoder = Decoder(max_packet_size, server=True)
+        self.max_packet_size = max_packet_size  # after CONNACK; less before (MAX_CONNECT_PACKET)
+        self.decoder = Decoder(min(max_packet_size, MAX_CONNECT_PACKET), server=True)
         self.state = AWAITING_CONNECT
         self.out = bytearray()
         self.client_id = ""
         self.username: str | None = None
+        # The verified client certificate's CN on a use_identity_as_username listener: it is
+        # the username, and the password file is not consulted.
+        self.identity: str | None = None
         self.keepalive = 0
         self.last_rx = time.monotonic() if now is None else now
-        self.connected_at = self.last_rx
+        self.connected_at = self.last_rx  # the accept: the CONNECT deadline counts from here
         self.will: Publish | None = None
         self.session: SessionState | None = None
         self.acl: ClientAcl | None = None
@@ -106,7 +121,9 @@ class Connection:
         self.close_reason = ""
         self.publish_will = False
         self.paused = False  # the transport's buffer is full: do not push deliveries
-        self.backlog: list[object] = []  # packets decoded while authenticating
+        # Called when the connection may want reading paused/resumed (the asyncio shell
+        # reads nothing while the password is checked or while ``paused``).
+        self.reading_changed: Callable[[], None] | None = None
         self.max_inflight = max_inflight
         self.last_batch: asyncio.Future[None] | None = None  # the commit batch it last joined
 
@@ -141,6 +158,16 @@ class Connection:
                 return
         try:
             self.decoder.feed(data)
+        except ProtocolError as exc:
+            self.close(f"protocol error: {exc.reason}", will=True, level=logging.WARNING)
+            return
+        if self.state != CONNECTED:
+            self._receive_before_connack()
+        else:
+            self._handle_buffered()
+
+    def _handle_buffered(self) -> None:
+        try:
             packets = self.decoder.packets()
         except ProtocolError as exc:
             self.close(f"protocol error: {exc.reason}", will=True, level=logging.WARNING)
@@ -152,16 +179,35 @@ class Connection:
             log.exception("client %r from %s: internal error", self.client_id, self.peer)
             self.close(f"internal error: {exc!r}", will=True, level=logging.ERROR)
 
+    def _receive_before_connack(self) -> None:
+        """Decode the CONNECT alone (under the pre-CONNECT size cap); bytes behind it wait,
+        undecoded and bounded, until the CONNECT is accepted (maybe after a password check)."""
+        try:
+            while self.state == AWAITING_CONNECT:
+                packet = self.decoder.next_packet()
+                if packet is None:
+                    break
+                self.handle_packets((packet,))
+        except ProtocolError as exc:
+            self.close(f"protocol error: {exc.reason}", will=False, level=logging.WARNING)
+            return
+        except Exception as exc:
+            log.exception("client %r from %s: internal error", self.client_id, self.peer)
+            self.close(f"internal error: {exc!r}", will=False, level=logging.ERROR)
+            return
+        if self.closed:
+            return
+        if self.state == CONNECTED:
+            self.decoder.max_packet_size = self.max_packet_size
+            self._handle_buffered()
+        elif self.decoder.buffered > MAX_CONNECT_PACKET:
+            self.close(f"more than {MAX_CONNECT_PACKET} bytes sent before CONNACK", will=False,
+                       level=logging.WARNING)
+
     def handle_packets(self, packets: Sequence[object]) -> None:
         core = self.core
-        for i, packet in enumerate(packets):
+        for packet in packets:
             if self.closed:
-                return
-            if self.state == AUTHENTICATING:
-                self.backlog.extend(packets[i:])
-                if len(self.backlog) > MAX_BACKLOG:
-                    self.close(f"more than {MAX_BACKLOG} packets sent before CONNACK", will=False,
-                               level=logging.WARNING)
                 return
             try:
                 if type(packet) is Publish:
@@ -174,6 +220,8 @@ class Connection:
                 elif type(packet) is Connect:
                     if self.state != AWAITING_CONNECT:
                         raise ProtocolError("second CONNECT on one connection")
+                    if self._server_full(packet.client_id):
+                        return
                     core.on_connect(self, packet)
                 elif type(packet) is Pubrec:
                     self._require_connected("PUBREC")
@@ -207,11 +255,28 @@ class Connection:
         if self.state != CONNECTED:
             raise ProtocolError(f"{name} before CONNECT (the first packet must be CONNECT)")
 
+    def _server_full(self, client_id: str) -> bool:
+        """Refuse a CONNECT with CONNACK 3 when ``max_connections`` clients are connected
+        (a client taking over its own id does not add one).  Half-open connections do not
+        count: they are capped apart (``max_connecting``, in the asyncio shell)."""
+        core = self.core
+        limit = core.config.max_connections
+        if len(core.connections) < limit or client_id in core.connections:
+            return False
+        self.send_packet(Connack(False, CONNACK_SERVER_UNAVAILABLE))
+        self.close(f"CONNECT refused (server unavailable): max_connections ({limit}) clients connected",
+                   will=False, level=logging.WARNING)
+        return True
+
     def resume_after_auth(self) -> None:
-        """Handle packets that arrived while the CONNECT was being authenticated."""
-        backlog, self.backlog = self.backlog, []
-        if backlog and not self.closed:
-            self.handle_packets(backlog)
+        """Handle the bytes that arrived while the CONNECT was being authenticated."""
+        if self.closed:
+            return
+        if self.state == CONNECTED:
+            self.decoder.max_packet_size = self.max_packet_size
+            self._handle_buffered()
+        if self.reading_changed is not None and not self.closed:
+            self.reading_changed()
 
     # ---- bytes out ---------------------------------------------------------------------
 
@@ -291,5 +356,6 @@ class Connection:
     def keepalive_expired(self, now: float) -> bool:
         """True when no packet arrived for 1.5 x keepalive (spec 3.1.2.10)."""
         if self.state == AWAITING_CONNECT:
-            return now - self.last_rx > self.core.connect_timeout
+            # Absolute from the accept: a byte trickled now and then must not extend it.
+            return now - self.connected_at > self.core.connect_timeout
         return self.keepalive > 0 and now - self.last_rx > self.keepalive * 1.5

@@ -14,9 +14,12 @@ a reader sees the old or the new version after a crash, never a mix.  What it ho
   client's ACL allows every stored subscription -- otherwise it is refused.
 * ``qos2_inbound``: packet ids of QoS 2 PUBLISHes that were stored and PUBREC'ed but whose
   PUBREL has not been seen.  Added ids are written *after* the record's commit and *before*
-  the PUBREC goes out; removals (PUBREL) are written lazily with the next write.  So after a
-  crash the set may hold stale ids; the broker treats a loaded id as a duplicate only when
-  the re-sent PUBLISH has DUP = 1 (see docs/BROKER.md, "QoS 2 inbound").
+  the PUBREC goes out; removals are written *before* the PUBCOMP goes out.  So the set on
+  disk is exact: an id in it names a stored message whose PUBREL was not answered, and a
+  PUBLISH with that id can only be a re-send of it (see docs/BROKER.md, "QoS 2 inbound").
+  ``qos2_offsets`` maps each id to its record's log offset, so after a restart the broker
+  checks a re-sent PUBLISH against that record before it answers PUBREC without storing.
+  The broker writes in a worker thread (:meth:`SessionStore.write`), never on the event loop.
 
 The message backlog is not here: it stays in the log, behind the session's consumer group
 (:mod:`filemq.groups`).  Writes happen on SUBSCRIBE/UNSUBSCRIBE and on QoS 2 traffic, never
@@ -28,6 +31,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -58,6 +62,8 @@ class StoredSession:
     client_id: str
     subscriptions: dict[str, StoredSubscription] = field(default_factory=dict)
     qos2_inbound: set[int] = field(default_factory=set)
+    # id -> log offset of the stored message (files before this field have none).
+    qos2_offsets: dict[int, int] = field(default_factory=dict)
     owner: str | None = None  # the username that created the session (None: anonymous)
     owner_known: bool = True  # False: a file from before owners were recorded
 
@@ -70,6 +76,7 @@ class StoredSession:
                 f: {"qos": s.qos, "start": s.start} for f, s in sorted(self.subscriptions.items())
             },
             "qos2_inbound": sorted(self.qos2_inbound),
+            "qos2_offsets": {str(pid): off for pid, off in sorted(self.qos2_offsets.items())},
         }
         return json.dumps(body, ensure_ascii=True, separators=(",", ":")).encode("ascii") + b"\n"
 
@@ -108,7 +115,23 @@ class StoredSession:
             if not isinstance(pid, int) or not 0 < pid <= 0xFFFF:
                 raise CorruptSession(path, f"bad QoS 2 packet id {pid!r}")
             session.qos2_inbound.add(pid)
+        offsets = raw.get("qos2_offsets", {})
+        if not isinstance(offsets, dict):
+            raise CorruptSession(path, "qos2_offsets is not an object")
+        for key, off in offsets.items():
+            if not key.isdigit() or int(key) not in session.qos2_inbound or not isinstance(off, int) or off < 0:
+                raise CorruptSession(path, f"bad qos2_offsets entry {key!r}: {off!r}")
+            session.qos2_offsets[int(key)] = off
         return session
+
+
+@dataclass(frozen=True, slots=True)
+class SessionSnapshot:
+    """A session's file content at one moment; ``seq`` orders snapshots of one store."""
+
+    client_id: str
+    seq: int
+    data: bytes
 
 
 class CorruptSession(ValueError):
@@ -134,6 +157,10 @@ class SessionStore:
         self._fileio = fileio
         os.makedirs(self.directory, exist_ok=True)
         self.writes = 0
+        self._seq = 0  # snapshot numbers (event loop thread)
+        self._written: dict[str, int] = {}  # client id -> number of the snapshot on disk
+        self._locks: dict[str, threading.Lock] = {}
+        self._locks_lock = threading.Lock()
 
     def path_of(self, client_id: str) -> Path:
         return self.directory / (escape_group_name(client_id) + ".json")
@@ -157,17 +184,45 @@ class SessionStore:
         return session
 
     def save(self, session: StoredSession) -> None:
-        atomic_write(self.path_of(session.client_id), session.to_json(), self._fileio)
-        self.writes += 1
+        self.write(self.snapshot(session))
+
+    def snapshot(self, session: StoredSession) -> SessionSnapshot:
+        """``session`` as it is now, numbered; pass it to :meth:`write` (possibly in a thread).
+
+        Call on the thread that changes the sessions (the event loop): the numbers order the
+        snapshots as the state changed."""
+        self._seq += 1
+        return SessionSnapshot(session.client_id, self._seq, session.to_json())
+
+    def write(self, snap: SessionSnapshot) -> None:
+        """Write ``snap`` durably (any thread).  A snapshot older than the one last written
+        (or than a :meth:`delete`) for the same client is skipped: a slow write never
+        replaces newer state."""
+        with self._lock_of(snap.client_id):
+            if snap.seq <= self._written.get(snap.client_id, 0):
+                return
+            atomic_write(self.path_of(snap.client_id), snap.data, self._fileio)
+            self._written[snap.client_id] = snap.seq
+            self.writes += 1
+
+    def _lock_of(self, client_id: str) -> threading.Lock:
+        with self._locks_lock:
+            lock = self._locks.get(client_id)
+            if lock is None:
+                lock = self._locks[client_id] = threading.Lock()
+            return lock
 
     def delete(self, client_id: str) -> bool:
         """Forget a session (clean_session = 1 discards the old one). True if a file existed."""
-        path = self.path_of(client_id)
-        if not path.exists():
-            return False
-        self._fileio.unlink(path)
-        self._fileio.fsync_dir(self.directory)
-        return True
+        self._seq += 1
+        with self._lock_of(client_id):
+            self._written[client_id] = self._seq  # a write still in flight must not revive it
+            path = self.path_of(client_id)
+            if not path.exists():
+                return False
+            self._fileio.unlink(path)
+            self._fileio.fsync_dir(self.directory)
+            return True
 
     def client_ids(self) -> Iterator[str]:
         """Client ids of every readable stored session (for status output and tests)."""

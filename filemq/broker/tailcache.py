@@ -9,7 +9,10 @@ What a caller may rely on: :meth:`read` returns exactly what ``Log.read`` would 
 ``>= offset`` and ``< committed_offset``, in order, gaps where the log has gaps); memory is
 bounded by about ``max_bytes`` (payload + topic + a per-record overhead estimate).
 Records are added with :meth:`put` only once they are committed, so a failed commit (whose
-offsets the log reuses) can never leave a stale record here.
+offsets the log reuses) can never leave a stale record here.  With :attr:`limit` set (the
+broker sets it to its routed offset), readers see nothing at or after it, even if the log
+committed it already: a group never reads a record before the broker routed it (applied
+it to the retained store), which is what lets a SUBSCRIBE start exactly at that offset.
 
 Two parts: the *tail*, a list of consecutive committed records (a hit is one C-level list
 slice, whatever ``max_records`` the group asks for), and a small FIFO of read-ahead
@@ -49,6 +52,7 @@ class TailCache:
         self._ahead_bytes = 0
         self.hits = 0
         self.misses = 0
+        self.limit: int | None = None  # records >= limit are not visible yet (None: the log's)
 
     @property
     def first_offset(self) -> int:
@@ -60,7 +64,9 @@ class TailCache:
 
     @property
     def committed_offset(self) -> int:
-        return self._log.committed_offset
+        committed = self._log.committed_offset
+        limit = self.limit
+        return committed if limit is None or limit > committed else limit
 
     def __len__(self) -> int:
         return len(self._tail) + len(self._ahead)
@@ -124,8 +130,8 @@ class TailCache:
         self._ahead_bytes = 0
 
     def read(self, offset: int, max_records: int = 1000, max_bytes: int = 1 << 20) -> list[Record]:
-        """Same contract as ``Log.read``; served from memory where possible."""
-        committed = self._log.committed_offset
+        """Same contract as ``Log.read`` (up to :attr:`committed_offset`); served from memory where possible."""
+        committed = self.committed_offset
         if max_records <= 0 or offset >= committed:
             return []
         base = self._base
@@ -163,6 +169,8 @@ class TailCache:
             if r.offset < tail_start:
                 self._put_ahead(r)
         for r in more[:want]:
+            if r.offset >= committed:
+                break
             size = len(r.payload) + len(r.topic) + _FRAME
             if out and total + size > max_bytes:
                 break

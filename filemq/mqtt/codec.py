@@ -543,6 +543,18 @@ class Decoder:
         """Bytes received but not yet returned as packets."""
         return len(self._buf) - self._pos
 
+    @property
+    def max_packet_size(self) -> int:
+        """The largest packet accepted; may be changed between packets (the broker accepts
+        only CONNECT-sized packets before CONNECT, its configured limit afterwards)."""
+        return self._max
+
+    @max_packet_size.setter
+    def max_packet_size(self, value: int) -> None:
+        if value < 2:
+            raise ValueError(f"max_packet_size must be at least 2 bytes, got {value}")
+        self._max = value
+
     def feed(self, data: bytes | bytearray | memoryview) -> None:
         """Append received bytes; decoding happens in :meth:`packets` / :meth:`next_packet`."""
         if self._error is not None:

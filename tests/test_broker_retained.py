@@ -1,0 +1,402 @@
+"""Retained messages and ``$SYS`` at the edges: the SUBSCRIBE race, bounded retained
+delivery, ``$SYS`` topics and rights.
+
+Packet level over raw sockets where it is protocol (MQTT 3.1.1 section and rule cited per
+test); the core-level tests use the fake queue of :mod:`tests.test_broker_session`, whose
+commits the test controls.  Every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from filemq.broker import Broker
+from filemq.config import load_config
+from filemq.mqtt.codec import Decoder, encode
+from filemq.mqtt.packets import Connack, Connect, Disconnect, Publish, Suback, Subscribe
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+# ---- packet-level helpers ---------------------------------------------------------------------
+
+
+def _recv_packets(s: socket.socket, dec: Decoder, until: float) -> list[Any]:
+    """The packets of the next read on ``s`` (empty at the monotonic deadline ``until``)."""
+    out: list[Any] = []
+    while not out:
+        left = until - time.monotonic()
+        if left <= 0:
+            return out
+        s.settimeout(left)
+        try:
+            data = s.recv(65536)
+        except TimeoutError:
+            return out
+        if not data:
+            return out
+        dec.feed(data)
+        out.extend(dec.packets())
+    return out
+
+
+def _connect(port: int, client_id: str) -> tuple[socket.socket, Decoder]:
+    s = socket.create_connection(("127.0.0.1", port), timeout=5)
+    s.sendall(encode(Connect(client_id=client_id)))
+    dec = Decoder(server=False)
+    got = _recv_packets(s, dec, time.monotonic() + 5)
+    assert got and isinstance(got[0], Connack) and got[0].return_code == 0, got
+    return s, dec
+
+
+def _publish_retained_then_subscribe(port: int, i: int, sub_qos: int, pub_qos: int) -> list[Any]:
+    """MQTT-3.3.1-6 as conformance suites test it: A publishes retained and disconnects at
+    once; B connects and subscribes right after.  Returns what B got besides its SUBACK."""
+    topic = f"test/topic/{i}"
+    a, _ = _connect(port, f"a{i}")
+    a.sendall(encode(Publish(topic, b"retained-%d" % i, pub_qos, True, packet_id=1 if pub_qos else None))
+              + encode(Disconnect()))
+    a.close()
+    b, dec = _connect(port, f"b{i}")
+    try:
+        b.sendall(encode(Subscribe(1, [(topic, sub_qos)])))
+        got: list[Any] = []
+        deadline = time.monotonic() + 1.0
+        while time.monotonic() < deadline and not any(isinstance(p, Publish) for p in got):
+            got.extend(_recv_packets(b, dec, min(deadline, time.monotonic() + 0.2)))
+        assert got and isinstance(got[0], Suback), got
+        return [p for p in got[1:] if isinstance(p, Publish)]
+    finally:
+        b.close()
+
+
+def _check_no_gap(port: int, rounds: int) -> None:
+    lost = []
+    for i in range(rounds):
+        qos = i % 3
+        pubs = _publish_retained_then_subscribe(port, i, qos, qos)
+        if [p.payload for p in pubs] != [b"retained-%d" % i]:
+            lost.append((i, pubs))
+    assert not lost, f"{len(lost)} of {rounds} subscribers missed the retained message: {lost[:3]}"
+
+
+def test_retained_published_just_before_subscribe_is_delivered_in_process(tmp_path: Path) -> None:
+    """MQTT-3.3.1-6 / 3.3.1-5: a retained message published and DISCONNECTed right before
+    another client's SUBSCRIBE reaches it (as retained or live), fsync = always."""
+    cfg = load_config(None, {"data_dir": str(tmp_path), "broker.port": 0, "log.fsync": "always"})
+
+    async def main() -> None:
+        broker = Broker(cfg)
+        await broker.start()
+        try:
+            await broker.wait_retained_ready()
+            await asyncio.to_thread(_check_no_gap, broker.port, 40)
+        finally:
+            await broker.stop()
+    asyncio.run(main())
+
+
+@contextlib.contextmanager
+def _broker_process(data_dir: Path, *args: str) -> Iterator[int]:
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "cli", "broker", "--data-dir", str(data_dir), "--port", "0", *args],
+        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        assert line.startswith("filemq broker listening on 127.0.0.1:"), line
+        yield int(line.split("127.0.0.1:")[1].split(",")[0])
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def test_retained_published_just_before_subscribe_is_delivered_by_the_broker_process(tmp_path: Path) -> None:
+    """MQTT-3.3.1-6 against `filemq broker` (fsync = always, its default)."""
+    with _broker_process(tmp_path) as port:
+        _check_no_gap(port, 40)
+
+
+# ---- the same race at core level, deterministic (the fake queue commits when told) -------------
+
+
+@pytest.mark.parametrize("qos", [0, 1, 2])
+@pytest.mark.parametrize("kind", ["clean", "persistent", "share"])
+def test_record_appended_before_subscribe_and_committed_after_is_delivered(
+        tmp_path: Path, qos: int, kind: str) -> None:
+    """MQTT-3.3.1-6: no gap between "retained when I subscribed" and "live after": a record
+    appended before the SUBSCRIBE but committed after it is not in the retained store at
+    SUBSCRIBE time, so it must arrive live -- at every QoS, and for ``$share`` members too
+    (which get no retained messages, as in MQTT 5)."""
+    from tests.test_broker_session import Harness
+
+    async def main() -> None:
+        h = Harness(tmp_path)
+        p = h.connected("p")
+        p.send(Publish("test/topic", b"v1", qos, True, packet_id=1 if qos else None))
+        assert h.queue.log.committed_offset == 0  # appended, not committed
+        s = h.connected("s", clean=kind != "persistent")
+        f = "$share/g/test/topic" if kind == "share" else "test/topic"
+        s.send(Subscribe(1, [(f, qos)]))
+        assert s.received() == [Suback(1, [qos])]
+        await h.commit()
+        got = [(m.topic, m.payload, m.qos) for m in s.received() if isinstance(m, Publish)]
+        assert got == [("test/topic", b"v1", qos)]
+    from tests.test_broker_session import run
+    run(main())
+
+
+def test_record_committed_but_not_yet_routed_is_not_skipped_by_a_new_filter(tmp_path: Path) -> None:
+    """The log's commit becomes visible (committed_offset, set by the commit thread) before the
+    broker routes it: a persistent session's group must not read past the routed offset, or a
+    filter subscribed in between would miss a record that is neither retained nor live."""
+    from tests.test_broker_session import Harness, run
+
+    async def main() -> None:
+        h = Harness(tmp_path)
+        s = h.connected("s", clean=False, subscribe=Subscribe(1, [("other", 1)]))
+        p = h.connected("p")
+        p.send(Publish("test/topic", b"v1", 1, True, packet_id=1))
+        h.queue.log.committed_offset = h.queue.log.next_offset  # committed, listener not run yet
+        s.send(Subscribe(2, [("more", 1)]))  # pumps the session's group
+        s.send(Subscribe(3, [("test/topic", 1)]))
+        assert [type(m) for m in s.received()] == [Suback, Suback]
+        await h.commit()  # runs the commit listener: routes offset 0
+        got = [(m.topic, m.payload) for m in s.received() if isinstance(m, Publish)]
+        assert got == [("test/topic", b"v1")]
+    run(main())
+
+
+def test_retained_waiting_for_the_rebuild_are_not_sent_twice(tmp_path: Path) -> None:
+    """While the retained store is rebuilt at start-up a SUBSCRIBE waits; retained records
+    routed after the SUBSCRIBE reach it live, and the rebuilt store does not send them again."""
+    from filemq.retained import RetainedStore
+    from tests.test_broker_session import Harness, run
+
+    async def main() -> None:
+        h = Harness(tmp_path)
+        h.core.retained_ready = False
+        s = h.connected("s")
+        s.send(Subscribe(1, [("r/#", 0)]))
+        assert s.received() == [Suback(1, [0])]
+        p = h.connected("p")
+        p.send(Publish("r/a", b"after", 0, True))
+        await h.commit()
+        assert [(m.topic, m.payload, m.retain) for m in s.received()] == [("r/a", b"after", False)]
+        h.core.retained_recovered(RetainedStore(tmp_path))
+        assert s.received() == []
+    run(main())
+
+
+# ---- retained amplification (issue 10 item 8) ---------------------------------------------------
+
+
+class _PausingTransport:
+    """Buffers writes like asyncio's transport; over ``high`` bytes it pauses the connection
+    (what ``pause_writing`` does in the server) until the test drains it."""
+
+    def __init__(self, high: int) -> None:
+        self.high = high
+        self.buffered = 0
+        self.data = bytearray()
+        self.conn: Any = None
+        self.closed = False
+
+    def write(self, data: bytes) -> None:
+        self.buffered += len(data)
+        self.data += data
+        if self.buffered > self.high and self.conn is not None:
+            self.conn.paused = True
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_subscribes_of_a_client_that_does_not_read_queue_bounded_retained_bytes(tmp_path: Path) -> None:
+    """20 big retained messages and a client that never reads sending 30 SUBSCRIBEs to them:
+    the broker hands its transport at most about one high-water mark of retained PUBLISHes
+    (not 30 x 20 x 32 KiB); once the client reads, every retained message arrives, newest
+    values, retain = 1 (MQTT-3.3.1-8), QoS 1 ones within the in-flight window."""
+    from filemq.broker.core import RETAINED_OUT_HIGH
+    from filemq.broker.session import Connection
+    from filemq.mqtt.packets import Puback
+    from tests.test_broker_session import Harness, run
+
+    size = 32 * 1024
+
+    async def main() -> None:
+        h = Harness(tmp_path)
+        p = h.connected("p")
+        for i in range(20):
+            p.send(Publish(f"ret/{i}", bytes([i]) * size, 1, True, packet_id=i + 1))
+        await h.commit()
+        t = _PausingTransport(high=64 * 1024)
+        conn = Connection(h.core, "10.0.0.9:1", t, max_inflight=h.config.max_inflight)
+        t.conn = conn
+        h.core.new_connection(conn)
+        conn.receive_data(encode(Connect(client_id="slow")))
+        h.core.flush()
+        for i in range(30):
+            conn.receive_data(encode(Subscribe(i + 1, [("ret/#", i % 2)])))
+            h.core.flush()
+            for _ in range(3):
+                await asyncio.sleep(0)  # scheduled re-pumps run (and find the transport paused)
+        assert t.buffered <= t.high + RETAINED_OUT_HIGH + size + 4096, t.buffered
+        # The client reads now: drain like resume_writing does until nothing more comes.
+        dec = Decoder(server=False)
+        got: list[Any] = []
+        for _ in range(10_000):
+            dec.feed(bytes(t.data))
+            t.data.clear()
+            t.buffered = 0
+            new = dec.packets()
+            got.extend(new)
+            acks = [Puback(m.packet_id) for m in new if isinstance(m, Publish) and m.packet_id is not None]
+            conn.paused = False
+            if acks:
+                conn.receive_data(b"".join(encode(a) for a in acks))
+            h.core.pump(conn)
+            h.core.flush()
+            for _ in range(3):
+                await asyncio.sleep(0)
+            if not t.data:
+                break
+        pubs = [m for m in got if isinstance(m, Publish)]
+        assert {m.topic for m in pubs} == {f"ret/{i}" for i in range(20)}
+        assert all(m.retain and m.payload == bytes([int(m.topic[4:])]) * size for m in pubs)
+        assert len([m for m in got if isinstance(m, Suback)]) == 30
+        assert not h.core._retained_out
+    run(main())
+
+
+# ---- $SYS (issue 10 item 7) ---------------------------------------------------------------------
+
+
+def test_sys_deliveries_follow_acl_deny_rules(tmp_path: Path) -> None:
+    """A deny rule covers ``$SYS`` like any topic: neither the periodic messages nor the ones
+    sent on SUBSCRIBE reach a client denied them."""
+    from filemq.acl import Acl
+    from tests.test_broker_session import Harness, run
+
+    async def main() -> None:
+        h = Harness(tmp_path)
+        h.core.acl = Acl.parse("pattern read $SYS/#\npattern deny $SYS/broker/backlog/#\n")
+        s = h.connected("s", subscribe=Subscribe(1, [("$SYS/#", 0)]))
+        msgs = [("$SYS/broker/uptime", b"5 seconds"), ("$SYS/broker/backlog/mqtt-session:alice", b"7")]
+        h.core.publish_sys(msgs)
+        assert [m.topic for m in s.received()] == ["$SYS/broker/uptime"]
+        s2 = h.connected("s2")
+        s2.send(Subscribe(1, [("$SYS/#", 0)]))
+        out = s2.received()
+        assert out[0] == Suback(1, [0])
+        assert [m.topic for m in out[1:]] == ["$SYS/broker/uptime"]
+    run(main())
+
+
+def test_sys_topic_over_the_limit_is_skipped_once_not_fatal(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A 65,535-byte client id makes ``$SYS/broker/backlog/mqtt-session:<id>`` longer than a
+    topic may be (MQTT 1.5.3): it is skipped and counted with one warning, while new ``$SYS/#``
+    subscribers keep their connection and get every valid topic."""
+    from tests.test_broker_session import Harness, run
+
+    long_topic = "$SYS/broker/backlog/mqtt-session:" + "x" * 65535
+
+    async def main() -> None:
+        h = Harness(tmp_path)
+        s = h.connected("s", subscribe=Subscribe(1, [("$SYS/#", 0)]))
+        with caplog.at_level("WARNING", logger="filemq.broker"):
+            for _ in range(3):  # three ticks
+                h.core.publish_sys([(long_topic, b"1"), ("$SYS/broker/uptime", b"5 seconds")])
+        assert [m.topic for m in s.received()] == ["$SYS/broker/uptime"] * 3
+        assert h.stats.sys_skipped == 3
+        warnings = [r for r in caplog.records if "$SYS message not published" in r.getMessage()]
+        assert len(warnings) == 1 and warnings[0].exc_info is None
+        late = h.connected("late")
+        late.send(Subscribe(1, [("$SYS/#", 0)]))
+        out = late.received()
+        assert out[0] == Suback(1, [0]) and [m.topic for m in out[1:]] == ["$SYS/broker/uptime"]
+        assert not late.conn.closed
+    run(main())
+
+
+def test_sys_backlog_of_a_discarded_session_is_no_longer_retained(tmp_path: Path) -> None:
+    """The broker's backlog topics are published as a complete set: the backlog topic of a
+    session discarded since the previous tick is not sent to new subscribers any more, and
+    ``$SYS`` topics of another source (the agent's forwarder) are kept."""
+    from tests.test_broker_session import Harness, run
+
+    async def main() -> None:
+        h = Harness(tmp_path)
+        backlog = "$SYS/broker/backlog/"
+        h.core.publish_sys([(backlog + "mqtt-session:gone", b"3"), ("$SYS/broker/uptime", b"1 seconds")],
+                           replace=backlog)
+        h.core.publish_sys([("$SYS/broker/forwarder/lag", b"0")])
+        h.core.publish_sys([("$SYS/broker/uptime", b"2 seconds")], replace=backlog)
+        s = h.connected("s")
+        s.send(Subscribe(1, [("$SYS/#", 0)]))
+        assert sorted((m.topic, m.payload) for m in s.received()[1:]) == [
+            ("$SYS/broker/forwarder/lag", b"0"), ("$SYS/broker/uptime", b"2 seconds")]
+    run(main())
+
+
+def test_sys_backlog_of_a_discarded_session_disappears_in_the_broker(tmp_path: Path) -> None:
+    """End to end: a persistent session's backlog topic goes away once clean_session = 1
+    discards the session (within one ``sys_interval_s``)."""
+    cfg = load_config(None, {"data_dir": str(tmp_path), "broker.port": 0, "broker.sys_interval_s": 1})
+
+    def topics(port: int) -> set[str]:
+        s, dec = _connect(port, "watch")
+        try:
+            s.sendall(encode(Subscribe(1, [("$SYS/broker/backlog/#", 0)])))
+            got: list[Any] = []
+            deadline = time.monotonic() + 0.5
+            while time.monotonic() < deadline:
+                got.extend(_recv_packets(s, dec, deadline))
+            return {p.topic for p in got if isinstance(p, Publish)}
+        finally:
+            s.close()
+
+    async def until(cond: Any) -> None:
+        async with asyncio.timeout(5):
+            while not cond():
+                await asyncio.sleep(0.02)
+
+    async def main() -> None:
+        b = Broker(cfg)
+        await b.start()
+        try:
+            c = socket.create_connection(("127.0.0.1", b.port), timeout=5)
+            c.sendall(encode(Connect(client_id="dev", clean_session=False)) + encode(Subscribe(1, [("a", 1)])))
+            assert b.core is not None
+            core = b.core
+            await until(lambda: "a" in getattr(core.sessions.get("dev"), "subs", {}))
+            c.close()
+            await until(lambda: "$SYS/broker/backlog/mqtt-session:dev" in core.sys_retained)
+            assert "$SYS/broker/backlog/mqtt-session:dev" in await asyncio.to_thread(topics, b.port)
+            c = socket.create_connection(("127.0.0.1", b.port), timeout=5)
+            c.sendall(encode(Connect(client_id="dev", clean_session=True)) + encode(Disconnect()))
+            await until(lambda: "dev" not in core.sessions)
+            c.close()
+            await until(lambda: "$SYS/broker/backlog/mqtt-session:dev" not in core.sys_retained)
+            assert "$SYS/broker/backlog/mqtt-session:dev" not in await asyncio.to_thread(topics, b.port)
+        finally:
+            await b.stop()
+    asyncio.run(main())

@@ -1,0 +1,600 @@
+"""The broker's transport: connections before CONNECT, back-pressure, listeners (TCP, TLS,
+WebSockets).  Real sockets on loopback, port 0; every wait is bounded.
+
+Issue 10 item 9 (slowloris), item 10 (a client that never reads), issue 11 item 5 (listeners).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import shutil
+import socket
+import ssl
+import subprocess
+import threading
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from filemq.broker import Broker
+from filemq.broker.server import certificate_cn
+from filemq.broker.session import AWAITING_CONNECT, CLOSED, MAX_CONNECT_PACKET
+from filemq.config import (
+    Config,
+    ConfigError,
+    Listener,
+    broker_listeners,
+    flag_overrides,
+    load_config,
+)
+from filemq.mqtt.client import ConnectionLost, ConnectionRefused, MQTTClient
+from filemq.mqtt.codec import Decoder, encode
+from filemq.mqtt.packets import Connack, Connect, Pingreq, Publish
+from tests.test_broker_session import Harness
+
+# MQTT 3.1.1 CONNECT for client id "slow": fixed header + variable header + payload.
+_CONNECT = encode(Connect(client_id="slow"))
+
+
+def make_config(data_dir: Path, **broker: Any) -> Config:
+    overrides = {"data_dir": str(data_dir), "broker.port": 0}
+    overrides.update({f"broker.{k}": v for k, v in broker.items()})
+    return load_config(None, overrides)
+
+
+@contextlib.asynccontextmanager
+async def running(config: Config, **kw: Any) -> AsyncIterator[Broker]:
+    broker = Broker(config, **kw)
+    await broker.start()
+    try:
+        yield broker
+    finally:
+        await broker.stop()
+
+
+async def _closed_by_peer(reader: asyncio.StreamReader, timeout: float) -> bool:
+    """True when the broker closes the connection within ``timeout`` (EOF or reset)."""
+    try:
+        async with asyncio.timeout(timeout):
+            while await reader.read(65536):
+                pass
+    except TimeoutError:
+        return False
+    except ConnectionError:
+        return True
+    return True
+
+
+# ---- slowloris (issue 10 item 9) ------------------------------------------------------------
+
+
+def test_connect_deadline_is_absolute_from_accept(tmp_path: Path) -> None:
+    """A CONNECT trickled a byte at a time is cut off connect_timeout after the accept:
+    a byte received does not extend the deadline (it did: 1,000 such sockets locked out
+    every real client)."""
+
+    async def main() -> None:
+        h = Harness(tmp_path)
+        t0 = 1000.0
+        conn = h.client().conn
+        conn.connected_at = conn.last_rx = t0
+        timeout = h.core.connect_timeout
+        for i in range(len(_CONNECT) - 1):  # every byte but the last, well inside each deadline
+            now = t0 + (i + 1) * timeout / len(_CONNECT)
+            conn.receive_data(_CONNECT[i:i + 1], now=now)
+            assert not conn.closed
+        assert not conn.keepalive_expired(t0 + timeout - 0.01)
+        assert conn.keepalive_expired(t0 + timeout + 0.01)
+        h.core.tick(t0 + timeout + 0.01)
+        assert conn.state == CLOSED and "no CONNECT within" in conn.close_reason
+
+    asyncio.run(main())
+
+
+def test_half_open_sockets_do_not_lock_out_clients(tmp_path: Path) -> None:
+    """50 sockets that never finish their CONNECT, against max_connections = 20: real clients
+    still log in (0 of 3 did), because half-open connections are counted apart from connected
+    clients, and the oldest half-open one makes room for a new socket at max_connecting."""
+
+    async def main() -> None:
+        async with running(make_config(tmp_path, max_connections=20, max_connecting=8)) as b:
+            assert b.core is not None
+            held: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
+            try:
+                for _ in range(50):
+                    r, w = await asyncio.open_connection("127.0.0.1", b.port)
+                    w.write(_CONNECT[:3])
+                    held.append((r, w))
+                    await w.drain()
+                # Every socket was accepted and sent its bytes; only the 8 newest are kept.
+                async with asyncio.timeout(5):
+                    while sum(1 for c in b.core.conns if c.state == AWAITING_CONNECT) > 8:
+                        await asyncio.sleep(0.01)
+                for r, _ in held[:40]:
+                    assert await _closed_by_peer(r, 5)
+                for i in range(3):
+                    c = MQTTClient(f"real-{i}", port=b.port)
+                    ack = await c.connect(timeout=5)
+                    assert ack.return_code == 0
+                    await c.disconnect()
+                assert sum(1 for c in b.core.conns if c.state == AWAITING_CONNECT) <= 8
+            finally:
+                for _, w in held:
+                    w.close()
+
+    asyncio.run(main())
+
+
+def test_max_connections_counts_connected_clients_only(tmp_path: Path) -> None:
+    """max_connections bounds CONNECTed clients: with 2 connected, a third CONNECT gets
+    CONNACK 3 (server unavailable) and is closed; half-open sockets do not use the slots."""
+
+    async def main() -> None:
+        async with running(make_config(tmp_path, max_connections=2)) as b:
+            half = [await asyncio.open_connection("127.0.0.1", b.port) for _ in range(3)]
+            a, c = MQTTClient("a", port=b.port), MQTTClient("c", port=b.port)
+            await a.connect(timeout=5)
+            await c.connect(timeout=5)
+            r, w = await asyncio.open_connection("127.0.0.1", b.port)
+            w.write(encode(Connect(client_id="third")))
+            data = await asyncio.wait_for(r.read(4), 5)
+            assert data in (b"", b"\x20\x02\x00\x03")  # refused at accept, or CONNACK 3
+            assert await _closed_by_peer(r, 5)
+            w.close()
+            for _, hw in half:
+                hw.close()
+            await a.disconnect()
+            await c.disconnect()
+
+    asyncio.run(main())
+
+
+def test_pre_connect_packet_size_is_capped(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Before CONNECT a packet may be at most MAX_CONNECT_PACKET bytes (the largest CONNECT
+    3.1.1 allows): a socket announcing a 1 MiB CONNECT is closed at its fixed header instead
+    of having its bytes buffered (400 of them held 449 MB).  After CONNACK the configured
+    max_packet_size applies again, also to a PUBLISH sent right behind the CONNECT."""
+
+    async def main() -> None:
+        async with running(make_config(tmp_path, max_packet_size="1 MiB")) as b:
+            r, w = await asyncio.open_connection("127.0.0.1", b.port)
+            size = (1 << 20) - 5
+            header = bytes([0x10, 0x80 | (size & 0x7F), 0x80 | ((size >> 7) & 0x7F), size >> 14])
+            with caplog.at_level(logging.WARNING, "filemq.broker"):
+                w.write(header + b"\x00" * 65536)
+                assert await _closed_by_peer(r, 3)
+            assert "exceeds max_packet_size" in caplog.text
+            w.close()
+            # A large PUBLISH pipelined behind the CONNECT, in the same write, is accepted.
+            r, w = await asyncio.open_connection("127.0.0.1", b.port)
+            big = b"x" * (MAX_CONNECT_PACKET + 1000)
+            w.write(encode(Connect(client_id="pipe")) + encode(Publish("big", big, 1, False, False, 1)))
+            dec = Decoder(server=False)
+            got: list[Any] = []
+            async with asyncio.timeout(5):
+                while len(got) < 2:
+                    data = await r.read(65536)
+                    assert data
+                    dec.feed(data)
+                    got += dec.packets()
+            assert isinstance(got[0], Connack) and got[0].return_code == 0
+            assert got[1].packet_id == 1  # PUBACK
+            w.close()
+
+    asyncio.run(main())
+
+
+def test_pre_connect_buffer_is_bounded(tmp_path: Path) -> None:
+    """Whatever a connection sends before its CONNECT is complete, the broker holds at most
+    MAX_CONNECT_PACKET + one read of it (a partial CONNECT of the largest size is kept)."""
+
+    async def main() -> None:
+        h = Harness(tmp_path)
+        c = h.client()
+        size = MAX_CONNECT_PACKET - 4
+        header = bytes([0x10, 0x80 | (size & 0x7F), 0x80 | ((size >> 7) & 0x7F), size >> 14])
+        c.send_bytes(header + b"\x00" * (MAX_CONNECT_PACKET - 100))
+        assert not c.conn.closed  # within the cap: a slow but possible CONNECT
+        assert c.conn.decoder.buffered <= MAX_CONNECT_PACKET
+        c2 = h.client()
+        size += 5
+        c2.send_bytes(bytes([0x10, 0x80 | (size & 0x7F), 0x80 | ((size >> 7) & 0x7F), size >> 14]))
+        assert c2.conn.closed
+
+    asyncio.run(main())
+
+
+# ---- back-pressure (issue 10 item 10) -------------------------------------------------------
+
+
+def _buffered(b: Broker, client_id: str) -> int:
+    """Bytes the broker holds for ``client_id``'s output: its transport buffer + pending out."""
+    assert b.core is not None
+    for conn in b.core.conns:
+        if conn.client_id == client_id and conn.transport is not None:
+            size: int = conn.transport.get_write_buffer_size()  # type: ignore[attr-defined]
+            return size + len(conn.out)
+    return 0
+
+
+def test_client_that_never_reads_stops_being_read(tmp_path: Path) -> None:
+    """A raw client sends PINGREQs and never reads the PINGRESPs: once its write buffer is
+    over the limit the broker stops reading from it (transport.pause_reading), so what the
+    broker buffers for it stays bounded (it grew by 1.8 MB/s without limit)."""
+    from filemq.broker.server import WRITE_BUFFER_HIGH
+
+    async def main() -> None:
+        async with running(make_config(tmp_path)) as b:
+            sock = socket.socket()
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            sock.connect(("127.0.0.1", b.port))
+            sock.setblocking(False)
+            r, w = await asyncio.open_connection(sock=sock, limit=1 << 16)
+            w.write(encode(Connect(client_id="deaf")))
+            assert await asyncio.wait_for(r.readexactly(4), 5) == b"\x20\x02\x00\x00"
+            # Small kernel buffers on the broker's side too, so that what backs up is the
+            # broker's own buffer (loopback would otherwise absorb megabytes first).
+            assert b.core is not None
+            (conn,) = [c for c in b.core.conns if c.client_id == "deaf"]
+            bsock = conn.transport.get_extra_info("socket")  # type: ignore[union-attr]
+            bsock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+            chunk = encode(Pingreq()) * 65536  # 128 KiB of PINGREQs
+            peak = 0
+            deadline = time.monotonic() + 4.0
+            sent = 0
+            while time.monotonic() < deadline and sent < 64:  # up to 8 MiB of PINGREQs
+                if w.transport.get_write_buffer_size() < 1 << 20:
+                    w.write(chunk)
+                    sent += 1
+                await asyncio.sleep(0.02)
+                peak = max(peak, _buffered(b, "deaf"))
+            assert sent >= 8  # at least 1 MiB of PINGREQs offered
+            # One read (<= 256 KiB) of PINGREQs answered after the limit was reached, at most.
+            assert peak <= WRITE_BUFFER_HIGH + 512 * 1024, peak
+            assert peak > 0
+            w.close()
+
+    asyncio.run(main())
+
+
+def test_paused_connection_is_read_again_when_drained(tmp_path: Path) -> None:
+    """After the client reads what was buffered, the broker resumes reading: every PINGREQ
+    gets its PINGRESP, none lost while reading was paused."""
+    from filemq.broker.server import WRITE_BUFFER_HIGH
+
+    async def main() -> None:
+        async with running(make_config(tmp_path)) as b:
+            r, w = await asyncio.open_connection("127.0.0.1", b.port, limit=1 << 16)
+            w.write(encode(Connect(client_id="slowreader")))
+            assert await asyncio.wait_for(r.readexactly(4), 5) == b"\x20\x02\x00\x00"
+            assert b.core is not None
+            (conn,) = [c for c in b.core.conns if c.client_id == "slowreader"]
+            bsock = conn.transport.get_extra_info("socket")  # type: ignore[union-attr]
+            bsock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+            n = 600_000  # 1.2 MB of PINGRESPs: more than the buffer limit and socket buffers
+            w.write(encode(Pingreq()) * n)
+            async with asyncio.timeout(10):  # until the broker holds more than its limit
+                while _buffered(b, "slowreader") < WRITE_BUFFER_HIGH:
+                    await asyncio.sleep(0.01)
+            got = 0
+            async with asyncio.timeout(30):
+                while got < 2 * n:
+                    data = await r.read(1 << 16)
+                    assert data
+                    got += len(data)
+            assert got == 2 * n
+            w.close()
+
+    asyncio.run(main())
+
+
+# ---- listeners (issue 11 item 5) ------------------------------------------------------------
+
+needs_openssl = pytest.mark.skipif(shutil.which("openssl") is None,
+                                   reason="openssl CLI is not installed; cannot make test certificates")
+
+
+def _openssl(*args: str) -> None:
+    subprocess.run(["openssl", *args], check=True, capture_output=True, timeout=60)
+
+
+def _ca(d: Path, name: str) -> tuple[Path, Path]:
+    cert, key = d / f"{name}.pem", d / f"{name}.key"
+    _openssl("req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
+             "-keyout", str(key), "-out", str(cert), "-days", "2", "-subj", f"/CN={name}")
+    return cert, key
+
+
+def _signed(d: Path, name: str, cn: str, ca: tuple[Path, Path]) -> tuple[Path, Path]:
+    """A certificate for ``cn`` signed by ``ca``, valid for 127.0.0.1 (server and client use)."""
+    cert, key, csr, ext = d / f"{name}.pem", d / f"{name}.key", d / f"{name}.csr", d / f"{name}.ext"
+    ext.write_text("subjectAltName = IP:127.0.0.1, DNS:localhost\n")
+    _openssl("req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
+             "-keyout", str(key), "-out", str(csr), "-subj", f"/CN={cn}")
+    _openssl("x509", "-req", "-in", str(csr), "-CA", str(ca[0]), "-CAkey", str(ca[1]),
+             "-CAcreateserial", "-out", str(cert), "-days", "2", "-extfile", str(ext))
+    return cert, key
+
+
+def _client_ctx(ca: Path, cert: tuple[Path, Path] | None = None) -> ssl.SSLContext:
+    ctx = ssl.create_default_context(cafile=str(ca))
+    if cert is not None:
+        ctx.load_cert_chain(str(cert[0]), str(cert[1]))
+    return ctx
+
+
+def _load(tmp: Path, text: str, **overrides: Any) -> Config:
+    conf = tmp / "filemq.toml"
+    conf.write_text(text)
+    return load_config(conf, {"data_dir": str(tmp / "data"), **overrides})
+
+
+def test_listener_tables_and_flag_shorthand(tmp_path: Path) -> None:
+    """[[listener]] tables parse into Listener values; the --listener string form gives the
+    same; without them the --host/--port/--tls-* shorthand yields the listener list."""
+    c = _load(tmp_path, '[[listener]]\nport = 1883\n\n[[listener]]\nhost = "127.0.0.2"\nport = 8883\n'
+                        'tls_cert = "c.pem"\ntls_key = "k.pem"\ntls_ca = "ca.pem"\nrequire_certificate = true\n'
+                        'use_identity_as_username = true\n\n[[listener]]\nport = 8080\nprotocol = "websockets"\n')
+    assert c.listener == (
+        Listener(port=1883),
+        Listener(host="127.0.0.2", port=8883, tls_cert="c.pem", tls_key="k.pem", tls_ca="ca.pem",
+                 require_certificate=True, use_identity_as_username=True),
+        Listener(port=8080, protocol="websockets"),
+    )
+    flags = load_config(None, flag_overrides("broker", {"listener": (
+        "127.0.0.1:1883", "127.0.0.2:8883,tls_cert=c.pem,tls_key=k.pem,tls_ca=ca.pem,"
+        "require_certificate=true,use_identity_as_username=true", "127.0.0.1:8080,protocol=websockets")}))
+    assert flags.listener == c.listener and broker_listeners(flags) == c.listener
+    short = load_config(None, {"broker.port": 1999, "broker.tls_cert": "c", "broker.tls_key": "k",
+                               "broker.tls_port": 8999})
+    assert broker_listeners(short) == (Listener(port=1999), Listener(port=8999, tls_cert="c", tls_key="k"))
+
+
+@pytest.mark.parametrize(("text", "words"), [
+    ('[[listener]]\nport = 1\nprotocol = "ws"\n', "protocol must be one of"),
+    ('[[listener]]\nport = 1\nhots = "x"\n', "unknown key 'hots'"),
+    ('[[listener]]\nport = 1\ntls_cert = "c"\n', "TLS needs both"),
+    ('[[listener]]\nport = 1\ntls_cert = "c"\ntls_key = "k"\nrequire_certificate = true\n', "needs tls_ca"),
+    ('[[listener]]\nport = 1\ntls_cert = "c"\ntls_key = "k"\ntls_ca = "a"\nuse_identity_as_username = true\n',
+     "needs require_certificate"),
+    ('[[listener]]\nhost = "0.0.0.0"\nport = 1\n', "no password file"),
+    ('[broker]\nport = 5\n[[listener]]\nport = 1\n', "both set"),
+])
+def test_listener_config_errors(tmp_path: Path, text: str, words: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        _load(tmp_path, text)
+    assert words in str(info.value)
+    assert info.value.line is not None
+
+
+@needs_openssl
+def test_tls_client_certificate_identity_as_username(tmp_path: Path) -> None:
+    """A plain listener and a TLS listener with require_certificate + use_identity_as_username
+    on one broker: a client certificate with CN alice logs in as alice whatever username and
+    password it sends (the password file is not consulted) and gets alice's ACL rights; no
+    certificate, or one from another CA, fails the handshake.  The same bad login on the plain
+    listener gets CONNACK 4."""
+    from filemq.auth import add_or_update
+
+    ca = _ca(tmp_path, "ca")
+    server = _signed(tmp_path, "server", "broker", ca)
+    alice = _signed(tmp_path, "alice", "alice", ca)
+    rogue = _signed(tmp_path, "rogue", "alice", _ca(tmp_path, "rogue-ca"))
+    pw = tmp_path / "passwd"
+    add_or_update(pw, "bob", "bob-secret", iterations=1000)
+    acl = tmp_path / "acl"
+    acl.write_text("user alice\ntopic readwrite alice/#\nuser bob\ntopic read #\n")
+    text = (f'[broker]\npassword_file = "{pw}"\nacl_file = "{acl}"\n\n[[listener]]\nport = 0\n\n'
+            f'[[listener]]\nport = 0\ntls_cert = "{server[0]}"\ntls_key = "{server[1]}"\n'
+            f'tls_ca = "{ca[0]}"\nrequire_certificate = true\nuse_identity_as_username = true\n')
+
+    async def main() -> None:
+        async with running(_load(tmp_path, text)) as b:
+            assert b.core is not None and b.tls_port is not None and b.ports == [b.port, b.tls_port]
+            got: list[Publish] = []
+            watcher = MQTTClient("watch", port=b.port, username="bob", password="bob-secret",
+                                 on_message=got.append)
+            await watcher.connect(timeout=10)
+            await watcher.subscribe([("#", 1)])
+            cert_client = MQTTClient("cert", port=b.tls_port, ssl=_client_ctx(ca[0], alice),
+                                     username="mallory", password="wrong")
+            assert (await cert_client.connect(timeout=10)).return_code == 0
+            assert b.core.connections["cert"].username == "alice"
+            await cert_client.publish("mallory/x", b"denied", qos=1)  # ACL: alice/# only
+            await cert_client.publish("alice/x", b"hello", qos=1)
+            await collect(got, 1)
+            assert [(m.topic, m.payload) for m in got] == [("alice/x", b"hello")]
+            await cert_client.disconnect()
+            for ctx in (_client_ctx(ca[0]), _client_ctx(ca[0], rogue)):
+                c = MQTTClient("nocert", port=b.tls_port, ssl=ctx)
+                with pytest.raises((ssl.SSLError, ConnectionError, ConnectionLost, OSError)):
+                    await c.connect(timeout=10)
+            plain = MQTTClient("plain", port=b.port, username="mallory", password="wrong")
+            with pytest.raises(ConnectionRefused) as refused:
+                await plain.connect(timeout=10)
+            assert refused.value.return_code == 4
+            await watcher.disconnect()
+
+    asyncio.run(main())
+
+
+async def collect(msgs: list[Publish], n: int, timeout: float = 5.0) -> None:
+    async with asyncio.timeout(timeout):
+        while len(msgs) < n:
+            await asyncio.sleep(0.01)
+
+
+def _peer_cn(port: int, ca: Path) -> str | None:
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as raw, \
+            _client_ctx(ca).wrap_socket(raw, server_hostname="127.0.0.1") as s:
+        return certificate_cn(s.getpeercert())
+
+
+@needs_openssl
+def test_reload_tls(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Broker.reload_tls(): new connections get the certificate now in the files, an open one
+    keeps working; files that fail to load keep the previous certificate, and say why."""
+    ca = _ca(tmp_path, "ca")
+    first = _signed(tmp_path, "first", "first", ca)
+    second = _signed(tmp_path, "second", "second", ca)
+    cert, key = tmp_path / "server.pem", tmp_path / "server.key"
+    shutil.copy(first[0], cert)
+    shutil.copy(first[1], key)
+
+    async def main() -> None:
+        async with running(make_config(tmp_path / "d", tls_cert=str(cert), tls_key=str(key), tls_port=0)) as b:
+            assert b.tls_port is not None
+            assert await asyncio.to_thread(_peer_cn, b.tls_port, ca[0]) == "first"
+            open_client = MQTTClient("kept", port=b.tls_port, ssl=_client_ctx(ca[0]))
+            await open_client.connect(timeout=10)
+            shutil.copy(second[0], cert)
+            shutil.copy(second[1], key)
+            assert b.reload()  # what SIGHUP calls: password file, ACL and TLS files
+            assert await asyncio.to_thread(_peer_cn, b.tls_port, ca[0]) == "second"
+            await open_client.publish("t", b"still here", qos=1)  # the old connection lives on
+            cert.write_text("not a certificate\n")
+            with caplog.at_level(logging.ERROR, "filemq.broker"):
+                assert not b.reload_tls()
+            assert "keeps its previous certificates" in caplog.text and str(cert) in caplog.text
+            assert await asyncio.to_thread(_peer_cn, b.tls_port, ca[0]) == "second"
+            await open_client.disconnect()
+
+    asyncio.run(main())
+
+
+def test_websockets_listener_with_paho(tmp_path: Path) -> None:
+    """MQTT over WebSockets (subprotocol mqtt) on its own listener next to plain TCP, with
+    paho-mqtt's transport="websockets" as the independent client: it connects, subscribes,
+    publishes QoS 1 and receives what a TCP client publishes, and vice versa."""
+    import paho.mqtt.client as paho
+    from paho.mqtt.enums import CallbackAPIVersion
+
+    text = '[[listener]]\nport = 0\n\n[[listener]]\nport = 0\nprotocol = "websockets"\n'
+
+    async def main() -> None:
+        async with running(_load(tmp_path, text)) as b:
+            ws_port = b.ports[1]
+            assert b.listening == f"127.0.0.1:{b.port} (also ws://127.0.0.1:{ws_port})"
+            connected, subscribed = threading.Event(), threading.Event()
+            received: list[tuple[str, bytes]] = []
+            got_one = threading.Event()
+            ws = paho.Client(CallbackAPIVersion.VERSION2, client_id="ws-client", transport="websockets")
+            ws.on_connect = lambda c, u, f, rc, p: connected.set()
+            ws.on_subscribe = lambda c, u, mid, rcs, p: subscribed.set()
+
+            def on_message(c: Any, u: Any, m: Any) -> None:
+                received.append((m.topic, m.payload))
+                got_one.set()
+
+            ws.on_message = on_message
+            # paho's connect blocks on the upgrade: off the loop, which serves it.
+            await asyncio.to_thread(ws.connect, "127.0.0.1", ws_port, 30)
+            ws.loop_start()
+            try:
+                assert await asyncio.to_thread(connected.wait, 10)
+                ws.subscribe("from/tcp", qos=1)
+                assert await asyncio.to_thread(subscribed.wait, 10)
+                tcp_got: list[Publish] = []
+                tcp = MQTTClient("tcp", port=b.port, on_message=tcp_got.append)
+                await tcp.connect(timeout=5)
+                await tcp.subscribe([("from/ws", 1)])
+                big = bytes(range(256)) * 1000  # spans many WebSocket frames / TCP reads
+                info = ws.publish("from/ws", big, qos=1)
+                await asyncio.to_thread(info.wait_for_publish, 10)
+                await collect(tcp_got, 1)
+                assert (tcp_got[0].topic, tcp_got[0].payload) == ("from/ws", big)
+                await tcp.publish("from/tcp", b"hello browser", qos=1)
+                assert await asyncio.to_thread(got_one.wait, 10)
+                assert received == [("from/tcp", b"hello browser")]
+                await tcp.disconnect()
+            finally:
+                ws.disconnect()
+                ws.loop_stop()
+
+    asyncio.run(main())
+
+
+def test_websocket_upgrade_without_mqtt_subprotocol_is_refused(tmp_path: Path) -> None:
+    """An upgrade that does not offer subprotocol mqtt gets HTTP 400 and is closed."""
+    text = '[[listener]]\nport = 0\nprotocol = "websockets"\n'
+
+    async def main() -> None:
+        async with running(_load(tmp_path, text)) as b:
+            r, w = await asyncio.open_connection("127.0.0.1", b.ports[0])
+            w.write(b"GET /mqtt HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+                    b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n"
+                    b"Sec-WebSocket-Protocol: chat\r\n\r\n")
+            head = await asyncio.wait_for(r.readline(), 5)
+            assert head.startswith(b"HTTP/1.1 400")
+            assert await _closed_by_peer(r, 5)
+            w.close()
+
+    asyncio.run(main())
+
+
+@needs_openssl
+def test_secure_websockets_with_client_certificate(tmp_path: Path) -> None:
+    """protocol = "websockets" with TLS and use_identity_as_username (wss://): paho-mqtt over
+    WebSockets with a client certificate logs in as the certificate's CN."""
+    import paho.mqtt.client as paho
+    from paho.mqtt.enums import CallbackAPIVersion
+
+    ca = _ca(tmp_path, "ca")
+    server = _signed(tmp_path, "server", "broker", ca)
+    carol = _signed(tmp_path, "carol", "carol", ca)
+    text = (f'[[listener]]\nport = 0\nprotocol = "websockets"\ntls_cert = "{server[0]}"\n'
+            f'tls_key = "{server[1]}"\ntls_ca = "{ca[0]}"\nrequire_certificate = true\n'
+            f'use_identity_as_username = true\n')
+
+    async def main() -> None:
+        async with running(_load(tmp_path, text)) as b:
+            assert b.core is not None
+            codes: list[int] = []
+            connected = threading.Event()
+
+            def on_connect(c: Any, u: Any, f: Any, rc: Any, p: Any) -> None:
+                codes.append(int(rc.value))
+                connected.set()
+
+            ws = paho.Client(CallbackAPIVersion.VERSION2, client_id="wss-client", transport="websockets")
+            ws.tls_set(ca_certs=str(ca[0]), certfile=str(carol[0]), keyfile=str(carol[1]))
+            ws.on_connect = on_connect
+            await asyncio.to_thread(ws.connect, "127.0.0.1", b.ports[0], 30)
+            ws.loop_start()
+            try:
+                assert await asyncio.to_thread(connected.wait, 10)
+                assert codes == [0]
+                assert b.core.connections["wss-client"].username == "carol"
+            finally:
+                ws.disconnect()
+                ws.loop_stop()
+
+    asyncio.run(main())
+
+
+def test_websocket_upgrade_is_under_the_connect_deadline(tmp_path: Path) -> None:
+    """A WebSocket connection is a half-open connection from the accept: an upgrade request
+    trickled in forever is cut off at the CONNECT deadline like a slow CONNECT."""
+    text = '[[listener]]\nport = 0\nprotocol = "websockets"\n'
+
+    async def main() -> None:
+        async with running(_load(tmp_path, text)) as b:
+            assert b.core is not None
+            b.core.connect_timeout = 0.5
+            r, w = await asyncio.open_connection("127.0.0.1", b.ports[0])
+            request = b"GET /mqtt HTTP/1.1\r\nHost: x\r\n"
+            closed = False
+            for i in range(len(request)):  # a byte every 0.1 s: well inside any idle timeout
+                w.write(request[i:i + 1])
+                if await _closed_by_peer(r, 0.1):
+                    closed = True
+                    break
+            assert closed
+            w.close()
+
+    asyncio.run(main())

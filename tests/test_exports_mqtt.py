@@ -487,3 +487,86 @@ def test_kill_9_of_the_agent_mid_drain_loses_nothing(tmp_path: Path) -> None:
         run(scenario(), timeout=110)
     finally:
         mq.stop()
+
+
+@needs_mosquitto
+def test_each_export_gets_exactly_what_its_filters_match(tmp_path: Path) -> None:
+    """Two exports to one broker: `#` as `all/<topic>` (QoS 1) and `alarms/#` as `hi/<topic>`
+    (QoS 2); every acknowledged local message arrives at each export whose filters match it,
+    and only there."""
+
+    async def scenario() -> None:
+        mq = Mosquitto(tmp_path / "mosquitto")
+        mq.start()
+        oracle = Oracle(mq.port, "#")
+        await oracle.start()
+        agent = Agent(agent_config(tmp_path, f"""
+[[export]]
+name = "all"
+url = "mqtt://127.0.0.1:{mq.port}"
+topic_template = "all/{{topic}}"
+
+[[export]]
+name = "alarms"
+url = "mqtt://127.0.0.1:{mq.port}"
+topics = ["alarms/#"]
+topic_template = "hi/{{topic}}"
+qos = 2
+"""))
+        await agent.start()
+        try:
+            sensors = await publish_local(agent.broker.port, 50, topic="sensors/x", prefix="s")
+            alarms = await publish_local(agent.broker.port, 20, topic="alarms/y", prefix="a")
+            await oracle.wait_for(set(sensors) | set(alarms), timeout=30)
+            await until(lambda: all(e.group is not None and e.group.lag == 0 for e in agent.exports.exports),
+                        what="both drained")
+            by_prefix: dict[str, set[bytes]] = {"all": set(), "hi": set()}
+            for m in oracle.messages:
+                by_prefix[m.topic.split("/", 1)[0]].add(m.payload)
+            assert by_prefix["all"] == set(sensors) | set(alarms)
+            assert by_prefix["hi"] == set(alarms)
+            assert {m.topic for m in oracle.messages if m.topic.startswith("hi/")} == {"hi/alarms/y"}
+        finally:
+            await agent.stop()
+            await oracle.stop()
+            mq.stop()
+
+    run(scenario())
+
+
+@needs_mosquitto
+def test_qos2_export_started_while_the_broker_is_down_backs_off_then_delivers(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The clean first connection of a QoS 2 export fails like any other attempt (a warning
+    and a backoff, not an unexpected error), then everything arrives."""
+
+    async def scenario() -> None:
+        mq = Mosquitto(tmp_path / "mosquitto")
+        mq.start()
+        oracle = Oracle(mq.port, "sensors/#")  # its persistent session outlives the restart
+        await oracle.start()
+        await asyncio.to_thread(mq.stop)
+        agent = Agent(agent_config(tmp_path, f"""
+[[export]]
+name = "up"
+url = "mqtt://127.0.0.1:{mq.port}"
+qos = 2
+"""))
+        await agent.start()
+        try:
+            sent = await publish_local(agent.broker.port, 30)
+            export = agent.exports.get("up")
+            assert export is not None
+            runner = export.runner
+            await until(lambda: runner.stats.connect_failures >= 2, what="failed attempts")  # type: ignore[union-attr]
+            assert "cannot connect" in (export.last_error() or "")
+            await asyncio.to_thread(mq.start)
+            await until(lambda: export.group is not None and export.group.lag == 0, what="drained")
+            await oracle.wait_for(set(sent), timeout=30)
+        finally:
+            await agent.stop()
+            await oracle.stop()
+            mq.stop()
+        assert not [r for r in caplog.records if "unexpected error" in r.getMessage()]
+
+    run(scenario())

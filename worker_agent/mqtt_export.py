@@ -176,9 +176,9 @@ class MqttExport:
         try:
             while not self._stopping.is_set():
                 try:
-                    if fresh:
-                        await self._reset_session(client)
-                        fresh = False
+                    if fresh and not await self._reset_session(client):
+                        continue
+                    fresh = False
                     await self._connection(client)
                 except asyncio.CancelledError:
                     raise
@@ -195,25 +195,35 @@ class MqttExport:
             self.stats.inflight = 0
             self.group.release(CONSUMER)
 
-    async def _reset_session(self, client: ExportClient) -> None:
+    async def _reset_session(self, client: ExportClient) -> bool:
+        """One clean connection, to drop the upstream session's QoS 2 state; False (after a
+        backoff) if it could not be made."""
         client.clean_session = True
         try:
-            await client.connect(timeout=self.settings.connect_timeout_s)
+            if not await self._connect(client):
+                return False
             await client.disconnect(timeout=1.0)
+            return True
         finally:
             client.clean_session = False
 
-    async def _connection(self, client: ExportClient) -> None:
+    async def _connect(self, client: ExportClient) -> bool:
+        """Connect; on failure count it, record why, back off and return False."""
         try:
             await client.connect(timeout=self.settings.connect_timeout_s)
         except ConnectionRefused as exc:
             self.stats.connect_failures += 1
             await self._backoff(f"the broker refused the connection: {exc.reason} (CONNACK {exc.return_code}); "
                                 "check the export's username, password_file and client_id", error=True)
-            return
+            return False
         except (OSError, TimeoutError, ConnectionError) as exc:
             self.stats.connect_failures += 1
             await self._backoff(f"cannot connect: {exc or type(exc).__name__}")
+            return False
+        return True
+
+    async def _connection(self, client: ExportClient) -> None:
+        if not await self._connect(client):
             return
         self.stats.connects += 1
         self.stats.state = "connected"

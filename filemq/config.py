@@ -539,6 +539,9 @@ class ExportSection:
     tls_cert: str | None = field(default=None, metadata=_spec(_str))
     tls_key: str | None = field(default=None, metadata=_spec(_str))
     enabled: bool = field(default=True, metadata=_spec(_bool))
+    # The destination's packet limit (AWS IoT Core: 128 KiB); None: agent.upstream_max_packet_size
+    # for a collector export, no limit for an MQTT one. A record too large is set aside, counted.
+    max_packet_size: int | None = field(default=None, metadata=_spec(_int(1024, 268_435_455, sizes=True)))
     # Only through the agent.collector shorthand (agent.password); tables use password_file.
     password: str | None = field(default=None, repr=False, metadata=_spec(_str))
 

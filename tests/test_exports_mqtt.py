@@ -570,3 +570,42 @@ qos = 2
         assert not [r for r in caplog.records if "unexpected error" in r.getMessage()]
 
     run(scenario())
+
+
+def test_a_record_over_max_packet_size_is_set_aside_not_resent_forever(tmp_path: Path,
+                                                                       caplog: pytest.LogCaptureFixture) -> None:
+    """A broker closes the connection on a packet over its limit (AWS IoT Core: 128 KiB); an
+    export with max_packet_size never sends such a record: it is acked unsent, counted and
+    logged, and the records around it arrive."""
+
+    async def scenario() -> None:
+        up = ScriptedBroker()
+        await up.start()
+        agent = Agent(agent_config(tmp_path, f"""
+[[export]]
+name = "aws"
+url = "mqtt://127.0.0.1:{up.port}"
+max_packet_size = "2 KiB"
+""", **{"broker.max_packet_size": "1 MiB"}))
+        await agent.start()
+        try:
+            client = MQTTClient("pub", port=agent.broker.port)
+            await client.connect()
+            await client.publish("t/a", b"before", qos=1)
+            await client.publish("t/big", b"x" * 4096, qos=1)
+            await client.publish("t/a", b"after", qos=1)
+            await client.disconnect()
+            export = agent.exports.get("aws")
+            assert export is not None and export.group is not None
+            group = export.group
+            await until(lambda: group.lag == 0, what="drained past the big record")
+            assert [p.payload for p in up.publishes()] == [b"before", b"after"]
+            (entry,) = agent.exports.status()
+            assert entry["oversized_skipped"] == 1
+            assert dict(agent.exports.sys_messages())["$SYS/broker/export/aws/oversized_skipped"] == b"1"
+        finally:
+            await agent.stop()
+            await up.stop()
+        assert any("exceeds the export's max_packet_size 2048" in r.getMessage() for r in caplog.records)
+
+    run(scenario())

@@ -73,7 +73,7 @@ def collector_settings(config: Config, spec: ExportSection) -> ForwarderConfig:
         backoff_initial_s=a.backoff_initial_ms / 1000,
         backoff_max_s=a.backoff_max_ms / 1000,
         ack_timeout_s=a.ack_timeout_ms / 1000,
-        upstream_max_packet_size=a.upstream_max_packet_size,
+        upstream_max_packet_size=spec.max_packet_size or a.upstream_max_packet_size,
     )
 
 
@@ -175,13 +175,13 @@ class Export:
             return {"records_sent": s.records_sent, "records_acked": s.records_acked, "bytes_sent": s.bytes_sent,
                     "bytes_acked": s.bytes_acked, "inflight_records": s.inflight, "connects": s.connects,
                     "connect_failures": s.connect_failures, "disconnects": s.disconnects,
-                    "last_ack_unix": s.last_ack_unix}
+                    "last_ack_unix": s.last_ack_unix, "oversized_skipped": s.oversized_skipped}
         if isinstance(r, Forwarder):
             f = r.stats
             return {"records_sent": f.records_sent, "records_acked": f.records_acked, "bytes_sent": f.bytes_sent,
                     "bytes_acked": f.bytes_acked, "inflight_records": sum(len(i.batch.offsets) for i in r._inflight),
                     "connects": f.connects, "connect_failures": f.connect_failures, "disconnects": f.disconnects,
-                    "last_ack_unix": f.last_ack_unix}
+                    "last_ack_unix": f.last_ack_unix, "oversized_skipped": f.oversized_records}
         return {}
 
 
@@ -370,6 +370,7 @@ class Exports:
             values: list[tuple[str, object]] = [
                 ("state", entry["state"]), ("connected", int(entry["state"] == "connected")),
                 ("last_error", entry["last_error"] or ""), ("lost_records", entry["lost_records"]),
+                ("oversized_skipped", entry.get("oversized_skipped", 0)),
             ]
             if "lag_records" in entry:
                 age = entry["oldest_unsent_age_s"]

@@ -49,6 +49,7 @@ log = logging.getLogger(__name__)
 
 FETCH_MAX = 512  # records per group fetch
 PUBLISH_OVERHEAD = 7  # fixed header, topic length, packet id: bytes per PUBLISH besides topic and payload
+PUBLISH_MAX_OVERHEAD = 9  # the same with a 4-byte remaining length: an upper bound
 
 
 class ExportGroup(ForwardGroup, Protocol):
@@ -88,6 +89,7 @@ class ExportStats:
     inflight: int = 0
     acked_offset: int = -1  # offset of the last record acknowledged upstream
     last_ack_unix: float | None = None
+    oversized_skipped: int = 0  # records over max_packet_size: set aside, never sent (a counted loss)
 
 
 @dataclass(frozen=True)
@@ -103,12 +105,14 @@ class MqttExportSettings:
     backoff_initial_s: float = 0.5
     backoff_max_s: float = 60.0
     connect_timeout_s: float = 10.0
+    max_packet_size: int | None = None  # the destination's limit; larger PUBLISHes are never sent
 
     @classmethod
     def from_section(cls, spec: ExportSection, device_id: str, backoff_initial_s: float,
                      backoff_max_s: float) -> MqttExportSettings:
         return cls(spec.name, device_id, spec.qos, spec.retain, spec.topic_template,
-                   spec.window or cls.window, backoff_initial_s, backoff_max_s)
+                   spec.window or cls.window, backoff_initial_s, backoff_max_s,
+                   max_packet_size=spec.max_packet_size)
 
 
 class MqttExport:
@@ -294,6 +298,10 @@ class MqttExport:
         retain = s.retain
         topic_of = self._template
         redelivered = self.group.redelivered
+        if s.max_packet_size is not None:
+            records = self._set_aside_oversized(records, s.max_packet_size)
+            if not records:
+                return
         ids = client.publish_batch(
             [(topic_of(r.topic), r.payload, retain and r.retain, redelivered(r.offset)) for r in records], s.qos)
         sent = self._sent
@@ -308,6 +316,26 @@ class MqttExport:
         stats.inflight = self._inflight
         stats.records_sent += n
         stats.bytes_sent += sent_bytes
+
+    def _set_aside_oversized(self, records: list[Record], limit: int) -> list[Record]:
+        """The records whose PUBLISH fits ``limit``; the others are acked without being sent.
+
+        A broker closes the connection on a packet over its limit (MQTT 3.1.1 has no other
+        refusal), so sending one would resend it forever and wedge every record behind it:
+        a counted, logged loss instead (the record stays readable in the log until retention).
+        """
+        topic_of = self._template
+        keep: list[Record] = []
+        for r in records:
+            size = PUBLISH_MAX_OVERHEAD + len(topic_of(r.topic).encode()) + len(r.payload)
+            if size <= limit:
+                keep.append(r)
+                continue
+            self.group.ack(r.offset)
+            self.stats.oversized_skipped += 1
+            log.error("export %r: record %d (%d bytes on topic %r) exceeds the export's max_packet_size %d; "
+                      "set aside, not sent", self.name, r.offset, len(r.payload), r.topic, limit)
+        return keep
 
     def _completed(self, packet_ids: list[int]) -> None:
         """The destination acknowledged these publishes (PUBACK / PUBCOMP): ack their records."""

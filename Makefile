@@ -6,7 +6,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: test demo venv lint typecheck clean system-deps
+.PHONY: test demo venv lint layers typecheck clean system-deps
 
 # The venv is refreshed only when the package metadata changes (idempotent).
 $(STAMP): setup.cfg pyproject.toml
@@ -29,18 +29,22 @@ system-deps:
 	fi
 
 test: $(STAMP) system-deps
-	$(VENV)/bin/ruff check segments filemq worker_agent collector spark_ingest bench cli.py tests
-	$(VENV)/bin/mypy segments filemq worker_agent collector spark_ingest bench cli.py
+	$(VENV)/bin/ruff check segments filemq worker_agent collector spark_ingest bench demo cli.py tests
+	$(VENV)/bin/mypy segments filemq worker_agent collector spark_ingest bench demo cli.py
+	$(VENV)/bin/lint-imports --config setup.cfg
 	$(PY) -m pytest -q -p no:cacheprovider tests
 
 demo: $(STAMP) system-deps
 	$(VENV)/bin/filemq demo
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check segments filemq worker_agent collector spark_ingest bench cli.py tests
+	$(VENV)/bin/ruff check segments filemq worker_agent collector spark_ingest bench demo cli.py tests
+
+layers: $(STAMP)
+	$(VENV)/bin/lint-imports --config setup.cfg
 
 typecheck: $(STAMP)
-	$(VENV)/bin/mypy segments filemq worker_agent collector spark_ingest bench cli.py
+	$(VENV)/bin/mypy segments filemq worker_agent collector spark_ingest bench demo cli.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -30,10 +30,11 @@ def config_flags(own: str, *others: str, skip: tuple[str, ...] = ()) -> Callable
     ``skip`` lists keys the command sets from its own section instead. Generated flags pass
     their value as text; ``load_config`` checks and converts it, naming the flag on error.
     The help of every key's flag, hand-written ones included, is the key's meaning, range and
-    default from ``filemq.config.key_help`` (so hand-written key flags carry no ``help=``).
+    default from ``filemq.common.keyhelp.key_help`` (so hand-written key flags carry no ``help=``).
     Apply it directly under ``@main.command()``, above the hand-written options.
     """
-    from filemq.config import flag_for, key_help, key_of_param, known_keys, section_keys
+    from filemq.common.config import flag_for, key_of_param, known_keys, section_keys
+    from filemq.common.keyhelp import key_help
 
     def decorate(fn: F) -> F:
         params = getattr(fn, "__click_params__", [])
@@ -76,11 +77,11 @@ def config_flags(own: str, *others: str, skip: tuple[str, ...] = ()) -> Callable
 
 class SectionedCommand(click.Command):
     """A command whose ``--help`` lists its options in sections, like a man page: the
-    section of a config key's flag comes from ``filemq.config.HELP_SECTIONS``; other options
+    section of a config key's flag comes from ``filemq.common.keyhelp.HELP_SECTIONS``; other options
     (``--config``, ``--help``) are general."""
 
     def format_options(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
-        from filemq.config import HELP_SECTIONS
+        from filemq.common.keyhelp import HELP_SECTIONS
 
         rows: dict[str, list[tuple[int, str, str]]] = {}
         for param in self.get_params(ctx):
@@ -239,8 +240,8 @@ def bench_broker(scenarios: tuple[str, ...], messages: int | None, publishers: i
 @click.option("--iterations", type=click.IntRange(min=1), default=None, hidden=True)
 def passwd(file: str, user: str, password_stdin: bool, iterations: int | None) -> None:
     """Add USER to the password FILE or change their password (creates FILE, mode 0600)."""
-    from filemq.auth import DEFAULT_ITERATIONS, add_or_update, valid_username
-    from filemq.config import ConfigError
+    from filemq.broker.auth import DEFAULT_ITERATIONS, add_or_update, valid_username
+    from filemq.common.config import ConfigError
 
     if not valid_username(user):
         raise click.BadParameter("must be non-empty, without ':' or spaces", param_hint="USER")
@@ -275,7 +276,7 @@ def passwd(file: str, user: str, password_stdin: bool, iterations: int | None) -
                    "or 0.0.0.0:8080,protocol=websockets. Config: [[listener]] (docs/CONFIG.md).")
 def broker(config_file: str | None, **flags: object) -> None:
     """Run the MQTT broker on the log until SIGTERM/SIGINT (exit 0 clean, 2 config, 1 failure)."""
-    from filemq.broker.app import run_broker
+    from filemq.ops.broker_app import run_broker
 
     _serve("broker", config_file, flags, lambda c: [("--data-dir", c.data_dir)], run_broker)
 
@@ -284,7 +285,7 @@ def _serve(name: str, config_file: str | None, flags: dict[str, object],
            required: Callable[[Any], list[tuple[str, object]]], run: Callable[..., int]) -> None:
     """The shared body of broker/agent/collector: config (file, then flags), exit 2 with the
     reason on a bad or incomplete one, then run the service and exit with its code."""
-    from filemq.config import ConfigError, flag_overrides, load_config
+    from filemq.common.config import ConfigError, flag_overrides, load_config
 
     try:
         config = load_config(config_file, flag_overrides(name, flags))
@@ -351,7 +352,7 @@ def agent(config_file: str | None, **flags: object) -> None:
 @click.option("--config", "config_file", type=click.Path(dir_okay=False), default=None, help="TOML config file.")
 def collector(config_file: str | None, **flags: object) -> None:
     """Receive device batches and land them as Parquet until SIGTERM/SIGINT."""
-    from collector.server import run_collector
+    from collector.app import run_collector
 
     _serve("collector", config_file, flags,
            lambda c: [("--data-dir", c.data_dir), ("--landing", c.collector.landing)], run_collector)
@@ -376,7 +377,7 @@ def inspect(directory: str, from_offset: int, limit: int | None, payload: bool, 
     """Print the records of a log, one per line (DIRECTORY: data dir or its log/). Read-only."""
     import json
 
-    from filemq.status import NotADataDir, inspect_log, record_json, record_text
+    from filemq.ops.status import NotADataDir, inspect_log, record_json, record_text
 
     _quiet_recovery_logs()
 
@@ -400,7 +401,7 @@ def verify(directory: str, repair: bool, as_json: bool) -> None:
     """
     import json
 
-    from filemq.status import verify_data_dir
+    from filemq.ops.status import verify_data_dir
 
     _quiet_recovery_logs()
 
@@ -420,7 +421,7 @@ def status(directory: str, as_json: bool) -> None:
     """Log size, segments, offsets and per-group doing/pending/lag of a data dir. Read-only."""
     import json
 
-    from filemq.status import NotADataDir, data_dir_status, status_text
+    from filemq.ops.status import NotADataDir, data_dir_status, status_text
 
     _quiet_recovery_logs()
 
@@ -510,7 +511,7 @@ def demo(quick: bool, keep: bool, work_dir: str | None, sensors: int | None, as_
     import json
     from pathlib import Path
 
-    from filemq.demo import DemoOptions, DemoProgress, format_summary, run_demo
+    from demo.pipeline import DemoOptions, DemoProgress, format_summary, run_demo
 
     options = DemoOptions.quick() if quick else DemoOptions()
     options.keep = keep
@@ -577,7 +578,7 @@ def ingest(config_file: str | None, once: bool, as_json: bool, **flags: object) 
     import json
     from pathlib import Path
 
-    from filemq.config import ConfigError, flag_overrides, load_config
+    from filemq.common.config import ConfigError, flag_overrides, load_config
 
     try:
         settings = load_config(config_file, flag_overrides("ingest", flags)).ingest

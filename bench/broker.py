@@ -11,7 +11,7 @@ Debian mosquitto and stock amqtt from :mod:`bench.baselines`) with the same load
 * ``idle``    RSS and CPU of filemq with idle clients and an on-disk backlog (mosquitto's RSS
   with the same clients for reference);
 * ``startup`` spawn -> first CONNACK on a big log with a torn tail vs a full scan of the log;
-* ``trie``    subscription matching, :class:`filemq.topics.TopicTrie` vs brute force;
+* ``trie``    subscription matching, :class:`filemq.common.topics.TopicTrie` vs brute force;
 * ``kill9``   ``kill -9`` under load; every PUBACKed message must reach the persistent
   subscriber after the restart (:func:`run_kill9`, also used by tests/test_broker_kill9.py).
 
@@ -339,7 +339,7 @@ def mark_retained_snapshot_current(data_dir: Path, next_offset: int) -> None:
     measures the bench's shortcut, not the broker.  Only valid because the backlog holds no
     retained records and the snapshot (from :func:`register_offline_subscriber`) is empty.
     """
-    from filemq.retained import RetainedStore, decode_snapshot
+    from filemq.queue.retained import RetainedStore, decode_snapshot
 
     store = RetainedStore(data_dir)
     messages, _ = decode_snapshot(store.path.read_bytes(), str(store.path))
@@ -463,7 +463,7 @@ def trie_filters(n: int, rng: random.Random) -> list[str]:
 
 def scenario_trie(opts: BrokerBenchOptions, say: Progress, n_filters: int = 10_000) -> dict[str, Any]:
     """Matching topics against ``n_filters`` subscriptions: TopicTrie vs topic_matches over all."""
-    from filemq.topics import TopicTrie, topic_matches
+    from filemq.common.topics import TopicTrie, topic_matches
 
     rng = random.Random(opts.seed if opts.seed is not None else 7)
     filters = trie_filters(n_filters, rng)
@@ -510,11 +510,14 @@ class Kill9Result:
     lost_examples: list[str] = field(default_factory=list)
     final_exit_code: int | None = None
     acked_per_round: list[int] = field(default_factory=list)
+    duplicates_per_round: list[int] = field(default_factory=list)  # redeliveries after each restart
 
     def as_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d.update(bench="broker", scenario="kill9", seconds=_rnd(self.seconds, 1),
-                 rounds_without_acks=sum(1 for n in self.acked_per_round if n == 0))
+                 rounds_without_acks=sum(1 for n in self.acked_per_round if n == 0),
+                 duplicates_pct=_rnd(100.0 * self.duplicates / self.acked, 2) if self.acked else 0.0,
+                 duplicates_max_round=max(self.duplicates_per_round, default=0))
         del d["acked_per_round"]
         return d
 
@@ -703,6 +706,7 @@ async def _kill9(rounds: int, data_dir: Path, say: Progress, broker_name: str, p
         await asyncio.wait_for(sub.connected.wait(), 30)
         for round_no in range(rounds):
             before = len(acked)
+            dups_before = ledger.duplicates
             tasks = [asyncio.create_task(_kill9_publisher(LOOPBACK, port, round_no, i, inflight, size, ledger))
                      for i in range(publishers)]
             t_load = time.monotonic()
@@ -718,6 +722,7 @@ async def _kill9(rounds: int, data_dir: Path, say: Progress, broker_name: str, p
             while ledger.unseen and time.monotonic() - ledger.last_delivery <= quiet_seconds:
                 await asyncio.sleep(0.01)
             missing = len(ledger.unseen)
+            result.duplicates_per_round.append(ledger.duplicates - dups_before)
             say(f"  {broker_name} round {round_no + 1}/{rounds}: {len(acked):,} acked so far, "
                 f"{len(ledger.seen):,} delivered, {ledger.duplicates:,} duplicates, {missing:,} missing "
                 f"(load {t_restart - t_load:.2f} s, restart {t_drain - t_restart:.2f} s, "

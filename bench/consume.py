@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.workdir import bench_workdir
-from filemq.groups import ConsumerGroup, GroupConfig
+from filemq.queue.groups import ConsumerGroup, GroupConfig
 from segments import Log, LogConfig
 
 Progress = Callable[[str], None]

@@ -8,7 +8,7 @@
     (``cleansession false``) while the remote is down; then the remote starts and the clock
     runs until a subscriber there has all N.
 (b) Many devices. ``--devices`` MQTT connections (from two load processes) publish batches
-    made with :func:`filemq.batch.encode_batch` to one collector; the clock runs until every
+    made with :func:`filemq.upstream.batch.encode_batch` to one collector; the clock runs until every
     row is landed.
 (c) The broker's durable ingest rate (QoS 1, fsync always, 4 publishers x 100 in flight)
     measured in the same run, to show a backlog shrinks while devices keep publishing.
@@ -307,9 +307,9 @@ def _device_load(port: int, devices: range, batches: int, batch_records: int, si
     If devices cannot connect (or lose their connection), one line saying how many and why
     goes to ``errors`` and the process ends: the bench fails at once instead of waiting.
     """
-    from filemq.batch import BatchRecord, encode_batch
-    from filemq.fdlimit import raise_nofile_limit
     from filemq.mqtt.client import MQTTClient
+    from filemq.ops.fdlimit import raise_nofile_limit
+    from filemq.upstream.batch import BatchRecord, encode_batch
 
     soft, _ = raise_nofile_limit()
     if 0 <= soft < len(devices) + 64:

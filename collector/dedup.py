@@ -45,7 +45,7 @@ from pathlib import Path
 
 from crc32c import crc32c
 
-from filemq.batch import BatchHeader, decode_batch
+from filemq.upstream.batch import BatchHeader, decode_batch
 from segments.fileio import OS_FILE_IO, FileIO, atomic_write
 
 log = logging.getLogger(__name__)
@@ -81,7 +81,7 @@ def offset_runs(first: int, deltas: Iterable[int]) -> list[Range]:
 
 def batch_ranges(header: BatchHeader, payload: bytes | bytearray | memoryview) -> list[Range]:
     """The exact offset ranges a batch carries: its span when ``count`` fills it, else the runs
-    of its decoded offsets. Raises :class:`filemq.batch.MalformedBatch` for a bad body."""
+    of its decoded offsets. Raises :class:`filemq.upstream.batch.MalformedBatch` for a bad body."""
     first, last = header.first_offset, header.last_offset
     if last - first + 1 == header.count:  # strictly increasing offsets: every one is there
         return [(first, last)]

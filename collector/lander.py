@@ -39,11 +39,11 @@ import pyarrow.compute as pc
 
 from collector.dedup import HighWaterMarks, batch_ranges, offset_runs
 from collector.landing import LANDING_SCHEMA, SCHEMA_VERSION, LandingWriter
-from filemq.batch import Batch, BatchError, decode_batch, parse_batch_topic, peek_header
+from filemq.upstream.batch import Batch, BatchError, decode_batch, parse_batch_topic, peek_header
 
 if TYPE_CHECKING:
-    from filemq.groups import ConsumerGroup
     from filemq.queue import Queue
+    from filemq.queue.groups import ConsumerGroup
     from segments import Record
 
 log = logging.getLogger(__name__)

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector as PromCollector
 
-from filemq.metrics_http import MetricsServer, serve_metrics
+from filemq.ops.metrics_http import MetricsServer, serve_metrics
 
 if TYPE_CHECKING:
     from collector.server import Collector

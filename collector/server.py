@@ -38,7 +38,10 @@ from typing import TYPE_CHECKING
 from collector.dedup import SNAPSHOT_FILE, HighWaterMarks, batch_ranges
 from collector.lander import Lander
 from collector.landing import LandingWriter
-from filemq.batch import (
+from filemq.broker import Broker, ClientInfo, HookResult
+from filemq.common.config import Config, ConfigError
+from filemq.ops.fdlimit import FD_RESERVE, connection_capacity, raise_nofile_limit
+from filemq.upstream.batch import (
     BatchCrcError,
     BatchError,
     MalformedBatch,
@@ -48,11 +51,6 @@ from filemq.batch import (
     parse_batch_topic,
     peek_header,
 )
-from filemq.broker import Broker, ClientInfo, HookResult
-from filemq.broker.metrics import backlog_status
-from filemq.config import Config, ConfigError
-from filemq.fdlimit import FD_RESERVE, connection_capacity, raise_nofile_limit
-from filemq.service import Sidecar, run_until_signalled, serve_until_signalled
 from segments.fileio import OS_FILE_IO, FileIO, atomic_write
 
 if TYPE_CHECKING:
@@ -87,7 +85,7 @@ def broker_config(config: Config) -> Config:
     from ``[log]``; a TLS listener comes from ``[broker]`` ``tls_cert``/``tls_key``/``tls_port``.
     ACL-denied batches are never acknowledged (``acl_denied_publish = "disconnect"``).
     The connection limit is ``collector.max_connections`` or, unset, sized from the process's
-    file-descriptor limit (soft raised to hard where allowed; :mod:`filemq.fdlimit`)."""
+    file-descriptor limit (soft raised to hard where allowed; :mod:`filemq.ops.fdlimit`)."""
     c = config.collector
     max_connections = c.max_connections
     if max_connections is None:
@@ -305,36 +303,3 @@ class Collector:
         log.warning("client %r: malformed batch on %r quarantined as %s: %s", client.client_id,
                     packet.topic, self.quarantine_dir / f"{name}.batch", reason)
         return HookResult.ack_drop(f"quarantined: {reason}")
-
-
-# -- the `filemq collector` process ------------------------------------------------------------
-
-
-async def serve_collector(
-    config: Config,
-    ready: Callable[[str], None] | None = None,
-    stop: asyncio.Event | None = None,
-) -> int:
-    """Run a collector until ``stop`` or SIGTERM/SIGINT; returns the exit code."""
-
-    def metrics(collector: Collector) -> Sidecar | None:
-        c = config.collector
-        if c.metrics_port is None:
-            return None
-        from collector.metrics import start_metrics_server
-
-        return start_metrics_server(collector, c.metrics_port, c.host)
-
-    c = config.collector
-    return await serve_until_signalled(
-        lambda: Collector(config), name="collector", where=f"{c.host}:{c.port} (data dir {config.data_dir})",
-        describe=lambda collector: (f"filemq collector {collector.collector_id} listening on "
-                                    f"{collector.broker.listening}, landing in {collector.landing_dir},"
-                                    f" serving up to {collector.broker.config.broker.max_connections}"
-                                    " device connections"),
-        log=log, ready=ready, stop=stop, sidecar=metrics, status=lambda c: backlog_status(c.broker))
-
-
-def run_collector(config: Config, ready: Callable[[str], None] | None = None) -> int:
-    """``filemq collector``: run until SIGTERM/SIGINT in a new event loop; the exit code."""
-    return run_until_signalled(serve_collector(config, ready), name="collector", log=log)

@@ -66,6 +66,9 @@ class GroupCommitter:
         self._wake = asyncio.Event()
         self._closing = False
         self._listeners: list[Callable[[int], None]] = []
+        self._companions: list[Callable[[], None]] = []
+        self._companion_task: asyncio.Future[None] | None = None  # a companion sync running
+        self._companion_again = False
         self._waiters: list[tuple[int, int, asyncio.Future[None]]] = []
         self._waiter_ids = itertools.count()
 
@@ -84,6 +87,9 @@ class GroupCommitter:
         self._closing = True
         self._wake.set()
         await self._task
+        while self._companion_task is not None:  # the journal's last sync, then stop
+            await asyncio.gather(self._companion_task, return_exceptions=True)
+            await asyncio.sleep(0)
         assert self._loop is not None and self._executor is not None
         try:
             await self._loop.run_in_executor(self._executor, self.log.sync)
@@ -133,6 +139,38 @@ class GroupCommitter:
         heapq.heappush(self._waiters, (offset, next(self._waiter_ids), future))
         await future
 
+    def add_sync_companion(self, sync: Callable[[], None]) -> None:
+        """Run ``sync()`` after each commit that fdatasynced the log, so another file (the
+        consumer groups' progress journal) is made durable with the group commit, without a
+        schedule of its own. It runs in a thread of its own, overlapping the next log write
+        (so it never lengthens a commit cycle); while one runs, later commits coalesce into
+        one more run. Its errors are logged, never fail a commit."""
+        self._companions.append(sync)
+
+    def _sync_companions(self) -> None:
+        for companion in self._companions:
+            try:
+                companion()
+            except OSError as exc:
+                log.warning("%s: sync companion %r failed: %s", self.log.directory, companion, exc)
+
+    def _start_companions(self) -> None:
+        """After a synced commit (loop thread): start the companions, or note another run."""
+        if not self._companions:
+            return
+        if self._companion_task is not None:
+            self._companion_again = True
+            return
+        assert self._loop is not None
+        self._companion_task = self._loop.run_in_executor(None, self._sync_companions)
+        self._companion_task.add_done_callback(self._companions_done)
+
+    def _companions_done(self, _fut: asyncio.Future[None]) -> None:
+        self._companion_task = None
+        if self._companion_again:
+            self._companion_again = False
+            self._start_companions()
+
     def add_commit_listener(self, callback: Callable[[int], None]) -> None:
         """Call ``callback(committed_offset)`` on the loop after each successful commit."""
         self._listeners.append(callback)
@@ -180,6 +218,7 @@ class GroupCommitter:
             self.commits += 1
             if sync:
                 last_sync, dirty = now, False
+                self._start_companions()
             else:
                 dirty = True
             for _, future in batches:

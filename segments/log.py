@@ -271,7 +271,12 @@ class Log:
         self._tail_base = tail.base_offset
         self._tail_pos = tail.size
         self._tail_last_index_pos = tail.last_index_position
-        self._refresh_free_budget(0)
+        try:
+            self._refresh_free_budget(0)
+        except DiskFull as exc:
+            # Open anyway: the backlog must still be read and delivered; appends re-check
+            # the floor and keep raising DiskFull until space is freed.
+            log.warning("%s: free space below min_free_bytes (%s): opened read-mostly, appends refused until space is freed", self.directory, exc)
         report.segments = len(segments)
         report.seconds = time.perf_counter() - started
         self.recovery = report

@@ -34,7 +34,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from filemq.groups import ConsumerGroup, GroupConfig, group_directories  # noqa: E402
+from filemq.queue.groups import ConsumerGroup, GroupConfig, group_directories  # noqa: E402
 from segments import GroupCommitter, Log, LogConfig  # noqa: E402
 
 CONFIG = LogConfig(segment_bytes=128 * 1024, index_interval_bytes=4096, fsync="always")

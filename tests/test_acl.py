@@ -9,9 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from filemq.acl import Access, Acl, filter_within
-from filemq.config import ConfigError
-from filemq.topics import topic_matches
+from filemq.broker.acl import Access, Acl, filter_within
+from filemq.common.config import ConfigError
+from filemq.common.topics import topic_matches
 
 EXAMPLE = """
 # anonymous clients

@@ -15,14 +15,14 @@ import pytest
 from click.testing import CliRunner
 
 from cli import main
-from filemq.auth import (
+from filemq.broker.auth import (
     DEFAULT_ITERATIONS,
     SCHEME,
     PasswordFile,
     PasswordHash,
     add_or_update,
 )
-from filemq.config import ConfigError
+from filemq.common.config import ConfigError
 
 FAST = 1000  # iterations for tests; the format and code path are the same as production's
 
@@ -245,7 +245,7 @@ def test_mosquitto_passwd_files_drop_in(tmp_path: Path, hash_args: tuple[str, ..
     p = tmp_path / "mosq.pw"
     _mosquitto_file(p, {"alice": "secret", "bob": "pä ss wörd"}, *hash_args)
     assert all(line.split(":", 1)[1].startswith(prefix) for line in p.read_text().splitlines())
-    with caplog.at_level(logging.WARNING, "filemq.auth"):
+    with caplog.at_level(logging.WARNING, "filemq.broker.auth"):
         pw = PasswordFile.load(p)
         PasswordFile.load(p)  # a reload does not repeat the warnings
     assert pw.users == ["alice", "bob"]

@@ -10,7 +10,7 @@ from crc32c import crc32c
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from filemq.batch import (
+from filemq.upstream.batch import (
     CRC_START,
     MAGIC,
     PREFIX_SIZE,

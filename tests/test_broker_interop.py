@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 
 from filemq.broker import Broker
-from filemq.config import Config, load_config
+from filemq.common.config import Config, load_config
 
 paho = pytest.importorskip("paho.mqtt.client", reason="paho-mqtt is not installed")
 from paho.mqtt.enums import CallbackAPIVersion  # noqa: E402

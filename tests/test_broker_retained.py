@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 
 from filemq.broker import Broker
-from filemq.config import load_config
+from filemq.common.config import load_config
 from filemq.mqtt.codec import Decoder, encode
 from filemq.mqtt.packets import Connack, Connect, Disconnect, Publish, Suback, Subscribe
 
@@ -188,7 +188,7 @@ def test_record_committed_but_not_yet_routed_is_not_skipped_by_a_new_filter(tmp_
 def test_retained_waiting_for_the_rebuild_are_not_sent_twice(tmp_path: Path) -> None:
     """While the retained store is rebuilt at start-up a SUBSCRIBE waits; retained records
     routed after the SUBSCRIBE reach it live, and the rebuilt store does not send them again."""
-    from filemq.retained import RetainedStore
+    from filemq.queue.retained import RetainedStore
     from tests.test_broker_session import Harness, run
 
     async def main() -> None:
@@ -293,7 +293,7 @@ def test_subscribes_of_a_client_that_does_not_read_queue_bounded_retained_bytes(
 def test_sys_deliveries_follow_acl_deny_rules(tmp_path: Path) -> None:
     """A deny rule covers ``$SYS`` like any topic: neither the periodic messages nor the ones
     sent on SUBSCRIBE reach a client denied them."""
-    from filemq.acl import Acl
+    from filemq.broker.acl import Acl
     from tests.test_broker_session import Harness, run
 
     async def main() -> None:

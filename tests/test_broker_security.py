@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from filemq.acl import Acl
-from filemq.auth import PasswordFile, add_or_update
+from filemq.broker.acl import Acl
+from filemq.broker.auth import PasswordFile, add_or_update
 from filemq.broker.sessions import SessionStore, StoredSession, StoredSubscription
-from filemq.config import BrokerSection, CollectorSection
+from filemq.common.config import BrokerSection, CollectorSection
 from filemq.mqtt.packets import Connack, Connect, Puback, Publish, Subscribe
 from tests.test_broker_session import Harness, run
 

@@ -26,7 +26,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from filemq.broker import Broker, HookResult
-from filemq.config import Config, load_config
+from filemq.common.config import Config, load_config
 from filemq.mqtt.client import ConnectionLost, ConnectionRefused, MQTTClient, Will
 from filemq.mqtt.codec import Decoder, encode
 from filemq.mqtt.packets import Connect, Pingreq, Pingresp, Publish
@@ -103,6 +103,38 @@ def test_persistent_session_across_broker_restart(tmp_path: Path) -> None:
     asyncio.run(main())
 
 
+def test_broker_starts_below_min_free_bytes_and_delivers_its_backlog(tmp_path: Path) -> None:
+    """issue 10 item 12: less free space than ``log.min_free_bytes`` at start-up with an
+    acknowledged backlog: the broker starts and delivers the backlog to its persistent
+    subscriber; only a new PUBLISH is refused (3.1.1: the connection closes, no PUBACK)."""
+
+    async def main() -> None:
+        async with running(make_config(tmp_path)) as b:
+            sub = MQTTClient("durable-sub", port=b.port, clean_session=False)
+            await sub.connect()
+            await sub.subscribe([("data/#", 1)])
+            await sub.disconnect()
+            pub = MQTTClient("pub", port=b.port)
+            await pub.connect()
+            for i in range(20):
+                await pub.publish("data/x", b"%d" % i, qos=1)
+            await pub.disconnect()
+        # The disk filled up while the broker was down: the floor is above any free space.
+        full = load_config(None, {"data_dir": str(tmp_path), "broker.port": 0, "log.min_free_bytes": 1 << 60})
+        async with running(full) as b:
+            got: list[Publish] = []
+            sub = MQTTClient("durable-sub", port=b.port, clean_session=False, on_message=got.append)
+            assert (await sub.connect()).session_present
+            await collect(got, 20)
+            assert [m.payload for m in got] == [b"%d" % i for i in range(20)]
+            pub = MQTTClient("pub", port=b.port)
+            await pub.connect()
+            with pytest.raises((ConnectionLost, TimeoutError)):
+                await pub.publish("data/x", b"refused", qos=1, timeout=5.0)
+            await sub.disconnect()
+    asyncio.run(main())
+
+
 def test_will_on_abnormal_close(tmp_path: Path) -> None:
     async def main() -> None:
         async with running(make_config(tmp_path)) as b:
@@ -136,7 +168,7 @@ def test_max_connections(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> No
 
 
 def test_password_and_acl(tmp_path: Path) -> None:
-    from filemq.auth import add_or_update
+    from filemq.broker.auth import add_or_update
 
     pw = tmp_path / "pw"
     add_or_update(pw, "dev", "s3cret", iterations=1000)

@@ -17,13 +17,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from filemq.acl import Acl
+from filemq.broker.acl import Acl
 from filemq.broker.core import BrokerCore, HookResult
 from filemq.broker.session import CLOSED, CONNECTED, Connection
 from filemq.broker.sessions import SessionStore
+from filemq.broker.sysinfo import BrokerStats
 from filemq.broker.tailcache import TailCache
-from filemq.config import AutoSubscribe, BrokerSection
-from filemq.groups import ConsumerGroup
+from filemq.common.config import AutoSubscribe, BrokerSection
 from filemq.mqtt.codec import Decoder, encode
 from filemq.mqtt.packets import (
     Connack,
@@ -41,8 +41,8 @@ from filemq.mqtt.packets import (
     Unsuback,
     Unsubscribe,
 )
-from filemq.retained import RetainedStore
-from filemq.sysinfo import BrokerStats
+from filemq.queue.groups import ConsumerGroup
+from filemq.queue.retained import RetainedStore
 from segments.record import Record
 
 # ---- a queue whose commits the test controls -----------------------------------------------
@@ -106,6 +106,12 @@ class FakeQueue:
                                      durable=durable, start=start)
             self._groups[name] = g
         return g
+
+    def get_group(self, name: str) -> ConsumerGroup | None:
+        return self._groups.get(name)
+
+    def journal_progress(self) -> int:
+        return 0
 
     def persist_due(self) -> list[Any]:
         import time as _time
@@ -305,7 +311,7 @@ def test_zero_length_client_id_gets_an_assigned_id(tmp_path: Path) -> None:
 
 
 def test_password_checks(tmp_path: Path) -> None:
-    from filemq.auth import PasswordFile, add_or_update
+    from filemq.broker.auth import PasswordFile, add_or_update
 
     pw_file = tmp_path / "pw"
     add_or_update(pw_file, "alice", "secret", iterations=1000)
@@ -412,6 +418,97 @@ def test_qos2_ids_survive_a_restart(tmp_path: Path) -> None:
         c2.send(Pubrel(9), Publish("t", b"new", qos=2, packet_id=9))
         await h.commit()
         assert len(h.queue.log.records) == 2
+    run(main())
+
+
+def test_missing_group_directory_restarts_the_session_at_the_log_start_not_its_end(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """issue 10 item 13: a stored persistent session whose consumer-group directory is gone
+    must not be resumed at the log's end (that silently lost every queued message): the group
+    is re-created at the log's first offset, loudly; acknowledged messages are never lost."""
+    import shutil
+
+    from filemq.queue.groups import escape_group_name
+
+    async def main() -> None:
+        h = Harness(tmp_path)
+        c = h.connected("s1", clean=False, subscribe=Subscribe(1, [("t", 1), ("$share/g/s", 1)]))
+        c.send(Disconnect())
+        p = h.connected("pub")
+        p.send(*[Publish("t", b"m%d" % i, qos=1, packet_id=i + 1) for i in range(5)])
+        p.send(*[Publish("s", b"s%d" % i, qos=1, packet_id=i + 11) for i in range(3)])
+        await h.commit()
+        # The broker stops; the groups' directories are lost (deleted by hand, bad restore).
+        shutil.rmtree(tmp_path / "groups" / escape_group_name("mqtt-session:s1"))
+        shutil.rmtree(tmp_path / "groups" / escape_group_name("mqtt-share:g/s"))
+        log_ = h.queue.log
+        h.queue = FakeQueue(tmp_path / "groups")
+        h.queue.log = log_
+        h.core = h.make_core()
+        c2 = h.client()
+        with caplog.at_level(logging.ERROR, "filemq.broker"):
+            assert c2.connect("s1", clean=False).session_present
+        got = [x.payload for x in c2.received() if isinstance(x, Publish)]
+        assert sorted(got) == sorted([b"m%d" % i for i in range(5)] + [b"s%d" % i for i in range(3)])
+        assert "'mqtt-session:s1' is missing" in caplog.text and "'mqtt-share:g/s' is missing" in caplog.text
+    run(main())
+
+
+def test_full_disk_refuses_a_new_persistent_session_with_server_unavailable(tmp_path: Path) -> None:
+    """issue 10 item 14 (MQTT-3.2.2-4/-5, return code 0x03): CONNACK 0 promises a session
+    that survives a restart; when its file cannot be written the CONNECT is refused instead."""
+    from tests.faults import FaultyFileIO
+
+    async def main() -> None:
+        h = Harness(tmp_path)
+        io = FaultyFileIO(tmp_path)
+        h.store = SessionStore(tmp_path, io)
+        h.core = h.make_core()
+        io.disk_full = True
+        c = h.client()
+        ack = c.connect("new-persistent", clean=False)
+        assert ack.return_code == 0x03 and not ack.session_present
+        assert c.conn.state == CLOSED and c.transport.closed
+        assert h.store.load("new-persistent") is None
+        # A clean session needs no file: still accepted on the full disk.
+        assert h.client().connect("clean", clean=True).return_code == 0
+    run(main())
+
+
+def test_full_disk_subscribe_that_cannot_be_persisted_closes_cleanly(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """issue 10 item 14: a persistent session's SUBSCRIBE whose state cannot be made durable
+    gets no SUBACK (it would promise a subscription a restart forgets); the connection is
+    closed with the reason logged, not an internal error."""
+    from tests.faults import FaultyFileIO
+
+    async def main() -> None:
+        h = Harness(tmp_path)
+        io = FaultyFileIO(tmp_path)
+        h.store = SessionStore(tmp_path, io)
+        h.core = h.make_core()
+        c = h.connected("p1", clean=False)
+        io.disk_full = True
+        with caplog.at_level(logging.ERROR, "filemq.broker"):
+            c.send(Subscribe(1, [("t", 1)]))
+        assert not [x for x in c.received() if isinstance(x, Suback)]
+        assert c.conn.state == CLOSED and c.transport.closed
+        assert "internal error" not in caplog.text
+        assert "SUBSCRIBE" in caplog.text and "persist" in caplog.text
+        # Same when the new consumer group's files cannot be written (a clean session too).
+        io.disk_full = False
+
+        def no_space(*args: Any, **kw: Any) -> ConsumerGroup:
+            raise OSError(28, "No space left on device")
+
+        h.queue.group = no_space  # type: ignore[method-assign]
+        caplog.clear()
+        c2 = h.connected("c2", clean=True)
+        with caplog.at_level(logging.ERROR, "filemq.broker"):
+            c2.send(Subscribe(1, [("t", 1)]))
+        assert not [x for x in c2.received() if isinstance(x, Suback)]
+        assert c2.conn.state == CLOSED and "internal error" not in caplog.text
+        assert "SUBSCRIBE refused" in caplog.text
     run(main())
 
 
@@ -1090,7 +1187,7 @@ def test_persistent_subscriber_gets_every_acked_message(tmp_path: Path, ops: lis
 def test_group_offsets_persisted_soon_after_acks(tmp_path: Path) -> None:
     """Under traffic, a persistent subscriber's Pending is on disk ~100 ms after its acks
     (not only at the queue's once-a-second housekeeping)."""
-    from filemq.offsets import OffsetFile
+    from filemq.queue.offsets import OffsetFile
 
     async def main() -> None:
         h = Harness(tmp_path)

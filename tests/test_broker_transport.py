@@ -24,7 +24,7 @@ import pytest
 from filemq.broker import Broker
 from filemq.broker.server import certificate_cn
 from filemq.broker.session import AWAITING_CONNECT, CLOSED, MAX_CONNECT_PACKET
-from filemq.config import (
+from filemq.common.config import (
     Config,
     ConfigError,
     Listener,
@@ -379,7 +379,7 @@ def test_tls_client_certificate_identity_as_username(tmp_path: Path) -> None:
     password it sends (the password file is not consulted) and gets alice's ACL rights; no
     certificate, or one from another CA, fails the handshake.  The same bad login on the plain
     listener gets CONNACK 4."""
-    from filemq.auth import add_or_update
+    from filemq.broker.auth import add_or_update
 
     ca = _ca(tmp_path, "ca")
     server = _signed(tmp_path, "server", "broker", ca)

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 import cli
-from filemq.config import ConfigError, flag_overrides, load_config, section_keys
+from filemq.common.config import ConfigError, flag_overrides, load_config, section_keys
 
 # command -> (its own section, other sections it reads, keys it takes from its own section instead)
 COMMANDS: dict[str, tuple[str, tuple[str, ...], set[str]]] = {

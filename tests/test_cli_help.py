@@ -1,7 +1,7 @@
 """`filemq broker|agent|collector --help` reads like a man page (issue 11 item 10).
 
 Every flag says what it does (not just its config key), shows its range and a default that
-is the validator's own default (cli.py, filemq/config.py ``key_help``), and the flags are
+is the validator's own default (cli.py, filemq/common/keyhelp.py ``key_help``), and the flags are
 grouped in sections (listener, security, limits, log, upstream).
 """
 
@@ -14,7 +14,8 @@ import pytest
 from click.testing import CliRunner
 
 import cli
-from filemq.config import HELP_SECTIONS, Config, key_of_param
+from filemq.common.config import Config, key_of_param
+from filemq.common.keyhelp import HELP_SECTIONS
 
 SECTION_OF = {"broker": "broker", "agent": "agent", "collector": "collector"}
 

@@ -12,10 +12,10 @@ import pytest
 from click.testing import CliRunner
 
 from cli import main
-from filemq.groups import escape_group_name
-from filemq.offsets import OffsetFile, encode_offset
+from filemq.ops.status import DryRunFileIO
 from filemq.queue import Queue, QueueConfig
-from filemq.status import DryRunFileIO
+from filemq.queue.groups import escape_group_name
+from filemq.queue.offsets import OffsetFile, encode_offset
 from segments import Log, LogConfig
 
 SEGMENT_BYTES = 2048
@@ -227,6 +227,52 @@ def test_verify_doing_below_pending_is_a_problem(data: Path) -> None:
     OffsetFile(group_dir(data) / "doing").write(3)
     code, out = invoke("verify", str(data))
     assert code == 1 and "Doing 3 is below Pending 20" in out
+
+
+def test_verify_reports_a_missing_session_group_and_a_stray_group_directory(tmp_path: Path) -> None:
+    """issue 10 item 13: a stored session whose group directory is gone (its queued messages
+    would be lost) and a group directory no session owns (it pins retention) are problems."""
+    from filemq.broker.sessions import SessionStore, StoredSession, StoredSubscription
+
+    data = tmp_path / "data"
+
+    async def body() -> None:
+        q = Queue.open(data, QueueConfig(log=LogConfig(segment_bytes=SEGMENT_BYTES)))
+        await q.start()
+        q.group("mqtt-session:owned", ["t"], start="earliest")
+        q.group("mqtt-session:gone", ["t"], start="earliest")
+        for i in range(10):
+            await q.publish("t", b"%d" % i, qos=1)
+        await q.close()
+
+    asyncio.run(body())
+    store = SessionStore(data)
+    store.save(StoredSession("owned", {"t": StoredSubscription(1, 0)}))
+    store.save(StoredSession("lost", {"t": StoredSubscription(1, 0)}))
+    store.save(StoredSession("idle"))  # no subscriptions: needs no group
+    code, out = invoke("verify", str(data), "--json")
+    report = json.loads(out)
+    problems = "\n".join(report["problems"])
+    assert code == 1, out
+    assert "session 'lost'" in problems and "missing" in problems
+    assert "stray group directory" in problems and "mqtt-session:gone" in problems and "Pending 0" in problems
+    assert len(report["problems"]) == 2, problems
+
+
+def test_status_counts_acks_the_progress_journal_holds(data: Path) -> None:
+    """After a crash the journal may be ahead of the offset files: status shows the lag
+    the broker will resume with (Pending 20 in the file, 45 journaled)."""
+    from filemq.queue.offsets import ProgressJournal
+
+    journal = ProgressJournal(data / "groups" / "progress.journal")
+    journal.record([(group_dir(data).name, 45, 50)])
+    journal.close()
+    code, out = invoke("status", str(data), "--json")
+    assert code == 0, out
+    [g] = json.loads(out)["groups"]
+    assert (g["pending"], g["journaled_pending"], g["lag"]) == (20, 45, RECORDS - 45)
+    code, out = invoke("status", str(data))
+    assert "journaled pending=45" in out
 
 
 # ---- the dry-run file layer ------------------------------------------------------------

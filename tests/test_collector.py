@@ -19,12 +19,12 @@ from collector.lander import Lander
 from collector.landing import LANDING_SCHEMA, LandingWriter
 from collector.metrics import start_metrics_server
 from collector.server import Collector
-from filemq.batch import BatchRecord, decode_batch, encode_batch, peek_header
 from filemq.broker import ClientInfo
-from filemq.config import load_config
+from filemq.common.config import load_config
 from filemq.mqtt.client import MQTTClient
 from filemq.mqtt.packets import Publish
 from filemq.queue import Queue, QueueConfig
+from filemq.upstream.batch import BatchRecord, decode_batch, encode_batch, peek_header
 from segments import LogConfig
 
 pytestmark = pytest.mark.timeout(60)
@@ -624,7 +624,7 @@ def test_collector_sizes_max_connections_from_the_fd_limit(tmp_path: Path, caplo
     capacity is logged at start."""
     import resource
 
-    from filemq.fdlimit import FD_RESERVE
+    from filemq.ops.fdlimit import FD_RESERVE
 
     _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     collector = Collector(config(tmp_path))
@@ -649,7 +649,7 @@ def test_collector_sizes_max_connections_from_the_fd_limit(tmp_path: Path, caplo
 def test_fd_limit_raise_and_capacity(monkeypatch: pytest.MonkeyPatch) -> None:
     import resource
 
-    from filemq import fdlimit
+    from filemq.ops import fdlimit
 
     calls: list[tuple[int, int]] = []
     monkeypatch.setattr(resource, "getrlimit", lambda _: (1024, 4096))

@@ -180,3 +180,31 @@ def test_max_batch_bytes_splits_futures(tmp_path: Path) -> None:
 
     assert run(main()) >= 5
     log.close()
+
+
+@pytest.mark.parametrize("policy", ["always", "never"])
+def test_sync_companion_runs_after_synced_commits_only_and_never_fails_one(tmp_path: Path, policy: str) -> None:
+    """The progress journal's fdatasync rides on commits that synced the log; a failing
+    companion is logged and the commit still succeeds."""
+    log = Log.open(tmp_path, LogConfig(fsync=policy))  # type: ignore[arg-type]
+    calls: list[int] = []
+
+    def companion() -> None:
+        calls.append(log.committed_offset)
+        raise OSError(5, "companion I/O error")
+
+    async def main() -> None:
+        gc = GroupCommitter(log)
+        gc.add_sync_companion(companion)
+        await gc.start()
+        for i in range(3):
+            await gc.append("t", b"%d" % i)
+        await gc.close()
+
+    run(main())
+    assert log.committed_offset == 3
+    if policy == "always":
+        assert 1 <= len(calls) <= 3  # commits during a running companion coalesce
+    else:
+        assert calls == []
+    log.close()

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from filemq.config import (
+from filemq.common.config import (
     MIB,
     AutoSubscribe,
     Config,

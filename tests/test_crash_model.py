@@ -2,7 +2,7 @@
 
 A Hypothesis ``RuleBasedStateMachine`` (as Vector's disk-buffer model test) drives the real
 :class:`segments.Log` (directly and through the real :class:`segments.GroupCommitter` on an
-event loop) and a real :class:`filemq.groups.ConsumerGroup`, all writing through
+event loop) and a real :class:`filemq.queue.groups.ConsumerGroup`, all writing through
 :class:`tests.faults.FaultyFileIO`, with small segments so rolling, sealing and the index are
 exercised.  It crashes (drop / tear / flip, optionally in the middle of an operation), reopens,
 and checks after every step:
@@ -34,8 +34,9 @@ from hypothesis import HealthCheck, Phase, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from filemq.groups import ConsumerGroup, GroupConfig
-from filemq.topics import topic_matches
+from filemq.common.topics import topic_matches
+from filemq.queue.groups import ConsumerGroup, GroupConfig
+from filemq.queue.offsets import ProgressJournal
 from segments import GroupCommitter, Log, LogConfig, Record
 from segments.fileio import DiskFull
 from segments.record import HEADER_SIZE, LENGTH
@@ -151,6 +152,7 @@ class CrashModel(RuleBasedStateMachine):
             GROUP, self.log, self.groups_dir, filters=FILTERS, start="earliest",
             config=GroupConfig(persist_every_acks=10**9, persist_interval_ms=10**9), fileio=self.io,
         )
+        self.journal = ProgressJournal(self.groups_dir / "progress.journal", self.io)
 
     def teardown(self) -> None:
         shutil.rmtree(self.tmp, ignore_errors=True)
@@ -340,6 +342,29 @@ class CrashModel(RuleBasedStateMachine):
         self.io.power_cut_after(None)
         self.persisted = {pending}
 
+    @rule(sync=st.booleans(), cut_after=st.one_of(st.none(), st.integers(0, 3)),
+          mode=st.sampled_from(["drop", "tear", "flip"]), seed=st.integers(0, 2**32))
+    def journal_progress(self, sync: bool, cut_after: int | None, mode: str, seed: int) -> None:
+        """The broker's per-loop-turn journal write of the group's progress, maybe fdatasynced
+        (as the group commit does), maybe cut by a power loss."""
+        assert self.group is not None and self.group.directory is not None
+        pending = self.group.pending_offset
+        if cut_after is not None:
+            self.io.power_cut_after(cut_after)
+        try:
+            self.journal.record([(self.group.directory.name, pending, self.group.doing_offset)])
+            if sync:
+                self.journal.sync()
+        except PowerCut:
+            self.persisted.add(pending)  # the record may or may not have reached the disk
+            self._crash_and_reopen(mode, seed)
+            return
+        self.io.power_cut_after(None)
+        if sync:
+            self.persisted = {pending}  # journal values only grow: the replay yields exactly this
+        else:
+            self.persisted.add(pending)
+
     # -- crashes and reopening ---------------------------------------------------------------
 
     @rule(
@@ -453,10 +478,16 @@ class CrashModel(RuleBasedStateMachine):
         self.durable_end = self.committed_end = n
         # The group resumes exactly at the last persisted Pending (clamped to the log).
         assert self.group is not None
+        self.journal = ProgressJournal(self.groups_dir / "progress.journal", self.io)
+        [directory] = [p for p in self.groups_dir.iterdir() if p.is_dir()]
         self.group = ConsumerGroup.load(
-            self.groups_dir / os.listdir(self.groups_dir)[0], log,
+            directory, log,
             config=GroupConfig(persist_every_acks=10**9, persist_interval_ms=10**9), fileio=self.io,
+            journaled=self.journal.replayed.get(directory.name),
         )
+        # Compaction, as Queue.open does it: the replayed values into the files, then empty.
+        self.group.persist()
+        self.journal.reset()
         pending = self.group.pending_offset
         allowed = {min(max(p, self.first), n) for p in self.persisted}
         if pending_flipped:
@@ -622,7 +653,7 @@ def test_group_committer_close_releases_its_thread_when_the_final_sync_fails(tmp
 def test_power_cut_at_every_step_of_dropping_a_group(tmp_path: Path, mode: str) -> None:
     """After a power cut anywhere in ConsumerGroup.drop(), the group is either gone or intact
     (its persisted Pending), never half there; drops that returned are final."""
-    from filemq.groups import group_directories, purge_dropped
+    from filemq.queue.groups import group_directories, purge_dropped
 
     cfg = GroupConfig(persist_every_acks=10**9, persist_interval_ms=10**9)
     step = 0

@@ -21,8 +21,8 @@ import pytest
 from click.testing import CliRunner
 
 import cli
-from filemq import demo as demo_module
-from filemq.demo import DEVICE_ID, DemoError, DemoOptions, DemoResult, format_summary, run_demo
+from demo import pipeline as demo_module
+from demo.pipeline import DEVICE_ID, DemoError, DemoOptions, DemoResult, format_summary, run_demo
 
 REPO = Path(__file__).resolve().parent.parent
 FILEMQ = Path(sys.executable).parent / "filemq"

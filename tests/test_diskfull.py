@@ -140,3 +140,41 @@ def test_free_space_floor_stops_appends_before_the_disk_is_full(tmp_path: Path) 
         log = Log.open(mnt / "log", LogConfig(segment_bytes=64 * 1024))
         assert_records(log, accepted)
         log.close()
+
+
+def test_broker_data_dir_opens_below_the_free_space_floor_and_serves_its_backlog(tmp_path: Path) -> None:
+    """issue 10 item 12: free space below ``min_free_bytes`` with an acknowledged backlog: the
+    queue opens (the broker starts), the backlog is read and delivered, acks are kept; only new
+    appends are refused with DiskFull (the broker then closes a 3.1.1 publisher without ack)."""
+    from filemq.queue import Queue, QueueConfig
+    from tests.faults import FaultyFileIO
+
+    io = FaultyFileIO(tmp_path)
+    floor = 1 << 20
+
+    async def fill() -> None:
+        q = Queue.open(tmp_path, QueueConfig(log=CONFIG), fileio=io)
+        await q.start()
+        q.group("sub", ["#"], start="earliest")
+        for i in range(20):
+            await q.publish("t", payload(i), qos=1)
+        await q.close()
+
+    asyncio.run(fill())
+    io.free_bytes_value = floor // 2  # the disk filled up while the broker was down
+
+    async def serve() -> None:
+        cfg = QueueConfig(log=LogConfig(segment_bytes=64 * 1024, index_interval_bytes=1024, min_free_bytes=floor))
+        q = Queue.open(tmp_path, cfg, fileio=io)
+        await q.start()
+        g = q.group("sub")
+        got = g.fetch(100, "c")
+        assert [r.payload for r in got] == [payload(i) for i in range(20)]
+        for r in got:
+            g.ack(r.offset)
+        with pytest.raises(DiskFull):
+            q.publish_nowait("t", b"new")
+        await q.close()
+
+    asyncio.run(serve())
+    assert io.free_bytes_value == floor // 2

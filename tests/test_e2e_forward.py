@@ -25,10 +25,10 @@ import pyarrow.parquet as pq
 import pytest
 
 from collector.server import Collector
-from filemq.batch import BatchRecord, encode_batch
 from filemq.broker.server import free_port
-from filemq.config import Config, load_config
+from filemq.common.config import Config, load_config
 from filemq.mqtt.client import MQTTClient
+from filemq.upstream.batch import BatchRecord, encode_batch
 from tests.tcpproxy import TcpProxy
 from worker_agent.app import Agent
 
@@ -471,7 +471,7 @@ def test_tls_and_device_logins(tmp_path: Path) -> None:
 
     if shutil.which("openssl") is None:
         pytest.skip("openssl is not installed: cannot make a test certificate")
-    from filemq.auth import add_or_update
+    from filemq.broker.auth import add_or_update
 
     cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
     subprocess.run(

@@ -1,5 +1,5 @@
 """Exports in the configuration: ``[[export]]`` tables, ``--export NAME=URL`` flags and the
-``--collector`` shorthand, resolved and checked by :func:`filemq.config.load_config`
+``--collector`` shorthand, resolved and checked by :func:`filemq.common.config.load_config`
 (docs/FORWARDING.md, "Configuration")."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 import cli
-from filemq.config import ConfigError, ExportSection, flag_overrides, load_config
+from filemq.common.config import ConfigError, ExportSection, flag_overrides, load_config
 
 
 def write(tmp_path: Path, text: str) -> Path:

@@ -26,7 +26,7 @@ from typing import Any
 import pytest
 
 from filemq.broker.server import free_port
-from filemq.config import Config, load_config
+from filemq.common.config import Config, load_config
 from filemq.mqtt.client import MQTTClient
 from filemq.mqtt.codec import Decoder, encode
 from filemq.mqtt.packets import (

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from filemq.broker.server import free_port
-from filemq.groups import escape_group_name
+from filemq.queue.groups import escape_group_name
 from tests.test_e2e_forward import run, until
 from tests.test_exports_mqtt import ScriptedBroker, agent_config, publish_local
 from worker_agent.app import Agent

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from filemq.offsets import OffsetFile
+from filemq.queue.offsets import OffsetFile
 from segments.fileio import DiskFull
 from tests.faults import BypassError, Crashed, FaultyFileIO, PowerCut
 

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from filemq.batch import decode_batch
-from filemq.groups import ConsumerGroup
+from filemq.queue.groups import ConsumerGroup
+from filemq.upstream.batch import decode_batch
 from segments import GroupCommitter, Log, LogConfig
 from worker_agent.forwarder import (
     Forwarder,

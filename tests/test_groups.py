@@ -18,7 +18,7 @@ from hypothesis.stateful import (
     rule,
 )
 
-from filemq.groups import (
+from filemq.queue.groups import (
     DOING_FILE,
     GROUP_FILE,
     PENDING_FILE,
@@ -34,7 +34,7 @@ from filemq.groups import (
     remove_group_directory,
     unescape_group_name,
 )
-from filemq.offsets import OffsetFile, encode_offset
+from filemq.queue.offsets import OffsetFile, encode_offset
 from segments import Log, LogConfig
 from segments.fileio import OS_FILE_IO, FileHandle
 

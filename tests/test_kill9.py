@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from filemq.groups import ConsumerGroup, GroupConfig, group_directories
+from filemq.queue.groups import ConsumerGroup, GroupConfig, group_directories
 from segments import Log
 from tests.kill9_child import CONFIG, expected_record
 

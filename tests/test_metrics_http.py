@@ -1,4 +1,4 @@
-"""Prometheus metrics of the broker's own figures (filemq/broker/metrics.py, filemq/metrics_http.py).
+"""Prometheus metrics of the broker's own figures (filemq/broker/metrics.py, filemq/ops/metrics_http.py).
 
 Scraped over loopback from a running `filemq broker` (``broker.metrics_port``) and a running
 agent (``agent.metrics_port``), and parsed with prometheus-client's own text-format parser
@@ -19,12 +19,12 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from filemq.broker.app import serve
 from filemq.broker.core import SESSION_GROUP_PREFIX
 from filemq.broker.metrics import Family, render_text
 from filemq.broker.server import free_port
-from filemq.config import load_config
+from filemq.common.config import load_config
 from filemq.mqtt.client import MQTTClient
+from filemq.ops.broker_app import serve
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 

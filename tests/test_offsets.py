@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from filemq.offsets import (
+from filemq.queue.offsets import (
     FILE_SIZE,
     MAGIC,
     CorruptOffsetFile,

@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from filemq.groups import GROUP_FILE, GroupConfig, escape_group_name
-from filemq.offsets import OffsetFile
+from filemq.common.topics import InvalidTopic
 from filemq.queue import Queue as FQueue
 from filemq.queue import QueueConfig
-from filemq.topics import InvalidTopic
+from filemq.queue.groups import GROUP_FILE, GroupConfig, escape_group_name
+from filemq.queue.offsets import OffsetFile
 from segments import LogConfig
 
 
@@ -202,7 +202,7 @@ def test_damaged_group_directory_is_skipped_not_fatal(tmp_path: Path) -> None:
 def test_power_cut_while_persisting_never_skips_and_keeps_completed_writes(tmp_path: Path, seed: int) -> None:
     import random
 
-    from filemq.groups import ConsumerGroup, group_directories
+    from filemq.queue.groups import ConsumerGroup, group_directories
     from segments import Log
 
     faults = pytest.importorskip("tests.faults", reason="needs the fault-injection file layer")
@@ -235,3 +235,136 @@ def test_power_cut_while_persisting_never_skips_and_keeps_completed_writes(tmp_p
     assert durable <= again.pending_offset <= g.pending_offset
     assert [r.offset for r in again.fetch(1000)] == list(range(again.pending_offset, 100))
     lg2.close()
+
+
+# ---- the progress journal: acked progress between two writes of the offset files ----------
+
+NO_FILE_WRITES = GroupConfig(persist_every_acks=10**9, persist_interval_ms=10**9)
+
+
+def _quiet_cfg() -> QueueConfig:
+    """Offset files are never written by housekeeping: only the journal carries progress."""
+    return QueueConfig(log=LogConfig(segment_bytes=1 << 16), group=NO_FILE_WRITES,
+                       housekeeping_interval_ms=10**6, retention_interval_ms=10**6)
+
+
+def test_acked_progress_survives_a_process_crash_through_the_journal(tmp_path: Path) -> None:
+    """issue 11 item 8: a kill -9 re-delivers only what was acked after the last journal
+    write, not everything since the offset files' last (~100 ms / 1 s) rewrite."""
+
+    async def crashing() -> None:
+        q = FQueue.open(tmp_path, _quiet_cfg())
+        await q.start()
+        g = q.group("sub", ["#"], start="earliest")
+        for i in range(100):
+            await q.publish("t", bytes([i]), qos=1)
+        for r in g.fetch(100, "c")[:60]:
+            g.ack(r.offset)
+        assert q.journal_progress() == 1
+        assert q.journal_progress() == 0, "unchanged progress is not journaled again"
+        # kill -9: no close, no persist; the journal's write is in the page cache.
+
+    run(crashing())
+    assert OffsetFile(tmp_path / "groups" / "sub" / "pending").read() == 0
+    q = FQueue.open(tmp_path, _quiet_cfg())
+    g = q.group("sub")
+    assert g.pending_offset == 60
+    assert [r.offset for r in g.fetch(1000)] == list(range(60, 100))
+    # Opening compacted the journal into the offset files.
+    assert OffsetFile(tmp_path / "groups" / "sub" / "pending").read() == 60
+    assert (tmp_path / "groups" / "progress.journal").stat().st_size == 0
+    q.log.close()
+
+
+@pytest.mark.parametrize("mode", ["drop", "tear"])
+def test_journaled_progress_is_durable_with_the_next_group_commit(tmp_path: Path, mode: str) -> None:
+    """Power loss: acks journaled before a group commit that fdatasynced the log are kept;
+    acks journaled after it may be lost (more redeliveries) but never skip a record."""
+    import random
+
+    faults = pytest.importorskip("tests.faults", reason="needs the fault-injection file layer")
+    io = faults.FaultyFileIO(tmp_path)
+
+    async def crashing() -> None:
+        q = FQueue.open(tmp_path, _quiet_cfg(), fileio=io)
+        await q.start()
+        g = q.group("sub", ["#"], start="earliest")
+        for i in range(100):
+            await q.publish("t", bytes([i]), qos=1)
+        got = g.fetch(100, "c")
+        for r in got[:40]:
+            g.ack(r.offset)
+        q.journal_progress()
+        await q.publish("t", b"commit")  # a synced commit: it starts the journal's fdatasync
+        for r in got[40:70]:
+            g.ack(r.offset)
+        q.journal_progress()  # not synced by any commit before the power cut (maybe by the running sync)
+
+    run(crashing())  # asyncio.run waits for the journal sync the commit started
+    io.crash(mode, random.Random(7))
+    q = FQueue.open(tmp_path, _quiet_cfg(), fileio=io)
+    g = q.group("sub")
+    assert 40 <= g.pending_offset <= 70
+    assert [r.offset for r in g.fetch(1000)] == list(range(g.pending_offset, 101))
+    q.log.close()
+
+
+def test_a_recreated_group_does_not_inherit_a_dropped_namesakes_journal(tmp_path: Path) -> None:
+    """Dropping a group durably forgets its journaled progress: a new group of the same name
+    starting at the earliest offset must get every record, even after a power cut."""
+    import random
+
+    faults = pytest.importorskip("tests.faults", reason="needs the fault-injection file layer")
+    io = faults.FaultyFileIO(tmp_path)
+
+    async def crashing() -> None:
+        q = FQueue.open(tmp_path, _quiet_cfg(), fileio=io)
+        await q.start()
+        g = q.group("sub", ["#"], start="earliest")
+        for i in range(50):
+            await q.publish("t", bytes([i]), qos=1)
+        got = g.fetch(100, "c")
+        for r in got[:25]:
+            g.ack(r.offset)
+        q.journal_progress()
+        await q.publish("t", b"commit")
+        for r in got[25:]:
+            g.ack(r.offset)  # not journaled yet when the group is dropped
+        assert q.drop_group("sub")
+        q.group("sub", ["#"], start="earliest")
+        assert q.journal_progress() == 0, "a dropped group is never journaled after its FORGET"
+        await q.publish("t", b"commit")
+
+    run(crashing())
+    io.crash("drop", random.Random(3))
+    q = FQueue.open(tmp_path, _quiet_cfg(), fileio=io)
+    assert q.group("sub").pending_offset == 0
+    q.log.close()
+
+
+def test_housekeeping_compacts_a_grown_journal_into_the_offset_files(tmp_path: Path) -> None:
+    """Past ``compact_bytes`` the journal is folded into the offset files and emptied."""
+
+    async def body() -> None:
+        q = FQueue.open(tmp_path, QueueConfig(log=LogConfig(segment_bytes=1 << 16), group=NO_FILE_WRITES,
+                                              housekeeping_interval_ms=5, retention_interval_ms=10**6))
+        journal = q._journal
+        assert journal is not None
+        journal.compact_bytes = 200
+        await q.start()
+        g = q.group("sub", ["#"], start="earliest")
+        for i in range(30):
+            await q.publish("t", bytes([i]), qos=1)
+        for r in g.fetch(30, "c"):
+            g.ack(r.offset)
+            q.journal_progress()  # one record per ack: the journal passes 200 bytes
+        assert journal.records == 30
+        for _ in range(400):  # bounded: housekeeping runs every 5 ms
+            if journal.size == 0:
+                break
+            await asyncio.sleep(0.005)
+        assert journal.size == 0, "the journal was not compacted"
+        assert OffsetFile(tmp_path / "groups" / "sub" / "pending").read() == 30
+        await q.close()
+
+    run(body())

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from filemq.retained import (
+from filemq.queue.retained import (
     SNAPSHOT_NAME,
     CorruptSnapshot,
     RetainedMessage,
@@ -157,7 +157,7 @@ def test_corrupt_snapshot_warns_and_replays_from_first_offset(
     else:
         snap.write_bytes(b"\x00" * 7)
     fresh = RetainedStore(tmp_path)
-    with caplog.at_level(logging.WARNING, logger="filemq.retained"):
+    with caplog.at_level(logging.WARNING, logger="filemq.queue.retained"):
         report = fresh.recover(log)
     assert report.snapshot_corrupt and not report.snapshot_loaded
     assert report.replay_from == log.first_offset and report.replayed_records == 20
@@ -200,7 +200,7 @@ def test_retention_past_the_snapshot_is_reported(
         publish(log, store, "bulk", b"x" * 100, retain=False)
     log.enforce_retention()
     first = log.first_offset
-    with caplog.at_level(logging.WARNING, logger="filemq.retained"):
+    with caplog.at_level(logging.WARNING, logger="filemq.queue.retained"):
         report = RetainedStore(tmp_path).recover(log)
     assert report.lost_range == (0, first)
     assert any("retention deleted" in r.getMessage() for r in caplog.records)

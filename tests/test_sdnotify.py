@@ -1,4 +1,4 @@
-"""systemd readiness and watchdog (filemq/sdnotify.py, filemq/service.py; docs/DEPLOYMENT.md).
+"""systemd readiness and watchdog (filemq/ops/sdnotify.py, filemq/ops/service.py; docs/DEPLOYMENT.md).
 
 The tests bind the ``NOTIFY_SOCKET`` datagram socket themselves, as systemd does, and read
 what a real ``filemq broker|agent|collector`` process sends (sd_notify(3)): ``READY=1`` with a
@@ -24,8 +24,8 @@ from pathlib import Path
 
 import pytest
 
-from filemq import sdnotify
-from filemq.service import EXIT_OK, serve_until_signalled
+from filemq.ops import sdnotify
+from filemq.ops.service import EXIT_OK, serve_until_signalled
 
 REPO = Path(__file__).resolve().parent.parent
 UNITS = REPO / "docs" / "systemd"

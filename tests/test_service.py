@@ -1,4 +1,4 @@
-"""The process contract shared by broker, agent and collector (filemq/service.py)."""
+"""The process contract shared by broker, agent and collector (filemq/ops/service.py)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import logging
 
 import pytest
 
-from filemq.config import ConfigError
-from filemq.service import EXIT_CONFIG, EXIT_OK, EXIT_RUNTIME, serve_until_signalled
+from filemq.common.config import ConfigError
+from filemq.ops.service import EXIT_CONFIG, EXIT_OK, EXIT_RUNTIME, serve_until_signalled
 
 log = logging.getLogger("test.service")
 

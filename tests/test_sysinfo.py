@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from filemq.sysinfo import BrokerStats, HotTopics, LatencyRing
+from filemq.broker.sysinfo import BrokerStats, HotTopics, LatencyRing
 
 
 def as_dict(stats: BrokerStats, now: float) -> dict[str, str]:

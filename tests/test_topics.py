@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from filemq.topics import (
+from filemq.common.topics import (
     MAX_TOPIC_BYTES,
     InvalidTopic,
     TopicTrie,

@@ -21,8 +21,8 @@ from collections.abc import Callable
 
 from filemq.broker import Broker
 from filemq.broker.metrics import backlog_status
-from filemq.config import Config, ConfigError
-from filemq.service import Sidecar, run_until_signalled, serve_until_signalled
+from filemq.common.config import Config, ConfigError
+from filemq.ops.service import Sidecar, run_until_signalled, serve_until_signalled
 from worker_agent.exports import Exports
 from worker_agent.exports import describe as describe_exports
 from worker_agent.forwarder import Forwarder, ForwarderConfig, Upstream

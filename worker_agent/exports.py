@@ -34,9 +34,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from filemq.config import Config, ConfigError, ExportSection, read_config_text
+from filemq.common.config import Config, ConfigError, ExportSection, read_config_text
 from filemq.mqtt.client import MQTTClient
-from filemq.status import EXPORTS_FILE as STATUS_FILE
+from filemq.ops.status import EXPORTS_FILE as STATUS_FILE
 from segments.fileio import atomic_write
 from worker_agent.forwarder import Forwarder, ForwarderConfig, Upstream
 from worker_agent.mqtt_export import (
@@ -48,8 +48,8 @@ from worker_agent.mqtt_export import (
 from worker_agent.uplink import Share, Uplink
 
 if TYPE_CHECKING:
-    from filemq.groups import ConsumerGroup
     from filemq.queue import Queue
+    from filemq.queue.groups import ConsumerGroup
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """The forwarder: ships the device log upstream in acknowledged batches.
 
 A :class:`Forwarder` reads the log through a durable consumer group (named ``forwarder``
-by the agent), packs records into batches (:mod:`filemq.batch`) bounded by records, bytes
+by the agent), packs records into batches (:mod:`filemq.upstream.batch`) bounded by records, bytes
 and linger time, and publishes each batch with QoS 1 to the collector, keeping up to
 ``window`` batches in flight.
 
@@ -51,7 +51,7 @@ from dataclasses import dataclass, field
 from itertools import accumulate, islice
 from typing import TYPE_CHECKING, Protocol
 
-from filemq.batch import DEFAULT_STREAM, batch_topic, check_name, encode_batch
+from filemq.upstream.batch import DEFAULT_STREAM, batch_topic, check_name, encode_batch
 
 if TYPE_CHECKING:
     from segments import Record
@@ -80,7 +80,7 @@ class Upstream(Protocol):
 
 
 class ForwardGroup(Protocol):
-    """What the forwarder needs of its consumer group (``filemq.groups.ConsumerGroup``)."""
+    """What the forwarder needs of its consumer group (``filemq.queue.groups.ConsumerGroup``)."""
 
     @property
     def name(self) -> str: ...

@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from prometheus_client.core import (
     CounterMetricFamily,
@@ -33,11 +33,27 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector as PromCollector
 
 from filemq.broker.metrics import broker_families
-from filemq.metrics_http import MetricsServer, on_loop, serve_metrics
+from filemq.ops.metrics_http import MetricsServer, on_loop, serve_metrics
 from worker_agent.forwarder import LATENCY_BUCKETS
 
 if TYPE_CHECKING:
-    from worker_agent.app import Agent
+    from filemq.broker import Broker
+    from worker_agent.exports import Exports
+    from worker_agent.forwarder import Forwarder
+
+
+class Agent(Protocol):
+    """What the metrics read of a :class:`worker_agent.app.Agent` (a Protocol, so this module
+    and the app that starts it never import each other)."""
+
+    @property
+    def broker(self) -> Broker: ...
+
+    @property
+    def forwarder(self) -> Forwarder | None: ...
+
+    @property
+    def exports(self) -> Exports: ...
 
 
 log = logging.getLogger("worker_agent.metrics")

@@ -42,7 +42,7 @@ from worker_agent.forwarder import CONSUMER, ForwardGroup, RateLimiter, backoff_
 from worker_agent.uplink import MAX_GRANT_BYTES
 
 if TYPE_CHECKING:
-    from filemq.config import ExportSection
+    from filemq.common.config import ExportSection
     from segments import Record
 
 log = logging.getLogger(__name__)
@@ -53,7 +53,7 @@ PUBLISH_MAX_OVERHEAD = 9  # the same with a 4-byte remaining length: an upper bo
 
 
 class ExportGroup(ForwardGroup, Protocol):
-    """The consumer group of an export (``filemq.groups.ConsumerGroup``)."""
+    """The consumer group of an export (``filemq.queue.groups.ConsumerGroup``)."""
 
     def redelivered(self, offset: int) -> bool: ...
 
@@ -382,11 +382,11 @@ def _chunk(records: list[Record]) -> tuple[list[Record], int]:
 def mqtt_client_factory(spec: ExportSection, device_id: str) -> Callable[[], MQTTClient]:
     """A function making the export's client: persistent session, its login and TLS settings.
 
-    Raises :class:`filemq.config.ConfigError` when a password, CA or key file cannot be read.
+    Raises :class:`filemq.common.config.ConfigError` when a password, CA or key file cannot be read.
     """
     import ssl
 
-    from filemq.config import ConfigError, read_config_text
+    from filemq.common.config import ConfigError, read_config_text
 
     password: str | None = spec.password
     if spec.password_file is not None:

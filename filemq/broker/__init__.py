@@ -1,9 +1,22 @@
 """The MQTT 3.1.1 broker on the log: durable acks, persistent sessions, auth and ACL.
 
-Layers, as in h11: :mod:`.session` is the per-connection state machine (bytes in, bytes
-out), :mod:`.core` the shared broker state and rules (sessions, routing, durable acks),
-:mod:`.sessions` the durable session store, :mod:`.tailcache` the in-memory tail of the log,
-:mod:`.server` the asyncio shell (:class:`Broker`), :mod:`.app` the ``filemq broker`` process.
+Modules, as in h11 (the state machine apart from the I/O):
+
+* :mod:`.session` — :class:`~.session.Connection`, the per-connection state machine (bytes in,
+  bytes out); it talks to the core through the :class:`~.session.Core` Protocol.
+* :mod:`.core` — :class:`~.core.BrokerCore`, the broker's rules, one mixin per concern over the
+  shared state of :mod:`.base` (types in :mod:`.state`): :mod:`.connect` (CONNECT, session
+  ownership and lifecycle, session-file writes), :mod:`.subscribe` (SUBSCRIBE, shares, retained
+  for new subscriptions), :mod:`.publish` (inbound PUBLISH, durable acks, routing),
+  :mod:`.delivery` (outbound delivery, the QoS 1/2 ack state machine, disconnects).
+* :mod:`.sessions` the durable session store, :mod:`.tailcache` the in-memory tail of the log,
+  :mod:`.auth` / :mod:`.acl` logins and rights, :mod:`.sysinfo` the ``$SYS`` figures,
+  :mod:`.metrics` the Prometheus families, :mod:`.server` the asyncio shell (:class:`Broker`),
+  :mod:`.websocket` MQTT over WebSockets.
+
+May import: ``filemq.queue``, ``filemq.mqtt``, ``filemq.common`` and ``segments``. Must not
+import ``filemq.upstream`` (the broker does not know what its publishers carry) or
+``filemq.ops`` (the process that runs it is ``filemq.ops.broker_app``).
 """
 
 from filemq.broker.core import ClientInfo, HookResult, PublishHook

@@ -1,10 +1,10 @@
 """The broker's own figures for Prometheus, read from its counters at scrape time.
 
-The same counters ``$SYS/broker/...`` publishes (:class:`filemq.sysinfo.BrokerStats`), the
+The same counters ``$SYS/broker/...`` publishes (:class:`filemq.broker.sysinfo.BrokerStats`), the
 log's (size, fsyncs) and the consumer groups' (lag, oldest unacknowledged record), named
 after Prometheus conventions: ``filemq_broker_..._total`` for counters, ``_bytes`` and
 ``_seconds`` for units. :func:`broker_families` must run on the broker's event loop (the
-groups are not thread-safe); :func:`filemq.metrics_http.serve_loop_metrics` arranges that.
+groups are not thread-safe); :func:`filemq.ops.metrics_http.serve_loop_metrics` arranges that.
 Nothing here imports ``prometheus-client``.
 
 Metric names (docs/BROKER.md, "Prometheus metrics"; tests/test_metrics_http.py):

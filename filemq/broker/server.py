@@ -29,20 +29,20 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from filemq.acl import Acl
-from filemq.auth import PasswordFile
+from filemq.broker.acl import Acl
+from filemq.broker.auth import PasswordFile
 from filemq.broker.core import SESSION_GROUP_PREFIX, SHARE_GROUP_PREFIX, BrokerCore, PublishHook
 from filemq.broker.session import AUTHENTICATING, AWAITING_CONNECT, CONNECTED, Connection
 from filemq.broker.sessions import SessionStore
+from filemq.broker.sysinfo import SYS_PREFIX, BrokerStats
 from filemq.broker.tailcache import TailCache
-from filemq.config import ConfigError, Listener, broker_listeners
+from filemq.common.config import ConfigError, Listener, broker_listeners
 from filemq.queue import Queue, QueueConfig
-from filemq.retained import RetainedStore
-from filemq.sysinfo import SYS_PREFIX, BrokerStats
+from filemq.queue.retained import RetainedStore
 from segments import LogConfig
 
 if TYPE_CHECKING:
-    from filemq.config import Config
+    from filemq.common.config import Config
 
 log = logging.getLogger("filemq.broker")
 

@@ -28,7 +28,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from filemq.mqtt.codec import Decoder, ProtocolError, encode
 from filemq.mqtt.packets import (
@@ -50,8 +50,8 @@ if TYPE_CHECKING:
     import asyncio
     from collections.abc import Callable
 
-    from filemq.acl import ClientAcl
-    from filemq.broker.core import BrokerCore, SessionState
+    from filemq.broker.acl import ClientAcl
+    from filemq.common.config import BrokerSection
 
 log = logging.getLogger("filemq.broker")
 
@@ -77,6 +77,38 @@ class Transport(Protocol):
     def close(self) -> None: ...
 
 
+class Core(Protocol):
+    """What a connection needs from the broker core (:class:`~filemq.broker.core.BrokerCore`
+    satisfies it): the limits it enforces and the handlers its packets go to. A Protocol, so
+    this lower module never imports the core."""
+
+    config: BrokerSection
+    connect_timeout: float
+    connections: dict[str, Connection]
+
+    def mark_dirty(self, conn: Connection) -> None: ...
+
+    def on_connect(self, conn: Connection, p: Connect) -> None: ...
+
+    def on_publish(self, conn: Connection, p: Publish) -> None: ...
+
+    def on_puback(self, conn: Connection, pid: int) -> None: ...
+
+    def on_pubacks(self, conn: Connection, pids: Sequence[int]) -> None: ...
+
+    def on_pubrec(self, conn: Connection, pid: int) -> None: ...
+
+    def on_pubrel(self, conn: Connection, pid: int) -> None: ...
+
+    def on_pubcomp(self, conn: Connection, pid: int) -> None: ...
+
+    def on_subscribe(self, conn: Connection, p: Subscribe) -> None: ...
+
+    def on_unsubscribe(self, conn: Connection, p: Unsubscribe) -> None: ...
+
+    def on_close(self, conn: Connection, prev_state: str) -> None: ...
+
+
 class Connection:
     """One client connection: protocol state, inbound acks waiting for commit, output buffer."""
 
@@ -89,7 +121,7 @@ class Connection:
 
     def __init__(
         self,
-        core: BrokerCore,
+        core: Core,
         peer: str,
         transport: Transport | None = None,
         *,
@@ -113,7 +145,9 @@ class Connection:
         self.last_rx = time.monotonic() if now is None else now
         self.connected_at = self.last_rx  # the accept: the CONNECT deadline counts from here
         self.will: Publish | None = None
-        self.session: SessionState | None = None
+        # The connection's SessionState (filemq.broker.state), set by the core at CONNECT;
+        # opaque here, so this module does not import the core's state.
+        self.session: Any = None
         self.acl: ClientAcl | None = None
         # (commit future or None, ack bytes), in arrival order: acks leave in this order.
         self.pending_acks: deque[tuple[asyncio.Future[None] | None, bytes, int]] = deque()

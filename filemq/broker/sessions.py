@@ -22,7 +22,7 @@ a reader sees the old or the new version after a crash, never a mix.  What it ho
   The broker writes in a worker thread (:meth:`SessionStore.write`), never on the event loop.
 
 The message backlog is not here: it stays in the log, behind the session's consumer group
-(:mod:`filemq.groups`).  Writes happen on SUBSCRIBE/UNSUBSCRIBE and on QoS 2 traffic, never
+(:mod:`filemq.queue.groups`).  Writes happen on SUBSCRIBE/UNSUBSCRIBE and on QoS 2 traffic, never
 per QoS 0/1 message.
 """
 
@@ -37,8 +37,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from filemq.groups import escape_group_name
-from filemq.topics import InvalidTopic, parse_shared, validate_topic_filter
+from filemq.common.topics import InvalidTopic, parse_shared, validate_topic_filter
+from filemq.queue.groups import escape_group_name
 from segments.fileio import OS_FILE_IO, FileIO, atomic_write
 
 log = logging.getLogger(__name__)

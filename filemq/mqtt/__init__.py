@@ -1,14 +1,20 @@
-"""MQTT 3.1.1: packets (:mod:`.packets`), the sans-I/O codec (:mod:`.codec`) and an asyncio
-client (:mod:`.client`)."""
+"""MQTT 3.1.1 and 5.0: packets (:mod:`.packets`), the sans-I/O codec (:mod:`.codec`) and an
+asyncio 3.1.1 client (:mod:`.client`).
 
-from filemq.mqtt.codec import Decoder, ProtocolError, encode
+May import: ``filemq.common``. Must not import the queue, the broker, the upstream batch
+format or operations: the codec knows bytes and packets, nothing of what a broker does.
+"""
+
+from filemq.mqtt.codec import Decoder, ProtocolError, encode, encode5, encoder
 from filemq.mqtt.packets import (
+    Auth,
     Connack,
     Connect,
     Disconnect,
     Packet,
     Pingreq,
     Pingresp,
+    Properties,
     Puback,
     Pubcomp,
     Publish,
@@ -21,6 +27,7 @@ from filemq.mqtt.packets import (
 )
 
 __all__ = [
+    "Auth",
     "Connack",
     "Connect",
     "Decoder",
@@ -28,6 +35,7 @@ __all__ = [
     "Packet",
     "Pingreq",
     "Pingresp",
+    "Properties",
     "ProtocolError",
     "Puback",
     "Pubcomp",
@@ -39,4 +47,6 @@ __all__ = [
     "Unsuback",
     "Unsubscribe",
     "encode",
+    "encode5",
+    "encoder",
 ]

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from filemq.topics import InvalidTopic, validate_topic_filter
+from filemq.common.topics import InvalidTopic, validate_topic_filter
 
 KIB = 1024
 MIB = 1024 * KIB
@@ -486,7 +486,7 @@ class CollectorSection:
     roll_bytes: int = field(default=64 * MIB, metadata=_spec(_SIZE))
     roll_seconds: int = field(default=60, metadata=_spec(_POS))
     metrics_port: int | None = field(default=None, metadata=_spec(_PORT))
-    # None: sized from the file-descriptor limit (filemq.fdlimit), not broker.max_connections.
+    # None: sized from the file-descriptor limit (filemq.ops.fdlimit), not broker.max_connections.
     max_connections: int | None = field(default=None, metadata=_spec(_POS))
 
     def anonymous_allowed(self) -> bool:
@@ -1004,169 +1004,6 @@ def _check_anonymous(
             f"{key} = false{where(key)} but {section}.password_file is not set, so no client "
             f"could log in; set {section}.password_file or remove {key}",
         )
-
-
-# -- help text for the command-line flags (cli.py) -----------------------------------------
-# key -> (help section, one-line meaning, what an unset (None) default means). The section
-# groups `filemq broker|agent|collector --help`; range and default come from the key's
-# checker and dataclass default above, so the help cannot drift from what is accepted.
-
-HELP_SECTIONS = {
-    "general": "General options",
-    "upstream": "Upstream (forwarding to the collector)",
-    "landing": "Landing (Parquet files)",
-    "listener": "Listener",
-    "security": "Security",
-    "limits": "Limits",
-    "log": "Log (storage and durability)",
-}
-
-_KEY_HELP: dict[str, tuple[str, str, str]] = {
-    "data_dir": ("general", "Data directory: the log, offsets, sessions and retained.snap", "required"),
-    "listener": ("listener", "A listener (repeatable; replaces --host/--port/--tls-*), e.g. "
-                 "'0.0.0.0:8883,tls_cert=c.pem,tls_key=k.pem,require_certificate=true' or "
-                 "'0.0.0.0:8080,protocol=websockets'", "the --host/--port shorthand"),
-    "log.segment_bytes": ("log", "Roll to a new segment file at this size", ""),
-    "log.index_interval_bytes": ("log", "Bytes of records between two sparse-index entries", ""),
-    "log.fsync": ("log", "always: fdatasync before any ack; interval: ack first, sync every "
-                  "fsync_interval_ms; never: leave it to the OS", ""),
-    "log.fsync_interval_ms": ("log", "Sync period in milliseconds for --fsync interval", ""),
-    "log.retention_bytes": ("log", "Delete the oldest whole segments once the log exceeds this size",
-                            "no size cap"),
-    "log.retention_ms": ("log", "Delete whole segments whose newest record is older than this (ms)",
-                         "no age cap"),
-    "log.min_free_bytes": ("log", "Refuse appends (no ack) when the file system has less free space", ""),
-    "broker.host": ("listener", "Address the broker listens on; off loopback it needs a password "
-                    "file or allow_anonymous", ""),
-    "broker.port": ("listener", "Plain MQTT port", ""),
-    "broker.password_file": ("security", "Users and password hashes (filemq passwd); clients must "
-                             "log in", "no logins"),
-    "broker.acl_file": ("security", "ACL file in Mosquitto's format", "everything allowed"),
-    "broker.allow_anonymous": ("security", "Let clients without a username in, also beside a "
-                               "password file", "only when there is no password file"),
-    "broker.max_connections": ("limits", "Connected clients at most; a CONNECT beyond gets CONNACK 3", ""),
-    "broker.max_connecting": ("limits", "Sockets still in their CONNECT at most (counted apart); at "
-                              "the limit the oldest one is closed", ""),
-    "broker.message_size_limit": ("limits", "Largest PUBLISH or will payload in bytes; larger closes "
-                                  "the connection, nothing stored or acknowledged", "only max_packet_size"),
-    "broker.max_packet_size": ("limits", "A larger packet closes its connection (bytes)", ""),
-    "broker.max_inflight": ("limits", "Unacknowledged QoS 1/2 messages per subscriber", ""),
-    "broker.max_topic_length": ("limits", "Longest topic or filter in bytes; longer is a protocol error", ""),
-    "broker.keepalive_max": ("limits", "Cap on the keepalive a client may ask for (seconds)", "no cap"),
-    "broker.tls_port": ("listener", "TLS listener port, used when --tls-cert is set", ""),
-    "broker.tls_cert": ("security", "PEM certificate chain; enables the TLS listener", "no TLS"),
-    "broker.tls_key": ("security", "PEM private key for the TLS certificate", "no TLS"),
-    "broker.sys_interval_s": ("listener", "Seconds between $SYS/broker/... updates (0 = off)", ""),
-    "broker.acl_denied_publish": ("security", "A PUBLISH the ACL denies: ack_drop acknowledges and "
-                                  "drops it; disconnect closes the connection unacknowledged", ""),
-    "broker.metrics_port": ("listener", "Serve Prometheus metrics on 127.0.0.1:PORT", "off"),
-    "broker.auto_subscribe": ("listener", "Subscription added to every persistent session, e.g. "
-                              "'cmd/%c/# qos 1' (%c client id, %u username); repeatable", "none"),
-    "agent.device_id": ("upstream", "This device's id: idempotency key and upstream client id", "required"),
-    "agent.collector": ("upstream", "Upstream collector as HOST:PORT", "required"),
-    "agent.username": ("upstream", "Upstream login", "none"),
-    "agent.password": ("upstream", "Upstream password (prefer --password-file)", "none"),
-    "agent.password_file": ("upstream", "File whose first line is the upstream password", "none"),
-    "agent.tls_ca": ("upstream", "PEM CA bundle: enables TLS to the collector and verifies it", "plain TCP"),
-    "agent.batch_records": ("upstream", "Records per upstream batch at most", ""),
-    "agent.batch_bytes": ("upstream", "Bytes per upstream batch at most", ""),
-    "agent.linger_ms": ("upstream", "Wait this long (ms) for a batch to fill", ""),
-    "agent.window": ("upstream", "Batches in flight (sent, not yet acknowledged)", ""),
-    "agent.compression": ("upstream", "Compression of batch payloads", ""),
-    "agent.rate_limit_bytes_per_s": ("upstream", "Cap on upstream bandwidth (bytes per second)", "unlimited"),
-    "agent.upstream_max_packet_size": ("upstream", "Largest PUBLISH sent upstream; a record too large "
-                                       "on its own is set aside (counted, logged)", ""),
-    "agent.backoff_initial_ms": ("upstream", "First reconnect delay (ms); doubles with jitter", ""),
-    "agent.backoff_max_ms": ("upstream", "Longest reconnect delay (ms)", ""),
-    "agent.metrics_port": ("listener", "Serve Prometheus metrics (forwarder and broker) on "
-                           "127.0.0.1:PORT", "off"),
-    "agent.stream": ("upstream", "Stream name in the batch topic and the idempotency key", ""),
-    "agent.ack_timeout_ms": ("upstream", "Reconnect and resend when a batch is not acknowledged "
-                             "within this time (ms)", ""),
-    "agent.export": ("upstream", "An export NAME=URL (repeatable): filemq[s]://HOST:PORT (collector) or "
-                     "mqtt[s]://HOST[:PORT] (any MQTT broker); more keys in [[export]] tables", "none"),
-    "uplink.rate_limit_bytes_per_s": ("upstream", "Bytes per second for all exports together, "
-                                      "higher priority first", "unlimited"),
-    "collector.host": ("listener", "Address the collector listens on; off loopback it needs a "
-                       "password file or allow_anonymous", ""),
-    "collector.port": ("listener", "Port devices connect to", ""),
-    "collector.password_file": ("security", "Device logins (filemq passwd)", "no logins"),
-    "collector.acl_file": ("security", "ACL file; recommended line: pattern write filemq/v1/%u/#",
-                           "everything allowed"),
-    "collector.allow_anonymous": ("security", "Let devices without a username in, also beside a "
-                                  "password file", "only when there is no password file"),
-    "collector.max_connections": ("limits", "Device connections at most", "sized from the "
-                                  "file-descriptor limit"),
-    "collector.collector_id": ("landing", "Id written into every landed row and file name", "the host name"),
-    "collector.landing": ("landing", "Landing directory (_staging/, incoming/dt=.../)", "required"),
-    "collector.roll_bytes": ("landing", "Roll the Parquet file at this size", ""),
-    "collector.roll_seconds": ("landing", "Roll the Parquet file at this age (seconds)", ""),
-    "collector.metrics_port": ("listener", "Serve Prometheus metrics on HOST:PORT", "off"),
-    "ingest.landing": ("general", "Landing directory to read", "required"),
-    "ingest.table": ("general", "Curated table directory (Parquet, partitioned by dt)", "required"),
-    "ingest.checkpoint": ("general", "Streaming checkpoint directory, one per table", "required"),
-    "ingest.spark_master": ("general", "Spark master URL", ""),
-    "ingest.payload": ("general", "json parses payloads into the --payload-schema columns", ""),
-    "ingest.payload_schema": ("general", "Spark DDL of the JSON payload", "none"),
-    "ingest.archive": ("general", "Move ingested landing files here after their batch commits", "none"),
-    "ingest.every_s": ("general", "Keep running: a micro-batch every N seconds", "run once"),
-    "ingest.max_files_per_batch": ("general", "Landing files per micro-batch at most", ""),
-}
-
-
-@dataclass(frozen=True)
-class KeyHelp:
-    """What ``--help`` says about a key: its section, meaning, accepted values and default."""
-
-    key: str
-    section: str
-    meaning: str
-    accepts: str | None  # from the key's checker; None for any non-empty string
-    default: str  # the default as a flag value ("64 MiB", "always") or "none (...)" when unset
-
-    @property
-    def text(self) -> str:
-        return f"{self.meaning}; {self.accepts}." if self.accepts else f"{self.meaning}."
-
-
-def _field(key: str) -> dataclasses.Field[Any]:
-    section, _, name = key.rpartition(".")
-    cls = _SECTIONS[section] if section else Config
-    return next(f for f in dataclasses.fields(cls) if f.name == name)
-
-
-def _default_text(value: Any, check: Checker, unset: str) -> str:
-    if value is None or value == ():
-        return f"none ({unset})" if unset and unset != "none" else "none"
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, int):
-        for unit, n in (("GiB", GIB), ("MiB", MIB), ("KiB", KIB)):
-            if value >= n and value % n == 0:
-                text = f"{value // n} {unit}"
-                try:
-                    if check(text, True) == value:  # a size key: show it as one
-                        return text
-                except _Bad:
-                    pass
-        return str(value)
-    return str(value)
-
-
-def key_help(key: str) -> KeyHelp:
-    """The help of a dotted key (``"broker.max_inflight"``), from :data:`_KEY_HELP`, the
-    key's checker (range) and its default; keys without an entry get a generic meaning."""
-    f = _field(key)
-    check: Checker = f.metadata["check"]
-    section, meaning, unset = _KEY_HELP.get(key, ("general", f"Config key {key}", ""))
-    try:
-        check(object(), False)  # every checker refuses this and says what it accepts
-        accepts = None
-    except _Bad as bad:
-        accepts = None if bad.expected == "a non-empty string" else bad.expected
-    section_name, _, name = key.rpartition(".")
-    default = getattr(getattr(Config(), section_name) if section_name else Config(), name)
-    return KeyHelp(key, section, meaning, accepts, _default_text(default, check, unset))
 
 
 def key_of_param(section: str, param: str) -> str | None:

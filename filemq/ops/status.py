@@ -26,17 +26,18 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from filemq.groups import (
+from filemq.queue.groups import (
     DOING_FILE,
     DROPPED_SUFFIX,
     GROUP_FILE,
     GROUP_FORMAT,
     PENDING_FILE,
+    escape_group_name,
     group_directories,
     read_group_file,
     unescape_group_name,
 )
-from filemq.offsets import OffsetFile, OffsetReading
+from filemq.queue.offsets import OffsetFile, OffsetReading
 from segments import Log, LogConfig, ScannedRecord
 from segments.fileio import OS_FILE_IO, FileHandle, atomic_write
 from segments.segment import parse_segment_name
@@ -251,7 +252,20 @@ def record_text(scanned: ScannedRecord, with_payload: bool = False) -> str:
 # ---- status ----------------------------------------------------------------------------
 
 
-def _group_status(directory: Path, first: int, committed: int) -> dict[str, Any]:
+def _journaled(groups_dir: Path) -> dict[str, tuple[int, int]]:
+    """The progress journal's replay (read-only): per group directory, (Pending, Doing)
+    acked after the offset files were last written (see filemq.queue.offsets.ProgressJournal)."""
+    from filemq.queue.api import JOURNAL_FILE
+    from filemq.queue.offsets import decode_journal
+
+    try:
+        return decode_journal((groups_dir / JOURNAL_FILE).read_bytes())[0]
+    except OSError:
+        return {}
+
+
+def _group_status(directory: Path, first: int, committed: int,
+                  journaled: tuple[int, int] | None = None) -> dict[str, Any]:
     info = read_group_file(directory)
     name = info[0] if info else unescape_group_name(directory.name)
     pending = OffsetFile(directory / PENDING_FILE).inspect()
@@ -261,6 +275,8 @@ def _group_status(directory: Path, first: int, committed: int) -> dict[str, Any]
         problems.append(f"{directory / GROUP_FILE}: missing or damaged")
     # What the broker would resume from: Pending, or the safe fallback (see ConsumerGroup.load).
     effective = pending.value if pending.value is not None else first
+    if journaled is not None:
+        effective = max(effective, journaled[0])  # as ConsumerGroup.load takes it
     effective = min(max(effective, first), committed)
     return {
         "name": name,
@@ -269,6 +285,7 @@ def _group_status(directory: Path, first: int, committed: int) -> dict[str, Any]
         "created": info[2] if info else None,
         "doing": doing.value,
         "pending": pending.value,
+        "journaled_pending": journaled[0] if journaled is not None else None,
         "lag": committed - effective,
         "problems": problems,
     }
@@ -295,7 +312,9 @@ def data_dir_status(path: str | os.PathLike[str]) -> dict[str, Any]:
         lg.close()
     groups: list[dict[str, Any]] = []
     if layout.groups_dir is not None:
-        groups = [_group_status(d, first, committed) for d in group_directories(layout.groups_dir)]
+        journal = _journaled(layout.groups_dir)
+        groups = [_group_status(d, first, committed, journal.get(d.name))
+                  for d in group_directories(layout.groups_dir)]
     status: dict[str, Any] = {"log": log_info, "groups": groups}
     exports = _exports_status(layout.log_dir.parent / EXPORTS_FILE)
     if exports is not None:
@@ -360,6 +379,7 @@ def status_text(status: dict[str, Any]) -> list[str]:
         lines.append(
             f"group {name!r}: doing={g['doing']} pending={g['pending']} lag={g['lag']:,} "
             f"filters={g['filters']}"
+            + (f" (journaled pending={g['journaled_pending']})" if g.get("journaled_pending") is not None else "")
         )
         for problem in g["problems"]:
             lines.append(f"  PROBLEM {problem}")
@@ -539,4 +559,45 @@ def verify_data_dir(path: str | os.PathLike[str], repair: bool = False) -> Verif
             report.notes.append(f"{leftover.name}: a dropped group not fully deleted (removed at next start-up)")
     for directory in group_directories(layout.groups_dir):
         _check_group(directory, first, end, report, repair)
+    _check_session_groups(layout.groups_dir, report)
     return report
+
+
+def _check_session_groups(groups_dir: Path, report: VerifyReport) -> None:
+    """A broker data dir: every stored session with subscriptions has its group directory,
+    and every MQTT group directory has an owner (a stray one pins retention for ever)."""
+    from filemq.broker.core import SESSION_GROUP_PREFIX, SHARE_GROUP_PREFIX, parse_share_key
+    from filemq.broker.sessions import SESSIONS_DIR, CorruptSession, StoredSession
+
+    sessions_dir = groups_dir.parent / SESSIONS_DIR
+    if not sessions_dir.is_dir():
+        return  # not a broker's data dir (an agent's or a collector's): no MQTT owners
+    wanted: dict[str, str] = {}  # group name -> who needs it
+    for path in sorted(sessions_dir.glob("*.json")):
+        try:
+            session = StoredSession.from_json(path.read_bytes(), str(path))
+        except (OSError, CorruptSession):
+            continue
+        for f in session.subscriptions:
+            share, _plain = parse_share_key(f)
+            if share is None:
+                wanted[SESSION_GROUP_PREFIX + session.client_id] = f"session {session.client_id!r}"
+            else:
+                wanted.setdefault(SHARE_GROUP_PREFIX + share, f"session {session.client_id!r} ({f})")
+    present: dict[str, Path] = {}
+    for directory in group_directories(groups_dir):
+        info = read_group_file(directory)
+        name = info[0] if info is not None else unescape_group_name(directory.name)
+        if name is not None:
+            present[name] = directory
+    for name, owner in sorted(wanted.items()):
+        if name not in present:
+            report.problems.append(
+                f"{owner}: its consumer group directory {groups_dir / escape_group_name(name)} is missing; "
+                f"the broker re-creates it at the log's first offset (re-delivers every retained message)")
+    for name, directory in sorted(present.items()):
+        if name.startswith((SESSION_GROUP_PREFIX, SHARE_GROUP_PREFIX)) and name not in wanted:
+            pending = OffsetFile(directory / PENDING_FILE).inspect().value
+            report.problems.append(
+                f"stray group directory {directory}: no stored session owns group {name!r}, yet its "
+                f"Pending {pending} holds back retention; delete the directory if the session is gone")

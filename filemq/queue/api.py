@@ -11,6 +11,10 @@ What a caller may rely on:
   and runs retention with ``min_needed_offset`` = :meth:`Queue.min_pending`, so age-based
   retention never deletes a record some group has not acked. :meth:`Queue.close` persists
   every group, then commits and closes the log.
+* Acked progress between two offset-file writes goes to ``groups/progress.journal``
+  (:class:`filemq.queue.offsets.ProgressJournal`): :meth:`Queue.journal_progress` appends the
+  groups acked into since its last call, the group commit fdatasyncs it, :meth:`Queue.open`
+  replays it into the offset files and empties it, housekeeping compacts it past 1 MiB.
 * Everything except :meth:`start`, :meth:`close`, :meth:`publish` and
   :meth:`wait_for_records` is a plain method to be called on the event-loop thread.
 """
@@ -26,16 +30,18 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from filemq.groups import (
+from filemq.common.topics import validate_topic_name
+from filemq.queue.groups import (
     ConsumerGroup,
     CorruptGroup,
     GroupConfig,
     OffsetSnapshot,
     Start,
+    escape_group_name,
     group_directories,
     purge_dropped,
 )
-from filemq.topics import validate_topic_name
+from filemq.queue.offsets import ProgressJournal
 from segments import GroupCommitter, Log, LogConfig, RetentionReport
 from segments.fileio import OS_FILE_IO, FileIO
 
@@ -43,6 +49,7 @@ log = logging.getLogger(__name__)
 
 LOG_DIR = "log"
 GROUPS_DIR = "groups"
+JOURNAL_FILE = "progress.journal"  # in the groups directory, see ProgressJournal
 
 
 @dataclass
@@ -65,6 +72,8 @@ class Queue:
         self.config = config
         self._fileio = fileio
         self._groups: dict[str, ConsumerGroup] = {}
+        self._journal: ProgressJournal | None = None
+        self._progress_dirty: set[ConsumerGroup] = set()  # acked since last journaled
         self._committer: GroupCommitter | None = None
         self._housekeeping: asyncio.Task[None] | None = None
         self._closed = False
@@ -86,9 +95,11 @@ class Queue:
             # Make the new directory's name durable: losing it would lose every group.
             io.fsync_dir(root)
         purge_dropped(queue.groups_dir, io)
+        journal = queue._journal = ProgressJournal(queue.groups_dir / JOURNAL_FILE, io)
         for directory in group_directories(queue.groups_dir):
             try:
-                group = ConsumerGroup.load(directory, lg, config=cfg.group, fileio=io)
+                group = ConsumerGroup.load(directory, lg, config=cfg.group, fileio=io,
+                                           journaled=journal.replayed.get(directory.name))
             except CorruptGroup as exc:
                 log.error("%s; skipped (run `filemq verify`)", exc)
                 continue
@@ -96,6 +107,10 @@ class Queue:
                 log.error("two directories hold consumer group %r; using the first, skipping %s", group.name, directory)
                 continue
             queue._groups[group.name] = group
+            group.report_progress_to(queue._progress_dirty)
+        if journal.size:
+            queue._compact_journal([(g, g.snapshot()) for g in queue._groups.values() if g.durable])
+        journal.replayed.clear()
         log.info("opened queue %s: %r, %d durable groups", root, lg, len(queue._groups))
         return queue
 
@@ -106,6 +121,8 @@ class Queue:
         if self._committer is not None:
             return
         self._committer = GroupCommitter(self.log)
+        if self._journal is not None:
+            self._committer.add_sync_companion(self._journal.sync)
         await self._committer.start()
         self._housekeeping = asyncio.get_running_loop().create_task(
             self._run_housekeeping(), name="filemq-queue-housekeeping"
@@ -125,6 +142,11 @@ class Queue:
         if self._committer is not None:
             await self._committer.close()
         self.log.close()
+        if self._journal is not None:
+            # Every group was just persisted: the journal holds nothing the files lack.
+            with contextlib.suppress(OSError):
+                self._journal.reset()
+            self._journal.close()
 
     async def __aenter__(self) -> Queue:
         await self.start()
@@ -141,10 +163,10 @@ class Queue:
     ) -> tuple[int, asyncio.Future[None]]:
         """Append a record; returns its offset and the (shared) future of its commit.
 
-        Raises :class:`filemq.topics.InvalidTopic` for a bad topic name, ``RuntimeError``
+        Raises :class:`filemq.common.topics.InvalidTopic` for a bad topic name, ``RuntimeError``
         before :meth:`start`; the future raises DiskFull/OSError if the commit fails.
         ``validated=True`` skips the topic-name check: only for callers that already
-        enforced :func:`filemq.topics.validate_topic_name`'s rules (the broker: its MQTT
+        enforced :func:`filemq.common.topics.validate_topic_name`'s rules (the broker: its MQTT
         decoder and CONNECT handling do), since a wildcard or U+0000 stored in the log
         would break every subscriber's matching.
         """
@@ -195,11 +217,15 @@ class Queue:
         """
         group = self._groups.get(name)
         if group is None:
+            if durable and self._journal is not None:
+                self._journal.forget(escape_group_name(name))  # a dropped namesake's progress
             group = ConsumerGroup.create(
                 name, self.log, self.groups_dir, filters=filters or ("#",), durable=durable,
                 start=start, config=self.config.group, fileio=self._fileio,
             )
             self._groups[name] = group
+            if durable:
+                group.report_progress_to(self._progress_dirty)
             return group
         if group.durable != durable:
             raise ValueError(
@@ -215,6 +241,9 @@ class Queue:
         group = self._groups.pop(name, None)
         if group is None:
             return False
+        self._progress_dirty.discard(group)  # never journaled after its FORGET record
+        if group.durable and group.directory is not None and self._journal is not None:
+            self._journal.forget(group.directory.name)
         group.drop()
         return True
 
@@ -244,6 +273,42 @@ class Queue:
         return min((g.pending_offset for g in self._groups.values()), default=None)
 
     # ---- housekeeping ----------------------------------------------------------------------
+
+    def journal_progress(self) -> int:
+        """Append every durable group's changed (Pending, Doing) to the progress journal with
+        one write (loop thread; the broker calls it after each loop turn that processed acks).
+        Returns how many groups were journaled. A failed write is logged: it only means more
+        redeliveries after a crash."""
+        journal = self._journal
+        dirty = self._progress_dirty
+        if journal is None or not dirty:
+            return 0
+        entries: list[tuple[str, int, int]] = []
+        for g in dirty:  # only groups acked into since the last call: O(busy groups)
+            g.progress_dirty = False
+            if g.directory is not None and self._groups.get(g.name) is g:
+                now = (g.pending_offset, g.doing_offset)
+                if now != g.journaled:
+                    g.journaled = now
+                    entries.append((g.directory.name, now[0], now[1]))
+        dirty.clear()
+        if entries:
+            try:
+                journal.record(entries)
+            except OSError as exc:
+                log.warning("could not append to the progress journal %s: %s", journal.path, exc)
+        return len(entries)
+
+    def _compact_journal(self, snapshots: list[tuple[ConsumerGroup, OffsetSnapshot]]) -> None:
+        """Write ``snapshots`` (every durable group, taken after the journal's last record
+        that matters) into the offset files, then empty the journal. Any thread.
+
+        The journal is emptied even if a write failed: that only loses acked progress (more
+        redeliveries), never skips a record, while a kept journal could hold a Pending beyond
+        a log that lost its tail."""
+        self.write_snapshots(snapshots)
+        if self._journal is not None:
+            self._journal.reset()
 
     def persist_due(self, now: float | None = None) -> list[tuple[ConsumerGroup, OffsetSnapshot]]:
         """Snapshots of every group whose offsets should be written now (loop thread)."""
@@ -275,6 +340,10 @@ class Queue:
         while True:
             await asyncio.sleep(persist_every)
             try:
+                journal = self._journal
+                if journal is not None and journal.size > journal.compact_bytes:
+                    snaps = [(g, g.snapshot()) for g in self._groups.values() if g.durable]
+                    await asyncio.to_thread(self._compact_journal, snaps)
                 snapshots = self.persist_due()
                 if snapshots:
                     await asyncio.to_thread(self.write_snapshots, snapshots)

@@ -11,7 +11,7 @@ covers publishing, ``deny`` (as in Mosquitto 2) takes away both and wins over an
 
 What a caller may rely on:
 
-* :meth:`Acl.load` raises :class:`~filemq.config.ConfigError` with the line for any bad line
+* :meth:`Acl.load` raises :class:`~filemq.common.config.ConfigError` with the line for any bad line
   (unknown keyword, missing or invalid filter, ``user`` without a name).
 * A client with no rules at all may do nothing; :meth:`Acl.permissive` (no ACL file) allows
   everything.
@@ -37,8 +37,8 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from filemq.config import ConfigError, read_config_text
-from filemq.topics import InvalidTopic, parse_shared, topic_matches, validate_topic_filter
+from filemq.common.config import ConfigError, read_config_text
+from filemq.common.topics import InvalidTopic, parse_shared, topic_matches, validate_topic_filter
 
 log = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ import os
 import socket
 from collections.abc import Mapping
 
-log = logging.getLogger("filemq.sdnotify")
+log = logging.getLogger("filemq.ops.sdnotify")
 
 
 def notify(*assignments: str, env: Mapping[str, str] | None = None) -> bool:

@@ -22,7 +22,7 @@ hash) with the ``filemq passwd FILE USER`` command that replaces it with this mo
 
 What a caller may rely on:
 
-* :meth:`PasswordFile.load` raises :class:`~filemq.config.ConfigError` with the line number
+* :meth:`PasswordFile.load` raises :class:`~filemq.common.config.ConfigError` with the line number
   for any malformed line or duplicate user; a loaded file never changes (reload = load again).
 * :meth:`PasswordFile.check` takes about as long for an unknown user as for a wrong password
   (it derives a hash against a dummy entry), so timing does not reveal which users exist.
@@ -55,7 +55,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
-from filemq.config import ConfigError, read_config_text
+from filemq.common.config import ConfigError, read_config_text
 from segments.fileio import OS_FILE_IO, FileIO, atomic_write
 
 SCHEME = "filemq-pbkdf2-sha512"

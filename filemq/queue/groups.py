@@ -20,7 +20,7 @@ What a caller may rely on:
 * Non-durable groups (MQTT clean sessions) write nothing and start at the log's end.
 
 On disk, per durable group: ``<groups>/<escaped name>/doing``, ``.../pending`` (offset files,
-:mod:`filemq.offsets`) and ``.../group.json`` (name, filters, created), each replaced with
+:mod:`filemq.queue.offsets`) and ``.../group.json`` (name, filters, created), each replaced with
 :func:`segments.fileio.atomic_write`. :func:`escape_group_name` makes any client id or share
 name a safe, case-insensitively unique directory name.
 """
@@ -41,8 +41,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from filemq.offsets import OffsetFile
-from filemq.topics import topic_matches, validate_topic_filter
+from filemq.common.topics import topic_matches, validate_topic_filter
+from filemq.queue.offsets import OffsetFile
 from segments.fileio import OS_FILE_IO, FileIO, atomic_write
 from segments.log import LogView
 
@@ -209,6 +209,9 @@ class ConsumerGroup:
         self._acks_at_persist = 0
         self._last_persist = time.monotonic()
         self._persisted = persisted or OffsetSnapshot(-1, -1)
+        self.journaled = (-1, -1)  # (pending, doing) last appended to the progress journal
+        self.progress_dirty = False  # acked since the queue last journaled this group
+        self._dirty_sink: set[ConsumerGroup] | None = None
         self._write_lock = threading.Lock()
         self._closed = False
         self._dropped = False
@@ -275,8 +278,12 @@ class ConsumerGroup:
         *,
         config: GroupConfig | None = None,
         fileio: FileIO = OS_FILE_IO,
+        journaled: tuple[int, int] | None = None,
     ) -> ConsumerGroup:
         """Reopen a durable group from ``directory``; resumes at Pending (doing := pending).
+
+        ``journaled``: (Pending, Doing) replayed from the queue's progress journal
+        (:class:`filemq.queue.offsets.ProgressJournal`); each is used where it is ahead of the file's.
 
         The safe side is always taken, never the one that skips records:
 
@@ -305,6 +312,13 @@ class ConsumerGroup:
         doing_file = OffsetFile(directory / DOING_FILE, fileio)
         pending = pending_file.read()
         doing = doing_file.read()
+        on_disk = OffsetSnapshot(pending if pending is not None else -1, doing if doing is not None else -1)
+        if journaled is not None:
+            # Acked progress written after the offset files (a Pending too: never past an unacked record).
+            if pending is None or journaled[0] > pending:
+                pending = journaled[0]
+            if doing is None or journaled[1] > doing:
+                doing = journaled[1]
         if pending is None:
             log.warning(
                 "consumer group %r: Pending offset file %s unusable; re-delivering from the log's first offset %d",
@@ -327,6 +341,7 @@ class ConsumerGroup:
             # stay on disk and, once new records reuse those offsets, skip them at next restart.
             pending_file.write(end)
             pending = end
+            on_disk = OffsetSnapshot(end, on_disk.doing)
         else:
             start = pending
         # Records between Pending and the last persisted Doing were handed out before.
@@ -339,7 +354,7 @@ class ConsumerGroup:
             durable=True,
             directory=directory,
             redelivered_below=redelivered_below,
-            persisted=OffsetSnapshot(pending if pending is not None else -1, doing if doing is not None else -1),
+            persisted=on_disk,
             created=created,
             config=config,
             fileio=fileio,
@@ -563,6 +578,10 @@ class ConsumerGroup:
         if outstanding.pop(offset, None) is None:
             return False
         self._acks += 1
+        if not self.progress_dirty:
+            self.progress_dirty = True
+            if self._dirty_sink is not None:
+                self._dirty_sink.add(self)
         if self._again:
             self._again.discard(offset)
         order = self._order
@@ -572,6 +591,11 @@ class ConsumerGroup:
             while order and order[0] not in outstanding:
                 order.popleft()
         return True
+
+    def report_progress_to(self, sink: set[ConsumerGroup]) -> None:
+        """Add this group to ``sink`` at its first ack after :attr:`progress_dirty` was
+        cleared (the queue's progress journal then looks at these groups only)."""
+        self._dirty_sink = sink
 
     def nack(self, offset: int) -> bool:
         """Give ``offset`` back for redelivery soon (before new records). False if not in flight."""

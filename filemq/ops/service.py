@@ -11,7 +11,7 @@ Under systemd (``Type=notify``, docs/DEPLOYMENT.md) it sends ``READY=1`` once th
 recovered and listens (and its metrics endpoint is up), ``STATUS=`` with the backlog every
 few seconds, ``WATCHDOG=1`` from the event loop at half of ``WatchdogSec=`` (so a wedged loop
 stops pinging and systemd restarts it) and ``STOPPING=1`` when shutdown begins
-(:mod:`filemq.sdnotify`; tests/test_sdnotify.py).
+(:mod:`filemq.ops.sdnotify`; tests/test_sdnotify.py).
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ import signal
 from collections.abc import Callable, Coroutine
 from typing import Any, Protocol, TypeVar
 
-from filemq import sdnotify
-from filemq.config import ConfigError
+from filemq.common.config import ConfigError
+from filemq.ops import sdnotify
 
 EXIT_OK = 0
 EXIT_RUNTIME = 1

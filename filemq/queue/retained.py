@@ -42,7 +42,7 @@ from pathlib import Path
 
 from crc32c import crc32c
 
-from filemq.topics import parse_shared, topic_matches
+from filemq.common.topics import parse_shared, topic_matches
 from segments.fileio import OS_FILE_IO, FileIO, atomic_write
 from segments.log import LogView
 from segments.record import Record

@@ -14,8 +14,8 @@ from collections.abc import Callable
 
 from filemq.broker.metrics import backlog_status, broker_families, render_text
 from filemq.broker.server import Broker
-from filemq.config import Config
-from filemq.service import (
+from filemq.common.config import Config
+from filemq.ops.service import (
     EXIT_CONFIG,
     EXIT_OK,
     EXIT_RUNTIME,
@@ -43,7 +43,7 @@ async def serve(config: Config, ready: Callable[[str], None] | None = None,
     def metrics(broker: Broker) -> Sidecar | None:
         if config.broker.metrics_port is None:
             return None
-        from filemq.metrics_http import serve_loop_metrics
+        from filemq.ops.metrics_http import serve_loop_metrics
 
         return serve_loop_metrics(lambda: render_text(broker_families(broker)), config.broker.metrics_port)
 

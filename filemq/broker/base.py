@@ -1,0 +1,207 @@
+"""The broker core's shared state (:class:`CoreBase`): what every concern of
+:class:`~filemq.broker.core.BrokerCore` reads and writes, and the output path
+(one transport write per connection per event).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+from collections import deque
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from filemq.broker.session import CONNECTED, Connection
+from filemq.broker.sessions import SessionSnapshot, SessionStore
+from filemq.broker.state import (
+    PERSIST_DELAY_S,
+    PublishHook,
+    SessionState,
+    SharedGroup,
+    Subscription,
+)
+from filemq.common.topics import TopicTrie
+from segments.record import Record
+
+if TYPE_CHECKING:
+    from filemq.broker.acl import Acl
+    from filemq.broker.auth import PasswordFile
+    from filemq.broker.sysinfo import BrokerStats
+    from filemq.broker.tailcache import TailCache
+    from filemq.common.config import BrokerSection
+    from filemq.queue import Queue
+    from filemq.queue.groups import ConsumerGroup
+    from filemq.queue.retained import RetainedMessage, RetainedStore
+
+log = logging.getLogger("filemq.broker")
+
+
+class CoreBase:
+    """Broker state shared by all connections; :class:`~filemq.broker.core.BrokerCore`
+    combines it with one mixin per concern."""
+
+
+    def __init__(
+        self,
+        queue: Queue,
+        cache: TailCache,
+        *,
+        config: BrokerSection,
+        store: SessionStore,
+        retained: RetainedStore,
+        stats: BrokerStats,
+        acl: Acl,
+        passwords: PasswordFile | None = None,
+        publish_hook: PublishHook | None = None,
+        group_factory: Callable[[str, tuple[str, ...], bool], ConsumerGroup] | None = None,
+    ) -> None:
+        self.queue = queue
+        self.log = queue.log
+        # Topics reaching _append passed the codec's and CONNECT's topic-name checks already.
+        self._append = functools.partial(queue.publish_nowait, validated=True)
+        self.cache = cache
+        self.config = config
+        self.store = store
+        self.retained = retained
+        # False while the retained store is being rebuilt in the background (big logs):
+        # retained records are buffered and SUBSCRIBEs wait for their retained messages.
+        self.retained_ready = True
+        self.retained_changes = 0  # retained records routed so far (snapshot trigger)
+        self._retained_buffer: list[Record] = []
+        self._retained_waiting: list[tuple[Connection, SessionState, Subscription, int]] = []
+        # Retained messages a SUBSCRIBE matched and the connection has not taken yet (filter,
+        # message, QoS): sent as its output drains, so a client that does not read cannot
+        # make the broker queue them again and again (issue 10 item 8).
+        self._retained_out: dict[Connection, deque[tuple[str, RetainedMessage, int]]] = {}
+        self.stats = stats
+        self.acl = acl
+        self.passwords = passwords
+        self.hook = publish_hook
+        # New groups start at the routed offset, as new subscriptions do (see on_subscribe).
+        self._group_factory = group_factory or (
+            lambda n, f, d: queue.group(n, f, durable=d, start=self._routed))
+        self.connect_timeout = 10.0
+        self.conns: set[Connection] = set()
+        self.connections: dict[str, Connection] = {}  # client id -> live connection
+        self.sessions: dict[str, SessionState] = {}  # persistent sessions known in memory
+        self.shares: dict[str, SharedGroup] = {}
+        self.trie: TopicTrie[Any] = TopicTrie()
+        self.sys_retained: dict[str, bytes] = {}
+        self._sys_warned: set[str] = set()  # invalid $SYS topics already warned about
+        self._dirty: set[Connection] = set()
+        self._pending: deque[tuple[Record, asyncio.Future[None]]] = deque()
+        self._routed = self.log.committed_offset
+        cache.limit = self._routed  # groups see a record only once it is routed
+        self._batches: dict[asyncio.Future[None], set[Connection]] = {}
+        self._clean_ids = 0
+        self._repump: set[Connection] = set()
+        self._to_pump: set[Connection] = set()
+        self._repump_scheduled = False
+        self._acked = False  # group acks since the last persistence nudge
+        self._persist_handle: asyncio.TimerHandle | None = None
+        self._persist_task: asyncio.Task[None] | None = None
+        self._session_writes: set[asyncio.Future[None]] = set()  # running session-file writes
+        # Writes a session snapshot durably, then calls ``done(None or the exception)``; by
+        # default in a worker thread (never an fsync on the event loop); tests may replace it.
+        self.session_writer: Callable[[SessionSnapshot, Callable[[BaseException | None], None]], None] = (
+            self._write_in_thread)
+        self.anonymous_allowed = config.anonymous_allowed()
+        queue.add_commit_listener(self._on_committed)
+
+    @property
+    def routed_offset(self) -> int:
+        """Every committed record below this offset has been routed (and applied to retained)."""
+        return self._routed
+
+    # ---- output --------------------------------------------------------------------------
+
+    def mark_dirty(self, conn: Connection) -> None:
+        self._dirty.add(conn)
+
+    def flush(self) -> None:
+        """Write every connection's queued output with one transport write each."""
+        if self._acked:
+            self._acked = False
+            # One write per loop turn with acks: a kill -9 re-delivers only the acks of this turn.
+            self.queue.journal_progress()
+            if self._persist_handle is None:
+                self._persist_handle = asyncio.get_running_loop().call_later(
+                    PERSIST_DELAY_S, self._persist_offsets)
+        if self._to_pump:
+            # Window room freed by the acks of one read is filled with one fetch, not one each.
+            to_pump, self._to_pump = self._to_pump, set()
+            for conn in to_pump:
+                self.pump(conn)
+        dirty = self._dirty
+        if not dirty:
+            return
+        self._dirty = set()
+        sent = 0
+        for conn in dirty:
+            if conn.closed or conn.transport is None:
+                continue
+            data = conn.data_to_send()
+            if data:
+                sent += len(data)
+                conn.transport.write(data)
+        self.stats.sent_bytes(sent)
+
+    def set_acl(self, acl: Acl) -> None:
+        """Put a new ACL in force (reload): every connected client's rules are rebuilt at once,
+        so its existing subscriptions deliver only what it may still read."""
+        self.acl = acl
+        for conn in self.conns:
+            if conn.state == CONNECTED:
+                conn.acl = acl.for_client(conn.username, conn.client_id)
+
+    def new_connection(self, conn: Connection) -> None:
+        self.conns.add(conn)
+
+    def at_capacity(self) -> bool:
+        return len(self.conns) >= self.config.max_connections
+
+    # Methods of the concern mixins that other concerns call (defined there).
+    if TYPE_CHECKING:
+
+            def _on_committed(self, committed: int) -> None: ...
+
+            def _persist_offsets(self) -> None: ...
+
+            def _write_in_thread(self, snap: SessionSnapshot, done: Callable[[BaseException | None], None]) -> None: ...
+
+            def pump(self, conn: Connection) -> None: ...
+
+            def _register(self, conn: Connection, state: SessionState, sub: Subscription) -> None: ...
+
+            def _track(self, record: Record, fut: asyncio.Future[None]) -> None: ...
+
+            def _update_groups(self, state: SessionState) -> None: ...
+
+            def _drop_group(self, name: str) -> None: ...
+
+            def _group(self, name: str, filters: tuple[str, ...], durable: bool) -> ConsumerGroup: ...
+
+            def _leave_share(self, conn: Connection, state: SessionState, name: str) -> None: ...
+
+            def _schedule_repump(self, conn: Connection) -> None: ...
+
+            def _through_cache(self, group: ConsumerGroup) -> ConsumerGroup: ...
+
+            def _qos2_gate(self, state: SessionState, fut: asyncio.Future[None]) -> asyncio.Future[None]: ...
+
+            def _save_soon(self, state: SessionState) -> asyncio.Future[None]: ...
+
+            def _send_retained(self, conn: Connection, state: SessionState, sub: Subscription, below: int) -> None: ...
+
+            def pump_share(self, sh: SharedGroup) -> None: ...
+
+            def _drain_retained(self, conn: Connection, state: SessionState) -> bool: ...
+
+            def _join_batch(self, conn: Connection, fut: asyncio.Future[None]) -> None: ...
+
+            def _save_session(self, state: SessionState) -> None: ...
+
+            def _unregister(self, conn: Connection, sub: Subscription) -> None: ...
+
+            def store_internal(self, topic: str, payload: bytes, qos: int, retain: bool) -> None: ...

@@ -1,0 +1,421 @@
+"""CONNECT and the session lifecycle: authentication, session ownership, clean and
+persistent sessions, auto-subscribe, and the session-file writes (off the event loop,
+durable before CONNACK / PUBREC / PUBCOMP).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import secrets
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from filemq.broker.acl import fill_pattern
+from filemq.broker.base import CoreBase
+from filemq.broker.session import AUTHENTICATING, AWAITING_CONNECT, CONNECTED, Connection
+from filemq.broker.sessions import SessionSnapshot, StoredSession
+from filemq.broker.state import (
+    _PUBREL,
+    SESSION_GROUP_PREFIX,
+    SHARE_GROUP_PREFIX,
+    SessionState,
+    Subscription,
+    _ack,
+    _copy_outcome,
+    parse_share_key,
+)
+from filemq.common.topics import (
+    InvalidTopic,
+    validate_topic_filter,
+    validate_topic_name,
+)
+from filemq.mqtt.codec import ProtocolError, encode
+from filemq.mqtt.packets import (
+    CONNACK_ACCEPTED,
+    CONNACK_BAD_USERNAME_OR_PASSWORD,
+    CONNACK_IDENTIFIER_REJECTED,
+    CONNACK_NOT_AUTHORIZED,
+    CONNACK_RETURN_CODE_NAMES,
+    CONNACK_SERVER_UNAVAILABLE,
+    CONNACK_UNACCEPTABLE_PROTOCOL_VERSION,
+    Connack,
+    Connect,
+    Publish,
+)
+from segments.record import Record
+
+if TYPE_CHECKING:
+    from filemq.queue.groups import ConsumerGroup
+
+log = logging.getLogger("filemq.broker")
+
+
+class ConnectMixin(CoreBase):
+    """CONNECT, session ownership and lifecycle, session-file writes."""
+
+    # ---- CONNECT -------------------------------------------------------------------------
+
+    def _refuse(self, conn: Connection, code: int, why: str) -> None:
+        conn.send_packet(Connack(False, code))
+        conn.close(f"CONNECT refused ({CONNACK_RETURN_CODE_NAMES.get(code, code)}): {why}", will=False,
+                   level=logging.WARNING)
+
+    def on_connect(self, conn: Connection, p: Connect) -> None:
+        if p.protocol_name != "MQTT" or p.protocol_level != 4:
+            self._refuse(conn, CONNACK_UNACCEPTABLE_PROTOCOL_VERSION,
+                         f"protocol {p.protocol_name!r} level {p.protocol_level}; only MQTT 3.1.1 (level 4)")
+            return
+        conn.client_id = p.client_id
+        conn.username = p.username
+        if not p.client_id:
+            if not p.clean_session:
+                self._refuse(conn, CONNACK_IDENTIFIER_REJECTED,
+                             "zero-length client id needs clean_session = 1")
+                return
+            conn.client_id = "filemq-" + secrets.token_hex(8)
+        if p.will_topic is not None:
+            try:
+                validate_topic_name(p.will_topic)
+            except InvalidTopic as exc:
+                raise ProtocolError(f"invalid will topic: {exc}", "CONNECT") from None
+            limit = self.config.message_size_limit
+            if limit is not None and len(p.will_payload) > limit:
+                # 3.1.1 has no CONNACK code for it: refused by closing, as Mosquitto does.
+                conn.close(f"CONNECT refused: will payload of {len(p.will_payload)} bytes exceeds "
+                           f"message_size_limit {limit}", will=False, level=logging.WARNING)
+                return
+            conn.will = Publish(p.will_topic, p.will_payload, p.will_qos, p.will_retain)
+        keepalive = p.keepalive
+        kmax = self.config.keepalive_max
+        if kmax is not None and (keepalive == 0 or keepalive > kmax):
+            keepalive = kmax
+        conn.keepalive = keepalive
+        if conn.identity is not None:  # use_identity_as_username: the certificate logged in
+            conn.username = conn.identity
+            self._accept(conn, p)
+            return
+        passwords = self.passwords
+        if p.username is None:
+            if passwords is not None and not self.anonymous_allowed:
+                self._refuse(conn, CONNACK_NOT_AUTHORIZED, "anonymous clients are not allowed; send a username")
+                return
+            self._accept(conn, p)
+            return
+        if passwords is None:
+            self._accept(conn, p)  # no password file: usernames only select ACL rules
+            return
+        if p.password is None:
+            self._refuse(conn, CONNACK_BAD_USERNAME_OR_PASSWORD, f"user {p.username!r} sent no password")
+            return
+        if passwords.cached(p.username, p.password):
+            self._accept(conn, p)
+            return
+        # PBKDF2 takes ~100 ms: run it off the loop; packets arriving meanwhile wait.
+        conn.state = AUTHENTICATING
+        loop = asyncio.get_running_loop()
+        fut = loop.run_in_executor(None, passwords.check, p.username, p.password)
+        fut.add_done_callback(lambda f: self._auth_done(conn, p, f))
+
+    def _auth_done(self, conn: Connection, p: Connect, fut: asyncio.Future[bool]) -> None:
+        if conn.closed:
+            return
+        ok = not fut.cancelled() and fut.exception() is None and fut.result()
+        conn.state = AWAITING_CONNECT
+        if ok:
+            self._accept(conn, p)
+            conn.resume_after_auth()
+        else:
+            self._refuse(conn, CONNACK_BAD_USERNAME_OR_PASSWORD, f"wrong password for user {p.username!r}")
+        self.flush()
+
+    def _not_owner(self, conn: Connection, mem: SessionState | None,
+                   stored: StoredSession | None) -> str | None:
+        """Why ``conn``'s user may not take its client id (another user's session), or None."""
+        user, cid = conn.username, conn.client_id
+        old = self.connections.get(cid)
+        if old is not None and old is not conn and old.username != user:
+            return f"client id {cid!r} is connected as user {old.username!r}, not {user!r}"
+        if mem is not None:
+            owner, known, filters = mem.owner, True, list(mem.subs)
+        elif stored is not None:
+            owner, known, filters = stored.owner, stored.owner_known, list(stored.subscriptions)
+        else:
+            return None
+        if known:
+            if owner != user:
+                return f"the session of client id {cid!r} belongs to user {owner!r}, not {user!r}"
+            return None
+        # A session file from before owners were recorded: adopted by the first client whose
+        # ACL allows all its subscriptions (see sessions.py).
+        assert conn.acl is not None
+        denied = [f for f in filters if not conn.acl.can_subscribe(f)]
+        if denied:
+            return (f"the session of client id {cid!r} has no recorded owner and user {user!r} "
+                    f"may not subscribe to its filter {denied[0]!r}")
+        return None
+
+    def _accept(self, conn: Connection, p: Connect) -> None:
+        cid = conn.client_id
+        conn.acl = self.acl.for_client(conn.username, cid)
+        mem = self.sessions.get(cid)
+        stored = self.store.load(cid) if mem is None else None
+        why = self._not_owner(conn, mem, stored)
+        if why is not None:
+            # Neither resumed nor discarded: a session belongs to the user who made it.
+            self._refuse(conn, CONNACK_NOT_AUTHORIZED, why)
+            return
+        old = self.connections.get(cid)
+        if old is not None and old is not conn:
+            # 3.1.4-2: the existing client is disconnected; it did not send DISCONNECT, so
+            # its will is published (3.1.2.5).
+            old.close(f"session taken over by a new connection from {conn.peer}", will=True)
+        present = adopted = False
+        if p.clean_session:
+            self._discard_persistent(cid)
+            state = SessionState(cid, persistent=False, owner=conn.username)
+        else:
+            if mem is not None:
+                state, present = mem, True
+            else:
+                state = SessionState(cid, persistent=True, owner=conn.username)
+                if stored is not None:
+                    present = True
+                    for f, entry in stored.subscriptions.items():
+                        share, plain = parse_share_key(f)
+                        state.subs[f] = Subscription(f, plain, share, entry.qos, entry.start)
+                    state.qos2_in = dict.fromkeys(stored.qos2_inbound)
+                    state.qos2_offsets = dict(stored.qos2_offsets)
+                    state.qos2_loaded = set(stored.qos2_inbound)
+                    state.subs_changed()
+                    for sub in state.subs.values():
+                        if sub.share is not None:
+                            self._recreate_if_missing(cid, SHARE_GROUP_PREFIX + sub.share, (sub.plain,))
+                    if state.own_filters():
+                        self._recreate_if_missing(cid, SESSION_GROUP_PREFIX + cid, state.own_filters())
+                        state.group = self._group(SESSION_GROUP_PREFIX + cid, state.own_filters(), True)
+                    if not stored.owner_known:
+                        log.warning("client %r: its session file has no owner (written by an older "
+                                    "filemq); adopted by user %r", cid, conn.username)
+                        adopted = True  # written below, with the owner
+                self.sessions[cid] = state
+            # A new session's file, or one auto-subscribe changed, is written before CONNACK
+            # (so a reconnect after a crash reports session_present = 1), in a worker
+            # thread; a write of this session already under way is waited for too.
+            if (self._auto_subscribe(conn, state) or not present or adopted or state.save_running
+                    or state.save_next is not None):
+                written = self._save_now(state)
+                if written.done():  # (a writer that runs inline, as in tests)
+                    self._session_written(conn, state, p, present, written)
+                    return
+                conn.state = AUTHENTICATING  # packets arriving meanwhile wait (backlog)
+                written.add_done_callback(functools.partial(self._session_written, conn, state, p, present))
+                return
+        self._connected(conn, state, p, present)
+
+    def _session_written(self, conn: Connection, state: SessionState, p: Connect, present: bool,
+                         done: asyncio.Future[None]) -> None:
+        failed = done.cancelled() or done.exception() is not None
+        if failed and not present and self.sessions.get(state.client_id) is state and state.conn is None:
+            del self.sessions[state.client_id]  # never report a session that is not on disk
+        if conn.closed:
+            return
+        if failed:
+            self._refuse(conn, CONNACK_SERVER_UNAVAILABLE, "writing the session file failed")
+        elif self.sessions.get(state.client_id) is not state:
+            self._refuse(conn, CONNACK_SERVER_UNAVAILABLE, "its session was discarded meanwhile (clean_session = 1)")
+        else:
+            old = self.connections.get(conn.client_id)
+            if old is not None and old is not conn:
+                old.close(f"session taken over by a new connection from {conn.peer}", will=True)
+            conn.state = AWAITING_CONNECT
+            self._connected(conn, state, p, present)
+            conn.resume_after_auth()
+        self.flush()
+
+    def _connected(self, conn: Connection, state: SessionState, p: Connect, present: bool) -> None:
+        """CONNACK (accepted) and the session's start: subscriptions, re-sends, deliveries."""
+        cid = conn.client_id
+        conn.session = state
+        state.conn = conn
+        self.connections[cid] = conn
+        conn.state = CONNECTED
+        conn.send_packet(Connack(present, CONNACK_ACCEPTED))
+        self.stats.client_connected()
+        for sub in state.subs.values():
+            self._register(conn, state, sub)
+        # 4.4: re-send unacknowledged PUBLISH (DUP) and PUBREL with their original ids.
+        for pid, out in state.inflight.items():
+            if out.stage == 0:
+                conn.send(encode(Publish(out.topic, out.payload, out.qos, out.retain, True, pid)))
+            else:
+                conn.send(_ack(_PUBREL, pid))
+        log.info("client %r connected from %s (clean_session=%s, keepalive=%d, session_present=%s)",
+                 cid, conn.peer, p.clean_session, conn.keepalive, present)
+        self.pump(conn)
+
+    def _auto_subscribe(self, conn: Connection, state: SessionState) -> bool:
+        """Add the auto-subscribe rules' filters; True if any was new (to be written)."""
+        changed = False
+        for rule in self.config.auto_subscribe:
+            filled = fill_pattern(rule.filter, conn.username, conn.client_id)  # one pass
+            if filled is None:
+                continue
+            f = filled
+            if f in state.subs:
+                continue
+            try:
+                share, plain = parse_share_key(f)
+                validate_topic_filter(plain)
+            except InvalidTopic as exc:
+                log.warning("auto-subscribe %r for client %r skipped: %s", rule.filter, conn.client_id, exc)
+                continue
+            assert conn.acl is not None
+            if not conn.acl.can_subscribe(f):
+                log.warning("auto-subscribe %r for client %r denied by the ACL", f, conn.client_id)
+                continue
+            state.subs[f] = Subscription(f, plain, share, rule.qos, self._routed)
+            changed = True
+        if changed:
+            state.subs_changed()
+            self._update_groups(state)
+        return changed
+
+    def _discard_persistent(self, cid: str) -> None:
+        state = self.sessions.pop(cid, None)
+        # Group first, file second: a crash in between leaves a session file whose group is
+        # gone (harmless), never a group without a file holding back retention.
+        dropped = self.queue.drop_group(SESSION_GROUP_PREFIX + cid)
+        stored = self.store.delete(cid)
+        if state is not None or stored or dropped:
+            log.info("client %r connected with clean_session = 1: its persistent session was discarded", cid)
+
+    def _group(self, name: str, filters: tuple[str, ...], durable: bool) -> ConsumerGroup:
+        group = self._group_factory(name, filters, durable)
+        if tuple(group.filters) != filters:
+            group.set_filters(filters)
+        return self._through_cache(group)
+
+    def _recreate_if_missing(self, cid: str, name: str, filters: tuple[str, ...]) -> None:
+        """A group a session loaded from its file needs: if its directory is gone, re-create it
+        at the log's first offset, never at its end: re-delivering what is still retained
+        loses nothing acknowledged, resuming at the end would (issue 10 item 13)."""
+        if self.queue.get_group(name) is None:
+            log.error("client %r: its session is stored but its consumer group %r is missing (directory "
+                      "deleted or unreadable, see `filemq verify`); re-created at the log's first offset %d: "
+                      "every retained message is delivered again", cid, name, self.log.first_offset)
+            self.queue.group(name, filters, durable=True, start="earliest")
+
+    def _through_cache(self, group: ConsumerGroup) -> ConsumerGroup:
+        # Groups read the log through the tail cache, so live subscribers never hit the files.
+        if group.reader is not self.cache:
+            group.use_reader(self.cache)
+        return group
+
+    def _drop_group(self, name: str) -> None:
+        self.queue.drop_group(name)
+
+    # ---- session-file writes off the event loop -----------------------------------------
+
+    def _qos2_gate(self, state: SessionState, fut: asyncio.Future[None]) -> asyncio.Future[None]:
+        """A future that resolves once commit ``fut`` resolved and then the session file
+        (with the QoS 2 ids ``fut`` stored) was written; one per commit batch and session,
+        so one write covers every QoS 2 PUBREC of the batch (also across a takeover: the
+        session is the same).  Fails as ``fut`` or the write fails."""
+        gate = state.qos2_gates.get(fut)
+        if gate is None:
+            gate = state.qos2_gates[fut] = asyncio.get_running_loop().create_future()
+            fut.add_done_callback(functools.partial(self._qos2_committed, state, gate))
+        return gate
+
+    def _qos2_committed(self, state: SessionState, gate: asyncio.Future[None], fut: asyncio.Future[None]) -> None:
+        state.qos2_gates.pop(fut, None)
+        if fut.cancelled():
+            gate.cancel()
+        elif (exc := fut.exception()) is not None:
+            gate.set_exception(exc)
+        else:
+            self._save_soon(state).add_done_callback(functools.partial(_copy_outcome, gate))
+
+    def _save_now(self, state: SessionState) -> asyncio.Future[None]:
+        """:meth:`_save_soon`, but started at once when no write of ``state`` is running."""
+        fut = self._save_soon(state)
+        if not state.save_running:
+            self._start_save(state)
+        return fut
+
+    def _save_soon(self, state: SessionState) -> asyncio.Future[None]:
+        """Write ``state``'s session file in a worker thread, soon (changes made before the
+        write starts are all in it: one write per batch).  The future resolves when it is
+        durable, or fails with the OSError."""
+        fut = state.save_next
+        if fut is None:
+            loop = asyncio.get_running_loop()
+            fut = state.save_next = loop.create_future()
+            if not state.save_running:
+                loop.call_soon(self._start_save, state)
+        return fut
+
+    def _start_save(self, state: SessionState) -> None:
+        fut, state.save_next = state.save_next, None
+        if fut is None:
+            return
+        if state.persistent and self.sessions.get(state.client_id) is not state:
+            fut.set_result(None)  # discarded meanwhile (clean_session = 1): never revive its file
+            return
+        state.save_running = True
+        state.save_due = False
+        snap = self.store.snapshot(state.stored())
+        self.session_writer(snap, functools.partial(self._save_done, state, fut))
+
+    def _write_in_thread(self, snap: SessionSnapshot, done: Callable[[BaseException | None], None]) -> None:
+        """The default :attr:`session_writer`: ``store.write`` in the loop's executor."""
+        job = asyncio.get_running_loop().run_in_executor(None, self.store.write, snap)
+        self._session_writes.add(job)
+
+        def finished(j: asyncio.Future[None]) -> None:
+            self._session_writes.discard(j)
+            done(asyncio.CancelledError() if j.cancelled() else j.exception())
+
+        job.add_done_callback(finished)
+
+    def _save_done(self, state: SessionState, fut: asyncio.Future[None], exc: BaseException | None) -> None:
+        state.save_running = False
+        if isinstance(exc, asyncio.CancelledError):
+            fut.cancel()
+        elif exc is not None:
+            log.error("client %r: writing the session file failed: %s", state.client_id, exc)
+            fut.set_exception(exc)
+        else:
+            fut.set_result(None)
+        if state.save_next is not None:
+            self._start_save(state)
+
+    async def session_writes_done(self) -> None:
+        """Wait until no session-file write is running or due (tests, shutdown)."""
+        for _ in range(1000):
+            await asyncio.sleep(0)
+            if not self._session_writes:
+                if not any(s.save_next is not None for s in self.sessions.values()):
+                    return
+                continue
+            await asyncio.gather(*self._session_writes, return_exceptions=True)
+
+    def _save_session(self, state: SessionState) -> None:
+        state.save_due = False
+        try:
+            self.store.save(state.stored())
+        except OSError as exc:
+            log.error("client %r: writing the session file failed: %s", state.client_id, exc)
+
+    def store_internal(self, topic: str, payload: bytes, qos: int, retain: bool) -> None:
+        """Store a message the broker itself publishes (a will); nobody waits for its ack."""
+        ts = time.time_ns() // 1000
+        try:
+            offset, fut = self._append(topic, payload, qos, retain, ts)
+        except (OSError, ValueError, RuntimeError) as exc:
+            log.error("message to %r not stored: %s", topic, exc)
+            return
+        self._track(Record(offset, ts, topic, payload, qos, retain), fut)

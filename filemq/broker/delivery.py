@@ -1,0 +1,276 @@
+"""Outbound delivery: pumping consumer groups into connections within the in-flight
+window, the QoS 1/2 acknowledgement state machine (a wrong ack closes), and what a
+disconnect releases.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from filemq.broker.base import CoreBase
+from filemq.broker.session import CONNECTED, Connection
+from filemq.broker.state import (
+    _MAX_PUMP,
+    _PUBCOMP,
+    _PUBREL,
+    Outbound,
+    SessionState,
+    SharedGroup,
+    _ack,
+)
+from filemq.mqtt.codec import publish_bytes
+from segments.record import Record
+
+if TYPE_CHECKING:
+    from filemq.queue.groups import ConsumerGroup
+
+log = logging.getLogger("filemq.broker")
+
+
+class DeliveryMixin(CoreBase):
+    """Outbound delivery, the QoS 1/2 ack state machine, disconnects."""
+
+    # ---- delivery --------------------------------------------------------------------------
+
+    def pump(self, conn: Connection) -> None:
+        """Push records to ``conn`` while its in-flight window has room."""
+        state = conn.session
+        if state is None or conn.closed or conn.paused or state.conn is not conn:
+            return
+        if conn in self._retained_out and not self._drain_retained(conn, state):
+            return  # live records after the retained ones, never before
+        group = state.group
+        pushed = 0
+        if group is not None:
+            cid = conn.client_id
+            while pushed < _MAX_PUMP:
+                room = conn.max_inflight - len(state.inflight)
+                if room <= 0 or conn.paused:
+                    break
+                records = group.fetch(min(room, 100), cid)
+                if not records:
+                    break
+                self._deliver(conn, state, group, records, None)
+                pushed += len(records)
+            if pushed >= _MAX_PUMP:
+                self._schedule_repump(conn)
+        for name in state.share_names():
+            sh = self.shares.get(name)
+            if sh is not None:
+                self.pump_share(sh)
+
+    def _schedule_repump(self, conn: Connection) -> None:
+        self._repump.add(conn)
+        if not self._repump_scheduled:
+            self._repump_scheduled = True
+            asyncio.get_running_loop().call_soon(self._do_repump)
+
+    def _do_repump(self) -> None:
+        self._repump_scheduled = False
+        conns, self._repump = self._repump, set()
+        for conn in conns:
+            self.pump(conn)
+        self.flush()
+
+    def pump_share(self, sh: SharedGroup) -> None:
+        """Hand the shared group's records to its live members, a few at a time each."""
+        members = [m for m in sh.members if not m.closed and not m.paused and m.session is not None]
+        if not members:
+            return
+        group = sh.group
+        for _ in range(_MAX_PUMP):
+            progress = False
+            n = len(members)
+            for i in range(n):
+                conn = members[(sh.rr + i) % n]
+                state = conn.session
+                assert state is not None
+                room = conn.max_inflight - len(state.inflight)
+                if room <= 0 or conn.paused:
+                    continue
+                records = group.fetch(min(room, 8), conn.client_id)
+                if records:
+                    progress = True
+                    self._deliver(conn, state, group, records, sh.name)
+            sh.rr += 1
+            if not progress:
+                return
+
+    def _deliver(self, conn: Connection, state: SessionState, group: ConsumerGroup,
+                 records: list[Record], share: str | None) -> None:
+        """Send ``records`` (fetched from ``group`` for ``conn``) in one write; records no
+        subscription of ``conn`` takes (older than it, or denied by the ACL) are acked."""
+        acl = conn.acl
+        # Every delivery is checked against the receiving user's read rights (cached per topic).
+        check_acl = acl is not None and not acl.allow_all
+        granted = state.granted_qos
+        inflight = state.inflight
+        ack = group.ack
+        redelivered = group.redelivered
+        parts: list[bytes] = []
+        for r in records:
+            offset = r.offset
+            topic = r.topic
+            qos = granted(topic, offset, share)
+            if qos < 0 or (check_acl and not acl.can_receive(topic)):  # type: ignore[union-attr]
+                ack(offset)
+                continue
+            if r.qos < qos:
+                qos = r.qos
+            if qos == 0:
+                parts.append(publish_bytes(topic, r.payload, 0, False, None))
+                ack(offset)
+                continue
+            pid = state.next_pid
+            while pid in inflight:
+                pid = pid % 0xFFFF + 1
+            state.next_pid = pid % 0xFFFF + 1
+            inflight[pid] = Outbound(offset, group, qos, topic, r.payload, share)
+            parts.append(publish_bytes(topic, r.payload, qos, redelivered(offset), pid))
+        if parts:
+            self.stats.publish_sent(len(parts))
+            conn.send(parts[0] if len(parts) == 1 else b"".join(parts))
+
+    def on_puback(self, conn: Connection, pid: int) -> None:
+        self.on_pubacks(conn, (pid,))
+
+    def on_pubacks(self, conn: Connection, pids: Sequence[int]) -> None:
+        """PUBACKs, many at once when a read held nothing else."""
+        state = conn.session
+        assert state is not None
+        inflight = state.inflight
+        for pid in pids:
+            out = inflight.get(pid)
+            if out is None:
+                log.debug("client %r: PUBACK for unknown packet id %d ignored", conn.client_id, pid)
+                continue
+            if out.qos != 1:
+                self._wrong_ack(conn, "PUBACK", pid, out)
+                break
+            del inflight[pid]
+            if out.group is not None:
+                out.group.ack(out.offset)
+                self._acked = True
+        self._to_pump.add(conn)
+
+    def on_pubrec(self, conn: Connection, pid: int) -> None:
+        state = conn.session
+        assert state is not None
+        out = state.inflight.get(pid)
+        if out is not None and out.qos != 2:
+            self._wrong_ack(conn, "PUBREC", pid, out)
+            return
+        if out is not None and out.stage == 0:
+            out.stage = 1
+            if out.group is not None:
+                # The client has the message: the group may move on; only the id is pending.
+                out.group.ack(out.offset)
+                self._acked = True
+        # Also for an unknown id or a repeated PUBREC: PUBREL is idempotent (4.3.3).
+        conn.send(_ack(_PUBREL, pid))
+
+    def on_pubcomp(self, conn: Connection, pid: int) -> None:
+        state = conn.session
+        assert state is not None
+        out = state.inflight.get(pid)
+        if out is None:
+            log.debug("client %r: PUBCOMP for unknown packet id %d ignored", conn.client_id, pid)
+            return
+        if out.qos != 2 or out.stage == 0:
+            self._wrong_ack(conn, "PUBCOMP", pid, out)
+            return
+        del state.inflight[pid]
+        self._to_pump.add(conn)
+
+    def _wrong_ack(self, conn: Connection, ack: str, pid: int, out: Outbound) -> None:
+        """An acknowledgement that does not fit the in-flight message's state is a protocol
+        violation (MQTT-4.8.0-1, 4.3): close; the message stays in flight and is re-sent
+        (DUP = 1, or its PUBREL) when the session reconnects."""
+        expected = "PUBACK" if out.qos == 1 else ("PUBREC" if out.stage == 0 else "PUBCOMP")
+        conn.close(f"protocol error: {ack} for packet id {pid}, which awaits {expected} "
+                   f"(QoS {out.qos} delivery; MQTT-4.8.0-1)", will=True, level=logging.WARNING)
+
+    def on_pubrel(self, conn: Connection, pid: int) -> None:
+        state = conn.session
+        assert state is not None
+        known = pid in state.qos2_in
+        state.qos2_in.pop(pid, None)
+        state.qos2_offsets.pop(pid, None)
+        state.qos2_loaded.discard(pid)
+        if state.persistent and (known or state.save_running or state.save_next is not None):
+            # The removal is durable before PUBCOMP, so the id set on disk stays exact: after
+            # PUBCOMP the client may reuse the id for a new message, which must be stored.
+            done = self._save_soon(state)
+            conn.queue_ack(done, _ack(_PUBCOMP, pid))
+            if conn.last_batch is not done:
+                self._join_batch(conn, done)
+        else:
+            conn.queue_ack(None, _ack(_PUBCOMP, pid))
+
+    # ---- disconnect ------------------------------------------------------------------------
+
+    def on_close(self, conn: Connection, prev_state: str) -> None:
+        self.conns.discard(conn)
+        self._dirty.discard(conn)
+        self._repump.discard(conn)
+        self._to_pump.discard(conn)
+        self._retained_out.pop(conn, None)
+        if prev_state != CONNECTED:
+            return
+        self.stats.client_disconnected()
+        cid = conn.client_id
+        if self.connections.get(cid) is conn:
+            del self.connections[cid]
+        state = conn.session
+        if state is not None and state.conn is conn:
+            state.conn = None
+            for sub in state.subs.values():
+                self._unregister(conn, sub)
+            for name in state.share_names():
+                self._leave_share(conn, state, name)
+            if state.persistent:
+                if state.save_due:
+                    self._save_session(state)
+            elif state.group is not None:
+                self._drop_group(state.group.name)
+                state.group = None
+        will = conn.will
+        if conn.publish_will and will is not None:
+            acl = conn.acl
+            if will.topic.startswith("$") or (acl is not None and not acl.can_publish(will.topic)):
+                log.warning("client %r: will to %r not published (ACL or $-topic)", cid, will.topic)
+            else:
+                log.info("client %r: publishing its will to %r", cid, will.topic)
+                self.store_internal(will.topic, will.payload, will.qos, will.retain)
+
+    def _leave_share(self, conn: Connection, state: SessionState, name: str) -> None:
+        """``conn`` stops being a member of share ``name`` (disconnect or last UNSUBSCRIBE)."""
+        sh = self.shares.get(name)
+        if sh is None:
+            return
+        if conn in sh.members:
+            sh.members.remove(conn)
+        # Its unacked shared records go to the other members, not back to it later.
+        for pid in [p for p, o in state.inflight.items() if o.share == name and o.stage == 0]:
+            del state.inflight[pid]
+        if sh.group.release(conn.client_id):
+            self.pump_share(sh)
+
+    def _persist_offsets(self) -> None:
+        """Write the offsets of groups that subscribers acked into, ~100 ms after the acks.
+
+        The queue's own housekeeping runs once a second (an idle broker must not wake more
+        often); under traffic this keeps the re-delivery after a crash to ~100 ms of acks.
+        The writes (fsync + rename) run in a worker thread.
+        """
+        self._persist_handle = None
+        if self._persist_task is not None and not self._persist_task.done():
+            self._acked = True  # try again after the running write
+            return
+        snapshots = self.queue.persist_due()
+        if snapshots:
+            self._persist_task = asyncio.get_running_loop().create_task(
+                asyncio.to_thread(self.queue.write_snapshots, snapshots), name="filemq-broker-offsets")

@@ -1,0 +1,263 @@
+"""Inbound PUBLISH: validation, ACL, the publish hook, the durable append and the
+acks released per commit batch; then routing of committed records to subscribers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+from filemq.broker.base import CoreBase
+from filemq.broker.session import Connection
+from filemq.broker.state import (
+    _PUBREC,
+    ClientInfo,
+    SessionState,
+    SharedGroup,
+    _ack,
+    _too_long,
+)
+from filemq.mqtt.codec import ProtocolError, encode_puback
+from filemq.mqtt.packets import Publish
+from segments.record import Record
+
+if TYPE_CHECKING:
+    from filemq.queue.retained import RetainedStore
+
+log = logging.getLogger("filemq.broker")
+
+
+class PublishMixin(CoreBase):
+    """Inbound PUBLISH with its durable ack; routing of committed records."""
+
+    # ---- inbound PUBLISH -----------------------------------------------------------------
+
+    def on_publish(self, conn: Connection, p: Publish) -> None:
+        stats = self.stats
+        topic = p.topic
+        stats.publish_received(topic, time.monotonic())
+        qos = p.qos
+        if p.dup and not qos:
+            raise ProtocolError("QoS 0 PUBLISH with DUP = 1 (MQTT-3.3.1-2)", "PUBLISH")
+        if _too_long(topic, self.config.max_topic_length):
+            conn.close(f"PUBLISH topic of {len(topic.encode('utf-8'))} bytes exceeds max_topic_length "
+                       f"{self.config.max_topic_length}", will=True, level=logging.WARNING)
+            return
+        limit = self.config.message_size_limit
+        if limit is not None and len(p.payload) > limit:
+            # 3.1.1 has no negative ack: close; not stored, not acknowledged.
+            conn.close(f"PUBLISH payload of {len(p.payload)} bytes to {topic!r} exceeds message_size_limit "
+                       f"{limit}; not stored, not acknowledged", will=True, level=logging.WARNING)
+            return
+        if topic[0] == "$":
+            log.warning("client %r: PUBLISH to %r dropped: clients may not publish to $-topics",
+                        conn.client_id, topic)
+            stats.publish_denied()
+            self._ack_now(conn, p)
+            return
+        acl = conn.acl
+        if acl is not None and not acl.can_publish(topic):
+            stats.publish_denied()
+            if self.config.acl_denied_publish == "disconnect":
+                # Not acknowledged: the sender keeps the message and can be fixed and resend it.
+                conn.close(f"PUBLISH to {topic!r} denied by the ACL for user {conn.username!r}; "
+                           "not acknowledged", will=True, level=logging.WARNING)
+                return
+            log.warning("client %r (user %r): PUBLISH to %r denied by the ACL; acknowledged and dropped",
+                        conn.client_id, conn.username, topic)
+            self._ack_now(conn, p)
+            return
+        state = conn.session
+        assert state is not None
+        if qos == 2:
+            pid = p.packet_id
+            assert pid is not None
+            fut = state.qos2_in.get(pid)
+            if fut is not None and fut.done() and (fut.cancelled() or fut.exception() is not None):
+                del state.qos2_in[pid]  # its commit failed: nothing was stored, store this one
+            if pid in state.qos2_loaded:
+                # From the session file (a restart): a duplicate only if the log holds this
+                # very message at the id's offset; otherwise it is stored (at worst twice).
+                state.qos2_loaded.discard(pid)
+                if not self._stored_at(state.qos2_offsets.get(pid), p):
+                    del state.qos2_in[pid]
+                    state.qos2_offsets.pop(pid, None)
+            if pid in state.qos2_in:
+                # Already stored, PUBREL not seen: PUBREC again, do not store twice (4.3.3).
+                # The set is exact (ids leave it durably before PUBCOMP), so this id names
+                # the stored message; its PUBREC waits until the id is durable too.
+                wait: asyncio.Future[None] | None = None
+                if fut is not None and not fut.done():
+                    wait = self._qos2_gate(state, fut) if state.persistent else fut
+                elif state.persistent and (state.save_running or state.save_next is not None):
+                    wait = self._save_soon(state)
+                conn.queue_ack(wait, _ack(_PUBREC, pid))
+                if wait is not None and conn.last_batch is not wait:
+                    self._join_batch(conn, wait)
+                return
+        payload = p.payload
+        hook = self.hook
+        if hook is not None:
+            result = hook(ClientInfo(conn.client_id, conn.username, conn.peer), p)
+            if result.action == "reject":
+                conn.close(f"PUBLISH to {topic!r} rejected: {result.reason}", will=True, level=logging.WARNING)
+                return
+            if result.action == "ack_drop":
+                stats.publish_denied()
+                if qos == 2:
+                    assert p.packet_id is not None
+                    state.qos2_in[p.packet_id] = None
+                self._ack_now(conn, p)
+                return
+            if result.payload is not None:
+                payload = result.payload
+        ts = time.time_ns() // 1000
+        try:
+            offset, fut = self._append(topic, payload, qos, p.retain, ts)
+        except (OSError, ValueError) as exc:
+            if qos:
+                conn.close(f"storing PUBLISH to {topic!r} failed: {exc}", will=True, level=logging.ERROR)
+            else:
+                log.error("client %r: QoS 0 PUBLISH to %r dropped: %s", conn.client_id, topic, exc)
+            return
+        self._track(Record(offset, ts, topic, payload, qos, p.retain), fut)
+        if qos == 0:
+            return
+        pid = p.packet_id
+        assert pid is not None
+        if qos == 1:
+            conn.queue_ack(fut, encode_puback(pid), offset)
+        else:
+            state.qos2_in[pid] = fut
+            state.qos2_offsets[pid] = offset
+            if state.persistent:
+                # PUBREC once the record is committed *and* its id is in the session file.
+                fut = self._qos2_gate(state, fut)
+            conn.queue_ack(fut, _ack(_PUBREC, pid), offset)
+        if conn.last_batch is not fut:
+            self._join_batch(conn, fut)
+
+    def _stored_at(self, offset: int | None, p: Publish) -> bool:
+        """Whether the log's record at ``offset`` is ``p`` (same topic and payload)."""
+        if offset is None:
+            return False
+        try:
+            records = self.log.read(offset, 1)
+        except (OSError, ValueError) as exc:
+            log.warning("reading offset %d to check a QoS 2 re-send failed: %s", offset, exc)
+            return False
+        return bool(records) and records[0].offset == offset and records[0].topic == p.topic \
+            and records[0].payload == p.payload
+
+    def _ack_now(self, conn: Connection, p: Publish) -> None:
+        if p.qos == 1:
+            assert p.packet_id is not None
+            conn.queue_ack(None, encode_puback(p.packet_id))
+        elif p.qos == 2:
+            assert p.packet_id is not None
+            state: SessionState = conn.session
+            state.qos2_in.setdefault(p.packet_id, None)
+            conn.queue_ack(None, _ack(_PUBREC, p.packet_id))
+
+    def _track(self, record: Record, fut: asyncio.Future[None]) -> None:
+        pending = self._pending
+        if pending and pending[-1][0].offset >= record.offset:
+            # A failed commit made the log reuse offsets: those entries were never stored.
+            while pending and pending[-1][0].offset >= record.offset:
+                pending.pop()
+        pending.append((record, fut))
+
+    def _join_batch(self, conn: Connection, fut: asyncio.Future[None]) -> None:
+        """Have ``conn``'s acks released when the commit ``fut`` resolves (one callback per batch)."""
+        conns = self._batches.get(fut)
+        if conns is None:
+            conns = self._batches[fut] = set()
+            fut.add_done_callback(self._on_batch_done)
+        conns.add(conn)
+        conn.last_batch = fut
+
+    def _on_batch_done(self, fut: asyncio.Future[None]) -> None:
+        """Release the acks a commit batch covers, connection by connection."""
+        conns = self._batches.pop(fut, ())
+        for conn in conns:
+            if conn.last_batch is fut:
+                conn.last_batch = None
+            if not conn.closed:
+                conn.ack_ready()
+        self.flush()
+
+    # ---- routing committed records ---------------------------------------------------------
+
+    def _on_committed(self, committed: int) -> None:
+        pending = self._pending
+        routed = self._routed
+        records: list[Record] = []
+        while pending and pending[0][0].offset < committed:
+            record, fut = pending.popleft()
+            if fut.done() and (fut.cancelled() or fut.exception() is not None):
+                continue
+            if record.offset < routed:
+                continue
+            if record.offset > routed:
+                records.extend(self._read_gap(routed, record.offset))
+            records.append(record)
+            routed = record.offset + 1
+        if routed < committed and not (pending and pending[0][0].offset == routed):
+            records.extend(self._read_gap(routed, committed))
+            routed = committed
+        self._routed = max(routed, self._routed)
+        self.cache.limit = self._routed
+        if records:
+            self._route(records)
+
+    def _read_gap(self, start: int, end: int) -> list[Record]:
+        """Records appended by someone else (e.g. the queue API) that the broker must route."""
+        out: list[Record] = []
+        while start < end:
+            batch = self.log.read(start, min(1000, end - start))
+            batch = [r for r in batch if r.offset < end]
+            if not batch:
+                break
+            out.extend(batch)
+            start = batch[-1].offset + 1
+        return out
+
+    def _route(self, records: list[Record]) -> None:
+        cache_put = self.cache.put
+        retained = self.retained
+        ready = self.retained_ready
+        match = self.trie.match
+        woken: set[Any] = set()
+        seen: dict[str, None] = {}
+        for r in records:
+            cache_put(r)
+            if r.retain:
+                self.retained_changes += 1
+                if ready:
+                    retained.apply(r)
+                else:
+                    self._retained_buffer.append(r)
+            if r.topic not in seen:
+                seen[r.topic] = None
+                woken |= match(r.topic)
+        for target in woken:
+            if isinstance(target, SharedGroup):
+                self.pump_share(target)
+            else:
+                self.pump(target)
+        self.flush()
+
+    def retained_recovered(self, store: RetainedStore) -> None:
+        """Switch to the store rebuilt in the background; catch up and answer waiting SUBSCRIBEs."""
+        for r in self._retained_buffer:
+            store.apply(r)
+        self._retained_buffer = []
+        self.retained = store
+        self.retained_ready = True
+        waiting, self._retained_waiting = self._retained_waiting, []
+        for conn, state, sub, below in waiting:
+            if not conn.closed and state.conn is conn and state.subs.get(sub.filter) is sub:
+                self._send_retained(conn, state, sub, below)
+        self.flush()

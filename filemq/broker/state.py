@@ -1,0 +1,233 @@
+"""The broker's per-client and per-share state and the publish hook's types: what the
+concerns of :class:`~filemq.broker.core.BrokerCore` share.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
+
+from filemq.broker.session import Connection
+from filemq.broker.sessions import StoredSession, StoredSubscription
+from filemq.common.topics import (
+    parse_shared,
+    topic_matches,
+)
+from filemq.mqtt.packets import Publish
+
+if TYPE_CHECKING:
+    from filemq.queue.groups import ConsumerGroup
+
+log = logging.getLogger("filemq.broker")
+
+SESSION_GROUP_PREFIX = "mqtt-session:"
+SHARE_GROUP_PREFIX = "mqtt-share:"
+CLEAN_GROUP_PREFIX = "mqtt-clean:"
+
+_PUBREC = 0x50
+_PUBREL = 0x62
+_PUBCOMP = 0x70
+RETAINED_OUT_HIGH = 256 * 1024  # retained PUBLISH bytes queued in one connection's output at once
+PERSIST_DELAY_S = 0.1  # group offsets are written this long after subscriber acks
+_MAX_PUMP = 1000  # records pushed to one connection per wake-up before yielding the loop
+
+
+def _ack(first: int, packet_id: int) -> bytes:
+    return bytes((first, 2, packet_id >> 8, packet_id & 0xFF))
+
+
+def _copy_outcome(dst: asyncio.Future[None], src: asyncio.Future[None]) -> None:
+    if dst.done():
+        return
+    if src.cancelled():
+        dst.cancel()
+    elif (exc := src.exception()) is not None:
+        dst.set_exception(exc)
+    else:
+        dst.set_result(None)
+
+
+def _too_long(topic: str, limit: int) -> bool:
+    """``max_topic_length`` counts UTF-8 bytes (a character is 1-4 of them)."""
+    n = len(topic)
+    return n > limit or (n * 4 > limit and len(topic.encode("utf-8")) > limit)
+
+
+def parse_share_key(topic_filter: str) -> tuple[str | None, str]:
+    """``(share key, plain filter)``: the key of ``$share/<name>/<filter>`` is ``<name>/<filter>``
+    (a shared subscription is named by share name and filter, MQTT 5 §4.8.2); None otherwise.
+    Raises :class:`InvalidTopic` as :func:`~filemq.common.topics.parse_shared`."""
+    name, plain = parse_shared(topic_filter)
+    return (None if name is None else f"{name}/{plain}"), plain
+
+
+# ---- the publish hook (collector: dedup and CRC checks) -----------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class ClientInfo:
+    """Who sent a PUBLISH: what a :data:`PublishHook` may base its decision on."""
+
+    client_id: str
+    username: str | None
+    peer: str
+
+
+@dataclass(frozen=True, slots=True)
+class HookResult:
+    """A :data:`PublishHook`'s verdict; build it with :meth:`store`, :meth:`ack_drop`, :meth:`reject`."""
+
+    action: Literal["store", "ack_drop", "reject"]
+    payload: bytes | None = None
+    reason: str = ""
+
+    @classmethod
+    def store(cls, payload: bytes | None = None) -> HookResult:
+        """Store the message (with ``payload`` instead of the received one, if given)."""
+        return cls("store", payload)
+
+    @classmethod
+    def ack_drop(cls, reason: str = "") -> HookResult:
+        """Acknowledge without storing (e.g. a duplicate); counted as dropped."""
+        return cls("ack_drop", None, reason)
+
+    @classmethod
+    def reject(cls, reason: str) -> HookResult:
+        """Do not acknowledge; close the connection, logging ``reason``."""
+        return cls("reject", None, reason)
+
+
+STORE = HookResult.store()
+
+PublishHook = Callable[[ClientInfo, Publish], HookResult]
+"""Called for every inbound PUBLISH (after validation and ACL) before it is stored."""
+
+
+# ---- per-client state ----------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Subscription:
+    """One subscription of a session; ``start`` is the first log offset it receives."""
+
+    filter: str  # as the client gave it, ``$share/...`` included
+    plain: str  # the filter without the share prefix
+    share: str | None  # the share key ``<name>/<filter>`` of a ``$share`` subscription
+    qos: int
+    start: int
+
+
+class Outbound:
+    """A QoS 1/2 PUBLISH sent to the client and not yet completed."""
+
+    __slots__ = ("offset", "group", "qos", "topic", "payload", "share", "stage", "retain")
+
+    def __init__(
+        self, offset: int, group: ConsumerGroup | None, qos: int, topic: str, payload: bytes,
+        share: str | None, retain: bool = False,
+    ) -> None:
+        self.offset = offset
+        self.group = group  # None: a retained-message delivery, not a group record
+        self.qos = qos
+        self.topic = topic
+        self.payload = payload
+        self.share = share
+        self.stage = 0  # 0: PUBLISH sent; 1: PUBREC received, PUBREL sent (QoS 2)
+        self.retain = retain
+
+
+class SessionState:
+    """One client id's session; a persistent one outlives its connections (and, through the
+    :class:`SessionStore`, the broker process)."""
+
+    def __init__(self, client_id: str, persistent: bool, owner: str | None = None) -> None:
+        self.client_id = client_id
+        self.persistent = persistent
+        self.owner = owner  # the username that created the session; only it may resume it
+        self.subs: dict[str, Subscription] = {}
+        self.group: ConsumerGroup | None = None
+        self.inflight: dict[int, Outbound] = {}
+        self.next_pid = 1
+        # QoS 2 inbound ids waiting for PUBREL -> the commit future of the stored record
+        # (None: committed long ago, or loaded from the session file, which is exact).
+        self.qos2_in: dict[int, asyncio.Future[None] | None] = {}
+        self.qos2_offsets: dict[int, int] = {}  # QoS 2 inbound id -> its record's offset
+        self.qos2_loaded: set[int] = set()  # ids read from the session file, not yet re-checked
+        # Commit future -> future that resolves once that commit's QoS 2 ids are written.
+        self.qos2_gates: dict[asyncio.Future[None], asyncio.Future[None]] = {}
+        self.save_next: asyncio.Future[None] | None = None  # the next session-file write
+        self.save_running = False  # a session-file write is in a worker thread
+        self.save_due = False  # something changed that should be written lazily
+        self.conn: Connection | None = None
+        self._qos_cache: dict[str, list[tuple[int, int, str | None]]] = {}
+        self._share_names: frozenset[str] | None = None
+
+    def own_filters(self) -> tuple[str, ...]:
+        return tuple(sorted({s.plain for s in self.subs.values() if s.share is None}))
+
+    def share_names(self) -> frozenset[str]:
+        names = self._share_names
+        if names is None:
+            names = self._share_names = frozenset(s.share for s in self.subs.values() if s.share is not None)
+        return names
+
+    def subs_changed(self) -> None:
+        self._qos_cache.clear()
+        self._share_names = None
+
+    def granted_qos(self, topic: str, offset: int, share: str | None) -> int:
+        """Highest QoS of this session's subscriptions (of ``share``) that take this record; -1: none."""
+        entries = self._qos_cache.get(topic)
+        if entries is None:
+            entries = [
+                (s.start, s.qos, s.share) for s in self.subs.values() if topic_matches(s.plain, topic)
+            ]
+            if len(self._qos_cache) > 4096:
+                self._qos_cache.clear()
+            self._qos_cache[topic] = entries
+        best = -1
+        for start, qos, sh in entries:
+            if sh == share and start <= offset and qos > best:
+                best = qos
+        return best
+
+    def alloc_pid(self) -> int:
+        pid = self.next_pid
+        inflight = self.inflight
+        while pid in inflight:
+            pid = pid % 0xFFFF + 1
+        self.next_pid = pid % 0xFFFF + 1
+        return pid
+
+    def stored(self) -> StoredSession:
+        """What to write; QoS 2 ids whose record is not committed yet are left out (an id on
+        disk without its record would make a re-sent PUBLISH look like a duplicate)."""
+        ids = {
+            pid for pid, f in self.qos2_in.items()
+            if f is None or (f.done() and not f.cancelled() and f.exception() is None)
+        }
+        return StoredSession(
+            self.client_id,
+            {f: StoredSubscription(s.qos, s.start) for f, s in self.subs.items()},
+            ids,
+            owner=self.owner,
+            qos2_offsets={pid: off for pid, off in self.qos2_offsets.items() if pid in ids},
+        )
+
+
+class SharedGroup:
+    """``$share/<name>/...``: one durable consumer group whose live members share records."""
+
+    def __init__(self, name: str, group: ConsumerGroup) -> None:
+        self.name = name
+        self.group = group
+        self.members: list[Connection] = []
+        self.filter_refs: Counter[str] = Counter()
+        self.rr = 0
+
+    def __repr__(self) -> str:
+        return f"SharedGroup({self.name!r}, members={len(self.members)})"

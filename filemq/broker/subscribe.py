@@ -1,0 +1,238 @@
+"""SUBSCRIBE / UNSUBSCRIBE: the topic trie, shared groups, start offsets and the
+retained messages a new subscription gets (bounded per connection).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from typing import TYPE_CHECKING
+
+from filemq.broker.base import CoreBase
+from filemq.broker.session import Connection
+from filemq.broker.state import (
+    CLEAN_GROUP_PREFIX,
+    RETAINED_OUT_HIGH,
+    SESSION_GROUP_PREFIX,
+    SHARE_GROUP_PREFIX,
+    Outbound,
+    SessionState,
+    SharedGroup,
+    Subscription,
+    _too_long,
+    parse_share_key,
+)
+from filemq.common.topics import (
+    InvalidTopic,
+    topic_matches,
+    validate_topic_filter,
+)
+from filemq.mqtt.codec import encode, publish_bytes
+from filemq.mqtt.packets import (
+    SUBACK_FAILURE,
+    Publish,
+    Suback,
+    Subscribe,
+    Unsuback,
+    Unsubscribe,
+)
+
+if TYPE_CHECKING:
+    pass
+
+log = logging.getLogger("filemq.broker")
+
+
+class SubscribeMixin(CoreBase):
+    """SUBSCRIBE/UNSUBSCRIBE, shared groups, retained messages for new subscriptions."""
+
+    # ---- subscriptions -------------------------------------------------------------------
+
+    def _register(self, conn: Connection, state: SessionState, sub: Subscription) -> None:
+        if sub.share is None:
+            self.trie.add(sub.plain, conn)
+            return
+        sh = self._share(sub.share, sub.plain)
+        if conn not in sh.members:
+            sh.members.append(conn)
+        sh.filter_refs[sub.plain] += 1
+        if sh.filter_refs[sub.plain] == 1:
+            self.trie.add(sub.plain, sh)
+
+    def _unregister(self, conn: Connection, sub: Subscription) -> None:
+        if sub.share is None:
+            self.trie.remove(sub.plain, conn)
+            return
+        sh = self.shares.get(sub.share)
+        if sh is None:
+            return
+        sh.filter_refs[sub.plain] -= 1
+        if sh.filter_refs[sub.plain] <= 0:
+            del sh.filter_refs[sub.plain]
+            self.trie.remove(sub.plain, sh)
+
+    def _share(self, name: str, plain: str) -> SharedGroup:
+        sh = self.shares.get(name)
+        if sh is None:
+            group = self._through_cache(self._group_factory(SHARE_GROUP_PREFIX + name, (plain,), True))
+            sh = self.shares[name] = SharedGroup(name, group)
+        filters = sh.group.filters
+        if plain not in filters:
+            # Shared-group filters only grow: offline members may still need the old ones.
+            sh.group.set_filters(tuple(filters) + (plain,))
+        return sh
+
+    def _update_groups(self, state: SessionState) -> None:
+        own = state.own_filters()
+        if not own:
+            if state.group is not None and not state.persistent:
+                self._drop_group(state.group.name)
+                state.group = None
+            return
+        if state.group is None:
+            if state.persistent:
+                name = SESSION_GROUP_PREFIX + state.client_id
+            else:
+                self._clean_ids += 1
+                name = f"{CLEAN_GROUP_PREFIX}{state.client_id}:{self._clean_ids}"
+            state.group = self._group(name, own, state.persistent)
+        elif tuple(state.group.filters) != own:
+            state.group.set_filters(own)
+
+    def on_subscribe(self, conn: Connection, p: Subscribe) -> None:
+        state = conn.session
+        acl = conn.acl
+        assert state is not None and acl is not None
+        codes: list[int] = []
+        new_subs: list[Subscription] = []
+        # MQTT-3.3.1-6: records routed before this point are in the retained store, records
+        # from it on are delivered live (groups never read past it, see TailCache.limit), so
+        # a retained message is never neither.  next_offset would skip appended records that
+        # are not committed yet, while the retained store only has committed ones.
+        start = self._routed
+        for f, qos in p.topics:
+            try:
+                share, plain = parse_share_key(f)
+                validate_topic_filter(plain)
+            except InvalidTopic as exc:
+                log.info("client %r: SUBSCRIBE %r refused: %s", conn.client_id, f, exc)
+                codes.append(SUBACK_FAILURE)
+                continue
+            if _too_long(f, self.config.max_topic_length):
+                log.info("client %r: SUBSCRIBE filter of %d bytes refused (max_topic_length %d)",
+                         conn.client_id, len(f.encode("utf-8")), self.config.max_topic_length)
+                codes.append(SUBACK_FAILURE)
+                continue
+            if not acl.can_subscribe(f):
+                log.info("client %r (user %r): SUBSCRIBE %r denied by the ACL", conn.client_id, conn.username, f)
+                codes.append(SUBACK_FAILURE)
+                continue
+            qos = min(qos, 2)
+            old = state.subs.get(f)
+            if old is not None:
+                self._unregister(conn, old)
+            sub = Subscription(f, plain, share, qos, old.start if old is not None else start)
+            state.subs[f] = sub
+            new_subs.append(sub)
+            codes.append(qos)
+        if new_subs:
+            state.subs_changed()
+            try:  # group files (a new session or $share group) and the session file
+                self._update_groups(state)
+                for sub in new_subs:
+                    self._register(conn, state, sub)
+                if state.persistent:
+                    self.store.save(state.stored())
+            except OSError as exc:
+                # No SUBACK for a subscription whose state is not durable (a restart would forget it).
+                conn.close(f"SUBSCRIBE refused: its state cannot be persisted: {exc}", will=True, level=logging.ERROR)
+                return
+        conn.send_packet(Suback(p.packet_id, codes))
+        for sub in new_subs:
+            self._send_retained(conn, state, sub, start)
+        self.pump(conn)
+
+    def _send_retained(self, conn: Connection, state: SessionState, sub: Subscription, below: int) -> None:
+        """Send the retained messages ``sub`` matches that were stored below offset ``below``
+        (the routed offset at SUBSCRIBE time): later ones reach it live."""
+        if sub.share is not None:
+            return  # retained messages are not sent for shared subscriptions (as MQTT 5)
+        if sub.plain.startswith("$SYS"):
+            acl = conn.acl
+            for topic, payload in self.sys_retained.items():
+                if topic_matches(sub.plain, topic) and (
+                        acl is None or acl.can_receive(topic)):
+                    conn.send(encode(Publish(topic, payload, 0, True)))
+            return
+        if not self.retained_ready:
+            self._retained_waiting.append((conn, state, sub, below))
+            return
+        acl = conn.acl
+        queue = self._retained_out.get(conn)
+        if queue is None:
+            queue = self._retained_out[conn] = deque()
+        elif any(e[0] == sub.filter for e in queue):
+            # A repeated SUBSCRIBE re-sends (MQTT-3.8.4-3): what it still had queued is replaced.
+            queue = self._retained_out[conn] = deque(e for e in queue if e[0] != sub.filter)
+        for m in self.retained.match(sub.plain):
+            if m.offset >= below:
+                continue  # routed after the SUBSCRIBE (store rebuilt late): delivered live
+            if acl is not None and not acl.can_receive(m.topic):
+                continue
+            queue.append((sub.filter, m, min(sub.qos, m.qos)))
+        self._drain_retained(conn, state)
+
+    def _drain_retained(self, conn: Connection, state: SessionState) -> bool:
+        """Send queued retained messages while the connection takes them: its output below
+        :data:`RETAINED_OUT_HIGH`, its transport not paused, QoS 1/2 ones within the in-flight
+        window.  The queue holds the store's messages (no payload copies); True when empty."""
+        queue = self._retained_out.get(conn)
+        if queue is None:
+            return True
+        sent = 0
+        inflight = state.inflight
+        blocked = False
+        while queue and not conn.closed and not conn.paused:
+            if len(conn.out) >= RETAINED_OUT_HIGH:
+                break
+            _, m, qos = queue[0]
+            if qos and len(inflight) >= max(conn.max_inflight, 1):
+                blocked = True  # the acks that free the window pump again
+                break
+            queue.popleft()
+            if conn.acl is not None and not conn.acl.can_receive(m.topic):
+                continue  # the read right went away (ACL reload) while it was queued
+            if qos == 0:
+                conn.send(publish_bytes(m.topic, m.payload, 0, False, None, True))
+            else:
+                pid = state.alloc_pid()
+                inflight[pid] = Outbound(m.offset, None, qos, m.topic, m.payload, None, True)
+                conn.send(publish_bytes(m.topic, m.payload, qos, False, pid, True))
+            sent += 1
+        if sent:
+            self.stats.publish_sent(sent)
+        if queue:
+            if not blocked and not conn.paused and not conn.closed:
+                self._schedule_repump(conn)  # after this event's flush wrote the output
+            return False
+        del self._retained_out[conn]
+        return True
+
+    def on_unsubscribe(self, conn: Connection, p: Unsubscribe) -> None:
+        state = conn.session
+        assert state is not None
+        changed = False
+        shares_before = state.share_names()
+        for f in p.topics:
+            sub = state.subs.pop(f, None)
+            if sub is not None:
+                self._unregister(conn, sub)
+                changed = True
+        if changed:
+            state.subs_changed()
+            for name in shares_before - state.share_names():
+                self._leave_share(conn, state, name)
+            self._update_groups(state)
+            if state.persistent:
+                self.store.save(state.stored())
+        conn.send_packet(Unsuback(p.packet_id))

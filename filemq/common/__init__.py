@@ -1,0 +1,5 @@
+"""The vocabulary every filemq layer shares: MQTT topic names and filters
+(:mod:`.topics`) and the configuration schema with its validator (:mod:`.config`).
+
+May import: the standard library only. Must not import any other filemq layer.
+"""

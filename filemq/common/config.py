@@ -21,6 +21,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from filemq.common.topics import InvalidTopic, validate_topic_filter
 
@@ -205,6 +206,77 @@ def _spec(check: Checker) -> dict[str, Any]:
     return {"check": check}
 
 
+_EXPORT_NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+EXPORT_SCHEMES = {"filemq": 1884, "filemqs": 8884, "mqtt": 1883, "mqtts": 8883}
+
+
+def _export_name(value: Any, from_flag: bool) -> str:
+    if not isinstance(value, str) or not _EXPORT_NAME_RE.match(value):
+        raise _Bad("a name of 1-64 letters, digits, '_' or '-'")
+    return value
+
+
+def _export_url(value: Any, from_flag: bool) -> str:
+    what = ("a URL filemq://HOST:PORT, filemqs://HOST:PORT (a filemq collector), mqtt://HOST[:PORT] "
+            "or mqtts://HOST[:PORT] (any MQTT 3.1.1 broker), without user, password or path")
+    if not isinstance(value, str):
+        raise _Bad(what)
+    try:
+        parts = urlsplit(value)
+        port = parts.port
+    except ValueError:
+        raise _Bad(what) from None
+    if (parts.scheme not in EXPORT_SCHEMES or not parts.hostname or parts.username is not None
+            or parts.path not in ("", "/") or parts.query or parts.fragment
+            or (port is None and parts.scheme.startswith("filemq")) or port == 0):
+        raise _Bad(what)
+    return value
+
+
+def _export_flags(value: Any, from_flag: bool) -> tuple[str, ...]:
+    what = "NAME=URL (e.g. cloud=mqtts://broker.example.com:8883), one per --export"
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, (list, tuple)):
+        raise _Bad(what)
+    out: list[str] = []
+    for item in items:
+        name, sep, url = item.partition("=") if isinstance(item, str) else ("", "", "")
+        if not sep:
+            raise _Bad(what)
+        try:
+            _export_name(name, from_flag)
+            _export_url(url, from_flag)
+        except _Bad as bad:
+            raise _Bad(f"{what}; {item!r}: {'the name' if not _EXPORT_NAME_RE.match(name) else 'the URL'} "
+                       f"must be {bad.expected}") from None
+        out.append(item)
+    return tuple(out)
+
+
+def _filters(value: Any, from_flag: bool) -> tuple[str, ...]:
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, (list, tuple)) or not items or not all(
+            isinstance(f, str) and _valid_filter(f) for f in items):
+        raise _Bad('a non-empty list of valid MQTT topic filters, like ["alarms/#", "sensors/+/temp"]')
+    return tuple(dict.fromkeys(items))
+
+
+_TEMPLATE_FIELDS = ("device_id", "topic", "name")
+
+
+def _topic_template(value: Any, from_flag: bool) -> str:
+    what = "a string using only {device_id}, {topic} and {name}, like \"site/{device_id}/{topic}\""
+    if not isinstance(value, str) or not value:
+        raise _Bad(what)
+    try:
+        out = value.format(**{k: "x" for k in _TEMPLATE_FIELDS})
+    except (KeyError, IndexError, ValueError):
+        raise _Bad(what) from None
+    if "#" in out or "+" in out:
+        raise _Bad(what + " and no wildcard")
+    return value
+
+
 @dataclass(frozen=True)
 class Listener:
     """One listening socket of the broker (a ``[[listener]]`` table).
@@ -387,8 +459,17 @@ class AgentSection:
     metrics_port: int | None = field(default=None, metadata=_spec(_PORT))
     stream: str = field(default="main", metadata=_spec(_str))
     ack_timeout_ms: int = field(default=30_000, metadata=_spec(_POS))
+    # ``--export NAME=URL`` (repeatable): an export, or the URL of the [[export]] table NAME.
+    export: tuple[str, ...] = field(default=(), metadata=_spec(_export_flags))
     # The collector's packet limit (at least 64 MiB): a record too large for it is set aside.
     upstream_max_packet_size: int = field(default=64 * MIB, metadata=_spec(_int(1024, 268_435_455, sizes=True)))
+
+
+@dataclass(frozen=True)
+class UplinkSection:
+    """The device's uplink, shared by every export (``[uplink]``)."""
+
+    rate_limit_bytes_per_s: int | None = field(default=None, metadata=_spec(_SIZE))
 
 
 @dataclass(frozen=True)
@@ -430,6 +511,130 @@ class IngestSection:
     max_files_per_batch: int = field(default=1000, metadata=_spec(_POS))
 
 
+_OPT_POS = _int(1)
+
+
+@dataclass(frozen=True)
+class ExportSection:
+    """One export (an ``[[export]]`` table, a ``--export NAME=URL`` flag, or ``agent.collector``):
+    a durable consumer group ``export.NAME`` shipping the log to one destination."""
+
+    name: str = field(default="", metadata=_spec(_export_name))
+    url: str = field(default="", metadata=_spec(_export_url))
+    topics: tuple[str, ...] = field(default=("#",), metadata=_spec(_filters))
+    topic_template: str = field(default="{topic}", metadata=_spec(_topic_template))
+    qos: int = field(default=1, metadata=_spec(_int(1, 2)))
+    retain: bool = field(default=True, metadata=_spec(_bool))
+    window: int | None = field(default=None, metadata=_spec(_int(1, 65535)))
+    batch_records: int | None = field(default=None, metadata=_spec(_OPT_POS))
+    batch_bytes: int | None = field(default=None, metadata=_spec(_SIZE))
+    linger_ms: int | None = field(default=None, metadata=_spec(_NONNEG))
+    compression: str | None = field(default=None, metadata=_spec(_enum("none", "zlib")))
+    priority: int = field(default=0, metadata=_spec(_int(0, 1000)))
+    rate_limit_bytes_per_s: int | None = field(default=None, metadata=_spec(_SIZE))
+    client_id: str | None = field(default=None, metadata=_spec(_str))
+    username: str | None = field(default=None, metadata=_spec(_str))
+    password_file: str | None = field(default=None, metadata=_spec(_str))
+    tls_ca: str | None = field(default=None, metadata=_spec(_str))
+    tls_cert: str | None = field(default=None, metadata=_spec(_str))
+    tls_key: str | None = field(default=None, metadata=_spec(_str))
+    enabled: bool = field(default=True, metadata=_spec(_bool))
+    # The destination's packet limit (AWS IoT Core: 128 KiB); None: agent.upstream_max_packet_size
+    # for a collector export, no limit for an MQTT one. A record too large is set aside, counted.
+    max_packet_size: int | None = field(default=None, metadata=_spec(_int(1024, 268_435_455, sizes=True)))
+    # Only through the agent.collector shorthand (agent.password); tables use password_file.
+    password: str | None = field(default=None, repr=False, metadata=_spec(_str))
+
+    @property
+    def scheme(self) -> str:
+        return urlsplit(self.url).scheme
+
+    @property
+    def kind(self) -> str:
+        """``"filemq"`` (batches to a collector) or ``"mqtt"`` (any MQTT 3.1.1 broker)."""
+        return "filemq" if self.scheme.startswith("filemq") else "mqtt"
+
+    @property
+    def tls(self) -> bool:
+        return self.scheme.endswith("s")
+
+    @property
+    def host(self) -> str:
+        return urlsplit(self.url).hostname or ""
+
+    @property
+    def port(self) -> int:
+        return urlsplit(self.url).port or EXPORT_SCHEMES[self.scheme]
+
+    @property
+    def group_name(self) -> str:
+        """The durable consumer group of this export."""
+        return f"export.{self.name}"
+
+
+_COLLECTOR_ONLY = ("batch_records", "batch_bytes", "linger_ms", "compression")
+_TABLE_KEYS = tuple(f.name for f in dataclasses.fields(ExportSection) if f.name != "password")
+
+
+def _resolve_exports(config: Config, tables: Any, src: _Source, header_lines: list[int]) -> tuple[ExportSection, ...]:
+    """[[export]] tables, then --export flags (a new export, or the URL of the table of that
+    name), then the agent.collector shorthand (an export named ``collector``); all checked."""
+    if not isinstance(tables, list) or not all(isinstance(t, dict) for t in tables):
+        raise src.error("export", "'export' must be an array of tables ([[export]] with name and url)")
+    exports: dict[str, ExportSection] = {}
+    for i, table in enumerate(tables):
+        line = header_lines[i] if i < len(header_lines) else None
+        label = f"[[export]] #{i + 1}" + (f" at line {line}" if line else "")
+
+        def bad(key: str, message: str, label: str = label, line: int | None = line) -> ConfigError:
+            return ConfigError(f"{label}: {message}", file=src.file, line=line, key=f"export.{key}")
+
+        kw: dict[str, Any] = {}
+        for key, value in table.items():
+            if key not in _TABLE_KEYS:
+                hint = difflib.get_close_matches(key, _TABLE_KEYS, n=1, cutoff=0.6)
+                extra = f"; did you mean '{hint[0]}'?" if hint else "; see docs/FORWARDING.md for the keys"
+                raise bad(key, f"unknown key '{key}'{extra}")
+            try:
+                kw[key] = _checker(ExportSection, key)(value, False)
+            except _Bad as exc:
+                got = value if isinstance(value, (str, int, float, bool)) else type(value).__name__
+                raise bad(key, f"{key} must be {exc.expected}, got {got!r}") from None
+        for required in ("name", "url"):
+            if required not in kw:
+                raise bad(required, f"'{required}' is required (name = \"cloud\", url = \"mqtts://host:8883\")")
+        if kw["name"] in exports:
+            raise bad("name", f"export name {kw['name']!r} is used twice; names must be unique")
+        exports[kw["name"]] = ExportSection(**kw)
+    flag_src = _Source(COMMAND_LINE, None)
+    for item in config.agent.export:
+        name, _, url = item.partition("=")
+        exports[name] = dataclasses.replace(exports[name], url=url) if name in exports else ExportSection(name, url)
+    a = config.agent
+    if a.collector is not None:
+        if "collector" in exports:
+            raise flag_src.error("agent.collector", "agent.collector (flag --collector) is the shorthand for an "
+                                 "export named 'collector', but one is already defined; keep one")
+        scheme = "filemqs" if a.tls_ca is not None else "filemq"
+        exports["collector"] = ExportSection(
+            "collector", f"{scheme}://{a.collector}", username=a.username, password=a.password,
+            password_file=a.password_file, tls_ca=a.tls_ca)
+    for e in exports.values():
+        where = f"export {e.name!r}"
+        if e.kind == "mqtt":
+            given = [k for k in _COLLECTOR_ONLY if getattr(e, k) is not None]
+            if given:
+                raise ConfigError(f"{where}: {', '.join(given)} only apply to filemq:// collector exports, "
+                                  f"not to {e.url}", file=src.file, key=f"export.{given[0]}")
+        if (e.tls_cert is None) != (e.tls_key is None):
+            raise ConfigError(f"{where}: tls_cert and tls_key go together (mutual TLS needs both)",
+                              file=src.file, key="export.tls_cert")
+        if (e.tls_cert is not None or e.tls_ca is not None) and not e.tls:
+            raise ConfigError(f"{where}: tls_ca/tls_cert are set but the URL {e.url} is not TLS; "
+                              f"use {e.scheme}s://", file=src.file, key="export.url")
+    return tuple(exports.values())
+
+
 @dataclass(frozen=True)
 class Config:
     """Every setting, typed and validated; build it with :func:`load_config`."""
@@ -442,6 +647,10 @@ class Config:
     agent: AgentSection = field(default_factory=AgentSection)
     collector: CollectorSection = field(default_factory=CollectorSection)
     ingest: IngestSection = field(default_factory=IngestSection)
+    uplink: UplinkSection = field(default_factory=UplinkSection)
+    # Every export of the agent, resolved: [[export]] tables, --export flags and the
+    # agent.collector shorthand (an export named "collector"); see ExportSection.
+    exports: tuple[ExportSection, ...] = ()
 
 
 _SECTIONS: dict[str, type[Any]] = {
@@ -450,6 +659,7 @@ _SECTIONS: dict[str, type[Any]] = {
     "agent": AgentSection,
     "collector": CollectorSection,
     "ingest": IngestSection,
+    "uplink": UplinkSection,
 }
 _TOP_LEVEL = ("data_dir", "listener")
 
@@ -471,7 +681,8 @@ def known_keys() -> list[str]:
 
 
 # Keys whose flag is not derived from the key name (the names the issue texts fixed).
-_FLAG_ALIASES = {"ingest.spark_master": "--master", "ingest.every_s": "--every"}
+_FLAG_ALIASES = {"ingest.spark_master": "--master", "ingest.every_s": "--every",
+                 "uplink.rate_limit_bytes_per_s": "--uplink-rate-limit"}
 
 
 def flag_for(key: str) -> str:
@@ -528,6 +739,7 @@ def is_loopback(host: str) -> bool:
 
 # -- locating keys in the raw text --------------------------------------------------------
 
+_EXPORT_HEADER_RE = re.compile(r"^\s*\[\[\s*export\s*\]\]")
 _HEADER_RE = re.compile(r"^\s*\[\[?\s*([^\]]+?)\s*\]\]?\s*(#.*)?$")
 _KEY_RE = re.compile(r"^\s*([A-Za-z0-9_\-\"'. ]+?)\s*=")
 
@@ -631,6 +843,8 @@ def load_config(
     """
     values: dict[str, tuple[_Source, Any]] = {}
     file_src: _Source | None = None
+    export_tables: Any = []
+    export_lines: list[int] = []
     if path is not None:
         try:
             raw = Path(path).read_bytes()
@@ -647,6 +861,8 @@ def load_config(
                 f"TOML syntax error: {exc}", file=str(path), line=line, column=col
             ) from exc
         file_src = _Source(str(path), text)
+        export_tables = doc.pop("export", [])
+        export_lines = [n for n, raw in enumerate(text.splitlines(), start=1) if _EXPORT_HEADER_RE.match(raw)]
         for key, value in _flatten(doc, file_src).items():
             values[key] = (file_src, value)
     flag_src = _Source(COMMAND_LINE, None)
@@ -667,6 +883,9 @@ def load_config(
         else:
             parts[section][name] = _checked(src, key, _checker(_SECTIONS[section], name), value)
     config = Config(**top, **{name: _SECTIONS[name](**kw) for name, kw in parts.items()})
+    exports = _resolve_exports(config, export_tables, file_src or flag_src, export_lines)
+    if exports:
+        config = dataclasses.replace(config, exports=exports)
     _check_combinations(config, values, file_src or flag_src)
     return config
 

@@ -247,6 +247,15 @@ class Queue:
         group.drop()
         return True
 
+    def detach_group(self, name: str) -> bool:
+        """Persist and close the group but keep its files: it no longer holds back retention
+        (a disabled agent export) and is loaded again by the next :meth:`open`. False if absent."""
+        group = self._groups.pop(name, None)
+        if group is None:
+            return False
+        group.close()
+        return True
+
     def groups(self) -> list[ConsumerGroup]:
         """Every open group (durable and not), in creation/load order."""
         return list(self._groups.values())

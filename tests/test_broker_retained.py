@@ -158,9 +158,40 @@ def test_record_appended_before_subscribe_and_committed_after_is_delivered(
         s.send(Subscribe(1, [(f, qos)]))
         assert s.received() == [Suback(1, [qos])]
         await h.commit()
-        got = [(m.topic, m.payload, m.qos) for m in s.received() if isinstance(m, Publish)]
-        assert got == [("test/topic", b"v1", qos)]
+        got = [(m.topic, m.payload, m.qos, m.retain) for m in s.received() if isinstance(m, Publish)]
+        # MQTT-3.3.1-8: published before the SUBSCRIBE, so it is sent because of the new
+        # subscription: RETAIN 1 (a $share subscription gets no retained messages: live, 0).
+        assert got == [("test/topic", b"v1", qos, kind != "share")]
     from tests.test_broker_session import run
+    run(main())
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_retained_appended_before_subscribe_is_sent_as_retained_mqtt_3_3_1_8(tmp_path: Path, overlap: bool) -> None:
+    """MQTT-3.3.1-8/-6 and MQTT-3.3.5-1: the last retained message of a topic, appended before
+    the SUBSCRIBE but committed after it, is sent with RETAIN 1 once per new subscription
+    that matches it (overlapping filters included); superseded and cleared ones are not sent
+    (MQTT-3.3.1-10: an empty retained payload removes it, MQTT-3.3.1-7: only the last is kept)."""
+    from tests.test_broker_session import Harness, run
+
+    async def main() -> None:
+        h = Harness(tmp_path)
+        p = h.connected("p")
+        p.send(Publish("t/a", b"old", 0, True))
+        p.send(Publish("t/a", b"new", 1, True, packet_id=1))
+        p.send(Publish("t/b", b"gone", 0, True))
+        p.send(Publish("t/b", b"", 0, True))
+        s = h.connected("s")
+        filters = [("t/a", 1), ("t/#", 1)] if overlap else [("t/#", 1)]
+        s.send(Subscribe(1, filters))
+        assert s.received() == [Suback(1, [1] * len(filters))]
+        await h.commit()
+        got = [(m.topic, m.payload, m.retain) for m in s.received() if isinstance(m, Publish)]
+        assert got == [("t/a", b"new", True)] * len(filters)
+        p.send(Publish("t/a", b"live", 1, True, packet_id=2))  # MQTT-3.3.1-9: live, RETAIN 0
+        await h.commit()
+        got = [(m.topic, m.payload, m.retain) for m in s.received() if isinstance(m, Publish)]
+        assert got and set(got) == {("t/a", b"live", False)}
     run(main())
 
 

@@ -119,6 +119,9 @@ class Subscription:
     share: str | None  # the share key ``<name>/<filter>`` of a ``$share`` subscription
     qos: int
     start: int
+    # Retained records below this offset are not delivered live to it: they were appended
+    # before its SUBSCRIBE, whose retained replay sends the last one with RETAIN 1 (MQTT-3.3.1-8).
+    retain_below: int = 0
 
 
 class Outbound:
@@ -179,19 +182,20 @@ class SessionState:
         self._qos_cache.clear()
         self._share_names = None
 
-    def granted_qos(self, topic: str, offset: int, share: str | None) -> int:
-        """Highest QoS of this session's subscriptions (of ``share``) that take this record; -1: none."""
+    def granted_qos(self, topic: str, offset: int, share: str | None, retain: bool = False) -> int:
+        """Highest QoS of this session's subscriptions (of ``share``) that take this record
+        (``retain``: its retain flag); -1: none."""
         entries = self._qos_cache.get(topic)
         if entries is None:
             entries = [
-                (s.start, s.qos, s.share) for s in self.subs.values() if topic_matches(s.plain, topic)
+                (s.start, s.qos, s.share, s.retain_below) for s in self.subs.values() if topic_matches(s.plain, topic)
             ]
             if len(self._qos_cache) > 4096:
                 self._qos_cache.clear()
             self._qos_cache[topic] = entries
         best = -1
-        for start, qos, sh in entries:
-            if sh == share and start <= offset and qos > best:
+        for start, qos, sh, retain_below in entries:
+            if sh == share and start <= offset and qos > best and not (retain and offset < retain_below):
                 best = qos
         return best
 

@@ -110,6 +110,9 @@ class SubscribeMixin(CoreBase):
         # a retained message is never neither.  next_offset would skip appended records that
         # are not committed yet, while the retained store only has committed ones.
         start = self._routed
+        # Records appended before this SUBSCRIBE but not routed yet: the retained ones are sent
+        # with RETAIN 1 by the replay (once routed), not live (MQTT-3.3.1-8).
+        mark = self.log.next_offset
         for f, qos in p.topics:
             try:
                 share, plain = parse_share_key(f)
@@ -131,7 +134,11 @@ class SubscribeMixin(CoreBase):
             old = state.subs.get(f)
             if old is not None:
                 self._unregister(conn, old)
-            sub = Subscription(f, plain, share, qos, old.start if old is not None else start)
+            if old is not None:  # it took everything routed since old.start live already
+                sub = Subscription(f, plain, share, qos, old.start, old.retain_below)
+            else:
+                sub = Subscription(f, plain, share, qos, start,
+                                   mark if share is None and not plain.startswith("$") else 0)
             state.subs[f] = sub
             new_subs.append(sub)
             codes.append(qos)
@@ -149,7 +156,7 @@ class SubscribeMixin(CoreBase):
                 return
         conn.send_packet(Suback(p.packet_id, codes))
         for sub in new_subs:
-            self._send_retained(conn, state, sub, start)
+            self._send_retained(conn, state, sub, max(start, sub.retain_below))
         self.pump(conn)
 
     def _send_retained(self, conn: Connection, state: SessionState, sub: Subscription, below: int) -> None:
@@ -167,6 +174,13 @@ class SubscribeMixin(CoreBase):
         if not self.retained_ready:
             self._retained_waiting.append((conn, state, sub, below))
             return
+        if below > self._routed:
+            if self._routed < self.log.next_offset:
+                self._retained_after.setdefault(conn, []).append((state, sub, below))
+                return
+            # A failed commit gave the offsets up to ``below`` back: records there come later.
+            below = sub.retain_below = self._routed
+            state.subs_changed()
         acl = conn.acl
         queue = self._retained_out.get(conn)
         if queue is None:
@@ -181,6 +195,15 @@ class SubscribeMixin(CoreBase):
                 continue
             queue.append((sub.filter, m, min(sub.qos, m.qos)))
         self._drain_retained(conn, state)
+
+    def _send_retained_after(self) -> None:
+        """Send the retained replays whose SUBSCRIBE's offset is routed now (see on_subscribe)."""
+        waiting, self._retained_after = self._retained_after, {}
+        for conn, subs in waiting.items():
+            for state, sub, below in subs:
+                if not conn.closed and state.conn is conn and state.subs.get(sub.filter) is sub:
+                    self._send_retained(conn, state, sub, below)
+            self._to_pump.add(conn)
 
     def _drain_retained(self, conn: Connection, state: SessionState) -> bool:
         """Send queued retained messages while the connection takes them: its output below

@@ -166,7 +166,7 @@ class SessionState:
         self.save_running = False  # a session-file write is in a worker thread
         self.save_due = False  # something changed that should be written lazily
         self.conn: Connection | None = None
-        self._qos_cache: dict[str, list[tuple[int, int, str | None]]] = {}
+        self._qos_cache: dict[str, list[tuple[int, int, str | None, int]]] = {}
         self._share_names: frozenset[str] | None = None
 
     def own_filters(self) -> tuple[str, ...]:

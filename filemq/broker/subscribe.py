@@ -105,6 +105,7 @@ class SubscribeMixin(CoreBase):
         assert state is not None and acl is not None
         codes: list[int] = []
         new_subs: list[Subscription] = []
+        durable_change = False  # a repeated SUBSCRIBE (same QoS) changes nothing on disk
         # MQTT-3.3.1-6: records routed before this point are in the retained store, records
         # from it on are delivered live (groups never read past it, see TailCache.limit), so
         # a retained message is never neither.  next_offset would skip appended records that
@@ -134,6 +135,7 @@ class SubscribeMixin(CoreBase):
             old = state.subs.get(f)
             if old is not None:
                 self._unregister(conn, old)
+            durable_change = durable_change or old is None or old.qos != qos
             if old is not None:  # it took everything routed since old.start live already
                 sub = Subscription(f, plain, share, qos, old.start, old.retain_below)
             else:
@@ -148,7 +150,7 @@ class SubscribeMixin(CoreBase):
                 self._update_groups(state)
                 for sub in new_subs:
                     self._register(conn, state, sub)
-                if state.persistent:
+                if state.persistent and durable_change:
                     self.store.save(state.stored())
             except OSError as exc:
                 # No SUBACK for a subscription whose state is not durable (a restart would forget it).

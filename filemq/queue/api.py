@@ -95,7 +95,7 @@ class Queue:
             # Make the new directory's name durable: losing it would lose every group.
             io.fsync_dir(root)
         purge_dropped(queue.groups_dir, io)
-        journal = queue._journal = ProgressJournal(queue.groups_dir / JOURNAL_FILE, io)
+        journal = queue._journal = _open_journal(queue.groups_dir / JOURNAL_FILE, io)
         for directory in group_directories(queue.groups_dir):
             try:
                 group = ConsumerGroup.load(directory, lg, config=cfg.group, fileio=io,
@@ -347,3 +347,18 @@ class Queue:
                 raise
             except Exception:
                 log.exception("queue housekeeping failed; retrying in %.3f s", persist_every)
+
+
+def _open_journal(path: Path, io: FileIO) -> ProgressJournal:
+    """Open the progress journal; one that cannot be opened or read (not a file, an I/O
+    error) never blocks start-up: it is moved aside and a new one started, so the groups
+    resume from their offset files (more redeliveries, nothing skipped)."""
+    try:
+        return ProgressJournal(path, io)
+    except OSError as exc:
+        aside = path.with_name(f"{path.name}.damaged-{time.time_ns()}")
+        log.error("progress journal %s unusable (%s); moved aside to %s: acked progress since the "
+                  "offset files' last write is re-delivered", path, exc, aside.name)
+        os.rename(path, aside)
+        io.fsync_dir(path.parent)
+        return ProgressJournal(path, io)

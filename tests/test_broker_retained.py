@@ -87,7 +87,8 @@ def _check_no_gap(port: int, rounds: int) -> None:
     for i in range(rounds):
         qos = i % 3
         pubs = _publish_retained_then_subscribe(port, i, qos, qos)
-        if [p.payload for p in pubs] != [b"retained-%d" % i]:
+        # Published before the SUBSCRIBE: sent because of the new subscription, RETAIN 1 (MQTT-3.3.1-8).
+        if [(p.payload, p.retain) for p in pubs] != [(b"retained-%d" % i, True)]:
             lost.append((i, pubs))
     assert not lost, f"{len(lost)} of {rounds} subscribers missed the retained message: {lost[:3]}"
 
@@ -213,6 +214,33 @@ def test_record_committed_but_not_yet_routed_is_not_skipped_by_a_new_filter(tmp_
         await h.commit()  # runs the commit listener: routes offset 0
         got = [(m.topic, m.payload) for m in s.received() if isinstance(m, Publish)]
         assert got == [("test/topic", b"v1")]
+    run(main())
+
+
+def test_retained_semantics_for_existing_and_repeated_subscriptions(tmp_path: Path) -> None:
+    """MQTT-3.3.1-9: a retained PUBLISH reaches an existing subscriber with RETAIN 0;
+    MQTT-3.3.1-10/-11: an empty retained payload is delivered to it as normal and removes the
+    retained message (a later subscriber gets nothing); MQTT-3.8.4-3: a SUBSCRIBE repeating an
+    existing filter re-sends the retained messages, RETAIN 1, at the new QoS."""
+    from tests.test_broker_session import Harness, run
+
+    async def main() -> None:
+        h = Harness(tmp_path)
+        s = h.connected("s", subscribe=Subscribe(1, [("t/#", 1)]))
+        p = h.connected("p")
+        p.send(Publish("t/a", b"v1", 1, True, packet_id=1))
+        await h.commit()
+        assert [(m.topic, m.payload, m.qos, m.retain) for m in s.received()] == [("t/a", b"v1", 1, False)]
+        s.send(Subscribe(2, [("t/#", 0)]))
+        assert s.received() == [Suback(2, [0]), Publish("t/a", b"v1", 0, True)]
+        p.send(Publish("t/a", b"", 1, True, packet_id=2))
+        await h.commit()
+        assert [(m.topic, m.payload, m.retain) for m in s.received()] == [("t/a", b"", False)]
+        s.send(Subscribe(3, [("t/#", 0)]))
+        assert s.received() == [Suback(3, [0])]
+        late = h.connected("late")
+        late.send(Subscribe(1, [("t/#", 1)]))
+        assert late.received() == [Suback(1, [1])]
     run(main())
 
 

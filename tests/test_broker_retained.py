@@ -217,6 +217,30 @@ def test_record_committed_but_not_yet_routed_is_not_skipped_by_a_new_filter(tmp_
     run(main())
 
 
+def test_a_failed_commit_does_not_hold_a_subscribers_retained_replay(tmp_path: Path) -> None:
+    """The retained replay of a SUBSCRIBE that came while a record was appended but not
+    committed waits for that commit; when the commit fails (disk full, the offsets are given
+    back) it is sent at once, so the subscriber's deliveries are not held until the next
+    successful commit."""
+    from tests.test_broker_session import Harness, run
+
+    async def main() -> None:
+        h = Harness(tmp_path)
+        p = h.connected("p")
+        p.send(Publish("t/old", b"kept", 1, True, packet_id=1))
+        await h.commit()
+        p.send(Publish("t/new", b"lost", 1, True, packet_id=2))
+        s = h.connected("s")
+        s.send(Subscribe(1, [("t/#", 1)]))
+        assert s.received() == [Suback(1, [1])]
+        h.queue.fail_next = True
+        await h.commit()
+        got = [(m.topic, m.payload, m.retain) for m in s.received() if isinstance(m, Publish)]
+        assert got == [("t/old", b"kept", True)]
+        assert s.conn not in h.core._retained_after
+    run(main())
+
+
 def test_retained_semantics_for_existing_and_repeated_subscriptions(tmp_path: Path) -> None:
     """MQTT-3.3.1-9: a retained PUBLISH reaches an existing subscriber with RETAIN 0;
     MQTT-3.3.1-10/-11: an empty retained payload is delivered to it as normal and removes the

@@ -4,6 +4,7 @@ retained messages a new subscription gets (bounded per connection).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections import deque
 from typing import TYPE_CHECKING
@@ -179,6 +180,8 @@ class SubscribeMixin(CoreBase):
         if below > self._routed:
             if self._routed < self.log.next_offset:
                 self._retained_after.setdefault(conn, []).append((state, sub, below))
+                if self._pending:  # if that commit fails, the offsets are given back: send then
+                    self._pending[-1][1].add_done_callback(self._retained_after_failed)
                 return
             # A failed commit gave the offsets up to ``below`` back: records there come later.
             below = sub.retain_below = self._routed
@@ -206,6 +209,11 @@ class SubscribeMixin(CoreBase):
                 if not conn.closed and state.conn is conn and state.subs.get(sub.filter) is sub:
                     self._send_retained(conn, state, sub, below)
             self._to_pump.add(conn)
+
+    def _retained_after_failed(self, fut: asyncio.Future[None]) -> None:
+        if self._retained_after and (fut.cancelled() or fut.exception() is not None):
+            self._send_retained_after()
+            self.flush()
 
     def _drain_retained(self, conn: Connection, state: SessionState) -> bool:
         """Send queued retained messages while the connection takes them: its output below

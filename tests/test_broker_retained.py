@@ -217,6 +217,25 @@ def test_record_committed_but_not_yet_routed_is_not_skipped_by_a_new_filter(tmp_
     run(main())
 
 
+def test_repeated_subscribe_resends_a_retained_message_appended_before_it_mqtt_3_8_4_3(tmp_path: Path) -> None:
+    """MQTT-3.8.4-3: a SUBSCRIBE repeating an existing filter re-sends the matching retained
+    messages -- also one appended before it and committed after it, which the existing
+    subscription gets live (RETAIN 0, MQTT-3.3.1-9) besides."""
+    from tests.test_broker_session import Harness, run
+
+    async def main() -> None:
+        h = Harness(tmp_path)
+        s = h.connected("s", subscribe=Subscribe(1, [("t/#", 1)]))
+        p = h.connected("p")
+        p.send(Publish("t/a", b"v1", 1, True, packet_id=1))
+        s.send(Subscribe(2, [("t/#", 1)]))
+        assert s.received() == [Suback(2, [1])]
+        await h.commit()
+        got = [(m.topic, m.payload, m.retain) for m in s.received() if isinstance(m, Publish)]
+        assert sorted(got) == [("t/a", b"v1", False), ("t/a", b"v1", True)]
+    run(main())
+
+
 def test_a_failed_commit_does_not_hold_a_subscribers_retained_replay(tmp_path: Path) -> None:
     """The retained replay of a SUBSCRIBE that came while a record was appended but not
     committed waits for that commit; when the commit fails (disk full, the offsets are given

@@ -159,7 +159,9 @@ class SubscribeMixin(CoreBase):
                 return
         conn.send_packet(Suback(p.packet_id, codes))
         for sub in new_subs:
-            self._send_retained(conn, state, sub, max(start, sub.retain_below))
+            # Every retained message appended before the SUBSCRIBE, once routed (MQTT-3.8.4-3
+            # too: a repeated one's live copies still reach it through the old start).
+            self._send_retained(conn, state, sub, mark if sub.share is None else start)
         self.pump(conn)
 
     def _send_retained(self, conn: Connection, state: SessionState, sub: Subscription, below: int) -> None:

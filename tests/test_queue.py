@@ -478,3 +478,31 @@ def test_enospc_while_appending_the_journal_is_logged_not_raised(tmp_path: Path)
     q = FQueue.open(tmp_path, _quiet_cfg(), fileio=io)
     assert q.group("sub").pending_offset == 10
     q.log.close()
+
+
+def test_close_on_a_full_disk_closes_everything_and_keeps_the_journal(tmp_path: Path) -> None:
+    """issue 10 items 12/14: stopping on a full disk (offset files cannot be written) must not
+    abort the close half-way (every group, the committer and the log are closed; no exception
+    out of close), and the journal, which then holds progress the files lack, is kept."""
+    faults = pytest.importorskip("tests.faults", reason="needs the fault-injection file layer")
+    io = faults.FaultyFileIO(tmp_path)
+
+    async def main() -> None:
+        q = FQueue.open(tmp_path, _quiet_cfg(), fileio=io)
+        await q.start()
+        groups = [q.group(n, ["#"], start="earliest") for n in ("a", "b")]
+        for i in range(10):
+            await q.publish("t", bytes([i]), qos=1)
+        for g in groups:
+            for r in g.fetch(5, "c"):
+                g.ack(r.offset)
+        assert q.journal_progress() == 2
+        io.disk_full = True
+        await q.close()
+        assert q.log._closed
+
+    run(main())
+    io.disk_full = False
+    q = FQueue.open(tmp_path, _quiet_cfg(), fileio=io)
+    assert [q.group(n).pending_offset for n in ("a", "b")] == [5, 5]
+    q.log.close()

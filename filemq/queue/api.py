@@ -137,15 +137,25 @@ class Queue:
             self._housekeeping.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._housekeeping
+        persisted = True
         for group in self._groups.values():
-            group.close()
+            try:
+                group.close()
+            except OSError as exc:  # e.g. a full disk: close the rest, keep the journal
+                persisted = False
+                log.error("could not persist the offsets of consumer group %r at close: %s "
+                          "(the progress journal keeps its acked progress)", group.name, exc)
         if self._committer is not None:
             await self._committer.close()
-        self.log.close()
+        try:
+            self.log.close()
+        except OSError as exc:
+            log.error("closing the log %s: %s", self.log.directory, exc)
         if self._journal is not None:
-            # Every group was just persisted: the journal holds nothing the files lack.
-            with contextlib.suppress(OSError):
-                self._journal.reset()
+            if persisted:
+                # Every group was just persisted: the journal holds nothing the files lack.
+                with contextlib.suppress(OSError):
+                    self._journal.reset()
             self._journal.close()
 
     async def __aenter__(self) -> Queue:

@@ -82,6 +82,9 @@ class CoreBase:
         # message, QoS): sent as its output drains, so a client that does not read cannot
         # make the broker queue them again and again (issue 10 item 8).
         self._retained_out: dict[Connection, deque[tuple[str, RetainedMessage, int]]] = {}
+        # Retained replays of SUBSCRIBEs that came while records appended before them were not
+        # routed yet (MQTT-3.3.1-6/-8): sent once the routed offset reaches theirs.
+        self._retained_after: dict[Connection, list[tuple[SessionState, Subscription, int]]] = {}
         self.stats = stats
         self.acl = acl
         self.passwords = passwords
@@ -202,6 +205,7 @@ class CoreBase:
             def _save_soon(self, state: SessionState) -> asyncio.Future[None]: ...
 
             def _send_retained(self, conn: Connection, state: SessionState, sub: Subscription, below: int) -> None: ...
+            def _send_retained_after(self) -> None: ...
 
             def pump_share(self, sh: SharedGroup) -> None: ...
 

@@ -41,7 +41,7 @@ class DeliveryMixin(CoreBase):
         state = conn.session
         if state is None or conn.closed or conn.paused or state.conn is not conn:
             return
-        if conn in self._retained_out and not self._drain_retained(conn, state):
+        if conn in self._retained_after or (conn in self._retained_out and not self._drain_retained(conn, state)):
             return  # live records after the retained ones, never before
         group = state.group
         pushed = 0
@@ -115,7 +115,7 @@ class DeliveryMixin(CoreBase):
         for r in records:
             offset = r.offset
             topic = r.topic
-            qos = granted(topic, offset, share)
+            qos = granted(topic, offset, share, r.retain)
             if qos < 0 or (check_acl and not acl.can_receive(topic)):  # type: ignore[union-attr]
                 ack(offset)
                 continue
@@ -244,6 +244,7 @@ class DeliveryMixin(CoreBase):
         self._repump.discard(conn)
         self._to_pump.discard(conn)
         self._retained_out.pop(conn, None)
+        self._retained_after.pop(conn, None)
         if prev_state != CONNECTED:
             return
         self.stats.client_disconnected()

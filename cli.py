@@ -301,7 +301,7 @@ def _serve(name: str, config_file: str | None, flags: dict[str, object],
 
 
 @main.command(cls=SectionedCommand)
-@config_flags("agent", "broker", skip=("broker.metrics_port",))
+@config_flags("agent", "broker", "uplink", skip=("broker.metrics_port",))
 @click.option("--data-dir", type=click.Path(file_okay=False), default=None)
 @click.option("--device-id", default=None)
 @click.option("--collector", default=None)
@@ -331,7 +331,7 @@ def agent(config_file: str | None, **flags: object) -> None:
     from worker_agent.app import run_agent
 
     _serve("agent", config_file, flags, lambda c: [("--data-dir", c.data_dir), ("--device-id", c.agent.device_id),
-                                                   ("--collector", c.agent.collector)], run_agent)
+                                                   ("--collector or --export", c.exports or None)], run_agent)
 
 
 @main.command(cls=SectionedCommand)
@@ -445,17 +445,22 @@ def status(directory: str, as_json: bool) -> None:
 @click.option("--ingest-records", type=click.IntRange(min=1000), default=200_000, show_default=True,
               help="Messages for the broker's durable ingest rate.")
 @click.option("--skip-bridge", is_flag=True, help="Do not run the Mosquitto bridge baseline.")
+@click.option("--only", type=click.Choice(["all", "mqtt-export"]), default="all", show_default=True,
+              help="mqtt-export: only the MQTT export drain vs the bridge, at 50,000 and --records.")
+@click.option("--mosquitto-max-inflight", type=click.IntRange(min=0), default=None,
+              help="With --only mqtt-export: max_inflight_messages for every mosquitto (default: its own, 20).")
 @click.option("--work-dir", type=click.Path(file_okay=False), default=None, help="Where to put the data (default: a temp dir).")
 @click.option("--keep", is_flag=True, help="Keep the work directory.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per line on stdout.")
-def bench_forward(records: int, size: int, devices: int, ingest_records: int, skip_bridge: bool,
-                  work_dir: str | None, keep: bool, as_json: bool) -> None:
+def bench_forward(records: int, size: int, devices: int, ingest_records: int, skip_bridge: bool, only: str,
+                  mosquitto_max_inflight: int | None, work_dir: str | None, keep: bool, as_json: bool) -> None:
     """Backlog drain agent -> collector -> Parquet vs a Mosquitto bridge; 100 devices -> one
     collector; drain rate vs the broker's durable ingest rate."""
     from bench.forward import run_forward_bench
 
     run_forward_bench(records=records, size=size, devices=devices, work_dir=work_dir, keep=keep,
-                      as_json=as_json, skip_bridge=skip_bridge, ingest_records=ingest_records)
+                      as_json=as_json, skip_bridge=skip_bridge, ingest_records=ingest_records, only=only,
+                      mosquitto_max_inflight=mosquitto_max_inflight)
 
 
 @bench.command("consume")

@@ -12,6 +12,9 @@
     row is landed.
 (c) The broker's durable ingest rate (QoS 1, fsync always, 4 publishers x 100 in flight)
     measured in the same run, to show a backlog shrinks while devices keep publishing.
+(d) The same backlog shipped by an MQTT export to Debian mosquitto (bench/forward_mqtt.py),
+    against the bridge baseline of (a); ``--only mqtt-export`` runs just this comparison, at
+    50,000 and ``--records``.
 
 Progress goes to stderr; ``--json`` prints one JSON object per line on stdout.
 """
@@ -210,7 +213,8 @@ def _mosquitto_conf(path: Path, port: int, extra: str = "") -> Path:
     return path
 
 
-def run_bridge(work: Path, records: int, size: int, timeout: float, bridge_timeout: float = 120) -> Result:
+def run_bridge(work: Path, records: int, size: int, timeout: float, bridge_timeout: float = 120,
+               mosquitto_extra: str = "") -> Result:
     """Mosquitto -> Mosquitto bridge draining a backlog of ``records`` QoS 1 messages.
 
     Mosquitto slows down as its per-client queue grows, so the drain is time-boxed to
@@ -224,13 +228,13 @@ def run_bridge(work: Path, records: int, size: int, timeout: float, bridge_timeo
     local_port, remote_port = free_port(), free_port()
     remote_conf = _mosquitto_conf(
         work / "remote.conf", remote_port,
-        f"persistence true\npersistence_location {work}/\nautosave_interval 0\n",
+        f"persistence true\npersistence_location {work}/\nautosave_interval 0\n{mosquitto_extra}",
     )
     bridge = (
         f"connection bench-bridge\naddress 127.0.0.1:{remote_port}\ntopic sensors/# out 1\n"
         "cleansession false\nrestart_timeout 1\nbridge_protocol_version mqttv311\n"
     )
-    local_conf = _mosquitto_conf(work / "local.conf", local_port, bridge)
+    local_conf = _mosquitto_conf(work / "local.conf", local_port, mosquitto_extra + bridge)
     devnull = subprocess.DEVNULL
 
     def mosq(conf: Path) -> subprocess.Popen[bytes]:
@@ -466,9 +470,18 @@ def run_ingest(work: Path, records: int, size: int, timeout: float) -> Result:
 
 def run_forward_bench(
     *, records: int, size: int, devices: int, work_dir: str | None, keep: bool, as_json: bool,
-    skip_bridge: bool = False, ingest_records: int = 200_000, timeout: float = 900,
+    skip_bridge: bool = False, ingest_records: int = 200_000, timeout: float = 900, only: str = "all",
+    mosquitto_max_inflight: int | None = None,
 ) -> dict[str, Any]:
-    """Run (a), (b), (c) and print the rates and ratios; returns the summary."""
+    """Run (a), (b), (c) and (d) and print the rates and ratios; returns the summary.
+
+    ``only="mqtt-export"`` runs just (d): the MQTT export drain against the bridge at
+    ``SMALL_BRIDGE_BACKLOG`` and ``records`` (bench/forward_mqtt.py)."""
+    if only == "mqtt-export":
+        from bench.forward_mqtt import run_export_vs_bridge
+
+        return run_export_vs_bridge(records=records, size=size, work_dir=work_dir, keep=keep, as_json=as_json,
+                                    timeout=timeout, mosquitto_max_inflight=mosquitto_max_inflight)
     base = Path(work_dir) if work_dir else Path(tempfile.mkdtemp(prefix="filemq-bench-forward-"))
     base.mkdir(parents=True, exist_ok=True)
     results: dict[str, Result] = {}
@@ -492,6 +505,10 @@ def run_forward_bench(
                 small = run_bridge(base / "bridge-small", SMALL_BRIDGE_BACKLOG, size, timeout)
                 small.name = "mosquitto_bridge_drain_small_backlog"
                 emit(small)
+        if not skip_bridge and os.path.exists(MOSQUITTO):
+            from bench.forward_mqtt import run_mqtt_export_drain
+
+            emit(run_mqtt_export_drain(base / "export", records, size, timeout))
         emit(run_devices(base / "devices", devices, records, size, timeout))
         emit(run_ingest(base / "ingest", ingest_records, size, timeout))
     finally:
@@ -510,6 +527,11 @@ def run_forward_bench(
         # The agent is the drain's bottleneck; its records per CPU-second is what one free
         # core would sustain, whatever else runs on the machine.
         summary["drain_records_per_agent_cpu_s"] = round(results["filemq_drain"].records / drain_cpu["agent"])
+    if "mqtt_export_drain" in results:
+        summary["mqtt_export_records_per_s"] = round(results["mqtt_export_drain"].rate)
+        if "mosquitto_bridge_drain" in results:
+            summary["mqtt_export_vs_bridge"] = round(
+                results["mqtt_export_drain"].rate / results["mosquitto_bridge_drain"].rate, 2)
     if "mosquitto_bridge_drain" in results:
         summary["bridge_records_per_s"] = round(results["mosquitto_bridge_drain"].rate)
         summary["drain_vs_bridge"] = round(drain / results["mosquitto_bridge_drain"].rate, 2)

@@ -673,7 +673,7 @@ class _Demo:
             self._check_alive("uplink back", collector, agent)
 
         with self._phase("power flicker", "kill -9 of the agent while it forwards, then restart it"):
-            lag = await self._group_lag(self.dir / "agent", "forwarder")
+            lag = await self._group_lag(self.dir / "agent", "export.collector")
             await agent.kill()
             self._say(f"power flicker: agent killed (SIGKILL) mid-drain, forwarder lag {_opt(lag)} records; "
                       "it resends what it had not yet recorded as acknowledged")
@@ -773,7 +773,7 @@ class _Demo:
         lander: int | None = None
         while True:
             self._check_alive("drain", agent, collector)
-            forwarder = await self._group_lag(self.dir / "agent", "forwarder")
+            forwarder = await self._group_lag(self.dir / "agent", "export.collector")
             if forwarder == 0:
                 lander = await self._group_lag(self.dir / "collector", "lander")
                 if lander == 0:

@@ -87,7 +87,8 @@ def _check_no_gap(port: int, rounds: int) -> None:
     for i in range(rounds):
         qos = i % 3
         pubs = _publish_retained_then_subscribe(port, i, qos, qos)
-        if [p.payload for p in pubs] != [b"retained-%d" % i]:
+        # Published before the SUBSCRIBE: sent because of the new subscription, RETAIN 1 (MQTT-3.3.1-8).
+        if [(p.payload, p.retain) for p in pubs] != [(b"retained-%d" % i, True)]:
             lost.append((i, pubs))
     assert not lost, f"{len(lost)} of {rounds} subscribers missed the retained message: {lost[:3]}"
 
@@ -158,9 +159,40 @@ def test_record_appended_before_subscribe_and_committed_after_is_delivered(
         s.send(Subscribe(1, [(f, qos)]))
         assert s.received() == [Suback(1, [qos])]
         await h.commit()
-        got = [(m.topic, m.payload, m.qos) for m in s.received() if isinstance(m, Publish)]
-        assert got == [("test/topic", b"v1", qos)]
+        got = [(m.topic, m.payload, m.qos, m.retain) for m in s.received() if isinstance(m, Publish)]
+        # MQTT-3.3.1-8: published before the SUBSCRIBE, so it is sent because of the new
+        # subscription: RETAIN 1 (a $share subscription gets no retained messages: live, 0).
+        assert got == [("test/topic", b"v1", qos, kind != "share")]
     from tests.test_broker_session import run
+    run(main())
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_retained_appended_before_subscribe_is_sent_as_retained_mqtt_3_3_1_8(tmp_path: Path, overlap: bool) -> None:
+    """MQTT-3.3.1-8/-6 and MQTT-3.3.5-1: the last retained message of a topic, appended before
+    the SUBSCRIBE but committed after it, is sent with RETAIN 1 once per new subscription
+    that matches it (overlapping filters included); superseded and cleared ones are not sent
+    (MQTT-3.3.1-10: an empty retained payload removes it, MQTT-3.3.1-7: only the last is kept)."""
+    from tests.test_broker_session import Harness, run
+
+    async def main() -> None:
+        h = Harness(tmp_path)
+        p = h.connected("p")
+        p.send(Publish("t/a", b"old", 0, True))
+        p.send(Publish("t/a", b"new", 1, True, packet_id=1))
+        p.send(Publish("t/b", b"gone", 0, True))
+        p.send(Publish("t/b", b"", 0, True))
+        s = h.connected("s")
+        filters = [("t/a", 1), ("t/#", 1)] if overlap else [("t/#", 1)]
+        s.send(Subscribe(1, filters))
+        assert s.received() == [Suback(1, [1] * len(filters))]
+        await h.commit()
+        got = [(m.topic, m.payload, m.retain) for m in s.received() if isinstance(m, Publish)]
+        assert got == [("t/a", b"new", True)] * len(filters)
+        p.send(Publish("t/a", b"live", 1, True, packet_id=2))  # MQTT-3.3.1-9: live, RETAIN 0
+        await h.commit()
+        got = [(m.topic, m.payload, m.retain) for m in s.received() if isinstance(m, Publish)]
+        assert got and set(got) == {("t/a", b"live", False)}
     run(main())
 
 
@@ -182,6 +214,76 @@ def test_record_committed_but_not_yet_routed_is_not_skipped_by_a_new_filter(tmp_
         await h.commit()  # runs the commit listener: routes offset 0
         got = [(m.topic, m.payload) for m in s.received() if isinstance(m, Publish)]
         assert got == [("test/topic", b"v1")]
+    run(main())
+
+
+def test_repeated_subscribe_resends_a_retained_message_appended_before_it_mqtt_3_8_4_3(tmp_path: Path) -> None:
+    """MQTT-3.8.4-3: a SUBSCRIBE repeating an existing filter re-sends the matching retained
+    messages -- also one appended before it and committed after it, which the existing
+    subscription gets live (RETAIN 0, MQTT-3.3.1-9) besides."""
+    from tests.test_broker_session import Harness, run
+
+    async def main() -> None:
+        h = Harness(tmp_path)
+        s = h.connected("s", subscribe=Subscribe(1, [("t/#", 1)]))
+        p = h.connected("p")
+        p.send(Publish("t/a", b"v1", 1, True, packet_id=1))
+        s.send(Subscribe(2, [("t/#", 1)]))
+        assert s.received() == [Suback(2, [1])]
+        await h.commit()
+        got = [(m.topic, m.payload, m.retain) for m in s.received() if isinstance(m, Publish)]
+        assert sorted(got) == [("t/a", b"v1", False), ("t/a", b"v1", True)]
+    run(main())
+
+
+def test_a_failed_commit_does_not_hold_a_subscribers_retained_replay(tmp_path: Path) -> None:
+    """The retained replay of a SUBSCRIBE that came while a record was appended but not
+    committed waits for that commit; when the commit fails (disk full, the offsets are given
+    back) it is sent at once, so the subscriber's deliveries are not held until the next
+    successful commit."""
+    from tests.test_broker_session import Harness, run
+
+    async def main() -> None:
+        h = Harness(tmp_path)
+        p = h.connected("p")
+        p.send(Publish("t/old", b"kept", 1, True, packet_id=1))
+        await h.commit()
+        p.send(Publish("t/new", b"lost", 1, True, packet_id=2))
+        s = h.connected("s")
+        s.send(Subscribe(1, [("t/#", 1)]))
+        assert s.received() == [Suback(1, [1])]
+        h.queue.fail_next = True
+        await h.commit()
+        got = [(m.topic, m.payload, m.retain) for m in s.received() if isinstance(m, Publish)]
+        assert got == [("t/old", b"kept", True)]
+        assert s.conn not in h.core._retained_after
+    run(main())
+
+
+def test_retained_semantics_for_existing_and_repeated_subscriptions(tmp_path: Path) -> None:
+    """MQTT-3.3.1-9: a retained PUBLISH reaches an existing subscriber with RETAIN 0;
+    MQTT-3.3.1-10/-11: an empty retained payload is delivered to it as normal and removes the
+    retained message (a later subscriber gets nothing); MQTT-3.8.4-3: a SUBSCRIBE repeating an
+    existing filter re-sends the retained messages, RETAIN 1, at the new QoS."""
+    from tests.test_broker_session import Harness, run
+
+    async def main() -> None:
+        h = Harness(tmp_path)
+        s = h.connected("s", subscribe=Subscribe(1, [("t/#", 1)]))
+        p = h.connected("p")
+        p.send(Publish("t/a", b"v1", 1, True, packet_id=1))
+        await h.commit()
+        assert [(m.topic, m.payload, m.qos, m.retain) for m in s.received()] == [("t/a", b"v1", 1, False)]
+        s.send(Subscribe(2, [("t/#", 0)]))
+        assert s.received() == [Suback(2, [0]), Publish("t/a", b"v1", 0, True)]
+        p.send(Publish("t/a", b"", 1, True, packet_id=2))
+        await h.commit()
+        assert [(m.topic, m.payload, m.retain) for m in s.received()] == [("t/a", b"", False)]
+        s.send(Subscribe(3, [("t/#", 0)]))
+        assert s.received() == [Suback(3, [0])]
+        late = h.connected("late")
+        late.send(Subscribe(1, [("t/#", 1)]))
+        assert late.received() == [Suback(1, [1])]
     run(main())
 
 

@@ -507,6 +507,29 @@ def test_full_disk_refuses_a_new_persistent_session_with_server_unavailable(tmp_
     run(main())
 
 
+def test_full_disk_repeated_subscribe_changes_nothing_durable_and_is_acknowledged(tmp_path: Path) -> None:
+    """issue 10 items 12/14, MQTT-3.8.4-3: a persistent session that repeats a SUBSCRIBE it
+    already has (as clients do on every connect) changes nothing a restart needs, so a full
+    disk must not close it: SUBACK, and its queued messages keep flowing."""
+    from tests.faults import FaultyFileIO
+
+    async def main() -> None:
+        h = Harness(tmp_path)
+        io = FaultyFileIO(tmp_path)
+        h.store = SessionStore(tmp_path, io)
+        h.core = h.make_core()
+        c = h.connected("p1", clean=False, subscribe=Subscribe(1, [("t", 1)]))
+        io.disk_full = True
+        c.send(Subscribe(2, [("t", 1)]))
+        assert [x for x in c.received() if isinstance(x, Suback)] == [Suback(2, [1])]
+        assert c.conn.state != CLOSED and not c.transport.closed
+        # A subscription that is new, or whose QoS changes, still needs the file: refused.
+        c.send(Subscribe(3, [("t", 2)]))
+        assert not [x for x in c.received() if isinstance(x, Suback)]
+        assert c.conn.state == CLOSED
+    run(main())
+
+
 def test_full_disk_subscribe_that_cannot_be_persisted_closes_cleanly(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """issue 10 item 14: a persistent session's SUBSCRIBE whose state cannot be made durable

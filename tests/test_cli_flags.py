@@ -15,7 +15,7 @@ from filemq.common.config import ConfigError, flag_overrides, load_config, secti
 COMMANDS: dict[str, tuple[str, tuple[str, ...], set[str]]] = {
     "broker": ("broker", (), set()),
     # broker.metrics_port is `filemq broker`'s: the agent serves broker metrics on agent.metrics_port.
-    "agent": ("agent", ("broker",), {"broker.metrics_port"}),
+    "agent": ("agent", ("broker", "uplink"), {"broker.metrics_port"}),
     "collector": ("collector", ("broker",), {"broker.host", "broker.port", "broker.password_file",
                                               "broker.acl_file", "broker.allow_anonymous",
                                               "broker.max_connections", "broker.metrics_port"}),
@@ -83,7 +83,7 @@ def test_a_bad_flag_value_names_the_flag() -> None:
 
 @pytest.mark.parametrize(("command", "missing"), [
     ("broker", "--data-dir"),
-    ("agent", "--data-dir, --device-id, --collector"),
+    ("agent", "--data-dir, --device-id, --collector or --export"),
     ("collector", "--data-dir, --landing"),
 ])
 def test_a_service_without_its_required_keys_exits_2_naming_them(command: str, missing: str) -> None:

@@ -19,8 +19,6 @@ from filemq.mqtt.codec import (
     ALLOWED_PROPERTIES,
     PROPERTY_TYPES,
     Decoder,
-    _decode_properties,
-    _encode_properties,
     encode5,
 )
 from filemq.mqtt.packets import (
@@ -42,6 +40,7 @@ from filemq.mqtt.packets import (
     Unsuback,
     Unsubscribe,
 )
+from filemq.mqtt.properties import _decode_properties, _encode_properties
 from tests.test_codec5 import normalized, properties, publishes5, server_packets5, subscribes5
 
 paho_client = pytest.importorskip("paho.mqtt.client")

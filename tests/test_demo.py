@@ -43,7 +43,7 @@ FAKE_FILEMQ = textwrap.dedent(
         os.execv(sys.executable, [sys.executable, "-m", "cli", "broker",
                                   "--data-dir", flags["--data-dir"], "--port", flags["--port"]])
     if cmd == "status":
-        print(json.dumps({"groups": [{"name": "forwarder", "lag": 0}, {"name": "lander", "lag": 0}]}))
+        print(json.dumps({"groups": [{"name": "export.collector", "lag": 0}, {"name": "lander", "lag": 0}]}))
         sys.exit(0)
     sys.exit(2)
     """

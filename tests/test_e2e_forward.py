@@ -437,7 +437,7 @@ def test_kill9_collector_while_landing(tmp_path: Path) -> None:
 
 
 def test_status_shows_forwarder_group(tmp_path: Path) -> None:
-    """`filemq status DIR --json` lists the forwarder group with its lag."""
+    """`filemq status DIR --json` lists the collector export's group (`export.collector`) with its lag."""
     port = free_port()
 
     async def scenario() -> None:
@@ -460,7 +460,7 @@ def test_status_shows_forwarder_group(tmp_path: Path) -> None:
 
     status = json.loads(result.output.strip().splitlines()[-1])
     groups = {g["name"]: g for g in status["groups"]}
-    assert groups["forwarder"]["pending"] == 0 and groups["forwarder"]["lag"] == 10
+    assert groups["export.collector"]["pending"] == 0 and groups["export.collector"]["lag"] == 10
     assert os.path.isdir(tmp_path / "agent")
 
 

@@ -4,12 +4,12 @@
 stop forwarding -- unacknowledged records stay in the log for next time --, stop the broker,
 persist offsets and sessions), 2 for a configuration problem, 1 for a runtime failure.
 
-The forwarder reads the broker's log through the durable consumer group ``forwarder``
-(created at the log's first offset, so records published before the agent first ran are
-shipped too) and connects upstream with our own :class:`filemq.mqtt.MQTTClient` as client id
-``<device_id>``. Its progress is published under ``$SYS/broker/forwarder/...`` every
-``broker.sys_interval_s`` and is visible in ``filemq status DIR --json`` as the group
-``forwarder`` (doing, pending, lag).
+The agent ships its log through its exports (:mod:`worker_agent.exports`): each a durable
+consumer group ``export.NAME`` (created at the log's first offset, so records published before
+the agent first ran are shipped too) to a filemq collector or any MQTT broker. Their progress
+is published under ``$SYS/broker/export/NAME/...`` (and, for the first collector export, the
+older ``$SYS/broker/forwarder/...``) every ``broker.sys_interval_s`` and is visible in
+``filemq status DIR``.
 """
 
 from __future__ import annotations
@@ -17,31 +17,30 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import ssl
 from collections.abc import Callable
-from pathlib import Path
 
 from filemq.broker import Broker
 from filemq.broker.metrics import backlog_status
 from filemq.common.config import Config, ConfigError
-from filemq.mqtt.client import MQTTClient
 from filemq.ops.service import Sidecar, run_until_signalled, serve_until_signalled
+from worker_agent.exports import Exports
+from worker_agent.exports import describe as describe_exports
 from worker_agent.forwarder import Forwarder, ForwarderConfig, Upstream
 
 log = logging.getLogger("filemq.agent")
 
-GROUP_NAME = "forwarder"
-UPSTREAM_MAX_PACKET = 1 << 20  # the collector only sends small packets back
+# The group of the --collector export (named "forwarder" before exports; renamed at start).
+GROUP_NAME = "export.collector"
 
 
 def forwarder_config(config: Config) -> ForwarderConfig:
-    """The forwarder settings of ``config``'s ``[agent]`` section; ConfigError if incomplete."""
+    """The ``[agent]`` forwarder settings (the defaults of collector exports); ConfigError if incomplete."""
     a = config.agent
     if a.device_id is None:
         raise ConfigError("the agent needs a device id (agent.device_id, flag --device-id)", key="agent.device_id")
-    if a.collector is None:
-        raise ConfigError("the agent needs the collector's address (agent.collector, flag --collector HOST:PORT)",
-                          key="agent.collector")
+    if not config.exports:
+        raise ConfigError("the agent needs the collector's address (agent.collector, flag --collector HOST:PORT) "
+                          "or an export (flag --export NAME=URL, or an [[export]] table)", key="agent.collector")
     try:
         return ForwarderConfig(
             device_id=a.device_id,
@@ -61,45 +60,15 @@ def forwarder_config(config: Config) -> ForwarderConfig:
         raise ConfigError(f"agent: {exc}", key="agent.device_id") from exc
 
 
-def upstream_factory(config: Config) -> Callable[[], Upstream]:
-    """A function making a fresh MQTT client to the collector for each connection attempt."""
-    a = config.agent
-    assert a.collector is not None and a.device_id is not None
-    host, _, port = a.collector.rpartition(":")
-    host = host.strip("[]")
-    password: str | None = a.password
-    if a.password_file is not None:
-        try:
-            password = Path(a.password_file).read_text(encoding="utf-8").splitlines()[0]
-        except (OSError, IndexError, UnicodeDecodeError) as exc:
-            raise ConfigError(f"cannot read the upstream password from {a.password_file}: {exc}",
-                              key="agent.password_file") from exc
-    context: ssl.SSLContext | None = None
-    if a.tls_ca is not None:
-        try:
-            context = ssl.create_default_context(cafile=a.tls_ca)
-        except (OSError, ssl.SSLError) as exc:
-            raise ConfigError(f"cannot load the CA bundle {a.tls_ca}: {exc}", key="agent.tls_ca") from exc
-    device_id = a.device_id
-    window = a.window
-
-    def connect() -> Upstream:
-        return MQTTClient(
-            device_id, host, int(port), clean_session=True, keepalive=30, username=a.username,
-            password=password, ssl=context, max_inflight=max(window, 1), max_packet_size=UPSTREAM_MAX_PACKET,
-        )
-
-    return connect
-
-
 class Agent:
     """A device broker plus its forwarder, startable and stoppable in-process."""
 
     def __init__(self, config: Config, *, connect: Callable[[], Upstream] | None = None) -> None:
         self.config = config
         self.forwarder_config = forwarder_config(config)
-        self._connect = connect or upstream_factory(config)
+        self.exports = Exports(config, connect=connect)
         self.broker = Broker(config)
+        # The first collector export's forwarder (legacy $SYS/broker/forwarder/..., metrics).
         self.forwarder: Forwarder | None = None
         self._sys_task: asyncio.Task[None] | None = None
 
@@ -107,15 +76,13 @@ class Agent:
         await self.broker.start()
         queue = self.broker.queue
         assert queue is not None
-        group = queue.group(GROUP_NAME, start="earliest")
-        self.forwarder = Forwarder(group, queue.wait_for_records, self._connect, self.forwarder_config)
-        self.forwarder.start()
+        self.exports.start(queue)
+        self.forwarder = self.exports.forwarder
         if self.config.broker.sys_interval_s > 0:
             self._sys_task = asyncio.create_task(self._publish_sys(), name="filemq-agent-sys")
-        log.info("agent %s forwarding %s to %s; backlog %d records", self.forwarder_config.device_id,
-                 self.forwarder.topic, self.config.agent.collector, group.lag)
+        log.info("agent %s exporting to %s", self.forwarder_config.device_id, describe_exports(self.exports))
         local, upstream = self.config.broker.max_packet_size, self.forwarder_config.upstream_max_packet_size
-        if local > upstream:
+        if local > upstream and self.forwarder is not None:
             log.warning("broker.max_packet_size %d exceeds agent.upstream_max_packet_size %d: a local"
                         " message too large for the collector is skipped upstream (counted as"
                         " oversized_skipped, logged with its offset), not forwarded", local, upstream)
@@ -125,8 +92,7 @@ class Agent:
             self._sys_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._sys_task
-        if self.forwarder is not None:
-            await self.forwarder.stop()
+        await self.exports.stop()
         await self.broker.stop()
 
     def reload(self) -> bool:
@@ -138,9 +104,9 @@ class Agent:
         while True:
             await asyncio.sleep(interval)
             core, fwd = self.broker.core, self.forwarder
-            if core is not None and fwd is not None:
+            if core is not None:
                 try:
-                    core.publish_sys(fwd.sys_messages())
+                    core.publish_sys((fwd.sys_messages() if fwd is not None else []) + self.exports.sys_messages())
                 except Exception:
                     log.exception("publishing forwarder $SYS topics failed; continuing")
 
@@ -161,7 +127,7 @@ async def serve_agent(config: Config, ready: Callable[[str], None] | None = None
         lambda: Agent(config), name="agent", where=f"{b.host}:{b.port} (data dir {config.data_dir})",
         describe=lambda agent: (f"filemq agent {agent.forwarder_config.device_id}: broker listening on "
                                 f"{agent.broker.listening}, data dir {agent.broker.data_dir}, "
-                                f"forwarding to {config.agent.collector}"),
+                                f"exporting to {describe_exports(agent.exports)}"),
         log=log, ready=ready, stop=stop, sidecar=metrics, status=lambda agent: backlog_status(agent.broker))
 
 

@@ -103,6 +103,12 @@ class ForwardGroup(Protocol):
     def has_work(self) -> bool: ...
 
 
+class RateLimiter(Protocol):
+    """Paces sending: ``take(n)`` returns when ``n`` more bytes may go (:class:`TokenBucket` fits)."""
+
+    async def take(self, n: int) -> None: ...
+
+
 class UpstreamTimeout(Exception):
     """The collector did not acknowledge a batch in time (it may be out of disk)."""
 
@@ -243,6 +249,7 @@ class Forwarder:
         config: ForwarderConfig,
         *,
         rng: random.Random | None = None,
+        limiter: RateLimiter | None = None,
     ) -> None:
         self.group = group
         self.config = config
@@ -252,7 +259,8 @@ class Forwarder:
         self._wait_for_records = wait_for_records
         self._connect = connect
         self._rng = rng or random.Random()
-        self._bucket = (
+        # ``limiter`` (the agent's shared uplink, worker_agent.uplink) replaces the own bucket.
+        self._bucket: RateLimiter | None = limiter or (
             TokenBucket(config.rate_limit_bytes_per_s) if config.rate_limit_bytes_per_s else None
         )
         self._inflight: deque[_InFlight] = deque()  # sent on this connection, unacked

@@ -8,7 +8,12 @@ without it still run the agent. Metric names: ``filemq_agent_batches_sent_total`
 ``filemq_agent_reconnects_total``, ``filemq_agent_ack_timeouts_total``,
 ``filemq_agent_connected``, ``filemq_agent_lag_records`` (backlog not yet acked upstream),
 ``filemq_agent_inflight_batches`` and the histogram ``filemq_agent_batch_latency_seconds``
-(send to PUBACK); plus the device broker's own figures, ``filemq_broker_...``
+(send to PUBACK) -- these for the collector export's forwarder. Every export, of either kind,
+also has ``filemq_agent_export_<metric>{export="NAME"}``: gauges ``connected``, ``backoff``,
+``lag_records``, ``lag_bytes``, ``oldest_unsent_age_seconds``, ``last_ack_timestamp_seconds``,
+``priority`` and counters ``records_sent``, ``records_acked``, ``bytes_sent``,
+``connect_failures``, ``lost_records``, ``oversized_skipped``.
+Plus the device broker's own figures, ``filemq_broker_...``
 (:mod:`filemq.broker.metrics`, read on the event loop at scrape time).
 """
 
@@ -33,6 +38,7 @@ from worker_agent.forwarder import LATENCY_BUCKETS
 
 if TYPE_CHECKING:
     from filemq.broker import Broker
+    from worker_agent.exports import Exports
     from worker_agent.forwarder import Forwarder
 
 
@@ -45,6 +51,9 @@ class Agent(Protocol):
 
     @property
     def forwarder(self) -> Forwarder | None: ...
+
+    @property
+    def exports(self) -> Exports: ...
 
 
 log = logging.getLogger("worker_agent.metrics")
@@ -61,6 +70,7 @@ class AgentMetrics(PromCollector):
         self.loop = loop
 
     def collect(self) -> Iterator[Metric]:
+        yield from self._exports()
         yield from self._forwarder()
         if self.loop is None:
             return
@@ -106,6 +116,45 @@ class AgentMetrics(PromCollector):
             buckets.append(("+Inf" if bound == float("inf") else repr(bound), float(cumulative)))
         yield HistogramMetricFamily(p + "batch_latency_seconds", "Batch send to PUBACK",
                                     buckets=buckets, sum_value=s.latency_sum_s)
+
+    def _exports(self) -> Iterator[Metric]:
+        """Per-export families, labelled ``export="NAME"`` (see the module doc)."""
+        status = self.agent.exports.status
+        try:  # on the agent's loop when there is one: it reads groups and the log
+            entries = on_loop(self.loop, status, SCRAPE_TIMEOUT_S) if self.loop is not None else status()
+        except Exception as exc:
+            log.warning("export metrics not read: %r", exc)
+            return
+        p = "filemq_agent_export_"
+        gauges = (
+            ("connected", "1 while the export is connected to its destination", "state"),
+            ("backoff", "1 while the export waits to reconnect (see last_error in filemq status)", "state"),
+            ("lag_records", "Records in the log the export has not had acknowledged", "lag_records"),
+            ("lag_bytes", "Approximate bytes of those records in the log", "lag_bytes"),
+            ("oldest_unsent_age_seconds", "Age of the oldest record not yet acknowledged", "oldest_unsent_age_s"),
+            ("last_ack_timestamp_seconds", "Unix time of the last acknowledgement", "last_ack_unix"),
+            ("priority", "The export's priority on the shared uplink", "priority"),
+        )
+        for name, doc, key in gauges:
+            family = GaugeMetricFamily(p + name, doc, labels=["export"])
+            for e in entries:
+                value = float(e["state"] == name) if key == "state" else e.get(key)
+                if value is not None:
+                    family.add_metric([e["name"]], float(value))
+            yield family
+        for name, doc, key in (
+            ("records_sent", "Records published by the export", "records_sent"),
+            ("records_acked", "Records acknowledged by the export's destination", "records_acked"),
+            ("bytes_sent", "Payload bytes published by the export", "bytes_sent"),
+            ("connect_failures", "Failed connection attempts", "connect_failures"),
+            ("lost_records", "Records retention deleted before the export shipped them", "lost_records"),
+            ("oversized_skipped", "Records over the export's max_packet_size, set aside unsent", "oversized_skipped"),
+        ):
+            counter = CounterMetricFamily(p + name, doc, labels=["export"])
+            for e in entries:
+                if e.get(key) is not None:
+                    counter.add_metric([e["name"]], float(e[key]))
+            yield counter
 
 
 def start_metrics_server(agent: Agent, port: int, addr: str = "127.0.0.1") -> MetricsServer:

@@ -69,6 +69,10 @@ MOSQUITTO_SHA512 = "6"
 """``mosquitto_passwd -H sha512`` (Mosquitto 1.6 and older): ``$6$<salt>$<hash>``, SHA-512(pw || salt)."""
 MIN_STRONG_ITERATIONS = 100_000
 """PBKDF2 entries with fewer rounds are logged as weak (Mosquitto's default is 101)."""
+MAX_ITERATIONS = 2_000_000
+"""PBKDF2 entries with more rounds are refused at load: every login attempt for such a user
+(and for unknown users, checked against the first entry) would hold an auth thread for that
+long -- about 10 s at this cap on a small core, hours for a ``$7$2000000000$`` line."""
 
 _warned_weak: set[tuple[str, str, str]] = set()  # (file, user, hash) already logged as weak
 
@@ -101,8 +105,8 @@ class PasswordHash:
         cls, password: str | bytes, iterations: int = DEFAULT_ITERATIONS, salt: bytes | None = None
     ) -> PasswordHash:
         """Hash ``password`` with a fresh random salt (or ``salt``, for tests)."""
-        if iterations < 1:
-            raise ValueError(f"iterations must be >= 1, got {iterations}")
+        if not 1 <= iterations <= MAX_ITERATIONS:
+            raise ValueError(f"iterations must be 1 to {MAX_ITERATIONS:,}, got {iterations}")
         salt = secrets.token_bytes(SALT_BYTES) if salt is None else salt
         digest = hashlib.pbkdf2_hmac("sha512", _as_bytes(password), salt, iterations)
         return cls(iterations, salt, digest)
@@ -151,6 +155,9 @@ class PasswordHash:
                              "mosquitto_passwd's '7' or '6')")
         if not parts[2].isdigit() or int(parts[2]) < 1:
             raise ValueError(f"iterations must be a positive integer, got {parts[2]!r}")
+        if int(parts[2]) > MAX_ITERATIONS:
+            raise ValueError(f"{int(parts[2]):,} iterations is over the {MAX_ITERATIONS:,} a login may "
+                             "cost (filemq.broker.auth.MAX_ITERATIONS)")
         try:
             salt = base64.b64decode(parts[3], validate=True)
             digest = base64.b64decode(parts[4], validate=True)

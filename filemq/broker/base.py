@@ -10,6 +10,7 @@ import functools
 import logging
 from collections import deque
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from filemq.broker.session import CONNECTED, Connection
@@ -35,6 +36,13 @@ if TYPE_CHECKING:
     from filemq.queue.retained import RetainedMessage, RetainedStore
 
 log = logging.getLogger("filemq.broker")
+
+CONNECT_TIMEOUT = 10.0
+"""Seconds from the accept to a complete CONNECT (a TLS handshake included)."""
+AUTH_THREADS = 2
+"""Worker threads for password checks.  They are the broker's own, not the loop's default
+executor: wrong-password CONNECTs (one PBKDF2 each) never queue ahead of the session-file and
+offset writes that acks wait for."""
 
 
 class CoreBase:
@@ -74,6 +82,9 @@ class CoreBase:
         # message, QoS): sent as its output drains, so a client that does not read cannot
         # make the broker queue them again and again (issue 10 item 8).
         self._retained_out: dict[Connection, deque[tuple[str, RetainedMessage, int]]] = {}
+        # Retained replays of SUBSCRIBEs that came while records appended before them were not
+        # routed yet (MQTT-3.3.1-6/-8): sent once the routed offset reaches theirs.
+        self._retained_after: dict[Connection, list[tuple[SessionState, Subscription, int]]] = {}
         self.stats = stats
         self.acl = acl
         self.passwords = passwords
@@ -81,7 +92,8 @@ class CoreBase:
         # New groups start at the routed offset, as new subscriptions do (see on_subscribe).
         self._group_factory = group_factory or (
             lambda n, f, d: queue.group(n, f, durable=d, start=self._routed))
-        self.connect_timeout = 10.0
+        self.connect_timeout = CONNECT_TIMEOUT
+        self._auth_pool: ThreadPoolExecutor | None = None  # created at the first password check
         self.conns: set[Connection] = set()
         self.connections: dict[str, Connection] = {}  # client id -> live connection
         self.sessions: dict[str, SessionState] = {}  # persistent sessions known in memory
@@ -214,6 +226,7 @@ class CoreBase:
             def _save_soon(self, state: SessionState) -> asyncio.Future[None]: ...
 
             def _send_retained(self, conn: Connection, state: SessionState, sub: Subscription, below: int) -> None: ...
+            def _send_retained_after(self) -> None: ...
 
             def pump_share(self, sh: SharedGroup) -> None: ...
 

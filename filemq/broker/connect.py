@@ -11,20 +11,23 @@ import logging
 import secrets
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 from filemq.broker.acl import fill_pattern
-from filemq.broker.base import CoreBase
+from filemq.broker.base import AUTH_THREADS, CoreBase
 from filemq.broker.session import AUTHENTICATING, AWAITING_CONNECT, CONNECTED, Connection
 from filemq.broker.sessions import SessionSnapshot, StoredSession
 from filemq.broker.state import (
     _PUBREL,
     SESSION_GROUP_PREFIX,
     SHARE_GROUP_PREFIX,
+    Outbound,
     SessionState,
     Subscription,
     _ack,
     _copy_outcome,
+    _too_long,
     parse_share_key,
 )
 from filemq.common.topics import (
@@ -48,9 +51,18 @@ from filemq.mqtt.packets import (
 from segments.record import Record
 
 if TYPE_CHECKING:
+    from filemq.broker.auth import PasswordFile
     from filemq.queue.groups import ConsumerGroup
 
 log = logging.getLogger("filemq.broker")
+
+
+def _check_password(conn: Connection, passwords: PasswordFile, user: str, password: bytes) -> bool:
+    """The password check of a CONNECT, in an auth worker thread; a connection that went
+    away while it waited for a thread costs no PBKDF2."""
+    if conn.closed:
+        return False
+    return passwords.check(user, password)
 
 
 class ConnectMixin(CoreBase):
@@ -81,6 +93,9 @@ class ConnectMixin(CoreBase):
                 validate_topic_name(p.will_topic)
             except InvalidTopic as exc:
                 raise ProtocolError(f"invalid will topic: {exc}", "CONNECT") from None
+            if _too_long(p.will_topic, self.config.max_topic_length):
+                raise ProtocolError(f"will topic of {len(p.will_topic.encode('utf-8'))} bytes exceeds "
+                                    f"max_topic_length {self.config.max_topic_length}", "CONNECT")
             limit = self.config.message_size_limit
             if limit is not None and len(p.will_payload) > limit:
                 # 3.1.1 has no CONNACK code for it: refused by closing, as Mosquitto does.
@@ -116,7 +131,9 @@ class ConnectMixin(CoreBase):
         # PBKDF2 takes ~100 ms: run it off the loop; packets arriving meanwhile wait.
         conn.state = AUTHENTICATING
         loop = asyncio.get_running_loop()
-        fut = loop.run_in_executor(None, passwords.check, p.username, p.password)
+        if self._auth_pool is None:
+            self._auth_pool = ThreadPoolExecutor(AUTH_THREADS, thread_name_prefix="filemq-auth")
+        fut = loop.run_in_executor(self._auth_pool, _check_password, conn, passwords, p.username, p.password)
         fut.add_done_callback(lambda f: self._auth_done(conn, p, f))
 
     def _auth_done(self, conn: Connection, p: Connect, fut: asyncio.Future[bool]) -> None:
@@ -189,6 +206,10 @@ class ConnectMixin(CoreBase):
                     state.qos2_in = dict.fromkeys(stored.qos2_inbound)
                     state.qos2_offsets = dict(stored.qos2_offsets)
                     state.qos2_loaded = set(stored.qos2_inbound)
+                    for pid in stored.qos2_outbound:  # PUBREL re-sent on connect (4.4)
+                        released = state.inflight[pid] = Outbound(-1, None, 2, "", b"", None)
+                        released.stage = 1
+                    state.qos2_out = set(stored.qos2_outbound)
                     state.subs_changed()
                     for sub in state.subs.values():
                         if sub.share is not None:

@@ -171,3 +171,6 @@ class BrokerCore(ConnectMixin, SubscribeMixin, PublishMixin, DeliveryMixin):
         for conn in list(self.conns):
             conn.close(reason, will=False)
         self.flush()
+        if self._auth_pool is not None:
+            self._auth_pool.shutdown(wait=False, cancel_futures=True)
+            self._auth_pool = None

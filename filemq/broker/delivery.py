@@ -6,6 +6,7 @@ disconnect releases.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -40,7 +41,7 @@ class DeliveryMixin(CoreBase):
         state = conn.session
         if state is None or conn.closed or conn.paused or state.conn is not conn:
             return
-        if conn in self._retained_out and not self._drain_retained(conn, state):
+        if conn in self._retained_after or (conn in self._retained_out and not self._drain_retained(conn, state)):
             return  # live records after the retained ones, never before
         group = state.group
         pushed = 0
@@ -114,7 +115,7 @@ class DeliveryMixin(CoreBase):
         for r in records:
             offset = r.offset
             topic = r.topic
-            qos = granted(topic, offset, share)
+            qos = granted(topic, offset, share, r.retain)
             if qos < 0 or (check_acl and not acl.can_receive(topic)):  # type: ignore[union-attr]
                 ack(offset)
                 continue
@@ -165,7 +166,15 @@ class DeliveryMixin(CoreBase):
             return
         if out is not None and out.stage == 0:
             out.stage = 1
-            if out.group is not None:
+            if state.persistent:
+                # The id awaiting PUBCOMP is session state (3.1.2.4): written before the
+                # group's ack can be, so after a restart the PUBREL is re-sent (a receiver
+                # may hand the message on only at PUBREL, 4.3.3 Method A).
+                state.qos2_out.add(pid)
+                written = self._save_soon(state)
+                if out.group is not None:
+                    written.add_done_callback(functools.partial(self._ack_released, out.group, out.offset))
+            elif out.group is not None:
                 # The client has the message: the group may move on; only the id is pending.
                 out.group.ack(out.offset)
                 self._acked = True
@@ -183,7 +192,24 @@ class DeliveryMixin(CoreBase):
             self._wrong_ack(conn, "PUBCOMP", pid, out)
             return
         del state.inflight[pid]
+        if out.group is not None and out.group.ack(out.offset):
+            self._acked = True  # not acked at PUBREC yet (session write pending or failed)
+        if pid in state.qos2_out:
+            state.qos2_out.discard(pid)
+            # Written soon, in a worker thread (nothing waits: a stale id would only cost one
+            # PUBREL after a crash, which the client answers with PUBCOMP).
+            self._save_soon(state)
         self._to_pump.add(conn)
+
+    def _ack_released(self, group: ConsumerGroup, offset: int, written: asyncio.Future[None]) -> None:
+        """The group's ack of a record PUBREC'd by a persistent session, once the session file
+        holds its id; after a failed write the PUBCOMP acks it (until then it stays unacked:
+        re-sent after a restart, not lost)."""
+        if written.cancelled() or written.exception() is not None:
+            return
+        group.ack(offset)
+        self._acked = True
+        self.flush()
 
     def _wrong_ack(self, conn: Connection, ack: str, pid: int, out: Outbound) -> None:
         """An acknowledgement that does not fit the in-flight message's state is a protocol
@@ -218,6 +244,7 @@ class DeliveryMixin(CoreBase):
         self._repump.discard(conn)
         self._to_pump.discard(conn)
         self._retained_out.pop(conn, None)
+        self._retained_after.pop(conn, None)
         if prev_state != CONNECTED:
             return
         self.stats.client_disconnected()

@@ -242,6 +242,8 @@ class PublishMixin(CoreBase):
             if r.topic not in seen:
                 seen[r.topic] = None
                 woken |= match(r.topic)
+        if self._retained_after:
+            self._send_retained_after()  # before live records are pumped (MQTT-3.3.1-8)
         for target in woken:
             if isinstance(target, SharedGroup):
                 self.pump_share(target)

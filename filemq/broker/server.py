@@ -56,8 +56,9 @@ class HalfOpen:
 
     At most ``limit`` (``max_connecting``) of them: a new socket at the limit closes the
     oldest one still waiting for its CONNECT, so sockets that never finish a CONNECT cannot
-    lock real clients out (issue 10 item 9); when every one is authenticating, the new
-    socket is refused instead.  Connected clients are counted apart (``max_connections``).
+    lock real clients out (issue 10 item 9); when every one is authenticating, the oldest of
+    those gives way (its check, if not started, is skipped): wrong-password floods cannot
+    hold every slot either.  Connected clients are counted apart (``max_connections``).
     """
 
     __slots__ = ("limit", "conns")
@@ -71,13 +72,13 @@ class HalfOpen:
             del self.conns[conn]
 
     def admit(self, conn: Connection) -> bool:
-        """Register ``conn``; False if it must be refused (all half-open ones authenticating)."""
+        """Register ``conn``, closing the oldest half-open one at the limit; always True."""
         if len(self.conns) >= self.limit:
             self._prune()
         while len(self.conns) >= self.limit:
             oldest = next((c for c in self.conns if c.state == AWAITING_CONNECT), None)
             if oldest is None:
-                return False
+                oldest = next(iter(self.conns))  # all authenticating: the oldest gives way
             del self.conns[oldest]
             oldest.close(f"max_connecting ({self.limit}) half-open connections reached; the oldest "
                          f"makes room for a new one", will=False, level=logging.INFO)
@@ -89,7 +90,7 @@ class _MQTTProtocol(asyncio.Protocol):
     """Bytes between one socket and its :class:`Connection`."""
 
     __slots__ = ("core", "conn", "max_packet_size", "max_inflight", "half_open", "transport",
-                 "reading", "identity_as_username")
+                 "reading", "identity_as_username", "accepted_at")
 
     def __init__(self, core: BrokerCore, max_packet_size: int, max_inflight: int,
                  half_open: HalfOpen | None = None, identity_as_username: bool = False) -> None:
@@ -101,6 +102,7 @@ class _MQTTProtocol(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.reading = True
         self.identity_as_username = identity_as_username
+        self.accepted_at = time.monotonic()  # made at the accept, before any TLS handshake
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
@@ -115,7 +117,7 @@ class _MQTTProtocol(asyncio.Protocol):
             return
         transport.set_write_buffer_limits(high=WRITE_BUFFER_HIGH)
         conn = Connection(core, peer, transport, max_packet_size=self.max_packet_size,
-                          max_inflight=self.max_inflight)
+                          max_inflight=self.max_inflight, now=self.accepted_at)
         if self.identity_as_username:
             # use_identity_as_username: the verified client certificate's CN is the username.
             conn.identity = certificate_cn(transport.get_extra_info("peercert"))
@@ -321,8 +323,11 @@ class Broker:
 
         try:
             for lst, ctx in zip(self.listeners, contexts, strict=True):
-                server = await loop.create_server(factory_for(lst), lst.host, lst.port, ssl=ctx,
-                                                  reuse_address=True, backlog=1024)
+                # The handshake runs before the broker sees the socket: bounded by the same
+                # deadline as the CONNECT (which then counts from the accept too).
+                server = await loop.create_server(
+                    factory_for(lst), lst.host, lst.port, ssl=ctx, reuse_address=True, backlog=1024,
+                    ssl_handshake_timeout=None if ctx is None else core.connect_timeout)
                 self._servers.append(server)
                 port = server.sockets[0].getsockname()[1]
                 self.ports.append(port)

@@ -19,6 +19,11 @@ a reader sees the old or the new version after a crash, never a mix.  What it ho
   PUBLISH with that id can only be a re-send of it (see docs/BROKER.md, "QoS 2 inbound").
   ``qos2_offsets`` maps each id to its record's log offset, so after a restart the broker
   checks a re-sent PUBLISH against that record before it answers PUBREC without storing.
+* ``qos2_outbound`` (present when not empty): ids of QoS 2 deliveries to the client whose
+  PUBREC arrived and whose PUBCOMP has not.  An id is written *before* the consumer group's
+  ack of its record can be (so after a crash the record is re-sent or its PUBREL is);
+  its removal at PUBCOMP is written soon after, not waited for (a stale id only costs a
+  PUBREL the client answers with PUBCOMP, MQTT-4.3.3).  On reconnect the broker re-sends PUBREL for each.
   The broker writes in a worker thread (:meth:`SessionStore.write`), never on the event loop.
 
 The message backlog is not here: it stays in the log, behind the session's consumer group
@@ -66,6 +71,8 @@ class StoredSession:
     qos2_offsets: dict[int, int] = field(default_factory=dict)
     owner: str | None = None  # the username that created the session (None: anonymous)
     owner_known: bool = True  # False: a file from before owners were recorded
+    # Outbound QoS 2 ids whose PUBREC arrived and whose PUBCOMP has not: PUBREL is re-sent.
+    qos2_outbound: set[int] = field(default_factory=set)
 
     def to_json(self) -> bytes:
         body: dict[str, Any] = {
@@ -78,6 +85,8 @@ class StoredSession:
             "qos2_inbound": sorted(self.qos2_inbound),
             "qos2_offsets": {str(pid): off for pid, off in sorted(self.qos2_offsets.items())},
         }
+        if self.qos2_outbound:
+            body["qos2_outbound"] = sorted(self.qos2_outbound)
         return json.dumps(body, ensure_ascii=True, separators=(",", ":")).encode("ascii") + b"\n"
 
     @classmethod
@@ -122,6 +131,13 @@ class StoredSession:
             if not key.isdigit() or int(key) not in session.qos2_inbound or not isinstance(off, int) or off < 0:
                 raise CorruptSession(path, f"bad qos2_offsets entry {key!r}: {off!r}")
             session.qos2_offsets[int(key)] = off
+        released = raw.get("qos2_outbound", [])
+        if not isinstance(released, list):
+            raise CorruptSession(path, "qos2_outbound is not a list")
+        for pid in released:
+            if not isinstance(pid, int) or not 0 < pid <= 0xFFFF:
+                raise CorruptSession(path, f"bad outbound QoS 2 packet id {pid!r}")
+            session.qos2_outbound.add(pid)
         return session
 
 

@@ -119,6 +119,9 @@ class Subscription:
     share: str | None  # the share key ``<name>/<filter>`` of a ``$share`` subscription
     qos: int
     start: int
+    # Retained records below this offset are not delivered live to it: they were appended
+    # before its SUBSCRIBE, whose retained replay sends the last one with RETAIN 1 (MQTT-3.3.1-8).
+    retain_below: int = 0
 
 
 class Outbound:
@@ -157,13 +160,14 @@ class SessionState:
         self.qos2_in: dict[int, asyncio.Future[None] | None] = {}
         self.qos2_offsets: dict[int, int] = {}  # QoS 2 inbound id -> its record's offset
         self.qos2_loaded: set[int] = set()  # ids read from the session file, not yet re-checked
+        self.qos2_out: set[int] = set()  # outbound QoS 2 ids PUBREC'd, awaiting PUBCOMP (persistent)
         # Commit future -> future that resolves once that commit's QoS 2 ids are written.
         self.qos2_gates: dict[asyncio.Future[None], asyncio.Future[None]] = {}
         self.save_next: asyncio.Future[None] | None = None  # the next session-file write
         self.save_running = False  # a session-file write is in a worker thread
         self.save_due = False  # something changed that should be written lazily
         self.conn: Connection | None = None
-        self._qos_cache: dict[str, list[tuple[int, int, str | None]]] = {}
+        self._qos_cache: dict[str, list[tuple[int, int, str | None, int]]] = {}
         self._share_names: frozenset[str] | None = None
 
     def own_filters(self) -> tuple[str, ...]:
@@ -179,19 +183,20 @@ class SessionState:
         self._qos_cache.clear()
         self._share_names = None
 
-    def granted_qos(self, topic: str, offset: int, share: str | None) -> int:
-        """Highest QoS of this session's subscriptions (of ``share``) that take this record; -1: none."""
+    def granted_qos(self, topic: str, offset: int, share: str | None, retain: bool = False) -> int:
+        """Highest QoS of this session's subscriptions (of ``share``) that take this record
+        (``retain``: its retain flag); -1: none."""
         entries = self._qos_cache.get(topic)
         if entries is None:
             entries = [
-                (s.start, s.qos, s.share) for s in self.subs.values() if topic_matches(s.plain, topic)
+                (s.start, s.qos, s.share, s.retain_below) for s in self.subs.values() if topic_matches(s.plain, topic)
             ]
             if len(self._qos_cache) > 4096:
                 self._qos_cache.clear()
             self._qos_cache[topic] = entries
         best = -1
-        for start, qos, sh in entries:
-            if sh == share and start <= offset and qos > best:
+        for start, qos, sh, retain_below in entries:
+            if sh == share and start <= offset and qos > best and not (retain and offset < retain_below):
                 best = qos
         return best
 
@@ -216,6 +221,7 @@ class SessionState:
             ids,
             owner=self.owner,
             qos2_offsets={pid: off for pid, off in self.qos2_offsets.items() if pid in ids},
+            qos2_outbound=set(self.qos2_out),
         )
 
 

@@ -4,6 +4,7 @@ retained messages a new subscription gets (bounded per connection).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections import deque
 from typing import TYPE_CHECKING
@@ -105,11 +106,15 @@ class SubscribeMixin(CoreBase):
         assert state is not None and acl is not None
         codes: list[int] = []
         new_subs: list[Subscription] = []
+        durable_change = False  # a repeated SUBSCRIBE (same QoS) changes nothing on disk
         # MQTT-3.3.1-6: records routed before this point are in the retained store, records
         # from it on are delivered live (groups never read past it, see TailCache.limit), so
         # a retained message is never neither.  next_offset would skip appended records that
         # are not committed yet, while the retained store only has committed ones.
         start = self._routed
+        # Records appended before this SUBSCRIBE but not routed yet: the retained ones are sent
+        # with RETAIN 1 by the replay (once routed), not live (MQTT-3.3.1-8).
+        mark = self.log.next_offset
         for f, qos in p.topics:
             try:
                 share, plain = parse_share_key(f)
@@ -131,7 +136,12 @@ class SubscribeMixin(CoreBase):
             old = state.subs.get(f)
             if old is not None:
                 self._unregister(conn, old)
-            sub = Subscription(f, plain, share, qos, old.start if old is not None else start)
+            durable_change = durable_change or old is None or old.qos != qos
+            if old is not None:  # it took everything routed since old.start live already
+                sub = Subscription(f, plain, share, qos, old.start, old.retain_below)
+            else:
+                sub = Subscription(f, plain, share, qos, start,
+                                   mark if share is None and not plain.startswith("$") else 0)
             state.subs[f] = sub
             new_subs.append(sub)
             codes.append(qos)
@@ -141,7 +151,7 @@ class SubscribeMixin(CoreBase):
                 self._update_groups(state)
                 for sub in new_subs:
                     self._register(conn, state, sub)
-                if state.persistent:
+                if state.persistent and durable_change:
                     self.store.save(state.stored())
             except OSError as exc:
                 # No SUBACK for a subscription whose state is not durable (a restart would forget it).
@@ -149,7 +159,9 @@ class SubscribeMixin(CoreBase):
                 return
         conn.send_packet(Suback(p.packet_id, codes))
         for sub in new_subs:
-            self._send_retained(conn, state, sub, start)
+            # Every retained message appended before the SUBSCRIBE, once routed (MQTT-3.8.4-3
+            # too: a repeated one's live copies still reach it through the old start).
+            self._send_retained(conn, state, sub, mark if sub.share is None else start)
         self.pump(conn)
 
     def _send_retained(self, conn: Connection, state: SessionState, sub: Subscription, below: int) -> None:
@@ -167,6 +179,15 @@ class SubscribeMixin(CoreBase):
         if not self.retained_ready:
             self._retained_waiting.append((conn, state, sub, below))
             return
+        if below > self._routed:
+            if self._routed < self.log.next_offset:
+                self._retained_after.setdefault(conn, []).append((state, sub, below))
+                if self._pending:  # if that commit fails, the offsets are given back: send then
+                    self._pending[-1][1].add_done_callback(self._retained_after_failed)
+                return
+            # A failed commit gave the offsets up to ``below`` back: records there come later.
+            below = sub.retain_below = self._routed
+            state.subs_changed()
         acl = conn.acl
         queue = self._retained_out.get(conn)
         if queue is None:
@@ -181,6 +202,20 @@ class SubscribeMixin(CoreBase):
                 continue
             queue.append((sub.filter, m, min(sub.qos, m.qos)))
         self._drain_retained(conn, state)
+
+    def _send_retained_after(self) -> None:
+        """Send the retained replays whose SUBSCRIBE's offset is routed now (see on_subscribe)."""
+        waiting, self._retained_after = self._retained_after, {}
+        for conn, subs in waiting.items():
+            for state, sub, below in subs:
+                if not conn.closed and state.conn is conn and state.subs.get(sub.filter) is sub:
+                    self._send_retained(conn, state, sub, below)
+            self._to_pump.add(conn)
+
+    def _retained_after_failed(self, fut: asyncio.Future[None]) -> None:
+        if self._retained_after and (fut.cancelled() or fut.exception() is not None):
+            self._send_retained_after()
+            self.flush()
 
     def _drain_retained(self, conn: Connection, state: SessionState) -> bool:
         """Send queued retained messages while the connection takes them: its output below

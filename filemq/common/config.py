@@ -14,297 +14,52 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import ipaddress
-import os
 import re
 import tomllib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
-from filemq.common.topics import InvalidTopic, validate_topic_filter
+from filemq.common.checks import (
+    _PORT,
+    COMMAND_LINE,
+    EXPORT_SCHEMES,
+    _auto_subscribe,
+    _bool,
+    _enum,
+    _export_flags,
+    _export_name,
+    _export_url,
+    _filters,
+    _host_port,
+    _int,
+    _listeners,
+    _str,
+    _topic_template,
+)
 
-KIB = 1024
-MIB = 1024 * KIB
-GIB = 1024 * MIB
+# Re-exported: other modules import these from here (the value checkers live in checks.py).
+from filemq.common.checks import GIB as GIB
+from filemq.common.checks import KIB as KIB
+from filemq.common.checks import MIB as MIB
+from filemq.common.checks import AutoSubscribe as AutoSubscribe
+from filemq.common.checks import Checker as Checker
+from filemq.common.checks import ConfigError as ConfigError
+from filemq.common.checks import Listener as Listener
+from filemq.common.checks import _Bad as _Bad
+from filemq.common.checks import read_config_text as read_config_text
 
-COMMAND_LINE = "<command line>"
+# -- sections -----------------------------------------------------------------------------
 
-
-class ConfigError(ValueError):
-    """A configuration problem a person can fix; carries where it is.
-
-    ``file`` is the config file (or ``"<command line>"`` for a flag), ``line``/``column``
-    are 1-based when known, ``key`` is the dotted key (``"broker.port"``) when one is at
-    fault, and ``message`` is the human text without the file name.
-    """
-
-    def __init__(
-        self,
-        message: str,
-        *,
-        file: str | None = None,
-        line: int | None = None,
-        key: str | None = None,
-        column: int | None = None,
-    ) -> None:
-        self.message = message
-        self.file = file
-        self.line = line
-        self.key = key
-        self.column = column
-        super().__init__(f"{file}: {message}" if file else message)
-
-
-def read_config_text(path: str | os.PathLike[str], what: str) -> str:
-    """The text of a file the configuration names (password file, ACL file), as UTF-8.
-
-    Raises :class:`ConfigError` naming the file and ``what`` it is when it cannot be read or
-    is not UTF-8, so start-up fails with a sentence a person can act on.
-    """
-    file = os.fspath(path)
-    try:
-        return Path(file).read_text(encoding="utf-8")
-    except OSError as exc:
-        raise ConfigError(f"cannot read {what}: {exc.strerror}", file=file) from exc
-    except UnicodeDecodeError as exc:
-        raise ConfigError(f"{what} is not UTF-8 ({exc.reason})", file=file) from exc
-
-
-# -- value checkers -----------------------------------------------------------------------
-# A checker takes a raw value (from TOML, or from a flag, where it may still be a string)
-# and returns the typed value, or raises _Bad with what was expected.
-
-
-class _Bad(Exception):
-    def __init__(self, expected: str) -> None:
-        super().__init__(expected)
-        self.expected = expected
-
-
-Checker = Callable[[Any, bool], Any]
-
-_SIZE_RE = re.compile(r"^\s*(\d+)\s*([kmg]i?b?|b)?\s*$", re.IGNORECASE)
-_SIZE_UNITS = {"": 1, "b": 1, "k": KIB, "m": MIB, "g": GIB}
-
-
-def _int_value(value: Any, from_flag: bool, sizes: bool) -> int | None:
-    if isinstance(value, bool):  # bool is an int subclass; `port = true` is a mistake
-        return None
-    if isinstance(value, int):
-        return value
-    if isinstance(value, str) and (sizes or from_flag):
-        m = _SIZE_RE.match(value) if sizes else re.match(r"^\s*(\d+)\s*$", value)
-        if m is None:
-            return None
-        unit = (m.group(2) or "").lower()[:1] if sizes else ""
-        return int(m.group(1)) * _SIZE_UNITS[unit]
-    return None
-
-
-def _int(lo: int, hi: int | None = None, *, sizes: bool = False, note: str = "") -> Checker:
-    rng = f"{lo}-{hi}" if hi is not None else f">= {lo}"
-    what = f"an integer {rng}" + (" (or a size like '64 MiB')" if sizes else "") + note
-
-    def check(value: Any, from_flag: bool) -> int:
-        n = _int_value(value, from_flag, sizes)
-        if n is None or n < lo or (hi is not None and n > hi):
-            raise _Bad(what)
-        return n
-
-    return check
-
-
-def _str(value: Any, from_flag: bool) -> str:
-    if not isinstance(value, str) or not value.strip():
-        raise _Bad("a non-empty string")
-    return value
-
-
-def _bool(value: Any, from_flag: bool) -> bool:
-    if isinstance(value, bool):
-        return value
-    if from_flag and isinstance(value, str) and value.lower() in ("true", "false", "1", "0"):
-        return value.lower() in ("true", "1")
-    raise _Bad("true or false")
-
-
-def _enum(*choices: str) -> Checker:
-    def check(value: Any, from_flag: bool) -> str:
-        if not isinstance(value, str) or value not in choices:
-            raise _Bad("one of " + ", ".join(repr(c) for c in choices))
-        return value
-
-    return check
-
-
-def _host_port(value: Any, from_flag: bool) -> str:
-    host, sep, port = value.rpartition(":") if isinstance(value, str) else ("", "", "")
-    if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
-        raise _Bad("a string 'host:port' with a port 1-65535")
-    return str(value)
-
-
-@dataclass(frozen=True)
-class AutoSubscribe:
-    """A subscription added to every persistent session on connect.
-
-    ``filter`` may contain ``%c`` (client id) and ``%u`` (username), substituted by the broker.
-    """
-
-    filter: str
-    qos: int = 1
-
-
-def _valid_filter(text: str) -> bool:
-    try:
-        validate_topic_filter(text)
-    except InvalidTopic:
-        return False
-    return True
-
-
-_AUTO_SUB_RE = re.compile(r"^\s*(\S+)(?:\s+qos\s+([0-2]))?\s*$")
-
-
-def _auto_subscribe(value: Any, from_flag: bool) -> tuple[AutoSubscribe, ...]:
-    what = (
-        "a list of {filter = \"cmd/%c/#\", qos = 1} tables "
-        "(or strings like 'cmd/%c/# qos 1') with a valid MQTT filter and qos 0-2"
-    )
-    if isinstance(value, (str, dict)):
-        value = [value]
-    if not isinstance(value, (list, tuple)):
-        raise _Bad(what)
-    rules: list[AutoSubscribe] = []
-    for item in value:
-        if isinstance(item, AutoSubscribe):
-            rules.append(item)
-            continue
-        if isinstance(item, str):
-            m = _AUTO_SUB_RE.match(item)
-            if m is None:
-                raise _Bad(what)
-            filt, qos = m.group(1), int(m.group(2) or 1)
-        elif isinstance(item, dict) and set(item) <= {"filter", "qos"} and "filter" in item:
-            filt, qos = item["filter"], item.get("qos", 1)
-        else:
-            raise _Bad(what)
-        if (
-            not isinstance(filt, str)
-            or not _valid_filter(filt)
-            or isinstance(qos, bool)
-            or qos not in (0, 1, 2)
-        ):
-            raise _Bad(what)
-        rules.append(AutoSubscribe(filt, qos))
-    return tuple(rules)
+_POS = _int(1)
+_NONNEG = _int(0)
+_SIZE = _int(1, sizes=True)
 
 
 def _spec(check: Checker) -> dict[str, Any]:
     return {"check": check}
-
-
-@dataclass(frozen=True)
-class Listener:
-    """One listening socket of the broker (a ``[[listener]]`` table).
-
-    ``protocol`` is ``"mqtt"`` (MQTT over TCP) or ``"websockets"`` (MQTT over WebSockets,
-    subprotocol ``mqtt``; needs the ``websockets`` extra, i.e. ``wsproto``).  ``tls_cert`` +
-    ``tls_key`` make it TLS; ``tls_ca`` verifies client certificates, which
-    ``require_certificate`` makes mandatory; ``use_identity_as_username`` (as Mosquitto)
-    takes the client certificate's CN as the username and does not consult the password
-    file for it.
-    """
-
-    host: str = "127.0.0.1"
-    port: int = 1883
-    protocol: str = "mqtt"
-    tls_cert: str | None = None
-    tls_key: str | None = None
-    tls_ca: str | None = None
-    require_certificate: bool = False
-    use_identity_as_username: bool = False
-
-    @property
-    def tls(self) -> bool:
-        return self.tls_cert is not None
-
-    def describe(self) -> str:
-        scheme = {"mqtt": "mqtt", "websockets": "ws"}[self.protocol] + ("s" if self.tls else "")
-        return f"{scheme}://{self.host}:{self.port}"
-
-
-_LISTENER_WHAT = (
-    "a list of [[listener]] tables with host, port, protocol = \"mqtt\" | \"websockets\", "
-    "tls_cert, tls_key, tls_ca, require_certificate, use_identity_as_username "
-    "(or strings 'HOST:PORT[,key=value...]')"
-)
-
-
-def _listener(item: Any, from_flag: bool, n: int) -> Listener:
-    if isinstance(item, Listener):
-        return item
-    if isinstance(item, str):  # --listener 0.0.0.0:8883,tls_cert=c.pem,tls_key=k.pem
-        first, *rest = item.split(",")
-        host, sep, port = first.strip().rpartition(":")
-        if not sep or not host:
-            raise _Bad(_LISTENER_WHAT)
-        raw: dict[str, Any] = {"host": host.strip("[]"), "port": port}
-        for part in rest:
-            k, eq, v = part.partition("=")
-            if not eq:
-                raise _Bad(_LISTENER_WHAT)
-            raw[k.strip()] = v.strip()
-        from_flag = True
-    elif isinstance(item, dict):
-        raw = dict(item)
-    else:
-        raise _Bad(_LISTENER_WHAT)
-    names = {f.name for f in dataclasses.fields(Listener)}
-    unknown = sorted(set(raw) - names)
-    if unknown:
-        raise _Bad(f"{_LISTENER_WHAT}; listener {n} has unknown key {unknown[0]!r}")
-    checks: dict[str, Checker] = {
-        "host": _str, "port": _PORT, "protocol": _enum("mqtt", "websockets"), "tls_cert": _str,
-        "tls_key": _str, "tls_ca": _str, "require_certificate": _bool,
-        "use_identity_as_username": _bool,
-    }
-    values: dict[str, Any] = {}
-    for k, v in raw.items():
-        try:
-            values[k] = checks[k](v, from_flag)
-        except _Bad as bad:
-            raise _Bad(f"{_LISTENER_WHAT}; listener {n}: {k} must be {bad.expected}") from None
-    lst = Listener(**values)
-    problem = None
-    if (lst.tls_cert is None) != (lst.tls_key is None):
-        problem = "TLS needs both tls_cert and tls_key"
-    elif lst.tls_ca is not None and not lst.tls:
-        problem = "tls_ca verifies client certificates of a TLS listener; set tls_cert and tls_key"
-    elif lst.require_certificate and lst.tls_ca is None:
-        problem = "require_certificate needs tls_ca (the CA that signs client certificates)"
-    elif lst.use_identity_as_username and not lst.require_certificate:
-        problem = "use_identity_as_username needs require_certificate = true"
-    if problem is not None:
-        raise _Bad(f"{_LISTENER_WHAT}; listener {n} ({lst.host}:{lst.port}): {problem}")
-    return lst
-
-
-def _listeners(value: Any, from_flag: bool) -> tuple[Listener, ...]:
-    if isinstance(value, (str, dict, Listener)):
-        value = [value]
-    if not isinstance(value, (list, tuple)):
-        raise _Bad(_LISTENER_WHAT)
-    return tuple(_listener(item, from_flag, n) for n, item in enumerate(value, start=1))
-
-
-# -- sections -----------------------------------------------------------------------------
-
-_PORT = _int(0, 65535, note=" (0 = any free port)")
-_POS = _int(1)
-_NONNEG = _int(0)
-_SIZE = _int(1, sizes=True)
 
 
 @dataclass(frozen=True)
@@ -387,8 +142,17 @@ class AgentSection:
     metrics_port: int | None = field(default=None, metadata=_spec(_PORT))
     stream: str = field(default="main", metadata=_spec(_str))
     ack_timeout_ms: int = field(default=30_000, metadata=_spec(_POS))
+    # ``--export NAME=URL`` (repeatable): an export, or the URL of the [[export]] table NAME.
+    export: tuple[str, ...] = field(default=(), metadata=_spec(_export_flags))
     # The collector's packet limit (at least 64 MiB): a record too large for it is set aside.
     upstream_max_packet_size: int = field(default=64 * MIB, metadata=_spec(_int(1024, 268_435_455, sizes=True)))
+
+
+@dataclass(frozen=True)
+class UplinkSection:
+    """The device's uplink, shared by every export (``[uplink]``)."""
+
+    rate_limit_bytes_per_s: int | None = field(default=None, metadata=_spec(_SIZE))
 
 
 @dataclass(frozen=True)
@@ -430,6 +194,130 @@ class IngestSection:
     max_files_per_batch: int = field(default=1000, metadata=_spec(_POS))
 
 
+_OPT_POS = _int(1)
+
+
+@dataclass(frozen=True)
+class ExportSection:
+    """One export (an ``[[export]]`` table, a ``--export NAME=URL`` flag, or ``agent.collector``):
+    a durable consumer group ``export.NAME`` shipping the log to one destination."""
+
+    name: str = field(default="", metadata=_spec(_export_name))
+    url: str = field(default="", metadata=_spec(_export_url))
+    topics: tuple[str, ...] = field(default=("#",), metadata=_spec(_filters))
+    topic_template: str = field(default="{topic}", metadata=_spec(_topic_template))
+    qos: int = field(default=1, metadata=_spec(_int(1, 2)))
+    retain: bool = field(default=True, metadata=_spec(_bool))
+    window: int | None = field(default=None, metadata=_spec(_int(1, 65535)))
+    batch_records: int | None = field(default=None, metadata=_spec(_OPT_POS))
+    batch_bytes: int | None = field(default=None, metadata=_spec(_SIZE))
+    linger_ms: int | None = field(default=None, metadata=_spec(_NONNEG))
+    compression: str | None = field(default=None, metadata=_spec(_enum("none", "zlib")))
+    priority: int = field(default=0, metadata=_spec(_int(0, 1000)))
+    rate_limit_bytes_per_s: int | None = field(default=None, metadata=_spec(_SIZE))
+    client_id: str | None = field(default=None, metadata=_spec(_str))
+    username: str | None = field(default=None, metadata=_spec(_str))
+    password_file: str | None = field(default=None, metadata=_spec(_str))
+    tls_ca: str | None = field(default=None, metadata=_spec(_str))
+    tls_cert: str | None = field(default=None, metadata=_spec(_str))
+    tls_key: str | None = field(default=None, metadata=_spec(_str))
+    enabled: bool = field(default=True, metadata=_spec(_bool))
+    # The destination's packet limit (AWS IoT Core: 128 KiB); None: agent.upstream_max_packet_size
+    # for a collector export, no limit for an MQTT one. A record too large is set aside, counted.
+    max_packet_size: int | None = field(default=None, metadata=_spec(_int(1024, 268_435_455, sizes=True)))
+    # Only through the agent.collector shorthand (agent.password); tables use password_file.
+    password: str | None = field(default=None, repr=False, metadata=_spec(_str))
+
+    @property
+    def scheme(self) -> str:
+        return urlsplit(self.url).scheme
+
+    @property
+    def kind(self) -> str:
+        """``"filemq"`` (batches to a collector) or ``"mqtt"`` (any MQTT 3.1.1 broker)."""
+        return "filemq" if self.scheme.startswith("filemq") else "mqtt"
+
+    @property
+    def tls(self) -> bool:
+        return self.scheme.endswith("s")
+
+    @property
+    def host(self) -> str:
+        return urlsplit(self.url).hostname or ""
+
+    @property
+    def port(self) -> int:
+        return urlsplit(self.url).port or EXPORT_SCHEMES[self.scheme]
+
+    @property
+    def group_name(self) -> str:
+        """The durable consumer group of this export."""
+        return f"export.{self.name}"
+
+
+_COLLECTOR_ONLY = ("batch_records", "batch_bytes", "linger_ms", "compression")
+_TABLE_KEYS = tuple(f.name for f in dataclasses.fields(ExportSection) if f.name != "password")
+
+
+def _resolve_exports(config: Config, tables: Any, src: _Source, header_lines: list[int]) -> tuple[ExportSection, ...]:
+    """[[export]] tables, then --export flags (a new export, or the URL of the table of that
+    name), then the agent.collector shorthand (an export named ``collector``); all checked."""
+    if not isinstance(tables, list) or not all(isinstance(t, dict) for t in tables):
+        raise src.error("export", "'export' must be an array of tables ([[export]] with name and url)")
+    exports: dict[str, ExportSection] = {}
+    for i, table in enumerate(tables):
+        line = header_lines[i] if i < len(header_lines) else None
+        label = f"[[export]] #{i + 1}" + (f" at line {line}" if line else "")
+
+        def bad(key: str, message: str, label: str = label, line: int | None = line) -> ConfigError:
+            return ConfigError(f"{label}: {message}", file=src.file, line=line, key=f"export.{key}")
+
+        kw: dict[str, Any] = {}
+        for key, value in table.items():
+            if key not in _TABLE_KEYS:
+                hint = difflib.get_close_matches(key, _TABLE_KEYS, n=1, cutoff=0.6)
+                extra = f"; did you mean '{hint[0]}'?" if hint else "; see docs/FORWARDING.md for the keys"
+                raise bad(key, f"unknown key '{key}'{extra}")
+            try:
+                kw[key] = _checker(ExportSection, key)(value, False)
+            except _Bad as exc:
+                got = value if isinstance(value, (str, int, float, bool)) else type(value).__name__
+                raise bad(key, f"{key} must be {exc.expected}, got {got!r}") from None
+        for required in ("name", "url"):
+            if required not in kw:
+                raise bad(required, f"'{required}' is required (name = \"cloud\", url = \"mqtts://host:8883\")")
+        if kw["name"] in exports:
+            raise bad("name", f"export name {kw['name']!r} is used twice; names must be unique")
+        exports[kw["name"]] = ExportSection(**kw)
+    flag_src = _Source(COMMAND_LINE, None)
+    for item in config.agent.export:
+        name, _, url = item.partition("=")
+        exports[name] = dataclasses.replace(exports[name], url=url) if name in exports else ExportSection(name, url)
+    a = config.agent
+    if a.collector is not None:
+        if "collector" in exports:
+            raise flag_src.error("agent.collector", "agent.collector (flag --collector) is the shorthand for an "
+                                 "export named 'collector', but one is already defined; keep one")
+        scheme = "filemqs" if a.tls_ca is not None else "filemq"
+        exports["collector"] = ExportSection(
+            "collector", f"{scheme}://{a.collector}", username=a.username, password=a.password,
+            password_file=a.password_file, tls_ca=a.tls_ca)
+    for e in exports.values():
+        where = f"export {e.name!r}"
+        if e.kind == "mqtt":
+            given = [k for k in _COLLECTOR_ONLY if getattr(e, k) is not None]
+            if given:
+                raise ConfigError(f"{where}: {', '.join(given)} only apply to filemq:// collector exports, "
+                                  f"not to {e.url}", file=src.file, key=f"export.{given[0]}")
+        if (e.tls_cert is None) != (e.tls_key is None):
+            raise ConfigError(f"{where}: tls_cert and tls_key go together (mutual TLS needs both)",
+                              file=src.file, key="export.tls_cert")
+        if (e.tls_cert is not None or e.tls_ca is not None) and not e.tls:
+            raise ConfigError(f"{where}: tls_ca/tls_cert are set but the URL {e.url} is not TLS; "
+                              f"use {e.scheme}s://", file=src.file, key="export.url")
+    return tuple(exports.values())
+
+
 @dataclass(frozen=True)
 class Config:
     """Every setting, typed and validated; build it with :func:`load_config`."""
@@ -442,6 +330,10 @@ class Config:
     agent: AgentSection = field(default_factory=AgentSection)
     collector: CollectorSection = field(default_factory=CollectorSection)
     ingest: IngestSection = field(default_factory=IngestSection)
+    uplink: UplinkSection = field(default_factory=UplinkSection)
+    # Every export of the agent, resolved: [[export]] tables, --export flags and the
+    # agent.collector shorthand (an export named "collector"); see ExportSection.
+    exports: tuple[ExportSection, ...] = ()
 
 
 _SECTIONS: dict[str, type[Any]] = {
@@ -450,6 +342,7 @@ _SECTIONS: dict[str, type[Any]] = {
     "agent": AgentSection,
     "collector": CollectorSection,
     "ingest": IngestSection,
+    "uplink": UplinkSection,
 }
 _TOP_LEVEL = ("data_dir", "listener")
 
@@ -471,7 +364,8 @@ def known_keys() -> list[str]:
 
 
 # Keys whose flag is not derived from the key name (the names the issue texts fixed).
-_FLAG_ALIASES = {"ingest.spark_master": "--master", "ingest.every_s": "--every"}
+_FLAG_ALIASES = {"ingest.spark_master": "--master", "ingest.every_s": "--every",
+                 "uplink.rate_limit_bytes_per_s": "--uplink-rate-limit"}
 
 
 def flag_for(key: str) -> str:
@@ -528,6 +422,7 @@ def is_loopback(host: str) -> bool:
 
 # -- locating keys in the raw text --------------------------------------------------------
 
+_EXPORT_HEADER_RE = re.compile(r"^\s*\[\[\s*export\s*\]\]")
 _HEADER_RE = re.compile(r"^\s*\[\[?\s*([^\]]+?)\s*\]\]?\s*(#.*)?$")
 _KEY_RE = re.compile(r"^\s*([A-Za-z0-9_\-\"'. ]+?)\s*=")
 
@@ -631,6 +526,8 @@ def load_config(
     """
     values: dict[str, tuple[_Source, Any]] = {}
     file_src: _Source | None = None
+    export_tables: Any = []
+    export_lines: list[int] = []
     if path is not None:
         try:
             raw = Path(path).read_bytes()
@@ -647,6 +544,8 @@ def load_config(
                 f"TOML syntax error: {exc}", file=str(path), line=line, column=col
             ) from exc
         file_src = _Source(str(path), text)
+        export_tables = doc.pop("export", [])
+        export_lines = [n for n, raw in enumerate(text.splitlines(), start=1) if _EXPORT_HEADER_RE.match(raw)]
         for key, value in _flatten(doc, file_src).items():
             values[key] = (file_src, value)
     flag_src = _Source(COMMAND_LINE, None)
@@ -667,6 +566,9 @@ def load_config(
         else:
             parts[section][name] = _checked(src, key, _checker(_SECTIONS[section], name), value)
     config = Config(**top, **{name: _SECTIONS[name](**kw) for name, kw in parts.items()})
+    exports = _resolve_exports(config, export_tables, file_src or flag_src, export_lines)
+    if exports:
+        config = dataclasses.replace(config, exports=exports)
     _check_combinations(config, values, file_src or flag_src)
     return config
 
@@ -748,6 +650,12 @@ def _check_listeners(
             f"keep one",
         )
     b = config.broker
+    seen: dict[tuple[str, int], int] = {}
+    for n, lst in enumerate(config.listener, start=1):
+        first = seen.setdefault((lst.host, lst.port), n)
+        if lst.port != 0 and first != n:
+            raise err("listener", f"listeners {first} and {n}{where('listener')} are both on "
+                                  f"{lst.host}:{lst.port}; give each its own port")
     for n, lst in enumerate(config.listener, start=1):
         cert_login = lst.require_certificate and lst.use_identity_as_username
         if is_loopback(lst.host) or cert_login or b.password_file is not None or b.allow_anonymous:

@@ -90,6 +90,10 @@ _KEY_HELP: dict[str, tuple[str, str, str]] = {
     "agent.stream": ("upstream", "Stream name in the batch topic and the idempotency key", ""),
     "agent.ack_timeout_ms": ("upstream", "Reconnect and resend when a batch is not acknowledged "
                              "within this time (ms)", ""),
+    "agent.export": ("upstream", "An export NAME=URL (repeatable): filemq[s]://HOST:PORT (collector) or "
+                     "mqtt[s]://HOST[:PORT] (any MQTT broker); more keys in [[export]] tables", "none"),
+    "uplink.rate_limit_bytes_per_s": ("upstream", "Bytes per second for all exports together, "
+                                      "higher priority first", "unlimited"),
     "collector.host": ("listener", "Address the collector listens on; off loopback it needs a "
                        "password file or allow_anonymous", ""),
     "collector.port": ("listener", "Port devices connect to", ""),

@@ -1,5 +1,5 @@
-"""MQTT 3.1.1 and 5.0: packets (:mod:`.packets`), the sans-I/O codec (:mod:`.codec`) and an
-asyncio 3.1.1 client (:mod:`.client`).
+"""MQTT 3.1.1 and 5.0: packets (:mod:`.packets`), the sans-I/O codec (:mod:`.codec`, over
+:mod:`.codec5`, :mod:`.properties` and :mod:`.wire`) and an asyncio 3.1.1 client (:mod:`.client`).
 
 May import: ``filemq.common``. Must not import the queue, the broker, the upstream batch
 format or operations: the codec knows bytes and packets, nothing of what a broker does.

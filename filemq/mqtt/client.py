@@ -128,9 +128,11 @@ class ClientSession:
                 return pid
         raise MQTTClientError("all 65535 packet ids are in use")
 
-    def publish(self, topic: str, payload: bytes, qos: int = 1, retain: bool = False) -> Publish:
+    def publish(self, topic: str, payload: bytes, qos: int = 1, retain: bool = False, dup: bool = False) -> Publish:
         """The PUBLISH to send; QoS 1/2 ones are tracked until acknowledged.
 
+        ``dup`` sets DUP on the first send: the caller may have sent this message before, in an
+        earlier session this object does not remember (a store-and-forward agent after a restart).
         Raises ``MQTTClientError`` if the window is full (check :meth:`window_open`).
         """
         if qos not in (0, 1, 2):
@@ -139,7 +141,7 @@ class ClientSession:
             return Publish(topic, payload, 0, retain)
         if not self.window_open():
             raise MQTTClientError(f"in-flight window of {self.max_inflight} publishes is full")
-        packet = Publish(topic, payload, qos, retain, False, self._allocate_id())
+        packet = Publish(topic, payload, qos, retain, dup, self._allocate_id())
         self._outgoing[packet.packet_id] = (packet, _AWAIT_ACK)  # type: ignore[index]
         return packet
 
@@ -203,6 +205,14 @@ class ClientSession:
         else:
             raise ProtocolError(f"{type(packet).__name__} is not a packet a client may receive")
         return events
+
+    def complete_qos1(self, packet_id: int) -> bool:
+        """Apply a PUBACK if it completes an in-flight QoS 1 publish (True); else change nothing."""
+        entry = self._outgoing.get(packet_id)
+        if entry is None or entry[0].qos != 1:
+            return False
+        del self._outgoing[packet_id]
+        return True
 
     def accept(self, message: Publish) -> Packet | None:
         """The acknowledgement to send once ``message`` was handed to the application:
@@ -283,6 +293,10 @@ class MQTTClient:
         self.ssl = ssl
         self.will = will
         self.on_message = on_message
+        # publish_batch(): called with the packet ids completed by each chunk read from the socket.
+        self.on_complete: Callable[[list[int]], None] | None = None
+        self._completed: list[int] = []
+        self._cork: list[bytes] | None = None
         self.session = ClientSession(max_inflight)
         self._max_packet_size = max_packet_size
         self._max_queued = max_queued_messages
@@ -374,8 +388,12 @@ class MQTTClient:
 
     # ------------------------------------------------------------------ publishing
 
-    def publish_nowait(self, topic: str, payload: bytes, qos: int = 1, retain: bool = False) -> asyncio.Future[None]:
-        """Queue a publish; the future resolves once the broker acknowledged it (see class doc)."""
+    def publish_nowait(
+        self, topic: str, payload: bytes, qos: int = 1, retain: bool = False, dup: bool = False
+    ) -> asyncio.Future[None]:
+        """Queue a publish; the future resolves once the broker acknowledged it (see class doc).
+
+        ``dup`` (QoS 1/2): send it with DUP set, for a message possibly sent before (MQTT-3.3.1-1)."""
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         if qos == 0:
             if not self.connected:
@@ -387,10 +405,42 @@ class MQTTClient:
         if qos not in (1, 2):
             raise ValueError(f"QoS must be 0, 1 or 2, got {qos}")
         if self._waiting or not self.session.window_open():
-            self._waiting.append((Publish(topic, payload, qos, retain), future))
+            self._waiting.append((Publish(topic, payload, qos, retain, dup), future))
             return future
-        self._start_publish(Publish(topic, payload, qos, retain), future)
+        self._start_publish(Publish(topic, payload, qos, retain, dup), future)
         return future
+
+    def publish_batch(self, messages: Iterable[tuple[str, bytes, bool, bool]], qos: int = 1) -> list[int]:
+        """Start QoS 1/2 publishes of ``(topic, payload, retain, dup)`` without a future each, written
+        to the socket in one call; returns their packet ids, in order.
+
+        For a high-rate producer that tracks completion itself: ``on_complete(ids)`` is called
+        with the packet ids fully acknowledged (PUBACK / PUBCOMP), once per chunk read from the
+        socket. They are in the session like any publish: resent with DUP by the next
+        :meth:`connect` if the connection drops. Raises ``MQTTClientError`` if they do not fit
+        the in-flight window (check ``session.max_inflight - session.inflight``) or publishes
+        queued by :meth:`publish_nowait` are waiting.
+        """
+        if qos not in (1, 2):
+            raise ValueError(f"publish_batch needs QoS 1 or 2, got {qos}")
+        if self._waiting:
+            raise MQTTClientError("publish_batch while publish_nowait() messages wait for the window")
+        session = self.session
+        ids: list[int] = []
+        send = self.connected and self._writer is not None
+        self._cork = [] if send else None
+        try:
+            for topic, payload, retain, dup in messages:
+                packet = session.publish(topic, payload, qos, retain, dup)
+                ids.append(packet.packet_id)  # type: ignore[arg-type]
+                if send:
+                    self._send(packet)
+        finally:
+            data, self._cork = self._cork, None
+            if data and self._writer is not None:
+                self._writer.write(b"".join(data))
+                self._last_sent = time.monotonic()
+        return ids
 
     async def publish(
         self, topic: str, payload: bytes, qos: int = 1, retain: bool = False, *, timeout: float | None = 30.0
@@ -405,7 +455,7 @@ class MQTTClient:
             await asyncio.shield(future)
 
     def _start_publish(self, template: Publish, future: asyncio.Future[None]) -> None:
-        packet = self.session.publish(template.topic, template.payload, template.qos, template.retain)
+        packet = self.session.publish(template.topic, template.payload, template.qos, template.retain, template.dup)
         self._publish_futures[packet.packet_id] = future  # type: ignore[index]
         if self.connected:
             self._send(packet)
@@ -466,6 +516,9 @@ class MQTTClient:
     def _send(self, packet: Packet) -> None:
         if self._writer is None:
             raise ConnectionLost(f"client {self.client_id!r} is not connected")
+        if self._cork is not None:
+            self._cork.append(encode(packet))
+            return
         self._writer.write(encode(packet))
         self._last_sent = time.monotonic()
 
@@ -479,7 +532,16 @@ class MQTTClient:
                     break
                 decoder.feed(data)
                 for packet in decoder.packets():
+                    # Fast path for the common case of a publish_batch() producer: a PUBACK
+                    # completing a QoS 1 publish nobody holds a future for.
+                    if type(packet) is Puback and packet.packet_id not in self._publish_futures \
+                            and self.session.complete_qos1(packet.packet_id):
+                        self._completed.append(packet.packet_id)
+                        continue
                     await self._dispatch(packet)
+                self._flush_completed()
+                if self._waiting:
+                    self._fill_window()
         except (OSError, ProtocolError) as exc:
             log.warning("client %r: connection to %s:%d failed: %s", self.client_id, self.host, self.port, exc)
             reason = exc
@@ -491,7 +553,14 @@ class MQTTClient:
             reason = None
             raise
         finally:
+            self._flush_completed()
             self._connection_ended(reason)
+
+    def _flush_completed(self) -> None:
+        if self._completed:
+            completed, self._completed = self._completed, []
+            if self.on_complete is not None:
+                self.on_complete(completed)
 
     async def _dispatch(self, packet: Packet) -> None:
         events = self.session.receive(packet)
@@ -499,6 +568,8 @@ class MQTTClient:
             self._send(out)
         for pid in events.completed:
             future = self._publish_futures.pop(pid, None)
+            if future is None:
+                self._completed.append(pid)  # a publish_batch() one
             if future is not None and not future.done():
                 future.set_result(None)
         if events.completed:

@@ -67,6 +67,11 @@ async def serve_until_signalled(
     service (an ``OSError`` from it stops the service and exits 1); ``status`` gives the
     one-line ``STATUS=`` systemd shows (the backlog).
     """
+    loop = asyncio.get_running_loop()
+    early_hup: list[bool] = []  # a SIGHUP while starting: never fatal; reloaded once up
+    if hasattr(signal, "SIGHUP"):
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(signal.SIGHUP, early_hup.append, True)
     try:
         service = make()
         await service.start()
@@ -85,7 +90,6 @@ async def serve_until_signalled(
             await service.stop()
             return EXIT_RUNTIME
     stop = stop or asyncio.Event()
-    loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         # Not possible outside the main thread (tests serve in one): Ctrl-C still works there.
         with contextlib.suppress(NotImplementedError, RuntimeError):
@@ -95,6 +99,11 @@ async def serve_until_signalled(
         # SIGHUP (`systemctl reload`) re-reads the files the service names; it never ends it.
         with contextlib.suppress(NotImplementedError, RuntimeError):
             loop.add_signal_handler(signal.SIGHUP, _reload, reload, name, log)
+        if early_hup:
+            _reload(reload, name, log)
+    elif hasattr(signal, "SIGHUP"):
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.remove_signal_handler(signal.SIGHUP)
     line = describe(service)
     log.info("%s", line)
     if ready is not None:

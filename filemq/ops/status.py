@@ -315,7 +315,51 @@ def data_dir_status(path: str | os.PathLike[str]) -> dict[str, Any]:
         journal = _journaled(layout.groups_dir)
         groups = [_group_status(d, first, committed, journal.get(d.name))
                   for d in group_directories(layout.groups_dir)]
-    return {"log": log_info, "groups": groups}
+    status: dict[str, Any] = {"log": log_info, "groups": groups}
+    exports = _exports_status(layout.log_dir.parent / EXPORTS_FILE)
+    if exports is not None:
+        status["exports"] = exports
+    return status
+
+
+EXPORTS_FILE = "exports.json"  # written by a running agent every second (worker_agent.exports)
+
+
+def _exports_status(path: Path) -> list[dict[str, Any]] | None:
+    """The agent's exports as it last wrote them, each with ``as_of_age_s`` (None: no agent file)."""
+    try:
+        body = json.loads(path.read_text(encoding="utf-8"))
+        entries = [dict(e) for e in body["exports"]]
+        written = float(body["written_unix"])
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        return [{"name": None, "problem": f"{path}: unreadable ({exc})"}]
+    age = max(0.0, datetime.now(UTC).timestamp() - written)
+    for entry in entries:
+        entry["as_of_age_s"] = round(age, 3)
+    return entries
+
+
+def _export_line(e: dict[str, Any]) -> list[str]:
+    if e.get("name") is None:
+        return [f"exports: PROBLEM {e.get('problem')}"]
+    state = e.get("state")
+    head = f"export {e['name']!r} -> {e.get('url')} (priority {e.get('priority', 0)}): {state}"
+    if state == "backoff" and e.get("last_error"):
+        head += f", backing off: {e['last_error']}"
+    elif state == "stopped" and e.get("last_error"):
+        head += f", last error: {e['last_error']}"
+    lines = [head]
+    if "lag_records" in e:
+        age = e.get("oldest_unsent_age_s")
+        last_ack = e.get("last_ack_unix")
+        ack = datetime.fromtimestamp(last_ack, UTC).isoformat(timespec="seconds") if last_ack else "never"
+        lines.append(
+            f"  lag {e['lag_records']:,} records (~{e.get('lag_bytes', 0):,} bytes), oldest unsent "
+            f"{'-' if age is None else f'{age:.1f} s'}, last ack {ack}, lost to retention "
+            f"{e.get('lost_records', 0):,} (as of {e.get('as_of_age_s', 0):.0f} s ago)")
+    return lines
 
 
 def status_text(status: dict[str, Any]) -> list[str]:
@@ -339,6 +383,8 @@ def status_text(status: dict[str, Any]) -> list[str]:
         )
         for problem in g["problems"]:
             lines.append(f"  PROBLEM {problem}")
+    for e in status.get("exports", []):
+        lines.extend(_export_line(e))
     return lines
 
 

@@ -95,7 +95,7 @@ class Queue:
             # Make the new directory's name durable: losing it would lose every group.
             io.fsync_dir(root)
         purge_dropped(queue.groups_dir, io)
-        journal = queue._journal = ProgressJournal(queue.groups_dir / JOURNAL_FILE, io)
+        journal = queue._journal = _open_journal(queue.groups_dir / JOURNAL_FILE, io)
         for directory in group_directories(queue.groups_dir):
             try:
                 group = ConsumerGroup.load(directory, lg, config=cfg.group, fileio=io,
@@ -137,15 +137,25 @@ class Queue:
             self._housekeeping.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._housekeeping
+        persisted = True
         for group in self._groups.values():
-            group.close()
+            try:
+                group.close()
+            except OSError as exc:  # e.g. a full disk: close the rest, keep the journal
+                persisted = False
+                log.error("could not persist the offsets of consumer group %r at close: %s "
+                          "(the progress journal keeps its acked progress)", group.name, exc)
         if self._committer is not None:
             await self._committer.close()
-        self.log.close()
+        try:
+            self.log.close()
+        except OSError as exc:
+            log.error("closing the log %s: %s", self.log.directory, exc)
         if self._journal is not None:
-            # Every group was just persisted: the journal holds nothing the files lack.
-            with contextlib.suppress(OSError):
-                self._journal.reset()
+            if persisted:
+                # Every group was just persisted: the journal holds nothing the files lack.
+                with contextlib.suppress(OSError):
+                    self._journal.reset()
             self._journal.close()
 
     async def __aenter__(self) -> Queue:
@@ -245,6 +255,15 @@ class Queue:
         if group.durable and group.directory is not None and self._journal is not None:
             self._journal.forget(group.directory.name)
         group.drop()
+        return True
+
+    def detach_group(self, name: str) -> bool:
+        """Persist and close the group but keep its files: it no longer holds back retention
+        (a disabled agent export) and is loaded again by the next :meth:`open`. False if absent."""
+        group = self._groups.pop(name, None)
+        if group is None:
+            return False
+        group.close()
         return True
 
     def groups(self) -> list[ConsumerGroup]:
@@ -347,3 +366,18 @@ class Queue:
                 raise
             except Exception:
                 log.exception("queue housekeeping failed; retrying in %.3f s", persist_every)
+
+
+def _open_journal(path: Path, io: FileIO) -> ProgressJournal:
+    """Open the progress journal; one that cannot be opened or read (not a file, an I/O
+    error) never blocks start-up: it is moved aside and a new one started, so the groups
+    resume from their offset files (more redeliveries, nothing skipped)."""
+    try:
+        return ProgressJournal(path, io)
+    except OSError as exc:
+        aside = path.with_name(f"{path.name}.damaged-{time.time_ns()}")
+        log.error("progress journal %s unusable (%s); moved aside to %s: acked progress since the "
+                  "offset files' last write is re-delivered", path, exc, aside.name)
+        os.rename(path, aside)
+        io.fsync_dir(path.parent)
+        return ProgressJournal(path, io)

@@ -1,0 +1,21 @@
+"""A tiny run of the MQTT export drain of `filemq bench forward` so the benchmark keeps
+working: every record arrives upstream, the rate is positive (never a timing threshold)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from bench.forward_mqtt import run_mqtt_export_drain
+from tests import mosquitto
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
+
+
+@pytest.mark.skipif(not mosquitto.available(), reason="Debian mosquitto is not installed")
+def test_mqtt_export_drain_ships_every_record(tmp_path: Path) -> None:
+    result = run_mqtt_export_drain(tmp_path / "export", 2000, 100, 60)
+    assert result.name == "mqtt_export_drain" and result.records == 2000
+    assert result.rate > 0 and "TIMED OUT" not in result.note
+    assert result.cpu_seconds["agent"] > 0

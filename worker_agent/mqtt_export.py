@@ -1,0 +1,414 @@
+"""An MQTT export: the device log shipped record by record to any MQTT 3.1.1 broker.
+
+A :class:`MqttExport` reads its durable consumer group (``export.NAME``) and publishes each
+record with the export's QoS to ``topic_template`` on the upstream broker, through one
+:class:`filemq.mqtt.client.MQTTClient` kept for the life of the export.
+
+What a caller may rely on:
+
+* **The group moves only over what the destination acknowledged.** A record is acked in the
+  group when its PUBACK (QoS 1) or PUBCOMP (QoS 2) arrives; the group's Pending offset is the
+  lowest record not yet acked, so it only ever moves over a gap-free acknowledged prefix,
+  whatever order the acknowledgements come in. After a crash the export resumes there.
+* **The unacknowledged window goes first, with DUP.** The upstream session is persistent
+  (clean session off) and the client keeps its in-flight publishes across reconnects: on
+  each reconnect they are sent again with their packet ids and DUP set before any new record
+  (MQTT-4.4.0-1). After a restart, records the group may have handed out before the restart
+  are published with DUP set (MQTT-3.3.1-1).
+* **QoS 2 after a restart.** The new process does not know which packet ids the upstream
+  session still holds for half-finished QoS 2 exchanges; a stale id would make the broker
+  take a new message for a duplicate and drop it. So a QoS 2 export's first connection in a
+  process is a clean one (the broker forgets those ids), then it reconnects persistent; the
+  records it had not completed are sent again (at least once, never lost).
+* **Failures back off, never skip.** A refused login (wrong credentials), an unreachable or
+  restarting broker: the reason is logged and kept in ``stats.last_error``, the export waits
+  with full-jitter exponential backoff and tries again; no record is acked without its
+  acknowledgement. One export never waits for another.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import time
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+from filemq.mqtt.client import ConnectionRefused, MQTTClient
+from worker_agent.forwarder import CONSUMER, ForwardGroup, RateLimiter, backoff_delay
+from worker_agent.uplink import MAX_GRANT_BYTES
+
+if TYPE_CHECKING:
+    from filemq.common.config import ExportSection
+    from segments import Record
+
+log = logging.getLogger(__name__)
+
+FETCH_MAX = 512  # records per group fetch
+PUBLISH_OVERHEAD = 7  # fixed header, topic length, packet id: bytes per PUBLISH besides topic and payload
+PUBLISH_MAX_OVERHEAD = 9  # the same with a 4-byte remaining length: an upper bound
+
+
+class ExportGroup(ForwardGroup, Protocol):
+    """The consumer group of an export (``filemq.queue.groups.ConsumerGroup``)."""
+
+    def redelivered(self, offset: int) -> bool: ...
+
+
+class ExportClient(Protocol):
+    """What the export needs of its upstream client (:class:`MQTTClient` fits)."""
+
+    closed: asyncio.Event
+    close_reason: BaseException | None
+    clean_session: bool
+    on_complete: Callable[[list[int]], None] | None
+
+    async def connect(self, timeout: float = 10.0) -> object: ...
+
+    def publish_batch(self, messages: Iterable[tuple[str, bytes, bool, bool]], qos: int = 1) -> list[int]: ...
+
+    async def disconnect(self, timeout: float = 5.0) -> None: ...
+
+
+@dataclass
+class ExportStats:
+    """Counters and state of one export (``filemq status``, ``$SYS``, Prometheus)."""
+
+    state: str = "starting"  # connected | backoff | stopped
+    last_error: str | None = None
+    connects: int = 0
+    connect_failures: int = 0
+    disconnects: int = 0
+    records_sent: int = 0
+    records_acked: int = 0
+    bytes_sent: int = 0
+    bytes_acked: int = 0
+    inflight: int = 0
+    acked_offset: int = -1  # offset of the last record acknowledged upstream
+    last_ack_unix: float | None = None
+    oversized_skipped: int = 0  # records over max_packet_size: set aside, never sent (a counted loss)
+
+
+@dataclass(frozen=True)
+class MqttExportSettings:
+    """How one MQTT export publishes and retries (from its ``[[export]]`` table)."""
+
+    name: str
+    device_id: str
+    qos: int = 1
+    retain: bool = True
+    topic_template: str = "{topic}"
+    window: int = 2000
+    backoff_initial_s: float = 0.5
+    backoff_max_s: float = 60.0
+    connect_timeout_s: float = 10.0
+    max_packet_size: int | None = None  # the destination's limit; larger PUBLISHes are never sent
+
+    @classmethod
+    def from_section(cls, spec: ExportSection, device_id: str, backoff_initial_s: float,
+                     backoff_max_s: float) -> MqttExportSettings:
+        return cls(spec.name, device_id, spec.qos, spec.retain, spec.topic_template,
+                   spec.window or cls.window, backoff_initial_s, backoff_max_s,
+                   max_packet_size=spec.max_packet_size)
+
+
+class MqttExport:
+    """Ship one consumer group to an MQTT broker until :meth:`stop`."""
+
+    kind = "mqtt"
+
+    def __init__(
+        self,
+        group: ExportGroup,
+        wait_for_records: Callable[[int], Awaitable[object]],
+        make_client: Callable[[], ExportClient],
+        settings: MqttExportSettings,
+        *,
+        limiter: RateLimiter | None = None,
+        rng: random.Random | None = None,
+    ) -> None:
+        self.group = group
+        self.settings = settings
+        self.stats = ExportStats()
+        self._wait_for_records = wait_for_records
+        self._make_client = make_client
+        self._limiter = limiter
+        self._rng = rng or random.Random()
+        self._template = self._topic_function(settings)
+        self._carry: list[Record] = []  # fetched, not yet handed to the client
+        self._inflight = 0
+        self._sent: dict[int, tuple[int, int]] = {}  # packet id -> (offset, payload bytes), unacknowledged
+        self._room = asyncio.Event()
+        self._stopping = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._attempt = 0
+
+    @staticmethod
+    def _topic_function(s: MqttExportSettings) -> Callable[[str], str]:
+        if s.topic_template == "{topic}":
+            return lambda topic: topic
+        template = s.topic_template
+        return lambda topic: template.format(device_id=s.device_id, topic=topic, name=s.name)
+
+    @property
+    def name(self) -> str:
+        return self.settings.name
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.create_task(self._run(), name=f"filemq-export-{self.name}")
+
+    async def stop(self) -> None:
+        """Stop: disconnect (what is unacknowledged stays in the log for next time)."""
+        self._stopping.set()
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self.stats.state = "stopped"
+
+    # -- the connection loop ------------------------------------------------------------------
+
+    async def _run(self) -> None:
+        client = self._make_client()
+        client.on_complete = self._completed
+        fresh = self.settings.qos == 2  # see the module doc: forget stale QoS 2 packet ids once
+        try:
+            while not self._stopping.is_set():
+                try:
+                    if fresh and not await self._reset_session(client):
+                        continue
+                    fresh = False
+                    await self._connection(client)
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:
+                    log.exception("export %r: unexpected error; reconnecting", self.name)
+                    await self._backoff(f"unexpected error: {exc}")
+        finally:
+            with contextlib.suppress(Exception):
+                async with asyncio.timeout(3.0):
+                    await asyncio.shield(client.disconnect(timeout=1.0))
+            self._carry = []
+            self._sent.clear()
+            self._inflight = 0
+            self.stats.inflight = 0
+            self.group.release(CONSUMER)
+
+    async def _reset_session(self, client: ExportClient) -> bool:
+        """One clean connection, to drop the upstream session's QoS 2 state; False (after a
+        backoff) if it could not be made."""
+        client.clean_session = True
+        try:
+            if not await self._connect(client):
+                return False
+            await client.disconnect(timeout=1.0)
+            return True
+        finally:
+            client.clean_session = False
+
+    async def _connect(self, client: ExportClient) -> bool:
+        """Connect; on failure count it, record why, back off and return False."""
+        try:
+            await client.connect(timeout=self.settings.connect_timeout_s)
+        except ConnectionRefused as exc:
+            self.stats.connect_failures += 1
+            await self._backoff(f"the broker refused the connection: {exc.reason} (CONNACK {exc.return_code}); "
+                                "check the export's username, password_file and client_id", error=True)
+            return False
+        except (OSError, TimeoutError, ConnectionError) as exc:
+            self.stats.connect_failures += 1
+            await self._backoff(f"cannot connect: {exc or type(exc).__name__}")
+            return False
+        return True
+
+    async def _connection(self, client: ExportClient) -> None:
+        if not await self._connect(client):
+            return
+        self.stats.connects += 1
+        self.stats.state = "connected"
+        self.stats.last_error = None
+        log.info("export %r connected; backlog %d records", self.name, self.group.lag)
+        pump = asyncio.create_task(self._pump(client), name=f"filemq-export-{self.name}-pump")
+        closed = asyncio.create_task(client.closed.wait(), name=f"filemq-export-{self.name}-closed")
+        try:
+            done, _ = await asyncio.wait({pump, closed}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (pump, closed):
+                task.cancel()
+            await asyncio.wait({pump, closed}, timeout=5.0)
+        self.stats.disconnects += 1
+        reason: object = client.close_reason
+        if pump in done and not pump.cancelled() and pump.exception() is not None:
+            reason = pump.exception()
+        if not self._stopping.is_set():
+            await self._backoff(f"connection lost: {reason or 'closed'}")
+
+    async def _backoff(self, reason: str, *, error: bool = False) -> None:
+        s = self.settings
+        delay = backoff_delay(self._attempt, s.backoff_initial_s, s.backoff_max_s, self._rng)
+        self._attempt += 1
+        self.stats.state = "backoff"
+        self.stats.last_error = reason
+        (log.error if error else log.warning)("export %r: %s; retrying in %.2f s", self.name, reason, delay)
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(delay):
+                await self._stopping.wait()
+
+    # -- sending --------------------------------------------------------------------------------
+
+    async def _pump(self, client: ExportClient) -> None:
+        """Publish records as the window allows; records stay in ``_carry`` until published."""
+        s = self.settings
+        group = self.group
+        window = s.window
+        # Refill the window in chunks, not a record per acknowledgement: fewer, larger writes.
+        refill = max(1, min(window // 4, FETCH_MAX))
+        limiter = self._limiter
+        while True:
+            while self._inflight > window - refill:
+                self._room.clear()
+                await self._room.wait()
+            if not self._carry:
+                records = group.fetch(min(window - self._inflight, FETCH_MAX), CONSUMER)
+                if not records:
+                    if group.has_work():
+                        await asyncio.sleep(0)
+                    else:
+                        await self._wait_for_records(group.doing_offset)
+                    continue
+                self._carry = records
+            chunk = self._carry
+            if limiter is not None:
+                chunk, size = _chunk(chunk)
+                await limiter.take(size)
+            self._publish(client, chunk)
+            if chunk is self._carry:
+                self._carry = []
+            else:
+                del self._carry[:len(chunk)]
+            await asyncio.sleep(0)  # let the local broker run between chunks of a backlog
+
+    def _publish(self, client: ExportClient, records: list[Record]) -> None:
+        s = self.settings
+        retain = s.retain
+        topic_of = self._template
+        redelivered = self.group.redelivered
+        if s.max_packet_size is not None:
+            records = self._set_aside_oversized(records, s.max_packet_size)
+            if not records:
+                return
+        ids = client.publish_batch(
+            [(topic_of(r.topic), r.payload, retain and r.retain, redelivered(r.offset)) for r in records], s.qos)
+        sent = self._sent
+        sent_bytes = 0
+        for pid, r in zip(ids, records, strict=True):
+            size = len(r.payload)
+            sent[pid] = (r.offset, size)
+            sent_bytes += size
+        n = len(records)
+        self._inflight += n
+        stats = self.stats
+        stats.inflight = self._inflight
+        stats.records_sent += n
+        stats.bytes_sent += sent_bytes
+
+    def _set_aside_oversized(self, records: list[Record], limit: int) -> list[Record]:
+        """The records whose PUBLISH fits ``limit``; the others are acked without being sent.
+
+        A broker closes the connection on a packet over its limit (MQTT 3.1.1 has no other
+        refusal), so sending one would resend it forever and wedge every record behind it:
+        a counted, logged loss instead (the record stays readable in the log until retention).
+        """
+        topic_of = self._template
+        keep: list[Record] = []
+        for r in records:
+            size = PUBLISH_MAX_OVERHEAD + len(topic_of(r.topic).encode()) + len(r.payload)
+            if size <= limit:
+                keep.append(r)
+                continue
+            self.group.ack(r.offset)
+            self.stats.oversized_skipped += 1
+            log.error("export %r: record %d (%d bytes on topic %r) exceeds the export's max_packet_size %d; "
+                      "set aside, not sent", self.name, r.offset, len(r.payload), r.topic, limit)
+        return keep
+
+    def _completed(self, packet_ids: list[int]) -> None:
+        """The destination acknowledged these publishes (PUBACK / PUBCOMP): ack their records."""
+        sent = self._sent
+        ack = self.group.ack
+        acked_bytes = 0
+        top = -1
+        n = 0
+        for pid in packet_ids:
+            entry = sent.pop(pid, None)
+            if entry is None:
+                continue
+            offset, size = entry
+            ack(offset)
+            acked_bytes += size
+            n += 1
+            if offset > top:
+                top = offset
+        if not n:
+            return
+        self._inflight -= n
+        stats = self.stats
+        stats.inflight = self._inflight
+        stats.records_acked += n
+        stats.bytes_acked += acked_bytes
+        if top > stats.acked_offset:
+            stats.acked_offset = top
+        stats.last_ack_unix = time.time()
+        self._attempt = 0
+        self._room.set()
+
+
+def _chunk(records: list[Record]) -> tuple[list[Record], int]:
+    """The leading records worth at most MAX_GRANT_BYTES on the wire (at least one), and their size."""
+    size = 0
+    for i, r in enumerate(records):
+        n = len(r.payload) + len(r.topic) + PUBLISH_OVERHEAD
+        if i and size + n > MAX_GRANT_BYTES:
+            return records[:i], size
+        size += n
+    return records, size
+
+
+def mqtt_client_factory(spec: ExportSection, device_id: str) -> Callable[[], MQTTClient]:
+    """A function making the export's client: persistent session, its login and TLS settings.
+
+    Raises :class:`filemq.common.config.ConfigError` when a password, CA or key file cannot be read.
+    """
+    import ssl
+
+    from filemq.common.config import ConfigError, read_config_text
+
+    password: str | None = spec.password
+    if spec.password_file is not None:
+        lines = read_config_text(spec.password_file, f"the password file of export {spec.name!r}").splitlines()
+        if not lines:
+            raise ConfigError(f"the password file of export {spec.name!r} is empty", file=spec.password_file)
+        password = lines[0]
+    context: ssl.SSLContext | None = None
+    if spec.tls:
+        try:
+            context = ssl.create_default_context(cafile=spec.tls_ca)
+            if spec.tls_cert is not None:
+                context.load_cert_chain(spec.tls_cert, spec.tls_key)
+        except (OSError, ssl.SSLError) as exc:
+            raise ConfigError(f"export {spec.name!r}: cannot load its TLS files: {exc}",
+                              key="export.tls_ca") from exc
+    client_id = spec.client_id or f"filemq-{device_id}-{spec.name}"
+    window = spec.window or MqttExportSettings.window
+
+    def make() -> MQTTClient:
+        return MQTTClient(client_id, spec.host, spec.port, clean_session=False, keepalive=30,
+                          username=spec.username, password=password, ssl=context,
+                          max_inflight=window)
+
+    return make

@@ -1,0 +1,80 @@
+"""Broker CPU per message of two (or more) filemq source trees and mosquitto, in one run.
+
+    PYTHONPATH=$PWD python -m bench.compare_trees fanout 4 before=/tmp/old-tree after=$PWD
+    MSGS=40000 PYTHONPATH=$PWD python -m bench.compare_trees ingest 3 a=/tree/a b=/tree/b
+
+Each tree's ``cli.py broker`` (``fsync = "always"``, fresh data dir, ``PYTHONPATH`` = the tree)
+and mosquitto run the `filemq bench broker` ingest or fanout load in alternation, ``reps``
+times; each line gives rate and broker CPU per PUBACK / delivery (user + system, threads and
+helper processes), the summary the best run of each and its ratio to mosquitto's. On a
+shared machine only ratios within one run mean something (docs/PERFORMANCE.md). ``MSGS``
+overrides the messages per run (ingest 200,000; fanout 20,000 x the 10 subscribers).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+from bench.baselines import LOOPBACK, BrokerProcess, free_port, spawn, start_mosquitto
+from bench.broker import BrokerBenchOptions, _fanout_run, _ingest_run
+
+
+def _start(tree: Path | None, work: Path) -> BrokerProcess:
+    if tree is None:
+        return start_mosquitto(work)
+    port = free_port()
+    broker = spawn(tree.name, [sys.executable, str(tree / "cli.py"), "broker", "--data-dir", str(work / "data"),
+                               "--host", LOOPBACK, "--port", str(port), "--fsync", "always"],
+                   LOOPBACK, port, work / "broker.log", env=dict(os.environ, PYTHONPATH=str(tree)), cwd=tree)
+    broker.wait_ready(30)
+    return broker
+
+
+def compare(scenario: str, reps: int, trees: dict[str, Path]) -> list[str]:
+    opts = BrokerBenchOptions(max_seconds=10)
+    messages = int(os.environ.get("MSGS", "0")) or (200_000 if scenario == "ingest" else 20_000)
+    runs: dict[str, list[tuple[float, float]]] = {}
+    lines: list[str] = []
+    named: dict[str, Path | None] = {**trees, "mosquitto": None}
+    with tempfile.TemporaryDirectory(prefix="filemq-compare-") as d:
+        for rep in range(reps):
+            for name, tree in named.items():
+                work = Path(d) / f"{name}-{rep}"
+                work.mkdir()
+                with _start(tree, work) as broker:
+                    cpu0 = broker.cpu_seconds()
+                    if scenario == "ingest":
+                        result = _ingest_run(broker, opts, messages, "bench/ingest")
+                        n, rate = result.acked, result.ack_rate
+                    else:
+                        result = _fanout_run(broker, opts, messages)
+                        n, rate = result.delivered, result.delivery_rate
+                    cpu = broker.cpu_seconds() - cpu0
+                us = 1e6 * cpu / max(n, 1)
+                runs.setdefault(name, []).append((us, rate))
+                line = f"{scenario} {name:10} run {rep}: {rate:9,.0f}/s {us:6.2f} us/msg {result.errors[:1]}"
+                lines.append(line)
+                sys.stdout.write(line + "\n")
+    base_us = min(u for u, _ in runs["mosquitto"])
+    base_rate = max(r for _, r in runs["mosquitto"])
+    for name, figures in runs.items():
+        us = min(u for u, _ in figures)
+        rate = max(r for _, r in figures)
+        lines.append(f"SUMMARY {scenario} {name:10} best {us:6.2f} us/msg ({rate:9,.0f}/s)  "
+                     f"cpu ratio vs mosquitto {base_us / us:.2f}  rate ratio {rate / base_rate:.2f}")
+    return lines
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) < 3 or argv[0] not in ("ingest", "fanout"):
+        sys.exit(__doc__)
+    trees = {name: Path(path).resolve() for name, path in (a.split("=", 1) for a in argv[2:])}
+    for line in compare(argv[0], int(argv[1]), trees)[-len(trees) - 1:]:
+        sys.stdout.write(line + "\n")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -506,3 +506,38 @@ def test_close_on_a_full_disk_closes_everything_and_keeps_the_journal(tmp_path: 
     q = FQueue.open(tmp_path, _quiet_cfg(), fileio=io)
     assert [q.group(n).pending_offset for n in ("a", "b")] == [5, 5]
     q.log.close()
+
+
+def test_a_failing_offset_write_is_logged_once_until_it_works_again(caplog: pytest.LogCaptureFixture) -> None:
+    """On a full disk the offset files are retried every interval: the failure is logged with
+    its traceback once per group (not every retry, which filled the log), and the recovery once."""
+    import errno
+    import logging
+
+    class Group:
+        name = "mqtt-session:full-disk-test"
+
+        def __init__(self) -> None:
+            self.failures = 3
+            self.written = 0
+
+        def write_snapshot(self, snap: object) -> None:
+            if self.failures:
+                self.failures -= 1
+                raise OSError(errno.ENOSPC, "No space left on device")
+            self.written += 1
+
+    group = Group()
+    with caplog.at_level(logging.DEBUG, logger="filemq.queue"):
+        for _ in range(5):
+            FQueue.write_snapshots([(group, object())])  # type: ignore[list-item]
+    errors = [r for r in caplog.records if r.levelno == logging.ERROR]
+    assert len(errors) == 1 and errors[0].exc_info is not None and group.name in errors[0].getMessage()
+    assert sum("still cannot persist" in r.getMessage() for r in caplog.records) == 2
+    assert sum("persisted again" in r.getMessage() for r in caplog.records) == 1
+    assert group.written == 2
+    caplog.clear()
+    group.failures = 1
+    with caplog.at_level(logging.DEBUG, logger="filemq.queue"):
+        FQueue.write_snapshots([(group, object())])  # type: ignore[list-item]
+    assert [r.levelno for r in caplog.records] == [logging.ERROR]  # a new outage is reported again

@@ -52,6 +52,10 @@ GROUPS_DIR = "groups"
 JOURNAL_FILE = "progress.journal"  # in the groups directory, see ProgressJournal
 
 
+# Groups whose last offset write failed: logged once until one succeeds (write_snapshots).
+_FAILING_PERSISTS: set[str] = set()
+
+
 @dataclass
 class QueueConfig:
     """The log's settings plus how groups persist and how often housekeeping runs."""
@@ -328,14 +332,27 @@ class Queue:
 
     @staticmethod
     def write_snapshots(snapshots: list[tuple[ConsumerGroup, OffsetSnapshot]]) -> None:
-        """Write snapshots from :meth:`persist_due`; may run on a worker thread."""
+        """Write snapshots from :meth:`persist_due`; may run on a worker thread.
+
+        A failure (a full disk) is logged with its traceback once per group until a write
+        succeeds again, then at DEBUG: on a full disk the retries every interval would otherwise
+        fill the log. The recovery is logged once too."""
         for group, snap in snapshots:
             try:
                 group.write_snapshot(snap)
-            except OSError:
+            except OSError as exc:
                 # Offsets stay in memory and are retried next round; a crash meanwhile only
                 # re-delivers more.
-                log.exception("could not persist offsets of consumer group %r", group.name)
+                if group.name in _FAILING_PERSISTS:
+                    log.debug("still cannot persist offsets of consumer group %r: %s", group.name, exc)
+                else:
+                    _FAILING_PERSISTS.add(group.name)
+                    log.exception("could not persist offsets of consumer group %r (retried every "
+                                  "interval; logged again once it works)", group.name)
+            else:
+                if group.name in _FAILING_PERSISTS:
+                    _FAILING_PERSISTS.discard(group.name)
+                    log.info("offsets of consumer group %r persisted again", group.name)
 
     def run_retention(self) -> RetentionReport:
         """Apply the log's retention, never deleting by age what a group still needs."""

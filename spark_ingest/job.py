@@ -537,6 +537,11 @@ def run_ingest(
     with table.lock():
         reader = (
             spark.readStream.schema(LANDING_SPARK_SCHEMA)
+            # Files are found below incoming/dt=.../ without inferring `dt` as a partition
+            # column: inferred, it would exist only if dt= directories were there when the
+            # query started, and a query started on an empty landing dir would fail at its
+            # first files ("Invalid batch"). The job derives dt from publish_ts itself.
+            .option("recursiveFileLookup", "true")
             .option("maxFilesPerTrigger", config.max_files_per_batch)
             .option("maxFileAge", _MAX_FILE_AGE)
         )

@@ -349,6 +349,43 @@ def test_every_runs_batches_until_stopped(spark: Any, tmp_path: Path) -> None:
     assert p.keys() == Counter(expected_keys(rows(range(20))))
 
 
+def test_every_started_on_an_empty_landing_dir_ingests_what_lands_later(spark: Any, tmp_path: Path) -> None:
+    """`filemq ingest --every` started before the collector landed anything: the first files
+    arrive under incoming/dt=.../ after the stream's source fixed its schema. Spark used to infer
+    `dt` as a partition column only when dt= directories existed at start, so this failed with
+    "Invalid batch" at the first files (seen as a flaky test_every_runs_batches_until_stopped)."""
+    p = Pipeline(tmp_path, spark)
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            run_ingest(spark, p.config, once=False, every=0.5, on_batch=p.reports.append, stop=stop)
+        except BaseException as exc:
+            errors.append(exc)
+
+    runner = threading.Thread(target=run)
+    runner.start()
+    try:
+        # The file source's log directory exists once the source (and its schema) is created.
+        source_log = p.config.checkpoint / "sources" / "0"
+        deadline = time.monotonic() + 120
+        while not source_log.exists():
+            assert time.monotonic() < deadline and runner.is_alive(), errors or "stream did not start"
+            time.sleep(0.1)
+        assert not any((p.config.landing / "incoming").glob("dt=*"))  # nothing landed yet
+        p.land(rows(range(10)))
+        deadline = time.monotonic() + 60
+        while sum(r.rows_written for r in p.reports) < 10:
+            assert time.monotonic() < deadline and runner.is_alive(), errors or "no batch within 60 s"
+            time.sleep(0.2)
+    finally:
+        stop.set()
+        runner.join(timeout=60)
+    assert errors == []
+    assert p.keys() == Counter(expected_keys(rows(range(10))))
+
+
 def test_spark_schema_matches_the_landing_contract(spark: Any) -> None:
     from_arrow = spark.createDataFrame(LANDING_SCHEMA.empty_table()).schema
     assert [(f.name, f.dataType) for f in from_arrow.fields] == [

@@ -271,17 +271,8 @@ def run_bridge(work: Path, records: int, size: int, timeout: float, bridge_timeo
                  "-C", str(records), "-W", str(int(bridge_timeout))],
                 stdout=subprocess.PIPE, stderr=devnull,
             )
-            assert sub.stdout is not None
-            first: float | None = None
-            received = 0
-            for _ in sub.stdout:
-                if first is None:
-                    first = time.monotonic()
-                received += 1
-            sub.wait(30)
+            first, received = count_received(sub, "the bridge")
             seconds = time.monotonic() - start
-            if first is None:
-                raise RuntimeError("mosquitto_sub received nothing from the bridge")
             from_first = time.monotonic() - first
             cpu = {"local_mosquitto": cpu_seconds(local.pid) - local_cpu, "remote_mosquitto": cpu_seconds(remote.pid)}
         finally:
@@ -295,6 +286,22 @@ def run_bridge(work: Path, records: int, size: int, timeout: float, bridge_timeo
     if received < records:
         note += f"; TIMED OUT after {bridge_timeout:.0f} s with {received} of {records} received"
     return Result("mosquitto_bridge_drain", received, from_first, received / from_first, note, cpu)
+
+
+def count_received(sub: subprocess.Popen[bytes], source: str) -> tuple[float, int]:
+    """Read a ``mosquitto_sub`` (one line per message) to its end: the monotonic time of the
+    first message and how many arrived. Raises when nothing came from ``source``."""
+    assert sub.stdout is not None
+    first: float | None = None
+    received = 0
+    for _ in sub.stdout:
+        if first is None:
+            first = time.monotonic()
+        received += 1
+    sub.wait(30)
+    if first is None:
+        raise RuntimeError(f"mosquitto_sub received nothing from {source}")
+    return first, received
 
 
 # -- (b) many devices ------------------------------------------------------------------------------

@@ -30,6 +30,7 @@ from bench.forward import (
     _mosquitto_conf,
     _say,
     _stop,
+    count_received,
     cpu_seconds,
     fill_agent_log,
     free_port,
@@ -72,17 +73,8 @@ def run_mqtt_export_drain(work: Path, records: int, size: int, timeout: float, u
         agent = _filemq("agent", "--config", str(config), "--data-dir", str(agent_dir), "--device-id", "bench-1",
                         "--port", str(aport), log_path=work / "agent.log")
         listening = time.monotonic()
-        assert sub.stdout is not None
-        first: float | None = None
-        received = 0
-        for _ in sub.stdout:
-            if first is None:
-                first = time.monotonic()
-            received += 1
-        sub.wait(30)
+        first, received = count_received(sub, "the export")
         done = time.monotonic()
-        if first is None:
-            raise RuntimeError("mosquitto_sub received nothing from the export")
         cpu = {"agent": cpu_seconds(agent.pid), "upstream_mosquitto": cpu_seconds(upstream.pid)}
     finally:
         if agent is not None:

@@ -516,6 +516,7 @@ def test_a_failing_offset_write_is_logged_once_until_it_works_again(caplog: pyte
 
     class Group:
         name = "mqtt-session:full-disk-test"
+        persist_failing = False
 
         def __init__(self) -> None:
             self.failures = 3

@@ -52,10 +52,6 @@ GROUPS_DIR = "groups"
 JOURNAL_FILE = "progress.journal"  # in the groups directory, see ProgressJournal
 
 
-# Groups whose last offset write failed: logged once until one succeeds (write_snapshots).
-_FAILING_PERSISTS: set[str] = set()
-
-
 @dataclass
 class QueueConfig:
     """The log's settings plus how groups persist and how often housekeeping runs."""
@@ -343,15 +339,15 @@ class Queue:
             except OSError as exc:
                 # Offsets stay in memory and are retried next round; a crash meanwhile only
                 # re-delivers more.
-                if group.name in _FAILING_PERSISTS:
+                if group.persist_failing:
                     log.debug("still cannot persist offsets of consumer group %r: %s", group.name, exc)
                 else:
-                    _FAILING_PERSISTS.add(group.name)
+                    group.persist_failing = True
                     log.exception("could not persist offsets of consumer group %r (retried every "
                                   "interval; logged again once it works)", group.name)
             else:
-                if group.name in _FAILING_PERSISTS:
-                    _FAILING_PERSISTS.discard(group.name)
+                if group.persist_failing:
+                    group.persist_failing = False
                     log.info("offsets of consumer group %r persisted again", group.name)
 
     def run_retention(self) -> RetentionReport:

@@ -221,6 +221,8 @@ class ConsumerGroup:
         self._write_lock = threading.Lock()
         self._closed = False
         self._dropped = False
+        # The last write_snapshot failed (a full disk): the queue logs the next failures quietly.
+        self.persist_failing = False
         if durable:
             assert directory is not None
             self._pending_file = OffsetFile(directory / PENDING_FILE, fileio)

@@ -71,6 +71,9 @@ class Record(NamedTuple):
     payload: bytes
     qos: int = 0
     retain: bool = False
+    # Opaque to this package: the message's MQTT 5.0 message properties as a property section
+    # without its length (filemq.mqtt.properties.encode_message_headers); b"" when none.
+    headers: bytes = b""
 
 
 def make_flags(qos: int, retain: bool) -> int:
@@ -204,7 +207,7 @@ def decode_run(
                 topic_raw = buf[start:stop]
                 topic_raw_len = topic_len
                 topic = topic_raw.decode("utf-8", "replace")
-            append(make(Record, (offset, ts, topic, buf[stop:nxt], flags & QOS_MASK, flags & RETAIN_BIT != 0)))
+            append(make(Record, (offset, ts, topic, buf[stop:nxt], flags & QOS_MASK, flags & RETAIN_BIT != 0, b"")))
             total += framed
             room -= 1
             if not room:

@@ -49,6 +49,7 @@ records = st.builds(
     payload=st.binary(max_size=2000),
     qos=st.integers(0, 2),
     retain=st.booleans(),
+    headers=st.just(b""),  # record format 2 (headers) is not stored yet: see issue 13
 )
 
 

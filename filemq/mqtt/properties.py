@@ -93,6 +93,12 @@ ALLOWED_PROPERTIES: dict[str, frozenset[int]] = {
     "DISCONNECT": frozenset({0x11, 0x1C, 0x1F, 0x26}),
     "AUTH": frozenset({0x15, 0x16, 0x1F, 0x26}),
 }
+# The message properties of a PUBLISH (and of a will) that the log stores with its record and
+# that travel upstream: what a receiver gets again (3.3.2.3; the topic alias and the
+# subscription identifiers belong to one connection and are not stored).
+MESSAGE_PROPERTY_IDS = frozenset({0x01, 0x02, 0x03, 0x08, 0x09, 0x26})
+# ALLOWED_PROPERTIES and the pseudo-kind "MESSAGE" (a record's headers).
+_KIND_ALLOWED: dict[str, frozenset[int]] = {**ALLOWED_PROPERTIES, "MESSAGE": MESSAGE_PROPERTY_IDS}
 # (identifier, type) in table order, and a getter of every Properties field in that order.
 _PROPERTY_KINDS = tuple((ident, kind) for ident, (_attr, kind) in PROPERTY_TYPES.items())
 _all_properties = operator.attrgetter(*(attr for attr, _kind in PROPERTY_TYPES.values()))
@@ -123,7 +129,7 @@ def _encode_properties(props: Properties | None, name: str) -> bytes:
     property the packet may not carry or a value out of its type's range."""
     if props is None:
         return b"\x00"
-    allowed = ALLOWED_PROPERTIES[name]
+    allowed = _KIND_ALLOWED[name]
     out = bytearray()
     for (pid, kind), value in zip(_PROPERTY_KINDS, _all_properties(props), strict=True):
         if value is None or (pid in _LIST_PROPERTIES and not value):
@@ -202,7 +208,7 @@ def _decode_properties(
     if not length:
         return None, pos
     props = Properties()
-    allowed = ALLOWED_PROPERTIES[kind or name]
+    allowed = _KIND_ALLOWED[kind or name]
     types = PROPERTY_TYPES
     while pos < pend:
         ident = buf[pos]
@@ -259,3 +265,38 @@ def _decode_properties(
         raise _protocol_error(f"{name} authentication data without an authentication method "
                               "(spec 3.1.2.11.10, 3.2.2.3.18, 3.15.2.2.3)", name)
     return props, pos
+
+
+# --------------------------------------------------------------------------- record headers
+
+
+def encode_message_headers(props: Properties | None) -> bytes:
+    """A record's ``headers`` (segments.record.Record): the message properties of a PUBLISH or
+    will (:data:`MESSAGE_PROPERTY_IDS`) as an MQTT 5.0 property section *without* its length,
+    in the codec's property order (user properties in their wire order).  ``b""`` when there
+    are none, so a 3.1.1 message, or one without message properties, is stored as before."""
+    if props is None:
+        return b""
+    msg = Properties(
+        payload_format_indicator=props.payload_format_indicator,
+        message_expiry_interval=props.message_expiry_interval,
+        content_type=props.content_type,
+        response_topic=props.response_topic,
+        correlation_data=props.correlation_data,
+        user_properties=props.user_properties,
+    )
+    section = _encode_properties(msg, "MESSAGE")
+    _length, pos = _read_vbi(section, 0, len(section), "property length", "MESSAGE")
+    return section[pos:]
+
+
+def decode_message_headers(headers: bytes) -> Properties | None:
+    """The :class:`Properties` of a record's ``headers`` (None for ``b""``); raises
+    :class:`ProtocolError` when they are not a valid message property section."""
+    if not headers:
+        return None
+    section = _vbi(len(headers)) + headers
+    props, pos = _decode_properties(section, 0, len(section), "MESSAGE")
+    if pos != len(section):  # pragma: no cover - the length prefix is exact
+        raise ProtocolError("record headers: trailing bytes", "MESSAGE")
+    return props

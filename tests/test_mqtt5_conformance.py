@@ -116,6 +116,9 @@ class Client5:
         self.c.loop_start()
         connack = self.connacks.get(timeout=WAIT)
         self.connack = connack
+        if connack.reason != 0:
+            self.c.loop_stop()
+            raise AssertionError(f"CONNACK reason 0x{connack.reason:02x}")
         return connack
 
     def subscribe(self, *filters: tuple[str, SubscribeOptions],
@@ -326,7 +329,7 @@ class Packet:
 
 def parse(first: int, body: bytes) -> Packet:
     p = Packet(first >> 4, first & 0x0F, body)
-    if p.type == CONNACK:
+    if p.type == CONNACK and len(body) > 2:
         p.properties, _ = decode_props(body, 2)
     elif p.type == DISCONNECT and len(body) > 1:
         p.properties, _ = decode_props(body, 1)

@@ -295,3 +295,24 @@ def test_qos1_publish_and_delivery_at_level_5(tmp_path: Path) -> None:
         (m4,) = s4.received()
         assert (m5.topic, m5.payload, m5.qos) == (m4.topic, m4.payload, m4.qos) == ("t/1", b"hello", 1)
     run(main())
+
+
+def test_client_receive_maximum_caps_the_inflight_window(tmp_path: Path) -> None:
+    """3.1.2.11.3 / MQTT-3.3.4-9: the broker never has more unacknowledged QoS 1/2 PUBLISHes
+    out to a client than its Receive Maximum."""
+    async def main() -> None:
+        h = Harness(tmp_path, max_inflight=20)
+        s = client5(h)
+        s.connect("s", properties=Properties(receive_maximum=2))
+        s.send(Subscribe(1, [("r", subscription_options(1))]))
+        s.received()
+        p = client5(h)
+        p.connect("p")
+        p.send(*[Publish("r", b"%d" % i, 1, packet_id=i + 1) for i in range(5)])
+        await h.commit()
+        got = [m for m in s.received() if isinstance(m, Publish)]
+        assert [m.payload for m in got] == [b"0", b"1"]
+        s.send(Puback(got[0].packet_id or 0))
+        more = [m for m in s.received() if isinstance(m, Publish)]
+        assert [m.payload for m in more] == [b"2"]
+    run(main())

@@ -115,11 +115,16 @@ class ConnectMixin(CoreBase):
             conn.protocol_level = PROTOCOL_LEVEL_5
             conn.encode_packet = encode5
             props = p.properties
-            if props is not None and props.authentication_method is not None:
-                # No extended authentication is offered (3.1.2.11.9, 4.12).
-                self._refuse(conn, RC_BAD_AUTHENTICATION_METHOD,
-                             f"authentication method {props.authentication_method!r} is not supported")
-                return
+            if props is not None:
+                if props.authentication_method is not None:
+                    # No extended authentication is offered (3.1.2.11.9, 4.12).
+                    self._refuse(conn, RC_BAD_AUTHENTICATION_METHOD,
+                                 f"authentication method {props.authentication_method!r} is not supported")
+                    return
+                conn.client_max_packet = props.maximum_packet_size
+                if props.receive_maximum is not None:
+                    # Never more unacknowledged QoS 1/2 PUBLISHes than the client takes (3.1.2.11.3).
+                    conn.max_inflight = min(conn.max_inflight, props.receive_maximum)
         conn.client_id = p.client_id
         conn.username = p.username
         conn.assigned_id = False

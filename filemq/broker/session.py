@@ -123,7 +123,7 @@ class Connection:
         "keepalive", "last_rx", "will", "session", "acl", "pending_acks", "closed",
         "close_reason", "publish_will", "paused", "max_inflight", "last_batch",
         "connected_at", "max_packet_size", "reading_changed", "identity", "protocol_level",
-        "encode_packet", "assigned_id",
+        "encode_packet", "assigned_id", "client_max_packet",
     )
 
     def __init__(
@@ -171,6 +171,9 @@ class Connection:
         self.protocol_level = 4
         self.encode_packet: Callable[[Any], bytes] = encode
         self.assigned_id = False  # MQTT 5: the server assigned the client id (CONNACK says it)
+        # MQTT 5: the Maximum Packet Size the client stated in CONNECT (None: the protocol's
+        # limit); no packet larger than it may be sent to it (MQTT-3.1.2-24).
+        self.client_max_packet: int | None = None
 
     def __repr__(self) -> str:
         return f"Connection({self.client_id!r}, peer={self.peer}, state={self.state})"

@@ -160,7 +160,7 @@ class Client5:
 
 
 def props(packet_type: int, **values: Any) -> Properties:
-    p = Properties(packet_type)
+    p = Properties(packet_type)  # type: ignore[no-untyped-call]
     for name, value in values.items():
         if name == "UserProperty":
             for pair in value:
@@ -400,7 +400,7 @@ class Raw:
 
     def closed_by_server(self, timeout: float = WAIT) -> list[Packet]:
         """Read until the server closes the connection; return what it sent before."""
-        got = []
+        got: list[Packet] = []
         for _ in range(100_000):
             p = self.read(timeout)
             if p is None:

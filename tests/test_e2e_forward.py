@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import io
 import os
 import random
@@ -24,13 +25,19 @@ from typing import Any
 import pyarrow.parquet as pq
 import pytest
 
+from collector.landing import PROPERTY_COLUMNS
 from collector.server import Collector
 from filemq.broker.server import free_port
 from filemq.common.config import Config, load_config
 from filemq.mqtt.client import MQTTClient
+from filemq.mqtt.packets import Properties
+from filemq.mqtt.properties import encode_message_headers
+from filemq.queue.groups import ConsumerGroup
 from filemq.upstream.batch import BatchRecord, encode_batch
+from segments import GroupCommitter, Log, LogConfig
 from tests.tcpproxy import TcpProxy
 from worker_agent.app import Agent
+from worker_agent.forwarder import Forwarder, ForwarderConfig
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -684,3 +691,62 @@ def test_oversized_local_message_is_set_aside_and_the_stream_keeps_flowing(tmp_p
         assert [(r["offset"], r["payload"]) for r in rows] == [(0, b"before"), (2, b"after")]
 
     run(scenario())
+
+
+# -- MQTT 5 message properties through the real device log (issue 13 item 7) ---------------------
+
+
+def test_message_properties_in_the_device_log_land_as_columns(tmp_path: Path) -> None:
+    """Records with headers appended to a real device log (record format 2), read back from
+    disk by the forwarder, sent in version 2 batches over MQTT to a real collector, land with
+    their MQTT 5 properties in the columns; records without headers land with nulls."""
+    if "headers" not in inspect.signature(GroupCommitter.append_nowait).parameters:
+        pytest.skip("the device log stores no headers before record format 2 (branch m5store)")
+    full = Properties(payload_format_indicator=1, message_expiry_interval=86_400, content_type="text/csv",
+                      response_topic="replies/x", correlation_data=b"\x00\xffid",
+                      user_properties=[("unit", "C"), ("unit", "F"), ("a", "")])
+    headers = [encode_message_headers(full), b"", encode_message_headers(Properties(content_type="a/b"))]
+
+    async def scenario() -> None:
+        collector = Collector(collector_config(tmp_path))
+        await collector.start()
+        device = tmp_path / "device"
+        log = Log.open(device / "log", LogConfig(fsync="never"))
+        committer = GroupCommitter(log)
+        await committer.start()
+        for i in range(30):
+            await committer.append(f"sensors/{i % 3}", b"v%d" % i, qos=1, headers=headers[i % 3])  # type: ignore[call-arg]
+        await committer.close()
+        log.close()
+        log = Log.open(device / "log", LogConfig(fsync="never"))  # read back from disk
+        committer = GroupCommitter(log)
+        await committer.start()
+        group = ConsumerGroup.create("export.collector", log, device / "groups", start="earliest")
+        forwarder = Forwarder(group, committer.wait_committed, lambda: MQTTClient(DEVICE, port=collector.port),
+                              ForwarderConfig(device_id=DEVICE, batch_records=7, linger_s=0.02))
+        forwarder.start()
+        await until(lambda: group.pending_offset == 30, what="every record acknowledged upstream")
+        await forwarder.stop()
+        await until(lambda: collector.lander is not None and collector.lander.stats.rows_landed == 30,
+                    what="every row landed")
+        await collector.stop()
+        await committer.close()
+        log.close()
+
+    run(scenario())
+    rows = {r["offset"]: r for r in landed(tmp_path / "landing")}
+    assert sorted(rows) == list(range(30))
+    for offset, row in rows.items():
+        assert row["payload"] == b"v%d" % offset and row["schema_version"] == 2
+        kind = offset % 3
+        if kind == 0:
+            assert (row["payload_format_indicator"], row["message_expiry_s"], row["content_type"],
+                    row["response_topic"], row["correlation_data"]) == (1, 86_400, "text/csv", "replies/x",
+                                                                         b"\x00\xffid")
+            assert row["user_properties"] == [{"key": "unit", "value": "C"}, {"key": "unit", "value": "F"},
+                                              {"key": "a", "value": ""}]
+        elif kind == 1:
+            assert all(row[c] is None for c in PROPERTY_COLUMNS)
+        else:
+            assert row["content_type"] == "a/b" and row["user_properties"] is None
+            assert row["payload_format_indicator"] is None and row["message_expiry_s"] is None

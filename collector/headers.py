@@ -41,26 +41,38 @@ def property_columns(batch: Batch) -> list[pa.Array]:
     n = len(batch)
     if not batch.has_headers:
         return [pa.nulls(n, f.type) for f in PROPERTY_FIELDS]
-    values: list[list[Any]] = [[] for _ in PROPERTY_FIELDS]
-    pfi, expiry, content_type, response_topic, correlation, user = values
+    rows: list[tuple[Any, ...]] = []
+    # Records of one publisher often repeat their properties: decode each distinct one once.
+    seen: dict[bytes, tuple[Any, ...]] = {b"": _NO_PROPERTIES}
     first = batch.first_offset
     for delta, headers in zip(batch.offset_deltas, batch.record_headers(), strict=True):
-        props = None
-        if headers:
-            try:
-                props = decode_message_headers(headers)
-            except ValueError as exc:
-                log.error("record %d of device %r stream %r: headers do not decode (%s); landed"
-                          " without its message properties", first + delta, batch.device_id,
-                          batch.stream, exc)
-        if props is None:
-            for column in values:
-                column.append(None)
-            continue
-        pfi.append(props.payload_format_indicator)
-        expiry.append(props.message_expiry_interval)
-        content_type.append(props.content_type)
-        response_topic.append(props.response_topic)
-        correlation.append(props.correlation_data)
-        user.append([{"key": k, "value": v} for k, v in props.user_properties] or None)
-    return [pa.array(column, f.type) for column, f in zip(values, PROPERTY_FIELDS, strict=True)]
+        row = seen.get(headers)
+        if row is None:
+            row = _row(headers, first + delta, batch)
+            seen[headers] = row
+        rows.append(row)
+    columns = zip(*rows, strict=True)
+    return [pa.array(column, f.type) for column, f in zip(columns, PROPERTY_FIELDS, strict=True)]
+
+
+_NO_PROPERTIES: tuple[Any, ...] = (None,) * len(PROPERTY_FIELDS)
+
+
+def _row(headers: bytes, offset: int, batch: Batch) -> tuple[Any, ...]:
+    """The property column values of one record's (non-empty) headers."""
+    try:
+        props = decode_message_headers(headers)
+    except ValueError as exc:
+        log.error("record %d of device %r stream %r: headers do not decode (%s); landed without"
+                  " its message properties", offset, batch.device_id, batch.stream, exc)
+        return _NO_PROPERTIES
+    if props is None:  # pragma: no cover - headers are non-empty here
+        return _NO_PROPERTIES
+    return (
+        props.payload_format_indicator,
+        props.message_expiry_interval,
+        props.content_type,
+        props.response_topic,
+        props.correlation_data,
+        [{"key": k, "value": v} for k, v in props.user_properties] or None,
+    )

@@ -483,7 +483,7 @@ def decode_batch(
 ) -> Batch:
     """Parse and fully validate a batch; see the module docstring for the two errors.
 
-    ``check_headers``, when given, is called with every non-empty record header; a
+    ``check_headers``, when given, is called with every distinct non-empty record header; a
     ``ValueError`` it raises becomes a :class:`MalformedBatch` naming the record's offset.
     """
     header = peek_header(data)
@@ -569,15 +569,20 @@ def decode_batch(
         raise bad(f"a topic index is beyond the {n_topics}-entry topic table")
     if check_headers is not None and headers:
         hpos = 0
+        checked: set[bytes] = set()  # records of one publisher often repeat their properties
         for delta, length in zip(deltas, header_lengths, strict=True):
             if length:
+                record_headers = headers[hpos : hpos + length]
+                hpos += length
+                if record_headers in checked:
+                    continue
                 try:
-                    check_headers(headers[hpos : hpos + length])
+                    check_headers(record_headers)
                 except ValueError as exc:
                     raise bad(
                         f"record at offset {header.first_offset + delta} has malformed headers: {exc}"
                     ) from None
-                hpos += length
+                checked.add(record_headers)
     s = starts
     return Batch(
         header,

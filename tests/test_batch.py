@@ -434,3 +434,24 @@ def test_headers_refused_by_check_headers_make_the_batch_malformed() -> None:
     with pytest.raises(MalformedBatch, match="offset 5 has malformed headers: not a property section") as info:
         decode_batch(bad, check_headers=check)
     assert info.value.device_id == "dev" and info.value.first_offset == 4
+
+
+@settings(max_examples=300, deadline=None)
+@given(body=st.binary(max_size=200), count=st.integers(1, 4), span=st.integers(0, 6))
+def test_random_version_2_bodies_never_crash(body: bytes, count: int, span: int) -> None:
+    """Any body under a valid version 2 header (CRC matching) is a MalformedBatch or a
+    consistent batch, with or without check_headers; never another exception."""
+    head, _ = body_of(encode_batch("dev", "main", [rec(o) for o in range(10, 10 + max(count, span + 1))], version=2))
+    data = bytearray(head + body)
+    struct.pack_into("<QQII", data, 12, 10, 10 + max(span, count - 1), count, len(body))
+
+    def check(headers: bytes) -> None:
+        if headers[:1] != b"\x26":
+            raise ValueError("refused")
+
+    for checker in (None, check):
+        try:
+            batch = decode_batch(reseal(data), check_headers=checker)
+        except MalformedBatch:
+            continue
+        assert len(list(batch.records())) == count == len(list(batch.record_headers()))

@@ -136,7 +136,7 @@ def test_a_format_1_snapshot_written_before_headers_still_loads(tmp_path: Path) 
     golden = (Path(__file__).parent / "golden" / "retained_v1.snap").read_bytes()
     assert decode_snapshot(golden) == (GOLDEN_SNAPSHOT, 12)
     log = Log.open(tmp_path / "log")
-    for i in range(12):
+    for _ in range(12):
         log.append("other", b"p")
     log.append("m5", b"new", qos=1, retain=True, headers=HEADERS)
     log.sync()

@@ -1,0 +1,500 @@
+"""MQTT 5 PUBLISH and SUBSCRIBE in the broker (issue 13 items 3, 4, 6): message properties
+through the log, message expiry, payload format, response topic, subscription options and
+identifiers, SUBACK reason codes, reason codes for refused PUBLISHes, the client's maximum
+packet size.  Packet level, through the sans-I/O connection and core (the harness of
+tests/test_broker_session.py, with a fake queue that keeps headers and can refuse appends)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+from typing import Any
+
+from filemq.broker.acl import Acl
+from filemq.broker.sessions import StoredSession, StoredSubscription
+from filemq.broker.state import message_expiry
+from filemq.mqtt.packets import (
+    Disconnect,
+    Properties,
+    Puback,
+    Publish,
+    Pubrec,
+    Suback,
+    Subscribe,
+    subscription_options,
+)
+from filemq.mqtt.properties import encode_message_headers
+from segments.fileio import DiskFull
+from segments.record import Record
+from tests.test_broker_mqtt5 import Client5, client5
+from tests.test_broker_session import FakeQueue, Harness, run
+
+
+class FakeQueue5(FakeQueue):
+    """:class:`FakeQueue` that stores headers and can refuse the next append."""
+
+    def __init__(self, groups_dir: Path) -> None:
+        super().__init__(groups_dir)
+        self.refuse_next: OSError | None = None
+
+    def publish_nowait(self, topic: str, payload: bytes, qos: int = 0, retain: bool = False,
+                       timestamp_us: int | None = None, *, validated: bool = False,
+                       headers: bytes = b"") -> tuple[int, asyncio.Future[None]]:
+        if self.refuse_next is not None:
+            exc, self.refuse_next = self.refuse_next, None
+            raise exc
+        offset, fut = super().publish_nowait(topic, payload, qos, retain, timestamp_us)
+        self.log.records[offset] = self.log.records[offset]._replace(headers=headers)
+        return offset, fut
+
+
+class Harness5(Harness):
+    def __init__(self, tmp: Path, **broker: Any) -> None:
+        super().__init__(tmp, **broker)
+        self.queue = FakeQueue5(tmp / "groups")
+        self.core = self.make_core()
+
+    def sub5(self, client_id: str, *topics: tuple[str, int], props: Properties | None = None,
+             clean: bool = True, **kw: Any) -> Client5:
+        c = client5(self)
+        c.connect(client_id, clean, **kw)
+        c.send(Subscribe(1, list(topics), props))
+        out = c.received()
+        assert isinstance(out[0], Suback), out
+        c._left = out[1:]
+        return c
+
+
+def publishes(c: Any) -> list[Publish]:
+    return [p for p in c.received() if isinstance(p, Publish)]
+
+
+USER = [("b", "2"), ("a", "1"), ("b", "0")]
+
+
+# ---- 1. message properties through the log ---------------------------------------------------
+
+
+def test_message_properties_are_stored_and_delivered_to_mqtt5_subscribers_only(tmp_path: Path) -> None:
+    """3.3.2.3 / MQTT-3.3.2-4 (payload format passed on), MQTT-3.3.2-15/-16 (response topic,
+    correlation data), MQTT-3.3.2-17/-18 (user properties, order kept); 3.1.1 subscribers get
+    the message without them; the topic alias (MQTT-3.3.2-... not forwarded) is never stored."""
+    async def main() -> None:
+        h = Harness5(tmp_path)
+        s5 = h.sub5("s5", ("t", subscription_options(1)))
+        s4 = h.connected("s4", subscribe=Subscribe(1, [("t", 1)]))
+        p = client5(h)
+        p.connect("p")
+        props = Properties(payload_format_indicator=1, content_type="text/plain", response_topic="r/1",
+                           correlation_data=b"\x00id", user_properties=list(USER))
+        p.send(Publish("t", "é".encode(), 1, packet_id=3, properties=props))
+        await h.commit()
+        assert p.received() == [Puback(3)]
+        assert h.queue.log.records[0].headers == encode_message_headers(props)
+        (m5,) = publishes(s5)
+        assert m5.properties == props
+        (m4,) = publishes(s4)
+        assert m4.payload == "é".encode() and m4.properties is None
+    run(main())
+
+
+def test_properties_reach_a_queued_backlog_after_reconnect(tmp_path: Path) -> None:
+    """4.1 / 3.3.2.3.7: a persistent MQTT 5 session's queued messages keep their properties."""
+    async def main() -> None:
+        h = Harness5(tmp_path)
+        s = h.sub5("s", ("q", subscription_options(1)), clean=False,
+                   properties=Properties(session_expiry_interval=300))
+        s.send(Disconnect())
+        p = client5(h)
+        p.connect("p")
+        p.send(Publish("q", b"x", 1, packet_id=1, properties=Properties(user_properties=list(USER))))
+        await h.commit()
+        s = client5(h)
+        ack = s.connect("s", False, properties=Properties(session_expiry_interval=300))
+        assert ack.session_present
+        got = [m for m in s._left if isinstance(m, Publish)] + publishes(s)
+        assert len(got) == 1 and got[0].properties is not None
+        assert got[0].properties.user_properties == USER
+    run(main())
+
+
+def test_retained_message_keeps_its_properties(tmp_path: Path) -> None:
+    """3.3.1.3: a retained message is sent to a new subscription with its properties."""
+    async def main() -> None:
+        h = Harness5(tmp_path)
+        p = client5(h)
+        p.connect("p")
+        p.send(Publish("r", b"v", 1, retain=True, packet_id=1,
+                       properties=Properties(content_type="a/b", user_properties=[("k", "v")])))
+        await h.commit()
+        s = h.sub5("s", ("r", subscription_options(1)))
+        (m,) = [x for x in s._left if isinstance(x, Publish)] + publishes(s)
+        assert m.retain and m.properties is not None and m.properties.content_type == "a/b"
+        assert m.properties.user_properties == [("k", "v")]
+    run(main())
+
+
+# ---- 2. message expiry -----------------------------------------------------------------------
+
+
+def test_message_expiry_rewrite_counts_whole_seconds() -> None:
+    """3.3.2.3.3 / MQTT-3.3.2-6: the interval sent is the received one minus the whole seconds
+    the message waited; None once it has passed (MQTT-3.3.2-5); headers without 0x02 untouched."""
+    h = encode_message_headers(Properties(payload_format_indicator=1, message_expiry_interval=10,
+                                          user_properties=[("k", "v")]))
+    t0 = 1_000_000_000
+    assert message_expiry(h, t0, t0 + 999_999) == h
+    got = message_expiry(h, t0, t0 + 3_500_000)
+    assert got == encode_message_headers(Properties(payload_format_indicator=1, message_expiry_interval=7,
+                                                    user_properties=[("k", "v")]))
+    assert message_expiry(h, t0, t0 + 10_000_000) is None
+    plain = encode_message_headers(Properties(message_expiry_interval=4))
+    assert message_expiry(plain, t0, t0 + 1_000_000) == encode_message_headers(
+        Properties(message_expiry_interval=3))
+    other = encode_message_headers(Properties(content_type="\x02"))
+    assert message_expiry(other, t0, t0 + 100_000_000) == other
+
+
+def _old_record(h: Harness5, topic: str, payload: bytes, qos: int, age_s: float, expiry: int,
+                retain: bool = False) -> None:
+    """Append (through the queue, as another writer would) a record ``age_s`` old."""
+    ts = time.time_ns() // 1000 - int(age_s * 1_000_000)
+    h.queue.publish_nowait(topic, payload, qos, retain, ts,
+                           headers=encode_message_headers(Properties(message_expiry_interval=expiry)))
+
+
+def test_expired_message_is_not_delivered_and_a_live_one_carries_the_remaining_interval(tmp_path: Path) -> None:
+    """MQTT-3.3.2-5: an expired message is not delivered (MQTT 5 and 3.1.1 subscribers);
+    MQTT-3.3.2-6: one delivered carries the interval minus its waiting time."""
+    async def main() -> None:
+        h = Harness5(tmp_path)
+        s5 = h.sub5("s5", ("e/#", subscription_options(1)))
+        s4 = h.connected("s4", subscribe=Subscribe(1, [("e/#", 1)]))
+        _old_record(h, "e/old", b"gone", 1, 5.2, 5)
+        _old_record(h, "e/young", b"kept", 1, 2.5, 60)
+        await h.commit()
+        (m5,) = publishes(s5)
+        assert m5.payload == b"kept" and m5.properties is not None
+        assert m5.properties.message_expiry_interval == 58
+        assert [m.payload for m in publishes(s4)] == [b"kept"]
+    run(main())
+
+
+def test_expired_backlog_is_skipped_after_reconnect(tmp_path: Path) -> None:
+    """MQTT-3.3.2-5: a queued message that expired while the session was offline is not sent."""
+    async def main() -> None:
+        h = Harness5(tmp_path)
+        s = h.sub5("s", ("b", subscription_options(1)), clean=False,
+                   properties=Properties(session_expiry_interval=300))
+        s.send(Disconnect())
+        _old_record(h, "b", b"expired", 1, 3.0, 2)
+        _old_record(h, "b", b"fresh", 1, 0, 100)
+        await h.commit()
+        s = client5(h)
+        s.connect("s", False, properties=Properties(session_expiry_interval=300))
+        got = [m for m in s._left if isinstance(m, Publish)] + publishes(s)
+        assert [m.payload for m in got] == [b"fresh"]
+    run(main())
+
+
+def test_expired_retained_message_is_not_sent(tmp_path: Path) -> None:
+    """3.3.2.3.3: a retained message whose expiry passed is not sent to a new subscription."""
+    async def main() -> None:
+        h = Harness5(tmp_path)
+        _old_record(h, "ret/a", b"old", 0, 3.0, 2, retain=True)
+        _old_record(h, "ret/b", b"new", 0, 0, 50, retain=True)
+        await h.commit()
+        s = h.sub5("s", ("ret/#", subscription_options(0)))
+        got = [m for m in s._left if isinstance(m, Publish)] + publishes(s)
+        assert [m.payload for m in got] == [b"new"]
+        assert got[0].properties is not None and got[0].properties.message_expiry_interval in (49, 50)
+        s4 = h.connected("s4")
+        s4.send(Subscribe(2, [("ret/#", 0)]))
+        assert [m.payload for m in s4.received() if isinstance(m, Publish)] == [b"new"]
+    run(main())
+
+
+# ---- 3. payload format, response topic -------------------------------------------------------
+
+
+def test_invalid_utf8_with_payload_format_1_gets_0x99(tmp_path: Path) -> None:
+    """3.3.2.3.2 / MQTT-3.3.2-... : payload format indicator 1 and a payload that is not UTF-8:
+    PUBACK/PUBREC 0x99 (QoS 1/2), not stored, the connection stays; QoS 0: DISCONNECT 0x99."""
+    async def main() -> None:
+        h = Harness5(tmp_path)
+        p = client5(h)
+        p.connect("p")
+        bad = Properties(payload_format_indicator=1)
+        p.send(Publish("t", b"\xff\xfe", 1, packet_id=1, properties=bad),
+               Publish("t", b"\xc3", 2, packet_id=2, properties=bad))
+        await h.commit()
+        assert p.received() == [Puback(1, 0x99), Pubrec(2, 0x99)]
+        assert h.queue.log.records == [] and not p.conn.closed
+        p.send(Publish("t", b"\xff", 0, properties=bad))
+        assert p.received() == [Disconnect(0x99)] and p.conn.closed
+    run(main())
+
+
+def test_response_topic_with_wildcard_is_a_protocol_error(tmp_path: Path) -> None:
+    """MQTT-3.3.2-14: the response topic is a topic name (no wildcards): DISCONNECT 0x82."""
+    async def main() -> None:
+        h = Harness5(tmp_path)
+        p = client5(h)
+        p.connect("p")
+        p.send(Publish("t", b"x", 1, packet_id=1, properties=Properties(response_topic="r/#")))
+        assert p.received() == [Disconnect(0x82)] and p.conn.closed
+        assert h.queue.log.records == []
+    run(main())
+
+
+# ---- 6. durability through reason codes ------------------------------------------------------
+
+
+def test_full_disk_at_append_gets_0x97_and_the_connection_stays(tmp_path: Path) -> None:
+    """Issue 13 item 6 / 3.4.2.1: the log refuses the append (below min_free_bytes): PUBACK or
+    PUBREC 0x97 (quota exceeded), another I/O error 0x80; never success; still connected."""
+    async def main() -> None:
+        h = Harness5(tmp_path)
+        p = client5(h)
+        p.connect("p")
+        h.queue.refuse_next = DiskFull(28, "free space below min_free_bytes")
+        p.send(Publish("t", b"1", 1, packet_id=1))
+        h.queue.refuse_next = DiskFull(28, "free space below min_free_bytes")
+        p.send(Publish("t", b"2", 2, packet_id=2))
+        h.queue.refuse_next = OSError(5, "I/O error")
+        p.send(Publish("t", b"3", 1, packet_id=3))
+        p.send(Publish("t", b"4", 1, packet_id=4))
+        await h.commit()
+        assert p.received() == [Puback(1, 0x97), Pubrec(2, 0x97), Puback(3, 0x80), Puback(4)]
+        assert not p.conn.closed and [r.payload for r in h.queue.log.records] == [b"4"]
+    run(main())
+
+
+def test_failed_commit_gets_a_reason_code_not_a_close(tmp_path: Path) -> None:
+    """Item 6: a group commit that fails (ENOSPC at flush): each PUBLISH of that batch gets
+    0x97 (0x80 for other errors) in order; later batches are acknowledged as usual."""
+    async def main() -> None:
+        h = Harness5(tmp_path)
+        p = client5(h)
+        p.connect("p")
+        p.send(Publish("t", b"1", 1, packet_id=1), Publish("t", b"2", 2, packet_id=2))
+        h.queue.fail_next = True
+        await h.commit()
+        assert p.received() == [Puback(1, 0x97), Pubrec(2, 0x97)]
+        assert not p.conn.closed
+        p.send(Publish("t", b"again", 2, packet_id=2))
+        await h.commit()
+        assert p.received() == [Pubrec(2)]
+        assert [r.payload for r in h.queue.log.records] == [b"again"]
+    run(main())
+
+
+def test_failed_commit_still_closes_a_311_publisher(tmp_path: Path) -> None:
+    """3.1.1 keeps today's behaviour: no negative ack exists, the connection is closed."""
+    async def main() -> None:
+        h = Harness5(tmp_path)
+        p = h.connected("p4")
+        p.send(Publish("t", b"1", 1, packet_id=1))
+        h.queue.fail_next = True
+        await h.commit()
+        assert p.received() == [] and p.conn.closed
+    run(main())
+
+
+def test_acl_deny_and_dollar_topic_get_0x87(tmp_path: Path) -> None:
+    """3.4.2.1: not authorized (0x87) for an ACL deny -- whatever acl_denied_publish says -- and
+    for a PUBLISH to a $-topic; nothing stored; the connection stays."""
+    async def main() -> None:
+        for mode in ("ack", "disconnect"):
+            h = Harness5(tmp_path / mode, acl_denied_publish=mode)
+            h.core.acl = _deny_topic("secret")
+            p = client5(h)
+            p.connect("p")
+            p.send(Publish("secret", b"x", 1, packet_id=1), Publish("$SYS/x", b"y", 2, packet_id=2))
+            await h.commit()
+            assert p.received() == [Puback(1, 0x87), Pubrec(2, 0x87)]
+            assert not p.conn.closed and h.queue.log.records == []
+    run(main())
+
+
+def _deny_topic(topic: str) -> Acl:
+    """Anonymous clients may do anything but touch ``topic``."""
+    return Acl.parse(f"topic readwrite #\ntopic deny {topic}\n")
+
+
+def test_payload_over_message_size_limit_gets_0x97_or_disconnect_0x95(tmp_path: Path) -> None:
+    """Item 6: a payload over message_size_limit is refused, never acknowledged as success:
+    QoS 1/2 PUBACK/PUBREC 0x97 (0x95 is not a PUBACK reason code, 3.4.2.1; paho-mqtt rejects
+    it), the connection stays; QoS 0: DISCONNECT 0x95 (packet too large, 3.14.2.1)."""
+    async def main() -> None:
+        h = Harness5(tmp_path, message_size_limit=4)
+        p = client5(h)
+        p.connect("p")
+        p.send(Publish("t", b"12345", 1, packet_id=1), Publish("t", b"12345", 2, packet_id=2))
+        assert p.received() == [Puback(1, 0x97), Pubrec(2, 0x97)]
+        p.send(Publish("t", b"12345", 0))
+        assert p.received() == [Disconnect(0x95)] and p.conn.closed
+        assert h.queue.log.records == []
+    run(main())
+
+
+# ---- 4. SUBSCRIBE options ---------------------------------------------------------------------
+
+
+def test_no_local_skips_the_publishers_own_messages(tmp_path: Path) -> None:
+    """MQTT-3.8.3-3: with no local the server does not forward a client's own messages to it."""
+    async def main() -> None:
+        h = Harness5(tmp_path)
+        me = h.sub5("me", ("n", subscription_options(1, no_local=True)))
+        other = h.sub5("other", ("n", subscription_options(1)))
+        me.send(Publish("n", b"mine", 1, packet_id=1))
+        await h.commit()
+        assert [m for m in me.received() if isinstance(m, Publish)] == []
+        assert [m.payload for m in publishes(other)] == [b"mine"]
+        other.send(Publish("n", b"theirs", 0))
+        await h.commit()
+        assert [m.payload for m in publishes(me)] == [b"theirs"]
+    run(main())
+
+
+def test_retain_as_published(tmp_path: Path) -> None:
+    """MQTT-3.3.1-12: without retain as published the forwarded RETAIN flag is 0;
+    MQTT-3.3.1-13: with it, the flag is the one the message was published with."""
+    async def main() -> None:
+        h = Harness5(tmp_path)
+        keep = h.sub5("keep", ("ra", subscription_options(0, retain_as_published=True)))
+        clear = h.sub5("clear", ("ra", subscription_options(0)))
+        p = client5(h)
+        p.connect("p")
+        p.send(Publish("ra", b"x", 0, retain=True))
+        await h.commit()
+        assert [m.retain for m in publishes(keep)] == [True]
+        assert [m.retain for m in publishes(clear)] == [False]
+    run(main())
+
+
+def test_retain_handling(tmp_path: Path) -> None:
+    """MQTT-3.3.1-9: 0 sends retained messages at subscribe; MQTT-3.3.1-10: 1 only if the
+    subscription did not exist; MQTT-3.3.1-11: 2 never."""
+    async def main() -> None:
+        h = Harness5(tmp_path)
+        p = client5(h)
+        p.connect("p")
+        p.send(Publish("rh", b"r", 0, retain=True))
+        await h.commit()
+        c = client5(h)
+        c.connect("c")
+        for rh, expect in ((1, 1), (1, 0), (0, 1), (2, 0)):
+            c.send(Subscribe(1, [("rh", subscription_options(0, retain_handling=rh))]))
+            got = c.received()
+            assert isinstance(got[0], Suback)
+            assert len([m for m in got if isinstance(m, Publish)]) == expect, rh
+    run(main())
+
+
+def test_subscription_identifiers_on_deliveries(tmp_path: Path) -> None:
+    """3.8.2.1.2 / 3.3.4, MQTT-3.3.4-3: every matching subscription's identifier on the one
+    copy; a retained message at SUBSCRIBE carries that subscription's; CONNACK says available."""
+    async def main() -> None:
+        h = Harness5(tmp_path)
+        s = client5(h)
+        ack = s.connect("s")
+        assert ack.properties is not None and ack.properties.subscription_identifier_available is None
+        p = client5(h)
+        p.connect("p")
+        p.send(Publish("a/b", b"r", 0, retain=True))
+        await h.commit()
+        s.send(Subscribe(1, [("a/+", subscription_options(1))], Properties(subscription_identifiers=[7])))
+        got = s.received()
+        assert got[0] == Suback(1, [1])
+        (ret,) = [m for m in got if isinstance(m, Publish)]
+        assert ret.properties is not None and ret.properties.subscription_identifiers == [7]
+        s.send(Subscribe(2, [("a/#", subscription_options(1))], Properties(subscription_identifiers=[300])))
+        s.received()
+        s.send(Subscribe(3, [("#", subscription_options(0))]))
+        s.received()
+        p.send(Publish("a/b", b"live", 1, packet_id=1))
+        await h.commit()
+        (m,) = publishes(s)
+        assert m.qos == 1 and m.properties is not None
+        assert sorted(m.properties.subscription_identifiers) == [7, 300]
+    run(main())
+
+
+def test_subscription_options_and_identifier_survive_in_the_session_file(tmp_path: Path) -> None:
+    """The session file keeps options and identifier (a file without them loads with 0)."""
+    stored = StoredSession("c", {"x": StoredSubscription(1, 5, 0x0C, 42), "y": StoredSubscription(0, 2)})
+    data = stored.to_json()
+    assert b'"y":{"qos":0,"start":2}' in data
+    back = StoredSession.from_json(data, "p")
+    assert back.subscriptions == stored.subscriptions
+
+    async def main() -> None:
+        h = Harness5(tmp_path)
+        s = h.sub5("s", ("o", subscription_options(1, no_local=True)), clean=False,
+                   props=Properties(subscription_identifiers=[9]),
+                   properties=Properties(session_expiry_interval=600))
+        s.send(Disconnect())
+        h.core = h.make_core()  # a restart: sessions come from the files
+        s = client5(h)
+        assert s.connect("s", False, properties=Properties(session_expiry_interval=600)).session_present
+        s.send(Publish("o", b"own", 0))
+        p = client5(h)
+        p.connect("p")
+        p.send(Publish("o", b"other", 0))
+        await h.commit()
+        got = publishes(s)
+        assert [m.payload for m in got] == [b"other"]
+        assert got[0].properties is not None and got[0].properties.subscription_identifiers == [9]
+    run(main())
+
+
+# ---- 5. SUBACK reason codes ---------------------------------------------------------------------
+
+
+def test_suback_reason_codes_per_filter(tmp_path: Path) -> None:
+    """3.9.3: granted QoS, 0x87 ACL deny, 0x8F invalid filter; 3.1.1 keeps 0x80."""
+    async def main() -> None:
+        h = Harness5(tmp_path)
+        h.core.acl = _deny_topic("secret")
+        c = client5(h)
+        c.connect("c")
+        c.send(Subscribe(1, [("ok", 2), ("secret", 1), ("a/#/b", 0)]))
+        assert c.received() == [Suback(1, [2, 0x87, 0x8F])]
+        c4 = h.connected("c4")
+        c4.send(Subscribe(1, [("ok", 2), ("secret", 1), ("a/#/b", 0)]))
+        assert c4.received() == [Suback(1, [2, 0x80, 0x80])]
+    run(main())
+
+
+# ---- 7. the client's maximum packet size -------------------------------------------------------
+
+
+def test_publish_larger_than_client_maximum_packet_size_is_not_sent(tmp_path: Path) -> None:
+    """MQTT-3.1.2-24/-25: a PUBLISH larger than the client's Maximum Packet Size is not sent; it
+    is discarded as if delivered (its group moves on) and the next one is sent."""
+    async def main() -> None:
+        h = Harness5(tmp_path)
+        s = h.sub5("s", ("m", subscription_options(1)), properties=Properties(maximum_packet_size=64))
+        p = client5(h)
+        p.connect("p")
+        p.send(Publish("m", b"x" * 100, 1, packet_id=1), Publish("m", b"small", 1, packet_id=2))
+        await h.commit()
+        got = publishes(s)
+        assert [m.payload for m in got] == [b"small"]
+        assert len(s.conn.session.inflight) == 1
+        assert h.core.dropped_too_large == 1
+    run(main())
+
+
+def test_record_headers_are_opaque_to_311_only_stores(tmp_path: Path) -> None:
+    """A record without headers (every 3.1.1 message) is stored as before (headers b'')."""
+    async def main() -> None:
+        h = Harness5(tmp_path)
+        p = h.connected("p4")
+        p.send(Publish("t", b"x", 1, packet_id=1))
+        await h.commit()
+        assert h.queue.log.records == [Record(0, h.queue.log.records[0].timestamp_us, "t", b"x", 1, False)]
+        assert p.received() == [Puback(1)]
+    run(main())

@@ -113,7 +113,7 @@ def test_properties_reach_a_queued_backlog_after_reconnect(tmp_path: Path) -> No
         s = client5(h)
         ack = s.connect("s", False, properties=Properties(session_expiry_interval=300))
         assert ack.session_present
-        got = [m for m in s._left if isinstance(m, Publish)] + publishes(s)
+        got = publishes(s)
         assert len(got) == 1 and got[0].properties is not None
         assert got[0].properties.user_properties == USER
     run(main())
@@ -129,7 +129,7 @@ def test_retained_message_keeps_its_properties(tmp_path: Path) -> None:
                        properties=Properties(content_type="a/b", user_properties=[("k", "v")])))
         await h.commit()
         s = h.sub5("s", ("r", subscription_options(1)))
-        (m,) = [x for x in s._left if isinstance(x, Publish)] + publishes(s)
+        (m,) = publishes(s)
         assert m.retain and m.properties is not None and m.properties.content_type == "a/b"
         assert m.properties.user_properties == [("k", "v")]
     run(main())
@@ -193,7 +193,7 @@ def test_expired_backlog_is_skipped_after_reconnect(tmp_path: Path) -> None:
         await h.commit()
         s = client5(h)
         s.connect("s", False, properties=Properties(session_expiry_interval=300))
-        got = [m for m in s._left if isinstance(m, Publish)] + publishes(s)
+        got = publishes(s)
         assert [m.payload for m in got] == [b"fresh"]
     run(main())
 
@@ -206,7 +206,7 @@ def test_expired_retained_message_is_not_sent(tmp_path: Path) -> None:
         _old_record(h, "ret/b", b"new", 0, 0, 50, retain=True)
         await h.commit()
         s = h.sub5("s", ("ret/#", subscription_options(0)))
-        got = [m for m in s._left if isinstance(m, Publish)] + publishes(s)
+        got = publishes(s)
         assert [m.payload for m in got] == [b"new"]
         assert got[0].properties is not None and got[0].properties.message_expiry_interval in (49, 50)
         s4 = h.connected("s4")
@@ -258,9 +258,9 @@ def test_full_disk_at_append_gets_0x97_and_the_connection_stays(tmp_path: Path) 
         h = Harness5(tmp_path)
         p = client5(h)
         p.connect("p")
-        h.queue.refuse_next = DiskFull(28, "free space below min_free_bytes")
+        h.queue.refuse_next = DiskFull("/data", "free space below min_free_bytes")
         p.send(Publish("t", b"1", 1, packet_id=1))
-        h.queue.refuse_next = DiskFull(28, "free space below min_free_bytes")
+        h.queue.refuse_next = DiskFull("/data", "free space below min_free_bytes")
         p.send(Publish("t", b"2", 2, packet_id=2))
         h.queue.refuse_next = OSError(5, "I/O error")
         p.send(Publish("t", b"3", 1, packet_id=3))
@@ -307,6 +307,7 @@ def test_acl_deny_and_dollar_topic_get_0x87(tmp_path: Path) -> None:
     for a PUBLISH to a $-topic; nothing stored; the connection stays."""
     async def main() -> None:
         for mode in ("ack", "disconnect"):
+            (tmp_path / mode).mkdir()
             h = Harness5(tmp_path / mode, acl_denied_publish=mode)
             h.core.acl = _deny_topic("secret")
             p = client5(h)

@@ -29,12 +29,24 @@ SESSION_GROUP_PREFIX = "mqtt-session:"
 SHARE_GROUP_PREFIX = "mqtt-share:"
 CLEAN_GROUP_PREFIX = "mqtt-clean:"
 
+_PUBACK = 0x40
 _PUBREC = 0x50
 _PUBREL = 0x62
 _PUBCOMP = 0x70
 RETAINED_OUT_HIGH = 256 * 1024  # retained PUBLISH bytes queued in one connection's output at once
 PERSIST_DELAY_S = 0.1  # group offsets are written this long after subscriber acks
 _MAX_PUMP = 1000  # records pushed to one connection per wake-up before yielding the loop
+
+
+# MQTT 5 reason codes the broker's PUBLISH/SUBSCRIBE handling sends (spec 2.4).
+RC_UNSPECIFIED_ERROR = 0x80
+RC_NOT_AUTHORIZED = 0x87
+RC_TOPIC_FILTER_INVALID = 0x8F
+RC_PACKET_TOO_LARGE = 0x95
+RC_QUOTA_EXCEEDED = 0x97  # (also refusal_code's, filemq.broker.session)
+RC_PAYLOAD_FORMAT_INVALID = 0x99
+# Offsets whose publisher's client id is remembered for no local (MQTT-3.8.3-3).
+PUBLISHERS_KEPT = 65536
 
 
 def _ack(first: int, packet_id: int) -> bytes:

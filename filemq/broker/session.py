@@ -50,7 +50,6 @@ from filemq.mqtt.packets import (
     Subscribe,
     Unsubscribe,
 )
-
 from segments.errors import DiskFull
 
 if TYPE_CHECKING:

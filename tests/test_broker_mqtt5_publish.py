@@ -7,13 +7,18 @@ tests/test_broker_session.py, with a fake queue that keeps headers and can refus
 from __future__ import annotations
 
 import asyncio
+import queue
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from filemq.broker.acl import Acl
 from filemq.broker.sessions import StoredSession, StoredSubscription
 from filemq.broker.state import message_expiry
+from filemq.common.config import load_config
 from filemq.mqtt.packets import (
     Disconnect,
     Properties,
@@ -499,3 +504,151 @@ def test_record_headers_are_opaque_to_311_only_stores(tmp_path: Path) -> None:
         assert h.queue.log.records == [Record(0, h.queue.log.records[0].timestamp_us, "t", b"x", 1, False)]
         assert p.received() == [Puback(1)]
     run(main())
+
+
+# ---- with paho-mqtt 2.x (an independent MQTT 5 client) against a real broker ------------------
+
+paho = pytest.importorskip("paho.mqtt.client", reason="paho-mqtt is not installed")
+from paho.mqtt.enums import CallbackAPIVersion  # noqa: E402
+from paho.mqtt.packettypes import PacketTypes  # noqa: E402
+from paho.mqtt.properties import Properties as PahoProperties  # noqa: E402
+from paho.mqtt.subscribeoptions import SubscribeOptions  # noqa: E402
+
+from tests.test_broker_interop import ThreadedBroker  # noqa: E402
+
+
+class Paho5:
+    """A paho MQTT 5 client in its own network thread; messages and PUBACK reason codes into queues."""
+
+    def __init__(self, port: int, client_id: str, *, clean: bool = True, expiry: int | None = None) -> None:
+        self.messages: queue.Queue[Any] = queue.Queue()
+        self.acks: queue.Queue[tuple[int, int]] = queue.Queue()
+        self.subacks: queue.Queue[list[int]] = queue.Queue()
+        self.connected = threading.Event()
+        c = paho.Client(callback_api_version=CallbackAPIVersion.VERSION2, client_id=client_id,
+                        protocol=paho.MQTTv5)
+        c.on_message = lambda _c, _u, m: self.messages.put(m)
+        c.on_connect = lambda *a: self.connected.set()
+        c.on_publish = lambda _c, _u, mid, rc, _p: self.acks.put((mid, rc.value))
+        c.on_subscribe = lambda _c, _u, _mid, rcs, _p: self.subacks.put([rc.value for rc in rcs])
+        props = None
+        if expiry is not None:
+            props = PahoProperties(PacketTypes.CONNECT)
+            props.SessionExpiryInterval = expiry
+        c.connect("127.0.0.1", port, clean_start=clean, properties=props)
+        c.loop_start()
+        assert self.connected.wait(10), "paho did not connect"
+        self.c = c
+
+    def subscribe(self, topic: str, options: SubscribeOptions, identifier: int | None = None) -> list[int]:
+        props = None
+        if identifier is not None:
+            props = PahoProperties(PacketTypes.SUBSCRIBE)
+            props.SubscriptionIdentifier = identifier
+        self.c.subscribe(topic, options=options, properties=props)
+        return self.subacks.get(timeout=10)
+
+    def publish(self, topic: str, payload: bytes, qos: int = 1, retain: bool = False,
+                props: PahoProperties | None = None) -> int:
+        """Publish and return the PUBACK reason code (QoS 1) once it arrived."""
+        info = self.c.publish(topic, payload, qos, retain, properties=props)
+        mid, rc = self.acks.get(timeout=10)
+        assert mid == info.mid
+        return rc
+
+    def get(self, timeout: float = 10) -> Any:
+        return self.messages.get(timeout=timeout)
+
+    def none_within(self, seconds: float) -> bool:
+        try:
+            self.messages.get(timeout=seconds)
+        except queue.Empty:
+            return True
+        return False
+
+    def close(self) -> None:
+        self.c.disconnect()
+        self.c.loop_stop()
+
+
+def _broker(tmp_path: Path, **overrides: Any) -> ThreadedBroker:
+    config = load_config(None, {"data_dir": str(tmp_path / "data"), "broker.port": 0, **overrides})
+    b = ThreadedBroker(config)
+    b.start()
+    return b
+
+
+def test_paho_user_properties_subscription_ids_no_local_and_retain_options(tmp_path: Path) -> None:
+    """paho-mqtt 2.x end to end: user properties in order, content type, response topic and
+    correlation data (3.3.2.3); subscription identifiers (3.3.4); no local (MQTT-3.8.3-3);
+    retain handling 2 (MQTT-3.3.1-11) and retain as published (MQTT-3.3.1-13)."""
+    b = _broker(tmp_path)
+    try:
+        pub = Paho5(b.port, "pub")
+        pub.publish("p/ret", b"retained", 1, retain=True)
+        sub = Paho5(b.port, "sub")
+        assert sub.subscribe("p/#", SubscribeOptions(qos=1, noLocal=True, retainAsPublished=True,
+                                                    retainHandling=2), identifier=11) == [1]
+        assert sub.subscribe("p/+", SubscribeOptions(qos=0), identifier=12) == [0]
+        r = sub.get()  # retain handling 0 on the second one: its retained message
+        assert r.topic == "p/ret" and r.retain and r.properties.SubscriptionIdentifier == [12]
+        sub.publish("p/x", b"own")  # no local on p/#, but p/+ takes it
+        m = sub.get()
+        assert m.payload == b"own" and m.properties.SubscriptionIdentifier == [12]
+        props = PahoProperties(PacketTypes.PUBLISH)
+        props.UserProperty = [("z", "1"), ("a", "2"), ("z", "3")]
+        props.ContentType = "text/plain"
+        props.ResponseTopic = "reply/here"
+        props.CorrelationData = b"\x01\x02"
+        assert pub.publish("p/x", b"hello", 1, retain=True, props=props) == 0
+        m = sub.get()
+        assert m.payload == b"hello" and m.qos == 1 and m.retain  # retain as published (p/#)
+        assert m.properties.UserProperty == [("z", "1"), ("a", "2"), ("z", "3")]
+        assert m.properties.ContentType == "text/plain" and m.properties.ResponseTopic == "reply/here"
+        assert m.properties.CorrelationData == b"\x01\x02"
+        assert sorted(m.properties.SubscriptionIdentifier) == [11, 12]
+        sub.close()
+        pub.close()
+    finally:
+        b.stop()
+
+
+def test_paho_message_expiry(tmp_path: Path) -> None:
+    """3.3.2.3.3 with paho: a queued message whose interval passed while its session was
+    offline is not delivered (MQTT-3.3.2-5); one still valid carries less than it was sent
+    with (MQTT-3.3.2-6).  (The wait is the message's lifetime, not a synchronisation.)"""
+    b = _broker(tmp_path)
+    try:
+        sub = Paho5(b.port, "off", clean=False, expiry=600)
+        assert sub.subscribe("x/#", SubscribeOptions(qos=1)) == [1]
+        sub.close()
+        pub = Paho5(b.port, "pub")
+        short = PahoProperties(PacketTypes.PUBLISH)
+        short.MessageExpiryInterval = 1
+        long = PahoProperties(PacketTypes.PUBLISH)
+        long.MessageExpiryInterval = 100
+        assert pub.publish("x/short", b"s", 1, props=short) == 0
+        assert pub.publish("x/long", b"l", 1, props=long) == 0
+        time.sleep(2.1)
+        sub = Paho5(b.port, "off", clean=False, expiry=600)
+        m = sub.get()
+        assert m.topic == "x/long" and 0 < m.properties.MessageExpiryInterval < 100
+        assert sub.none_within(0.5)
+        sub.close()
+        pub.close()
+    finally:
+        b.stop()
+
+
+def test_paho_full_disk_gets_puback_0x97_and_stays_connected(tmp_path: Path) -> None:
+    """Issue 13 item 6 with paho: the file system is below log.min_free_bytes, so the log
+    refuses every append: PUBACK 0x97 (quota exceeded), never success, connection kept."""
+    b = _broker(tmp_path, **{"log.min_free_bytes": 1 << 60})
+    try:
+        pub = Paho5(b.port, "pub")
+        assert pub.publish("d/1", b"x", 1) == 0x97
+        assert pub.publish("d/2", b"y", 1) == 0x97
+        assert pub.c.is_connected()
+        pub.close()
+    finally:
+        b.stop()

@@ -55,6 +55,8 @@ class FakeQueue5(FakeQueue):
 
 
 class Harness5(Harness):
+    queue: FakeQueue5
+
     def __init__(self, tmp: Path, **broker: Any) -> None:
         super().__init__(tmp, **broker)
         self.queue = FakeQueue5(tmp / "groups")
@@ -517,6 +519,10 @@ from paho.mqtt.subscribeoptions import SubscribeOptions  # noqa: E402
 from tests.test_broker_interop import ThreadedBroker  # noqa: E402
 
 
+def _paho_props(packet_type: int) -> PahoProperties:
+    return PahoProperties(packet_type)  # type: ignore[no-untyped-call]
+
+
 class Paho5:
     """A paho MQTT 5 client in its own network thread; messages and PUBACK reason codes into queues."""
 
@@ -533,7 +539,7 @@ class Paho5:
         c.on_subscribe = lambda _c, _u, _mid, rcs, _p: self.subacks.put([rc.value for rc in rcs])
         props = None
         if expiry is not None:
-            props = PahoProperties(PacketTypes.CONNECT)
+            props = _paho_props(PacketTypes.CONNECT)
             props.SessionExpiryInterval = expiry
         c.connect("127.0.0.1", port, clean_start=clean, properties=props)
         c.loop_start()
@@ -543,7 +549,7 @@ class Paho5:
     def subscribe(self, topic: str, options: SubscribeOptions, identifier: int | None = None) -> list[int]:
         props = None
         if identifier is not None:
-            props = PahoProperties(PacketTypes.SUBSCRIBE)
+            props = _paho_props(PacketTypes.SUBSCRIBE)
             props.SubscriptionIdentifier = identifier
         self.c.subscribe(topic, options=options, properties=props)
         return self.subacks.get(timeout=10)
@@ -595,7 +601,7 @@ def test_paho_user_properties_subscription_ids_no_local_and_retain_options(tmp_p
         sub.publish("p/x", b"own")  # no local on p/#, but p/+ takes it
         m = sub.get()
         assert m.payload == b"own" and m.properties.SubscriptionIdentifier == [12]
-        props = PahoProperties(PacketTypes.PUBLISH)
+        props = _paho_props(PacketTypes.PUBLISH)
         props.UserProperty = [("z", "1"), ("a", "2"), ("z", "3")]
         props.ContentType = "text/plain"
         props.ResponseTopic = "reply/here"
@@ -623,9 +629,9 @@ def test_paho_message_expiry(tmp_path: Path) -> None:
         assert sub.subscribe("x/#", SubscribeOptions(qos=1)) == [1]
         sub.close()
         pub = Paho5(b.port, "pub")
-        short = PahoProperties(PacketTypes.PUBLISH)
+        short = _paho_props(PacketTypes.PUBLISH)
         short.MessageExpiryInterval = 1
-        long = PahoProperties(PacketTypes.PUBLISH)
+        long = _paho_props(PacketTypes.PUBLISH)
         long.MessageExpiryInterval = 100
         assert pub.publish("x/short", b"s", 1, props=short) == 0
         assert pub.publish("x/long", b"l", 1, props=long) == 0

@@ -65,7 +65,8 @@ class PublishMixin(CoreBase):
                        f"{self.config.max_topic_length}", will=True, level=logging.WARNING)
             return
         headers = b""
-        if conn.protocol_level == PROTOCOL_LEVEL_5:
+        v5 = conn.protocol_level == PROTOCOL_LEVEL_5
+        if v5:
             # MQTT 5: a refused PUBLISH gets a reason code and the connection stays (issue 13
             # item 6); the message properties are stored with the record (its headers).
             code = self._check_publish5(conn, p)
@@ -149,7 +150,7 @@ class PublishMixin(CoreBase):
             else:
                 offset, fut = self._append(topic, payload, qos, p.retain, ts)
         except (OSError, ValueError) as exc:
-            if qos and conn.protocol_level == PROTOCOL_LEVEL_5:
+            if qos and v5:
                 # Refused by the log (below min_free_bytes: 0x97 quota exceeded; else 0x80).
                 log.error("client %r: storing PUBLISH to %r refused: %s", conn.client_id, topic, exc)
                 self._refuse5(conn, p, refusal_code(exc))
@@ -158,7 +159,7 @@ class PublishMixin(CoreBase):
             else:
                 log.error("client %r: QoS 0 PUBLISH to %r dropped: %s", conn.client_id, topic, exc)
             return
-        if conn.protocol_level == PROTOCOL_LEVEL_5:
+        if v5:
             self._note_publisher(offset, conn.client_id)
         self._track(Record(offset, ts, topic, payload, qos, p.retain, headers), fut)
         if qos == 0:

@@ -126,6 +126,30 @@ def test_properties_reach_a_queued_backlog_after_reconnect(tmp_path: Path) -> No
     run(main())
 
 
+def test_unacknowledged_delivery_is_resent_with_its_properties_after_reconnect(tmp_path: Path) -> None:
+    """4.4 / MQTT-4.4.0-1: a QoS 1 delivery not acknowledged is re-sent (DUP) on reconnect with
+    the properties it was first sent with (user properties, subscription identifier)."""
+    async def main() -> None:
+        h = Harness5(tmp_path)
+        s = h.sub5("s", ("u", subscription_options(1)), clean=False,
+                   props=Properties(subscription_identifiers=[5]),
+                   properties=Properties(session_expiry_interval=300))
+        p = client5(h)
+        p.connect("p")
+        p.send(Publish("u", b"m", 1, packet_id=1, properties=Properties(user_properties=list(USER))))
+        await h.commit()
+        (first,) = publishes(s)
+        s.conn.connection_lost()
+        s = client5(h)
+        assert s.connect("s", False, properties=Properties(session_expiry_interval=300)).session_present
+        (again,) = publishes(s)
+        assert again.dup and again.packet_id == first.packet_id
+        assert again.properties == first.properties
+        assert again.properties is not None and again.properties.user_properties == USER
+        assert again.properties.subscription_identifiers == [5]
+    run(main())
+
+
 def test_retained_message_keeps_its_properties(tmp_path: Path) -> None:
     """3.3.1.3: a retained message is sent to a new subscription with its properties."""
     async def main() -> None:
@@ -455,6 +479,27 @@ def test_subscription_options_and_identifier_survive_in_the_session_file(tmp_pat
         got = publishes(s)
         assert [m.payload for m in got] == [b"other"]
         assert got[0].properties is not None and got[0].properties.subscription_identifiers == [9]
+    run(main())
+
+
+def test_shared_subscription_gets_no_retained_messages_but_its_identifier(tmp_path: Path) -> None:
+    """4.8.2: retained messages are not sent when a session subscribes to a shared subscription
+    (3.3.1.3 / 4.8.2); deliveries through it carry its subscription identifier (3.3.4)."""
+    async def main() -> None:
+        h = Harness5(tmp_path)
+        p = client5(h)
+        p.connect("p")
+        p.send(Publish("sh", b"old", 0, retain=True))
+        await h.commit()
+        s = client5(h)
+        s.connect("s")
+        s.send(Subscribe(1, [("$share/g/sh", subscription_options(1))], Properties(subscription_identifiers=[3])))
+        assert s.received() == [Suback(1, [1])]
+        p.send(Publish("sh", b"new", 1, packet_id=1))
+        await h.commit()
+        (m,) = publishes(s)
+        assert m.payload == b"new" and not m.retain
+        assert m.properties is not None and m.properties.subscription_identifiers == [3]
     run(main())
 
 

@@ -142,7 +142,8 @@ class DeliveryMixin(CoreBase):
             while pid in inflight:
                 pid = pid % 0xFFFF + 1
             state.next_pid = pid % 0xFFFF + 1
-            inflight[pid] = Outbound(offset, group, qos, topic, r.payload, share, False)
+            # (headers kept: re-sent with them if the session resumes on MQTT 5)
+            inflight[pid] = Outbound(offset, group, qos, topic, r.payload, share, False, r.headers)
             parts.append(publish_bytes(topic, r.payload, qos, redelivered(offset), pid, False))
         if parts:
             self.stats.publish_sent(len(parts))

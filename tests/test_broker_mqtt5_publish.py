@@ -703,3 +703,21 @@ def test_paho_full_disk_gets_puback_0x97_and_stays_connected(tmp_path: Path) -> 
         pub.close()
     finally:
         b.stop()
+
+
+def test_no_local_forgets_the_publisher_of_an_offset_a_failed_commit_gave_back(tmp_path: Path) -> None:
+    """MQTT-3.8.3-3 only for the client's own messages: after a failed commit the log reuses
+    its offsets, and a message another (3.1.1) client then stores there reaches the no local
+    subscriber."""
+    async def main() -> None:
+        h = Harness5(tmp_path)
+        me = h.sub5("me", ("f", subscription_options(1, no_local=True)))
+        me.send(Publish("f", b"lost", 1, packet_id=1))
+        h.queue.fail_next = True
+        await h.commit()
+        assert me.received() == [Puback(1, 0x97)]
+        other = h.connected("other4")
+        other.send(Publish("f", b"theirs", 1, packet_id=1))
+        await h.commit()
+        assert [m.payload for m in publishes(me)] == [b"theirs"]
+    run(main())

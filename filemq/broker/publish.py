@@ -159,9 +159,9 @@ class PublishMixin(CoreBase):
             else:
                 log.error("client %r: QoS 0 PUBLISH to %r dropped: %s", conn.client_id, topic, exc)
             return
+        self._track(Record(offset, ts, topic, payload, qos, p.retain, headers), fut)
         if v5:
             self._note_publisher(offset, conn.client_id)
-        self._track(Record(offset, ts, topic, payload, qos, p.retain, headers), fut)
         if qos == 0:
             return
         pid = p.packet_id
@@ -267,8 +267,9 @@ class PublishMixin(CoreBase):
         pending = self._pending
         if pending and pending[-1][0].offset >= record.offset:
             # A failed commit made the log reuse offsets: those entries were never stored.
+            publishers = self.publishers()
             while pending and pending[-1][0].offset >= record.offset:
-                pending.pop()
+                publishers.pop(pending.pop()[0].offset, None)
         pending.append((record, fut))
 
     def _join_batch(self, conn: Connection, fut: asyncio.Future[None]) -> None:

@@ -7,6 +7,7 @@ tests/test_broker_session.py, with a fake queue that keeps headers and can refus
 from __future__ import annotations
 
 import asyncio
+import os
 import queue
 import threading
 import time
@@ -721,3 +722,34 @@ def test_no_local_forgets_the_publisher_of_an_offset_a_failed_commit_gave_back(t
         await h.commit()
         assert [m.payload for m in publishes(me)] == [b"theirs"]
     run(main())
+
+
+def test_paho_enospc_at_commit_gets_0x97_on_a_real_full_file_system(tmp_path: Path) -> None:
+    """Item 6 on a real full file system (a small tmpfs, as tests/test_diskfull.py): with no
+    free-space floor the group commit itself fails with ENOSPC; the paho publisher gets PUBACK
+    0x97 for that message -- never 0x00 -- stays connected, and once space is freed the next
+    PUBLISH is stored and acknowledged with success."""
+    from tests.test_diskfull import small_tmpfs
+
+    with small_tmpfs(tmp_path / "fs", "4m") as fs:
+        filler = fs / "filler"
+        b = _broker(fs, **{"log.min_free_bytes": 0})
+        try:
+            pub = Paho5(b.port, "pub")
+            payload = b"p" * 32768
+            codes = []
+            for _ in range(400):  # bounded: the tmpfs holds far fewer
+                codes.append(pub.publish("full/t", payload, 1))
+                if codes[-1]:
+                    break
+                if not filler.exists():
+                    # Take what is left but ~200 KB, so the log fills within a few messages.
+                    free = os.statvfs(fs).f_bavail * os.statvfs(fs).f_frsize
+                    filler.write_bytes(b"\0" * max(free - 200_000, 0))
+            assert codes[-1] == 0x97 and set(codes[:-1]) <= {0}
+            assert pub.c.is_connected()
+            filler.unlink()
+            assert pub.publish("full/t", b"after", 1) == 0
+            pub.close()
+        finally:
+            b.stop()

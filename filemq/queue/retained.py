@@ -82,7 +82,7 @@ class RetainedMessage:
     qos: int
     offset: int
     timestamp_us: int
-    headers: bytes = b""  # the message's MQTT 5 message properties (Record.headers)
+    headers: bytes = b""  # the record's MQTT 5 message properties (segments.record.Record.headers)
 
 
 @dataclass
@@ -199,8 +199,7 @@ class RetainedStore:
             del self._messages[record.topic]
         if record.payload:
             self._messages[record.topic] = RetainedMessage(
-                record.topic, record.payload, record.qos, record.offset, record.timestamp_us,
-                record.headers,
+                record.topic, record.payload, record.qos, record.offset, record.timestamp_us, record.headers
             )
             self._payload_bytes += len(record.payload)
 

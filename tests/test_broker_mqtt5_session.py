@@ -52,6 +52,11 @@ class Harness5(Harness):
         return super().make_core()
 
 
+def _sub(tmp: Path, name: str) -> Path:
+    (tmp / name).mkdir()
+    return tmp / name
+
+
 def expiring(seconds: int, **kw: Any) -> Properties:
     return Properties(session_expiry_interval=seconds, **kw)
 
@@ -367,7 +372,7 @@ def test_connack_states_the_receive_maximum_3_2_2_3_3(tmp_path: Path) -> None:
         h = Harness(tmp_path)
         ack = client5(h).connect("a")
         assert ack.properties is not None and ack.properties.receive_maximum is None
-        h = Harness(tmp_path / "b", receive_maximum=2)
+        h = Harness(_sub(tmp_path, "b"), receive_maximum=2)
         ack = client5(h).connect("a")
         assert ack.properties is not None and ack.properties.receive_maximum == 2
     run(main())
@@ -383,15 +388,17 @@ def test_more_unacknowledged_publishes_than_receive_maximum_is_0x93_mqtt_3_3_4_7
         c.send(Publish("t", b"1", 1, packet_id=1), Publish("t", b"2", 2, packet_id=2))
         await h.commit()
         assert c.received() == [Puback(1), Pubrec(2)]
-        c.send(Publish("t", b"3", 1, packet_id=3))  # QoS 2 id 2 still counts (no PUBCOMP yet)
         c.send(Pubrel(2))
         await h.settle()
-        assert Pubcomp(2) in c.received()
+        assert c.received() == [Pubcomp(2)]  # nothing unacknowledged now
+        c.send(Publish("t", b"3", 1, packet_id=3), Publish("t", b"4", 2, packet_id=4))
+        assert not c.conn.closed  # two out (not committed yet): at the maximum, not above
         await h.commit()
-        c.send(Publish("t", b"4", 1, packet_id=4))  # id 3 not acked (not committed): 2 out
+        assert c.received() == [Puback(3), Pubrec(4)]
+        c.send(Publish("t", b"5", 1, packet_id=5))  # QoS 2 id 4 counts until its PUBCOMP
         assert not c.conn.closed
-        c.send(Publish("t", b"5", 0), Publish("t", b"6", 1, packet_id=5))  # QoS 0 never counts
-        assert Disconnect(0x93) in c.received()
+        c.send(Publish("t", b"6", 0), Publish("t", b"7", 1, packet_id=6))  # QoS 0 never counts
+        assert c.received() == [Disconnect(0x93)]
         assert c.conn.closed
     run(main())
 
@@ -405,7 +412,7 @@ def test_connack_states_the_topic_alias_maximum_3_2_2_3_8(tmp_path: Path) -> Non
         h = Harness(tmp_path)
         ack = client5(h).connect("a")
         assert ack.properties is not None and ack.properties.topic_alias_maximum == 10
-        h = Harness(tmp_path / "b", topic_alias_maximum=0)
+        h = Harness(_sub(tmp_path, "b"), topic_alias_maximum=0)
         ack = client5(h).connect("a")
         assert ack.properties is not None and ack.properties.topic_alias_maximum is None
     run(main())
@@ -455,14 +462,14 @@ def test_topic_alias_above_the_maximum_is_0x94_mqtt_3_3_2_10(tmp_path: Path) -> 
         c.connect("p")
         c.send(Publish("t", b"1", 0, properties=Properties(topic_alias=3)))
         assert c.received() == [Disconnect(0x94)]
-        h = Harness(tmp_path / "none", topic_alias_maximum=0)
+        h = Harness(_sub(tmp_path, "none"), topic_alias_maximum=0)
         c = client5(h)
         c.connect("p")
         c.send(Publish("t", b"1", 0, properties=Properties(topic_alias=1)))
         assert c.received() == [Disconnect(0x94)]
         c = client5(h)
         c.connect("q")
-        c.send(Publish("t", b"1", 0, properties=Properties(topic_alias=0)))
+        c.send_bytes(b"\x30\x08\x00\x01t\x03\x23\x00\x001")  # PUBLISH "t", topic alias 0
         assert c.received() == [Disconnect(0x94)]
     run(main())
 

@@ -304,6 +304,9 @@ class Broker:
             acl=acl, passwords=passwords, publish_hook=self.publish_hook,
         )
         self.core = core
+        # MQTT 5 sessions whose expiry interval elapsed while the broker was down are
+        # released now; the others' clocks run on (docs/DURABILITY.md).
+        core.release_expired_sessions()
         core.retained_ready = False  # until the background rebuild below is done
         self.recovery_seconds = time.perf_counter() - started
         loop = asyncio.get_running_loop()

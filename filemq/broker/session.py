@@ -30,12 +30,13 @@ from collections import deque
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
-from filemq.mqtt.codec import Decoder, ProtocolError, encode, publish_bytes, publish_bytes5
+from filemq.mqtt.codec import Decoder, ProtocolError, encode, encode5, publish_bytes, publish_bytes5
 from filemq.mqtt.packets import (
     CONNACK_REASON_CODES,
     CONNACK_SERVER_UNAVAILABLE,
     PROTOCOL_LEVEL_5,
     RC_PROTOCOL_ERROR,
+    RC_TOPIC_ALIAS_INVALID,
     Auth,
     Connack,
     Connect,
@@ -66,6 +67,10 @@ PINGRESP = b"\xd0\x00"
 # this are buffered for a connection: an unauthenticated socket cannot make the broker hold
 # a 1 MiB "CONNECT" (issue 10 item 9).
 MAX_CONNECT_PACKET = 5 + 10 + 5 * (2 + 65535)
+
+RC_RECEIVE_MAXIMUM_EXCEEDED = 0x93
+RC_QUOTA_EXCEEDED = 0x97
+_PUBACK_BYTE = 0x40  # first byte of a PUBACK in ``pending_acks`` (PUBREC: 0x50)
 
 AWAITING_CONNECT = "awaiting-connect"
 AUTHENTICATING = "authenticating"
@@ -123,7 +128,7 @@ class Connection:
         "keepalive", "last_rx", "will", "session", "acl", "pending_acks", "closed",
         "close_reason", "publish_will", "paused", "max_inflight", "last_batch",
         "connected_at", "max_packet_size", "reading_changed", "identity", "protocol_level",
-        "encode_packet", "assigned_id", "client_max_packet",
+        "encode_packet", "assigned_id", "client_max_packet", "topic_aliases",
     )
 
     def __init__(
@@ -174,6 +179,9 @@ class Connection:
         # MQTT 5: the Maximum Packet Size the client stated in CONNECT (None: the protocol's
         # limit); no packet larger than it may be sent to it (MQTT-3.1.2-24).
         self.client_max_packet: int | None = None
+        # MQTT 5: topic aliases the client set on this connection (alias -> topic, 3.3.2.3.4);
+        # they die with the connection.
+        self.topic_aliases: dict[int, str] | None = None
 
     def __repr__(self) -> str:
         return f"Connection({self.client_id!r}, peer={self.peer}, state={self.state})"
@@ -268,6 +276,8 @@ class Connection:
                 if type(packet) is Publish:
                     if self.state != CONNECTED:
                         raise ProtocolError("PUBLISH before CONNECT")
+                    if self.protocol_level == PROTOCOL_LEVEL_5:
+                        self._inbound5(packet)
                     core.on_publish(self, packet)
                 elif type(packet) is Puback:
                     self._require_connected("PUBACK")
@@ -275,7 +285,7 @@ class Connection:
                 elif type(packet) is Connect:
                     if self.state != AWAITING_CONNECT:
                         raise ProtocolError("second CONNECT on one connection")
-                    if self._server_full(packet.client_id):
+                    if self._server_full(packet.client_id, packet.protocol_level):
                         return
                     core.on_connect(self, packet)
                 elif type(packet) is Pubrec:
@@ -313,19 +323,59 @@ class Connection:
                            reason_code=exc.reason_code)
                 return
 
+    def _inbound5(self, p: Publish) -> None:
+        """An MQTT 5 PUBLISH before the core sees it: its topic alias resolved (3.3.2.3.4) and
+        the client's unacknowledged QoS 1/2 PUBLISHes checked against our Receive Maximum
+        (3.2.2.3.3, MQTT-3.3.4-7..9).  Raises :class:`ProtocolError` with the reason code."""
+        props = p.properties
+        if props is not None and props.topic_alias is not None:
+            alias = props.topic_alias
+            limit = self.core.config.topic_alias_maximum
+            if not 0 < alias <= limit:
+                raise ProtocolError(f"topic alias {alias} outside 1..{limit} (MQTT-3.3.2-9/-10)", "PUBLISH",
+                                    RC_TOPIC_ALIAS_INVALID)
+            aliases = self.topic_aliases
+            if p.topic:
+                if aliases is None:
+                    aliases = self.topic_aliases = {}
+                aliases[alias] = p.topic
+            else:
+                topic = None if aliases is None else aliases.get(alias)
+                if topic is None:
+                    raise ProtocolError(f"topic alias {alias} was never set on this connection (3.3.2.3.4)",
+                                        "PUBLISH", RC_PROTOCOL_ERROR)
+                p.topic = topic
+        if p.qos:
+            limit = self.core.config.receive_maximum
+            qos2_in = self.session.qos2_in
+            # Cheap upper bound first: pending acks (QoS 1 PUBACKs and QoS 2 PUBRECs not yet
+            # sent) plus QoS 2 ids without PUBCOMP; counted exactly only near the limit.
+            if len(self.pending_acks) + len(qos2_in) >= limit and not (p.qos == 2 and p.packet_id in qos2_in):
+                qos1 = sum(1 for _, ack, _ in self.pending_acks if ack[0] == _PUBACK_BYTE)
+                if qos1 + len(qos2_in) >= limit:
+                    raise ProtocolError(f"more than Receive Maximum ({limit}) unacknowledged QoS 1/2 PUBLISHes "
+                                        "(3.2.2.3.3)", "PUBLISH", RC_RECEIVE_MAXIMUM_EXCEEDED)
+
     def _require_connected(self, name: str) -> None:
         if self.state != CONNECTED:
             raise ProtocolError(f"{name} before CONNECT (the first packet must be CONNECT)")
 
-    def _server_full(self, client_id: str) -> bool:
-        """Refuse a CONNECT with CONNACK 3 when ``max_connections`` clients are connected
+    def _server_full(self, client_id: str, protocol_level: int = 4) -> bool:
+        """Refuse a CONNECT with CONNACK 3 (MQTT 5: 0x97) when ``max_connections`` clients are connected
         (a client taking over its own id does not add one).  Half-open connections do not
         count: they are capped apart (``max_connecting``, in the asyncio shell)."""
         core = self.core
         limit = core.config.max_connections
         if len(core.connections) < limit or client_id in core.connections:
             return False
-        self.send_packet(Connack(False, CONNACK_SERVER_UNAVAILABLE))
+        if protocol_level == PROTOCOL_LEVEL_5:
+            # 3.2.2.2: 0x97 Quota exceeded, "an implementation or administrative imposed
+            # limit" -- what max_connections is (0x89 Server busy suggests a passing state).
+            self.protocol_level = PROTOCOL_LEVEL_5
+            self.encode_packet = encode5
+            self.send_packet(Connack(False, RC_QUOTA_EXCEEDED))
+        else:
+            self.send_packet(Connack(False, CONNACK_SERVER_UNAVAILABLE))
         self.close(f"CONNECT refused (server unavailable): max_connections ({limit}) clients connected",
                    will=False, level=logging.WARNING)
         return True

@@ -10,9 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import queue
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 from filemq.broker.sessions import SessionStore
 from filemq.mqtt.packets import (
@@ -68,7 +73,7 @@ def session_file(h: Harness, cid: str) -> dict[str, Any]:
 
 def group_dir(h: Harness, cid: str) -> Path:
     group = h.queue.get_group("mqtt-session:" + cid)
-    assert group is not None
+    assert group is not None and group.directory is not None
     return Path(group.directory)
 
 
@@ -533,3 +538,176 @@ def test_request_response_information_gets_none_3_1_2_11_6(tmp_path: Path) -> No
         assert ack.return_code == 0 and ack.properties is not None
         assert ack.properties.response_information is None and ack.properties.reason_string is None
     run(main())
+
+
+# ---- with paho-mqtt 2.x against a real broker on loopback ---------------------------------
+
+paho = pytest.importorskip("paho.mqtt.client", reason="paho-mqtt is not installed")
+from paho.mqtt.enums import CallbackAPIVersion  # noqa: E402
+from paho.mqtt.packettypes import PacketTypes  # noqa: E402
+from paho.mqtt.properties import Properties as PahoProperties  # noqa: E402
+
+from tests.test_broker_interop import ThreadedBroker, make_config  # noqa: E402
+
+
+class Paho5:
+    """A paho-mqtt 2.x MQTT 5 client on its own network thread; every wait is bounded."""
+
+    def __init__(self, port: int, client_id: str, *, clean_start: bool = True,
+                 connect_props: dict[str, Any] | None = None, will: tuple[str, bytes, dict[str, Any]] | None = None,
+                 keepalive: int = 30) -> None:
+        self.messages: queue.Queue[Any] = queue.Queue()
+        self.connected = threading.Event()
+        self.disconnected = threading.Event()
+        self.subscribed = threading.Event()
+        self.connack: tuple[bool, Any, Any] | None = None
+        self.disconnect_reason: Any = None
+        c = paho.Client(callback_api_version=CallbackAPIVersion.VERSION2, client_id=client_id,
+                        protocol=paho.MQTTv5)
+        c.on_connect = self._on_connect
+        c.on_disconnect = self._on_disconnect
+        c.on_subscribe = lambda *a: self.subscribed.set()
+        c.on_message = lambda _c, _u, m: self.messages.put(m)
+        if will is not None:
+            topic, payload, wprops = will
+            c.will_set(topic, payload, qos=1, properties=_props(PacketTypes.WILLMESSAGE, wprops))
+        self.c = c
+        c.connect("127.0.0.1", port, keepalive=keepalive, clean_start=clean_start,
+                  properties=_props(PacketTypes.CONNECT, connect_props or {}))
+        c.loop_start()
+        assert self.connected.wait(10), "paho did not connect"
+
+    def _on_connect(self, _c: Any, _u: Any, flags: Any, rc: Any, props: Any) -> None:
+        self.connack = (flags.session_present, rc, props)
+        self.connected.set()
+
+    def _on_disconnect(self, _c: Any, _u: Any, _flags: Any, rc: Any, _props: Any) -> None:
+        self.disconnect_reason = rc
+        self.disconnected.set()
+
+    @property
+    def session_present(self) -> bool:
+        assert self.connack is not None
+        return bool(self.connack[0])
+
+    def subscribe(self, topic: str, qos: int = 1) -> None:
+        self.subscribed.clear()
+        self.c.subscribe(topic, qos)
+        assert self.subscribed.wait(10)
+
+    def disconnect(self, props: dict[str, Any] | None = None) -> None:
+        self.c.disconnect(properties=_props(PacketTypes.DISCONNECT, props) if props else None)
+        assert self.disconnected.wait(10)
+        self.c.loop_stop()
+
+    def drop(self) -> None:
+        """Close the socket without DISCONNECT (a client that died)."""
+        self.c.loop_stop()
+        sock = self.c.socket()
+        assert sock is not None
+        sock.close()
+
+
+def _props(kind: int, values: dict[str, Any]) -> Any:
+    p = PahoProperties(kind)  # type: ignore[no-untyped-call]
+    for k, v in values.items():
+        setattr(p, k, v)
+    return p
+
+
+@pytest.fixture
+def broker5(tmp_path: Path) -> Iterator[ThreadedBroker]:
+    b = ThreadedBroker(make_config(tmp_path / "data"))
+    b.start()
+    try:
+        yield b
+    finally:
+        if b.loop is not None and not b.loop.is_closed():  # (a test may have stopped it)
+            b.stop()
+
+
+def test_paho_session_expiry_survives_a_restart_and_expires_across_one(broker5: ThreadedBroker) -> None:
+    """3.1.2.11.2 / 4.1 with paho-mqtt 2.x and a real broker: a session with a long interval
+    is present after a broker restart; one whose interval (1 s) elapsed while the broker was
+    down is released at start: session file and consumer group directory gone, Session
+    Present 0."""
+    assert broker5.config.data_dir is not None
+    data = Path(broker5.config.data_dir)
+    for cid, interval in (("long", 3600), ("short", 1)):
+        c = Paho5(broker5.port, cid, clean_start=True, connect_props={"SessionExpiryInterval": interval})
+        c.subscribe(f"x/{cid}")
+        c.disconnect()
+    store = SessionStore(data)
+    group_of_short = data / "groups"
+    short_groups = [p for p in group_of_short.iterdir() if "short" in p.name]
+    assert store.path_of("short").exists() and short_groups
+    broker5.stop()
+    time.sleep(1.2)  # the scenario is about time: "short"'s 1 s passes while the broker is down
+    broker5.start()
+    assert not store.path_of("short").exists()
+    assert not any(p.exists() for p in short_groups)
+    long = Paho5(broker5.port, "long", clean_start=False, connect_props={"SessionExpiryInterval": 3600})
+    assert long.session_present
+    long.disconnect()
+    short = Paho5(broker5.port, "short", clean_start=False, connect_props={"SessionExpiryInterval": 1})
+    assert not short.session_present
+    short.disconnect()
+
+
+def test_paho_will_delay_and_will_properties(broker5: ThreadedBroker) -> None:
+    """3.1.3.2.2 / MQTT-3.1.3-9 with paho-mqtt 2.x: the will of a client that died arrives
+    after its Will Delay Interval (1 s) with its will properties; a will whose client comes
+    back within the delay never arrives."""
+    watcher = Paho5(broker5.port, "watcher")
+    watcher.subscribe("will/#")
+    wprops = {"WillDelayInterval": 1, "ContentType": "text/plain", "UserProperty": [("a", "1")]}
+    a = Paho5(broker5.port, "a", clean_start=True, connect_props={"SessionExpiryInterval": 60},
+              will=("will/a", b"a died", wprops))
+    b = Paho5(broker5.port, "b", clean_start=True, connect_props={"SessionExpiryInterval": 60},
+              will=("will/b", b"b died", dict(wprops, WillDelayInterval=5)))
+    dropped = time.monotonic()
+    a.drop()
+    b.drop()
+    b2 = Paho5(broker5.port, "b", clean_start=False, connect_props={"SessionExpiryInterval": 60})
+    assert b2.session_present
+    m = watcher.messages.get(timeout=10)
+    assert time.monotonic() - dropped >= 1.0
+    assert (m.topic, m.payload) == ("will/a", b"a died")
+    assert m.properties.ContentType == "text/plain" and m.properties.UserProperty == [("a", "1")]
+    b2.disconnect()  # a normal DISCONNECT: no will
+    with pytest.raises(queue.Empty):
+        watcher.messages.get(timeout=6)  # past b's 5 s delay: its will never came
+    watcher.disconnect()
+
+
+def test_paho_topic_alias_and_connack_limits(tmp_path: Path) -> None:
+    """3.2.2.3.3 / 3.2.2.3.8 / 3.3.2.3.4 with paho-mqtt 2.x: the CONNACK states Receive
+    Maximum and Topic Alias Maximum; a PUBLISH with an empty topic and an alias set before
+    reaches subscribers of the aliased topic."""
+    b = ThreadedBroker(make_config(tmp_path / "data", receive_maximum=50, topic_alias_maximum=4))
+    b.start()
+    try:
+        sub = Paho5(b.port, "sub")
+        sub.subscribe("t/alias")
+        pub = Paho5(b.port, "pub")
+        assert pub.connack is not None
+        props = pub.connack[2]
+        assert props.ReceiveMaximum == 50 and props.TopicAliasMaximum == 4
+        alias = _props(PacketTypes.PUBLISH, {"TopicAlias": 3})
+        pub.c.publish("t/alias", b"1", qos=1, properties=alias).wait_for_publish(10)
+        pub.c.publish("", b"2", qos=1, properties=alias).wait_for_publish(10)
+        got = [sub.messages.get(timeout=10) for _ in range(2)]
+        assert [(m.topic, m.payload) for m in got] == [("t/alias", b"1"), ("t/alias", b"2")]
+        pub.disconnect()
+        sub.disconnect()
+    finally:
+        b.stop()
+
+
+def test_paho_broker_shutdown_sends_0x8b(broker5: ThreadedBroker) -> None:
+    """3.14.2.1 with paho-mqtt 2.x: a stopping broker tells MQTT 5 clients 0x8B."""
+    c = Paho5(broker5.port, "c")
+    broker5.stop()
+    assert c.disconnected.wait(10)
+    assert c.disconnect_reason.value == 0x8B
+    c.c.loop_stop()

@@ -36,7 +36,6 @@ from filemq.common.topics import (
     validate_topic_name,
 )
 from filemq.mqtt.codec import ProtocolError, encode5
-from filemq.mqtt.properties import encode_message_headers
 from filemq.mqtt.packets import (
     CONNACK_ACCEPTED,
     CONNACK_BAD_USERNAME_OR_PASSWORD,
@@ -54,6 +53,7 @@ from filemq.mqtt.packets import (
     Properties,
     Publish,
 )
+from filemq.mqtt.properties import encode_message_headers
 from segments.record import Record
 
 if TYPE_CHECKING:

@@ -540,6 +540,26 @@ def test_request_response_information_gets_none_3_1_2_11_6(tmp_path: Path) -> No
     run(main())
 
 
+# ---- the client's Maximum Packet Size for what is not a PUBLISH (3.1.2.11.4) ---------------
+
+
+def test_connack_fits_the_clients_maximum_packet_size_mqtt_3_1_2_24(tmp_path: Path) -> None:
+    """MQTT-3.1.2-24: no packet larger than the client's Maximum Packet Size: a CONNACK that
+    would be larger leaves out the Topic Alias Maximum (absent = no aliases: the client asks
+    less of us); one that still does not fit is not sent and the connection is closed."""
+    async def main() -> None:
+        h = Harness(tmp_path)
+        c = client5(h)
+        ack = c.connect("", properties=Properties(maximum_packet_size=38))  # full CONNACK: 41 bytes
+        assert len(c.transport.data) <= 38
+        assert ack.return_code == 0 and ack.properties is not None
+        assert ack.properties.topic_alias_maximum is None and ack.properties.assigned_client_identifier
+        c = client5(h)
+        c.send(Connect(client_id="", protocol_level=5, properties=Properties(maximum_packet_size=20)))
+        assert c.transport.data == b"" and c.conn.closed
+    run(main())
+
+
 # ---- with paho-mqtt 2.x against a real broker on loopback ---------------------------------
 
 paho = pytest.importorskip("paho.mqtt.client", reason="paho-mqtt is not installed")

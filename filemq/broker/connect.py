@@ -340,11 +340,13 @@ class ConnectMixin(CoreBase):
         state.expiry = session_expiry(p)
         self.connections[cid] = conn
         conn.state = CONNECTED
+        self.stats.client_connected()
         if conn.protocol_level == PROTOCOL_LEVEL_5:
             conn.send_packet(Connack(present, CONNACK_ACCEPTED, self._connack_properties(conn, p)))
+            if conn.closed:
+                return  # the CONNACK does not fit the client's Maximum Packet Size (closed)
         else:
             conn.send_packet(Connack(present, CONNACK_ACCEPTED))
-        self.stats.client_connected()
         for sub in state.subs.values():
             self._register(conn, state, sub)
         # 4.4: re-send unacknowledged PUBLISH (DUP) and PUBREL with their original ids.

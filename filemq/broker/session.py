@@ -398,8 +398,31 @@ class Connection:
             self.core.mark_dirty(self)
 
     def send_packet(self, packet: object) -> None:
-        """Encode ``packet`` at this connection's protocol level and queue it."""
-        self.send(self.encode_packet(packet))
+        """Encode ``packet`` at this connection's protocol level and queue it.
+
+        MQTT 5: never larger than the client's Maximum Packet Size (MQTT-3.1.2-24): optional
+        properties are left out (Reason String and User Properties, MQTT-3.2.2-19/-20; a
+        CONNACK's Topic Alias Maximum: absent = 0, the client then asks less of us); a packet
+        that still does not fit is not sent and the connection is closed.  (PUBLISH
+        deliveries do not come through here.)"""
+        data = self.encode_packet(packet)
+        limit = self.client_max_packet
+        if limit is not None and len(data) > limit:
+            props = getattr(packet, "properties", None)
+            if props is not None:
+                props.reason_string = None
+                props.user_properties = []
+                if type(packet) is Connack:
+                    props.topic_alias_maximum = None
+                data = self.encode_packet(packet)
+            if len(data) > limit:
+                log.warning("client %r from %s: %s of %d bytes not sent: larger than its Maximum Packet Size %d",
+                            self.client_id, self.peer, type(packet).__name__, len(data), limit)
+                if not self.closed:
+                    self.close(f"a {type(packet).__name__} does not fit its Maximum Packet Size {limit}",
+                               will=False, level=logging.WARNING)
+                return
+        self.send(data)
 
     def publish_bytes(self, topic: str, payload: bytes, qos: int, dup: bool, packet_id: int | None,
                       retain: bool = False, headers: bytes = b"") -> bytes:

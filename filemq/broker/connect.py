@@ -363,6 +363,12 @@ class ConnectMixin(CoreBase):
         """What an MQTT 5 CONNACK tells the client (3.2.2.3): the limits it must keep and the
         features filemq offers, stated as they are."""
         props = Properties(maximum_packet_size=conn.max_packet_size)
+        if self.config.receive_maximum < 65535:
+            props.receive_maximum = self.config.receive_maximum  # 3.2.2.3.3 (absent = 65535)
+        if self.config.topic_alias_maximum:
+            props.topic_alias_maximum = self.config.topic_alias_maximum  # 3.2.2.3.8 (absent = 0)
+        # No Response Information (3.1.2.11.6 allows it) and no Reason Strings at all, so
+        # Request Problem Information 0 (3.1.2.11.7) changes nothing we send.
         if conn.assigned_id:
             props.assigned_client_identifier = conn.client_id  # MQTT-3.2.2-16
         if conn.keepalive != p.keepalive:
@@ -370,12 +376,6 @@ class ConnectMixin(CoreBase):
         # Retained messages, wildcards and shared subscriptions are available (the defaults,
         # 3.2.2.3.5/.11/.13); subscription identifiers are not (yet).
         props.subscription_identifier_available = 0
-        if self.config.receive_maximum < 65535:
-            props.receive_maximum = self.config.receive_maximum  # 3.2.2.3.3 (absent = 65535)
-        if self.config.topic_alias_maximum:
-            props.topic_alias_maximum = self.config.topic_alias_maximum  # 3.2.2.3.8 (absent = 0)
-        # No Response Information (3.1.2.11.6 allows it) and no Reason Strings at all, so
-        # Request Problem Information 0 (3.1.2.11.7) changes nothing we send.
         return props
 
     def on_disconnect(self, conn: Connection, p: Disconnect) -> None:

@@ -55,10 +55,10 @@ from segments.fileio import OS_FILE_IO, FileIO, atomic_write
 log = logging.getLogger(__name__)
 
 SESSIONS_DIR = "sessions"
-SESSION_FORMAT = 1
 # Written when the session has an MQTT 5 expiry interval; format 1 files load as before.
 SESSION_FORMAT_EXPIRY = 2
 NEVER_EXPIRES = 0xFFFFFFFF
+SESSION_FORMAT = 1
 
 
 @dataclass(slots=True)

@@ -731,3 +731,21 @@ def test_paho_broker_shutdown_sends_0x8b(broker5: ThreadedBroker) -> None:
     assert c.disconnected.wait(10)
     assert c.disconnect_reason.value == 0x8B
     c.c.loop_stop()
+
+
+def test_paho_packet_over_our_maximum_packet_size_gets_0x95(tmp_path: Path) -> None:
+    """3.1.2.11.4 / 3.2.2.3.6 with paho-mqtt 2.x: the CONNACK states our Maximum Packet Size;
+    a larger PUBLISH gets DISCONNECT 0x95 (Packet too large), nothing stored."""
+    b = ThreadedBroker(make_config(tmp_path / "data", max_packet_size=1024))
+    b.start()
+    try:
+        c = Paho5(b.port, "big")
+        assert c.connack is not None and c.connack[2].MaximumPacketSize == 1024
+        c.c.publish("t", b"x" * 2000, qos=1)
+        assert c.disconnected.wait(10)
+        assert c.disconnect_reason.value == 0x95
+        c.c.loop_stop()
+        assert b.broker is not None and b.broker.queue is not None
+        assert b.broker.queue.log.next_offset == 0
+    finally:
+        b.stop()

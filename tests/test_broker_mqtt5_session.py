@@ -749,3 +749,33 @@ def test_paho_packet_over_our_maximum_packet_size_gets_0x95(tmp_path: Path) -> N
         assert b.broker.queue.log.next_offset == 0
     finally:
         b.stop()
+
+
+def test_paho_session_of_a_killed_broker_is_kept_then_expires_from_the_restart(tmp_path: Path) -> None:
+    """kill -9 of the real process while an MQTT 5 session (interval 2 s) is connected: its
+    file says connected, so the restarted broker does not release it although the broker was
+    down longer than the interval (never early); it expires 2 s after its next close."""
+    from tests.test_broker_kill9 import _start_broker
+
+    proc, port = _start_broker(tmp_path)
+    try:
+        c = Paho5(port, "k", clean_start=True, connect_props={"SessionExpiryInterval": 2})
+        c.subscribe("k/#")
+        proc.kill()
+        proc.wait(timeout=10)
+        assert c.disconnected.wait(10)
+        c.c.loop_stop()
+        time.sleep(2.5)  # the scenario is about time: down longer than the interval
+        proc, port = _start_broker(tmp_path)
+        store = SessionStore(tmp_path)
+        assert store.path_of("k").exists()
+        c = Paho5(port, "k", clean_start=False, connect_props={"SessionExpiryInterval": 2})
+        assert c.session_present
+        c.disconnect()
+        deadline = time.monotonic() + 10
+        while store.path_of("k").exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not store.path_of("k").exists()
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)

@@ -779,3 +779,28 @@ def test_paho_session_of_a_killed_broker_is_kept_then_expires_from_the_restart(t
     finally:
         proc.kill()
         proc.wait(timeout=10)
+
+
+def test_paho_will_held_at_shutdown_is_stored_and_delivered_after_restart(broker5: ThreadedBroker) -> None:
+    """A will waiting for its Will Delay Interval when the broker stops is published at the
+    shutdown (3.1.2.5 allows it): it is in the log, and a persistent subscriber gets it after
+    the restart."""
+    watcher = Paho5(broker5.port, "watcher", clean_start=True, connect_props={"SessionExpiryInterval": 3600})
+    watcher.subscribe("will/#")
+    watcher.disconnect()
+    a = Paho5(broker5.port, "a", clean_start=True, connect_props={"SessionExpiryInterval": 600},
+              will=("will/a", b"a died", {"WillDelayInterval": 300}))
+    a.drop()
+    assert broker5.broker is not None and broker5.broker.core is not None
+    core = broker5.broker.core
+    deadline = time.monotonic() + 10
+    while "a" in core.connections and time.monotonic() < deadline:  # the broker saw the close
+        time.sleep(0.01)
+    assert "a" not in core.connections
+    broker5.stop()
+    broker5.start()
+    watcher = Paho5(broker5.port, "watcher", clean_start=False, connect_props={"SessionExpiryInterval": 3600})
+    assert watcher.session_present
+    m = watcher.messages.get(timeout=10)
+    assert (m.topic, m.payload) == ("will/a", b"a died")
+    watcher.disconnect()

@@ -408,6 +408,35 @@ def test_more_unacknowledged_publishes_than_receive_maximum_is_0x93_mqtt_3_3_4_7
     run(main())
 
 
+def test_qos2_counts_until_its_pubcomp_is_sent_3_2_2_3_3(tmp_path: Path) -> None:
+    """3.2.2.3.3: a QoS 2 PUBLISH counts until the PUBCOMP is sent, also while that PUBCOMP
+    waits for the session-file write of a persistent session."""
+    async def main() -> None:
+        h = Harness(tmp_path, receive_maximum=1)
+        c = client5(h)
+        c.connect("p", False, properties=expiring(60))
+        held: list[Any] = []
+        h.core.session_writer = lambda snap, done: held.append((snap, done))
+
+        def release() -> None:
+            while held:
+                snap, done = held.pop(0)
+                h.store.write(snap)
+                done(None)
+
+        c.send(Publish("t", b"1", 2, packet_id=1))
+        await h.commit()
+        release()
+        await h.settle()
+        assert c.received() == [Pubrec(1)]
+        c.send(Pubrel(1))  # its PUBCOMP waits for the write of the id's removal
+        await asyncio.sleep(0)
+        assert c.received() == [] and held
+        c.send(Publish("t", b"2", 1, packet_id=2))
+        assert c.received() == [Disconnect(0x93)]
+    run(main())
+
+
 # ---- topic aliases, client to broker (3.3.2.3.4, 4.13) ------------------------------------
 
 

@@ -70,7 +70,7 @@ MAX_CONNECT_PACKET = 5 + 10 + 5 * (2 + 65535)
 
 RC_RECEIVE_MAXIMUM_EXCEEDED = 0x93
 RC_QUOTA_EXCEEDED = 0x97
-_PUBACK_BYTE = 0x40  # first byte of a PUBACK in ``pending_acks`` (PUBREC: 0x50)
+_PUBACK_PUBCOMP = (0x40, 0x70)  # first bytes of PUBACK / PUBCOMP in ``pending_acks`` (PUBREC: 0x50)
 
 AWAITING_CONNECT = "awaiting-connect"
 AUTHENTICATING = "authenticating"
@@ -348,11 +348,12 @@ class Connection:
         if p.qos:
             limit = self.core.config.receive_maximum
             qos2_in = self.session.qos2_in
-            # Cheap upper bound first: pending acks (QoS 1 PUBACKs and QoS 2 PUBRECs not yet
-            # sent) plus QoS 2 ids without PUBCOMP; counted exactly only near the limit.
+            # Unacknowledged: QoS 1 whose PUBACK waits in pending_acks, QoS 2 ids before PUBREL
+            # (qos2_in) and after it while the PUBCOMP waits (for the session write).  Cheap
+            # upper bound first (pending acks + qos2_in); counted exactly only near the limit.
             if len(self.pending_acks) + len(qos2_in) >= limit and not (p.qos == 2 and p.packet_id in qos2_in):
-                qos1 = sum(1 for _, ack, _ in self.pending_acks if ack[0] == _PUBACK_BYTE)
-                if qos1 + len(qos2_in) >= limit:
+                waiting = sum(1 for _, ack, _ in self.pending_acks if ack[0] in _PUBACK_PUBCOMP)
+                if waiting + len(qos2_in) >= limit:
                     raise ProtocolError(f"more than Receive Maximum ({limit}) unacknowledged QoS 1/2 PUBLISHes "
                                         "(3.2.2.3.3)", "PUBLISH", RC_RECEIVE_MAXIMUM_EXCEEDED)
 

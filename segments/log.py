@@ -36,7 +36,8 @@ from segments.record import (
     MAX_TOPIC_BYTES,
     Record,
     decode_at,
-    encode,
+    encode_v1,
+    encode_v2,
 )
 from segments.segment import NO_TIMESTAMP, Segment, parse_segment_name
 
@@ -347,7 +348,10 @@ class Log:
             if self._closed or self._broken:
                 raise SegmentError(str(self.directory), self._broken or "log is closed")
             offset = self._next_offset
-            data = encode(offset, ts, topic_bytes, payload, flags, headers)
+            if headers:
+                data = encode_v2(offset, ts, topic_bytes, payload, flags, headers)
+            else:
+                data = encode_v1(offset, ts, topic_bytes, payload, flags)
             n = len(data)
             if n > self._max_record:
                 raise ValueError(f"record of {n} bytes does not fit a segment of {self.config.segment_bytes}")

@@ -101,10 +101,21 @@ def encode(
     size: a record larger than MAX_RECORD_BYTES is never valid).
     """
     if headers:
-        body = (BODY.pack(FORMAT_VERSION_HEADERS, flags, offset, timestamp_us, len(topic)) + topic
-                + HEADERS_LEN.pack(len(headers)) + headers + payload)
-    else:
-        body = BODY.pack(FORMAT_VERSION, flags, offset, timestamp_us, len(topic)) + topic + payload
+        return encode_v2(offset, timestamp_us, topic, payload, flags, headers)
+    return encode_v1(offset, timestamp_us, topic, payload, flags)
+
+
+def encode_v1(offset: int, timestamp_us: int, topic: bytes, payload: bytes, flags: int) -> bytes:
+    """:func:`encode` without headers: format 1 (for the append hot path, which tests
+    ``headers`` itself and so calls exactly what it called before format 2 existed)."""
+    body = BODY.pack(FORMAT_VERSION, flags, offset, timestamp_us, len(topic)) + topic + payload
+    return PREFIX.pack(len(body) + 4, crc32c(body)) + body
+
+
+def encode_v2(offset: int, timestamp_us: int, topic: bytes, payload: bytes, flags: int, headers: bytes) -> bytes:
+    """:func:`encode` with (non-empty) headers: format 2."""
+    body = (BODY.pack(FORMAT_VERSION_HEADERS, flags, offset, timestamp_us, len(topic)) + topic
+            + HEADERS_LEN.pack(len(headers)) + headers + payload)
     return PREFIX.pack(len(body) + 4, crc32c(body)) + body
 
 
@@ -210,6 +221,7 @@ def decode_run(
     append = out.append
     make = tuple.__new__
     flags_ok = _FLAGS_OK
+    headers_unpack = HEADERS_LEN.unpack_from
     room = max_records - len(out)
     # Consecutive records nearly always share a topic: reuse its str instead of decoding
     # each one again (one comparison, no slice), which also shares the object in memory.
@@ -227,12 +239,23 @@ def decode_run(
             # A small record's bytes are cheaper to copy than to wrap in a memoryview.
             or crc32c(buf[pos + CRC_START : nxt] if framed < 4096 else view[pos + CRC_START : nxt]) != crc
         ):
-            # A format 2 record (headers) fails the version test above; it is checked and
-            # decoded here, so that the format 1 path costs nothing more than before.
+            # A format 2 record (headers) fails the version test above; it is checked (the
+            # same checks, plus its headers_len) and decoded here, so that the format 1 path
+            # costs nothing more than before.
+            if version != FORMAT_VERSION_HEADERS:
+                break
+            at = pos + HEADER_SIZE + topic_len  # its headers_len field
             if (
-                version != FORMAT_VERSION_HEADERS or (offset != expected and expected >= 0)
-                or check_frame(buf, pos, end) != framed
+                length < MIN_LENGTH or framed > MAX_RECORD_BYTES or nxt > end
+                or not flags_ok[flags] or at + HEADERS_LEN_SIZE > nxt
+                or (offset != expected and expected >= 0)
             ):
+                break
+            hstart = at + HEADERS_LEN_SIZE
+            hstop = hstart + headers_unpack(buf, at)[0]
+            if hstop > nxt or crc32c(
+                buf[pos + CRC_START : nxt] if framed < 4096 else view[pos + CRC_START : nxt]
+            ) != crc:
                 break
             if offset >= limit:
                 return pos, expected, total, True
@@ -240,7 +263,13 @@ def decode_run(
             if offset >= first:
                 if total + framed > max_bytes and out:
                     return pos, offset, total, True
-                append(decode_at(buf, pos, framed))
+                start = pos + HEADER_SIZE
+                if topic_len != topic_raw_len or not buf.startswith(topic_raw, start):
+                    topic_raw = buf[start:at]
+                    topic_raw_len = topic_len
+                    topic = topic_raw.decode("utf-8", "replace")
+                append(make(Record, (offset, ts, topic, buf[hstop:nxt], flags & QOS_MASK, flags & RETAIN_BIT != 0,
+                                     buf[hstart:hstop])))
                 total += framed
                 room -= 1
                 if not room:
@@ -316,6 +345,7 @@ def scan_run(
     """
     unpack = HEADER.unpack_from
     view = memoryview(buf)
+    headers_unpack = HEADERS_LEN.unpack_from
     limit = end - HEADER_SIZE
     while pos <= limit:
         length, crc, version, flags, offset, ts, topic_len = unpack(buf, pos)
@@ -326,9 +356,14 @@ def scan_run(
             or HEADER_SIZE + topic_len > framed or offset != expected
             or crc32c(view[pos + CRC_START : pos + framed]) != crc
         ) and (
-            # a format 2 record fails the version test above: check it fully here, so that
-            # the format 1 path costs nothing more than before
-            version != FORMAT_VERSION_HEADERS or offset != expected or check_frame(buf, pos, end) != framed
+            # A format 2 record fails the version test above: the same checks again, plus its
+            # headers_len, here, so that the format 1 path costs nothing more than before.
+            version != FORMAT_VERSION_HEADERS
+            or length < MIN_LENGTH or framed > MAX_RECORD_BYTES or pos + framed > end
+            or flags & RESERVED_FLAGS or flags & QOS_MASK == 3 or offset != expected
+            or (at := pos + HEADER_SIZE + topic_len) + HEADERS_LEN_SIZE > pos + framed
+            or at + HEADERS_LEN_SIZE + headers_unpack(buf, at)[0] > pos + framed
+            or crc32c(view[pos + CRC_START : pos + framed]) != crc
         ):
             break
         absolute = shift + pos

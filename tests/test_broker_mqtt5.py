@@ -49,15 +49,16 @@ def client5(h: Harness) -> Client5:
 
 
 def test_level_5_connect_is_accepted_with_mqtt5_connack(tmp_path: Path) -> None:
-    """3.2.2.3: the CONNACK states the maximum packet size the broker takes and that
-    subscription identifiers are not available; 3.1.1 clients on the same core are unchanged."""
+    """3.2.2.3: the CONNACK states the maximum packet size the broker takes; subscription
+    identifiers are available (3.2.2.3.12: absent = available); 3.1.1 clients on the same core
+    are unchanged."""
     async def main() -> None:
         h = Harness(tmp_path, max_packet_size=4096)
         c = client5(h)
         ack = c.connect("v5")
         assert ack.return_code == 0 and not ack.session_present
         assert ack.properties is not None and ack.properties.maximum_packet_size == 4096
-        assert ack.properties.subscription_identifier_available == 0
+        assert ack.properties.subscription_identifier_available is None
         assert ack.properties.assigned_client_identifier is None
         assert c.conn.protocol_level == 5
         old = h.client()

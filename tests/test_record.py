@@ -301,6 +301,14 @@ def test_scan_run_stops_where_check_frame_does(recs: list[Record], data: st.Data
     if buf and data.draw(st.booleans()):
         i = data.draw(st.integers(0, len(buf) - 1))
         buf[i] ^= data.draw(st.integers(1, 255))
+    if recs and data.draw(st.booleans()):  # damage behind a matching CRC, as above
+        k = data.draw(st.integers(0, len(recs) - 1))
+        at = sum(len(encode_record(r)) for r in recs[:k])
+        size = len(encode_record(recs[k]))
+        i = at + data.draw(st.sampled_from([8, 9, 26, 27, 28 + len(recs[k].topic.encode()), 31 + len(recs[k].topic.encode())]))
+        if i < at + size:
+            buf[i] ^= data.draw(st.integers(1, 255))
+            buf[at + 4 : at + 8] = crc32c(bytes(buf[at + 8 : at + size])).to_bytes(4, "big")
     cut = data.draw(st.integers(0, len(buf)))
     stream = bytes(buf[:cut])
     pos, expected = 0, 100
@@ -341,6 +349,16 @@ def test_decode_run_agrees_with_check_frame_on_mixed_v1_v2(recs: list[Record], d
     if buf and data.draw(st.booleans()):
         i = data.draw(st.integers(0, len(buf) - 1))
         buf[i] ^= data.draw(st.integers(1, 255))
+    if recs and data.draw(st.booleans()):
+        # Damage behind a matching CRC (what only the structural checks catch): a byte of one
+        # record's header, topic_len or headers_len, then its CRC recomputed.
+        k = data.draw(st.integers(0, len(recs) - 1))
+        at = sum(len(encode_record(r)) for r in recs[:k])
+        size = len(encode_record(recs[k]))
+        i = at + data.draw(st.sampled_from([8, 9, 26, 27, 28 + len(recs[k].topic.encode()), 31 + len(recs[k].topic.encode())]))
+        if i < at + size:
+            buf[i] ^= data.draw(st.integers(1, 255))
+            buf[at + 4 : at + 8] = crc32c(bytes(buf[at + 8 : at + size])).to_bytes(4, "big")
     stream = bytes(buf[: data.draw(st.integers(0, len(buf)))])
     first = data.draw(st.integers(99, 110))
     limit = data.draw(st.integers(100, 110))
@@ -352,3 +370,53 @@ def test_decode_run_agrees_with_check_frame_on_mixed_v1_v2(recs: list[Record], d
     assert out == expected_records
     assert stop == expected_stop
     assert total == sum(len(encode_record(r)) for r in out)
+
+
+def _check_walk(stream: bytes, first_offset: int) -> tuple[int, int]:
+    """(stop, next offset) of the generic check_frame walk over gap-free records."""
+    pos, expected = 0, first_offset
+    while True:
+        framed = check_frame(stream, pos, len(stream))
+        if framed <= 0 or offset_at(stream, pos) != expected:
+            return pos, expected
+        pos, expected = pos + framed, expected + 1
+
+
+def test_fast_paths_agree_with_check_frame_on_damage_behind_a_matching_crc() -> None:
+    """Exhaustive over the fields only the structural checks guard (version, flags, topic_len,
+    headers_len: damaged, then the CRC recomputed): decode_run and scan_run stop exactly where
+    check_frame does, on format 1 and format 2 records, never raising."""
+    recs = [
+        Record(7, 1, "ab", b"x" * 5),
+        Record(8, 2, "ab", b"yy", qos=2, headers=b"\x01\x01"),
+        Record(9, 3, "", b"zzz", retain=True, headers=HEADERS),
+        Record(10, 4, "ab", b""),
+        Record(11, 5, "c", b"w", headers=b"h" * 3),
+    ]
+    frames = [encode_record(r) for r in recs]
+    for k, frame in enumerate(frames):
+        at = sum(map(len, frames[:k]))
+        tl = len(recs[k].topic.encode())
+        for field in (0, 1, 2, 3, 8, 9, 26, 27, 28 + tl, 29 + tl, 30 + tl, 31 + tl):
+            if field >= len(frame):
+                continue
+            for xor in (0x01, 0x02, 0x04, 0x10, 0x80, 0xFF):
+                buf = bytearray(b"".join(frames))
+                buf[at + field] ^= xor
+                buf[at + 4 : at + 8] = crc32c(bytes(buf[at + 8 : at + len(frame)])).to_bytes(4, "big")
+                stream = bytes(buf)
+                stop, nxt = _check_walk(stream, 7)
+                assert scan_run(stream, 0, len(stream), 7, 0, [], 0, 64, 0)[:2] == (stop, nxt), (k, field, xor)
+                out: list[Record] = []
+                pos = decode_run(stream, 0, 7, 0, 2**64, out, 100, 1 << 30, 0)[0]
+                assert pos == stop and len(out) == nxt - 7, (k, field, xor)
+                assert out == [decode_at(stream, p, n) for p, n in _frames(stream, stop)], (k, field, xor)
+
+
+def _frames(stream: bytes, stop: int) -> list[tuple[int, int]]:
+    out, pos = [], 0
+    while pos < stop:
+        framed = check_frame(stream, pos, len(stream))
+        out.append((pos, framed))
+        pos += framed
+    return out

@@ -269,7 +269,7 @@ class ConnectMixin(CoreBase):
                     present = True
                     for f, entry in stored.subscriptions.items():
                         share, plain = parse_share_key(f)
-                        state.subs[f] = Subscription(f, plain, share, entry.qos, entry.start)
+                        state.subs[f] = Subscription(f, plain, share, entry.qos, entry.start, 0, entry.options, entry.identifier)
                     state.qos2_in = dict.fromkeys(stored.qos2_inbound)
                     state.qos2_offsets = dict(stored.qos2_offsets)
                     state.qos2_loaded = set(stored.qos2_inbound)
@@ -374,8 +374,7 @@ class ConnectMixin(CoreBase):
         if conn.keepalive != p.keepalive:
             props.server_keep_alive = conn.keepalive  # keepalive_max applies (MQTT-3.2.2-21)
         # Retained messages, wildcards and shared subscriptions are available (the defaults,
-        # 3.2.2.3.5/.11/.13); subscription identifiers are not (yet).
-        props.subscription_identifier_available = 0
+        # 3.2.2.3.5/.11/.13), and so are subscription identifiers (3.2.2.3.12).
         return props
 
     def on_disconnect(self, conn: Connection, p: Disconnect) -> None:

@@ -24,6 +24,7 @@ What a caller may rely on:
 
 from __future__ import annotations
 
+import errno
 import logging
 import time
 from collections import deque
@@ -50,6 +51,7 @@ from filemq.mqtt.packets import (
     Subscribe,
     Unsubscribe,
 )
+from segments.errors import DiskFull
 
 if TYPE_CHECKING:
     import asyncio
@@ -76,6 +78,15 @@ AWAITING_CONNECT = "awaiting-connect"
 AUTHENTICATING = "authenticating"
 CONNECTED = "connected"
 CLOSED = "closed"
+
+
+def refusal_code(exc: BaseException | None) -> int:
+    """The MQTT 5 PUBACK/PUBREC reason code for a PUBLISH the log refused or failed to commit:
+    0x97 (quota exceeded) when the file system is full (below ``min_free_bytes``, ENOSPC,
+    EDQUOT), 0x80 (unspecified error) for any other error (3.4.2.1)."""
+    if isinstance(exc, DiskFull) or (isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)):
+        return 0x97
+    return 0x80
 
 
 class Transport(Protocol):
@@ -451,8 +462,11 @@ class Connection:
     def ack_ready(self) -> bool:
         """Move acks whose commits resolved to the output, in order.
 
-        Returns False (and closes the connection) if a commit failed: the client gets no
-        acknowledgement and will re-send after reconnecting.
+        MQTT 3.1.1: returns False (and closes the connection) if a commit failed: the client
+        gets no acknowledgement and will re-send after reconnecting.  MQTT 5: a PUBACK/PUBREC
+        whose commit failed leaves with the reason code of :func:`refusal_code` (0x97 on a full
+        disk, else 0x80) and the connection stays (issue 13 item 6); any other ack (a PUBCOMP
+        waiting for a session-file write) still closes.
         """
         acks = self.pending_acks
         parts: list[bytes] = []
@@ -463,6 +477,13 @@ class Connection:
                     break
                 if future.cancelled() or future.exception() is not None:
                     exc = None if future.cancelled() else future.exception()
+                    if self.protocol_level == PROTOCOL_LEVEL_5 and ack[0] in (0x40, 0x50):
+                        acks.popleft()
+                        code = refusal_code(exc)
+                        log.error("client %r: storing a PUBLISH failed (%r): %s 0x%02x", self.client_id, exc,
+                                  "PUBACK" if ack[0] == 0x40 else "PUBREC", code)
+                        parts.append(bytes((ack[0], 3, ack[2], ack[3], code)))
+                        continue
                     acks.clear()
                     if parts:
                         self.send(b"".join(parts))

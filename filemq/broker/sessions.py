@@ -7,6 +7,8 @@ a reader sees the old or the new version after a crash, never a mix.  What it ho
 * ``subscriptions``: filter -> ``{"qos", "start"}``; ``start`` is the log offset from which
   the subscription receives records (the log's next offset at SUBSCRIBE time), so a filter
   added later to a session whose consumer group is behind does not pull in older records.
+  MQTT 5 adds ``"options"`` (the subscription options byte without its QoS bits) and ``"id"``
+  (the subscription identifier), each only when not 0; absent means 0 (files before them).
 * ``owner``: the username (``null`` for anonymous) of the client that created the session.
   Only that user may resume or discard it; another user with the same client id is refused
   (CONNACK 0x05).  A file written before this field existed has no owner: the first client
@@ -63,10 +65,38 @@ SESSION_FORMAT = 1
 
 @dataclass(slots=True)
 class StoredSubscription:
-    """One durable subscription: requested-and-granted QoS and the first offset it receives."""
+    """One durable subscription: requested-and-granted QoS and the first offset it receives;
+    MQTT 5 also its subscription options without the QoS bits (no local, retain as published,
+    retain handling, 3.8.3.1) and its subscription identifier (0: none, 3.8.2.1.2)."""
 
     qos: int
     start: int
+    options: int = 0
+    identifier: int = 0
+
+    def to_dict(self) -> dict[str, int]:
+        """The JSON entry: ``options`` and ``id`` only when set, so a 3.1.1 session's file is
+        as before and older releases (which ignore unknown keys) still read it."""
+        entry = {"qos": self.qos, "start": self.start}
+        if self.options:
+            entry["options"] = self.options
+        if self.identifier:
+            entry["id"] = self.identifier
+        return entry
+
+    @classmethod
+    def from_dict(cls, sub: dict[str, Any]) -> StoredSubscription | None:
+        """Parse an entry (None: invalid); a file without ``options``/``id`` loads with 0."""
+        options = sub.get("options", 0)
+        identifier = sub.get("id", 0)
+        if (
+            sub.get("qos") not in (0, 1, 2)
+            or not isinstance(sub.get("start"), int) or sub["start"] < 0
+            or not isinstance(options, int) or not 0 <= options <= 0xFF or options & 0x03
+            or not isinstance(identifier, int) or not 0 <= identifier <= 268_435_455
+        ):
+            return None
+        return cls(sub["qos"], sub["start"], options, identifier)
 
 
 @dataclass(slots=True)
@@ -93,7 +123,7 @@ class StoredSession:
             "client_id": self.client_id,
             "owner": self.owner,
             "subscriptions": {
-                f: {"qos": s.qos, "start": s.start} for f, s in sorted(self.subscriptions.items())
+                f: s.to_dict() for f, s in sorted(self.subscriptions.items())
             },
             "qos2_inbound": sorted(self.qos2_inbound),
             "qos2_offsets": {str(pid): off for pid, off in sorted(self.qos2_offsets.items())},
@@ -128,14 +158,10 @@ class StoredSession:
                 validate_topic_filter(plain)
             except InvalidTopic as exc:
                 raise CorruptSession(path, f"bad filter: {exc}") from None
-            if (
-                not isinstance(sub, dict)
-                or sub.get("qos") not in (0, 1, 2)
-                or not isinstance(sub.get("start"), int)
-                or sub["start"] < 0
-            ):
+            entry = StoredSubscription.from_dict(sub) if isinstance(sub, dict) else None
+            if entry is None:
                 raise CorruptSession(path, f"bad subscription entry for {topic_filter!r}")
-            session.subscriptions[topic_filter] = StoredSubscription(sub["qos"], sub["start"])
+            session.subscriptions[topic_filter] = entry
         for pid in ids:
             if not isinstance(pid, int) or not 0 < pid <= 0xFFFF:
                 raise CorruptSession(path, f"bad QoS 2 packet id {pid!r}")

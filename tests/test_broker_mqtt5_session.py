@@ -372,12 +372,16 @@ def test_clean_start_over_a_session_with_a_pending_will_publishes_it(tmp_path: P
 
 
 def test_connack_states_the_receive_maximum_3_2_2_3_3(tmp_path: Path) -> None:
-    """3.2.2.3.3: broker.receive_maximum is sent when below 65535 (absent = 65535)."""
+    """3.2.2.3.3: broker.receive_maximum is sent when below 65535 (absent = 65535); the
+    default is 1024."""
     async def main() -> None:
         h = Harness(tmp_path)
         ack = client5(h).connect("a")
+        assert ack.properties is not None and ack.properties.receive_maximum == 1024
+        h = Harness(_sub(tmp_path, "b"), receive_maximum=65535)
+        ack = client5(h).connect("r")
         assert ack.properties is not None and ack.properties.receive_maximum is None
-        h = Harness(_sub(tmp_path, "b"), receive_maximum=2)
+        h = Harness(_sub(tmp_path, "c"), receive_maximum=2)
         ack = client5(h).connect("a")
         assert ack.properties is not None and ack.properties.receive_maximum == 2
     run(main())
@@ -579,8 +583,8 @@ def test_connack_fits_the_clients_maximum_packet_size_mqtt_3_1_2_24(tmp_path: Pa
     async def main() -> None:
         h = Harness(tmp_path)
         c = client5(h)
-        ack = c.connect("", properties=Properties(maximum_packet_size=38))  # full CONNACK: 41 bytes
-        assert len(c.transport.data) <= 38
+        ack = c.connect("", properties=Properties(maximum_packet_size=41))  # full CONNACK: 44 bytes
+        assert len(c.transport.data) <= 41
         assert ack.return_code == 0 and ack.properties is not None
         assert ack.properties.topic_alias_maximum is None and ack.properties.assigned_client_identifier
         c = client5(h)

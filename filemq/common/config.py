@@ -99,7 +99,7 @@ class BrokerSection:
     keepalive_max: int | None = field(default=None, metadata=_spec(_int(1, 65535)))
     # MQTT 5: unacknowledged QoS 1/2 PUBLISHes a client may have out to the broker (CONNACK
     # Receive Maximum; 65535 = the protocol's default, not sent); more: DISCONNECT 0x93.
-    receive_maximum: int = field(default=65535, metadata=_spec(_int(1, 65535)))
+    receive_maximum: int = field(default=1024, metadata=_spec(_int(1, 65535)))
     # MQTT 5: client-to-broker topic aliases per connection (CONNACK Topic Alias Maximum; 0 = none).
     topic_alias_maximum: int = field(default=10, metadata=_spec(_int(0, 65535)))
     tls_port: int = field(default=8883, metadata=_spec(_PORT))

@@ -837,3 +837,39 @@ def test_paho_will_held_at_shutdown_is_stored_and_delivered_after_restart(broker
     m = watcher.messages.get(timeout=10)
     assert (m.topic, m.payload) == ("will/a", b"a died")
     watcher.disconnect()
+
+
+def test_disconnect_reason_code_is_readable_after_the_client_kept_sending(tmp_path: Path) -> None:
+    """4.13.2 / MQTT-4.13.2-1 with a real socket: the broker's DISCONNECT 0x93 (one QoS 2
+    PUBLISH over the Receive Maximum, 3.3.4) reaches a client that goes on sending before it
+    reads: the broker half-closes and keeps reading for a while (a lingering close) instead
+    of closing at once, when the client's next packet would make its kernel answer RST and
+    the client's kernel drop the unread DISCONNECT (the Paho suite's test_flow_control2)."""
+    import socket
+
+    from filemq.mqtt.codec import Decoder, encode5
+    from filemq.mqtt.packets import Connect, Disconnect, Pingreq, Publish
+
+    b = ThreadedBroker(make_config(tmp_path / "data", receive_maximum=1))
+    b.start()
+    try:
+        with socket.create_connection(("127.0.0.1", b.port), timeout=10) as s:
+            s.sendall(encode5(Connect(client_id="over", protocol_level=5)))
+            dec = Decoder(server=False, protocol_level=5)
+            while not dec.packets():
+                dec.feed(s.recv(4096))
+            s.sendall(b"".join(encode5(Publish("t", b"x", 2, packet_id=i)) for i in (1, 2, 3)))
+            time.sleep(0.3)  # the broker has answered and closed its side by now
+            s.sendall(encode5(Pingreq()))  # without the lingering close: answered with RST ...
+            time.sleep(0.3)
+            s.sendall(encode5(Pingreq()))  # ... and this send fails with ECONNRESET / EPIPE
+            got = b""
+            while True:
+                chunk = s.recv(4096)
+                if not chunk:
+                    break
+                got += chunk
+        dec.feed(got)
+        assert Disconnect(0x93) in dec.packets()
+    finally:
+        b.stop()

@@ -139,7 +139,7 @@ class Connection:
         "keepalive", "last_rx", "will", "session", "acl", "pending_acks", "closed",
         "close_reason", "publish_will", "paused", "max_inflight", "last_batch",
         "connected_at", "max_packet_size", "reading_changed", "identity", "protocol_level",
-        "encode_packet", "assigned_id", "client_max_packet", "topic_aliases",
+        "encode_packet", "assigned_id", "client_max_packet", "linger_close", "topic_aliases",
     )
 
     def __init__(
@@ -190,6 +190,11 @@ class Connection:
         # MQTT 5: the Maximum Packet Size the client stated in CONNECT (None: the protocol's
         # limit); no packet larger than it may be sent to it (MQTT-3.1.2-24).
         self.client_max_packet: int | None = None
+        # Set by the asyncio shell: closes the transport once the peer has had time to read
+        # the last bytes (a refusal CONNACK or a DISCONNECT with its reason code) instead of
+        # at once, so packets the peer sends meanwhile do not reset the connection and
+        # discard them unread (a lingering close).  None: close at once.
+        self.linger_close: Callable[[], None] | None = None
         # MQTT 5: topic aliases the client set on this connection (alias -> topic, 3.3.2.3.4);
         # they die with the connection.
         self.topic_aliases: dict[int, str] | None = None
@@ -519,6 +524,9 @@ class Connection:
             data = self.data_to_send()
             if data:
                 self.transport.write(data)
+                if self.linger_close is not None:
+                    self.linger_close()
+                    return
             self.transport.close()
 
     def connection_lost(self, reason: str = "connection lost") -> None:

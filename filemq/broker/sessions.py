@@ -27,6 +27,12 @@ a reader sees the old or the new version after a crash, never a mix.  What it ho
   its removal at PUBCOMP is written soon after, not waited for (a stale id only costs a
   PUBREL the client answers with PUBCOMP, MQTT-4.3.3).  On reconnect the broker re-sends PUBREL for each.
   The broker writes in a worker thread (:meth:`SessionStore.write`), never on the event loop.
+* ``expiry`` and ``disconnected_at`` (format 2 only; an MQTT 5 session with a Session Expiry
+  Interval, 3.1.2.11.2): the interval in seconds (0xFFFFFFFF = never) and the wall-clock time
+  (Unix seconds) its connection closed, ``null`` while connected or when the close was not
+  written (kill -9): then the interval counts from the broker's next start, never from an
+  older time, so a session is never released early.  A file without them (format 1, every
+  MQTT 3.1.1 session, byte for byte as before) never expires.
 
 The message backlog is not here: it stays in the log, behind the session's consumer group
 (:mod:`filemq.queue.groups`).  Writes happen on SUBSCRIBE/UNSUBSCRIBE and on QoS 2 traffic, never
@@ -51,6 +57,9 @@ from segments.fileio import OS_FILE_IO, FileIO, atomic_write
 log = logging.getLogger(__name__)
 
 SESSIONS_DIR = "sessions"
+# Written when the session has an MQTT 5 expiry interval; format 1 files load as before.
+SESSION_FORMAT_EXPIRY = 2
+NEVER_EXPIRES = 0xFFFFFFFF
 SESSION_FORMAT = 1
 
 
@@ -103,10 +112,14 @@ class StoredSession:
     owner_known: bool = True  # False: a file from before owners were recorded
     # Outbound QoS 2 ids whose PUBREC arrived and whose PUBCOMP has not: PUBREL is re-sent.
     qos2_outbound: set[int] = field(default_factory=set)
+    # MQTT 5 Session Expiry Interval in seconds (None: never, MQTT 3.1.1 / format 1) and the
+    # wall-clock time its connection closed (None: connected, or the close was never written).
+    expiry: int | None = None
+    disconnected_at: float | None = None
 
     def to_json(self) -> bytes:
         body: dict[str, Any] = {
-            "format": SESSION_FORMAT,
+            "format": SESSION_FORMAT if self.expiry is None else SESSION_FORMAT_EXPIRY,
             "client_id": self.client_id,
             "owner": self.owner,
             "subscriptions": {
@@ -117,6 +130,9 @@ class StoredSession:
         }
         if self.qos2_outbound:
             body["qos2_outbound"] = sorted(self.qos2_outbound)
+        if self.expiry is not None:
+            body["expiry"] = self.expiry
+            body["disconnected_at"] = self.disconnected_at
         return json.dumps(body, ensure_ascii=True, separators=(",", ":")).encode("ascii") + b"\n"
 
     @classmethod
@@ -126,7 +142,7 @@ class StoredSession:
             raw = json.loads(data)
         except ValueError as exc:
             raise CorruptSession(path, f"not JSON ({exc})") from None
-        if not isinstance(raw, dict) or raw.get("format") != SESSION_FORMAT:
+        if not isinstance(raw, dict) or raw.get("format") not in (SESSION_FORMAT, SESSION_FORMAT_EXPIRY):
             raise CorruptSession(path, "not a filemq session file (format field missing or unknown)")
         client_id = raw.get("client_id")
         subs = raw.get("subscriptions")
@@ -164,7 +180,23 @@ class StoredSession:
             if not isinstance(pid, int) or not 0 < pid <= 0xFFFF:
                 raise CorruptSession(path, f"bad outbound QoS 2 packet id {pid!r}")
             session.qos2_outbound.add(pid)
+        if raw["format"] == SESSION_FORMAT_EXPIRY:
+            expiry, at = raw.get("expiry"), raw.get("disconnected_at")
+            if not isinstance(expiry, int) or isinstance(expiry, bool) or not 0 <= expiry <= NEVER_EXPIRES:
+                raise CorruptSession(path, f"bad expiry {expiry!r}")
+            if at is not None and (not isinstance(at, (int, float)) or isinstance(at, bool) or at < 0):
+                raise CorruptSession(path, f"bad disconnected_at {at!r}")
+            session.expiry = expiry
+            session.disconnected_at = None if at is None else float(at)
         return session
+
+    def expires_at(self, started: float) -> float | None:
+        """When (wall clock) this session expires if nobody resumes it, for a broker started at
+        ``started``: None never; a close that was not written counts from ``started``."""
+        if self.expiry is None or self.expiry == NEVER_EXPIRES:
+            return None
+        since = self.disconnected_at if self.disconnected_at is not None else started
+        return since + self.expiry
 
 
 @dataclass(frozen=True, slots=True)
@@ -265,6 +297,14 @@ class SessionStore:
             self._fileio.unlink(path)
             self._fileio.fsync_dir(self.directory)
             return True
+
+    def stored_sessions(self) -> Iterator[StoredSession]:
+        """Every readable stored session (start-up: sessions whose expiry runs)."""
+        for path in sorted(self.directory.glob("*.json")):
+            try:
+                yield StoredSession.from_json(path.read_bytes(), str(path))
+            except (OSError, CorruptSession):
+                continue
 
     def client_ids(self) -> Iterator[str]:
         """Client ids of every readable stored session (for status output and tests)."""

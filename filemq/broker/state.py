@@ -21,6 +21,7 @@ from filemq.mqtt.packets import SUB_NO_LOCAL, SUB_QOS_MASK, SUB_RETAIN_AS_PUBLIS
 from filemq.mqtt.properties import _vbi
 
 if TYPE_CHECKING:
+    from filemq.broker.acl import ClientAcl
     from filemq.queue.groups import ConsumerGroup
 
 log = logging.getLogger("filemq.broker")
@@ -200,6 +201,11 @@ class SessionState:
         # Session expiry interval: None on MQTT 3.1.1 (a persistent session lives until a
         # clean_session = 1 CONNECT); MQTT 5: seconds after the connection closes, 0 = then.
         self.expiry: int | None = None
+        # MQTT 5: wall-clock time the connection closed (in the session file), None while
+        # connected; and a will waiting for its Will Delay Interval (3.1.3.2.2): the will, the
+        # ACL of the connection that set it, its monotonic due time.
+        self.disconnected_at: float | None = None
+        self.will_pending: tuple[Publish, ClientAcl | None, float] | None = None
         self.subs: dict[str, Subscription] = {}
         self.group: ConsumerGroup | None = None
         self.inflight: dict[int, Outbound] = {}
@@ -316,6 +322,8 @@ class SessionState:
             owner=self.owner,
             qos2_offsets={pid: off for pid, off in self.qos2_offsets.items() if pid in ids},
             qos2_outbound=set(self.qos2_out),
+            expiry=self.expiry,
+            disconnected_at=self.disconnected_at if self.expiry is not None else None,
         )
 
 

@@ -69,6 +69,7 @@ class ExportClient(Protocol):
     on_complete: Callable[[list[Message]], None] | None
     topic_of: Callable[[str], str]
     inflight: dict[int, Message]
+    coalesce_above: int
 
     async def connect(self, timeout: float = 10.0) -> object: ...
 
@@ -180,6 +181,7 @@ class MqttExport:
         client = self._client = self._make_client()
         client.on_complete = self._completed
         client.topic_of = self._template
+        client.coalesce_above = max(self.settings.window // 2, 2)
         fresh = self.settings.qos == 2  # see the module doc: forget stale QoS 2 packet ids once
         try:
             while not self._stopping.is_set():

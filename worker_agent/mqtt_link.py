@@ -51,6 +51,7 @@ log = logging.getLogger(__name__)
 
 DISCONNECT = b"\xe0\x00"
 PINGREQ = b"\xc0\x00"
+COALESCE_S = 0.002  # how long acknowledgements may gather while the window is well filled
 _PREFIX_CACHE_MAX = 4096  # (topic, payload length) -> fixed header + topic, per flags byte
 
 
@@ -86,13 +87,27 @@ class _Connection(asyncio.Protocol):
     def __init__(self, link: ExportLink) -> None:
         self.link = link
         self.transport: asyncio.Transport | None = None
+        self._paused = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
         self.transport = transport
 
     def data_received(self, data: bytes) -> None:
-        self.link._received(self, data)
+        link = self.link
+        link._received(self, data)
+        # A broker acknowledges each PUBLISH with its own small write: while plenty is in flight,
+        # let acknowledgements gather in the socket for a moment and read them in one go.
+        if len(link.inflight) >= link.coalesce_above and not self._paused and self.transport is not None:
+            self._paused = True
+            self.transport.pause_reading()
+            asyncio.get_running_loop().call_later(link.coalesce_s, self._resume)
+
+    def _resume(self) -> None:
+        self._paused = False
+        transport = self.transport
+        if transport is not None and not transport.is_closing():
+            transport.resume_reading()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.link._lost(self, exc)
@@ -103,6 +118,9 @@ class ExportLink:
 
     ``on_complete(messages)`` is called with the messages the broker fully acknowledged, once
     per read from the socket. ``topic_of`` maps a record's topic to the published one.
+    While at least ``coalesce_above`` publishes are in flight, reading pauses for ``coalesce_s``
+    after each read, so acknowledgements are handled in bulk (the export sets it to half its
+    window: enough stays in flight to keep the broker busy meanwhile).
     """
 
     def __init__(
@@ -132,6 +150,8 @@ class ExportLink:
         self.ssl = ssl
         self.on_complete: Callable[[list[Message]], None] | None = None
         self.topic_of: Callable[[str], str] = _same
+        self.coalesce_above = 1 << 30  # never, unless the caller sets it
+        self.coalesce_s = COALESCE_S
         self.closed = asyncio.Event()
         self.closed.set()
         self.close_reason: BaseException | None = None

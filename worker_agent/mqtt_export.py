@@ -34,8 +34,10 @@ import contextlib
 import logging
 import random
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from operator import attrgetter
 from typing import TYPE_CHECKING, Protocol
 
 from filemq.mqtt.client import ConnectionRefused
@@ -48,6 +50,9 @@ if TYPE_CHECKING:
     from segments import Record
 
 log = logging.getLogger(__name__)
+
+_OFFSET = attrgetter("offset")
+_PAYLOAD = attrgetter("payload")
 
 FETCH_MAX = 2048  # records per group fetch: the log is read in runs this long
 PUBLISH_OVERHEAD = 7  # fixed header, topic length, packet id: bytes per PUBLISH besides topic and payload
@@ -332,15 +337,10 @@ class MqttExport:
 
     def _completed(self, messages: list[Message]) -> None:
         """The destination acknowledged these publishes (PUBACK / PUBCOMP): ack their records."""
-        ack = self.group.ack
-        acked_bytes = 0
-        top = -1
-        for m in messages:
-            offset = m.offset
-            ack(offset)
-            acked_bytes += len(m.payload)
-            if offset > top:
-                top = offset
+        offsets = list(map(_OFFSET, messages))
+        deque(map(self.group.ack, offsets), maxlen=0)
+        acked_bytes = sum(map(len, map(_PAYLOAD, messages)))
+        top = max(offsets)
         stats = self.stats
         client = self._client
         stats.inflight = len(client.inflight) if client is not None else 0

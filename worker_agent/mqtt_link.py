@@ -28,7 +28,9 @@ import asyncio
 import contextlib
 import logging
 import ssl as ssl_module
+import struct
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
@@ -315,12 +317,20 @@ class ExportLink:
         n = len(data) >> 2
         if (n and len(data) & 3 == 0 and self.qos == 1 and data[0::4] == b"\x40" * n
                 and data[1::4] == b"\x02" * n and not self._decoder.buffered):
-            # Fast path: nothing but PUBACKs, split with C-level slices.
-            pop = self.inflight.pop
-            done = [m for m in map(pop, [(hi << 8) | lo for hi, lo in zip(data[2::4], data[3::4], strict=True)],
-                                   [None] * n) if m is not None]
-            if len(done) < n:
-                self._note_unexpected("PUBACK for a packet id not in flight")
+            # Fast path: nothing but PUBACKs, split and looked up in C, not packet by packet.
+            ids = struct.unpack(f">{2 * n}H", data)[1::2]
+            inflight = self.inflight
+            try:
+                done = list(map(inflight.__getitem__, ids))
+            except KeyError:  # an id not in flight (nothing removed yet): one by one
+                done = self._complete_ids(ids, [])
+            else:
+                try:
+                    deque(map(inflight.__delitem__, ids), maxlen=0)
+                except KeyError:  # an id twice in this read: remove the rest, complete each once
+                    for pid in ids:
+                        inflight.pop(pid, None)
+                    done = list({id(m): m for m in done}.values())
             self._complete(done)
             return
         try:
@@ -336,6 +346,17 @@ class ExportLink:
             if m is not None:
                 done.append(m)
         self._complete(done)
+
+    def _complete_ids(self, ids: Sequence[int], done: list[Message]) -> list[Message]:
+        """PUBACKs one by one (the rare case the fast path cannot take)."""
+        pop = self.inflight.pop
+        for pid in ids:
+            m = pop(pid, None)
+            if m is None:
+                self._note_unexpected(f"PUBACK for packet id {pid} that is not in flight")
+            else:
+                done.append(m)
+        return done
 
     def _handle(self, packet: Packet) -> Message | None:
         """Apply one packet from the broker; the message it completes, if any."""

@@ -360,38 +360,37 @@ class ExportLink:
 
     def _handle(self, packet: Packet) -> Message | None:
         """Apply one packet from the broker; the message it completes, if any."""
-        t = type(packet)
-        if t is Puback or t is Pubcomp:
-            pid = packet.packet_id  # type: ignore[union-attr]
+        if isinstance(packet, Puback | Pubcomp):
+            pid = packet.packet_id
             m = self.inflight.get(pid)
-            if m is not None and (self.qos == 1) == (t is Puback) and (t is Puback or pid in self._released):
+            qos1 = isinstance(packet, Puback)
+            if m is not None and (self.qos == 1) == qos1 and (qos1 or pid in self._released):
                 del self.inflight[pid]
                 self._released.discard(pid)
                 return m
-            self._note_unexpected(f"{t.__name__} for packet id {pid} that is not awaiting it")
-        elif t is Pubrec:
-            pid = packet.packet_id  # type: ignore[union-attr]
+            self._note_unexpected(f"{type(packet).__name__} for packet id {pid} that is not awaiting it")
+        elif isinstance(packet, Pubrec):
+            pid = packet.packet_id
             if pid in self.inflight and self.qos == 2:
                 self._released.add(pid)
             else:
                 self._note_unexpected(f"PUBREC for packet id {pid} that is not an in-flight QoS 2 publish")
             self._write(b"\x62\x02" + pid.to_bytes(2, "big"))  # answer even an unknown id (4.3.3)
-        elif t is Connack:
+        elif isinstance(packet, Connack):
             if self._connack is not None and not self._connack.done():
-                self._connack.set_result(packet)  # type: ignore[arg-type]
-        elif t is Pingresp:
+                self._connack.set_result(packet)
+        elif isinstance(packet, Pingresp):
             self._ping_due = None
-        elif t is Publish:
+        elif isinstance(packet, Publish):
             # Not subscribed: a message the broker kept for an old session of this client id.
             # Acknowledge it so the broker forgets it; it is not ours to deliver.
-            assert isinstance(packet, Publish)
             self._note_unexpected(f"a PUBLISH on {packet.topic!r}")
             if packet.qos and packet.packet_id is not None:
                 self._write(encode(Puback(packet.packet_id) if packet.qos == 1 else Pubrec(packet.packet_id)))
-        elif t is Pubrel:
-            self._write(encode(Pubcomp(packet.packet_id)))  # type: ignore[union-attr]
+        elif isinstance(packet, Pubrel):
+            self._write(encode(Pubcomp(packet.packet_id)))
         else:
-            self._note_unexpected(f"a {t.__name__} packet")
+            self._note_unexpected(f"a {type(packet).__name__} packet")
         return None
 
     def _note_unexpected(self, what: str) -> None:

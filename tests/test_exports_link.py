@@ -10,12 +10,16 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 
 import pytest
 
 from filemq.mqtt.codec import Decoder, encode
 from filemq.mqtt.packets import Connack, Connect, Packet, Publish, Pubrel
-from segments import Record
+from filemq.queue import Queue, QueueConfig
+from segments import LogConfig, Record
+from worker_agent import mqtt_export
+from worker_agent.mqtt_export import MqttExport, MqttExportSettings
 from worker_agent.mqtt_link import ExportLink, Message, remaining_length
 
 pytestmark = pytest.mark.timeout(30)
@@ -265,3 +269,41 @@ def test_remaining_length_encoding() -> None:
     """Spec 2.2.3: the variable byte integer at each length boundary."""
     assert [remaining_length(n) for n in (0, 127, 128, 16383, 16384, 268_435_455)] == [
         b"\x00", b"\x7f", b"\x80\x01", b"\xff\x7f", b"\x80\x80\x01", b"\xff\xff\xff\x7f"]
+
+
+def test_export_in_flight_is_bounded_by_records_and_by_payload_bytes(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An MQTT export never has more than ``window`` publishes in flight, nor (after the chunk
+    that crosses it) more than MAX_INFLIGHT_BYTES of payload: a big window of big records
+    cannot fill the agent's memory while the destination does not acknowledge."""
+    monkeypatch.setattr(mqtt_export, "MAX_INFLIGHT_BYTES", 20_000)
+
+    async def scenario(broker: RawBroker) -> None:
+        queue = Queue.open(tmp_path, QueueConfig(log=LogConfig(fsync="never")))
+        for i in range(3000):
+            queue.log.append("t/x", bytes([i % 256]) * 100, qos=1)
+        queue.log.flush()
+        async def sent_until_blocked(name: str, window: int) -> int:
+            group = queue.group(f"export.{name}", filters=("#",), start="earliest")
+            before = len(broker.publishes())
+            export = MqttExport(group, queue.wait_for_records,
+                                lambda: ExportLink("exp", "127.0.0.1", broker.port),
+                                MqttExportSettings(name, "dev", window=window))
+            export.start()
+
+            def arrived() -> bool:
+                return len(broker.publishes()) - before == export.stats.records_sent
+
+            await broker.wait_for(lambda: export.stats.records_sent > 0 and arrived())
+            for _ in range(100):  # let the pump run on until it blocks (bounded)
+                await asyncio.sleep(0)
+            await broker.wait_for(arrived)
+            await export.stop()
+            return export.stats.records_sent
+
+        results = [await sent_until_blocked("small", 300), await sent_until_blocked("big", 5000)]
+        # window 300: the records bound it; window 5000: one 512-record chunk crosses 20,000 bytes.
+        assert results == [300, mqtt_export.FETCH_MAX]
+        await queue.close()
+
+    run(scenario)

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from filemq.mqtt.codec import Decoder, encode
-from filemq.mqtt.packets import Connack, Connect, Packet, Publish, Pubrel
+from filemq.mqtt.packets import Connack, Connect, Packet, Pingreq, Publish, Pubrel
 from filemq.queue import Queue, QueueConfig
 from segments import LogConfig, Record
 from worker_agent import mqtt_export
@@ -305,5 +305,20 @@ def test_export_in_flight_is_bounded_by_records_and_by_payload_bytes(
         # window 300: the records bound it; window 5000: one 512-record chunk crosses 20,000 bytes.
         assert results == [300, mqtt_export.FETCH_MAX]
         await queue.close()
+
+    run(scenario)
+
+
+def test_idle_link_sends_pingreq_and_closes_without_pingresp() -> None:
+    """Keep Alive (spec 3.1.2.10): an idle link sends PINGREQ; with no PINGRESP within the
+    keepalive it closes the connection (the export then reconnects and resends its window)."""
+
+    async def scenario(broker: RawBroker) -> None:
+        link = ExportLink("exp", "127.0.0.1", broker.port, keepalive=1)
+        await link.connect()
+        await broker.wait_for(lambda: any(isinstance(p, Pingreq) for _, p in broker.packets))
+        async with asyncio.timeout(5):
+            await link.closed.wait()
+        assert "PINGRESP" in str(link.close_reason)
 
     run(scenario)

@@ -35,7 +35,7 @@ from filemq.common.topics import (
     validate_topic_filter,
     validate_topic_name,
 )
-from filemq.mqtt.codec import ProtocolError, encode
+from filemq.mqtt.codec import ProtocolError, encode5
 from filemq.mqtt.packets import (
     CONNACK_ACCEPTED,
     CONNACK_BAD_USERNAME_OR_PASSWORD,
@@ -44,8 +44,13 @@ from filemq.mqtt.packets import (
     CONNACK_RETURN_CODE_NAMES,
     CONNACK_SERVER_UNAVAILABLE,
     CONNACK_UNACCEPTABLE_PROTOCOL_VERSION,
+    PROTOCOL_LEVEL_5,
+    RC_BAD_AUTHENTICATION_METHOD,
+    RC_PROTOCOL_ERROR,
     Connack,
     Connect,
+    Disconnect,
+    Properties,
     Publish,
 )
 from segments.record import Record
@@ -55,6 +60,26 @@ if TYPE_CHECKING:
     from filemq.queue.groups import ConsumerGroup
 
 log = logging.getLogger("filemq.broker")
+
+# 3.1.1 CONNACK return codes -> the MQTT 5 Connect Reason Codes that mean the same (3.2.2.2).
+_V5_REFUSALS = {
+    CONNACK_UNACCEPTABLE_PROTOCOL_VERSION: 0x84,
+    CONNACK_IDENTIFIER_REJECTED: 0x85,
+    CONNACK_SERVER_UNAVAILABLE: 0x88,
+    CONNACK_BAD_USERNAME_OR_PASSWORD: 0x86,
+    CONNACK_NOT_AUTHORIZED: 0x87,
+}
+
+
+def session_expiry(p: Connect) -> int | None:
+    """The session expiry interval a CONNECT asks for: None on 3.1.1 (a clean_session = 0
+    session never expires), else the property, absent = 0 (3.1.2.11.2)."""
+    if p.protocol_level != PROTOCOL_LEVEL_5:
+        return None
+    props = p.properties
+    if props is None or props.session_expiry_interval is None:
+        return 0
+    return props.session_expiry_interval
 
 
 def _check_password(conn: Connection, passwords: PasswordFile, user: str, password: bytes) -> bool:
@@ -71,23 +96,41 @@ class ConnectMixin(CoreBase):
     # ---- CONNECT -------------------------------------------------------------------------
 
     def _refuse(self, conn: Connection, code: int, why: str) -> None:
+        """CONNACK ``code`` (a 3.1.1 return code; on MQTT 5 its Connect Reason Code, or a
+        reason code >= 0x80 given directly) and close."""
+        name = CONNACK_RETURN_CODE_NAMES.get(code, f"0x{code:02x}")
+        if conn.protocol_level == PROTOCOL_LEVEL_5:
+            code = _V5_REFUSALS.get(code, code)
         conn.send_packet(Connack(False, code))
-        conn.close(f"CONNECT refused ({CONNACK_RETURN_CODE_NAMES.get(code, code)}): {why}", will=False,
-                   level=logging.WARNING)
+        conn.close(f"CONNECT refused ({name}): {why}", will=False, level=logging.WARNING)
 
     def on_connect(self, conn: Connection, p: Connect) -> None:
-        if p.protocol_name != "MQTT" or p.protocol_level != 4:
+        if p.protocol_name != "MQTT" or p.protocol_level not in (4, PROTOCOL_LEVEL_5):
             self._refuse(conn, CONNACK_UNACCEPTABLE_PROTOCOL_VERSION,
-                         f"protocol {p.protocol_name!r} level {p.protocol_level}; only MQTT 3.1.1 (level 4)")
+                         f"protocol {p.protocol_name!r} level {p.protocol_level}; only MQTT 3.1.1 (level 4) "
+                         "and MQTT 5.0 (level 5)")
             return
+        v5 = p.protocol_level == PROTOCOL_LEVEL_5
+        if v5:
+            conn.protocol_level = PROTOCOL_LEVEL_5
+            conn.encode_packet = encode5
+            props = p.properties
+            if props is not None and props.authentication_method is not None:
+                # No extended authentication is offered (3.1.2.11.9, 4.12).
+                self._refuse(conn, RC_BAD_AUTHENTICATION_METHOD,
+                             f"authentication method {props.authentication_method!r} is not supported")
+                return
         conn.client_id = p.client_id
         conn.username = p.username
+        conn.assigned_id = False
         if not p.client_id:
-            if not p.clean_session:
+            if not p.clean_session and not v5:
                 self._refuse(conn, CONNACK_IDENTIFIER_REJECTED,
                              "zero-length client id needs clean_session = 1")
                 return
+            # MQTT 5: the server assigns one and returns it in CONNACK (MQTT-3.1.3-6/-7).
             conn.client_id = "filemq-" + secrets.token_hex(8)
+            conn.assigned_id = True
         if p.will_topic is not None:
             try:
                 validate_topic_name(p.will_topic)
@@ -102,7 +145,8 @@ class ConnectMixin(CoreBase):
                 conn.close(f"CONNECT refused: will payload of {len(p.will_payload)} bytes exceeds "
                            f"message_size_limit {limit}", will=False, level=logging.WARNING)
                 return
-            conn.will = Publish(p.will_topic, p.will_payload, p.will_qos, p.will_retain)
+            conn.will = Publish(p.will_topic, p.will_payload, p.will_qos, p.will_retain,
+                                properties=p.will_properties)
         keepalive = p.keepalive
         kmax = self.config.keepalive_max
         if kmax is not None and (keepalive == 0 or keepalive > kmax):
@@ -186,12 +230,19 @@ class ConnectMixin(CoreBase):
             return
         old = self.connections.get(cid)
         if old is not None and old is not conn:
-            # 3.1.4-2: the existing client is disconnected; it did not send DISCONNECT, so
-            # its will is published (3.1.2.5).
-            old.close(f"session taken over by a new connection from {conn.peer}", will=True)
+            # 3.1.4-2: the existing client is disconnected (MQTT 5: DISCONNECT 0x8E, session
+            # taken over, MQTT-3.1.4-3); it did not send DISCONNECT, so its will is published.
+            old.close(f"session taken over by a new connection from {conn.peer}", will=True, reason_code=0x8E)
+            if mem is not None and self.sessions.get(cid) is not mem:
+                mem = stored = None  # its session ended with it (MQTT 5 session expiry 0)
         present = adopted = False
+        # None: MQTT 3.1.1 (a persistent session never expires); MQTT 5: the interval, 0 = the
+        # session ends with the network connection (3.1.2.11.2).
+        expiry = session_expiry(p)
         if p.clean_session:
             self._discard_persistent(cid)
+            mem = stored = None
+        if (p.clean_session and not expiry) or (expiry == 0 and mem is None and stored is None):
             state = SessionState(cid, persistent=False, owner=conn.username)
         else:
             if mem is not None:
@@ -261,21 +312,55 @@ class ConnectMixin(CoreBase):
         cid = conn.client_id
         conn.session = state
         state.conn = conn
+        state.expiry = session_expiry(p)
         self.connections[cid] = conn
         conn.state = CONNECTED
-        conn.send_packet(Connack(present, CONNACK_ACCEPTED))
+        if conn.protocol_level == PROTOCOL_LEVEL_5:
+            conn.send_packet(Connack(present, CONNACK_ACCEPTED, self._connack_properties(conn, p)))
+        else:
+            conn.send_packet(Connack(present, CONNACK_ACCEPTED))
         self.stats.client_connected()
         for sub in state.subs.values():
             self._register(conn, state, sub)
         # 4.4: re-send unacknowledged PUBLISH (DUP) and PUBREL with their original ids.
         for pid, out in state.inflight.items():
             if out.stage == 0:
-                conn.send(encode(Publish(out.topic, out.payload, out.qos, out.retain, True, pid)))
+                conn.send(conn.publish_bytes(out.topic, out.payload, out.qos, True, pid, out.retain, out.headers))
             else:
                 conn.send(_ack(_PUBREL, pid))
         log.info("client %r connected from %s (clean_session=%s, keepalive=%d, session_present=%s)",
                  cid, conn.peer, p.clean_session, conn.keepalive, present)
         self.pump(conn)
+
+    def _connack_properties(self, conn: Connection, p: Connect) -> Properties:
+        """What an MQTT 5 CONNACK tells the client (3.2.2.3): the limits it must keep and the
+        features filemq offers, stated as they are."""
+        props = Properties(maximum_packet_size=conn.max_packet_size)
+        if conn.assigned_id:
+            props.assigned_client_identifier = conn.client_id  # MQTT-3.2.2-16
+        if conn.keepalive != p.keepalive:
+            props.server_keep_alive = conn.keepalive  # keepalive_max applies (MQTT-3.2.2-21)
+        # Retained messages, wildcards and shared subscriptions are available (the defaults,
+        # 3.2.2.3.5/.11/.13); subscription identifiers are not (yet).
+        props.subscription_identifier_available = 0
+        return props
+
+    def on_disconnect(self, conn: Connection, p: Disconnect) -> None:
+        """A client's DISCONNECT: normal (no will) or, MQTT 5, 0x04 "with will message"; an
+        MQTT 5 DISCONNECT may set a new session expiry interval (3.14.2.2.2)."""
+        state = conn.session
+        props = p.properties
+        if props is not None and props.session_expiry_interval is not None and state is not None:
+            if not state.expiry and props.session_expiry_interval:
+                raise ProtocolError("DISCONNECT sets a session expiry interval after CONNECT set 0 "
+                                    "(MQTT-3.14.2-2... 3.14.2.2.2)", "DISCONNECT", RC_PROTOCOL_ERROR)
+            self._set_expiry(state, props.session_expiry_interval)
+        with_will = conn.protocol_level == PROTOCOL_LEVEL_5 and p.reason_code == 0x04
+        conn.close(f"client sent DISCONNECT (reason 0x{p.reason_code:02x})", will=with_will, level=logging.INFO)
+
+    def _set_expiry(self, state: SessionState, expiry: int) -> None:
+        """A new session expiry interval from DISCONNECT; 0 ends the session with this connection."""
+        state.expiry = expiry
 
     def _auto_subscribe(self, conn: Connection, state: SessionState) -> bool:
         """Add the auto-subscribe rules' filters; True if any was new (to be written)."""

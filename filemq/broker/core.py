@@ -129,6 +129,9 @@ class BrokerCore(ConnectMixin, SubscribeMixin, PublishMixin, DeliveryMixin):
                     acl = target.acl
                     if acl is not None and not acl.can_receive(topic):
                         continue
+                    if target.protocol_level != 4:
+                        target.send(target.publish_bytes(topic, payload, 0, False, None))
+                        continue
                     if data is None:
                         data = publish_bytes(topic, payload, 0, False, None)
                     target.send(data)

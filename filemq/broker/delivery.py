@@ -112,6 +112,7 @@ class DeliveryMixin(CoreBase):
         ack = group.ack
         redelivered = group.redelivered
         parts: list[bytes] = []
+        encode_publish = publish_bytes if conn.protocol_level == 4 else conn.publish_bytes
         for r in records:
             offset = r.offset
             topic = r.topic
@@ -122,15 +123,15 @@ class DeliveryMixin(CoreBase):
             if r.qos < qos:
                 qos = r.qos
             if qos == 0:
-                parts.append(publish_bytes(topic, r.payload, 0, False, None))
+                parts.append(encode_publish(topic, r.payload, 0, False, None, False, r.headers))
                 ack(offset)
                 continue
             pid = state.next_pid
             while pid in inflight:
                 pid = pid % 0xFFFF + 1
             state.next_pid = pid % 0xFFFF + 1
-            inflight[pid] = Outbound(offset, group, qos, topic, r.payload, share)
-            parts.append(publish_bytes(topic, r.payload, qos, redelivered(offset), pid))
+            inflight[pid] = Outbound(offset, group, qos, topic, r.payload, share, False, r.headers)
+            parts.append(encode_publish(topic, r.payload, qos, redelivered(offset), pid, False, r.headers))
         if parts:
             self.stats.publish_sent(len(parts))
             conn.send(parts[0] if len(parts) == 1 else b"".join(parts))
@@ -157,12 +158,24 @@ class DeliveryMixin(CoreBase):
                 self._acked = True
         self._to_pump.add(conn)
 
-    def on_pubrec(self, conn: Connection, pid: int) -> None:
+    def on_pubrec(self, conn: Connection, pid: int, reason_code: int = 0) -> None:
         state = conn.session
         assert state is not None
         out = state.inflight.get(pid)
         if out is not None and out.qos != 2:
             self._wrong_ack(conn, "PUBREC", pid, out)
+            return
+        if reason_code >= 0x80:
+            # MQTT 5: a PUBREC with a failure reason code ends the exchange; no PUBREL is sent
+            # and the packet id is free again (4.3.3, MQTT-4.3.3-4 / 4.9: the quota returns).
+            if out is not None and out.stage == 0:
+                del state.inflight[pid]
+                if out.group is not None:
+                    out.group.ack(out.offset)
+                    self._acked = True
+                log.info("client %r: PUBREC 0x%02x for packet id %d: the receiver refused the message",
+                         conn.client_id, reason_code, pid)
+                self._to_pump.add(conn)
             return
         if out is not None and out.stage == 0:
             out.stage = 1
@@ -258,7 +271,10 @@ class DeliveryMixin(CoreBase):
                 self._unregister(conn, sub)
             for name in state.share_names():
                 self._leave_share(conn, state, name)
-            if state.persistent:
+            if state.persistent and state.expiry == 0 and self.sessions.get(cid) is state:
+                # MQTT 5 session expiry 0: the session ends with its network connection (3.1.2.11.2).
+                self._discard_persistent(cid)
+            elif state.persistent:
                 if state.save_due:
                     self._save_session(state)
             elif state.group is not None:

@@ -30,9 +30,13 @@ from collections import deque
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
-from filemq.mqtt.codec import Decoder, ProtocolError, encode
+from filemq.mqtt.codec import Decoder, ProtocolError, encode, publish_bytes, publish_bytes5
 from filemq.mqtt.packets import (
+    CONNACK_REASON_CODES,
     CONNACK_SERVER_UNAVAILABLE,
+    PROTOCOL_LEVEL_5,
+    RC_PROTOCOL_ERROR,
+    Auth,
     Connack,
     Connect,
     Disconnect,
@@ -96,7 +100,7 @@ class Core(Protocol):
 
     def on_pubacks(self, conn: Connection, pids: Sequence[int]) -> None: ...
 
-    def on_pubrec(self, conn: Connection, pid: int) -> None: ...
+    def on_pubrec(self, conn: Connection, pid: int, reason_code: int = 0) -> None: ...
 
     def on_pubrel(self, conn: Connection, pid: int) -> None: ...
 
@@ -108,6 +112,8 @@ class Core(Protocol):
 
     def on_close(self, conn: Connection, prev_state: str) -> None: ...
 
+    def on_disconnect(self, conn: Connection, p: Disconnect) -> None: ...
+
 
 class Connection:
     """One client connection: protocol state, inbound acks waiting for commit, output buffer."""
@@ -116,7 +122,8 @@ class Connection:
         "core", "peer", "transport", "decoder", "state", "out", "client_id", "username",
         "keepalive", "last_rx", "will", "session", "acl", "pending_acks", "closed",
         "close_reason", "publish_will", "paused", "max_inflight", "last_batch",
-        "connected_at", "max_packet_size", "reading_changed", "identity",
+        "connected_at", "max_packet_size", "reading_changed", "identity", "protocol_level",
+        "encode_packet", "assigned_id",
     )
 
     def __init__(
@@ -160,6 +167,10 @@ class Connection:
         self.reading_changed: Callable[[], None] | None = None
         self.max_inflight = max_inflight
         self.last_batch: asyncio.Future[None] | None = None  # the commit batch it last joined
+        # 4 (MQTT 3.1.1) until an MQTT 5.0 CONNECT is accepted; then 5, with the MQTT 5 encoder.
+        self.protocol_level = 4
+        self.encode_packet: Callable[[Any], bytes] = encode
+        self.assigned_id = False  # MQTT 5: the server assigned the client id (CONNACK says it)
 
     def __repr__(self) -> str:
         return f"Connection({self.client_id!r}, peer={self.peer}, state={self.state})"
@@ -193,7 +204,8 @@ class Connection:
         try:
             self.decoder.feed(data)
         except ProtocolError as exc:
-            self.close(f"protocol error: {exc.reason}", will=True, level=logging.WARNING)
+            self.close(f"protocol error: {exc.reason}", will=True, level=logging.WARNING,
+                       reason_code=exc.reason_code)
             return
         if self.state != CONNECTED:
             self._receive_before_connack()
@@ -204,7 +216,8 @@ class Connection:
         try:
             packets = self.decoder.packets()
         except ProtocolError as exc:
-            self.close(f"protocol error: {exc.reason}", will=True, level=logging.WARNING)
+            self.close(f"protocol error: {exc.reason}", will=True, level=logging.WARNING,
+                       reason_code=exc.reason_code)
             return
         try:
             self.handle_packets(packets)
@@ -223,6 +236,11 @@ class Connection:
                     break
                 self.handle_packets((packet,))
         except ProtocolError as exc:
+            if self.protocol_level == PROTOCOL_LEVEL_5 and self.state == AWAITING_CONNECT:
+                # An MQTT 5 CONNECT refused for a malformed or invalid field: CONNACK with the
+                # reason code, then close (4.13.1, MQTT-3.2.2-7).
+                code = exc.reason_code if exc.reason_code in CONNACK_REASON_CODES else RC_PROTOCOL_ERROR
+                self.send_packet(Connack(False, code))
             self.close(f"protocol error: {exc.reason}", will=False, level=logging.WARNING)
             return
         except Exception as exc:
@@ -259,7 +277,7 @@ class Connection:
                     core.on_connect(self, packet)
                 elif type(packet) is Pubrec:
                     self._require_connected("PUBREC")
-                    core.on_pubrec(self, packet.packet_id)
+                    core.on_pubrec(self, packet.packet_id, packet.reason_code)
                 elif type(packet) is Pubrel:
                     self._require_connected("PUBREL")
                     core.on_pubrel(self, packet.packet_id)
@@ -277,12 +295,19 @@ class Connection:
                     self.send(PINGRESP)
                 elif type(packet) is Disconnect:
                     self._require_connected("DISCONNECT")
-                    self.close("client sent DISCONNECT", will=False, level=logging.INFO)
+                    core.on_disconnect(self, packet)
                     return
+                elif type(packet) is Auth:
+                    # filemq offers no extended authentication: a CONNECT with an authentication
+                    # method is refused (0x8C), so an AUTH is never part of an exchange the
+                    # client may have started (3.15, MQTT-4.12.0-2/-6).
+                    raise ProtocolError("AUTH without an authentication method accepted in CONNECT (4.12)",
+                                        "AUTH", RC_PROTOCOL_ERROR)
                 else:  # pragma: no cover - the server-side decoder yields only the types above
                     raise ProtocolError(f"unexpected packet {type(packet).__name__}")
             except ProtocolError as exc:
-                self.close(f"protocol error: {exc.reason}", will=True, level=logging.WARNING)
+                self.close(f"protocol error: {exc.reason}", will=True, level=logging.WARNING,
+                           reason_code=exc.reason_code)
                 return
 
     def _require_connected(self, name: str) -> None:
@@ -320,7 +345,16 @@ class Connection:
             self.core.mark_dirty(self)
 
     def send_packet(self, packet: object) -> None:
-        self.send(encode(packet))  # type: ignore[arg-type]
+        """Encode ``packet`` at this connection's protocol level and queue it."""
+        self.send(self.encode_packet(packet))
+
+    def publish_bytes(self, topic: str, payload: bytes, qos: int, dup: bool, packet_id: int | None,
+                      retain: bool = False, headers: bytes = b"") -> bytes:
+        """A PUBLISH to this client at its protocol level; ``headers`` (a record's stored MQTT 5
+        message properties) go on the MQTT 5 wire only."""
+        if self.protocol_level == PROTOCOL_LEVEL_5:
+            return publish_bytes5(topic, payload, qos, dup, packet_id, retain, headers)
+        return publish_bytes(topic, payload, qos, dup, packet_id, retain)
 
     def data_to_send(self) -> bytes:
         """Everything queued for the peer since the last call (possibly empty)."""
@@ -366,10 +400,16 @@ class Connection:
 
     # ---- closing -----------------------------------------------------------------------
 
-    def close(self, reason: str, *, will: bool, level: int = logging.INFO) -> None:
-        """Close this connection (once): log why, tell the core, close the transport."""
+    def close(self, reason: str, *, will: bool, level: int = logging.INFO, reason_code: int | None = None) -> None:
+        """Close this connection (once): log why, tell the core, close the transport.
+
+        On an MQTT 5 connection past CONNACK, ``reason_code`` (a DISCONNECT reason code, e.g.
+        0x81 Malformed Packet, 0x82 Protocol Error, 0x93, 0x95) is sent in a DISCONNECT first
+        (4.13.2, MQTT-4.13.2-1)."""
         if self.closed:
             return
+        if reason_code is not None and self.protocol_level == PROTOCOL_LEVEL_5 and self.state == CONNECTED:
+            self.send_packet(Disconnect(reason_code))
         self.closed = True
         self.close_reason = reason
         self.publish_will = will and self.will is not None and self.state == CONNECTED

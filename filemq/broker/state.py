@@ -127,11 +127,11 @@ class Subscription:
 class Outbound:
     """A QoS 1/2 PUBLISH sent to the client and not yet completed."""
 
-    __slots__ = ("offset", "group", "qos", "topic", "payload", "share", "stage", "retain")
+    __slots__ = ("offset", "group", "qos", "topic", "payload", "share", "stage", "retain", "headers")
 
     def __init__(
         self, offset: int, group: ConsumerGroup | None, qos: int, topic: str, payload: bytes,
-        share: str | None, retain: bool = False,
+        share: str | None, retain: bool = False, headers: bytes = b"",
     ) -> None:
         self.offset = offset
         self.group = group  # None: a retained-message delivery, not a group record
@@ -141,6 +141,7 @@ class Outbound:
         self.share = share
         self.stage = 0  # 0: PUBLISH sent; 1: PUBREC received, PUBREL sent (QoS 2)
         self.retain = retain
+        self.headers = headers  # the record's MQTT 5 message properties (re-sent with it)
 
 
 class SessionState:
@@ -151,6 +152,9 @@ class SessionState:
         self.client_id = client_id
         self.persistent = persistent
         self.owner = owner  # the username that created the session; only it may resume it
+        # Session expiry interval: None on MQTT 3.1.1 (a persistent session lives until a
+        # clean_session = 1 CONNECT); MQTT 5: seconds after the connection closes, 0 = then.
+        self.expiry: int | None = None
         self.subs: dict[str, Subscription] = {}
         self.group: ConsumerGroup | None = None
         self.inflight: dict[int, Outbound] = {}

@@ -28,10 +28,9 @@ from filemq.common.topics import (
     topic_matches,
     validate_topic_filter,
 )
-from filemq.mqtt.codec import encode, publish_bytes
 from filemq.mqtt.packets import (
+    SUB_QOS_MASK,
     SUBACK_FAILURE,
-    Publish,
     Suback,
     Subscribe,
     Unsuback,
@@ -132,7 +131,7 @@ class SubscribeMixin(CoreBase):
                 log.info("client %r (user %r): SUBSCRIBE %r denied by the ACL", conn.client_id, conn.username, f)
                 codes.append(SUBACK_FAILURE)
                 continue
-            qos = min(qos, 2)
+            qos = min(qos & SUB_QOS_MASK, 2)  # MQTT 5: the options byte's QoS bits (3.8.3.1)
             old = state.subs.get(f)
             if old is not None:
                 self._unregister(conn, old)
@@ -174,7 +173,7 @@ class SubscribeMixin(CoreBase):
             for topic, payload in self.sys_retained.items():
                 if topic_matches(sub.plain, topic) and (
                         acl is None or acl.can_receive(topic)):
-                    conn.send(encode(Publish(topic, payload, 0, True)))
+                    conn.send(conn.publish_bytes(topic, payload, 0, False, None, True))
             return
         if not self.retained_ready:
             self._retained_waiting.append((conn, state, sub, below))
@@ -238,11 +237,11 @@ class SubscribeMixin(CoreBase):
             if conn.acl is not None and not conn.acl.can_receive(m.topic):
                 continue  # the read right went away (ACL reload) while it was queued
             if qos == 0:
-                conn.send(publish_bytes(m.topic, m.payload, 0, False, None, True))
+                conn.send(conn.publish_bytes(m.topic, m.payload, 0, False, None, True, m.headers))
             else:
                 pid = state.alloc_pid()
-                inflight[pid] = Outbound(m.offset, None, qos, m.topic, m.payload, None, True)
-                conn.send(publish_bytes(m.topic, m.payload, qos, False, pid, True))
+                inflight[pid] = Outbound(m.offset, None, qos, m.topic, m.payload, None, True, m.headers)
+                conn.send(conn.publish_bytes(m.topic, m.payload, qos, False, pid, True, m.headers))
             sent += 1
         if sent:
             self.stats.publish_sent(sent)
@@ -258,11 +257,13 @@ class SubscribeMixin(CoreBase):
         assert state is not None
         changed = False
         shares_before = state.share_names()
+        codes: list[int] = []  # MQTT 5: one per filter, 0x11 when there was no such subscription
         for f in p.topics:
             sub = state.subs.pop(f, None)
             if sub is not None:
                 self._unregister(conn, sub)
                 changed = True
+            codes.append(0x00 if sub is not None else 0x11)
         if changed:
             state.subs_changed()
             for name in shares_before - state.share_names():
@@ -270,4 +271,4 @@ class SubscribeMixin(CoreBase):
             self._update_groups(state)
             if state.persistent:
                 self.store.save(state.stored())
-        conn.send_packet(Unsuback(p.packet_id))
+        conn.send_packet(Unsuback(p.packet_id, codes if conn.protocol_level == 5 else []))

@@ -75,6 +75,7 @@ class RetainedMessage:
     qos: int
     offset: int
     timestamp_us: int
+    headers: bytes = b""  # the record's MQTT 5 message properties (segments.record.Record.headers)
 
 
 @dataclass
@@ -172,7 +173,7 @@ class RetainedStore:
             del self._messages[record.topic]
         if record.payload:
             self._messages[record.topic] = RetainedMessage(
-                record.topic, record.payload, record.qos, record.offset, record.timestamp_us
+                record.topic, record.payload, record.qos, record.offset, record.timestamp_us, record.headers
             )
             self._payload_bytes += len(record.payload)
 

@@ -49,15 +49,16 @@ def client5(h: Harness) -> Client5:
 
 
 def test_level_5_connect_is_accepted_with_mqtt5_connack(tmp_path: Path) -> None:
-    """3.2.2.3: the CONNACK states the maximum packet size the broker takes and that
-    subscription identifiers are not available; 3.1.1 clients on the same core are unchanged."""
+    """3.2.2.3: the CONNACK states the maximum packet size the broker takes; subscription
+    identifiers are available (3.2.2.3.12: absent = available); 3.1.1 clients on the same core
+    are unchanged."""
     async def main() -> None:
         h = Harness(tmp_path, max_packet_size=4096)
         c = client5(h)
         ack = c.connect("v5")
         assert ack.return_code == 0 and not ack.session_present
         assert ack.properties is not None and ack.properties.maximum_packet_size == 4096
-        assert ack.properties.subscription_identifier_available == 0
+        assert ack.properties.subscription_identifier_available is None
         assert ack.properties.assigned_client_identifier is None
         assert c.conn.protocol_level == 5
         old = h.client()
@@ -294,4 +295,25 @@ def test_qos1_publish_and_delivery_at_level_5(tmp_path: Path) -> None:
         (m5,) = s5.received()
         (m4,) = s4.received()
         assert (m5.topic, m5.payload, m5.qos) == (m4.topic, m4.payload, m4.qos) == ("t/1", b"hello", 1)
+    run(main())
+
+
+def test_client_receive_maximum_caps_the_inflight_window(tmp_path: Path) -> None:
+    """3.1.2.11.3 / MQTT-3.3.4-9: the broker never has more unacknowledged QoS 1/2 PUBLISHes
+    out to a client than its Receive Maximum."""
+    async def main() -> None:
+        h = Harness(tmp_path, max_inflight=20)
+        s = client5(h)
+        s.connect("s", properties=Properties(receive_maximum=2))
+        s.send(Subscribe(1, [("r", subscription_options(1))]))
+        s.received()
+        p = client5(h)
+        p.connect("p")
+        p.send(*[Publish("r", b"%d" % i, 1, packet_id=i + 1) for i in range(5)])
+        await h.commit()
+        got = [m for m in s.received() if isinstance(m, Publish)]
+        assert [m.payload for m in got] == [b"0", b"1"]
+        s.send(Puback(got[0].packet_id or 0))
+        more = [m for m in s.received() if isinstance(m, Publish)]
+        assert [m.payload for m in more] == [b"2"]
     run(main())

@@ -317,3 +317,32 @@ def test_client_receive_maximum_caps_the_inflight_window(tmp_path: Path) -> None
         more = [m for m in s.received() if isinstance(m, Publish)]
         assert [m.payload for m in more] == [b"2"]
     run(main())
+
+
+def test_broker_sends_topic_aliases_to_a_client_that_takes_them(tmp_path: Path) -> None:
+    """3.3.2.3.4 / MQTT-3.3.2-11: with a client Topic Alias Maximum the broker may alias topics
+    it sends: the first PUBLISH of a topic carries topic and alias, later ones the alias and an
+    empty topic; never more aliases than the client allows (MQTT-3.3.2-7... 3.1.2.11.5), and
+    none at all to a client with no maximum (the default, MQTT-3.1.2-26)."""
+    async def main() -> None:
+        h = Harness(tmp_path)
+        s = client5(h)
+        s.connect("s", properties=Properties(topic_alias_maximum=1))
+        s.send(Subscribe(1, [("t/#", subscription_options(2))]))
+        s.received()
+        plain = client5(h)
+        plain.connect("plain")
+        plain.send(Subscribe(1, [("t/#", subscription_options(2))]))
+        plain.received()
+        p = client5(h)
+        p.connect("p")
+        p.send(Publish("t/a", b"0", 0), Publish("t/a", b"1", 1, packet_id=1), Publish("t/a", b"2", 2, packet_id=2),
+               Publish("t/b", b"3", 1, packet_id=3))
+        await h.commit()
+        got = [m for m in s.received() if isinstance(m, Publish)]
+        assert [(m.topic, m.properties.topic_alias if m.properties else None) for m in got] == [
+            ("t/a", 1), ("", 1), ("", 1), ("t/b", None)]
+        assert [m.payload for m in got] == [b"0", b"1", b"2", b"3"]
+        others = [m for m in plain.received() if isinstance(m, Publish)]
+        assert [(m.topic, m.properties) for m in others] == [("t/a", None)] * 3 + [("t/b", None)]
+    run(main())

@@ -129,6 +129,7 @@ class ConnectMixin(CoreBase):
                                  f"authentication method {props.authentication_method!r} is not supported")
                     return
                 conn.client_max_packet = props.maximum_packet_size
+                conn.alias_max = props.topic_alias_maximum or 0
                 if props.receive_maximum is not None:
                     # Never more unacknowledged QoS 1/2 PUBLISHes than the client takes (3.1.2.11.3).
                     conn.max_inflight = min(conn.max_inflight, props.receive_maximum)

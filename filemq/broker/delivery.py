@@ -164,6 +164,7 @@ class DeliveryMixin(CoreBase):
         publishers = self.publishers() if state.has_no_local() else None
         cid = conn.client_id
         limit = conn.client_max_packet
+        alias_max = conn.alias_max
         parts: list[bytes] = []
         now_us = time.time_ns() // 1000
         for r in records:
@@ -192,6 +193,8 @@ class DeliveryMixin(CoreBase):
                 if limit is not None and len(data) > limit:
                     self._too_large(conn, topic, len(data), limit)
                     continue
+                if alias_max:
+                    data = conn.aliased(data, topic, r.payload, 0, False, None, retain, headers, limit)
                 parts.append(data)
                 continue
             pid = state.next_pid
@@ -207,6 +210,8 @@ class DeliveryMixin(CoreBase):
             # (4.4) repeats them; onward delivery has started, so it is re-sent even if the
             # message expires meanwhile.
             inflight[pid] = Outbound(offset, group, qos, topic, r.payload, share, retain, headers)
+            if alias_max:
+                data = conn.aliased(data, topic, r.payload, qos, data[0] & 0x08 != 0, pid, retain, headers, limit)
             parts.append(data)
         if parts:
             self.stats.publish_sent(len(parts))

@@ -139,7 +139,8 @@ class Connection:
         "keepalive", "last_rx", "will", "session", "acl", "pending_acks", "closed",
         "close_reason", "publish_will", "paused", "max_inflight", "last_batch",
         "connected_at", "max_packet_size", "reading_changed", "identity", "protocol_level",
-        "encode_packet", "assigned_id", "client_max_packet", "linger_close", "topic_aliases",
+        "encode_packet", "assigned_id", "client_max_packet", "linger_close", "alias_max",
+        "out_aliases", "topic_aliases",
     )
 
     def __init__(
@@ -195,6 +196,10 @@ class Connection:
         # at once, so packets the peer sends meanwhile do not reset the connection and
         # discard them unread (a lingering close).  None: close at once.
         self.linger_close: Callable[[], None] | None = None
+        # MQTT 5 topic aliases broker -> client (3.3.2.3.4): the client's Topic Alias Maximum
+        # (0: none) and the aliases given so far on this network connection, topic -> alias.
+        self.alias_max = 0
+        self.out_aliases: dict[str, int] = {}
         # MQTT 5: topic aliases the client set on this connection (alias -> topic, 3.3.2.3.4);
         # they die with the connection.
         self.topic_aliases: dict[int, str] | None = None
@@ -446,8 +451,31 @@ class Connection:
         """A PUBLISH to this client at its protocol level; ``headers`` (a record's stored MQTT 5
         message properties) go on the MQTT 5 wire only."""
         if self.protocol_level == PROTOCOL_LEVEL_5:
+            if self.alias_max:
+                alias = self.out_aliases.get(topic)
+                if alias is not None:  # only aliases the client already has (never assigned here)
+                    return publish_bytes5("", payload, qos, dup, packet_id, retain,
+                                          headers + bytes((0x23, alias >> 8, alias & 0xFF)))
             return publish_bytes5(topic, payload, qos, dup, packet_id, retain, headers)
         return publish_bytes(topic, payload, qos, dup, packet_id, retain)
+
+    def aliased(self, data: bytes, topic: str, payload: bytes, qos: int, dup: bool, packet_id: int | None,
+                retain: bool, headers: bytes, limit: int | None) -> bytes:
+        """``data`` (the MQTT 5 PUBLISH about to be sent, which fits ``limit``) with a topic
+        alias when the client takes them (3.3.2.3.4): the topic's alias and an empty topic
+        once it has one; the first PUBLISH of a topic carries the topic and assigns the next
+        free alias, while the client's Topic Alias Maximum allows (then topics stay unaliased:
+        aliases are never reassigned).  Called only for a packet that is sent, so the client
+        always knows an alias before it is used alone."""
+        alias = self.out_aliases.get(topic)
+        if alias is not None:
+            return publish_bytes5("", payload, qos, dup, packet_id, retain,
+                                  headers + bytes((0x23, alias >> 8, alias & 0xFF)))
+        if len(self.out_aliases) >= self.alias_max or (limit is not None and len(data) + 3 > limit):
+            return data
+        alias = self.out_aliases[topic] = len(self.out_aliases) + 1
+        return publish_bytes5(topic, payload, qos, dup, packet_id, retain,
+                              headers + bytes((0x23, alias >> 8, alias & 0xFF)))
 
     def data_to_send(self) -> bytes:
         """Everything queued for the peer since the last call (possibly empty)."""

@@ -38,6 +38,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from collector.dedup import HighWaterMarks, batch_ranges, offset_runs
+from collector.headers import property_columns
 from collector.landing import LANDING_SCHEMA, SCHEMA_VERSION, LandingWriter
 from filemq.upstream.batch import Batch, BatchError, decode_batch, parse_batch_topic, peek_header
 
@@ -72,7 +73,8 @@ class LanderStats:
 def batch_to_arrow(batch: Batch, received_at_us: int, collector_id: str) -> pa.RecordBatch:
     """The landing rows of ``batch`` as an Arrow record batch in :data:`LANDING_SCHEMA` order.
 
-    Columns are wrapped from the batch's arrays without a per-record Python step.
+    Columns are wrapped from the batch's arrays without a per-record Python step, except the
+    MQTT 5.0 property columns of records that carry headers (:mod:`collector.headers`).
     """
     n = len(batch)
     deltas = pa.Array.from_buffers(pa.uint32(), n, [None, pa.py_buffer(batch.offset_deltas)])
@@ -95,6 +97,7 @@ def batch_to_arrow(batch: Batch, received_at_us: int, collector_id: str) -> pa.R
             pa.repeat(pa.scalar(collector_id, pa.string()), n),
             payload,
             pa.repeat(pa.scalar(SCHEMA_VERSION, pa.int16()), n),
+            *property_columns(batch),
         ],
         schema=LANDING_SCHEMA,
     )

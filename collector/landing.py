@@ -31,10 +31,29 @@ from segments.fileio import OS_FILE_IO, FileIO, atomic_write
 
 log = logging.getLogger(__name__)
 
-SCHEMA_VERSION = 1
-"""Value of the ``schema_version`` column for files written by this module."""
+SCHEMA_VERSION = 2
+"""Value of the ``schema_version`` column for files written by this module.
 
-LANDING_SCHEMA: pa.Schema = pa.schema(
+History (docs/INGEST.md): 1, the ten columns of :data:`LANDING_SCHEMA_V1`; 2 (issue 13), the
+same ten then the nullable MQTT 5.0 message property columns :data:`PROPERTY_FIELDS`."""
+
+USER_PROPERTY_TYPE = pa.list_(pa.struct([pa.field("key", pa.string()), pa.field("value", pa.string())]))
+"""``user_properties``: the MQTT 5.0 user properties in wire order, repeats kept."""
+
+PROPERTY_FIELDS: tuple[pa.Field, ...] = (
+    pa.field("payload_format_indicator", pa.int8()),  # 0x01: 0 unspecified bytes, 1 UTF-8
+    pa.field("message_expiry_s", pa.int64()),  # 0x02: the interval in seconds, as published
+    pa.field("content_type", pa.string()),  # 0x03
+    pa.field("response_topic", pa.string()),  # 0x08
+    pa.field("correlation_data", pa.binary()),  # 0x09
+    pa.field("user_properties", USER_PROPERTY_TYPE),  # 0x26
+)
+"""The MQTT 5.0 message properties of a row (schema version 2): each null when the message
+did not carry it (every MQTT 3.1.1 message, and every row of a version 1 file)."""
+
+PROPERTY_COLUMNS: tuple[str, ...] = tuple(f.name for f in PROPERTY_FIELDS)
+
+LANDING_SCHEMA_V1: pa.Schema = pa.schema(
     [
         pa.field("device_id", pa.string()),
         pa.field("stream", pa.string()),
@@ -48,7 +67,11 @@ LANDING_SCHEMA: pa.Schema = pa.schema(
         pa.field("schema_version", pa.int16()),
     ]
 )
-"""The landing file columns, in order (ARCHITECTURE.md, "Landing file")."""
+"""The columns of a schema version 1 landing file (every release before issue 13)."""
+
+LANDING_SCHEMA: pa.Schema = pa.schema([*LANDING_SCHEMA_V1, *PROPERTY_FIELDS])
+"""The landing file columns, in order (ARCHITECTURE.md, "Landing file"): the version 1
+columns, then :data:`PROPERTY_FIELDS`."""
 
 KEY_COLUMNS: tuple[str, ...] = ("device_id", "stream", "offset")
 """The idempotency key: at most one curated row per value of these columns."""
@@ -84,7 +107,8 @@ class LandingWriter:
       the time they were written, are unique per writer (the write time is strictly
       increasing within a writer, ``run`` is random per writer instance) and differ between
       collectors, so several collectors can share one landing directory;
-    * ``collector_id`` and ``schema_version`` columns are filled in when the rows lack them.
+    * ``collector_id`` and ``schema_version`` columns are filled in when the rows lack them,
+      the :data:`PROPERTY_COLUMNS` with nulls.
     """
 
     def __init__(
@@ -212,6 +236,8 @@ class LandingWriter:
                 column = pa.array([self.collector_id] * source.num_rows, pa.string())
             elif field.name == "schema_version":
                 column = pa.array([SCHEMA_VERSION] * source.num_rows, pa.int16())
+            elif field.name in PROPERTY_COLUMNS:
+                column = pa.nulls(source.num_rows, field.type)
             else:
                 raise LandingError(f"batch has no column {field.name!r}")
             try:

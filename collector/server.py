@@ -8,7 +8,7 @@ write-ahead log, with the durable group commit before every PUBACK) plus:
   rejects the same way a valid batch whose topic is not ``filemq/v1/<device>/<stream>`` of
   its CRC-covered header (the topic is outside the CRC: a byte flipped in it must not be
   acknowledged); quarantines a malformed one (written to ``<data_dir>/quarantine/``, acknowledged,
-  counted); acknowledges and drops a duplicate (its offsets are all held: committed to the
+  counted; a version 2 batch whose record headers are not MQTT 5.0 message properties is one); acknowledges and drops a duplicate (its offsets are all held: committed to the
   WAL, as a WAL tail reader tracks, or landed); stores an overlapping one with the held
   records trimmed off (:mod:`collector.dedup`);
 * a :class:`collector.lander.Lander` that rolls the WAL into landing files.
@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from collector.dedup import SNAPSHOT_FILE, HighWaterMarks, batch_ranges
+from collector.headers import check_headers
 from collector.lander import Lander
 from collector.landing import LandingWriter
 from filemq.broker import Broker, ClientInfo, HookResult
@@ -261,7 +262,9 @@ class Collector:
             stats.duplicate_records += header.count
             return HookResult.ack_drop(f"duplicate batch {header.first_offset}..{header.last_offset}")
         try:
-            batch = decode_batch(payload)
+            # Version 2 headers must be MQTT 5.0 message properties: the CRC matched, so
+            # headers that are not are the sender's bug, quarantined like any malformed batch.
+            batch = decode_batch(payload, check_headers=check_headers)
         except MalformedBatch as exc:
             return self._quarantine(client, packet, str(exc))
         if overlaps:

@@ -98,9 +98,10 @@ class GroupCommitter:
 
     def append_nowait(
         self, topic: str, payload: bytes, *, qos: int = 0, retain: bool = False,
-        timestamp_us: int | None = None,
+        timestamp_us: int | None = None, headers: bytes = b"",
     ) -> tuple[int, asyncio.Future[None]]:
-        """Buffer a record; return its offset and its batch's commit future.
+        """Buffer a record (``headers``: see :meth:`segments.log.Log.append`); return its
+        offset and its batch's commit future.
 
         The future is shared by the whole batch: await it through :func:`asyncio.shield` if
         the awaiting task may be cancelled.  It raises DiskFull/OSError if the commit failed;
@@ -108,7 +109,8 @@ class GroupCommitter:
         """
         if self._task is None or self._closing:
             raise RuntimeError("GroupCommitter is not running")
-        offset = self.log.append(topic, payload, qos=qos, retain=retain, timestamp_us=timestamp_us)
+        offset = self.log.append(topic, payload, qos=qos, retain=retain, timestamp_us=timestamp_us,
+                                 headers=headers)
         future = self._open
         if future is None:
             assert self._loop is not None
@@ -116,6 +118,8 @@ class GroupCommitter:
             self._open_bytes = 0
             self._wake.set()
         self._open_bytes += len(payload) + len(topic) + 28
+        if headers:
+            self._open_bytes += len(headers) + 4
         if self._open_bytes >= self.max_batch_bytes:
             self._closed_batches.append((offset + 1, future))
             self._open = None
@@ -123,10 +127,11 @@ class GroupCommitter:
 
     async def append(
         self, topic: str, payload: bytes, *, qos: int = 0, retain: bool = False,
-        timestamp_us: int | None = None,
+        timestamp_us: int | None = None, headers: bytes = b"",
     ) -> int:
         """Append and wait until committed under the policy; returns the offset."""
-        offset, future = self.append_nowait(topic, payload, qos=qos, retain=retain, timestamp_us=timestamp_us)
+        offset, future = self.append_nowait(topic, payload, qos=qos, retain=retain, timestamp_us=timestamp_us,
+                                            headers=headers)
         await asyncio.shield(future)
         return offset
 

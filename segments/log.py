@@ -36,7 +36,8 @@ from segments.record import (
     MAX_TOPIC_BYTES,
     Record,
     decode_at,
-    encode,
+    encode_v1,
+    encode_v2,
 )
 from segments.segment import NO_TIMESTAMP, Segment, parse_segment_name
 
@@ -324,13 +325,17 @@ class Log:
 
     def append(
         self, topic: str, payload: bytes, *, qos: int = 0, retain: bool = False,
-        timestamp_us: int | None = None,
+        timestamp_us: int | None = None, headers: bytes = b"",
     ) -> int:
         """Buffer one record in memory and return its offset.
 
+        ``headers`` are stored as they are and read back in :attr:`Record.headers` (MQTT 5
+        message properties, opaque here); b"" writes the record in format 1, as before
+        headers existed, anything else in format 2 (docs/FORMAT.md).
         It becomes readable after the next :meth:`flush` and durable after :meth:`sync`.
         Raises DiskFull (assigning no offset) when free space is below ``min_free_bytes``,
-        ValueError on a bad QoS, a topic over 65535 bytes or a record over the segment size.
+        ValueError on a bad QoS, a topic over 65535 bytes or a record (headers included)
+        over the segment size.
         """
         topic_bytes = self._topics.get(topic)
         if topic_bytes is None:
@@ -343,7 +348,10 @@ class Log:
             if self._closed or self._broken:
                 raise SegmentError(str(self.directory), self._broken or "log is closed")
             offset = self._next_offset
-            data = encode(offset, ts, topic_bytes, payload, flags)
+            if headers:
+                data = encode_v2(offset, ts, topic_bytes, payload, flags, headers)
+            else:
+                data = encode_v1(offset, ts, topic_bytes, payload, flags)
             n = len(data)
             if n > self._max_record:
                 raise ValueError(f"record of {n} bytes does not fit a segment of {self.config.segment_bytes}")

@@ -4,16 +4,19 @@ Layout (big-endian, documented byte by byte in docs/FORMAT.md)::
 
     u32 length      bytes after this field (crc .. end of payload)
     u32 crc         CRC-32C (Castagnoli) of every byte after this field
-    u8  version     FORMAT_VERSION (1)
+    u8  version     1: no headers; 2: headers follow the topic
     u8  flags       bits 0-1 QoS, bit 2 retain, bits 3-7 zero
     u64 offset      logical offset in the log
     i64 timestamp   publish time, microseconds since the Unix epoch (UTC)
     u16 topic_len   then topic_len bytes of UTF-8 topic
-    ...             payload: the remaining length - 24 - topic_len bytes
+    u32 headers_len (version 2 only) then headers_len bytes of headers
+    ...             payload: the rest of the record
 
-A record is valid only if its length is in range, its CRC matches, its version is known and
-its reserved flag bits are zero.  :func:`check_frame` is the single validity test that
-recovery, reads and ``filemq inspect`` all use.
+A record whose headers are empty is written as version 1, byte for byte as before version 2
+existed; one with headers as version 2.  A record is valid only if its length is in range,
+its CRC matches, its version is known, its reserved flag bits are zero and its topic (and
+headers) fit its frame.  :func:`check_frame` is the single validity test that recovery,
+reads and ``filemq inspect`` all use.
 """
 
 from __future__ import annotations
@@ -25,8 +28,11 @@ from crc32c import crc32c
 
 from segments.errors import CorruptRecord
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 1  # a record without headers
+FORMAT_VERSION_HEADERS = 2  # a record with headers: u32 headers_len and the headers after the topic
 LENGTH = struct.Struct(">I")
+HEADERS_LEN = struct.Struct(">I")  # version 2: after the topic
+HEADERS_LEN_SIZE = HEADERS_LEN.size  # 4
 PREFIX = struct.Struct(">II")  # length, crc
 BODY = struct.Struct(">BBQqH")  # version, flags, offset, timestamp_us, topic_len
 HEADER = struct.Struct(">IIBBQqH")  # PREFIX + BODY, for decoding in one call
@@ -45,6 +51,7 @@ INCOMPLETE = -1  # fewer bytes than the header or the length field promises (tor
 BAD_LENGTH = -2  # length field out of range
 BAD_CRC = -3  # CRC mismatch
 BAD_HEADER = -4  # unknown version, QoS 3 or reserved flag bits set
+# (a topic, or a version 2 headers_len field or headers, that runs past the frame: BAD_LENGTH)
 
 # flags bytes check_frame accepts: no reserved bit, QoS not 3 (a table: one lookup per record)
 _FLAGS_OK = tuple(not (f & RESERVED_FLAGS or f & QOS_MASK == 3) for f in range(256))
@@ -83,13 +90,32 @@ def make_flags(qos: int, retain: bool) -> int:
     return qos | (RETAIN_BIT if retain else 0)
 
 
-def encode(offset: int, timestamp_us: int, topic: bytes, payload: bytes, flags: int) -> bytes:
+def encode(
+    offset: int, timestamp_us: int, topic: bytes, payload: bytes, flags: int, headers: bytes = b"",
+) -> bytes:
     """Frame one record (``topic`` already UTF-8).  The one framing function used everywhere.
 
-    The caller guarantees ``flags`` came from :func:`make_flags` and ``len(topic)`` fits u16;
-    :meth:`segments.log.Log.append` checks both.
+    Empty ``headers``: format version 1, byte for byte as before version 2 existed; else
+    version 2.  The caller guarantees ``flags`` came from :func:`make_flags` and
+    ``len(topic)`` fits u16; :meth:`segments.log.Log.append` checks both (and the framed
+    size: a record larger than MAX_RECORD_BYTES is never valid).
     """
+    if headers:
+        return encode_v2(offset, timestamp_us, topic, payload, flags, headers)
+    return encode_v1(offset, timestamp_us, topic, payload, flags)
+
+
+def encode_v1(offset: int, timestamp_us: int, topic: bytes, payload: bytes, flags: int) -> bytes:
+    """:func:`encode` without headers: format 1 (for the append hot path, which tests
+    ``headers`` itself and so calls exactly what it called before format 2 existed)."""
     body = BODY.pack(FORMAT_VERSION, flags, offset, timestamp_us, len(topic)) + topic + payload
+    return PREFIX.pack(len(body) + 4, crc32c(body)) + body
+
+
+def encode_v2(offset: int, timestamp_us: int, topic: bytes, payload: bytes, flags: int, headers: bytes) -> bytes:
+    """:func:`encode` with (non-empty) headers: format 2."""
+    body = (BODY.pack(FORMAT_VERSION_HEADERS, flags, offset, timestamp_us, len(topic)) + topic
+            + HEADERS_LEN.pack(len(headers)) + headers + payload)
     return PREFIX.pack(len(body) + 4, crc32c(body)) + body
 
 
@@ -99,7 +125,8 @@ def encode_record(record: Record) -> bytes:
     if len(topic) > MAX_TOPIC_BYTES:
         raise ValueError(f"topic is {len(topic)} bytes, more than {MAX_TOPIC_BYTES}")
     return encode(
-        record.offset, record.timestamp_us, topic, record.payload, make_flags(record.qos, record.retain)
+        record.offset, record.timestamp_us, topic, record.payload, make_flags(record.qos, record.retain),
+        record.headers,
     )
 
 
@@ -118,10 +145,20 @@ def check_frame(buf: bytes | memoryview, pos: int, end: int) -> int:
     if pos + framed > end:
         return INCOMPLETE
     _, crc, version, flags, _, _, topic_len = HEADER.unpack_from(buf, pos)
-    if version != FORMAT_VERSION or flags & RESERVED_FLAGS or flags & QOS_MASK == 3:
+    if flags & RESERVED_FLAGS or flags & QOS_MASK == 3:
         return BAD_HEADER
-    if HEADER_SIZE + topic_len > framed:
-        return BAD_LENGTH
+    if version == FORMAT_VERSION:
+        if HEADER_SIZE + topic_len > framed:
+            return BAD_LENGTH
+    elif version == FORMAT_VERSION_HEADERS:
+        at = HEADER_SIZE + topic_len
+        if at + HEADERS_LEN_SIZE > framed:
+            return BAD_LENGTH
+        headers_len: int = HEADERS_LEN.unpack_from(buf, pos + at)[0]
+        if at + HEADERS_LEN_SIZE + headers_len > framed:
+            return BAD_LENGTH
+    else:
+        return BAD_HEADER
     if crc32c(memoryview(buf)[pos + CRC_START : pos + framed]) != crc:
         return BAD_CRC
     return framed
@@ -135,11 +172,18 @@ def offset_at(buf: bytes | memoryview, pos: int) -> int:
 
 def decode_at(buf: bytes | memoryview, pos: int, framed: int) -> Record:
     """Build the :class:`Record` at ``pos`` whose frame :func:`check_frame` accepted."""
-    _, _, _, flags, offset, timestamp_us, topic_len = HEADER.unpack_from(buf, pos)
+    _, _, version, flags, offset, timestamp_us, topic_len = HEADER.unpack_from(buf, pos)
     start = pos + HEADER_SIZE
-    topic = bytes(buf[start : start + topic_len]).decode("utf-8", "replace")
-    payload = bytes(buf[start + topic_len : pos + framed])
-    return Record(offset, timestamp_us, topic, payload, flags & QOS_MASK, bool(flags & RETAIN_BIT))
+    stop = start + topic_len
+    topic = bytes(buf[start:stop]).decode("utf-8", "replace")
+    headers = b""
+    if version == FORMAT_VERSION_HEADERS:
+        headers_len: int = HEADERS_LEN.unpack_from(buf, stop)[0]
+        stop += HEADERS_LEN_SIZE
+        headers = bytes(buf[stop : stop + headers_len])
+        stop += headers_len
+    payload = bytes(buf[stop : pos + framed])
+    return Record(offset, timestamp_us, topic, payload, flags & QOS_MASK, bool(flags & RETAIN_BIT), headers)
 
 
 def decode(data: bytes | memoryview, path: str = "<bytes>", position: int = 0) -> tuple[Record, int]:
@@ -177,6 +221,7 @@ def decode_run(
     append = out.append
     make = tuple.__new__
     flags_ok = _FLAGS_OK
+    headers_unpack = HEADERS_LEN.unpack_from
     room = max_records - len(out)
     # Consecutive records nearly always share a topic: reuse its str instead of decoding
     # each one again (one comparison, no slice), which also shares the object in memory.
@@ -194,7 +239,43 @@ def decode_run(
             # A small record's bytes are cheaper to copy than to wrap in a memoryview.
             or crc32c(buf[pos + CRC_START : nxt] if framed < 4096 else view[pos + CRC_START : nxt]) != crc
         ):
-            break
+            # A format 2 record (headers) fails the version test above; it is checked (the
+            # same checks, plus its headers_len) and decoded here, so that the format 1 path
+            # costs nothing more than before.
+            if version != FORMAT_VERSION_HEADERS:
+                break
+            at = pos + HEADER_SIZE + topic_len  # its headers_len field
+            if (
+                length < MIN_LENGTH or framed > MAX_RECORD_BYTES or nxt > end
+                or not flags_ok[flags] or at + HEADERS_LEN_SIZE > nxt
+                or (offset != expected and expected >= 0)
+            ):
+                break
+            hstart = at + HEADERS_LEN_SIZE
+            hstop = hstart + headers_unpack(buf, at)[0]
+            if hstop > nxt or crc32c(
+                buf[pos + CRC_START : nxt] if framed < 4096 else view[pos + CRC_START : nxt]
+            ) != crc:
+                break
+            if offset >= limit:
+                return pos, expected, total, True
+            expected = offset + 1
+            if offset >= first:
+                if total + framed > max_bytes and out:
+                    return pos, offset, total, True
+                start = pos + HEADER_SIZE
+                if topic_len != topic_raw_len or not buf.startswith(topic_raw, start):
+                    topic_raw = buf[start:at]
+                    topic_raw_len = topic_len
+                    topic = topic_raw.decode("utf-8", "replace")
+                append(make(Record, (offset, ts, topic, buf[hstop:nxt], flags & QOS_MASK, flags & RETAIN_BIT != 0,
+                                     buf[hstart:hstop])))
+                total += framed
+                room -= 1
+                if not room:
+                    return nxt, expected, total, True
+            pos = nxt
+            continue
         if offset >= limit:
             return pos, expected, total, True
         expected = offset + 1
@@ -224,14 +305,23 @@ def find_next_valid(
     A candidate must pass :func:`check_frame` (length, header, CRC-32C) *and* carry an
     offset in ``[min_offset, max_offset)`` (``max_offset`` None: unbounded), so random bytes
     that happen to pass a CRC (1 in 2**32) must also look like the next records of this log.
-    Candidates are found by the version byte, which sits 8 bytes after the length prefix.
-    Returns ``(position, framed_length)`` or None.
+    Candidates are found by the version byte (1 or 2), which sits 8 bytes after the length
+    prefix.  Returns ``(position, framed_length)`` or None.
     """
-    version = bytes((FORMAT_VERSION,))
+    v1, v2 = bytes((FORMAT_VERSION,)), bytes((FORMAT_VERSION_HEADERS,))
     probe = start + CRC_START
+    # The next position of each version byte at or after ``probe`` (-1: none left); each is
+    # searched again only once the probe has passed it, so the scan stays linear.
+    hit1 = buf.find(v1, probe, end)
+    hit2 = buf.find(v2, probe, end)
     while True:
-        hit = buf.find(version, probe, end)
-        if hit < 0:
+        if hit1 >= 0 and (hit2 < 0 or hit1 < hit2):
+            hit = hit1
+            hit1 = buf.find(v1, hit + 1, end)
+        elif hit2 >= 0:
+            hit = hit2
+            hit2 = buf.find(v2, hit + 1, end)
+        else:
             return None
         pos = hit - CRC_START
         framed = check_frame(buf, pos, end)
@@ -239,7 +329,6 @@ def find_next_valid(
             offset = offset_at(buf, pos)
             if offset >= min_offset and (max_offset is None or offset < max_offset):
                 return pos, framed
-        probe = hit + 1
 
 
 def scan_run(
@@ -256,6 +345,7 @@ def scan_run(
     """
     unpack = HEADER.unpack_from
     view = memoryview(buf)
+    headers_unpack = HEADERS_LEN.unpack_from
     limit = end - HEADER_SIZE
     while pos <= limit:
         length, crc, version, flags, offset, ts, topic_len = unpack(buf, pos)
@@ -264,6 +354,15 @@ def scan_run(
             length < MIN_LENGTH or framed > MAX_RECORD_BYTES or pos + framed > end
             or version != FORMAT_VERSION or flags & RESERVED_FLAGS or flags & QOS_MASK == 3
             or HEADER_SIZE + topic_len > framed or offset != expected
+            or crc32c(view[pos + CRC_START : pos + framed]) != crc
+        ) and (
+            # A format 2 record fails the version test above: the same checks again, plus its
+            # headers_len, here, so that the format 1 path costs nothing more than before.
+            version != FORMAT_VERSION_HEADERS
+            or length < MIN_LENGTH or framed > MAX_RECORD_BYTES or pos + framed > end
+            or flags & RESERVED_FLAGS or flags & QOS_MASK == 3 or offset != expected
+            or (at := pos + HEADER_SIZE + topic_len) + HEADERS_LEN_SIZE > pos + framed
+            or at + HEADERS_LEN_SIZE + headers_unpack(buf, at)[0] > pos + framed
             or crc32c(view[pos + CRC_START : pos + framed]) != crc
         ):
             break

@@ -17,7 +17,7 @@ from urllib.parse import unquote, urlparse
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from collector.landing import LANDING_SCHEMA, REQUIRED_COLUMNS
+from collector.landing import LANDING_SCHEMA, PROPERTY_COLUMNS, REQUIRED_COLUMNS
 
 log = logging.getLogger(__name__)
 
@@ -104,14 +104,19 @@ def check_landing_file(path: Path) -> LandingFileCheck:
     Bad (with the reason): unreadable or not Parquet; a landing column missing or of
     another type; a null in a :data:`~collector.landing.REQUIRED_COLUMNS` column; no
     publish_ts statistics to place it in a partition. Extra columns are allowed and ignored.
+    A schema version 1 file (every column but :data:`~collector.landing.PROPERTY_COLUMNS`)
+    is valid; a file with some of the property columns must have all of them.
     """
     try:
         meta = pq.read_metadata(path)
         schema = meta.schema.to_arrow_schema()
     except (OSError, pa.ArrowException) as exc:
         return LandingFileCheck(path, reason=f"not a readable Parquet file: {exc}")
+    version_1 = all(schema.get_field_index(name) < 0 for name in PROPERTY_COLUMNS)
     for field in LANDING_SCHEMA:
         index = schema.get_field_index(field.name)
+        if index < 0 and version_1 and field.name in PROPERTY_COLUMNS:
+            continue
         if index < 0:
             return LandingFileCheck(path, reason=f"column {field.name!r} is missing")
         found = schema.field(index).type

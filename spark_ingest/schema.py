@@ -1,7 +1,9 @@
 """Spark types of the landing file and of the curated table, and the payload schema option.
 
 The landing columns mirror :data:`collector.landing.LANDING_SCHEMA` (the contract in
-ARCHITECTURE.md); a test checks the two stay the same.
+ARCHITECTURE.md); a test checks the two stay the same. They are those of the newest landing
+schema version (2); Spark reads a version 1 file, which lacks the MQTT 5.0 property columns,
+with nulls in them, so one read (and one streaming query) takes files of both versions.
 """
 
 from __future__ import annotations
@@ -24,6 +26,20 @@ LANDING_SPARK_SCHEMA = T.StructType(
         T.StructField("collector_id", T.StringType()),
         T.StructField("payload", T.BinaryType()),
         T.StructField("schema_version", T.ShortType()),
+        # Schema version 2 (issue 13): the MQTT 5.0 message properties, null when absent.
+        T.StructField("payload_format_indicator", T.ByteType()),
+        T.StructField("message_expiry_s", T.LongType()),
+        T.StructField("content_type", T.StringType()),
+        T.StructField("response_topic", T.StringType()),
+        T.StructField("correlation_data", T.BinaryType()),
+        T.StructField(
+            "user_properties",
+            T.ArrayType(
+                T.StructType(
+                    [T.StructField("key", T.StringType()), T.StructField("value", T.StringType())]
+                )
+            ),
+        ),
     ]
 )
 """The landing file columns as Spark reads them (timestamps are UTC instants)."""

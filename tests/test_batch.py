@@ -158,9 +158,10 @@ def test_bad_magic_with_valid_crc_is_malformed() -> None:
 
 
 def test_unknown_version_is_malformed() -> None:
-    encoded = header_field(encode_batch("dev", "main", [rec(1)]), "<B", 8, 2)
-    with pytest.raises(MalformedBatch, match="version 2"):
-        decode_batch(encoded)
+    for version in (0, 3, 255):
+        encoded = header_field(encode_batch("dev", "main", [rec(1)]), "<B", 8, version)
+        with pytest.raises(MalformedBatch, match=f"version {version}"):
+            decode_batch(encoded)
 
 
 def test_unknown_compression_is_malformed() -> None:
@@ -311,3 +312,146 @@ def test_topic_helpers() -> None:
     assert parse_batch_topic("filemq/v1/press-07") is None
     assert parse_batch_topic("filemq/v1/a/b/c") is None
     assert parse_batch_topic("other/v1/a/b") is None
+
+
+# -- version 2: record headers (MQTT 5.0 message properties, opaque to the batch) ----------
+
+# A version 1 batch as every earlier release wrote it (two records, offsets 7 and 9, no
+# compression): pinned so that the collector keeps reading what old agents send.
+V1_BATCH = bytes.fromhex(
+    "464d5142aefc65f00100000007000000000000000900000000000000020000004c000000030064657604006d"
+    "61696e020000000a0073656e736f72732f74310a0073656e736f72732f7432000000000200000000401e1824"
+    "0a060001401e18240a060001000000000001000000040000000200000032312e357b7d"
+)
+
+
+def test_a_version_1_batch_of_an_older_agent_still_decodes() -> None:
+    batch = decode_batch(V1_BATCH)
+    assert batch.header.version == 1
+    assert [(r.offset, r.timestamp_us, r.topic, r.payload, r.qos, r.headers) for r in batch.records()] == [
+        (7, 1700000000000000, "sensors/t1", b"21.5", 1, b""),
+        (9, 1700000000000001, "sensors/t2", b"{}", 0, b""),
+    ]
+    assert not batch.has_headers and list(batch.record_headers()) == [b"", b""]
+
+
+def test_records_without_headers_are_written_as_version_1_byte_for_byte() -> None:
+    """An agent whose records carry no MQTT 5 properties sends exactly the bytes of earlier
+    releases, so it keeps working against a collector that predates version 2."""
+    records = [BatchRecord(7, 1700000000000000, "sensors/t1", b"21.5", 1),
+               BatchRecord(9, 1700000000000001, "sensors/t2", b"{}", 0)]
+    assert encode_batch("dev", "main", records) == V1_BATCH
+    assert peek_header(encode_batch("dev", "main", [rec(1)])).version == 1
+
+
+def test_a_record_with_headers_makes_a_version_2_batch() -> None:
+    records = [rec(1), BatchRecord(2, 5, "t", b"x", 1, b"\x03\x00\x04text"), rec(3)]
+    data = encode_batch("dev", "main", records)
+    batch = decode_batch(data)
+    assert batch.header.version == 2 and batch.has_headers
+    assert [r.headers for r in batch.records()] == [b"", b"\x03\x00\x04text", b""]
+    assert list(batch.header_lengths) == [0, 7, 0]
+    # Forced version 2 without headers also round-trips; version 1 cannot carry headers.
+    plain = decode_batch(encode_batch("dev", "main", [rec(1)], version=2))
+    assert plain.header.version == 2 and not plain.has_headers
+    with pytest.raises(ValueError, match="version 1 cannot carry"):
+        encode_batch("dev", "main", records, version=1)
+    with pytest.raises(ValueError, match="unknown batch format version 3"):
+        encode_batch("dev", "main", records, version=3)
+
+
+@st.composite
+def record_lists_with_headers(draw: st.DrawFn) -> list[BatchRecord]:
+    plain = draw(record_lists())
+    headers = st.one_of(st.just(b""), st.binary(min_size=1, max_size=120))
+    return [BatchRecord(r.offset, r.timestamp_us, r.topic, r.payload, r.qos, draw(headers)) for r in plain]
+
+
+@settings(max_examples=150, deadline=None)
+@given(records=record_lists_with_headers(), compression=st.sampled_from(["none", "zlib"]))
+def test_round_trip_with_arbitrary_headers(records: list[BatchRecord], compression: str) -> None:
+    data = encode_batch("dev", "main", records, compression=compression)
+    batch = decode_batch(data)
+    assert batch.header.version == (2 if any(r.headers for r in records) else 1)
+    assert [(*t, r.headers) for t, r in zip(as_tuples(batch.records()), batch.records(), strict=True)] == [
+        (*t, r.headers) for t, r in zip(as_tuples(records), records, strict=True)
+    ]
+    assert list(batch.record_headers()) == [r.headers for r in records]
+    # The door's trim re-encodes decoded records: the headers survive it.
+    assert decode_batch(encode_batch("dev", "main", list(batch.records()))).headers == batch.headers
+
+
+@settings(max_examples=60, deadline=None)
+@given(records=record_lists_with_headers(), data=st.data())
+def test_headers_are_covered_by_the_crc(records: list[BatchRecord], data: st.DataObject) -> None:
+    encoded = bytearray(encode_batch("dev", "main", records, version=2))
+    # A bit in the header section (the tail of the body) or anywhere else.
+    start = data.draw(st.sampled_from([len(encoded) - sum(len(r.headers) for r in records), CRC_START]))
+    bit = data.draw(st.integers(min(start, len(encoded) - 1) * 8, len(encoded) * 8 - 1))
+    encoded[bit // 8] ^= 1 << (bit % 8)
+    with pytest.raises(BatchCrcError):
+        decode_batch(bytes(encoded))
+
+
+def _v2_body(encoded: bytes) -> tuple[bytearray, int]:
+    """The body of a version 2 batch of records rec(1, b"abc", "ta") and rec(2, b"de", "ta")
+    and where the header-length column starts."""
+    _, start = body_of(encoded)
+    return bytearray(encoded[start:]), 4 + 2 + 2 + 2 * (4 + 8 + 1 + 4 + 4)
+
+
+@pytest.mark.parametrize(
+    ("mutate", "message"),
+    [
+        (lambda b, col: b[:-1], "header lengths add up"),
+        (lambda b, col: b + b"z", "header lengths add up"),
+        (lambda b, col: b[:col] + struct.pack("<I", 1000) + b[col + 4 :], "payload lengths add up|header lengths"),
+        (lambda b, col: b[:col + 4], "columns"),
+    ],
+)
+def test_bad_header_section_is_malformed(mutate: object, message: str) -> None:
+    records = [BatchRecord(1, 1, "ta", b"abc", 1, b"\x01\x01"), BatchRecord(2, 1, "ta", b"de", 1, b"")]
+    encoded = encode_batch("dev", "main", records)
+    body, col = _v2_body(encoded)
+    assert struct.unpack_from("<II", body, col) == (2, 0)
+    with pytest.raises(MalformedBatch, match=message):
+        decode_batch(with_body(encoded, bytes(mutate(body, col))))  # type: ignore[operator]
+
+
+def test_headers_refused_by_check_headers_make_the_batch_malformed() -> None:
+    """The collector passes the property decoder: headers it refuses are a malformed batch
+    (whose CRC matched: the sender really sent them), never another exception."""
+    seen: list[bytes] = []
+
+    def check(headers: bytes) -> None:
+        seen.append(headers)
+        if headers == b"bad":
+            raise ValueError("not a property section")
+
+    good = encode_batch("dev", "main", [rec(1), BatchRecord(2, 1, "t", b"p", 1, b"ok")])
+    assert decode_batch(good, check_headers=check).has_headers and seen == [b"ok"]
+    bad = encode_batch("dev", "main", [rec(4), BatchRecord(5, 1, "t", b"p", 1, b"bad")])
+    with pytest.raises(MalformedBatch, match="offset 5 has malformed headers: not a property section") as info:
+        decode_batch(bad, check_headers=check)
+    assert info.value.device_id == "dev" and info.value.first_offset == 4
+
+
+@settings(max_examples=300, deadline=None)
+@given(body=st.binary(max_size=200), count=st.integers(1, 4), span=st.integers(0, 6))
+def test_random_version_2_bodies_never_crash(body: bytes, count: int, span: int) -> None:
+    """Any body under a valid version 2 header (CRC matching) is a MalformedBatch or a
+    consistent batch, with or without check_headers; never another exception."""
+    head, _ = body_of(encode_batch("dev", "main", [rec(o) for o in range(10, 10 + max(count, span + 1))], version=2))
+    data = bytearray(head + body)
+    struct.pack_into("<QQII", data, 12, 10, 10 + max(span, count - 1), count, len(body))
+
+    def check(headers: bytes) -> None:
+        if headers[:1] != b"\x26":
+            raise ValueError("refused")
+
+    for checker in (None, check):
+        try:
+            batch = decode_batch(reseal(data), check_headers=checker)
+        except MalformedBatch:
+            continue
+        assert len(list(batch.records())) == count == len(list(batch.record_headers()))

@@ -38,3 +38,15 @@ def test_consume_bench_acks_every_record_and_keep_keeps(tmp_path: Path) -> None:
     assert group.records == 2000 and group.offset_writes >= 1 and ratio > 0
     kept = [p for p in tmp_path.iterdir() if p.name != "mine"]
     assert len(kept) == 1 and (kept[0] / "log").is_dir() and (tmp_path / "mine").exists()
+
+
+def test_compare_log_runs_each_tree_and_summarises() -> None:
+    """`python -m bench.compare_log`: every phase measured for every tree, with headers too."""
+    from bench.compare_log import PHASES, compare
+
+    tree = Path(__file__).resolve().parent.parent
+    for headers in (False, True):
+        lines = compare(1, {"a": tree, "b": tree}, 2000, headers)
+        summary = [line for line in lines if line.startswith("SUMMARY")]
+        assert len(summary) == 2 and all(f"{p} " in summary[1] for p in PHASES)
+        assert "(1.000x a)" in summary[0]

@@ -112,6 +112,56 @@ def test_inspect_shows_corrupt_records(data: Path) -> None:
     assert [r["offset"] for r in rows if r["crc_ok"]] == [0, *range(2, RECORDS)]
 
 
+def build_v2(data: Path) -> bytes:
+    """A data dir whose log mixes records with MQTT 5 properties (format 2) and without."""
+    from filemq.mqtt.packets import Properties
+    from filemq.mqtt.properties import encode_message_headers
+
+    headers = encode_message_headers(Properties(
+        payload_format_indicator=1, message_expiry_interval=60, content_type="x",
+        response_topic="re/t", correlation_data=b"\x00id", user_properties=[("k", "v"), ("k", "w")]))
+
+    async def body() -> None:
+        q = Queue.open(data, QueueConfig(log=LogConfig(segment_bytes=SEGMENT_BYTES)))
+        await q.start()
+        await q.publish("plain", b"3.1.1", qos=1)
+        await q.publish("m5", b"five", qos=1, headers=headers)
+        await q.publish("m5", b"junk", headers=b"\xff\x00")  # not a property section
+        await q.close()
+
+    asyncio.run(body())
+    return headers
+
+
+def test_inspect_shows_the_mqtt5_properties_of_format_2_records(tmp_path: Path) -> None:
+    """Issue 13: inspect decodes a record's headers (its MQTT 5 message properties)."""
+    build_v2(tmp_path / "data")
+    code, out = invoke("inspect", str(tmp_path / "data"))
+    assert code == 0
+    plain, five, junk = out.splitlines()
+    assert "headers" not in plain
+    assert five.endswith(
+        "headers: payload_format_indicator=1 message_expiry_interval=60 content_type='x' "
+        "response_topic='re/t' correlation_data=b'\\x00id' user_properties=[('k', 'v'), ('k', 'w')]")
+    assert "headers: undecodable (2 bytes:" in junk
+    code, out = invoke("inspect", str(tmp_path / "data"), "--json")
+    rows = [json.loads(line) for line in out.splitlines()]
+    assert [r["headers_len"] for r in rows] == [0, rows[1]["headers_len"], 2] and rows[1]["headers_len"] > 20
+    assert rows[0]["properties"] is None
+    assert rows[1]["properties"] == {
+        "payload_format_indicator": 1, "message_expiry_interval": 60, "content_type": "x",
+        "response_topic": "re/t", "correlation_data": base64.b64encode(b"\x00id").decode(),
+        "user_properties": [["k", "v"], ["k", "w"]]}
+    assert rows[2]["properties"] is None and "headers_error" in rows[2]
+
+
+def test_verify_accepts_format_2_records(tmp_path: Path) -> None:
+    build_v2(tmp_path / "data")
+    code, out = invoke("verify", str(tmp_path / "data"), "--json")
+    report = json.loads(out)
+    assert code == 0 and report["ok"] and report["records"] == 3 and report["problems"] == []
+
+
 def test_inspect_refuses_a_non_filemq_directory(tmp_path: Path) -> None:
     code, out = invoke("inspect", str(tmp_path))
     assert code != 0 and "no 'log/' directory" in out

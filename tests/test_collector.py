@@ -15,17 +15,20 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from collector.dedup import HighWaterMarks, batch_ranges, offset_runs
+from collector.headers import check_headers, property_columns
 from collector.lander import Lander
-from collector.landing import LANDING_SCHEMA, LandingWriter
+from collector.landing import LANDING_SCHEMA, PROPERTY_COLUMNS, SCHEMA_VERSION, LandingWriter
 from collector.metrics import start_metrics_server
 from collector.server import Collector
 from filemq.broker import ClientInfo
 from filemq.common.config import load_config
 from filemq.mqtt.client import MQTTClient
-from filemq.mqtt.packets import Publish
+from filemq.mqtt.packets import Properties, Publish
+from filemq.mqtt.properties import encode_message_headers
 from filemq.queue import Queue, QueueConfig
 from filemq.upstream.batch import BatchRecord, decode_batch, encode_batch, peek_header
 from segments import LogConfig
+from tests.test_codec5 import properties
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -195,7 +198,8 @@ def test_lander_lands_rows_with_both_clocks(tmp_path: Path) -> None:
     assert int(rows[25]["received_at"].timestamp() * 1e6) == 1_800_000_000_000_123
     assert first["device_id"] == "dev-1" and first["stream"] == "main" and first["collector_id"] == "c1"
     assert first["topic"] == "sensors/0" and first["qos"] == 1 and first["payload"] == b"p0"
-    assert first["schema_version"] == 1
+    assert first["schema_version"] == SCHEMA_VERSION == 2
+    assert all(first[c] is None for c in PROPERTY_COLUMNS)  # a version 1 batch: no properties
     # received_at decides the dt partition (the collector's clock), not the device's.
     assert all("dt=2027-01-15" in str(p) for p in (tmp_path / "landing" / "incoming").rglob("*.parquet"))
 
@@ -612,6 +616,131 @@ def test_a_failed_offset_write_is_retried_without_landing_twice(tmp_path: Path) 
 
     run(scenario())
     assert [r["offset"] for r in landed_rows(tmp_path / "landing")] == list(range(10))
+
+
+# -- MQTT 5.0 message properties (issue 13 item 7): batch version 2 -> landing columns --------
+
+ALL_PROPS = Properties(
+    payload_format_indicator=1,
+    message_expiry_interval=3600,
+    content_type="application/json",
+    response_topic="replies/dev-1",
+    correlation_data=b"\x00\x01req-7",
+    user_properties=[("site", "north"), ("line", "3"), ("site", "south")],  # order and repeats kept
+)
+
+
+def with_headers(first: int, n: int, headers: list[bytes]) -> list[BatchRecord]:
+    return [BatchRecord(r.offset, r.timestamp_us, r.topic, r.payload, r.qos, h)
+            for r, h in zip(records(first, n), headers, strict=True)]
+
+
+def test_door_quarantines_a_batch_with_malformed_headers_and_keeps_serving(tmp_path: Path) -> None:
+    """Headers that are not MQTT 5.0 message properties (spec 2.2.2.2: an identifier not valid
+    for a PUBLISH, a repeated property, a truncated value) in a batch whose CRC matches: the
+    sender really sent them, so the batch is quarantined like any malformed batch, never
+    stored; damage to the headers in transit fails the CRC and is not acknowledged."""
+    collector = Collector(config(tmp_path))
+    check = collector.check_publish
+    good = encode_message_headers(ALL_PROPS)
+    bad_headers = [
+        b"\x23\x00\x01",  # topic alias: a PUBLISH property, not a message property
+        b"\x02\x00\x00\x00\x01\x02\x00\x00\x00\x02",  # message expiry interval twice
+        b"\x03\x00\x09abc",  # content type shorter than its length
+        b"\x01\x02",  # payload format indicator 2
+        b"\xff",  # unknown identifier
+    ]
+    for i, bad in enumerate(bad_headers):
+        payload = encode_batch("dev-1", "main", with_headers(100 * i, 3, [good, bad, b""]))
+        result = check(CLIENT, Publish(TOPIC, payload, 1, False, False, i + 1))
+        assert result.action == "ack_drop" and "malformed headers" in result.reason, result
+    assert collector.stats.quarantined == len(bad_headers) and collector.stats.batches_received == 0
+    reasons = [r.read_text() for r in sorted((tmp_path / "data" / "quarantine").glob("*.reason"))]
+    assert len(reasons) == len(bad_headers) and all("offset" in r and "malformed headers" in r for r in reasons)
+
+    payload = bytearray(encode_batch("dev-1", "main", with_headers(0, 2, [good, good])))
+    payload[-3] ^= 0x01  # inside the last record's headers
+    assert check(CLIENT, Publish(TOPIC, bytes(payload), 1, False, False, 9)).action == "reject"
+    assert collector.stats.crc_rejected == 1
+    # The door still stores good batches of both versions.
+    assert check(CLIENT, Publish(TOPIC, encode_batch("dev-1", "main", with_headers(0, 2, [good, b""])),
+                                 1, False, False, 10)).action == "store"
+    assert check(CLIENT, Publish(TOPIC, batch(2, 2), 1, False, False, 11)).action == "store"
+
+
+def test_collector_lands_message_properties_from_version_1_and_2_batches(tmp_path: Path) -> None:
+    """End to end over MQTT: an old agent's version 1 batch and a version 2 batch, one of
+    whose records is trimmed off at the door as a duplicate, land in one schema version 2
+    file; each property is its own column, null when the message did not carry it."""
+    only_user = encode_message_headers(Properties(user_properties=[("k", "v"), ("k", "v")]))
+    pfi_zero = encode_message_headers(Properties(payload_format_indicator=0, correlation_data=b""))
+
+    async def scenario() -> None:
+        collector = Collector(config(tmp_path))
+        await collector.start()
+        client = MQTTClient("dev-1", port=collector.port)
+        await client.connect()
+        await client.publish(TOPIC, batch(0, 3), qos=1, timeout=5)  # version 1: an older agent
+        await until(lambda: collector.door_marks.get("dev-1", "main") == 2)
+        v2 = encode_batch("dev-1", "main", with_headers(2, 4, [b"", encode_message_headers(ALL_PROPS),
+                                                                only_user, pfi_zero]))
+        assert peek_header(v2).version == 2
+        await client.publish(TOPIC, v2, qos=1, timeout=5)  # offset 2 held already: trimmed
+        await client.disconnect()
+        assert collector.stats.trimmed_records == 1
+        assert collector.lander is not None
+        await until(lambda: collector.lander is not None and collector.lander.stats.buffered_rows == 6)
+        collector.lander.request_roll()
+        await until(lambda: collector.lander is not None and collector.lander.stats.rows_landed == 6)
+        await collector.stop()
+
+    run(scenario())
+    rows = {r["offset"]: r for r in landed_rows(tmp_path / "landing")}
+    assert sorted(rows) == list(range(6)) and {r["schema_version"] for r in rows.values()} == {2}
+    for offset in (0, 1, 2):
+        assert [rows[offset][c] for c in PROPERTY_COLUMNS] == [None] * 6
+    full = rows[3]
+    assert full["payload"] == b"p3" and full["topic"] == "sensors/1"
+    assert full["payload_format_indicator"] == 1 and full["message_expiry_s"] == 3600
+    assert full["content_type"] == "application/json" and full["response_topic"] == "replies/dev-1"
+    assert full["correlation_data"] == b"\x00\x01req-7"
+    assert full["user_properties"] == [{"key": "site", "value": "north"}, {"key": "line", "value": "3"},
+                                       {"key": "site", "value": "south"}]
+    assert [rows[4][c] for c in PROPERTY_COLUMNS[:5]] == [None] * 5
+    assert rows[4]["user_properties"] == [{"key": "k", "value": "v"}] * 2
+    assert rows[5]["payload_format_indicator"] == 0 and rows[5]["correlation_data"] == b""
+    assert rows[5]["user_properties"] is None and rows[5]["message_expiry_s"] is None
+
+
+@settings(max_examples=100, deadline=None)
+@given(props=st.lists(st.none() | properties("PUBLISH"), min_size=1, max_size=6))
+def test_property_columns_hold_exactly_the_published_properties(props: list[Properties | None]) -> None:
+    """Arbitrary message properties (any subset, any values, user properties repeated):
+    encode_message_headers -> batch -> columns gives back each property, null when absent."""
+    headers = [encode_message_headers(p) for p in props]
+    decoded = decode_batch(encode_batch("d", "s", with_headers(0, len(props), headers)), check_headers=check_headers)
+    columns = {f: c.to_pylist() for f, c in zip(PROPERTY_COLUMNS, property_columns(decoded), strict=True)}
+    for i, p in enumerate(props):
+        p = p or Properties()
+        assert columns["payload_format_indicator"][i] == p.payload_format_indicator
+        assert columns["message_expiry_s"][i] == p.message_expiry_interval
+        assert columns["content_type"][i] == p.content_type
+        assert columns["response_topic"][i] == p.response_topic
+        assert columns["correlation_data"][i] == p.correlation_data
+        assert columns["user_properties"][i] == ([{"key": k, "value": v} for k, v in p.user_properties] or None)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(min_size=1, max_size=60))
+def test_check_headers_refuses_garbage_with_a_value_error_only(headers: bytes) -> None:
+    """Whatever the bytes, check_headers passes or raises ValueError (so decode_batch makes it
+    MalformedBatch), and what it passes lands without an error."""
+    try:
+        check_headers(headers)
+    except ValueError:
+        return
+    decoded = decode_batch(encode_batch("d", "s", with_headers(0, 1, [headers])))
+    assert len(property_columns(decoded)) == len(PROPERTY_COLUMNS)
 
 
 # -- connection capacity (issue 11 item 7) -----------------------------------------------------

@@ -71,9 +71,13 @@ payloads = st.one_of(
     st.binary(max_size=40),
     st.integers(min_value=300, max_value=900).map(lambda n: random.Random(n).randbytes(n)),
 )
+# Record headers (MQTT 5 message properties, opaque to the log): b"" is a format 1 record,
+# anything else format 2 (issue 13); the model mixes both in every segment.
+headers = st.one_of(st.just(b""), st.binary(min_size=1, max_size=60))
 entries = st.tuples(
-    st.sampled_from(TOPICS), payloads, st.integers(0, 2), st.booleans(), st.integers(0, 2**62)
+    st.sampled_from(TOPICS), payloads, st.integers(0, 2), st.booleans(), st.integers(0, 2**62), headers
 )
+EntryArgs = tuple[str, bytes, int, bool, int, bytes]
 
 
 @dataclass(frozen=True)
@@ -83,10 +87,11 @@ class Entry:
     qos: int
     retain: bool
     timestamp_us: int
+    headers: bytes = b""
 
     def same_as(self, record: Record) -> bool:
-        return (record.topic, record.payload, record.qos, record.retain, record.timestamp_us) == (
-            self.topic, self.payload, self.qos, self.retain, self.timestamp_us,
+        return (record.topic, record.payload, record.qos, record.retain, record.timestamp_us, record.headers) == (
+            self.topic, self.payload, self.qos, self.retain, self.timestamp_us, self.headers,
         )
 
 
@@ -161,7 +166,8 @@ class CrashModel(RuleBasedStateMachine):
 
     def _append(self, e: Entry) -> None:
         assert self.log is not None
-        offset = self.log.append(e.topic, e.payload, qos=e.qos, retain=e.retain, timestamp_us=e.timestamp_us)
+        offset = self.log.append(e.topic, e.payload, qos=e.qos, retain=e.retain, timestamp_us=e.timestamp_us,
+                                 headers=e.headers)
         assert offset == self.log.next_offset - 1
         assert offset <= len(self.entries), "offsets must be gap-free"
         del self.entries[offset:]  # an offset of a failed commit is reused
@@ -173,13 +179,13 @@ class CrashModel(RuleBasedStateMachine):
         assert self.log.committed_offset == self.committed_end
         assert self.log.next_offset == self.committed_end
 
-    def _entry(self, args: tuple[str, bytes, int, bool, int]) -> Entry:
+    def _entry(self, args: EntryArgs) -> Entry:
         return Entry(*args)
 
     # -- log rules -------------------------------------------------------------------------
 
     @rule(batch=st.lists(entries, min_size=1, max_size=12))
-    def append(self, batch: list[tuple[str, bytes, int, bool, int]]) -> None:
+    def append(self, batch: list[EntryArgs]) -> None:
         for args in batch:
             self._append(self._entry(args))
 
@@ -202,7 +208,7 @@ class CrashModel(RuleBasedStateMachine):
         seed=st.integers(0, 2**32),
     )
     def group_commit(
-        self, per_producer: list[list[tuple[str, bytes, int, bool, int]]],
+        self, per_producer: list[list[EntryArgs]],
         cut_after: int | None, mode: str, seed: int,
     ) -> None:
         """Producers append through the real GroupCommitter; maybe the power dies mid-way."""
@@ -212,13 +218,13 @@ class CrashModel(RuleBasedStateMachine):
             self.io.power_cut_after(cut_after)
         outcome: dict[int, bool] = {}
 
-        async def producer(items: list[tuple[str, bytes, int, bool, int]], gc: GroupCommitter) -> None:
+        async def producer(items: list[EntryArgs], gc: GroupCommitter) -> None:
             for args in items:
                 if self.io.power_is_cut:
                     return  # the machine is dead: nothing appended after the cut can reach a disk
                 e = self._entry(args)
                 offset, future = gc.append_nowait(
-                    e.topic, e.payload, qos=e.qos, retain=e.retain, timestamp_us=e.timestamp_us)
+                    e.topic, e.payload, qos=e.qos, retain=e.retain, timestamp_us=e.timestamp_us, headers=e.headers)
                 assert offset <= len(self.entries)
                 del self.entries[offset:]
                 self.entries.append(e)
@@ -381,7 +387,7 @@ class CrashModel(RuleBasedStateMachine):
         mode=st.sampled_from(["drop", "tear", "flip"]), seed=st.integers(0, 2**32),
     )
     def crash_during_sync(
-        self, cut_after: int, batch: list[tuple[str, bytes, int, bool, int]], mode: str, seed: int
+        self, cut_after: int, batch: list[EntryArgs], mode: str, seed: int
     ) -> None:
         """The power dies at the ``cut_after``-th file operation of append+sync (rolls included)."""
         assert self.log is not None
@@ -691,3 +697,57 @@ def test_power_cut_at_every_step_of_dropping_a_group(tmp_path: Path, mode: str) 
             break
         step += 1
     assert step >= 3 and outcomes == {True, False}
+
+
+@pytest.mark.parametrize("mode", ["drop", "tear", "flip"])
+@pytest.mark.parametrize("seed", range(12))
+def test_power_loss_on_a_log_with_v2_records_keeps_exactly_the_intact_prefix(
+    tmp_path: Path, mode: str, seed: int,
+) -> None:
+    """Issue 13: a segment mixing format 1 and format 2 (headers) records, some synced, the
+    rest only written, loses power.  Unsynced bytes dropped: exactly the synced records come
+    back.  A torn last write (cut, zero- or garbage-filled, anywhere: inside a topic, a
+    headers_len field, headers, a payload): exactly the records whose bytes all survived.
+    A flipped bit: every synced record but the one it hit, which is counted as corrupt."""
+    from segments.record import encode_record
+
+    io = FaultyFileIO(tmp_path)
+    cfg = LogConfig(segment_bytes=1 << 20)
+    log = Log.open(tmp_path / "log", cfg, fileio=io)
+    rng = random.Random(seed)
+    written: list[Record] = []
+    for i in range(30):
+        h = rng.choice([b"", b"\x02\x00\x00\x00\x3c", rng.randbytes(rng.randint(1, 200))])
+        topic = rng.choice(TOPICS)
+        payload = rng.randbytes(rng.choice([0, 5, 100]))
+        qos, retain, ts = i % 3, i % 4 == 0, 1_700_000_000_000_000 + i
+        assert log.append(topic, payload, qos=qos, retain=retain, timestamp_us=ts, headers=h) == i
+        written.append(Record(i, ts, topic, payload, qos, retain, h))
+        if i == 19:
+            log.sync()  # 0..19 durable
+    log.flush()  # 20..29 written to the OS, not synced
+    assert sum(1 for r in written if r.headers) >= 10
+    report = io.crash(mode, random.Random(seed))  # type: ignore[arg-type]
+    segment = tmp_path / "log" / "00000000000000000000.log"
+    survived = segment.read_bytes()
+    original = b"".join(encode_record(r) for r in written)
+    ends = [0]
+    for r in written:
+        ends.append(ends[-1] + len(encode_record(r)))
+    log = Log.open(tmp_path / "log", cfg, fileio=io)
+    got = log.read(0, 1000, 1 << 30)
+    if mode == "flip":
+        assert report.flipped is not None and report.flipped[0] == str(segment)
+        pos = report.flipped[1]
+        hit = next(i for i in range(20) if ends[i] <= pos < ends[i + 1])
+        assert got == written[:hit] + written[hit + 1 : 20]
+        assert log.recovery.corrupt_records + int(log.recovery.tail_bytes_truncated > 0) >= 1
+    else:
+        intact = max(k for k in range(31) if survived[: ends[k]] == original[: ends[k]])
+        assert intact >= 20, "a synced record was lost"
+        if mode == "drop":
+            assert intact == 20
+        assert got == written[:intact]
+        assert log.recovery.corrupt_records == 0
+    assert log.append("after", b"x", headers=b"\x01\x00") == len(got) + int(mode == "flip" and hit < 19)
+    log.close()

@@ -24,13 +24,19 @@ from typing import Any
 import pyarrow.parquet as pq
 import pytest
 
+from collector.landing import PROPERTY_COLUMNS
 from collector.server import Collector
 from filemq.broker.server import free_port
 from filemq.common.config import Config, load_config
 from filemq.mqtt.client import MQTTClient
+from filemq.mqtt.packets import Properties
+from filemq.mqtt.properties import encode_message_headers
+from filemq.queue.groups import ConsumerGroup
 from filemq.upstream.batch import BatchRecord, encode_batch
+from segments import GroupCommitter, Log, LogConfig
 from tests.tcpproxy import TcpProxy
 from worker_agent.app import Agent
+from worker_agent.forwarder import Forwarder, ForwarderConfig
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -684,3 +690,118 @@ def test_oversized_local_message_is_set_aside_and_the_stream_keeps_flowing(tmp_p
         assert [(r["offset"], r["payload"]) for r in rows] == [(0, b"before"), (2, b"after")]
 
     run(scenario())
+
+
+# -- MQTT 5 message properties through the real device log (issue 13 item 7) ---------------------
+
+
+def test_message_properties_in_the_device_log_land_as_columns(tmp_path: Path) -> None:
+    """Records with headers appended to a real device log (record format 2), read back from
+    disk by the forwarder, sent in version 2 batches over MQTT to a real collector, land with
+    their MQTT 5 properties in the columns; records without headers land with nulls."""
+    full = Properties(payload_format_indicator=1, message_expiry_interval=86_400, content_type="text/csv",
+                      response_topic="replies/x", correlation_data=b"\x00\xffid",
+                      user_properties=[("unit", "C"), ("unit", "F"), ("a", "")])
+    headers = [encode_message_headers(full), b"", encode_message_headers(Properties(content_type="a/b"))]
+
+    async def scenario() -> None:
+        collector = Collector(collector_config(tmp_path))
+        await collector.start()
+        device = tmp_path / "device"
+        log = Log.open(device / "log", LogConfig(fsync="never"))
+        committer = GroupCommitter(log)
+        await committer.start()
+        for i in range(30):
+            await committer.append(f"sensors/{i % 3}", b"v%d" % i, qos=1, headers=headers[i % 3])
+        await committer.close()
+        log.close()
+        log = Log.open(device / "log", LogConfig(fsync="never"))  # read back from disk
+        committer = GroupCommitter(log)
+        await committer.start()
+        group = ConsumerGroup.create("export.collector", log, device / "groups", start="earliest")
+        forwarder = Forwarder(group, committer.wait_committed, lambda: MQTTClient(DEVICE, port=collector.port),
+                              ForwarderConfig(device_id=DEVICE, batch_records=7, linger_s=0.02))
+        forwarder.start()
+        await until(lambda: group.pending_offset == 30, what="every record acknowledged upstream")
+        await forwarder.stop()
+        await until(lambda: collector.lander is not None and collector.lander.stats.rows_landed == 30,
+                    what="every row landed")
+        await collector.stop()
+        await committer.close()
+        log.close()
+
+    run(scenario())
+    rows = {r["offset"]: r for r in landed(tmp_path / "landing")}
+    assert sorted(rows) == list(range(30))
+    for offset, row in rows.items():
+        assert row["payload"] == b"v%d" % offset and row["schema_version"] == 2
+        kind = offset % 3
+        if kind == 0:
+            assert (row["payload_format_indicator"], row["message_expiry_s"], row["content_type"],
+                    row["response_topic"], row["correlation_data"]) == (1, 86_400, "text/csv", "replies/x",
+                                                                         b"\x00\xffid")
+            assert row["user_properties"] == [{"key": "unit", "value": "C"}, {"key": "unit", "value": "F"},
+                                              {"key": "a", "value": ""}]
+        elif kind == 1:
+            assert all(row[c] is None for c in PROPERTY_COLUMNS)
+        else:
+            assert row["content_type"] == "a/b" and row["user_properties"] is None
+            assert row["payload_format_indicator"] is None and row["message_expiry_s"] is None
+
+
+def test_paho_mqtt5_properties_reach_the_landing_columns(tmp_path: Path) -> None:
+    """Issue 13 item 7 with paho-mqtt 2.x as the MQTT 5 publisher: the properties of a PUBLISH
+    (3.3.2.3.2 payload format indicator, 3.3.2.3.3 message expiry interval as published,
+    3.3.2.3.9 content type, 3.3.2.3.5 response topic, 3.3.2.3.6 correlation data, 3.3.2.3.7
+    user properties in order with repeats) go agent log -> batch -> collector -> landing
+    columns; a PUBLISH without properties, and a 3.1.1 one, land with nulls."""
+    publish5 = pytest.importorskip("tests.test_broker_mqtt5_publish")
+    from paho.mqtt.packettypes import PacketTypes
+
+    def publish_with_paho(port: int) -> None:
+        pub = publish5.Paho5(port, "paho-pub")
+        try:
+            props = publish5._paho_props(PacketTypes.PUBLISH)
+            props.PayloadFormatIndicator = 1
+            props.MessageExpiryInterval = 3600
+            props.ContentType = "application/json"
+            props.ResponseTopic = "replies/paho"
+            props.CorrelationData = b"\x00req-1"
+            props.UserProperty = [("z", "1"), ("a", "2"), ("z", "3")]
+            assert pub.publish("sensors/full", b'{"t": 1}', 1, props=props) == 0
+            assert pub.publish("sensors/none", b"plain", 1) == 0
+            only = publish5._paho_props(PacketTypes.PUBLISH)
+            only.UserProperty = [("k", "v")]
+            assert pub.publish("sensors/user", b"u", 1, props=only) == 0
+        finally:
+            pub.close()
+
+    async def scenario() -> None:
+        collector = Collector(collector_config(tmp_path))
+        await collector.start()
+        agent = Agent(agent_config(tmp_path, collector.port))
+        await agent.start()
+        await asyncio.to_thread(publish_with_paho, agent.broker.port)  # paho blocks on its acks
+        client = MQTTClient("pub-311", port=agent.broker.port)
+        await client.connect()
+        await client.publish("sensors/v311", b"old client", qos=1, timeout=5)
+        await client.disconnect()
+        lander = collector.lander
+        assert lander is not None
+        await until(lambda: lander.stats.rows_landed == 4, what="four rows landed")
+        await agent.stop()
+        await collector.stop()
+
+    run(scenario())
+    rows = {r["topic"]: r for r in landed(tmp_path / "landing")}
+    assert sorted(rows) == ["sensors/full", "sensors/none", "sensors/user", "sensors/v311"]
+    full = rows["sensors/full"]
+    assert (full["payload_format_indicator"], full["message_expiry_s"], full["content_type"], full["response_topic"],
+            full["correlation_data"]) == (1, 3600, "application/json", "replies/paho", b"\x00req-1")
+    assert full["user_properties"] == [{"key": "z", "value": "1"}, {"key": "a", "value": "2"},
+                                       {"key": "z", "value": "3"}]
+    assert rows["sensors/user"]["user_properties"] == [{"key": "k", "value": "v"}]
+    assert rows["sensors/user"]["content_type"] is None
+    for topic in ("sensors/none", "sensors/v311"):
+        assert all(rows[topic][c] is None for c in PROPERTY_COLUMNS), topic
+    assert {r["schema_version"] for r in rows.values()} == {2}

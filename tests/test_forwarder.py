@@ -11,7 +11,7 @@ import pytest
 
 from filemq.queue.groups import ConsumerGroup
 from filemq.upstream.batch import decode_batch
-from segments import GroupCommitter, Log, LogConfig
+from segments import GroupCommitter, Log, LogConfig, Record
 from worker_agent.forwarder import (
     Forwarder,
     ForwarderConfig,
@@ -384,3 +384,48 @@ async def test_a_batch_of_only_oversized_records_does_not_leak_the_window(device
     await fwd.stop()
     assert collector.acked_offsets() == [1, 2] and collector.too_large == 0
     assert fwd.stats.oversized_records == 1
+
+
+class HeadersGroup:
+    """The device's real group, but every odd offset's record carries MQTT 5 headers (as the
+    log will once it stores them; until then its reads give b"")."""
+
+    def __init__(self, group: ConsumerGroup) -> None:
+        self._group = group
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._group, name)
+
+    def fetch(self, max_records: int = 100, consumer: str = "") -> list[Record]:
+        return [r._replace(headers=b"\x03\x00\x04json" + b"\x26\x00\x01k\x00\x01" + bytes([48 + r.offset % 10]))
+                if r.offset % 2 else r
+                for r in self._group.fetch(max_records, consumer)]
+
+
+@device_test
+async def test_record_headers_travel_upstream_and_count_toward_batch_bytes(
+    device: Device, collector: FakeCollector
+) -> None:
+    """Issue 13 item 7: each record's headers (its MQTT 5 message properties) go upstream in a
+    version 2 batch, record by record; their bytes count toward ``batch_bytes``."""
+    await device.publish(200, size=50)
+    fwd = Forwarder(
+        HeadersGroup(device.group),  # type: ignore[arg-type]
+        device.committer.wait_committed,
+        lambda: FakeUpstream(collector),
+        ForwarderConfig(device_id="dev-1", batch_records=100, batch_bytes=3000, linger_s=0.02),
+        rng=random.Random(7),
+    )
+    fwd.start()
+    await until(lambda: device.group.pending_offset == 200)
+    await fwd.stop()
+    assert collector.offsets() == list(range(200))
+    headers = {}
+    for payload in collector.received:
+        batch = decode_batch(payload)
+        assert batch.header.version == 2
+        # 50 + 9 + 21 bytes a record, plus 14 of headers on every other one: <= 34 a batch
+        assert len(batch) <= 3000 // 87
+        headers.update((r.offset, r.headers) for r in batch.records())
+    assert all(headers[o] == b"" for o in range(0, 200, 2))
+    assert all(headers[o].endswith(b"\x00\x01" + bytes([48 + o % 10])) for o in range(1, 200, 2))

@@ -12,6 +12,8 @@ import pytest
 
 from collector.landing import (
     LANDING_SCHEMA,
+    LANDING_SCHEMA_V1,
+    PROPERTY_COLUMNS,
     SCHEMA_VERSION,
     LandingError,
     LandingWriter,
@@ -44,7 +46,7 @@ def incoming_files(landing: Path) -> list[Path]:
 
 
 def test_schema_is_exactly_the_contract(tmp_path: Path) -> None:
-    expected = pa.schema(
+    version_1 = pa.schema(
         [
             ("device_id", pa.string()),
             ("stream", pa.string()),
@@ -58,13 +60,28 @@ def test_schema_is_exactly_the_contract(tmp_path: Path) -> None:
             ("schema_version", pa.int16()),
         ]
     )
-    assert LANDING_SCHEMA.equals(expected)
+    # Schema version 2 (issue 13): the same ten columns, then the MQTT 5 message properties.
+    expected = pa.schema(
+        [
+            *version_1,
+            ("payload_format_indicator", pa.int8()),
+            ("message_expiry_s", pa.int64()),
+            ("content_type", pa.string()),
+            ("response_topic", pa.string()),
+            ("correlation_data", pa.binary()),
+            ("user_properties", pa.list_(pa.struct([("key", pa.string()), ("value", pa.string())]))),
+        ]
+    )
+    assert LANDING_SCHEMA_V1.equals(version_1)
+    assert LANDING_SCHEMA.equals(expected) and SCHEMA_VERSION == 2
     path = LandingWriter(tmp_path, "c1").write(rows(3))
     written = pq.read_table(path)
     assert written.schema.equals(expected)
     assert written.column("collector_id").to_pylist() == ["c1"] * 3
     assert written.column("schema_version").to_pylist() == [SCHEMA_VERSION] * 3
     assert written.column("offset").to_pylist() == [0, 1, 2]
+    # Rows without the property columns get nulls in them.
+    assert all(written.column(c).null_count == 3 for c in PROPERTY_COLUMNS)
 
 
 def test_dt_is_utc_date_of_earliest_received_at(tmp_path: Path) -> None:

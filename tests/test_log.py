@@ -174,7 +174,10 @@ def _reference_read(log: Log, offset: int, max_records: int, max_bytes: int) -> 
     return out
 
 
-def test_fast_read_matches_the_generic_walk_around_damage(tmp_path: Path) -> None:
+@pytest.mark.parametrize("headers", [False, True], ids=["v1", "v1+v2"])
+def test_fast_read_matches_the_generic_walk_around_damage(tmp_path: Path, headers: bool) -> None:
+    """Log.read's fast path (decode_run) returns what the generic check_frame walk does, on
+    format 1 records and on a mix of format 1 and 2 (headers) records (issue 13)."""
     cfg = LogConfig(segment_bytes=4096, index_interval_bytes=300)
     log = Log.open(tmp_path, cfg)
     rng = random.Random(11)
@@ -182,7 +185,9 @@ def test_fast_read_matches_the_generic_walk_around_damage(tmp_path: Path) -> Non
         # Topics of equal length that differ, and of other lengths: the decoder reuses a
         # topic only when its bytes are the same.
         topic = rng.choice(["dev/a", "dev/b", "dev/bb", "", "dév/ü"])
-        log.append(topic, bytes([i % 251]) * rng.choice([0, 1, 30, 200, 900]), qos=i % 3, retain=i % 4 == 0)
+        h = rng.choice([b"", b"", b"\x01\x01", rng.randbytes(rng.choice([1, 40, 300]))]) if headers else b""
+        log.append(topic, bytes([i % 251]) * rng.choice([0, 1, 30, 200, 900]), qos=i % 3, retain=i % 4 == 0,
+                   headers=h)
     log.flush()
     infos = log.segments()
     log.close()
@@ -206,7 +211,64 @@ def test_fast_read_matches_the_generic_walk_around_damage(tmp_path: Path) -> Non
             got = again.read(offset, max_records, max_bytes)
             assert got == _reference_read(again, offset, max_records, max_bytes), (offset, max_records, max_bytes)
     assert again.stats.corrupt_skipped >= len(infos[1:-1:2])
+    if headers:
+        assert any(r.headers for r in again.read(0, 1000, 1 << 30))
     again.close()
+
+
+def golden_v1_records() -> list[Record]:
+    """The records of tests/golden/log_v1, written by main's code at 95ea32c (before format 2)
+    with ``LogConfig(segment_bytes=1024, index_interval_bytes=256)``, appended in order."""
+    topics = ["sensors/t1", "cafés/🌡", "", "a/b/c"]
+    out = []
+    for i in range(40):
+        payload = bytes((i * 7 + k) % 256 for k in range((i * 13) % 90))
+        out.append(Record(i, 1_700_000_000_000_000 + i * 1_000_003, topics[i % 4], payload, qos=i % 3,
+                          retain=i % 5 == 0))
+    return out
+
+
+def test_a_v1_log_written_before_format_2_opens_and_reads_identically(tmp_path: Path) -> None:
+    """Issue 13: a log written by the release before record format 2 (three sealed segments
+    with index and seal, one active) opens without any repair and reads the same records;
+    new records with headers (format 2) are appended after them and both read back."""
+    golden = Path(__file__).parent / "golden" / "log_v1"
+    before = {p.name: p.read_bytes() for p in golden.iterdir()}
+    target = tmp_path / "log"
+    target.mkdir()
+    for name, data in before.items():
+        (target / name).write_bytes(data)
+    cfg = LogConfig(segment_bytes=1024, index_interval_bytes=256)
+    log = Log.open(target, cfg)
+    assert log.recovery.tail_bytes_truncated == 0 and log.recovery.corrupt_records == 0
+    assert log.read(0, 1000, 1 << 30) == golden_v1_records()
+    for offset in range(40):
+        assert log.read(offset, 3) == golden_v1_records()[offset : offset + 3]
+    assert {p.name: p.read_bytes() for p in target.iterdir()} == before, "opening changed a byte"
+    assert log.append("m5", b"p", qos=1, headers=b"\x03\x00\x01x") == 40
+    log.append("m5", b"q")
+    log.close()
+    again = Log.open(target, cfg)
+    got = again.read(0, 1000, 1 << 30)
+    assert got[:40] == golden_v1_records()
+    assert got[40:] == [Record(40, got[40].timestamp_us, "m5", b"p", 1, False, b"\x03\x00\x01x"),
+                        Record(41, got[41].timestamp_us, "m5", b"q")]
+    assert [s.read_bytes()[8] for s in sorted(target.glob("*.log"))][:3] == [1, 1, 1]
+    again.close()
+
+
+def test_record_size_limit_counts_the_headers(tmp_path: Path) -> None:
+    log = Log.open(tmp_path, LogConfig(segment_bytes=1024))
+    fits = 1024 - 28 - 1 - 4 - 100  # framed: 28 + topic 1 + headers_len 4 + headers 100 + payload
+    assert log.append("t", b"x" * fits, headers=b"h" * 100) == 0
+    with pytest.raises(ValueError, match="does not fit"):
+        log.append("t", b"x" * (fits + 1), headers=b"h" * 100)
+    with pytest.raises(ValueError, match="does not fit"):
+        log.append("t", b"x", headers=b"h" * 1024)
+    log.flush()
+    assert [len(r.payload) for r in log.read(0)] == [fits]
+    assert log.next_offset == 1
+    log.close()
 
 
 @pytest.mark.slow

@@ -60,6 +60,39 @@ def test_publish_fetch_ack_and_reopen(tmp_path: Path) -> None:
     run(second())
 
 
+def test_publish_stores_headers_through_a_restart(tmp_path: Path) -> None:
+    """Issue 13: a message's MQTT 5 properties (Record.headers) are stored with it by
+    publish/publish_nowait and read back by groups, also after a reopen; none: b""."""
+    from filemq.mqtt.packets import Properties
+    from filemq.mqtt.properties import decode_message_headers, encode_message_headers
+
+    headers = encode_message_headers(Properties(content_type="a/b", user_properties=[("k", "v"), ("k", "w")]))
+
+    async def first() -> None:
+        q = FQueue.open(tmp_path, cfg())
+        await q.start()
+        assert await q.publish("m/5", b"p", 1, headers=headers) == 0
+        offset, fut = q.publish_nowait("m/5", b"q", 1, True, headers=b"\x02\x00\x00\x00\x09")
+        await fut
+        assert offset == 1
+        await q.publish("m/3", b"r")
+        await q.close()
+
+    run(first())
+
+    async def second() -> None:
+        q = FQueue.open(tmp_path, cfg())
+        got = q.group("g", start="earliest").fetch(10)
+        assert [(r.topic, r.payload, r.headers) for r in got] == [
+            ("m/5", b"p", headers), ("m/5", b"q", b"\x02\x00\x00\x00\x09"), ("m/3", b"r", b"")]
+        props = decode_message_headers(got[0].headers)
+        assert props is not None and props.content_type == "a/b"
+        assert list(props.user_properties or ()) == [("k", "v"), ("k", "w")]
+        await q.close()
+
+    run(second())
+
+
 def test_housekeeping_persists_dirty_groups_without_close(tmp_path: Path) -> None:
     async def body() -> None:
         q = FQueue.open(tmp_path, cfg())

@@ -1,4 +1,8 @@
-"""Record framing: golden bytes, CRC-32C against crcmod, round trips, corruption detection."""
+"""Record framing: golden bytes, CRC-32C against crcmod, round trips, corruption detection.
+
+Format version 1 (no headers) and 2 (a record with MQTT 5 message properties, issue 13):
+docs/FORMAT.md "Record".
+"""
 
 from __future__ import annotations
 
@@ -19,11 +23,19 @@ from segments.record import (
     INCOMPLETE,
     check_frame,
     decode,
+    decode_at,
+    decode_run,
     encode_record,
     find_next_valid,
+    offset_at,
+    scan_run,
 )
 
 GOLDEN = Path(__file__).parent / "golden"
+
+# encode_message_headers(Properties(content_type="text/plain", user_properties=[("k", "v")]))
+# (checked by test_golden_v2_headers_are_a_message_property_section)
+HEADERS = b"\x03\x00\x0atext/plain&\x00\x01k\x00\x01v"
 
 # Each golden file holds exactly these records, framed back to back.
 GOLDEN_RECORDS = {
@@ -37,6 +49,13 @@ GOLDEN_RECORDS = {
         Record(101, 1_600_000_000_000_001, "a/b", b"yy", qos=1),
         Record(102, 1_600_000_000_000_002, "a/b/c", b"zzz", retain=True),
     ],
+    "record_v2_headers.bin": [Record(43, 1_700_000_000_123_457, "sensors/t1", b"21.5", qos=1, headers=HEADERS)],
+    "records_v1_v2_mixed.bin": [
+        Record(7, 1, "a", b"x"),
+        Record(8, 2, "a", b"", qos=2, headers=b"\x01\x01"),
+        Record(9, 3, "", b"yy", retain=True, headers=HEADERS),
+        Record(10, 4, "a", b"z"),
+    ],
 }
 
 crcmod_crc32c = crcmod.predefined.mkCrcFun("crc-32c")
@@ -49,8 +68,19 @@ records = st.builds(
     payload=st.binary(max_size=2000),
     qos=st.integers(0, 2),
     retain=st.booleans(),
-    headers=st.just(b""),  # record format 2 (headers) is not stored yet: see issue 13
+    # Opaque to segments: any bytes (b"" half of the time: a format 1 record).
+    headers=st.one_of(st.just(b""), st.binary(min_size=1, max_size=300)),
 )
+
+
+def v1_bytes(record: Record) -> bytes:
+    """The record as the code before format 2 framed it (an independent reimplementation)."""
+    topic = record.topic.encode("utf-8")
+    flags = record.qos | (4 if record.retain else 0)
+    body = (bytes([1, flags]) + record.offset.to_bytes(8, "big")
+            + record.timestamp_us.to_bytes(8, "big", signed=True)
+            + len(topic).to_bytes(2, "big") + topic + record.payload)
+    return (len(body) + 4).to_bytes(4, "big") + crc32c(body).to_bytes(4, "big") + body
 
 
 def _encodable(record: Record) -> bool:
@@ -92,6 +122,29 @@ def test_golden_layout_fields_at_documented_positions() -> None:
     assert data[28:38] == b"sensors/t1" and data[38:] == b"21.5"
 
 
+def test_golden_v2_layout_fields_at_documented_positions() -> None:
+    data = (GOLDEN / "record_v2_headers.bin").read_bytes()
+    assert int.from_bytes(data[0:4], "big") == len(data) - 4
+    assert int.from_bytes(data[4:8], "big") == crc32c(data[8:])
+    assert data[8] == 2 and data[9] == 1
+    assert int.from_bytes(data[10:18], "big") == 43
+    assert int.from_bytes(data[26:28], "big") == len("sensors/t1")
+    assert data[28:38] == b"sensors/t1"
+    assert int.from_bytes(data[38:42], "big") == len(HEADERS)
+    assert data[42 : 42 + len(HEADERS)] == HEADERS and data[42 + len(HEADERS) :] == b"21.5"
+
+
+def test_golden_v2_headers_are_a_message_property_section() -> None:
+    from filemq.mqtt.packets import Properties
+    from filemq.mqtt.properties import decode_message_headers, encode_message_headers
+
+    props = Properties(content_type="text/plain", user_properties=[("k", "v")])
+    assert encode_message_headers(props) == HEADERS
+    decoded = decode_message_headers(HEADERS)
+    assert decoded is not None and decoded.content_type == "text/plain"
+    assert list(decoded.user_properties or ()) == [("k", "v")]
+
+
 def test_crc32c_check_value() -> None:
     assert crc32c(b"123456789") == 0xE3069283 == crcmod_crc32c(b"123456789")
 
@@ -103,12 +156,26 @@ def test_crc32c_matches_crcmod(data: bytes) -> None:
 
 @given(records)
 def test_round_trip(record: Record) -> None:
+    """Any headers round-trip; b"" is format 1, byte for byte what the code before issue 13
+    wrote; non-empty headers are format 2 (u32 headers_len and the headers after the topic)."""
     if not _encodable(record):
         return
     data = encode_record(record)
     decoded, framed = decode(data)
     assert framed == len(data)
     assert decoded == record
+    if not record.headers:
+        assert data == v1_bytes(record)
+    else:
+        topic_len = len(record.topic.encode("utf-8"))
+        v1 = v1_bytes(record._replace(headers=b""))
+        assert data[8] == 2 and data[9:28 + topic_len] == v1[9:28 + topic_len]
+        at = 28 + topic_len
+        assert int.from_bytes(data[at : at + 4], "big") == len(record.headers)
+        assert data[at + 4 : at + 4 + len(record.headers)] == record.headers
+        assert data[at + 4 + len(record.headers) :] == record.payload
+        assert int.from_bytes(data[0:4], "big") == len(data) - 4 == len(v1) + len(record.headers)
+        assert int.from_bytes(data[4:8], "big") == crc32c(data[8:])
 
 
 @settings(max_examples=50)
@@ -146,6 +213,52 @@ def test_check_frame_reasons() -> None:
     assert check_frame(bytes(bad_flags), 0, len(good)) == BAD_HEADER
 
 
+def _with_crc(frame: bytearray) -> bytes:
+    frame[4:8] = crc32c(bytes(frame[8:])).to_bytes(4, "big")
+    return bytes(frame)
+
+
+def test_v2_headers_len_past_the_frame_is_invalid_not_an_exception() -> None:
+    """A v2 record whose headers_len runs past its frame is BAD_LENGTH even with a matching
+    CRC (a writer bug, or damage a CRC collision let through); so is one too short to hold
+    the headers_len field at all."""
+    good = bytearray(encode_record(Record(1, 2, "t", b"payload", headers=b"hh")))
+    assert check_frame(bytes(good), 0, len(good)) == len(good)
+    for bad_len in (3 + len(b"payload"), 2**32 - 1, 10**6):
+        frame = bytearray(good)
+        frame[29:33] = bad_len.to_bytes(4, "big")
+        assert check_frame(_with_crc(frame), 0, len(frame)) == BAD_LENGTH
+    exact = bytearray(good)
+    exact[29:33] = (2 + len(b"payload")).to_bytes(4, "big")  # headers take the whole rest
+    assert decode(_with_crc(exact))[0] == Record(1, 2, "t", b"", headers=b"hhpayload")
+    # version 2, but the frame ends before (or inside) the headers_len field
+    for keep in range(4):
+        frame = bytearray(good[: 29 + keep])
+        frame[0:4] = (len(frame) - 4).to_bytes(4, "big")
+        assert check_frame(_with_crc(frame), 0, len(frame)) == BAD_LENGTH
+    unknown = bytearray(good)
+    unknown[8] = 3
+    assert check_frame(_with_crc(unknown), 0, len(unknown)) == BAD_HEADER
+
+
+@given(st.binary(min_size=HEADER_SIZE, max_size=200), st.sampled_from([1, 2, 3]), st.booleans())
+def test_no_bytes_make_the_frame_checks_raise(data: bytes, version: int, fix_crc: bool) -> None:
+    """check_frame, decode_run, scan_run and find_next_valid never raise, whatever the bytes."""
+    frame = bytearray(data)
+    frame[0:4] = (len(frame) - 4).to_bytes(4, "big")
+    frame[8] = version
+    frame[9] &= 0x07
+    buf = _with_crc(frame) if fix_crc else bytes(frame)
+    framed = check_frame(buf, 0, len(buf))
+    assert framed in (len(buf), BAD_LENGTH, BAD_CRC, BAD_HEADER)
+    out: list[Record] = []
+    decode_run(buf, 0, -1, 0, 2**64, out, 100, 1 << 30, 0)
+    scan_run(buf, 0, len(buf), offset_at(buf, 0), 0, [], 0, 64, 0)
+    find_next_valid(buf, 0, len(buf), 0, None)
+    if framed > 0:
+        assert out == [decode_at(buf, 0, framed)]
+
+
 def test_qos_and_topic_are_validated() -> None:
     with pytest.raises(ValueError):
         encode_record(Record(0, 0, "t", b"", qos=3))
@@ -163,18 +276,39 @@ def test_resync_finds_next_record_in_offset_window() -> None:
     assert find_next_valid(buf, 1, len(buf), 0, 11) is None  # offset above the window
 
 
+def test_resync_finds_v2_records() -> None:
+    """The resync probe searches the version byte: it must find format 2 records too, also
+    behind candidates of the other version."""
+    a = encode_record(Record(10, 0, "t", b"a" * 30, headers=b"h" * 5))
+    b = encode_record(Record(11, 0, "t", b"b" * 30, headers=HEADERS))
+    c = encode_record(Record(12, 0, "t", b"c" * 30))
+    garbage = bytes([1, 2, 0, 2, 1]) * 20
+    buf = a[:20] + garbage + b + c
+    assert find_next_valid(buf, 1, len(buf), 10, 13) == (20 + len(garbage), len(b))
+    assert find_next_valid(buf, 1, len(buf), 12, 13) == (20 + len(garbage) + len(b), len(c))
+    v2_only = a[:20] + b
+    assert find_next_valid(v2_only, 1, len(v2_only), 0, None) == (20, len(b))
+
+
 @settings(max_examples=100)
 @given(st.lists(records, min_size=1, max_size=8), st.data())
 def test_scan_run_stops_where_check_frame_does(recs: list[Record], data: st.DataObject) -> None:
     """The recovery fast path applies exactly the checks of check_frame plus offset sequence."""
     from segments.record import offset_at, scan_run
 
-    recs = [Record(100 + i, r.timestamp_us, r.topic, r.payload, r.qos, r.retain) for i, r in enumerate(recs)
-            if _encodable(r)]
+    recs = [r._replace(offset=100 + i) for i, r in enumerate(r for r in recs if _encodable(r))]
     buf = bytearray(b"".join(encode_record(r) for r in recs))
     if buf and data.draw(st.booleans()):
         i = data.draw(st.integers(0, len(buf) - 1))
         buf[i] ^= data.draw(st.integers(1, 255))
+    if recs and data.draw(st.booleans()):  # damage behind a matching CRC, as above
+        k = data.draw(st.integers(0, len(recs) - 1))
+        at = sum(len(encode_record(r)) for r in recs[:k])
+        size = len(encode_record(recs[k]))
+        i = at + data.draw(st.sampled_from([8, 9, 26, 27, 28 + len(recs[k].topic.encode()), 31 + len(recs[k].topic.encode())]))
+        if i < at + size:
+            buf[i] ^= data.draw(st.integers(1, 255))
+            buf[at + 4 : at + 8] = crc32c(bytes(buf[at + 8 : at + size])).to_bytes(4, "big")
     cut = data.draw(st.integers(0, len(buf)))
     stream = bytes(buf[:cut])
     pos, expected = 0, 100
@@ -186,3 +320,103 @@ def test_scan_run_stops_where_check_frame_does(recs: list[Record], data: st.Data
     index: list[tuple[int, int]] = []
     stop, nxt, _, _ = scan_run(stream, 0, len(stream), 100, 0, index, 0, 64, -(2**63))
     assert (stop, nxt) == (pos, expected)
+
+
+def _reference_run(stream: bytes, first: int, limit: int, max_records: int, max_bytes: int) -> tuple[list[Record], int]:
+    """What decode_run must return, by check_frame + decode_at one record at a time."""
+    out: list[Record] = []
+    pos, expected, total = 0, -1, 0
+    while True:
+        framed = check_frame(stream, pos, len(stream))
+        if framed <= 0 or (expected >= 0 and offset_at(stream, pos) != expected):
+            return out, pos
+        offset = offset_at(stream, pos)
+        if offset >= limit or len(out) >= max_records or (out and offset >= first and total + framed > max_bytes):
+            return out, pos
+        if offset >= first:
+            out.append(decode_at(stream, pos, framed))
+            total += framed
+        pos, expected = pos + framed, offset + 1
+
+
+@settings(max_examples=150)
+@given(st.lists(records, min_size=1, max_size=8), st.data())
+def test_decode_run_agrees_with_check_frame_on_mixed_v1_v2(recs: list[Record], data: st.DataObject) -> None:
+    """The read fast path decodes v1 and v2 records alike and stops exactly where the
+    generic check_frame walk stops (damage, a cut, an offset out of sequence, the limits)."""
+    recs = [r._replace(offset=100 + i) for i, r in enumerate(r for r in recs if _encodable(r))]
+    buf = bytearray(b"".join(encode_record(r) for r in recs))
+    if buf and data.draw(st.booleans()):
+        i = data.draw(st.integers(0, len(buf) - 1))
+        buf[i] ^= data.draw(st.integers(1, 255))
+    if recs and data.draw(st.booleans()):
+        # Damage behind a matching CRC (what only the structural checks catch): a byte of one
+        # record's header, topic_len or headers_len, then its CRC recomputed.
+        k = data.draw(st.integers(0, len(recs) - 1))
+        at = sum(len(encode_record(r)) for r in recs[:k])
+        size = len(encode_record(recs[k]))
+        i = at + data.draw(st.sampled_from([8, 9, 26, 27, 28 + len(recs[k].topic.encode()), 31 + len(recs[k].topic.encode())]))
+        if i < at + size:
+            buf[i] ^= data.draw(st.integers(1, 255))
+            buf[at + 4 : at + 8] = crc32c(bytes(buf[at + 8 : at + size])).to_bytes(4, "big")
+    stream = bytes(buf[: data.draw(st.integers(0, len(buf)))])
+    first = data.draw(st.integers(99, 110))
+    limit = data.draw(st.integers(100, 110))
+    max_records = data.draw(st.integers(1, 10))
+    max_bytes = data.draw(st.sampled_from([1, 100, 1000, 1 << 30]))
+    expected_records, expected_stop = _reference_run(stream, first, limit, max_records, max_bytes)
+    out: list[Record] = []
+    stop, _, total, _ = decode_run(stream, 0, -1, first, limit, out, max_records, max_bytes, 0)
+    assert out == expected_records
+    assert stop == expected_stop
+    assert total == sum(len(encode_record(r)) for r in out)
+
+
+def _check_walk(stream: bytes, first_offset: int) -> tuple[int, int]:
+    """(stop, next offset) of the generic check_frame walk over gap-free records."""
+    pos, expected = 0, first_offset
+    while True:
+        framed = check_frame(stream, pos, len(stream))
+        if framed <= 0 or offset_at(stream, pos) != expected:
+            return pos, expected
+        pos, expected = pos + framed, expected + 1
+
+
+def test_fast_paths_agree_with_check_frame_on_damage_behind_a_matching_crc() -> None:
+    """Exhaustive over the fields only the structural checks guard (version, flags, topic_len,
+    headers_len: damaged, then the CRC recomputed): decode_run and scan_run stop exactly where
+    check_frame does, on format 1 and format 2 records, never raising."""
+    recs = [
+        Record(7, 1, "ab", b"x" * 5),
+        Record(8, 2, "ab", b"yy", qos=2, headers=b"\x01\x01"),
+        Record(9, 3, "", b"zzz", retain=True, headers=HEADERS),
+        Record(10, 4, "ab", b""),
+        Record(11, 5, "c", b"w", headers=b"h" * 3),
+    ]
+    frames = [encode_record(r) for r in recs]
+    for k, frame in enumerate(frames):
+        at = sum(map(len, frames[:k]))
+        tl = len(recs[k].topic.encode())
+        for field in (0, 1, 2, 3, 8, 9, 26, 27, 28 + tl, 29 + tl, 30 + tl, 31 + tl):
+            if field >= len(frame):
+                continue
+            for xor in (0x01, 0x02, 0x04, 0x10, 0x80, 0xFF):
+                buf = bytearray(b"".join(frames))
+                buf[at + field] ^= xor
+                buf[at + 4 : at + 8] = crc32c(bytes(buf[at + 8 : at + len(frame)])).to_bytes(4, "big")
+                stream = bytes(buf)
+                stop, nxt = _check_walk(stream, 7)
+                assert scan_run(stream, 0, len(stream), 7, 0, [], 0, 64, 0)[:2] == (stop, nxt), (k, field, xor)
+                out: list[Record] = []
+                pos = decode_run(stream, 0, 7, 0, 2**64, out, 100, 1 << 30, 0)[0]
+                assert pos == stop and len(out) == nxt - 7, (k, field, xor)
+                assert out == [decode_at(stream, p, n) for p, n in _frames(stream, stop)], (k, field, xor)
+
+
+def _frames(stream: bytes, stop: int) -> list[tuple[int, int]]:
+    out, pos = [], 0
+    while pos < stop:
+        framed = check_frame(stream, pos, len(stream))
+        out.append((pos, framed))
+        pos += framed
+    return out

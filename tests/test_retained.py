@@ -90,6 +90,90 @@ def test_snapshot_round_trip_and_crc(tmp_path: Path) -> None:
             decode_snapshot(bytes(flipped))
 
 
+HEADERS = b"\x03\x00\x0atext/plain&\x00\x01k\x00\x01v"  # content type, a user property
+
+
+def test_apply_keeps_a_retained_messages_headers(tmp_path: Path) -> None:
+    """Issue 13: a retained message keeps its MQTT 5 properties (Record.headers)."""
+    store = RetainedStore(tmp_path)
+    store.apply(Record(0, 10, "a/b", b"one", 1, True, HEADERS))
+    assert store.get("a/b") == RetainedMessage("a/b", b"one", 1, 0, 10, HEADERS)
+    store.apply(Record(1, 11, "a/b", b"two", 1, True))  # a newer one without properties
+    assert store.get("a/b") == RetainedMessage("a/b", b"two", 1, 1, 11)
+
+
+def test_snapshot_format_2_with_headers_and_format_1_without(tmp_path: Path) -> None:
+    """A snapshot without any headers is written in format 1 (``FMQRSNP1``), byte for byte
+    as before (what an older release reads); with headers in format 2 (``FMQRSNP2``: a u32
+    headers length per entry).  Both round-trip and detect damage."""
+    plain = [RetainedMessage("a", b"x" * 300, 1, 5, 123), RetainedMessage("ü/b", b"", 2, 9, -1)]
+    v1 = encode_snapshot(plain, 10)
+    assert v1[:8] == b"FMQRSNP1" and decode_snapshot(v1) == (plain, 10)
+    golden = (Path(__file__).parent / "golden" / "retained_v1.snap").read_bytes()
+    assert encode_snapshot(GOLDEN_SNAPSHOT, 12) == golden
+    mixed = [RetainedMessage("a", b"x", 1, 5, 123, HEADERS), RetainedMessage("b", b"y", 0, 6, 1)]
+    v2 = encode_snapshot(mixed, 10)
+    assert v2[:8] == b"FMQRSNP2" and decode_snapshot(v2) == (mixed, 10)
+    for cut in range(len(v2)):
+        with pytest.raises(CorruptSnapshot):
+            decode_snapshot(v2[:cut])
+    for pos in range(len(v2)):
+        flipped = bytearray(v2)
+        flipped[pos] ^= 0x10
+        with pytest.raises(CorruptSnapshot):
+            decode_snapshot(bytes(flipped))
+
+
+GOLDEN_SNAPSHOT = [
+    RetainedMessage("a/b", b"one", 1, 3, 1_700_000_000_000_000),
+    RetainedMessage("cafés/🌡", b"", 0, 7, -1),
+    RetainedMessage("x", bytes(range(20)), 2, 9, 5),
+]
+
+
+def test_a_format_1_snapshot_written_before_headers_still_loads(tmp_path: Path) -> None:
+    """tests/golden/retained_v1.snap was written by main's code at 95ea32c (before format 2)."""
+    golden = (Path(__file__).parent / "golden" / "retained_v1.snap").read_bytes()
+    assert decode_snapshot(golden) == (GOLDEN_SNAPSHOT, 12)
+    log = Log.open(tmp_path / "log")
+    for _ in range(12):
+        log.append("other", b"p")
+    log.append("m5", b"new", qos=1, retain=True, headers=HEADERS)
+    log.sync()
+    (tmp_path / SNAPSHOT_NAME).write_bytes(golden)
+    store = RetainedStore(tmp_path)
+    report = store.recover(log)
+    assert report.snapshot_loaded and report.snapshot_entries == 3 and report.replay_from == 12
+    assert store.get("a/b") == GOLDEN_SNAPSHOT[0]
+    assert store.get("m5") == RetainedMessage("m5", b"new", 1, 12, store.get("m5").timestamp_us, HEADERS)  # type: ignore[union-attr]
+    log.close()
+
+
+@pytest.mark.parametrize("via", ["snapshot", "log"])
+def test_retained_headers_survive_a_restart(tmp_path: Path, via: str) -> None:
+    """From the snapshot (format 2) or replayed from the log (record format 2)."""
+    log = Log.open(tmp_path / "log")
+    store = RetainedStore(tmp_path)
+    offset = log.append("m5/t", b"v", qos=1, retain=True, headers=HEADERS)
+    log.append("m3/t", b"w", qos=0, retain=True)
+    log.sync()
+    for record in log.read(0):
+        store.apply(record)
+    if via == "snapshot":
+        store.advance(log.committed_offset)
+        store.snapshot()
+        assert (tmp_path / SNAPSHOT_NAME).read_bytes()[:8] == b"FMQRSNP2"
+    log.close()
+    log = Log.open(tmp_path / "log")
+    again = RetainedStore(tmp_path)
+    report = again.recover(log)
+    assert report.replayed_records == (0 if via == "snapshot" else 2)
+    assert again.get("m5/t") == store.get("m5/t") == RetainedMessage(
+        "m5/t", b"v", 1, offset, again.get("m5/t").timestamp_us, HEADERS)  # type: ignore[union-attr]
+    assert again.get("m3/t") is not None and again.get("m3/t").headers == b""  # type: ignore[union-attr]
+    log.close()
+
+
 def test_restart_with_snapshot_replays_only_the_tail(tmp_path: Path) -> None:
     ops: list[tuple[str, bytes]] = []
     log = Log.open(tmp_path / "log")
@@ -254,7 +338,8 @@ def test_without_advance_the_snapshot_covers_what_recovery_saw(tmp_path: Path) -
 OPS = st.lists(
     st.one_of(
         st.tuples(
-            st.just("pub"), st.integers(0, 4), st.sampled_from([b"", b"a", b"bb"]), st.booleans()
+            st.just("pub"), st.integers(0, 4), st.sampled_from([b"", b"a", b"bb"]), st.booleans(),
+            st.sampled_from([b"", b"\x01\x01", b"&\x00\x01k\x00\x01v"]),  # headers (issue 13)
         ),
         st.tuples(st.just("snap"), st.booleans()),
         st.tuples(st.just("restart")),
@@ -274,19 +359,19 @@ def test_model_random_publishes_snapshots_restarts(
     log = Log.open(root / "log")
     store = RetainedStore(root)
     store.recover(log)
-    model: dict[str, bytes] = {}
+    model: dict[str, tuple[bytes, bytes]] = {}
     for op in ops:
         if op[0] == "pub":
-            _, idx, payload, retain = op
-            assert isinstance(payload, bytes) and isinstance(retain, bool)
+            _, idx, payload, retain, headers = op
+            assert isinstance(payload, bytes) and isinstance(retain, bool) and isinstance(headers, bytes)
             topic = f"t/{idx}"
-            offset = log.append(topic, payload, qos=1, retain=retain)
+            offset = log.append(topic, payload, qos=1, retain=retain, headers=headers)
             log.flush()  # readable; durability itself is the log's concern, tested there
             (record,) = log.read(offset, 1)
             store.apply(record)
             if retain:
                 if payload:
-                    model[topic] = payload
+                    model[topic] = (payload, headers)
                 else:
                     model.pop(topic, None)
         elif op[0] == "snap":
@@ -298,5 +383,5 @@ def test_model_random_publishes_snapshots_restarts(
             log = Log.open(root / "log")
             store = RetainedStore(root)
             store.recover(log)
-        assert contents(store) == model
+        assert {m.topic: (m.payload, m.headers) for m in store.match("#")} == model
     log.close()

@@ -21,7 +21,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from collector.landing import LANDING_SCHEMA, LandingWriter
+from collector.landing import LANDING_SCHEMA, LANDING_SCHEMA_V1, LandingWriter
 from segments.fileio import OsFileIO
 from spark_ingest.job import BatchReport, IngestConfig, IngestError, IngestSummary, run_ingest
 from spark_ingest.key_dedup import DROP_FILE, DROP_ROW, find_duplicates
@@ -410,6 +410,78 @@ def test_check_landing_file_reports_nulls_in_required_columns(tmp_path: Path) ->
     ), good)
     verdict = check_landing_file(good)
     assert verdict.ok and verdict.rows == 2 and verdict.first_day == NOW.date()
+
+
+# -- schema versions 1 and 2 in one table (issue 13 item 7) ----------------------------------
+
+PROPS = {
+    "payload_format_indicator": 1,
+    "message_expiry_s": 3600,
+    "content_type": "application/json",
+    "response_topic": "replies/dev-1",
+    "correlation_data": b"\x00corr",
+    "user_properties": [{"key": "site", "value": "n"}, {"key": "line", "value": "3"}, {"key": "site", "value": "s"}],
+}
+
+
+def _v1_file(path: Path, batch: list[dict[str, Any]], collector: str = "old") -> Path:
+    """A landing (or table) file as the release before schema version 2 wrote it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    table = pa.Table.from_pylist(
+        [{**r, "collector_id": collector, "schema_version": 1} for r in batch], schema=LANDING_SCHEMA_V1
+    )
+    pq.write_table(table, path)
+    return path
+
+
+def test_old_and_new_landing_files_are_ingested_into_one_table(spark: Any, tmp_path: Path) -> None:
+    """A schema_version 1 landing file (an older collector's: no property columns) and a
+    schema_version 2 file in one incoming dir, read by one streaming batch with the explicit
+    landing schema, into a table that already holds a file of the previous ingest release:
+    old rows get nulls in the property columns, new rows their properties, and still exactly
+    one row per (device_id, stream, offset)."""
+    p = Pipeline(tmp_path, spark)
+    day = p.config.landing / "incoming" / f"dt={NOW.date().isoformat()}"
+    # The previous release's table file (ten landing columns, dt from the directory) holds offset 0.
+    _v1_file(p.config.table / f"dt={NOW.date().isoformat()}" / "b0-oldquery-part-00000.parquet", rows([0]))
+    old = rows(range(0, 4))
+    _v1_file(day / "20261120T000000.000000Z-old-000000-000001.parquet", old)
+    new = [{**r, **PROPS} for r in rows(range(3, 6), received=NOW + timedelta(minutes=1))]
+    new += rows([6], received=NOW + timedelta(minutes=1))  # an MQTT 3.1.1 message: no properties
+    p.land(new)
+    summary = p.ingest()
+    assert summary.quarantined == [] and summary.files == 2
+    assert summary.rows_in == 8 and summary.rows_written == 6  # offset 0 (table) and 3 (old file) dropped
+    frame = spark.read.option("mergeSchema", "true").parquet(str(p.config.table))
+    assert [f.name for f in frame.schema.fields] == [*(f.name for f in LANDING_SPARK_SCHEMA.fields), "dt"]
+    by_offset = {r["offset"]: r.asDict(recursive=True) for r in frame.collect()}
+    assert sorted(by_offset) == list(range(7))
+    for offset in (0, 1, 2, 3, 6):  # old rows (3: the first landed copy is kept) and the 3.1.1 one
+        assert all(by_offset[offset][c] is None for c in PROPS), offset
+    assert {by_offset[o]["schema_version"] for o in range(4)} == {1}
+    for offset in (4, 5):
+        assert {c: by_offset[offset][c] for c in PROPS} == {**PROPS, "correlation_data": bytearray(b"\x00corr")}
+        assert by_offset[offset]["schema_version"] == 2
+
+
+def test_check_landing_file_accepts_both_schema_versions_and_refuses_a_mix(tmp_path: Path) -> None:
+    v1 = _v1_file(tmp_path / "v1.parquet", rows([0, 1]))
+    assert check_landing_file(v1).ok and check_landing_file(v1).rows == 2
+    v2 = tmp_path / "v2.parquet"
+    pq.write_table(pa.Table.from_pylist(
+        [{**r, "collector_id": "c", "schema_version": 2, **PROPS} for r in rows([0])], schema=LANDING_SCHEMA
+    ), v2)
+    assert check_landing_file(v2).ok
+    partial = tmp_path / "partial.parquet"
+    pq.write_table(pq.read_table(v2).drop_columns(["content_type"]), partial)
+    verdict = check_landing_file(partial)
+    assert verdict.reason is not None and "'content_type' is missing" in verdict.reason
+    wrong = tmp_path / "wrong.parquet"
+    table = pq.read_table(v2)
+    index = table.schema.get_field_index("message_expiry_s")
+    pq.write_table(table.set_column(index, "message_expiry_s", pa.array(["1h"])), wrong)
+    verdict = check_landing_file(wrong)
+    assert verdict.reason is not None and "'message_expiry_s' is string, expected int64" in verdict.reason
 
 
 def test_batch_files_reads_plain_and_compact_logs(tmp_path: Path) -> None:

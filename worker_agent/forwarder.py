@@ -3,7 +3,8 @@
 A :class:`Forwarder` reads the log through a durable consumer group (named ``forwarder``
 by the agent), packs records into batches (:mod:`filemq.upstream.batch`) bounded by records, bytes
 and linger time, and publishes each batch with QoS 1 to the collector, keeping up to
-``window`` batches in flight.
+``window`` batches in flight. Each record's headers (its MQTT 5.0 message properties) travel
+with it: a batch holding any is format version 2, otherwise version 1 (docs/FORMAT.md).
 
 What a caller may rely on:
 
@@ -59,7 +60,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 CONSUMER = "upstream"
-RECORD_OVERHEAD = 21  # bytes per record in a batch besides topic and payload (columns)
+RECORD_OVERHEAD = 21  # bytes per record in a batch besides topic, payload and headers (columns)
 PUBLISH_OVERHEAD = 9  # a QoS 1 PUBLISH besides topic and payload: fixed header <= 5, lengths, id
 DEFAULT_UPSTREAM_MAX_PACKET = 64 << 20  # every collector accepts at least this (MIN_PACKET_SIZE)
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -472,7 +473,8 @@ class Forwarder:
             if carry:
                 # Take as many fetched records as fit both bounds (at least one), in bulk.
                 room_records = cfg.batch_records - len(batch)
-                sizes = accumulate(len(r.payload) + len(r.topic) + RECORD_OVERHEAD for r in islice(carry, room_records))
+                sizes = accumulate(len(r.payload) + len(r.topic) + len(r.headers) + RECORD_OVERHEAD
+                                   for r in islice(carry, room_records))
                 cumulative = list(sizes)
                 take = bisect_right(cumulative, cfg.batch_bytes - self._building_bytes)
                 if take == 0 and not batch:

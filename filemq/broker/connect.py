@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 from filemq.broker.acl import fill_pattern
 from filemq.broker.base import AUTH_THREADS, CoreBase
 from filemq.broker.session import AUTHENTICATING, AWAITING_CONNECT, CONNECTED, Connection
-from filemq.broker.sessions import SessionSnapshot, StoredSession
+from filemq.broker.sessions import NEVER_EXPIRES, SessionSnapshot, StoredSession
 from filemq.broker.state import (
     _PUBREL,
     SESSION_GROUP_PREFIX,
@@ -35,7 +35,7 @@ from filemq.common.topics import (
     validate_topic_filter,
     validate_topic_name,
 )
-from filemq.mqtt.codec import ProtocolError, encode
+from filemq.mqtt.codec import ProtocolError, encode5
 from filemq.mqtt.packets import (
     CONNACK_ACCEPTED,
     CONNACK_BAD_USERNAME_OR_PASSWORD,
@@ -44,17 +44,44 @@ from filemq.mqtt.packets import (
     CONNACK_RETURN_CODE_NAMES,
     CONNACK_SERVER_UNAVAILABLE,
     CONNACK_UNACCEPTABLE_PROTOCOL_VERSION,
+    PROTOCOL_LEVEL_5,
+    RC_BAD_AUTHENTICATION_METHOD,
+    RC_PROTOCOL_ERROR,
     Connack,
     Connect,
+    Disconnect,
+    Properties,
     Publish,
 )
+from filemq.mqtt.properties import encode_message_headers
 from segments.record import Record
 
 if TYPE_CHECKING:
+    from filemq.broker.acl import ClientAcl
     from filemq.broker.auth import PasswordFile
     from filemq.queue.groups import ConsumerGroup
 
 log = logging.getLogger("filemq.broker")
+
+# 3.1.1 CONNACK return codes -> the MQTT 5 Connect Reason Codes that mean the same (3.2.2.2).
+_V5_REFUSALS = {
+    CONNACK_UNACCEPTABLE_PROTOCOL_VERSION: 0x84,
+    CONNACK_IDENTIFIER_REJECTED: 0x85,
+    CONNACK_SERVER_UNAVAILABLE: 0x88,
+    CONNACK_BAD_USERNAME_OR_PASSWORD: 0x86,
+    CONNACK_NOT_AUTHORIZED: 0x87,
+}
+
+
+def session_expiry(p: Connect) -> int | None:
+    """The session expiry interval a CONNECT asks for: None on 3.1.1 (a clean_session = 0
+    session never expires), else the property, absent = 0 (3.1.2.11.2)."""
+    if p.protocol_level != PROTOCOL_LEVEL_5:
+        return None
+    props = p.properties
+    if props is None or props.session_expiry_interval is None:
+        return 0
+    return props.session_expiry_interval
 
 
 def _check_password(conn: Connection, passwords: PasswordFile, user: str, password: bytes) -> bool:
@@ -68,26 +95,55 @@ def _check_password(conn: Connection, passwords: PasswordFile, user: str, passwo
 class ConnectMixin(CoreBase):
     """CONNECT, session ownership and lifecycle, session-file writes."""
 
+    # Set by BrokerCore.__init__: cid -> monotonic time its disconnected MQTT 5 session
+    # expires; cids of sessions holding a delayed will.
+    _expiring: dict[str, float]
+    _wills_waiting: set[str]
+
     # ---- CONNECT -------------------------------------------------------------------------
 
     def _refuse(self, conn: Connection, code: int, why: str) -> None:
+        """CONNACK ``code`` (a 3.1.1 return code; on MQTT 5 its Connect Reason Code, or a
+        reason code >= 0x80 given directly) and close."""
+        name = CONNACK_RETURN_CODE_NAMES.get(code, f"0x{code:02x}")
+        if conn.protocol_level == PROTOCOL_LEVEL_5:
+            code = _V5_REFUSALS.get(code, code)
         conn.send_packet(Connack(False, code))
-        conn.close(f"CONNECT refused ({CONNACK_RETURN_CODE_NAMES.get(code, code)}): {why}", will=False,
-                   level=logging.WARNING)
+        conn.close(f"CONNECT refused ({name}): {why}", will=False, level=logging.WARNING)
 
     def on_connect(self, conn: Connection, p: Connect) -> None:
-        if p.protocol_name != "MQTT" or p.protocol_level != 4:
+        if p.protocol_name != "MQTT" or p.protocol_level not in (4, PROTOCOL_LEVEL_5):
             self._refuse(conn, CONNACK_UNACCEPTABLE_PROTOCOL_VERSION,
-                         f"protocol {p.protocol_name!r} level {p.protocol_level}; only MQTT 3.1.1 (level 4)")
+                         f"protocol {p.protocol_name!r} level {p.protocol_level}; only MQTT 3.1.1 (level 4) "
+                         "and MQTT 5.0 (level 5)")
             return
+        v5 = p.protocol_level == PROTOCOL_LEVEL_5
+        if v5:
+            conn.protocol_level = PROTOCOL_LEVEL_5
+            conn.encode_packet = encode5
+            props = p.properties
+            if props is not None:
+                if props.authentication_method is not None:
+                    # No extended authentication is offered (3.1.2.11.9, 4.12).
+                    self._refuse(conn, RC_BAD_AUTHENTICATION_METHOD,
+                                 f"authentication method {props.authentication_method!r} is not supported")
+                    return
+                conn.client_max_packet = props.maximum_packet_size
+                conn.alias_max = props.topic_alias_maximum or 0
+                if props.receive_maximum is not None:
+                    # Never more unacknowledged QoS 1/2 PUBLISHes than the client takes (3.1.2.11.3).
+                    conn.max_inflight = min(conn.max_inflight, props.receive_maximum)
         conn.client_id = p.client_id
         conn.username = p.username
+        conn.assigned_id = False
         if not p.client_id:
-            if not p.clean_session:
+            if not p.clean_session and not v5:
                 self._refuse(conn, CONNACK_IDENTIFIER_REJECTED,
                              "zero-length client id needs clean_session = 1")
                 return
+            # MQTT 5: the server assigns one and returns it in CONNACK (MQTT-3.1.3-6/-7).
             conn.client_id = "filemq-" + secrets.token_hex(8)
+            conn.assigned_id = True
         if p.will_topic is not None:
             try:
                 validate_topic_name(p.will_topic)
@@ -102,7 +158,8 @@ class ConnectMixin(CoreBase):
                 conn.close(f"CONNECT refused: will payload of {len(p.will_payload)} bytes exceeds "
                            f"message_size_limit {limit}", will=False, level=logging.WARNING)
                 return
-            conn.will = Publish(p.will_topic, p.will_payload, p.will_qos, p.will_retain)
+            conn.will = Publish(p.will_topic, p.will_payload, p.will_qos, p.will_retain,
+                                properties=p.will_properties)
         keepalive = p.keepalive
         kmax = self.config.keepalive_max
         if kmax is not None and (keepalive == 0 or keepalive > kmax):
@@ -179,6 +236,10 @@ class ConnectMixin(CoreBase):
         conn.acl = self.acl.for_client(conn.username, cid)
         mem = self.sessions.get(cid)
         stored = self.store.load(cid) if mem is None else None
+        if (mem is not None or stored is not None) and self._expired(cid, stored):
+            # Its Session Expiry Interval elapsed and the tick has not released it yet.
+            self._discard_persistent(cid, "its session expiry interval elapsed")
+            mem = stored = None
         why = self._not_owner(conn, mem, stored)
         if why is not None:
             # Neither resumed nor discarded: a session belongs to the user who made it.
@@ -186,12 +247,19 @@ class ConnectMixin(CoreBase):
             return
         old = self.connections.get(cid)
         if old is not None and old is not conn:
-            # 3.1.4-2: the existing client is disconnected; it did not send DISCONNECT, so
-            # its will is published (3.1.2.5).
-            old.close(f"session taken over by a new connection from {conn.peer}", will=True)
+            # 3.1.4-2: the existing client is disconnected (MQTT 5: DISCONNECT 0x8E, session
+            # taken over, MQTT-3.1.4-3); it did not send DISCONNECT, so its will is published.
+            old.close(f"session taken over by a new connection from {conn.peer}", will=True, reason_code=0x8E)
+            if mem is not None and self.sessions.get(cid) is not mem:
+                mem = stored = None  # its session ended with it (MQTT 5 session expiry 0)
         present = adopted = False
+        # None: MQTT 3.1.1 (a persistent session never expires); MQTT 5: the interval, 0 = the
+        # session ends with the network connection (3.1.2.11.2).
+        expiry = session_expiry(p)
         if p.clean_session:
-            self._discard_persistent(cid)
+            self._discard_persistent(cid, "it connected with clean_session = 1 (Clean Start)")
+            mem = stored = None
+        if (p.clean_session and not expiry) or (expiry == 0 and mem is None and stored is None):
             state = SessionState(cid, persistent=False, owner=conn.username)
         else:
             if mem is not None:
@@ -202,7 +270,7 @@ class ConnectMixin(CoreBase):
                     present = True
                     for f, entry in stored.subscriptions.items():
                         share, plain = parse_share_key(f)
-                        state.subs[f] = Subscription(f, plain, share, entry.qos, entry.start)
+                        state.subs[f] = Subscription(f, plain, share, entry.qos, entry.start, 0, entry.options, entry.identifier)
                     state.qos2_in = dict.fromkeys(stored.qos2_inbound)
                     state.qos2_offsets = dict(stored.qos2_offsets)
                     state.qos2_loaded = set(stored.qos2_inbound)
@@ -217,16 +285,25 @@ class ConnectMixin(CoreBase):
                     if state.own_filters():
                         self._recreate_if_missing(cid, SESSION_GROUP_PREFIX + cid, state.own_filters())
                         state.group = self._group(SESSION_GROUP_PREFIX + cid, state.own_filters(), True)
+                    state.expiry, state.disconnected_at = stored.expiry, stored.disconnected_at
                     if not stored.owner_known:
                         log.warning("client %r: its session file has no owner (written by an older "
                                     "filemq); adopted by user %r", cid, conn.username)
                         adopted = True  # written below, with the owner
                 self.sessions[cid] = state
+            # MQTT 5 session expiry: the clock stops while connected; a delayed will of the
+            # session is not sent (MQTT-3.1.3-9).  The file says "connected" (and the new
+            # interval) before CONNACK: after a crash the interval never counts from an older
+            # close (never released early).
+            self._expiring.pop(cid, None)
+            self._cancel_will(state)
+            expiry_written = not present or (state.expiry == expiry and state.disconnected_at is None)
+            state.expiry, state.disconnected_at = expiry, None
             # A new session's file, or one auto-subscribe changed, is written before CONNACK
             # (so a reconnect after a crash reports session_present = 1), in a worker
             # thread; a write of this session already under way is waited for too.
             if (self._auto_subscribe(conn, state) or not present or adopted or state.save_running
-                    or state.save_next is not None):
+                    or state.save_next is not None or not expiry_written):
                 written = self._save_now(state)
                 if written.done():  # (a writer that runs inline, as in tests)
                     self._session_written(conn, state, p, present, written)
@@ -261,21 +338,62 @@ class ConnectMixin(CoreBase):
         cid = conn.client_id
         conn.session = state
         state.conn = conn
+        state.expiry = session_expiry(p)
         self.connections[cid] = conn
         conn.state = CONNECTED
-        conn.send_packet(Connack(present, CONNACK_ACCEPTED))
         self.stats.client_connected()
+        if conn.protocol_level == PROTOCOL_LEVEL_5:
+            conn.send_packet(Connack(present, CONNACK_ACCEPTED, self._connack_properties(conn, p)))
+            if conn.closed:
+                return  # the CONNACK does not fit the client's Maximum Packet Size (closed)
+        else:
+            conn.send_packet(Connack(present, CONNACK_ACCEPTED))
         for sub in state.subs.values():
             self._register(conn, state, sub)
         # 4.4: re-send unacknowledged PUBLISH (DUP) and PUBREL with their original ids.
         for pid, out in state.inflight.items():
             if out.stage == 0:
-                conn.send(encode(Publish(out.topic, out.payload, out.qos, out.retain, True, pid)))
+                conn.send(conn.publish_bytes(out.topic, out.payload, out.qos, True, pid, out.retain, out.headers))
             else:
                 conn.send(_ack(_PUBREL, pid))
         log.info("client %r connected from %s (clean_session=%s, keepalive=%d, session_present=%s)",
                  cid, conn.peer, p.clean_session, conn.keepalive, present)
         self.pump(conn)
+
+    def _connack_properties(self, conn: Connection, p: Connect) -> Properties:
+        """What an MQTT 5 CONNACK tells the client (3.2.2.3): the limits it must keep and the
+        features filemq offers, stated as they are."""
+        props = Properties(maximum_packet_size=conn.max_packet_size)
+        if self.config.receive_maximum < 65535:
+            props.receive_maximum = self.config.receive_maximum  # 3.2.2.3.3 (absent = 65535)
+        if self.config.topic_alias_maximum:
+            props.topic_alias_maximum = self.config.topic_alias_maximum  # 3.2.2.3.8 (absent = 0)
+        # No Response Information (3.1.2.11.6 allows it) and no Reason Strings at all, so
+        # Request Problem Information 0 (3.1.2.11.7) changes nothing we send.
+        if conn.assigned_id:
+            props.assigned_client_identifier = conn.client_id  # MQTT-3.2.2-16
+        if conn.keepalive != p.keepalive:
+            props.server_keep_alive = conn.keepalive  # keepalive_max applies (MQTT-3.2.2-21)
+        # Retained messages, wildcards and shared subscriptions are available (the defaults,
+        # 3.2.2.3.5/.11/.13), and so are subscription identifiers (3.2.2.3.12).
+        return props
+
+    def on_disconnect(self, conn: Connection, p: Disconnect) -> None:
+        """A client's DISCONNECT: normal (no will) or, MQTT 5, 0x04 "with will message"; an
+        MQTT 5 DISCONNECT may set a new session expiry interval (3.14.2.2.2)."""
+        state = conn.session
+        props = p.properties
+        if props is not None and props.session_expiry_interval is not None and state is not None:
+            if not state.expiry and props.session_expiry_interval:
+                raise ProtocolError("DISCONNECT sets a session expiry interval after CONNECT set 0 "
+                                    "(MQTT-3.14.2-2... 3.14.2.2.2)", "DISCONNECT", RC_PROTOCOL_ERROR)
+            self._set_expiry(state, props.session_expiry_interval)
+        with_will = conn.protocol_level == PROTOCOL_LEVEL_5 and p.reason_code == 0x04
+        conn.close(f"client sent DISCONNECT (reason 0x{p.reason_code:02x})", will=with_will, level=logging.INFO)
+
+    def _set_expiry(self, state: SessionState, expiry: int) -> None:
+        """A new session expiry interval from DISCONNECT; 0 ends the session with this connection."""
+        state.expiry = expiry
 
     def _auto_subscribe(self, conn: Connection, state: SessionState) -> bool:
         """Add the auto-subscribe rules' filters; True if any was new (to be written)."""
@@ -304,14 +422,110 @@ class ConnectMixin(CoreBase):
             self._update_groups(state)
         return changed
 
-    def _discard_persistent(self, cid: str) -> None:
+    def _discard_persistent(self, cid: str, why: str = "it connected with clean_session = 1") -> None:
         state = self.sessions.pop(cid, None)
+        self._expiring.pop(cid, None)
+        if state is not None and state.will_pending is not None:
+            self._will_due(state)  # the session ends: its delayed will is due (3.1.3.2.2)
         # Group first, file second: a crash in between leaves a session file whose group is
         # gone (harmless), never a group without a file holding back retention.
         dropped = self.queue.drop_group(SESSION_GROUP_PREFIX + cid)
         stored = self.store.delete(cid)
         if state is not None or stored or dropped:
-            log.info("client %r connected with clean_session = 1: its persistent session was discarded", cid)
+            log.info("client %r: its persistent session was discarded: %s", cid, why)
+
+    # ---- MQTT 5 session expiry and delayed wills -------------------------------------------
+
+    def _expired(self, cid: str, stored: StoredSession | None) -> bool:
+        """Whether the disconnected session of ``cid`` is past its Session Expiry Interval."""
+        due = self._expiring.get(cid)
+        if due is not None:
+            return due <= time.monotonic()
+        if stored is not None and stored.disconnected_at is not None:
+            now = time.time()
+            at = stored.expires_at(now)
+            return at is not None and at <= now
+        return False
+
+    def session_closed(self, state: SessionState) -> None:
+        """``state``'s connection closed and the session lives on: an MQTT 5 one starts its
+        expiry clock; the close time is written to its file (in a worker thread)."""
+        expiry = state.expiry
+        if expiry is None or expiry == 0:
+            return
+        state.disconnected_at = time.time()
+        if expiry != NEVER_EXPIRES:
+            self._expiring[state.client_id] = time.monotonic() + expiry
+        self._save_soon(state)
+
+    def release_expired_sessions(self) -> None:
+        """At start: release every stored session whose interval elapsed since its recorded
+        close (the broker was down meanwhile); the others expire at their time (tick).  A
+        session whose close was not written (kill -9) counts from now: late, never early."""
+        started, mono = time.time(), time.monotonic()
+        for stored in self.store.stored_sessions():
+            cid = stored.client_id
+            at = stored.expires_at(started)
+            if at is None or cid in self.sessions:
+                continue
+            if at <= started:
+                self._discard_persistent(cid, "its session expiry interval elapsed while the broker was down")
+            else:
+                self._expiring[cid] = mono + (at - started)
+
+    def expire_sessions(self, now: float) -> None:
+        """Release the disconnected sessions whose interval elapsed by ``now`` (monotonic) and
+        publish delayed wills that are due (tick)."""
+        for cid, due in list(self._expiring.items()):
+            if due <= now:
+                state = self.sessions.get(cid)
+                if state is not None and state.conn is not None:
+                    self._expiring.pop(cid, None)  # (resumed; not reached: CONNECT pops it)
+                    continue
+                self._discard_persistent(cid, "its session expiry interval elapsed")
+        for cid in list(self._wills_waiting):
+            state = self.sessions.get(cid)
+            pending = None if state is None else state.will_pending
+            if pending is None:
+                self._wills_waiting.discard(cid)
+            elif pending[2] <= now:
+                assert state is not None
+                self._will_due(state)
+
+    def hold_will(self, state: SessionState, will: Publish, acl: ClientAcl | None, delay: int) -> None:
+        """Keep ``will`` until its Will Delay Interval has passed (or the session ends)."""
+        state.will_pending = (will, acl, time.monotonic() + delay)
+        self._wills_waiting.add(state.client_id)
+
+    def _cancel_will(self, state: SessionState) -> None:
+        if state.will_pending is not None:
+            log.info("client %r: resumed its session within the will delay: its will is not sent", state.client_id)
+            state.will_pending = None
+        self._wills_waiting.discard(state.client_id)
+
+    def _will_due(self, state: SessionState) -> None:
+        pending, state.will_pending = state.will_pending, None
+        self._wills_waiting.discard(state.client_id)
+        if pending is not None:
+            self.publish_will(state.client_id, pending[0], pending[1])
+
+    def publish_will(self, cid: str, will: Publish, acl: ClientAcl | None) -> None:
+        """Store ``will`` with its will properties as the message's (3.1.3.2), as the client
+        could have published it (ACL; never to a $-topic)."""
+        if will.topic.startswith("$") or (acl is not None and not acl.can_publish(will.topic)):
+            log.warning("client %r: will to %r not published (ACL or $-topic)", cid, will.topic)
+            return
+        log.info("client %r: publishing its will to %r", cid, will.topic)
+        self.store_internal(will.topic, will.payload, will.qos, will.retain,
+                            encode_message_headers(will.properties))
+
+    def publish_pending_wills(self) -> None:
+        """Shutdown: delayed wills are published now rather than lost with the process."""
+        for cid in list(self._wills_waiting):
+            state = self.sessions.get(cid)
+            if state is not None:
+                self._will_due(state)
+        self._wills_waiting.clear()
 
     def _group(self, name: str, filters: tuple[str, ...], durable: bool) -> ConsumerGroup:
         group = self._group_factory(name, filters, durable)
@@ -431,12 +645,16 @@ class ConnectMixin(CoreBase):
         except OSError as exc:
             log.error("client %r: writing the session file failed: %s", state.client_id, exc)
 
-    def store_internal(self, topic: str, payload: bytes, qos: int, retain: bool) -> None:
-        """Store a message the broker itself publishes (a will); nobody waits for its ack."""
+    def store_internal(self, topic: str, payload: bytes, qos: int, retain: bool, headers: bytes = b"") -> None:
+        """Store a message the broker itself publishes (a will; ``headers``: its MQTT 5
+        message properties); nobody waits for its ack."""
         ts = time.time_ns() // 1000
         try:
-            offset, fut = self._append(topic, payload, qos, retain, ts)
+            if headers:
+                offset, fut = self._append(topic, payload, qos, retain, ts, headers=headers)
+            else:
+                offset, fut = self._append(topic, payload, qos, retain, ts)
         except (OSError, ValueError, RuntimeError) as exc:
             log.error("message to %r not stored: %s", topic, exc)
             return
-        self._track(Record(offset, ts, topic, payload, qos, retain), fut)
+        self._track(Record(offset, ts, topic, payload, qos, retain, headers), fut)

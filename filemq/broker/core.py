@@ -32,12 +32,12 @@ import asyncio
 import contextlib
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from filemq.broker.connect import ConnectMixin
 from filemq.broker.delivery import DeliveryMixin
 from filemq.broker.publish import PublishMixin
-from filemq.broker.session import AWAITING_CONNECT, Connection
+from filemq.broker.session import AWAITING_CONNECT, CONNECTED, Connection
 from filemq.broker.state import (
     CLEAN_GROUP_PREFIX,
     PERSIST_DELAY_S,
@@ -60,11 +60,15 @@ from filemq.common.topics import (
     validate_topic_name,
 )
 from filemq.mqtt.codec import publish_bytes
+from filemq.mqtt.packets import PROTOCOL_LEVEL_5
 
 if TYPE_CHECKING:
     pass
 
 log = logging.getLogger("filemq.broker")
+
+RC_SERVER_SHUTTING_DOWN = 0x8B
+RC_KEEP_ALIVE_TIMEOUT = 0x8D
 
 __all__ = [
     "BrokerCore",
@@ -92,10 +96,16 @@ class BrokerCore(ConnectMixin, SubscribeMixin, PublishMixin, DeliveryMixin):
     :mod:`.delivery`) over the shared state of :class:`~filemq.broker.base.CoreBase`;
     the periodic work ($SYS, session saves, shutdown) is here."""
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._expiring = {}
+        self._wills_waiting = set()
+
     # ---- periodic work ---------------------------------------------------------------------
 
     def tick(self, now: float | None = None) -> None:
-        """Once a second: keepalive and connect timeouts."""
+        """Once a second: keepalive and connect timeouts (MQTT 5: DISCONNECT 0x8D first),
+        MQTT 5 session expiry and delayed wills."""
         if now is None:
             now = time.monotonic()
         for conn in list(self.conns):
@@ -103,8 +113,35 @@ class BrokerCore(ConnectMixin, SubscribeMixin, PublishMixin, DeliveryMixin):
                 if conn.state == AWAITING_CONNECT:
                     conn.close(f"no CONNECT within {self.connect_timeout:.0f} s", will=False)
                 else:
-                    conn.close(f"keepalive expired (no packet for 1.5 x {conn.keepalive} s)", will=True)
+                    conn.close(f"keepalive expired (no packet for 1.5 x {conn.keepalive} s)", will=True,
+                               reason_code=RC_KEEP_ALIVE_TIMEOUT)
+        if self._expiring or self._wills_waiting:
+            self.expire_sessions(now)
         self.flush()
+
+    def on_close(self, conn: Connection, prev_state: str) -> None:
+        """A connection closed (delivery.py releases it); then, MQTT 5: the session's expiry
+        clock starts, and a will is published with its properties or held for its delay."""
+        will = conn.will if conn.publish_will and conn.protocol_level == PROTOCOL_LEVEL_5 else None
+        if will is not None:
+            conn.publish_will = False  # (published here, with its will properties)
+        super().on_close(conn, prev_state)
+        if prev_state != CONNECTED:
+            return
+        state = conn.session
+        alive = (state is not None and state.conn is None and state.persistent
+                 and self.sessions.get(state.client_id) is state)
+        if alive:
+            self.session_closed(state)
+        if will is None:
+            return
+        conn.publish_will = True
+        props = will.properties
+        delay = 0 if props is None or props.will_delay_interval is None else props.will_delay_interval
+        if delay and alive:
+            self.hold_will(state, will, conn.acl, delay)
+        else:
+            self.publish_will(conn.client_id, will, conn.acl)
 
     def publish_sys(self, messages: list[tuple[str, bytes]], *, replace: str | None = None) -> None:
         """Send ``$SYS`` messages (not stored in the log) to live subscribers as QoS 0.
@@ -128,6 +165,9 @@ class BrokerCore(ConnectMixin, SubscribeMixin, PublishMixin, DeliveryMixin):
                 if isinstance(target, Connection) and not target.closed:
                     acl = target.acl
                     if acl is not None and not acl.can_receive(topic):
+                        continue
+                    if target.protocol_level != 4:
+                        target.send(target.publish_bytes(topic, payload, 0, False, None))
                         continue
                     if data is None:
                         data = publish_bytes(topic, payload, 0, False, None)
@@ -168,8 +208,12 @@ class BrokerCore(ConnectMixin, SubscribeMixin, PublishMixin, DeliveryMixin):
             await asyncio.wait_for(self.session_writes_done(), 5.0)  # bounded: a stuck disk
 
     def close_all(self, reason: str) -> None:
+        """Shutdown: every client closed without its will (MQTT 5: DISCONNECT 0x8B first);
+        wills still waiting for their delay are published now (3.1.2.5 lets a server publish
+        them at shutdown), not lost with the process."""
         for conn in list(self.conns):
-            conn.close(reason, will=False)
+            conn.close(reason, will=False, reason_code=RC_SERVER_SHUTTING_DOWN)
+        self.publish_pending_wills()
         self.flush()
         if self._auth_pool is not None:
             self._auth_pool.shutdown(wait=False, cancel_futures=True)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -21,8 +22,10 @@ from filemq.broker.state import (
     SessionState,
     SharedGroup,
     _ack,
+    message_expiry,
 )
-from filemq.mqtt.codec import publish_bytes
+from filemq.mqtt.codec import publish_bytes, publish_bytes5
+from filemq.mqtt.packets import PROTOCOL_LEVEL_5
 from segments.record import Record
 
 if TYPE_CHECKING:
@@ -103,7 +106,11 @@ class DeliveryMixin(CoreBase):
     def _deliver(self, conn: Connection, state: SessionState, group: ConsumerGroup,
                  records: list[Record], share: str | None) -> None:
         """Send ``records`` (fetched from ``group`` for ``conn``) in one write; records no
-        subscription of ``conn`` takes (older than it, or denied by the ACL) are acked."""
+        subscription of ``conn`` takes (older than it, or denied by the ACL) are acked, and
+        so are expired ones (MQTT-3.3.2-5)."""
+        if conn.protocol_level == PROTOCOL_LEVEL_5:
+            self._deliver5(conn, state, group, records, share)
+            return
         acl = conn.acl
         # Every delivery is checked against the receiving user's read rights (cached per topic).
         check_acl = acl is not None and not acl.allow_all
@@ -112,6 +119,7 @@ class DeliveryMixin(CoreBase):
         ack = group.ack
         redelivered = group.redelivered
         parts: list[bytes] = []
+        now_us = 0
         for r in records:
             offset = r.offset
             topic = r.topic
@@ -119,21 +127,102 @@ class DeliveryMixin(CoreBase):
             if qos < 0 or (check_acl and not acl.can_receive(topic)):  # type: ignore[union-attr]
                 ack(offset)
                 continue
+            if r.headers:  # an MQTT 5 message: it may have expired (3.3.2.3.3)
+                now_us = now_us or time.time_ns() // 1000
+                if message_expiry(r.headers, r.timestamp_us, now_us) is None:
+                    ack(offset)
+                    continue
             if r.qos < qos:
                 qos = r.qos
             if qos == 0:
-                parts.append(publish_bytes(topic, r.payload, 0, False, None))
+                parts.append(publish_bytes(topic, r.payload, 0, False, None, False))
                 ack(offset)
                 continue
             pid = state.next_pid
             while pid in inflight:
                 pid = pid % 0xFFFF + 1
             state.next_pid = pid % 0xFFFF + 1
-            inflight[pid] = Outbound(offset, group, qos, topic, r.payload, share)
-            parts.append(publish_bytes(topic, r.payload, qos, redelivered(offset), pid))
+            # (headers kept: re-sent with them if the session resumes on MQTT 5)
+            inflight[pid] = Outbound(offset, group, qos, topic, r.payload, share, False, r.headers)
+            parts.append(publish_bytes(topic, r.payload, qos, redelivered(offset), pid, False))
         if parts:
             self.stats.publish_sent(len(parts))
             conn.send(parts[0] if len(parts) == 1 else b"".join(parts))
+
+    def _deliver5(self, conn: Connection, state: SessionState, group: ConsumerGroup,
+                  records: list[Record], share: str | None) -> None:
+        """:meth:`_deliver` to an MQTT 5 client: the record's headers with the remaining
+        expiry interval (MQTT-3.3.2-6) and the matching subscriptions' identifiers (3.3.4),
+        no local (MQTT-3.8.3-3), retain as published (MQTT-3.3.1-12/-13), and no PUBLISH
+        larger than the client's Maximum Packet Size (MQTT-3.1.2-25: discarded, acked)."""
+        acl = conn.acl
+        check_acl = acl is not None and not acl.allow_all
+        match = state.match5
+        inflight = state.inflight
+        ack = group.ack
+        redelivered = group.redelivered
+        publishers = self.publishers() if state.has_no_local() else None
+        cid = conn.client_id
+        limit = conn.client_max_packet
+        alias_max = conn.alias_max
+        parts: list[bytes] = []
+        now_us = time.time_ns() // 1000
+        for r in records:
+            offset = r.offset
+            topic = r.topic
+            own = publishers is not None and publishers.get(offset) == cid
+            qos, ids, keep_retain = match(topic, offset, share, r.retain, own)
+            if qos < 0 or (check_acl and not acl.can_receive(topic)):  # type: ignore[union-attr]
+                ack(offset)
+                continue
+            headers = r.headers
+            if headers:
+                expiring = message_expiry(headers, r.timestamp_us, now_us)
+                if expiring is None:
+                    ack(offset)
+                    continue
+                headers = expiring
+            if ids:
+                headers += ids
+            retain = keep_retain and r.retain
+            if r.qos < qos:
+                qos = r.qos
+            if qos == 0:
+                data = publish_bytes5(topic, r.payload, 0, False, None, retain, headers)
+                ack(offset)
+                if limit is not None and len(data) > limit:
+                    self._too_large(conn, topic, len(data), limit)
+                    continue
+                if alias_max:
+                    data = conn.aliased(data, topic, r.payload, 0, False, None, retain, headers, limit)
+                parts.append(data)
+                continue
+            pid = state.next_pid
+            while pid in inflight:
+                pid = pid % 0xFFFF + 1
+            data = publish_bytes5(topic, r.payload, qos, redelivered(offset), pid, retain, headers)
+            if limit is not None and len(data) > limit:
+                ack(offset)
+                self._too_large(conn, topic, len(data), limit)
+                continue
+            state.next_pid = pid % 0xFFFF + 1
+            # The properties as sent (expiry, identifiers), so a re-send after a reconnect
+            # (4.4) repeats them; onward delivery has started, so it is re-sent even if the
+            # message expires meanwhile.
+            inflight[pid] = Outbound(offset, group, qos, topic, r.payload, share, retain, headers)
+            if alias_max:
+                data = conn.aliased(data, topic, r.payload, qos, data[0] & 0x08 != 0, pid, retain, headers, limit)
+            parts.append(data)
+        if parts:
+            self.stats.publish_sent(len(parts))
+            conn.send(parts[0] if len(parts) == 1 else b"".join(parts))
+
+    dropped_too_large = 0  # PUBLISHes not sent: larger than the client's Maximum Packet Size
+
+    def _too_large(self, conn: Connection, topic: str, size: int, limit: int) -> None:
+        self.dropped_too_large += 1
+        log.warning("client %r: PUBLISH to %r of %d bytes not sent: over its Maximum Packet Size %d "
+                    "(MQTT-3.1.2-25); discarded as delivered", conn.client_id, topic, size, limit)
 
     def on_puback(self, conn: Connection, pid: int) -> None:
         self.on_pubacks(conn, (pid,))
@@ -157,12 +246,24 @@ class DeliveryMixin(CoreBase):
                 self._acked = True
         self._to_pump.add(conn)
 
-    def on_pubrec(self, conn: Connection, pid: int) -> None:
+    def on_pubrec(self, conn: Connection, pid: int, reason_code: int = 0) -> None:
         state = conn.session
         assert state is not None
         out = state.inflight.get(pid)
         if out is not None and out.qos != 2:
             self._wrong_ack(conn, "PUBREC", pid, out)
+            return
+        if reason_code >= 0x80:
+            # MQTT 5: a PUBREC with a failure reason code ends the exchange; no PUBREL is sent
+            # and the packet id is free again (4.3.3, MQTT-4.3.3-4 / 4.9: the quota returns).
+            if out is not None and out.stage == 0:
+                del state.inflight[pid]
+                if out.group is not None:
+                    out.group.ack(out.offset)
+                    self._acked = True
+                log.info("client %r: PUBREC 0x%02x for packet id %d: the receiver refused the message",
+                         conn.client_id, reason_code, pid)
+                self._to_pump.add(conn)
             return
         if out is not None and out.stage == 0:
             out.stage = 1
@@ -258,7 +359,10 @@ class DeliveryMixin(CoreBase):
                 self._unregister(conn, sub)
             for name in state.share_names():
                 self._leave_share(conn, state, name)
-            if state.persistent:
+            if state.persistent and state.expiry == 0 and self.sessions.get(cid) is state:
+                # MQTT 5 session expiry 0: the session ends with its network connection (3.1.2.11.2).
+                self._discard_persistent(cid)
+            elif state.persistent:
                 if state.save_due:
                     self._save_session(state)
             elif state.group is not None:

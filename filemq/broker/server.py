@@ -86,6 +86,10 @@ class HalfOpen:
         return True
 
 
+LINGER_S = 2.0
+"""Seconds a closed connection keeps reading (and discarding) after its last packet."""
+
+
 class _MQTTProtocol(asyncio.Protocol):
     """Bytes between one socket and its :class:`Connection`."""
 
@@ -134,7 +138,26 @@ class _MQTTProtocol(asyncio.Protocol):
         self.conn = conn
         self.transport = transport
         conn.reading_changed = self._update_reading
+        conn.linger_close = self._linger_close
         core.new_connection(conn)
+
+    def _linger_close(self) -> None:
+        """Close after the last packet (a refusal CONNACK, a DISCONNECT with a reason code):
+        end our side (EOF) and keep reading, discarding, for up to :data:`LINGER_S`, so that
+        what the client sends meanwhile (e.g. a PUBREL) does not make our kernel answer RST
+        and the client's kernel drop the reason code unread.  TLS has no half-close: closed
+        at once there."""
+        transport = self.transport
+        if transport is None:
+            return
+        if not transport.can_write_eof():
+            transport.close()
+            return
+        transport.write_eof()
+        if not self.reading:
+            self.reading = True
+            transport.resume_reading()
+        asyncio.get_running_loop().call_later(LINGER_S, transport.close)
 
     def _update_reading(self) -> None:
         """Read from the socket only while the connection can take input: not while its
@@ -304,6 +327,9 @@ class Broker:
             acl=acl, passwords=passwords, publish_hook=self.publish_hook,
         )
         self.core = core
+        # MQTT 5 sessions whose expiry interval elapsed while the broker was down are
+        # released now; the others' clocks run on (docs/DURABILITY.md).
+        core.release_expired_sessions()
         core.retained_ready = False  # until the background rebuild below is done
         self.recovery_seconds = time.perf_counter() - started
         loop = asyncio.get_running_loop()

@@ -24,15 +24,21 @@ What a caller may rely on:
 
 from __future__ import annotations
 
+import errno
 import logging
 import time
 from collections import deque
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
-from filemq.mqtt.codec import Decoder, ProtocolError, encode
+from filemq.mqtt.codec import Decoder, ProtocolError, encode, encode5, publish_bytes, publish_bytes5
 from filemq.mqtt.packets import (
+    CONNACK_REASON_CODES,
     CONNACK_SERVER_UNAVAILABLE,
+    PROTOCOL_LEVEL_5,
+    RC_PROTOCOL_ERROR,
+    RC_TOPIC_ALIAS_INVALID,
+    Auth,
     Connack,
     Connect,
     Disconnect,
@@ -45,6 +51,7 @@ from filemq.mqtt.packets import (
     Subscribe,
     Unsubscribe,
 )
+from segments.errors import DiskFull
 
 if TYPE_CHECKING:
     import asyncio
@@ -63,10 +70,23 @@ PINGRESP = b"\xd0\x00"
 # a 1 MiB "CONNECT" (issue 10 item 9).
 MAX_CONNECT_PACKET = 5 + 10 + 5 * (2 + 65535)
 
+RC_RECEIVE_MAXIMUM_EXCEEDED = 0x93
+RC_QUOTA_EXCEEDED = 0x97
+_PUBACK_PUBCOMP = (0x40, 0x70)  # first bytes of PUBACK / PUBCOMP in ``pending_acks`` (PUBREC: 0x50)
+
 AWAITING_CONNECT = "awaiting-connect"
 AUTHENTICATING = "authenticating"
 CONNECTED = "connected"
 CLOSED = "closed"
+
+
+def refusal_code(exc: BaseException | None) -> int:
+    """The MQTT 5 PUBACK/PUBREC reason code for a PUBLISH the log refused or failed to commit:
+    0x97 (quota exceeded) when the file system is full (below ``min_free_bytes``, ENOSPC,
+    EDQUOT), 0x80 (unspecified error) for any other error (3.4.2.1)."""
+    if isinstance(exc, DiskFull) or (isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)):
+        return 0x97
+    return 0x80
 
 
 class Transport(Protocol):
@@ -96,7 +116,7 @@ class Core(Protocol):
 
     def on_pubacks(self, conn: Connection, pids: Sequence[int]) -> None: ...
 
-    def on_pubrec(self, conn: Connection, pid: int) -> None: ...
+    def on_pubrec(self, conn: Connection, pid: int, reason_code: int = 0) -> None: ...
 
     def on_pubrel(self, conn: Connection, pid: int) -> None: ...
 
@@ -108,6 +128,8 @@ class Core(Protocol):
 
     def on_close(self, conn: Connection, prev_state: str) -> None: ...
 
+    def on_disconnect(self, conn: Connection, p: Disconnect) -> None: ...
+
 
 class Connection:
     """One client connection: protocol state, inbound acks waiting for commit, output buffer."""
@@ -116,7 +138,9 @@ class Connection:
         "core", "peer", "transport", "decoder", "state", "out", "client_id", "username",
         "keepalive", "last_rx", "will", "session", "acl", "pending_acks", "closed",
         "close_reason", "publish_will", "paused", "max_inflight", "last_batch",
-        "connected_at", "max_packet_size", "reading_changed", "identity",
+        "connected_at", "max_packet_size", "reading_changed", "identity", "protocol_level",
+        "encode_packet", "assigned_id", "client_max_packet", "linger_close", "alias_max",
+        "out_aliases", "topic_aliases",
     )
 
     def __init__(
@@ -160,6 +184,25 @@ class Connection:
         self.reading_changed: Callable[[], None] | None = None
         self.max_inflight = max_inflight
         self.last_batch: asyncio.Future[None] | None = None  # the commit batch it last joined
+        # 4 (MQTT 3.1.1) until an MQTT 5.0 CONNECT is accepted; then 5, with the MQTT 5 encoder.
+        self.protocol_level = 4
+        self.encode_packet: Callable[[Any], bytes] = encode
+        self.assigned_id = False  # MQTT 5: the server assigned the client id (CONNACK says it)
+        # MQTT 5: the Maximum Packet Size the client stated in CONNECT (None: the protocol's
+        # limit); no packet larger than it may be sent to it (MQTT-3.1.2-24).
+        self.client_max_packet: int | None = None
+        # Set by the asyncio shell: closes the transport once the peer has had time to read
+        # the last bytes (a refusal CONNACK or a DISCONNECT with its reason code) instead of
+        # at once, so packets the peer sends meanwhile do not reset the connection and
+        # discard them unread (a lingering close).  None: close at once.
+        self.linger_close: Callable[[], None] | None = None
+        # MQTT 5 topic aliases broker -> client (3.3.2.3.4): the client's Topic Alias Maximum
+        # (0: none) and the aliases given so far on this network connection, topic -> alias.
+        self.alias_max = 0
+        self.out_aliases: dict[str, int] = {}
+        # MQTT 5: topic aliases the client set on this connection (alias -> topic, 3.3.2.3.4);
+        # they die with the connection.
+        self.topic_aliases: dict[int, str] | None = None
 
     def __repr__(self) -> str:
         return f"Connection({self.client_id!r}, peer={self.peer}, state={self.state})"
@@ -193,7 +236,8 @@ class Connection:
         try:
             self.decoder.feed(data)
         except ProtocolError as exc:
-            self.close(f"protocol error: {exc.reason}", will=True, level=logging.WARNING)
+            self.close(f"protocol error: {exc.reason}", will=True, level=logging.WARNING,
+                       reason_code=exc.reason_code)
             return
         if self.state != CONNECTED:
             self._receive_before_connack()
@@ -204,7 +248,8 @@ class Connection:
         try:
             packets = self.decoder.packets()
         except ProtocolError as exc:
-            self.close(f"protocol error: {exc.reason}", will=True, level=logging.WARNING)
+            self.close(f"protocol error: {exc.reason}", will=True, level=logging.WARNING,
+                       reason_code=exc.reason_code)
             return
         try:
             self.handle_packets(packets)
@@ -223,6 +268,11 @@ class Connection:
                     break
                 self.handle_packets((packet,))
         except ProtocolError as exc:
+            if self.protocol_level == PROTOCOL_LEVEL_5 and self.state == AWAITING_CONNECT:
+                # An MQTT 5 CONNECT refused for a malformed or invalid field: CONNACK with the
+                # reason code, then close (4.13.1, MQTT-3.2.2-7).
+                code = exc.reason_code if exc.reason_code in CONNACK_REASON_CODES else RC_PROTOCOL_ERROR
+                self.send_packet(Connack(False, code))
             self.close(f"protocol error: {exc.reason}", will=False, level=logging.WARNING)
             return
         except Exception as exc:
@@ -247,6 +297,8 @@ class Connection:
                 if type(packet) is Publish:
                     if self.state != CONNECTED:
                         raise ProtocolError("PUBLISH before CONNECT")
+                    if self.protocol_level == PROTOCOL_LEVEL_5:
+                        self._inbound5(packet)
                     core.on_publish(self, packet)
                 elif type(packet) is Puback:
                     self._require_connected("PUBACK")
@@ -254,12 +306,12 @@ class Connection:
                 elif type(packet) is Connect:
                     if self.state != AWAITING_CONNECT:
                         raise ProtocolError("second CONNECT on one connection")
-                    if self._server_full(packet.client_id):
+                    if self._server_full(packet.client_id, packet.protocol_level):
                         return
                     core.on_connect(self, packet)
                 elif type(packet) is Pubrec:
                     self._require_connected("PUBREC")
-                    core.on_pubrec(self, packet.packet_id)
+                    core.on_pubrec(self, packet.packet_id, packet.reason_code)
                 elif type(packet) is Pubrel:
                     self._require_connected("PUBREL")
                     core.on_pubrel(self, packet.packet_id)
@@ -277,27 +329,75 @@ class Connection:
                     self.send(PINGRESP)
                 elif type(packet) is Disconnect:
                     self._require_connected("DISCONNECT")
-                    self.close("client sent DISCONNECT", will=False, level=logging.INFO)
+                    core.on_disconnect(self, packet)
                     return
+                elif type(packet) is Auth:
+                    # filemq offers no extended authentication: a CONNECT with an authentication
+                    # method is refused (0x8C), so an AUTH is never part of an exchange the
+                    # client may have started (3.15, MQTT-4.12.0-2/-6).
+                    raise ProtocolError("AUTH without an authentication method accepted in CONNECT (4.12)",
+                                        "AUTH", RC_PROTOCOL_ERROR)
                 else:  # pragma: no cover - the server-side decoder yields only the types above
                     raise ProtocolError(f"unexpected packet {type(packet).__name__}")
             except ProtocolError as exc:
-                self.close(f"protocol error: {exc.reason}", will=True, level=logging.WARNING)
+                self.close(f"protocol error: {exc.reason}", will=True, level=logging.WARNING,
+                           reason_code=exc.reason_code)
                 return
+
+    def _inbound5(self, p: Publish) -> None:
+        """An MQTT 5 PUBLISH before the core sees it: its topic alias resolved (3.3.2.3.4) and
+        the client's unacknowledged QoS 1/2 PUBLISHes checked against our Receive Maximum
+        (3.2.2.3.3, MQTT-3.3.4-7..9).  Raises :class:`ProtocolError` with the reason code."""
+        props = p.properties
+        if props is not None and props.topic_alias is not None:
+            alias = props.topic_alias
+            limit = self.core.config.topic_alias_maximum
+            if not 0 < alias <= limit:
+                raise ProtocolError(f"topic alias {alias} outside 1..{limit} (MQTT-3.3.2-9/-10)", "PUBLISH",
+                                    RC_TOPIC_ALIAS_INVALID)
+            aliases = self.topic_aliases
+            if p.topic:
+                if aliases is None:
+                    aliases = self.topic_aliases = {}
+                aliases[alias] = p.topic
+            else:
+                topic = None if aliases is None else aliases.get(alias)
+                if topic is None:
+                    raise ProtocolError(f"topic alias {alias} was never set on this connection (3.3.2.3.4)",
+                                        "PUBLISH", RC_PROTOCOL_ERROR)
+                p.topic = topic
+        if p.qos:
+            limit = self.core.config.receive_maximum
+            qos2_in = self.session.qos2_in
+            # Unacknowledged: QoS 1 whose PUBACK waits in pending_acks, QoS 2 ids before PUBREL
+            # (qos2_in) and after it while the PUBCOMP waits (for the session write).  Cheap
+            # upper bound first (pending acks + qos2_in); counted exactly only near the limit.
+            if len(self.pending_acks) + len(qos2_in) >= limit and not (p.qos == 2 and p.packet_id in qos2_in):
+                waiting = sum(1 for _, ack, _ in self.pending_acks if ack[0] in _PUBACK_PUBCOMP)
+                if waiting + len(qos2_in) >= limit:
+                    raise ProtocolError(f"more than Receive Maximum ({limit}) unacknowledged QoS 1/2 PUBLISHes "
+                                        "(3.2.2.3.3)", "PUBLISH", RC_RECEIVE_MAXIMUM_EXCEEDED)
 
     def _require_connected(self, name: str) -> None:
         if self.state != CONNECTED:
             raise ProtocolError(f"{name} before CONNECT (the first packet must be CONNECT)")
 
-    def _server_full(self, client_id: str) -> bool:
-        """Refuse a CONNECT with CONNACK 3 when ``max_connections`` clients are connected
+    def _server_full(self, client_id: str, protocol_level: int = 4) -> bool:
+        """Refuse a CONNECT with CONNACK 3 (MQTT 5: 0x97) when ``max_connections`` clients are connected
         (a client taking over its own id does not add one).  Half-open connections do not
         count: they are capped apart (``max_connecting``, in the asyncio shell)."""
         core = self.core
         limit = core.config.max_connections
         if len(core.connections) < limit or client_id in core.connections:
             return False
-        self.send_packet(Connack(False, CONNACK_SERVER_UNAVAILABLE))
+        if protocol_level == PROTOCOL_LEVEL_5:
+            # 3.2.2.2: 0x97 Quota exceeded, "an implementation or administrative imposed
+            # limit" -- what max_connections is (0x89 Server busy suggests a passing state).
+            self.protocol_level = PROTOCOL_LEVEL_5
+            self.encode_packet = encode5
+            self.send_packet(Connack(False, RC_QUOTA_EXCEEDED))
+        else:
+            self.send_packet(Connack(False, CONNACK_SERVER_UNAVAILABLE))
         self.close(f"CONNECT refused (server unavailable): max_connections ({limit}) clients connected",
                    will=False, level=logging.WARNING)
         return True
@@ -320,7 +420,62 @@ class Connection:
             self.core.mark_dirty(self)
 
     def send_packet(self, packet: object) -> None:
-        self.send(encode(packet))  # type: ignore[arg-type]
+        """Encode ``packet`` at this connection's protocol level and queue it.
+
+        MQTT 5: never larger than the client's Maximum Packet Size (MQTT-3.1.2-24): optional
+        properties are left out (Reason String and User Properties, MQTT-3.2.2-19/-20; a
+        CONNACK's Topic Alias Maximum: absent = 0, the client then asks less of us); a packet
+        that still does not fit is not sent and the connection is closed.  (PUBLISH
+        deliveries do not come through here.)"""
+        data = self.encode_packet(packet)
+        limit = self.client_max_packet
+        if limit is not None and len(data) > limit:
+            props = getattr(packet, "properties", None)
+            if props is not None:
+                props.reason_string = None
+                props.user_properties = []
+                if type(packet) is Connack:
+                    props.topic_alias_maximum = None
+                data = self.encode_packet(packet)
+            if len(data) > limit:
+                log.warning("client %r from %s: %s of %d bytes not sent: larger than its Maximum Packet Size %d",
+                            self.client_id, self.peer, type(packet).__name__, len(data), limit)
+                if not self.closed:
+                    self.close(f"a {type(packet).__name__} does not fit its Maximum Packet Size {limit}",
+                               will=False, level=logging.WARNING)
+                return
+        self.send(data)
+
+    def publish_bytes(self, topic: str, payload: bytes, qos: int, dup: bool, packet_id: int | None,
+                      retain: bool = False, headers: bytes = b"") -> bytes:
+        """A PUBLISH to this client at its protocol level; ``headers`` (a record's stored MQTT 5
+        message properties) go on the MQTT 5 wire only."""
+        if self.protocol_level == PROTOCOL_LEVEL_5:
+            if self.alias_max:
+                alias = self.out_aliases.get(topic)
+                if alias is not None:  # only aliases the client already has (never assigned here)
+                    return publish_bytes5("", payload, qos, dup, packet_id, retain,
+                                          headers + bytes((0x23, alias >> 8, alias & 0xFF)))
+            return publish_bytes5(topic, payload, qos, dup, packet_id, retain, headers)
+        return publish_bytes(topic, payload, qos, dup, packet_id, retain)
+
+    def aliased(self, data: bytes, topic: str, payload: bytes, qos: int, dup: bool, packet_id: int | None,
+                retain: bool, headers: bytes, limit: int | None) -> bytes:
+        """``data`` (the MQTT 5 PUBLISH about to be sent, which fits ``limit``) with a topic
+        alias when the client takes them (3.3.2.3.4): the topic's alias and an empty topic
+        once it has one; the first PUBLISH of a topic carries the topic and assigns the next
+        free alias, while the client's Topic Alias Maximum allows (then topics stay unaliased:
+        aliases are never reassigned).  Called only for a packet that is sent, so the client
+        always knows an alias before it is used alone."""
+        alias = self.out_aliases.get(topic)
+        if alias is not None:
+            return publish_bytes5("", payload, qos, dup, packet_id, retain,
+                                  headers + bytes((0x23, alias >> 8, alias & 0xFF)))
+        if len(self.out_aliases) >= self.alias_max or (limit is not None and len(data) + 3 > limit):
+            return data
+        alias = self.out_aliases[topic] = len(self.out_aliases) + 1
+        return publish_bytes5(topic, payload, qos, dup, packet_id, retain,
+                              headers + bytes((0x23, alias >> 8, alias & 0xFF)))
 
     def data_to_send(self) -> bytes:
         """Everything queued for the peer since the last call (possibly empty)."""
@@ -340,8 +495,11 @@ class Connection:
     def ack_ready(self) -> bool:
         """Move acks whose commits resolved to the output, in order.
 
-        Returns False (and closes the connection) if a commit failed: the client gets no
-        acknowledgement and will re-send after reconnecting.
+        MQTT 3.1.1: returns False (and closes the connection) if a commit failed: the client
+        gets no acknowledgement and will re-send after reconnecting.  MQTT 5: a PUBACK/PUBREC
+        whose commit failed leaves with the reason code of :func:`refusal_code` (0x97 on a full
+        disk, else 0x80) and the connection stays (issue 13 item 6); any other ack (a PUBCOMP
+        waiting for a session-file write) still closes.
         """
         acks = self.pending_acks
         parts: list[bytes] = []
@@ -352,6 +510,13 @@ class Connection:
                     break
                 if future.cancelled() or future.exception() is not None:
                     exc = None if future.cancelled() else future.exception()
+                    if self.protocol_level == PROTOCOL_LEVEL_5 and ack[0] in (0x40, 0x50):
+                        acks.popleft()
+                        code = refusal_code(exc)
+                        log.error("client %r: storing a PUBLISH failed (%r): %s 0x%02x", self.client_id, exc,
+                                  "PUBACK" if ack[0] == 0x40 else "PUBREC", code)
+                        parts.append(bytes((ack[0], 3, ack[2], ack[3], code)))
+                        continue
                     acks.clear()
                     if parts:
                         self.send(b"".join(parts))
@@ -366,10 +531,16 @@ class Connection:
 
     # ---- closing -----------------------------------------------------------------------
 
-    def close(self, reason: str, *, will: bool, level: int = logging.INFO) -> None:
-        """Close this connection (once): log why, tell the core, close the transport."""
+    def close(self, reason: str, *, will: bool, level: int = logging.INFO, reason_code: int | None = None) -> None:
+        """Close this connection (once): log why, tell the core, close the transport.
+
+        On an MQTT 5 connection past CONNACK, ``reason_code`` (a DISCONNECT reason code, e.g.
+        0x81 Malformed Packet, 0x82 Protocol Error, 0x93, 0x95) is sent in a DISCONNECT first
+        (4.13.2, MQTT-4.13.2-1)."""
         if self.closed:
             return
+        if reason_code is not None and self.protocol_level == PROTOCOL_LEVEL_5 and self.state == CONNECTED:
+            self.send_packet(Disconnect(reason_code))
         self.closed = True
         self.close_reason = reason
         self.publish_will = will and self.will is not None and self.state == CONNECTED
@@ -381,6 +552,9 @@ class Connection:
             data = self.data_to_send()
             if data:
                 self.transport.write(data)
+                if self.linger_close is not None:
+                    self.linger_close()
+                    return
             self.transport.close()
 
     def connection_lost(self, reason: str = "connection lost") -> None:

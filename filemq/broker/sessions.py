@@ -7,6 +7,8 @@ a reader sees the old or the new version after a crash, never a mix.  What it ho
 * ``subscriptions``: filter -> ``{"qos", "start"}``; ``start`` is the log offset from which
   the subscription receives records (the log's next offset at SUBSCRIBE time), so a filter
   added later to a session whose consumer group is behind does not pull in older records.
+  MQTT 5 adds ``"options"`` (the subscription options byte without its QoS bits) and ``"id"``
+  (the subscription identifier), each only when not 0; absent means 0 (files before them).
 * ``owner``: the username (``null`` for anonymous) of the client that created the session.
   Only that user may resume or discard it; another user with the same client id is refused
   (CONNACK 0x05).  A file written before this field existed has no owner: the first client
@@ -25,6 +27,12 @@ a reader sees the old or the new version after a crash, never a mix.  What it ho
   its removal at PUBCOMP is written soon after, not waited for (a stale id only costs a
   PUBREL the client answers with PUBCOMP, MQTT-4.3.3).  On reconnect the broker re-sends PUBREL for each.
   The broker writes in a worker thread (:meth:`SessionStore.write`), never on the event loop.
+* ``expiry`` and ``disconnected_at`` (format 2 only; an MQTT 5 session with a Session Expiry
+  Interval, 3.1.2.11.2): the interval in seconds (0xFFFFFFFF = never) and the wall-clock time
+  (Unix seconds) its connection closed, ``null`` while connected or when the close was not
+  written (kill -9): then the interval counts from the broker's next start, never from an
+  older time, so a session is never released early.  A file without them (format 1, every
+  MQTT 3.1.1 session, byte for byte as before) never expires.
 
 The message backlog is not here: it stays in the log, behind the session's consumer group
 (:mod:`filemq.queue.groups`).  Writes happen on SUBSCRIBE/UNSUBSCRIBE and on QoS 2 traffic, never
@@ -49,15 +57,46 @@ from segments.fileio import OS_FILE_IO, FileIO, atomic_write
 log = logging.getLogger(__name__)
 
 SESSIONS_DIR = "sessions"
+# Written when the session has an MQTT 5 expiry interval; format 1 files load as before.
+SESSION_FORMAT_EXPIRY = 2
+NEVER_EXPIRES = 0xFFFFFFFF
 SESSION_FORMAT = 1
 
 
 @dataclass(slots=True)
 class StoredSubscription:
-    """One durable subscription: requested-and-granted QoS and the first offset it receives."""
+    """One durable subscription: requested-and-granted QoS and the first offset it receives;
+    MQTT 5 also its subscription options without the QoS bits (no local, retain as published,
+    retain handling, 3.8.3.1) and its subscription identifier (0: none, 3.8.2.1.2)."""
 
     qos: int
     start: int
+    options: int = 0
+    identifier: int = 0
+
+    def to_dict(self) -> dict[str, int]:
+        """The JSON entry: ``options`` and ``id`` only when set, so a 3.1.1 session's file is
+        as before and older releases (which ignore unknown keys) still read it."""
+        entry = {"qos": self.qos, "start": self.start}
+        if self.options:
+            entry["options"] = self.options
+        if self.identifier:
+            entry["id"] = self.identifier
+        return entry
+
+    @classmethod
+    def from_dict(cls, sub: dict[str, Any]) -> StoredSubscription | None:
+        """Parse an entry (None: invalid); a file without ``options``/``id`` loads with 0."""
+        options = sub.get("options", 0)
+        identifier = sub.get("id", 0)
+        if (
+            sub.get("qos") not in (0, 1, 2)
+            or not isinstance(sub.get("start"), int) or sub["start"] < 0
+            or not isinstance(options, int) or not 0 <= options <= 0xFF or options & 0x03
+            or not isinstance(identifier, int) or not 0 <= identifier <= 268_435_455
+        ):
+            return None
+        return cls(sub["qos"], sub["start"], options, identifier)
 
 
 @dataclass(slots=True)
@@ -73,20 +112,27 @@ class StoredSession:
     owner_known: bool = True  # False: a file from before owners were recorded
     # Outbound QoS 2 ids whose PUBREC arrived and whose PUBCOMP has not: PUBREL is re-sent.
     qos2_outbound: set[int] = field(default_factory=set)
+    # MQTT 5 Session Expiry Interval in seconds (None: never, MQTT 3.1.1 / format 1) and the
+    # wall-clock time its connection closed (None: connected, or the close was never written).
+    expiry: int | None = None
+    disconnected_at: float | None = None
 
     def to_json(self) -> bytes:
         body: dict[str, Any] = {
-            "format": SESSION_FORMAT,
+            "format": SESSION_FORMAT if self.expiry is None else SESSION_FORMAT_EXPIRY,
             "client_id": self.client_id,
             "owner": self.owner,
             "subscriptions": {
-                f: {"qos": s.qos, "start": s.start} for f, s in sorted(self.subscriptions.items())
+                f: s.to_dict() for f, s in sorted(self.subscriptions.items())
             },
             "qos2_inbound": sorted(self.qos2_inbound),
             "qos2_offsets": {str(pid): off for pid, off in sorted(self.qos2_offsets.items())},
         }
         if self.qos2_outbound:
             body["qos2_outbound"] = sorted(self.qos2_outbound)
+        if self.expiry is not None:
+            body["expiry"] = self.expiry
+            body["disconnected_at"] = self.disconnected_at
         return json.dumps(body, ensure_ascii=True, separators=(",", ":")).encode("ascii") + b"\n"
 
     @classmethod
@@ -96,7 +142,7 @@ class StoredSession:
             raw = json.loads(data)
         except ValueError as exc:
             raise CorruptSession(path, f"not JSON ({exc})") from None
-        if not isinstance(raw, dict) or raw.get("format") != SESSION_FORMAT:
+        if not isinstance(raw, dict) or raw.get("format") not in (SESSION_FORMAT, SESSION_FORMAT_EXPIRY):
             raise CorruptSession(path, "not a filemq session file (format field missing or unknown)")
         client_id = raw.get("client_id")
         subs = raw.get("subscriptions")
@@ -112,14 +158,10 @@ class StoredSession:
                 validate_topic_filter(plain)
             except InvalidTopic as exc:
                 raise CorruptSession(path, f"bad filter: {exc}") from None
-            if (
-                not isinstance(sub, dict)
-                or sub.get("qos") not in (0, 1, 2)
-                or not isinstance(sub.get("start"), int)
-                or sub["start"] < 0
-            ):
+            entry = StoredSubscription.from_dict(sub) if isinstance(sub, dict) else None
+            if entry is None:
                 raise CorruptSession(path, f"bad subscription entry for {topic_filter!r}")
-            session.subscriptions[topic_filter] = StoredSubscription(sub["qos"], sub["start"])
+            session.subscriptions[topic_filter] = entry
         for pid in ids:
             if not isinstance(pid, int) or not 0 < pid <= 0xFFFF:
                 raise CorruptSession(path, f"bad QoS 2 packet id {pid!r}")
@@ -138,7 +180,23 @@ class StoredSession:
             if not isinstance(pid, int) or not 0 < pid <= 0xFFFF:
                 raise CorruptSession(path, f"bad outbound QoS 2 packet id {pid!r}")
             session.qos2_outbound.add(pid)
+        if raw["format"] == SESSION_FORMAT_EXPIRY:
+            expiry, at = raw.get("expiry"), raw.get("disconnected_at")
+            if not isinstance(expiry, int) or isinstance(expiry, bool) or not 0 <= expiry <= NEVER_EXPIRES:
+                raise CorruptSession(path, f"bad expiry {expiry!r}")
+            if at is not None and (not isinstance(at, (int, float)) or isinstance(at, bool) or at < 0):
+                raise CorruptSession(path, f"bad disconnected_at {at!r}")
+            session.expiry = expiry
+            session.disconnected_at = None if at is None else float(at)
         return session
+
+    def expires_at(self, started: float) -> float | None:
+        """When (wall clock) this session expires if nobody resumes it, for a broker started at
+        ``started``: None never; a close that was not written counts from ``started``."""
+        if self.expiry is None or self.expiry == NEVER_EXPIRES:
+            return None
+        since = self.disconnected_at if self.disconnected_at is not None else started
+        return since + self.expiry
 
 
 @dataclass(frozen=True, slots=True)
@@ -239,6 +297,14 @@ class SessionStore:
             self._fileio.unlink(path)
             self._fileio.fsync_dir(self.directory)
             return True
+
+    def stored_sessions(self) -> Iterator[StoredSession]:
+        """Every readable stored session (start-up: sessions whose expiry runs)."""
+        for path in sorted(self.directory.glob("*.json")):
+            try:
+                yield StoredSession.from_json(path.read_bytes(), str(path))
+            except (OSError, CorruptSession):
+                continue
 
     def client_ids(self) -> Iterator[str]:
         """Client ids of every readable stored session (for status output and tests)."""

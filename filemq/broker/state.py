@@ -17,9 +17,11 @@ from filemq.common.topics import (
     parse_shared,
     topic_matches,
 )
-from filemq.mqtt.packets import Publish
+from filemq.mqtt.packets import SUB_NO_LOCAL, SUB_QOS_MASK, SUB_RETAIN_AS_PUBLISHED, Publish
+from filemq.mqtt.properties import _vbi
 
 if TYPE_CHECKING:
+    from filemq.broker.acl import ClientAcl
     from filemq.queue.groups import ConsumerGroup
 
 log = logging.getLogger("filemq.broker")
@@ -28,12 +30,24 @@ SESSION_GROUP_PREFIX = "mqtt-session:"
 SHARE_GROUP_PREFIX = "mqtt-share:"
 CLEAN_GROUP_PREFIX = "mqtt-clean:"
 
+_PUBACK = 0x40
 _PUBREC = 0x50
 _PUBREL = 0x62
 _PUBCOMP = 0x70
 RETAINED_OUT_HIGH = 256 * 1024  # retained PUBLISH bytes queued in one connection's output at once
 PERSIST_DELAY_S = 0.1  # group offsets are written this long after subscriber acks
 _MAX_PUMP = 1000  # records pushed to one connection per wake-up before yielding the loop
+
+
+# MQTT 5 reason codes the broker's PUBLISH/SUBSCRIBE handling sends (spec 2.4).
+RC_UNSPECIFIED_ERROR = 0x80
+RC_NOT_AUTHORIZED = 0x87
+RC_TOPIC_FILTER_INVALID = 0x8F
+RC_PACKET_TOO_LARGE = 0x95
+RC_QUOTA_EXCEEDED = 0x97  # (also refusal_code's, filemq.broker.session)
+RC_PAYLOAD_FORMAT_INVALID = 0x99
+# Offsets whose publisher's client id is remembered for no local (MQTT-3.8.3-3).
+PUBLISHERS_KEPT = 65536
 
 
 def _ack(first: int, packet_id: int) -> bytes:
@@ -49,6 +63,34 @@ def _copy_outcome(dst: asyncio.Future[None], src: asyncio.Future[None]) -> None:
         dst.set_exception(exc)
     else:
         dst.set_result(None)
+
+
+def message_expiry(headers: bytes, timestamp_us: int, now_us: int) -> bytes | None:
+    """A record's ``headers`` as they leave now: None when its message expiry interval has
+    passed (never delivered, MQTT-3.3.2-5), else with the interval lowered by the whole seconds
+    since ``timestamp_us`` (MQTT-3.3.2-6).  The headers are the canonical property section of
+    :func:`filemq.mqtt.properties.encode_message_headers` (properties in identifier order), so
+    the expiry interval (0x02) is the first property or follows a payload format indicator."""
+    if headers[0] == 0x02:
+        i = 1
+    elif headers[0] == 0x01 and len(headers) > 2 and headers[2] == 0x02:
+        i = 3
+    else:
+        return headers
+    elapsed = (now_us - timestamp_us) // 1_000_000
+    if elapsed <= 0:
+        return headers
+    interval = int.from_bytes(headers[i:i + 4], "big")
+    if elapsed >= interval:
+        return None
+    return headers[:i] + (interval - elapsed).to_bytes(4, "big") + headers[i + 4:]
+
+
+def ack5(first: int, packet_id: int, reason_code: int) -> bytes:
+    """An MQTT 5 PUBACK (0x40) / PUBREC (0x50) with a reason code (3.4.2.1, 3.5.2.1)."""
+    if not reason_code:
+        return bytes((first, 2, packet_id >> 8, packet_id & 0xFF))
+    return bytes((first, 3, packet_id >> 8, packet_id & 0xFF, reason_code))
 
 
 def _too_long(topic: str, limit: int) -> bool:
@@ -122,16 +164,20 @@ class Subscription:
     # Retained records below this offset are not delivered live to it: they were appended
     # before its SUBSCRIBE, whose retained replay sends the last one with RETAIN 1 (MQTT-3.3.1-8).
     retain_below: int = 0
+    # MQTT 5: the subscription options byte without its QoS bits (no local, retain as
+    # published, retain handling; 3.8.3.1) and the subscription identifier (0: none; 3.8.2.1.2).
+    options: int = 0
+    identifier: int = 0
 
 
 class Outbound:
     """A QoS 1/2 PUBLISH sent to the client and not yet completed."""
 
-    __slots__ = ("offset", "group", "qos", "topic", "payload", "share", "stage", "retain")
+    __slots__ = ("offset", "group", "qos", "topic", "payload", "share", "stage", "retain", "headers")
 
     def __init__(
         self, offset: int, group: ConsumerGroup | None, qos: int, topic: str, payload: bytes,
-        share: str | None, retain: bool = False,
+        share: str | None, retain: bool = False, headers: bytes = b"",
     ) -> None:
         self.offset = offset
         self.group = group  # None: a retained-message delivery, not a group record
@@ -141,6 +187,7 @@ class Outbound:
         self.share = share
         self.stage = 0  # 0: PUBLISH sent; 1: PUBREC received, PUBREL sent (QoS 2)
         self.retain = retain
+        self.headers = headers  # the record's MQTT 5 message properties (re-sent with it)
 
 
 class SessionState:
@@ -151,6 +198,14 @@ class SessionState:
         self.client_id = client_id
         self.persistent = persistent
         self.owner = owner  # the username that created the session; only it may resume it
+        # Session expiry interval: None on MQTT 3.1.1 (a persistent session lives until a
+        # clean_session = 1 CONNECT); MQTT 5: seconds after the connection closes, 0 = then.
+        self.expiry: int | None = None
+        # MQTT 5: wall-clock time the connection closed (in the session file), None while
+        # connected; and a will waiting for its Will Delay Interval (3.1.3.2.2): the will, the
+        # ACL of the connection that set it, its monotonic due time.
+        self.disconnected_at: float | None = None
+        self.will_pending: tuple[Publish, ClientAcl | None, float] | None = None
         self.subs: dict[str, Subscription] = {}
         self.group: ConsumerGroup | None = None
         self.inflight: dict[int, Outbound] = {}
@@ -168,7 +223,11 @@ class SessionState:
         self.save_due = False  # something changed that should be written lazily
         self.conn: Connection | None = None
         self._qos_cache: dict[str, list[tuple[int, int, str | None, int]]] = {}
+        # MQTT 5 deliveries: per topic (start, qos, share, retain_below, no_local, retain as
+        # published, the encoded subscription identifier property or b"").
+        self._match5_cache: dict[str, list[tuple[int, int, str | None, int, bool, bool, bytes]]] = {}
         self._share_names: frozenset[str] | None = None
+        self._no_local: bool | None = None
 
     def own_filters(self) -> tuple[str, ...]:
         return tuple(sorted({s.plain for s in self.subs.values() if s.share is None}))
@@ -181,7 +240,47 @@ class SessionState:
 
     def subs_changed(self) -> None:
         self._qos_cache.clear()
+        self._match5_cache.clear()
         self._share_names = None
+        self._no_local = None
+
+    def has_no_local(self) -> bool:
+        """Whether any subscription of this session has the no local option (3.8.3.1)."""
+        nl = self._no_local
+        if nl is None:
+            nl = self._no_local = any(s.options & SUB_NO_LOCAL for s in self.subs.values())
+        return nl
+
+    def match5(self, topic: str, offset: int, share: str | None, retain: bool,
+               own: bool) -> tuple[int, bytes, bool]:
+        """MQTT 5 delivery of a record: ``(QoS, subscription identifier properties, retain as
+        published)`` over this session's subscriptions (of ``share``) that take it; QoS -1:
+        none.  ``own``: the record was published by this client id (no local skips it,
+        MQTT-3.8.3-3).  One copy carries every matching subscription's identifier (3.3.4,
+        MQTT-3.3.4-3/-5); its RETAIN flag is kept if any of them says retain as published."""
+        entries = self._match5_cache.get(topic)
+        if entries is None:
+            entries = [
+                (s.start, s.qos, s.share, s.retain_below, bool(s.options & SUB_NO_LOCAL),
+                 bool(s.options & SUB_RETAIN_AS_PUBLISHED),
+                 b"\x0b" + _vbi(s.identifier) if s.identifier else b"")
+                for s in self.subs.values() if topic_matches(s.plain, topic)
+            ]
+            if len(self._match5_cache) > 4096:
+                self._match5_cache.clear()
+            self._match5_cache[topic] = entries
+        best = -1
+        ids = b""
+        rap = False
+        for start, qos, sh, retain_below, no_local, keep_retain, ident in entries:
+            if sh != share or start > offset or (retain and offset < retain_below) or (no_local and own):
+                continue
+            if qos > best:
+                best = qos
+            if ident:
+                ids += ident
+            rap = rap or keep_retain
+        return best, ids, rap
 
     def granted_qos(self, topic: str, offset: int, share: str | None, retain: bool = False) -> int:
         """Highest QoS of this session's subscriptions (of ``share``) that take this record
@@ -217,11 +316,14 @@ class SessionState:
         }
         return StoredSession(
             self.client_id,
-            {f: StoredSubscription(s.qos, s.start) for f, s in self.subs.items()},
+            {f: StoredSubscription(s.qos, s.start, s.options & ~SUB_QOS_MASK, s.identifier)
+             for f, s in self.subs.items()},
             ids,
             owner=self.owner,
             qos2_offsets={pid: off for pid, off in self.qos2_offsets.items() if pid in ids},
             qos2_outbound=set(self.qos2_out),
+            expiry=self.expiry,
+            disconnected_at=self.disconnected_at if self.expiry is not None else None,
         )
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import deque
 from typing import TYPE_CHECKING
 
@@ -13,6 +14,8 @@ from filemq.broker.base import CoreBase
 from filemq.broker.session import Connection
 from filemq.broker.state import (
     CLEAN_GROUP_PREFIX,
+    RC_NOT_AUTHORIZED,
+    RC_TOPIC_FILTER_INVALID,
     RETAINED_OUT_HIGH,
     SESSION_GROUP_PREFIX,
     SHARE_GROUP_PREFIX,
@@ -21,6 +24,7 @@ from filemq.broker.state import (
     SharedGroup,
     Subscription,
     _too_long,
+    message_expiry,
     parse_share_key,
 )
 from filemq.common.topics import (
@@ -28,20 +32,27 @@ from filemq.common.topics import (
     topic_matches,
     validate_topic_filter,
 )
-from filemq.mqtt.codec import encode, publish_bytes
 from filemq.mqtt.packets import (
+    PROTOCOL_LEVEL_5,
+    SUB_NO_LOCAL,
+    SUB_QOS_MASK,
+    SUB_RETAIN_AS_PUBLISHED,
+    SUB_RETAIN_HANDLING_SHIFT,
     SUBACK_FAILURE,
-    Publish,
     Suback,
     Subscribe,
     Unsuback,
     Unsubscribe,
 )
+from filemq.mqtt.properties import _vbi
 
 if TYPE_CHECKING:
     pass
 
 log = logging.getLogger("filemq.broker")
+
+# The subscription options kept with a subscription (3.8.3.1): all but the QoS bits.
+_SUB_OPTION_BITS = SUB_NO_LOCAL | SUB_RETAIN_AS_PUBLISHED | (3 << SUB_RETAIN_HANDLING_SHIFT)
 
 
 class SubscribeMixin(CoreBase):
@@ -115,35 +126,50 @@ class SubscribeMixin(CoreBase):
         # Records appended before this SUBSCRIBE but not routed yet: the retained ones are sent
         # with RETAIN 1 by the replay (once routed), not live (MQTT-3.3.1-8).
         mark = self.log.next_offset
-        for f, qos in p.topics:
+        v5 = conn.protocol_level == PROTOCOL_LEVEL_5
+        props = p.properties
+        # MQTT 5: one subscription identifier for every filter of this SUBSCRIBE (3.8.2.1.2).
+        identifier = props.subscription_identifiers[0] if v5 and props is not None and \
+            props.subscription_identifiers else 0
+        with_retained: list[Subscription] = []
+        for f, opts in p.topics:
             try:
                 share, plain = parse_share_key(f)
                 validate_topic_filter(plain)
             except InvalidTopic as exc:
                 log.info("client %r: SUBSCRIBE %r refused: %s", conn.client_id, f, exc)
-                codes.append(SUBACK_FAILURE)
+                codes.append(RC_TOPIC_FILTER_INVALID if v5 else SUBACK_FAILURE)
                 continue
             if _too_long(f, self.config.max_topic_length):
                 log.info("client %r: SUBSCRIBE filter of %d bytes refused (max_topic_length %d)",
                          conn.client_id, len(f.encode("utf-8")), self.config.max_topic_length)
-                codes.append(SUBACK_FAILURE)
+                codes.append(RC_TOPIC_FILTER_INVALID if v5 else SUBACK_FAILURE)
                 continue
             if not acl.can_subscribe(f):
                 log.info("client %r (user %r): SUBSCRIBE %r denied by the ACL", conn.client_id, conn.username, f)
-                codes.append(SUBACK_FAILURE)
+                codes.append(RC_NOT_AUTHORIZED if v5 else SUBACK_FAILURE)
                 continue
-            qos = min(qos, 2)
+            qos = min(opts & SUB_QOS_MASK, 2)  # MQTT 5: the options byte's QoS bits (3.8.3.1)
+            # MQTT 5: no local, retain as published, retain handling (3.8.3.1); 0 on 3.1.1.
+            options = opts & _SUB_OPTION_BITS if v5 else 0
             old = state.subs.get(f)
             if old is not None:
                 self._unregister(conn, old)
-            durable_change = durable_change or old is None or old.qos != qos
+            durable_change = durable_change or old is None or old.qos != qos or old.options != options \
+                or old.identifier != identifier
             if old is not None:  # it took everything routed since old.start live already
-                sub = Subscription(f, plain, share, qos, old.start, old.retain_below)
+                sub = Subscription(f, plain, share, qos, old.start, old.retain_below, options, identifier)
             else:
                 sub = Subscription(f, plain, share, qos, start,
-                                   mark if share is None and not plain.startswith("$") else 0)
+                                   mark if share is None and not plain.startswith("$") else 0,
+                                   options, identifier)
             state.subs[f] = sub
             new_subs.append(sub)
+            # Retain handling (MQTT-3.3.1-9..11): 0 send retained messages, 1 only for a new
+            # subscription, 2 never.
+            handling = options >> SUB_RETAIN_HANDLING_SHIFT
+            if handling == 0 or (handling == 1 and old is None):
+                with_retained.append(sub)
             codes.append(qos)
         if new_subs:
             state.subs_changed()
@@ -158,7 +184,7 @@ class SubscribeMixin(CoreBase):
                 conn.close(f"SUBSCRIBE refused: its state cannot be persisted: {exc}", will=True, level=logging.ERROR)
                 return
         conn.send_packet(Suback(p.packet_id, codes))
-        for sub in new_subs:
+        for sub in with_retained:
             # Every retained message appended before the SUBSCRIBE, once routed (MQTT-3.8.4-3
             # too: a repeated one's live copies still reach it through the old start).
             self._send_retained(conn, state, sub, mark if sub.share is None else start)
@@ -174,7 +200,7 @@ class SubscribeMixin(CoreBase):
             for topic, payload in self.sys_retained.items():
                 if topic_matches(sub.plain, topic) and (
                         acl is None or acl.can_receive(topic)):
-                    conn.send(encode(Publish(topic, payload, 0, True)))
+                    conn.send(conn.publish_bytes(topic, payload, 0, False, None, True))
             return
         if not self.retained_ready:
             self._retained_waiting.append((conn, state, sub, below))
@@ -227,22 +253,44 @@ class SubscribeMixin(CoreBase):
         sent = 0
         inflight = state.inflight
         blocked = False
+        v5 = conn.protocol_level == PROTOCOL_LEVEL_5
+        limit = conn.client_max_packet
+        now_us = 0
         while queue and not conn.closed and not conn.paused:
             if len(conn.out) >= RETAINED_OUT_HIGH:
                 break
-            _, m, qos = queue[0]
+            f, m, qos = queue[0]
             if qos and len(inflight) >= max(conn.max_inflight, 1):
                 blocked = True  # the acks that free the window pump again
                 break
             queue.popleft()
             if conn.acl is not None and not conn.acl.can_receive(m.topic):
                 continue  # the read right went away (ACL reload) while it was queued
+            headers = m.headers
+            if headers:
+                now_us = now_us or time.time_ns() // 1000
+                expiring = message_expiry(headers, m.timestamp_us, now_us)
+                if expiring is None:
+                    continue  # its message expiry interval has passed (3.3.2.3.3): not sent
+                headers = expiring
+            if v5:
+                sub = state.subs.get(f)
+                if sub is not None and sub.identifier:
+                    headers += b"\x0b" + _vbi(sub.identifier)  # 3.3.4, MQTT-3.3.4-3
             if qos == 0:
-                conn.send(publish_bytes(m.topic, m.payload, 0, False, None, True))
+                data = conn.publish_bytes(m.topic, m.payload, 0, False, None, True, headers)
+                if limit is not None and len(data) > limit:
+                    self._too_large(conn, m.topic, len(data), limit)
+                    continue
+                conn.send(data)
             else:
                 pid = state.alloc_pid()
-                inflight[pid] = Outbound(m.offset, None, qos, m.topic, m.payload, None, True)
-                conn.send(publish_bytes(m.topic, m.payload, qos, False, pid, True))
+                data = conn.publish_bytes(m.topic, m.payload, qos, False, pid, True, headers)
+                if limit is not None and len(data) > limit:
+                    self._too_large(conn, m.topic, len(data), limit)
+                    continue
+                inflight[pid] = Outbound(m.offset, None, qos, m.topic, m.payload, None, True, headers)
+                conn.send(data)
             sent += 1
         if sent:
             self.stats.publish_sent(sent)
@@ -258,11 +306,13 @@ class SubscribeMixin(CoreBase):
         assert state is not None
         changed = False
         shares_before = state.share_names()
+        codes: list[int] = []  # MQTT 5: one per filter, 0x11 when there was no such subscription
         for f in p.topics:
             sub = state.subs.pop(f, None)
             if sub is not None:
                 self._unregister(conn, sub)
                 changed = True
+            codes.append(0x00 if sub is not None else 0x11)
         if changed:
             state.subs_changed()
             for name in shares_before - state.share_names():
@@ -270,4 +320,4 @@ class SubscribeMixin(CoreBase):
             self._update_groups(state)
             if state.persistent:
                 self.store.save(state.stored())
-        conn.send_packet(Unsuback(p.packet_id))
+        conn.send_packet(Unsuback(p.packet_id, codes if conn.protocol_level == 5 else []))

@@ -32,11 +32,11 @@ _FRAME = 28  # framing bytes per record, for the max_bytes accounting of Log.rea
 
 
 def _size(r: Record) -> int:
-    return len(r.payload) + len(r.topic) + _OVERHEAD
+    return len(r.payload) + len(r.topic) + len(r.headers) + _OVERHEAD
 
 
 def _frame_bytes(records: list[Record]) -> int:
-    return sum(len(r.payload) + len(r.topic) for r in records) + _FRAME * len(records)
+    return sum(len(r.payload) + len(r.topic) + len(r.headers) for r in records) + _FRAME * len(records)
 
 
 class TailCache:
@@ -128,7 +128,7 @@ class TailCache:
             size = 0
             largest = self._ahead_largest
             for r in run:
-                k = len(r.payload) + len(r.topic)
+                k = len(r.payload) + len(r.topic) + len(r.headers)
                 size += k + _OVERHEAD
                 if k > largest:
                     largest = k
@@ -186,7 +186,7 @@ class TailCache:
             if (len(out) + len(take)) * frame > max_bytes:  # rare (big records): count exactly
                 total = _frame_bytes(out)
                 for r in take:
-                    size = len(r.payload) + len(r.topic) + _FRAME
+                    size = len(r.payload) + len(r.topic) + len(r.headers) + _FRAME
                     if out and total + size > max_bytes:
                         self.hits += 1
                         return out
@@ -209,7 +209,7 @@ class TailCache:
         for r in more[:want]:
             if r.offset >= committed:
                 break
-            size = len(r.payload) + len(r.topic) + _FRAME
+            size = len(r.payload) + len(r.topic) + len(r.headers) + _FRAME
             if out and total + size > max_bytes:
                 break
             total += size
@@ -220,7 +220,7 @@ class TailCache:
     def _trim(records: list[Record], max_bytes: int) -> list[Record]:
         total = 0
         for k, r in enumerate(records):
-            total += len(r.payload) + len(r.topic) + _FRAME
+            total += len(r.payload) + len(r.topic) + len(r.headers) + _FRAME
             if k and total > max_bytes:
                 return records[:k]
         return records

@@ -97,6 +97,11 @@ class BrokerSection:
     # Largest PUBLISH / will payload in bytes; None = no limit of its own (max_packet_size bounds it).
     message_size_limit: int | None = field(default=None, metadata=_spec(_int(1, 268_435_455, sizes=True)))
     keepalive_max: int | None = field(default=None, metadata=_spec(_int(1, 65535)))
+    # MQTT 5: unacknowledged QoS 1/2 PUBLISHes a client may have out to the broker (CONNACK
+    # Receive Maximum; 65535 = the protocol's default, not sent); more: DISCONNECT 0x93.
+    receive_maximum: int = field(default=1024, metadata=_spec(_int(1, 65535)))
+    # MQTT 5: client-to-broker topic aliases per connection (CONNACK Topic Alias Maximum; 0 = none).
+    topic_alias_maximum: int = field(default=10, metadata=_spec(_int(0, 65535)))
     tls_port: int = field(default=8883, metadata=_spec(_PORT))
     tls_cert: str | None = field(default=None, metadata=_spec(_str))
     tls_key: str | None = field(default=None, metadata=_spec(_str))

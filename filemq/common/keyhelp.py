@@ -60,6 +60,10 @@ _KEY_HELP: dict[str, tuple[str, str, str]] = {
     "broker.max_inflight": ("limits", "Unacknowledged QoS 1/2 messages per subscriber", ""),
     "broker.max_topic_length": ("limits", "Longest topic or filter in bytes; longer is a protocol error", ""),
     "broker.keepalive_max": ("limits", "Cap on the keepalive a client may ask for (seconds)", "no cap"),
+    "broker.receive_maximum": ("limits", "MQTT 5: unacknowledged QoS 1/2 PUBLISHes a client may send "
+                               "(CONNACK Receive Maximum); more gets DISCONNECT 0x93", "1024"),
+    "broker.topic_alias_maximum": ("limits", "MQTT 5: topic aliases a client may set per connection "
+                                   "(0 = none)", ""),
     "broker.tls_port": ("listener", "TLS listener port, used when --tls-cert is set", ""),
     "broker.tls_cert": ("security", "PEM certificate chain; enables the TLS listener", "no TLS"),
     "broker.tls_key": ("security", "PEM private key for the TLS certificate", "no TLS"),

@@ -68,6 +68,7 @@ from filemq.mqtt.packets import (
 from filemq.mqtt.properties import ALLOWED_PROPERTIES as ALLOWED_PROPERTIES
 from filemq.mqtt.properties import PROPERTY_NAMES as PROPERTY_NAMES
 from filemq.mqtt.properties import PROPERTY_TYPES as PROPERTY_TYPES
+from filemq.mqtt.properties import _vbi
 from filemq.mqtt.wire import (
     _DISCONNECT,
     _PINGREQ,
@@ -259,10 +260,12 @@ _topic_bytes: dict[str, bytes] = {}
 
 
 def publish_bytes(topic: str, payload: bytes, qos: int, dup: bool, packet_id: int | None,
-                  retain: bool = False) -> bytes:
+                  retain: bool = False, _props: bytes = b"") -> bytes:
     """PUBLISH bytes, the same as ``encode(Publish(...))``, without building a :class:`Publish`
     and with each topic's encoding cached: a record fanned out to N subscribers encodes its
-    topic once (the broker's delivery hot path; the topic was validated when it was stored)."""
+    topic once (the broker's delivery hot path; the topic was validated when it was stored).
+    ``_props`` is accepted and dropped (3.1.1 has no properties), so one call site serves
+    both levels (:func:`publish_bytes5`)."""
     tb = _topic_bytes.get(topic)
     if tb is None:
         raw = topic.encode("utf-8")
@@ -275,6 +278,27 @@ def publish_bytes(topic: str, payload: bytes, qos: int, dup: bool, packet_id: in
         assert packet_id is not None
         return b"".join((_fixed_header(first, len(tb) + 2 + len(payload)), tb, _pack_H(packet_id), payload))
     return b"".join((_fixed_header(first, len(tb) + len(payload)), tb, payload))
+
+
+def publish_bytes5(topic: str, payload: bytes, qos: int, dup: bool, packet_id: int | None,
+                   retain: bool = False, props: bytes = b"") -> bytes:
+    """MQTT 5.0 PUBLISH bytes as :func:`publish_bytes`; ``props`` is an already encoded
+    property section body without its length (e.g. a record's headers, plus subscription
+    identifiers), so a delivery splices stored properties without decoding them."""
+    tb = _topic_bytes.get(topic)
+    if tb is None:
+        raw = topic.encode("utf-8")
+        tb = _pack_H(len(raw)) + raw
+        if len(_topic_bytes) >= 4096:
+            _topic_bytes.clear()
+        _topic_bytes[topic] = tb
+    first = 0x30 | (qos << 1) | (0x08 if dup else 0) | (0x01 if retain else 0)
+    plen = _vbi(len(props)) if props else b"\x00"
+    size = len(tb) + len(plen) + len(props) + len(payload)
+    if qos:
+        assert packet_id is not None
+        return b"".join((_fixed_header(first, size + 2), tb, _pack_H(packet_id), plen, props, payload))
+    return b"".join((_fixed_header(first, size), tb, plen, props, payload))
 
 
 # --------------------------------------------------------------------------- decoding

@@ -213,8 +213,44 @@ def _iso(timestamp_us: int) -> str:
         return str(timestamp_us)
 
 
+# The message properties a record's headers may hold (filemq.mqtt.properties.MESSAGE_PROPERTY_IDS),
+# in the order inspect shows them.
+_MESSAGE_PROPERTIES = (
+    "payload_format_indicator", "message_expiry_interval", "content_type", "response_topic",
+    "correlation_data", "user_properties",
+)
+
+
+def _properties(headers: bytes) -> tuple[list[tuple[str, Any]], str | None]:
+    """The message properties in a record's headers as (name, value) pairs (absent ones left
+    out), or an error message when they are not a valid property section."""
+    from filemq.mqtt.properties import decode_message_headers
+    from filemq.mqtt.wire import ProtocolError
+
+    try:
+        props = decode_message_headers(headers)
+    except ProtocolError as exc:
+        return [], str(exc)
+    if props is None:
+        return [], None
+    pairs = [(name, getattr(props, name)) for name in _MESSAGE_PROPERTIES]
+    return [(name, value) for name, value in pairs if value is not None and value != []], None
+
+
+def headers_text(headers: bytes) -> str:
+    """``headers: content_type='x' user_properties=[('k', 'v')]`` for ``filemq inspect``."""
+    pairs, error = _properties(headers)
+    if error is not None:
+        return f"headers: undecodable ({len(headers)} bytes: {error})"
+    return "headers: " + " ".join(f"{name}={list(value) if name == 'user_properties' else value!r}"
+                                  for name, value in pairs)
+
+
 def record_json(scanned: ScannedRecord, with_payload: bool = False) -> dict[str, Any]:
-    """The ``--json`` object for one scanned record (offset etc. are null for a corrupt spot)."""
+    """The ``--json`` object for one scanned record (offset etc. are null for a corrupt spot).
+
+    ``properties`` holds the MQTT 5 message properties of a format 2 record (null when it has
+    none; correlation data base64), ``headers_error`` why its headers do not decode, if so."""
     r = scanned.record
     out: dict[str, Any] = {
         "offset": r.offset if r else None,
@@ -227,8 +263,20 @@ def record_json(scanned: ScannedRecord, with_payload: bool = False) -> dict[str,
         "qos": r.qos if r else None,
         "retain": r.retain if r else None,
         "payload_len": len(r.payload) if r else None,
+        "headers_len": len(r.headers) if r else None,
+        "properties": None,
         "crc_ok": scanned.crc_ok,
     }
+    if r is not None and r.headers:
+        pairs, error = _properties(r.headers)
+        if error is not None:
+            out["headers_error"] = error
+        else:
+            out["properties"] = {
+                name: base64.b64encode(value).decode("ascii") if isinstance(value, bytes)
+                else [list(p) for p in value] if name == "user_properties" else value
+                for name, value in pairs
+            }
     if with_payload:
         out["payload"] = base64.b64encode(r.payload).decode("ascii") if r else None
     return out
@@ -246,6 +294,8 @@ def record_text(scanned: ScannedRecord, with_payload: bool = False) -> str:
     )
     if with_payload:
         line += f" payload={r.payload!r}"
+    if r.headers:
+        line += " " + headers_text(r.headers)
     return line
 
 

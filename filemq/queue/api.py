@@ -169,9 +169,13 @@ class Queue:
 
     def publish_nowait(
         self, topic: str, payload: bytes, qos: int = 0, retain: bool = False,
-        timestamp_us: int | None = None, *, validated: bool = False,
+        timestamp_us: int | None = None, *, validated: bool = False, headers: bytes = b"",
     ) -> tuple[int, asyncio.Future[None]]:
         """Append a record; returns its offset and the (shared) future of its commit.
+
+        ``headers``: the message's MQTT 5.0 message properties
+        (:func:`filemq.mqtt.properties.encode_message_headers`), stored with the record and
+        read back in ``Record.headers``; b"" (none, every 3.1.1 message) stores it as before.
 
         Raises :class:`filemq.common.topics.InvalidTopic` for a bad topic name, ``RuntimeError``
         before :meth:`start`; the future raises DiskFull/OSError if the commit fails.
@@ -184,14 +188,15 @@ class Queue:
             raise RuntimeError(f"queue {self.data_dir} is not started")
         if not validated:
             validate_topic_name(topic)
-        return self._committer.append_nowait(topic, payload, qos=qos, retain=retain, timestamp_us=timestamp_us)
+        return self._committer.append_nowait(topic, payload, qos=qos, retain=retain, timestamp_us=timestamp_us,
+                                             headers=headers)
 
     async def publish(
         self, topic: str, payload: bytes, qos: int = 0, retain: bool = False,
-        timestamp_us: int | None = None,
+        timestamp_us: int | None = None, *, headers: bytes = b"",
     ) -> int:
         """Append a record and wait until it is committed; returns its offset."""
-        offset, future = self.publish_nowait(topic, payload, qos, retain, timestamp_us)
+        offset, future = self.publish_nowait(topic, payload, qos, retain, timestamp_us, headers=headers)
         await asyncio.shield(future)
         return offset
 

@@ -27,9 +27,14 @@ What a caller may rely on:
   cut; recovery then drops the snapshot entries the log no longer has (such messages were
   inside the documented loss window).
 
-Snapshot layout (big-endian): ``b"FMQRSNP1"``, u64 covered_offset, u32 count, then per
-entry u64 offset, i64 timestamp_us, u8 qos, u16 topic length, u32 payload length, topic
-(UTF-8), payload; finally u32 CRC-32C of every byte before it.
+Snapshot layout (big-endian), format 1: ``b"FMQRSNP1"``, u64 covered_offset, u32 count, then
+per entry u64 offset, i64 timestamp_us, u8 qos, u16 topic length, u32 payload length, topic
+(UTF-8), payload; finally u32 CRC-32C of every byte before it.  Format 2 (``b"FMQRSNP2"``,
+issue 13) adds each message's headers (its MQTT 5 message properties, ``Record.headers``):
+per entry u64 offset, i64 timestamp_us, u8 qos, u16 topic length, u32 payload length, u32
+headers length, topic, headers, payload.  A snapshot is written in format 1 when no message
+has headers (byte for byte as before format 2, so an older release still loads it), else in
+format 2; both are read.
 """
 
 from __future__ import annotations
@@ -50,9 +55,11 @@ from segments.record import Record
 log = logging.getLogger(__name__)
 
 SNAPSHOT_NAME = "retained.snap"
-MAGIC = b"FMQRSNP1"
+MAGIC = b"FMQRSNP1"  # format 1: no headers
+MAGIC_HEADERS = b"FMQRSNP2"  # format 2: every entry carries its headers
 _HEADER = struct.Struct(">8sQI")
 _ENTRY = struct.Struct(">QqBHI")
+_ENTRY_HEADERS = struct.Struct(">QqBHII")
 _CRC = struct.Struct(">I")
 _REPLAY_BATCH = 1000
 
@@ -75,6 +82,7 @@ class RetainedMessage:
     qos: int
     offset: int
     timestamp_us: int
+    headers: bytes = b""  # the message's MQTT 5 message properties (Record.headers)
 
 
 @dataclass
@@ -92,12 +100,20 @@ class RetainedRecovery:
 
 
 def encode_snapshot(messages: list[RetainedMessage], covered_offset: int) -> bytes:
-    """The snapshot bytes for ``messages`` (see the module docstring for the layout)."""
-    parts = [_HEADER.pack(MAGIC, covered_offset, len(messages))]
+    """The snapshot bytes for ``messages`` (see the module docstring for the layout): format 1
+    when no message has headers, else format 2."""
+    with_headers = any(m.headers for m in messages)
+    parts = [_HEADER.pack(MAGIC_HEADERS if with_headers else MAGIC, covered_offset, len(messages))]
     for m in messages:
         topic = m.topic.encode("utf-8")
-        parts.append(_ENTRY.pack(m.offset, m.timestamp_us, m.qos, len(topic), len(m.payload)))
-        parts.append(topic)
+        if with_headers:
+            parts.append(_ENTRY_HEADERS.pack(
+                m.offset, m.timestamp_us, m.qos, len(topic), len(m.payload), len(m.headers)))
+            parts.append(topic)
+            parts.append(m.headers)
+        else:
+            parts.append(_ENTRY.pack(m.offset, m.timestamp_us, m.qos, len(topic), len(m.payload)))
+            parts.append(topic)
         parts.append(m.payload)
     body = b"".join(parts)
     return body + _CRC.pack(crc32c(body))
@@ -111,20 +127,31 @@ def decode_snapshot(data: bytes, path: str = "<snapshot>") -> tuple[list[Retaine
     if crc32c(body) != crc:
         raise CorruptSnapshot(path, "CRC-32C mismatch")
     magic, covered, count = _HEADER.unpack_from(body, 0)
-    if magic != MAGIC:
+    if magic not in (MAGIC, MAGIC_HEADERS):
         raise CorruptSnapshot(path, f"unknown format {magic!r}")
+    with_headers = magic == MAGIC_HEADERS
     pos = _HEADER.size
     out: list[RetainedMessage] = []
     try:
         for _ in range(count):
-            offset, ts, qos, tlen, plen = _ENTRY.unpack_from(body, pos)
-            pos += _ENTRY.size
+            headers = b""
+            if with_headers:
+                offset, ts, qos, tlen, plen, hlen = _ENTRY_HEADERS.unpack_from(body, pos)
+                pos += _ENTRY_HEADERS.size
+            else:
+                offset, ts, qos, tlen, plen = _ENTRY.unpack_from(body, pos)
+                pos += _ENTRY.size
+                hlen = 0
             topic = body[pos : pos + tlen].decode("utf-8")
-            payload = body[pos + tlen : pos + tlen + plen]
-            pos += tlen + plen
-            if len(payload) != plen or qos > 2:
+            pos += tlen
+            if with_headers:
+                headers = body[pos : pos + hlen]
+                pos += hlen
+            payload = body[pos : pos + plen]
+            pos += plen
+            if len(payload) != plen or len(headers) != hlen or qos > 2:
                 raise CorruptSnapshot(path, f"entry {len(out)} is inconsistent")
-            out.append(RetainedMessage(topic, payload, qos, offset, ts))
+            out.append(RetainedMessage(topic, payload, qos, offset, ts, headers))
     except (struct.error, UnicodeDecodeError) as exc:
         raise CorruptSnapshot(path, f"entry {len(out)}: {exc}") from None
     if pos != len(body):
@@ -172,7 +199,8 @@ class RetainedStore:
             del self._messages[record.topic]
         if record.payload:
             self._messages[record.topic] = RetainedMessage(
-                record.topic, record.payload, record.qos, record.offset, record.timestamp_us
+                record.topic, record.payload, record.qos, record.offset, record.timestamp_us,
+                record.headers,
             )
             self._payload_bytes += len(record.payload)
 

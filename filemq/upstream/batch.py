@@ -6,7 +6,14 @@ The exact bytes are specified in docs/FORMAT.md ("Upstream batch"); in short::
     header   magic "FMQB", CRC-32C of every byte but the CRC field, version, compression,
              reserved, first_offset, last_offset, count, body_length, device_id, stream
     body     (compressed as the header says) a topic table, then one column per field:
-             offset deltas, timestamps, QoS, topic indexes, payload lengths, payload bytes
+             offset deltas, timestamps, QoS, topic indexes, payload lengths, [header
+             lengths,] payload bytes[, header bytes]
+
+Version 2 adds each record's ``headers`` (its MQTT 5.0 message properties, opaque bytes here:
+``filemq.mqtt.properties.encode_message_headers``) as the two bracketed parts; version 1 has
+neither. :func:`encode_batch` writes version 1 when every record's headers are empty (the
+bytes of earlier releases, which an older collector reads) and version 2 otherwise;
+:func:`decode_batch` reads both.
 
 Integers are little-endian, so each column is a packed array that the collector hands to
 Arrow without a per-record Python step. Every record carries its offset (as a delta from
@@ -21,7 +28,11 @@ What a caller may rely on:
   batch, or the version or compression is unknown: resending cannot help, so quarantine it).
 * :func:`peek_header` checks magic, version and CRC and parses the header without
   decompressing or validating the body (for a cheap duplicate check at the door).
-* ``encode_batch(...)`` then ``decode_batch(...)`` gives back the same records.
+* ``encode_batch(...)`` then ``decode_batch(...)`` gives back the same records, headers
+  included.
+* ``decode_batch(data, check_headers=f)`` calls ``f`` on every non-empty header; a
+  ``ValueError`` from it makes the batch a :class:`MalformedBatch` (this module does not know
+  the property format: it may not import :mod:`filemq.mqtt`).
 
 Only the standard library and ``crc32c`` are used (this module runs on devices); zstd
 (compression 2) works only where the optional ``zstandard`` package is importable.
@@ -35,14 +46,17 @@ import sys
 import zlib
 from array import array
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import islice
 from typing import Protocol
 
 from crc32c import crc32c
 
 MAGIC = b"FMQB"
-VERSION = 1
+VERSION_1 = 1  # no record headers
+VERSION_2 = 2  # + per record headers (MQTT 5.0 message properties)
+VERSION = VERSION_2  # the newest version this module writes and reads
+VERSIONS = frozenset({VERSION_1, VERSION_2})
 
 COMPRESSION_NONE = 0
 COMPRESSION_ZLIB = 1
@@ -134,16 +148,20 @@ class RecordLike(Protocol):
     @property
     def qos(self) -> int: ...
 
+    @property
+    def headers(self) -> bytes: ...
+
 
 @dataclass(frozen=True, slots=True)
 class BatchRecord:
-    """One record of a decoded batch."""
+    """One record of a decoded batch; ``headers`` as in ``segments.Record`` (b"" when none)."""
 
     offset: int
     timestamp_us: int
     topic: str
     payload: bytes
     qos: int
+    headers: bytes = b""
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,7 +186,9 @@ class Batch:
     ``offset_deltas``, ``timestamps_us``, ``topic_index`` and ``payload_lengths`` are arrays
     in native byte order; ``qos`` has one byte per record; ``payloads`` is every payload
     concatenated; ``body`` is the uncompressed body (little-endian columns) for consumers
-    that want to wrap the columns without copying.
+    that want to wrap the columns without copying. ``header_lengths`` and ``headers`` are
+    the records' headers in the same way (version 2); for a version 1 batch
+    ``header_lengths`` is empty and ``headers`` is ``b""``.
     """
 
     header: BatchHeader
@@ -181,6 +201,13 @@ class Batch:
     payloads: bytes
     body: bytes
     column_starts: tuple[int, int, int, int, int, int]
+    header_lengths: array[int] = field(default_factory=lambda: array("I"))
+    headers: bytes = b""
+
+    @property
+    def has_headers(self) -> bool:
+        """Whether any record has non-empty headers."""
+        return bool(self.headers)
 
     @property
     def device_id(self) -> str:
@@ -212,16 +239,29 @@ class Batch:
         topics = self.topics
         payloads = self.payloads
         pos = 0
-        for delta, ts, qos, ti, length in zip(
+        for delta, ts, qos, ti, length, headers in zip(
             self.offset_deltas,
             self.timestamps_us,
             self.qos,
             self.topic_index,
             self.payload_lengths,
+            self.record_headers(),
             strict=True,
         ):
             end = pos + length
-            yield BatchRecord(first + delta, ts, topics[ti], payloads[pos:end], qos)
+            yield BatchRecord(first + delta, ts, topics[ti], payloads[pos:end], qos, headers)
+            pos = end
+
+    def record_headers(self) -> Iterator[bytes]:
+        """Each record's headers, in order (``b""`` for a record without)."""
+        if not self.headers:
+            yield from (b"" for _ in range(self.header.count))
+            return
+        headers = self.headers
+        pos = 0
+        for length in self.header_lengths:
+            end = pos + length
+            yield headers[pos:end]
             pos = end
 
 
@@ -287,13 +327,16 @@ def encode_batch(
     *,
     compression: int | str = COMPRESSION_NONE,
     level: int | None = None,
+    version: int | None = None,
 ) -> bytes:
     """The batch bytes for ``records`` (at least one, offsets strictly increasing).
 
     ``compression`` is a code or a name (``"none"``, ``"zlib"``, ``"zstd"``); ``level`` is
     passed to the compressor (zlib default 1: the link is rarely slower than the CPU on the
-    record counts we ship). Raises ValueError for an empty batch, bad names, offsets that
-    do not increase or do not fit the format, or a QoS outside 0-2.
+    record counts we ship). ``version`` None: 1 when every record's headers are empty (the
+    bytes an older collector reads), else 2; 2 forces version 2; 1 refuses records with
+    headers. Raises ValueError for an empty batch, bad names, offsets that do not increase
+    or do not fit the format, a QoS outside 0-2, or headers that version 1 cannot carry.
     """
     if isinstance(compression, str):
         if compression not in COMPRESSION_CODES:
@@ -322,6 +365,14 @@ def encode_batch(
     index = array("I", [topic_ids.setdefault(r.topic, len(topic_ids)) for r in records])
     payloads = [r.payload for r in records]
     lengths = array("I", [len(p) for p in payloads])
+    headers = [r.headers for r in records]
+    with_headers = any(headers)
+    if version is None:
+        version = VERSION_2 if with_headers else VERSION_1
+    elif version not in VERSIONS:
+        raise ValueError(f"unknown batch format version {version}")
+    elif version == VERSION_1 and with_headers:
+        raise ValueError("batch format version 1 cannot carry record headers")
 
     parts: list[bytes] = [_U32.pack(len(topic_ids))]
     for topic in topic_ids:
@@ -331,7 +382,11 @@ def encode_batch(
         parts.append(_U16.pack(len(raw)))
         parts.append(raw)
     parts += [_le(deltas), _le(timestamps), qos, _le(index), _le(lengths)]
+    if version == VERSION_2:
+        parts.append(_le(array("I", [len(h) for h in headers])))
     parts += payloads
+    if version == VERSION_2:
+        parts += headers
     body = b"".join(parts)
     if len(body) > MAX_BODY_BYTES:
         raise ValueError(f"batch body of {len(body)} bytes exceeds {MAX_BODY_BYTES}")
@@ -353,7 +408,7 @@ def encode_batch(
             stored,
         )
     )
-    rest = bytes((VERSION, compression, 0, 0)) + rest
+    rest = bytes((version, compression, 0, 0)) + rest
     return MAGIC + _U32.pack(crc32c(rest, _MAGIC_CRC)) + rest
 
 
@@ -380,8 +435,10 @@ def peek_header(data: bytes | bytearray | memoryview, *, verify_crc: bool = True
     magic, _, version, compression, reserved = _PREFIX.unpack_from(view, 0)
     if magic != MAGIC:
         raise MalformedBatch(f"bad magic {bytes(magic)!r} (expected {MAGIC!r}): not a filemq batch")
-    if version != VERSION:
-        raise MalformedBatch(f"unknown batch format version {version} (this collector reads {VERSION})")
+    if version not in VERSIONS:
+        raise MalformedBatch(
+            f"unknown batch format version {version} (this collector reads 1 to {VERSION})"
+        )
     if reserved != 0:
         raise MalformedBatch(f"reserved bits {reserved:#06x} are set")
     if size < MIN_HEADER_SIZE:
@@ -419,8 +476,16 @@ def peek_header(data: bytes | bytearray | memoryview, *, verify_crc: bool = True
     return BatchHeader(version, compression, device_id, stream, first, last, count, body_length, pos)
 
 
-def decode_batch(data: bytes | bytearray | memoryview) -> Batch:
-    """Parse and fully validate a batch; see the module docstring for the two errors."""
+def decode_batch(
+    data: bytes | bytearray | memoryview,
+    *,
+    check_headers: Callable[[bytes], object] | None = None,
+) -> Batch:
+    """Parse and fully validate a batch; see the module docstring for the two errors.
+
+    ``check_headers``, when given, is called with every distinct non-empty record header; a
+    ``ValueError`` it raises becomes a :class:`MalformedBatch` naming the record's offset.
+    """
     header = peek_header(data)
     view = memoryview(data)
     stored = view[header.header_size :]
@@ -459,7 +524,8 @@ def decode_batch(data: bytes | bytearray | memoryview) -> Batch:
         pos += n
     starts: list[int] = []
     columns: list[bytes] = []
-    for width in (4, 8, 1, 4, 4):
+    widths = (4, 8, 1, 4, 4, 4) if header.version == VERSION_2 else (4, 8, 1, 4, 4)
+    for width in widths:
         end = pos + width * count
         if end > size:
             raise bad("body ends inside the record columns")
@@ -472,7 +538,22 @@ def decode_batch(data: bytes | bytearray | memoryview) -> Batch:
     qos = columns[2]
     index = _from_le("I", columns[3])
     lengths = _from_le("I", columns[4])
-    payloads = body[pos:]
+    payload_end = pos + sum(lengths)
+    if payload_end > size:
+        raise bad(f"payload lengths add up to {sum(lengths)}, the body holds {size - pos} bytes")
+    payloads = body[pos:payload_end]
+    header_lengths = array("I")
+    headers = b""
+    if header.version == VERSION_2:
+        header_lengths = _from_le("I", columns[5])
+        headers = body[payload_end:]
+        if sum(header_lengths) != len(headers):
+            raise bad(
+                f"header lengths add up to {sum(header_lengths)}, the body holds"
+                f" {len(headers)} bytes after the payloads"
+            )
+    elif payload_end != size:
+        raise bad(f"payload lengths add up to {sum(lengths)}, the body holds {size - pos} bytes")
     if deltas[0] != 0:
         raise bad(f"first record's offset delta is {deltas[0]}, not 0")
     if deltas[-1] != header.last_offset - header.first_offset:
@@ -486,8 +567,22 @@ def decode_batch(data: bytes | bytearray | memoryview) -> Batch:
         raise bad("a record has a QoS outside 0-2")
     if max(index) >= n_topics:
         raise bad(f"a topic index is beyond the {n_topics}-entry topic table")
-    if sum(lengths) != len(payloads):
-        raise bad(f"payload lengths add up to {sum(lengths)}, the body holds {len(payloads)} bytes")
+    if check_headers is not None and headers:
+        hpos = 0
+        checked: set[bytes] = set()  # records of one publisher often repeat their properties
+        for delta, length in zip(deltas, header_lengths, strict=True):
+            if length:
+                record_headers = headers[hpos : hpos + length]
+                hpos += length
+                if record_headers in checked:
+                    continue
+                try:
+                    check_headers(record_headers)
+                except ValueError as exc:
+                    raise bad(
+                        f"record at offset {header.first_offset + delta} has malformed headers: {exc}"
+                    ) from None
+                checked.add(record_headers)
     s = starts
     return Batch(
         header,
@@ -499,7 +594,9 @@ def decode_batch(data: bytes | bytearray | memoryview) -> Batch:
         lengths,
         payloads,
         body,
-        (s[0], s[1], s[2], s[3], s[4], s[5]),
+        (s[0], s[1], s[2], s[3], s[4], s[-1]),
+        header_lengths,
+        headers,
     )
 
 

@@ -185,10 +185,28 @@ def bench_codec(packets: int, rounds: int, as_json: bool) -> None:
             click.echo(f"{operation:15} filemq/amqtt = {ratio:.1f}x")
 
 
+_BROKER_SCENARIOS = ("ingest", "fanout", "latency", "idle", "startup", "trie", "kill9", "all")
+
+
+def _split_scenarios(ctx: click.Context, param: click.Parameter, value: tuple[str, ...]) -> tuple[str, ...]:
+    """--scenario is repeatable and takes comma-separated lists (``ingest,fanout``)."""
+    names = tuple(n.strip() for v in value for n in v.split(",") if n.strip())
+    unknown = [n for n in names if n not in _BROKER_SCENARIOS]
+    if unknown or not names:
+        raise click.BadParameter(f"{', '.join(unknown) or 'nothing'}: choose from {', '.join(_BROKER_SCENARIOS)}",
+                                 ctx, param)
+    return names
+
+
 @bench.command("broker")
 @click.option("--scenario", "scenarios", multiple=True, default=["all"], show_default=True,
-              type=click.Choice(["ingest", "fanout", "latency", "idle", "startup", "trie", "kill9", "all"]),
-              help="Scenario to run (repeatable).")
+              callback=_split_scenarios, metavar="[" + "|".join(_BROKER_SCENARIOS) + "]",
+              help="Scenario to run (repeatable, or comma-separated).")
+@click.option("--protocol", type=click.Choice(["3.1.1", "5"]), default="3.1.1", show_default=True,
+              help="MQTT version of the load clients. 5: ingest and fanout only, each against filemq v5, "
+                   "mosquitto v5 and filemq 3.1.1 in the same run (docs/BENCHMARKS.md).")
+@click.option("--v5-properties", is_flag=True,
+              help="With --protocol 5: every PUBLISH carries a content type and one user property.")
 @click.option("--messages", type=click.IntRange(min=1), default=None,
               help="Messages per load run (default per scenario: ingest 200k, fanout 20k, latency 5 s at --rate).")
 @click.option("--publishers", type=click.IntRange(min=1), default=4, show_default=True)
@@ -216,18 +234,26 @@ def bench_broker(scenarios: tuple[str, ...], messages: int | None, publishers: i
                  subscribers: int, rate: float, kill_rounds: int, backlog_mb: int, idle_clients: int,
                  idle_seconds: float, max_seconds: float, repeat: int, fsync: str, no_baselines: bool,
                  seed: int | None,
-                 workdir: str | None, keep: bool, as_json: bool) -> None:
+                 workdir: str | None, keep: bool, as_json: bool, protocol: str = "3.1.1",
+                 v5_properties: bool = False) -> None:
     """The broker's acceptance figures vs Debian mosquitto and amqtt, in the same run."""
     import json
     from pathlib import Path
 
     from bench.broker import BrokerBenchOptions, run_broker_bench, summary_line
 
+    if protocol == "5":
+        other = sorted(set(scenarios) - {"ingest", "fanout", "all"})
+        if other:
+            raise click.UsageError(f"--protocol 5 runs the ingest and fanout scenarios only, not {', '.join(other)}")
+    elif v5_properties:
+        raise click.UsageError("--v5-properties needs --protocol 5")
     opts = BrokerBenchOptions(
         messages=messages, publishers=publishers, inflight=inflight, size=size, subscribers=subscribers,
         rate=rate, kill_rounds=kill_rounds, backlog_mb=backlog_mb, idle_clients=idle_clients,
         idle_seconds=idle_seconds, max_seconds=max_seconds, repeat=repeat, fsync=fsync, seed=seed,
         workdir=Path(workdir) if workdir else None, keep=keep, baselines=not no_baselines,
+        protocol=5 if protocol == "5" else 4, v5_properties=v5_properties,
     )
     for result in run_broker_bench(list(scenarios), opts, lambda msg: click.echo(msg, err=True)):
         click.echo(json.dumps(result) if as_json else summary_line(result))

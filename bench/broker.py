@@ -16,7 +16,8 @@ Debian mosquitto and stock amqtt from :mod:`bench.baselines`) with the same load
   subscriber after the restart (:func:`run_kill9`, also used by tests/test_broker_kill9.py).
 
 Each dict carries the measured figures, the ratio and a ``meets_target`` flag; nothing here
-asserts, so one slow figure does not hide the others.
+asserts, so one slow figure does not hide the others.  ``protocol=5`` (``--protocol 5``) runs
+ingest and fanout with MQTT 5 clients instead (:mod:`bench.broker5`).
 """
 
 from __future__ import annotations
@@ -53,7 +54,16 @@ from bench.loadgen import (
     run_null_sink,
 )
 from filemq.mqtt.codec import Decoder, ProtocolError, encode, encode_puback
-from filemq.mqtt.packets import Connack, Connect, Puback, Publish, Suback, Subscribe
+from filemq.mqtt.packets import (
+    PROTOCOL_LEVEL,
+    Connack,
+    Connect,
+    Properties,
+    Puback,
+    Publish,
+    Suback,
+    Subscribe,
+)
 from segments import Log, LogConfig
 
 Progress = Callable[[str], None]
@@ -84,6 +94,8 @@ class BrokerBenchOptions:
     workdir: Path | None = None
     keep: bool = False
     baselines: bool = True
+    protocol: int = PROTOCOL_LEVEL  # 5: ingest and fanout with MQTT 5 clients (bench.broker5)
+    v5_properties: bool = False  # MQTT 5 PUBLISHes carry a content type and a user property
     _backlog_dir: Path | None = field(default=None, repr=False)
 
 
@@ -123,10 +135,12 @@ def _rnd(x: float, digits: int = 1) -> float:
     return round(x, digits)
 
 
-def _ingest_run(broker: BrokerProcess, opts: BrokerBenchOptions, messages: int, topic: str) -> LoadResult:
+def _ingest_run(broker: BrokerProcess, opts: BrokerBenchOptions, messages: int, topic: str, *,
+                protocol: int = PROTOCOL_LEVEL, properties: Properties | None = None) -> LoadResult:
     per = max(messages // opts.publishers, 1)
     specs = [PublisherSpec(broker.host, broker.port, f"bench-pub-{i}", topic, per, opts.size, opts.inflight,
-                           max_seconds=opts.max_seconds) for i in range(opts.publishers)]
+                           max_seconds=opts.max_seconds, protocol=protocol, properties=properties)
+             for i in range(opts.publishers)]
     return run_load(specs)
 
 
@@ -236,13 +250,16 @@ def _alternate(opts: BrokerBenchOptions, work: Path, run: Callable[[BrokerProces
     return runs
 
 
-def _fanout_run(broker: BrokerProcess, opts: BrokerBenchOptions, messages: int) -> LoadResult:
+def _fanout_run(broker: BrokerProcess, opts: BrokerBenchOptions, messages: int, *,
+                protocol: int = PROTOCOL_LEVEL, properties: Properties | None = None) -> LoadResult:
     subs = [SubscriberSpec(broker.host, broker.port, f"bench-fan-sub-{i}", "bench/fanout/#", qos=1,
-                           clean_session=False, idle_seconds=5.0, max_seconds=opts.max_seconds * 4)
+                           clean_session=False, idle_seconds=5.0, max_seconds=opts.max_seconds * 4,
+                           protocol=protocol)
             for i in range(opts.subscribers)]
     per = max(messages // opts.publishers, 1)
     pubs = [PublisherSpec(broker.host, broker.port, f"bench-fan-pub-{i}", f"bench/fanout/{i}", per, opts.size,
-                          opts.inflight, max_seconds=opts.max_seconds) for i in range(opts.publishers)]
+                          opts.inflight, max_seconds=opts.max_seconds, protocol=protocol, properties=properties)
+            for i in range(opts.publishers)]
     return run_load(pubs, subs, timeout=opts.max_seconds * 6)
 
 
@@ -811,7 +828,14 @@ def scenario_kill9(opts: BrokerBenchOptions, say: Progress) -> dict[str, Any]:
 
 
 def run_broker_bench(scenarios: list[str], opts: BrokerBenchOptions, say: Progress) -> Iterator[dict[str, Any]]:
-    """Run ``scenarios`` in order (``all`` = every one); yields one result dict per scenario."""
+    """Run ``scenarios`` in order (``all`` = every one); yields one result dict per scenario.
+
+    With ``opts.protocol`` 5 only ingest and fanout exist (``all`` = both), as MQTT 5 runs."""
+    if opts.protocol == 5:
+        from bench.broker5 import run_broker_bench5
+
+        yield from run_broker_bench5(scenarios, opts, say)
+        return
     names = list(SCENARIOS) if "all" in scenarios else scenarios
     with contextlib.ExitStack() as stack:
         shared: Path | None = None
@@ -839,6 +863,10 @@ def run_broker_bench(scenarios: list[str], opts: BrokerBenchOptions, say: Progre
 
 def summary_line(result: dict[str, Any]) -> str:
     """One human line per scenario result (what ``filemq bench broker`` prints without --json)."""
+    if result.get("protocol") == 5:
+        from bench.broker5 import summary_line5
+
+        return summary_line5(result)
     s = result["scenario"]
     ok = {True: "meets target", False: "MISSES target", None: "no baseline"}[result.get("meets_target")]
     if s == "ingest":

@@ -9,6 +9,9 @@ times; each line gives rate and broker CPU per PUBACK / delivery (user + system,
 helper processes), the summary the best run of each and its ratio to mosquitto's. On a
 shared machine only ratios within one run mean something (docs/PERFORMANCE.md). ``MSGS``
 overrides the messages per run (ingest 200,000; fanout 20,000 x the 10 subscribers).
+``PROTOCOL=5`` runs every broker with MQTT 5 load clients (trees that speak MQTT 5 only), and
+``V5_PROPERTIES=1`` adds a content type and a user property to every PUBLISH (as
+``filemq bench broker --protocol 5 --v5-properties``).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from pathlib import Path
 
 from bench.baselines import LOOPBACK, BrokerProcess, free_port, spawn, start_mosquitto
 from bench.broker import BrokerBenchOptions, _fanout_run, _ingest_run
+from bench.broker5 import V5_PROPERTIES
 
 
 def _start(tree: Path | None, work: Path) -> BrokerProcess:
@@ -36,6 +40,8 @@ def _start(tree: Path | None, work: Path) -> BrokerProcess:
 def compare(scenario: str, reps: int, trees: dict[str, Path]) -> list[str]:
     opts = BrokerBenchOptions(max_seconds=10)
     messages = int(os.environ.get("MSGS", "0")) or (200_000 if scenario == "ingest" else 20_000)
+    protocol = int(os.environ.get("PROTOCOL", "4"))
+    props = V5_PROPERTIES if protocol == 5 and os.environ.get("V5_PROPERTIES") == "1" else None
     runs: dict[str, list[tuple[float, float]]] = {}
     lines: list[str] = []
     named: dict[str, Path | None] = {**trees, "mosquitto": None}
@@ -47,10 +53,11 @@ def compare(scenario: str, reps: int, trees: dict[str, Path]) -> list[str]:
                 with _start(tree, work) as broker:
                     cpu0 = broker.cpu_seconds()
                     if scenario == "ingest":
-                        result = _ingest_run(broker, opts, messages, "bench/ingest")
+                        result = _ingest_run(broker, opts, messages, "bench/ingest", protocol=protocol,
+                                             properties=props)
                         n, rate = result.acked, result.ack_rate
                     else:
-                        result = _fanout_run(broker, opts, messages)
+                        result = _fanout_run(broker, opts, messages, protocol=protocol, properties=props)
                         n, rate = result.delivered, result.delivery_rate
                     cpu = broker.cpu_seconds() - cpu0
                 us = 1e6 * cpu / max(n, 1)

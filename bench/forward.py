@@ -150,8 +150,12 @@ class LandedCounter:
 
 
 def fill_agent_log(data_dir: Path, records: int, size: int) -> None:
-    """Append ``records`` records of ``size`` bytes to the agent's log (as the broker would)."""
+    """Append ``records`` records of ``size`` bytes to the agent's log (as the broker would),
+    and leave the retained snapshot the broker writes when it stops (no retained message,
+    covering the whole log), so the agent starts as after a clean stop instead of replaying
+    the whole backlog to rebuild retained messages while it drains."""
     from filemq.queue import Queue, QueueConfig
+    from filemq.queue.retained import RetainedStore
     from segments import LogConfig
 
     queue = Queue.open(data_dir, QueueConfig(log=LogConfig(fsync="never")))
@@ -163,6 +167,9 @@ def fill_agent_log(data_dir: Path, records: int, size: int) -> None:
         if i % 50_000 == 49_999:
             log_.flush()
     log_.sync()
+    retained = RetainedStore(data_dir)
+    retained.advance(log_.committed_offset)
+    retained.snapshot()
     log_.close()
 
 

@@ -16,9 +16,18 @@ plain blocking socket with our codec, so the generator is not the bottleneck:
 :func:`run_null_sink` is a fake broker that acks every PUBLISH the same bulk way; running
 publishers against it measures the generator's own ceiling.
 
+MQTT 5 (``protocol=5`` on the specs, :class:`RawClient`, :class:`PublishAcker` and the null
+sink): CONNECT at level 5 with a property section (a session expiry interval for a persistent
+session), PUBLISH with its property section (pre-built bytes, so optional message properties
+cost the generator nothing per message), SUBSCRIBE with the options byte, PUBACKs in the short
+form of 3.4.2.1 from the subscribers; PUBACKs from the broker are counted in bulk in either the
+2-byte or the 3-byte (reason code) form, and a PUBACK with a reason code >= 0x80 counts as
+refused, not acked.  A publisher never keeps more in flight than the broker's receive maximum.
+
 What a caller may rely on: :func:`run_load` returns when every process finished or was
 stopped at its deadline; no process outlives it.  Errors inside a process (connection
-refused, closed by the broker) come back as ``error`` strings in the results, not raised.
+refused, closed by the broker) come back as ``error`` strings in the results, not raised; a
+refused CONNECT also as ``connack_code``.
 """
 
 from __future__ import annotations
@@ -37,17 +46,21 @@ from multiprocessing.sharedctypes import Synchronized
 from multiprocessing.synchronize import Event as MpEvent
 from typing import Any
 
-from filemq.mqtt.codec import Decoder, ProtocolError, encode, encode_puback
+from filemq.mqtt.codec import Decoder, ProtocolError, encode, encode_puback, encoder
 from filemq.mqtt.packets import (
     CONNACK_RETURN_CODE_NAMES,
+    PROTOCOL_LEVEL,
+    PROTOCOL_LEVEL_5,
     Connack,
     Connect,
     Disconnect,
     Packet,
+    Properties,
     Puback,
     Publish,
     Suback,
     Subscribe,
+    subscription_options,
 )
 
 _CTX = mp.get_context("fork")
@@ -56,34 +69,60 @@ _MAX_PID = 65535
 # Payload layout of stamped messages: send time (ns, monotonic), then a sequence number.
 _STAMP = struct.Struct(">QQ")
 STAMP_BYTES = _STAMP.size
+# MQTT 5 persistent sessions (clean start 0) of the load clients outlive a disconnect by this much.
+SESSION_EXPIRY_S = 3600
 
 
 class LoadError(RuntimeError):
-    """A load client could not connect or subscribe; carries the client id."""
+    """A load client could not connect or subscribe; carries the client id and, for a refused
+    CONNECT, the CONNACK's return code (3.1.1) or reason code (MQTT 5)."""
 
-    def __init__(self, client_id: str, detail: str) -> None:
+    def __init__(self, client_id: str, detail: str, connack_code: int | None = None) -> None:
         super().__init__(f"client {client_id!r}: {detail}")
         self.client_id = client_id
+        self.connack_code = connack_code
+
+
+def connect_packet(client_id: str, clean_session: bool, keepalive: int, protocol: int = PROTOCOL_LEVEL) -> bytes:
+    """The CONNECT a load client sends: 3.1.1, or level 5 with a property section (a session
+    expiry interval of :data:`SESSION_EXPIRY_S` when the session is persistent, 3.1.2.11.2)."""
+    if protocol != PROTOCOL_LEVEL_5:
+        return encode(Connect(client_id=client_id, clean_session=clean_session, keepalive=keepalive))
+    props = None if clean_session else Properties(session_expiry_interval=SESSION_EXPIRY_S)
+    return encoder(protocol)(Connect(client_id=client_id, clean_session=clean_session, keepalive=keepalive,
+                                     protocol_level=PROTOCOL_LEVEL_5, properties=props))
+
+
+def connack_reason(code: int, protocol: int) -> str:
+    """A CONNACK code as text: 3.1.1's names (a 3.1.1 server may refuse a level-5 CONNECT with
+    one, 3.1.4), MQTT 5 reason codes in hex."""
+    name = CONNACK_RETURN_CODE_NAMES.get(code) if code < 0x80 else None
+    return f"{name} (CONNACK 0x{code:02X})" if name else f"CONNACK 0x{code:02X}"
 
 
 class RawClient:
-    """A blocking MQTT 3.1.1 connection for load generation (no keepalive pings: runs are short)."""
+    """A blocking MQTT 3.1.1 or 5 connection for load generation (no keepalive pings: runs are
+    short).  ``receive_maximum`` is the server's (CONNACK property, 3.2.2.3.3; 65535 when absent
+    and on 3.1.1)."""
 
-    def __init__(self, sock: socket.socket, client_id: str, session_present: bool, decoder: Decoder) -> None:
+    def __init__(self, sock: socket.socket, client_id: str, session_present: bool, decoder: Decoder,
+                 protocol: int = PROTOCOL_LEVEL, receive_maximum: int = 65535) -> None:
         self.sock = sock
         self.client_id = client_id
         self.session_present = session_present
         self.decoder = decoder
+        self.protocol = protocol
+        self.receive_maximum = receive_maximum
 
     @classmethod
     def connect(cls, host: str, port: int, client_id: str, *, clean_session: bool = True,
-                keepalive: int = 600, timeout: float = 10.0) -> RawClient:
+                keepalive: int = 600, timeout: float = 10.0, protocol: int = PROTOCOL_LEVEL) -> RawClient:
         """Open a connection and complete CONNECT/CONNACK; raises :class:`LoadError` on refusal."""
         sock = socket.create_connection((host, port), timeout=timeout)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         try:
-            sock.sendall(encode(Connect(client_id=client_id, clean_session=clean_session, keepalive=keepalive)))
-            decoder = Decoder(max_packet_size=1 << 24, server=False)
+            sock.sendall(connect_packet(client_id, clean_session, keepalive, protocol))
+            decoder = Decoder(max_packet_size=1 << 24, server=False, protocol_level=protocol)
             while True:
                 data = sock.recv(_RECV)
                 if not data:
@@ -95,17 +134,24 @@ class RawClient:
                 if not isinstance(packet, Connack):
                     raise LoadError(client_id, f"expected CONNACK, got {type(packet).__name__}")
                 if packet.return_code:
-                    reason = CONNACK_RETURN_CODE_NAMES.get(packet.return_code, str(packet.return_code))
-                    raise LoadError(client_id, f"CONNECT refused: {reason}")
-                return cls(sock, client_id, packet.session_present, decoder)
+                    raise LoadError(client_id, f"CONNECT refused: {connack_reason(packet.return_code, protocol)}",
+                                    packet.return_code)
+                props = packet.properties
+                receive_maximum = props.receive_maximum if props and props.receive_maximum else 65535
+                return cls(sock, client_id, packet.session_present, decoder, protocol, receive_maximum)
         except BaseException:
             sock.close()
             raise
 
     def subscribe(self, filters: Sequence[tuple[str, int]], packet_id: int = 1,
                   timeout: float = 10.0) -> tuple[list[int], list[Packet]]:
-        """SUBSCRIBE and wait for SUBACK: (return codes, packets that arrived before the SUBACK)."""
-        self.sock.sendall(encode(Subscribe(packet_id, list(filters))))
+        """SUBSCRIBE and wait for SUBACK: (return codes, packets that arrived before the SUBACK).
+
+        ``filters`` are (filter, QoS); on MQTT 5 the QoS becomes the options byte (3.8.3.1:
+        no local 0, retain as published 0, retain handling 0)."""
+        if self.protocol == PROTOCOL_LEVEL_5:
+            filters = [(f, subscription_options(qos)) for f, qos in filters]
+        self.sock.sendall(encoder(self.protocol)(Subscribe(packet_id, list(filters))))
         early: list[Packet] = []
         deadline = time.monotonic() + timeout
         while True:
@@ -125,7 +171,7 @@ class RawClient:
     def close(self, disconnect: bool = True) -> None:
         if disconnect:
             with contextlib.suppress(OSError):
-                self.sock.sendall(encode(Disconnect()))
+                self.sock.sendall(encoder(self.protocol)(Disconnect()))
         self.sock.close()
 
 
@@ -146,47 +192,91 @@ class PublisherSpec:
     qos: int = 1
     rate: float = 0.0
     max_seconds: float = 60.0
+    protocol: int = PROTOCOL_LEVEL  # 5: MQTT 5 CONNECT and PUBLISH
+    properties: Properties | None = None  # MQTT 5 message properties on every PUBLISH
 
 
 @dataclass
 class PublisherResult:
     client_id: str
     sent: int = 0
-    acked: int = 0
+    acked: int = 0  # PUBACKs with a success reason code (< 0x80; every PUBACK on 3.1.1)
+    refused: int = 0  # MQTT 5 PUBACKs with a reason code >= 0x80 (not in ``acked``)
     started: float = 0.0  # time.monotonic() of the first send
     finished: float = 0.0  # time.monotonic() of the last PUBACK
     error: str | None = None
+    connack_code: int | None = None  # set when the broker refused the CONNECT
 
     @property
     def seconds(self) -> float:
         return max(self.finished - self.started, 0.0)
 
 
-def _publish_prefix(topic: str, payload_size: int, qos: int) -> bytes:
-    """The bytes of a PUBLISH up to (not including) the packet id, for ``payload_size``."""
-    sample = encode(Publish(topic, bytes(payload_size), qos, packet_id=1 if qos else None))
-    return sample[: len(sample) - payload_size - (2 if qos else 0)]
+def publish_template(topic: str, payload_size: int, qos: int, protocol: int = PROTOCOL_LEVEL,
+                     properties: Properties | None = None) -> tuple[bytes, bytes]:
+    """(prefix, middle) of a PUBLISH for ``payload_size``: a packet is ``prefix + packet id +
+    middle + payload`` (no packet id at QoS 0).  ``prefix`` is the fixed header and the topic,
+    ``middle`` the MQTT 5 property section (3.3.2.3; ``b""`` on 3.1.1)."""
+    payload = bytes(payload_size)
+    sample = encoder(protocol)(Publish(topic, payload, qos, packet_id=1 if qos else None,
+                                       properties=properties if protocol == PROTOCOL_LEVEL_5 else None))
+    pid_at = _header_length(sample, 0) + 2 + len(topic.encode("utf-8"))
+    after = pid_at + (2 if qos else 0)
+    return sample[:pid_at], sample[after : len(sample) - payload_size]
 
 
 class _AckCounter:
-    """Counts PUBACKs in a byte stream; bulk when the buffer holds nothing else."""
+    """Counts PUBACKs in a byte stream; bulk when the buffer holds nothing else.
 
-    def __init__(self) -> None:
+    Bulk takes runs of one PUBACK form: 3.1.1's (and MQTT 5's short form, 3.4.2.1) ``40 02
+    id id``, or on MQTT 5 ``40 03 id id RC`` with one success reason code (mosquitto answers
+    0x10 "no matching subscribers" to every PUBLISH nobody subscribed to).  Anything else goes
+    through a :class:`Decoder` from then on; there a reason code >= 0x80 counts in ``refused``.
+    """
+
+    def __init__(self, protocol: int = PROTOCOL_LEVEL) -> None:
         self._rest = b""
         self._decoder: Decoder | None = None
+        self._protocol = protocol
+        self._head = b""  # the form's bytes compared at every stride: 40 02, or 40 03 + RC at offset 4
+        self.refused = 0  # PUBACKs with a failure reason code (MQTT 5)
+        self.refused_codes: set[int] = set()
 
     def count(self, data: bytes) -> int:
+        """PUBACKs (successful or refused) completed by ``data``: each frees a window slot."""
         if self._decoder is not None:
             self._decoder.feed(data)
-            return sum(1 for p in self._decoder.packets() if isinstance(p, Puback))
+            n = 0
+            for p in self._decoder.packets():
+                if isinstance(p, Puback):
+                    n += 1
+                    if p.reason_code >= 0x80:
+                        self.refused += 1
+                        self.refused_codes.add(p.reason_code)
+            return n
         buf = self._rest + data if self._rest else data
-        whole = len(buf) >> 2
-        end = whole << 2
-        if buf[0:end:4] == b"\x40" * whole and buf[1:end:4] == b"\x02" * whole:
-            self._rest = buf[end:]
-            return whole
-        # Something other than PUBACKs (PINGRESP, a stray PUBLISH): decode properly from now on.
-        self._decoder = Decoder(max_packet_size=1 << 24, server=False)
+        head = self._head
+        if not head:
+            first = buf[:2]
+            if first == b"\x40\x02" and len(buf) >= 4:
+                head = first
+            elif first == b"\x40\x03" and self._protocol == PROTOCOL_LEVEL_5 and len(buf) >= 5 and buf[4] < 0x80:
+                head = first + buf[4:5]
+            elif len(buf) < 5 and first in (b"\x40", b"\x40\x02", b"\x40\x03"):
+                self._rest = buf  # the first PUBACK is not complete yet
+                return 0
+            self._head = head
+        if head:
+            stride = 2 + head[1]
+            whole = len(buf) // stride
+            end = whole * stride
+            if (buf[0:end:stride] == head[0:1] * whole and buf[1:end:stride] == head[1:2] * whole
+                    and (stride == 4 or buf[4:end:stride] == head[2:3] * whole)):
+                self._rest = buf[end:]
+                return whole
+        # Something other than one PUBACK form (PINGRESP, a stray PUBLISH, a reason code):
+        # decode properly from now on.
+        self._decoder = Decoder(max_packet_size=1 << 24, server=False, protocol_level=self._protocol)
         self._rest = b""
         return self.count(buf)
 
@@ -200,10 +290,11 @@ def publisher_main(spec: PublisherSpec, start: MpEvent | None, ready: Synchroniz
     result = PublisherResult(spec.client_id)
     client: RawClient | None = None
     try:
-        client = RawClient.connect(spec.host, spec.port, spec.client_id)
+        client = RawClient.connect(spec.host, spec.port, spec.client_id, protocol=spec.protocol)
         run = _paced(client, spec, result) if spec.rate > 0 else _flat_out(client, spec, result)
     except (OSError, LoadError, ValueError) as exc:
         result.error = str(exc)
+        result.connack_code = getattr(exc, "connack_code", None)
         run = None
     if ready is not None:
         with ready.get_lock():
@@ -224,14 +315,14 @@ def publisher_main(spec: PublisherSpec, start: MpEvent | None, ready: Synchroniz
 def _flat_out(client: RawClient, spec: PublisherSpec, result: PublisherResult) -> Callable[[], None]:
     """Pre-encode every packet; return the function that publishes them flat out."""
     qos = spec.qos
-    prefix = _publish_prefix(spec.topic, spec.payload_size, qos)
-    payload = bytes(spec.payload_size)
+    prefix, middle = publish_template(spec.topic, spec.payload_size, qos, spec.protocol, spec.properties)
+    tail = middle + bytes(spec.payload_size)
     n_pre = min(spec.messages, _MAX_PID)
     # Packet id of message i is i % 65535 + 1; the window (<= 65535) keeps ids unique.
-    packets = [prefix + ((i + 1).to_bytes(2, "big") if qos else b"") + payload for i in range(n_pre)]
+    packets = [prefix + ((i + 1).to_bytes(2, "big") if qos else b"") + tail for i in range(n_pre)]
     sock = client.sock
     sock.settimeout(30.0)
-    counter = _AckCounter()
+    counter = _AckCounter(spec.protocol)
 
     def batch(first: int, k: int) -> bytes:
         a = first % _MAX_PID
@@ -241,7 +332,7 @@ def _flat_out(client: RawClient, spec: PublisherSpec, result: PublisherResult) -
 
     def run() -> None:
         limit = spec.messages
-        window = min(spec.inflight, limit)
+        window = min(spec.inflight, client.receive_maximum, limit)
         result.started = time.monotonic()
         deadline = result.started + spec.max_seconds
         if qos == 0:
@@ -273,9 +364,17 @@ def _flat_out(client: RawClient, spec: PublisherSpec, result: PublisherResult) -
                             sent += k
         finally:
             result.finished = time.monotonic()
-            result.sent, result.acked = sent, acked
+            _settle(result, sent, acked, counter)
 
     return run
+
+
+def _settle(result: PublisherResult, sent: int, acked: int, counter: _AckCounter) -> None:
+    """Final counts: PUBACKs with a failure reason code are refused, not acked."""
+    result.sent, result.acked, result.refused = sent, acked - counter.refused, counter.refused
+    if counter.refused and result.error is None:
+        codes = ", ".join(f"0x{c:02X}" for c in sorted(counter.refused_codes))
+        result.error = f"{counter.refused} PUBACKs refused (reason code {codes})"
 
 
 def _paced(client: RawClient, spec: PublisherSpec, result: PublisherResult) -> Callable[[], None]:
@@ -283,11 +382,12 @@ def _paced(client: RawClient, spec: PublisherSpec, result: PublisherResult) -> C
     if spec.payload_size < STAMP_BYTES:
         raise ValueError(f"stamped payloads need at least {STAMP_BYTES} bytes, not {spec.payload_size}")
     qos = spec.qos
-    prefix = _publish_prefix(spec.topic, spec.payload_size, qos)
+    prefix, middle = publish_template(spec.topic, spec.payload_size, qos, spec.protocol, spec.properties)
     filler = bytes(spec.payload_size - STAMP_BYTES)
     sock = client.sock
-    counter = _AckCounter()
+    counter = _AckCounter(spec.protocol)
     pack = _STAMP.pack
+    inflight = min(spec.inflight, client.receive_maximum)
 
     def run() -> None:
         limit = spec.messages
@@ -300,13 +400,13 @@ def _paced(client: RawClient, spec: PublisherSpec, result: PublisherResult) -> C
                 if now > deadline:
                     break
                 due = min(int((now - t0) * spec.rate) + 1, limit) - sent
-                k = min(due, spec.inflight - (sent - acked)) if qos else due
+                k = min(due, inflight - (sent - acked)) if qos else due
                 if k > 0:
                     stamp = time.monotonic_ns()
                     chunks = []
                     for i in range(sent, sent + k):
                         pid = (i % _MAX_PID + 1).to_bytes(2, "big") if qos else b""
-                        chunks.append(prefix + pid + pack(stamp, i) + filler)
+                        chunks.append(prefix + pid + middle + pack(stamp, i) + filler)
                     sock.sendall(b"".join(chunks))
                     sent += k
                     if not qos:
@@ -320,7 +420,7 @@ def _paced(client: RawClient, spec: PublisherSpec, result: PublisherResult) -> C
                     acked += counter.count(data)
         finally:
             result.finished = time.monotonic()
-            result.sent, result.acked = sent, acked
+            _settle(result, sent, acked, counter)
 
     return run
 
@@ -355,10 +455,15 @@ class PublishAcker:
     per-packet Python): the load generator sends uniform packets, and brokers deliver them
     back uniform.  Anything else (CONNACK, SUBACK, DUP redeliveries, other sizes) goes
     through :class:`Decoder` one packet at a time and is returned to the caller.
+
+    ``protocol`` 5 decodes MQTT 5 packets (a PUBLISH's property section sits between its packet
+    id and its payload; the PUBACKs sent are the short form of 3.4.2.1, valid on both levels).
+    A server-side acker (the null sink) switches to 5 by itself on a level-5 CONNECT.
     """
 
-    def __init__(self, server: bool) -> None:
+    def __init__(self, server: bool, protocol: int = PROTOCOL_LEVEL) -> None:
         self._server = server
+        self._protocol = protocol
         self._rest = b""
         self._frame = 0
         self._check_len = 0  # fixed header + 2 topic-length bytes: compared at every stride
@@ -394,7 +499,7 @@ class PublishAcker:
             total = _frame_length(buf, pos)
             if total is None:
                 break
-            decoder = Decoder(max_packet_size=1 << 24, server=self._server)
+            decoder = Decoder(max_packet_size=1 << 24, server=self._server, protocol_level=self._protocol)
             decoder.feed(buf[pos : pos + total])
             packet = decoder.next_packet()
             if isinstance(packet, Publish):
@@ -406,8 +511,11 @@ class PublishAcker:
                     self._frame = total
                     self._check_len = header + 2
                     self._head = buf[pos : pos + header + 2]
-                    self._pid_at = total - len(packet.payload) - 2
+                    # Fixed header, topic length, topic: then the packet id (3.3.2), on both levels.
+                    self._pid_at = header + 2 + ((buf[pos + header] << 8) | buf[pos + header + 1])
             elif packet is not None:
+                if isinstance(packet, Connect) and packet.protocol_level == PROTOCOL_LEVEL_5:
+                    self._protocol = PROTOCOL_LEVEL_5
                 others.append(packet)
             pos += total
         self._rest = buf[pos:]
@@ -438,6 +546,7 @@ class SubscriberSpec:
     stamped: bool = False  # payloads carry _STAMP: collect latencies
     idle_seconds: float = 5.0  # give up after this long without a message once the load is over
     max_seconds: float = 120.0
+    protocol: int = PROTOCOL_LEVEL  # 5: MQTT 5 CONNECT (session expiry when persistent) and SUBSCRIBE
 
 
 @dataclass
@@ -448,6 +557,7 @@ class SubscriberResult:
     last: float = 0.0  # time.monotonic() of the last message
     latencies_ns: list[int] = field(default_factory=list)
     error: str | None = None
+    connack_code: int | None = None  # set when the broker refused the CONNECT
 
 
 def subscriber_main(spec: SubscriberSpec, ready: MpEvent, expected: Synchronized[int], out: Any) -> None:
@@ -459,12 +569,14 @@ def subscriber_main(spec: SubscriberSpec, ready: MpEvent, expected: Synchronized
     """
     result = SubscriberResult(spec.client_id)
     try:
-        client = RawClient.connect(spec.host, spec.port, spec.client_id, clean_session=spec.clean_session)
+        client = RawClient.connect(spec.host, spec.port, spec.client_id, clean_session=spec.clean_session,
+                                   protocol=spec.protocol)
         codes, early = client.subscribe([(spec.topic_filter, spec.qos)])
-        if codes[0] == 0x80:
-            raise LoadError(spec.client_id, f"subscription to {spec.topic_filter!r} refused")
+        if codes[0] >= 0x80:  # 3.1.1: 0x80 only; MQTT 5: every reason code >= 0x80 (3.9.3)
+            raise LoadError(spec.client_id, f"subscription to {spec.topic_filter!r} refused (0x{codes[0]:02X})")
     except (OSError, LoadError, ProtocolError) as exc:
         result.error = str(exc)
+        result.connack_code = getattr(exc, "connack_code", None)
         out.put(result)
         ready.set()
         return
@@ -511,7 +623,7 @@ def _receive(client: RawClient, spec: SubscriberSpec, expected: Synchronized[int
                 result.last = now_ns / 1e9
             packets = []
         if acker is None and not stamped and decoder.buffered == 0:
-            acker = PublishAcker(server=False)
+            acker = PublishAcker(server=False, protocol=client.protocol)
         want = expected.value
         now = time.monotonic()
         if 0 <= want <= received or now > deadline:
@@ -556,6 +668,17 @@ class LoadResult:
     @property
     def acked(self) -> int:
         return sum(p.acked for p in self.publishers)
+
+    @property
+    def refused(self) -> int:
+        """MQTT 5 PUBACKs with a failure reason code (>= 0x80), over all publishers."""
+        return sum(p.refused for p in self.publishers)
+
+    @property
+    def connack_code(self) -> int | None:
+        """The CONNACK code of the first client whose CONNECT the broker refused, else None."""
+        results: list[PublisherResult | SubscriberResult] = [*self.subscribers, *self.publishers]
+        return next((r.connack_code for r in results if r.connack_code is not None), None)
 
     @property
     def started(self) -> float:
@@ -670,8 +793,9 @@ def _sink_connection(conn: socket.socket, counted: list[int]) -> None:
             others = acker.feed(data, out)
             if any(isinstance(p, Disconnect) for p in others):
                 break
-            if any(isinstance(p, Connect) for p in others):
-                out[:0] = encode(Connack())
+            connect = next((p for p in others if isinstance(p, Connect)), None)
+            if connect is not None:
+                out[:0] = encoder(connect.protocol_level)(Connack())
             if out:
                 conn.sendall(out)
     counted.append(acker.publishes)
@@ -715,11 +839,13 @@ def null_sink(host: str = "127.0.0.1") -> Any:
 
 
 def run_null_sink(publishers: int, messages: int, payload_size: int, inflight: int,
-                  progress: Callable[[str], None] | None = None, max_seconds: float = 10.0) -> LoadResult:
+                  progress: Callable[[str], None] | None = None, max_seconds: float = 10.0,
+                  protocol: int = PROTOCOL_LEVEL, properties: Properties | None = None) -> LoadResult:
     """The generator's ceiling: ``publishers`` flat-out publishers against :func:`null_sink`."""
     with null_sink() as port:
         specs = [PublisherSpec("127.0.0.1", port, f"sink-pub-{i}", "bench/sink", messages // publishers,
-                               payload_size, inflight, max_seconds=max_seconds) for i in range(publishers)]
+                               payload_size, inflight, max_seconds=max_seconds, protocol=protocol,
+                               properties=properties) for i in range(publishers)]
         result = run_load(specs)
     if progress is not None:
         progress(f"  generator ceiling (null sink): {result.ack_rate:,.0f} PUBACKs/s")

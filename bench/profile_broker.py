@@ -9,12 +9,14 @@ The first two start a broker (``fsync = "always"``, fresh data dir), attach ``py
 bench scenario (4 publishers x 100 in flight, 100-byte QoS 1; fanout adds 10 persistent QoS 1
 subscribers), then print the broker's CPU per message (PUBACK or delivery). ``summary``
 prints the share of samples per thread, per leaf function and per filemq function
-(inclusive) of a raw profile.
+(inclusive) of a raw profile.  ``PROTOCOL=5`` runs the load with MQTT 5 clients and
+``V5_PROPERTIES=1`` adds a content type and a user property to every PUBLISH (issue 13).
 """
 
 from __future__ import annotations
 
 import collections
+import os
 import re
 import signal
 import subprocess
@@ -24,6 +26,7 @@ import time
 from pathlib import Path
 
 from bench.broker import BrokerBenchOptions, _fanout_run, _ingest_run, start_filemq
+from bench.broker5 import V5_PROPERTIES
 
 PY_SPY = str(Path(sys.executable).with_name("py-spy"))
 
@@ -31,6 +34,8 @@ PY_SPY = str(Path(sys.executable).with_name("py-spy"))
 def record(scenario: str, out: str, messages: int | None) -> str:
     """Run the load under py-spy; returns one line with the broker's CPU per message."""
     opts = BrokerBenchOptions(max_seconds=10)
+    protocol = int(os.environ.get("PROTOCOL", "4"))
+    props = V5_PROPERTIES if protocol == 5 and os.environ.get("V5_PROPERTIES") == "1" else None
     with tempfile.TemporaryDirectory(prefix="filemq-profile-") as d, start_filemq(Path(d) / "data") as broker:
         spy = subprocess.Popen([PY_SPY, "record", "--pid", str(broker.pid), "--rate", "250", "--threads",
                                 "--format", "raw", "--nonblocking", "-o", out],
@@ -38,10 +43,11 @@ def record(scenario: str, out: str, messages: int | None) -> str:
         time.sleep(1.0)  # py-spy attached
         cpu0 = broker.cpu_seconds()
         if scenario == "ingest":
-            result = _ingest_run(broker, opts, messages or 400_000, "bench/ingest")
+            result = _ingest_run(broker, opts, messages or 400_000, "bench/ingest", protocol=protocol,
+                                 properties=props)
             n = result.acked
         else:
-            result = _fanout_run(broker, opts, messages or 40_000)
+            result = _fanout_run(broker, opts, messages or 40_000, protocol=protocol, properties=props)
             n = result.delivered
         cpu = broker.cpu_seconds() - cpu0
         spy.send_signal(signal.SIGINT)

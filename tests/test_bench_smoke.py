@@ -242,3 +242,79 @@ def test_bench_forward_devices_fail_fast_when_the_collector_refuses_connections(
         run_devices(tmp_path, devices=12, records=12_000, size=16, timeout=150,
                     collector_args=("--max-connections", "4"))
     assert time.monotonic() - started < 60
+
+
+# --------------------------------------------------------------------------- --protocol 5 (issue 13 item 9)
+
+_V5_CONTENDERS = ("filemq_v5", "filemq_v311", "mosquitto_v5")
+
+
+@needs_mosquitto
+def test_protocol5_ingest_and_fanout_json_through_the_cli(tmp_path):
+    """`bench broker --protocol 5`: each scenario has filemq v5, mosquitto v5 and filemq 3.1.1
+    figures from the same run, rates and CPU per message, and the ratios between them."""
+    args = ["bench", "broker", "--protocol", "5", "--scenario", "ingest,fanout", "--messages", "1000",
+            "--publishers", "2", "--subscribers", "2", "--max-seconds", "5", "--repeat", "1", "--v5-properties",
+            "--workdir", str(tmp_path), "--json"]
+    run = CliRunner().invoke(main, args)
+    assert run.exit_code == 0, run.output
+    lines = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+    assert [(r["scenario"], r["protocol"], r["v5_properties"]) for r in lines] == [
+        ("ingest", 5, True), ("fanout", 5, True)]
+    ingest, fanout = lines
+    assert ingest["generator_ceiling_acks_per_s"] > 0
+    for name in _V5_CONTENDERS:
+        assert ingest[f"{name}_acked"] == 1000, ingest
+        assert ingest[f"{name}_acks_per_s"] > 0
+        assert fanout[f"{name}_published"] == 1000, fanout
+        assert fanout[f"{name}_delivered"] == 1000 * 2
+        assert fanout[f"{name}_deliveries_per_s"] > 0
+        for result in (ingest, fanout):
+            assert result[f"{name}_cpu_us_per_msg"] > 0
+            assert len(result[f"{name}_runs_cpu_us_per_msg"]) == 1
+            assert f"{name}_errors" not in result and f"{name}_refused" not in result
+    for result, key in ((ingest, "acks_per_s"), (fanout, "deliveries_per_s")):
+        assert result["ratio_v5_vs_v311"] == pytest.approx(result[f"filemq_v5_{key}"] / result[f"filemq_v311_{key}"],
+                                                           abs=0.01)
+        assert result["ratio_vs_mosquitto_v5"] > 0
+        assert result["cpu_v5_over_v311"] > 0
+        assert result["cpu_ratio_vs_mosquitto_v5"] > 0
+        assert isinstance(result["meets_target"], bool)
+        text = summary_line(result)
+        assert "filemq v5" in text and "filemq 3.1.1" in text and "mosquitto v5" in text and "CPU" in text
+    assert not list(tmp_path.iterdir()), "the bench left its data directories behind"
+
+
+def test_protocol5_text_output_shows_a_refused_filemq_v5():
+    """A broker answering the level-5 CONNECT with CONNACK 0x01 is reported as refused, and
+    the run misses its target; the other contenders' figures stay."""
+    from bench.broker5 import _ratios
+
+    result = {"bench": "broker", "scenario": "ingest", "protocol": 5, "v5_properties": False,
+              "filemq_v5_refused": "CONNACK 0x01", "filemq_v5_connack_code": 1,
+              "filemq_v311_acks_per_s": 40_000, "filemq_v311_cpu_us_per_msg": 15.0,
+              "mosquitto_v5_acks_per_s": 80_000, "mosquitto_v5_cpu_us_per_msg": 8.0}
+    _ratios(result, "acks_per_s")
+    assert result["meets_target"] is False
+    assert "ratio_v5_vs_v311" not in result
+    text = summary_line(result)
+    assert "filemq v5 refused (CONNACK 0x01)" in text
+    assert "filemq 3.1.1 40,000 acks/s" in text and "mosquitto v5 80,000 acks/s" in text
+
+
+def test_protocol5_rejects_other_scenarios():
+    run = CliRunner().invoke(main, ["bench", "broker", "--protocol", "5", "--scenario", "latency"])
+    assert run.exit_code == 2
+    assert "ingest and fanout scenarios only" in run.output
+    run = CliRunner().invoke(main, ["bench", "broker", "--scenario", "ingest", "--v5-properties"])
+    assert run.exit_code == 2
+    assert "--v5-properties needs --protocol 5" in run.output
+
+
+def test_null_sink_acks_every_v5_publish():
+    from bench.broker5 import V5_PROPERTIES
+
+    result = run_null_sink(publishers=2, messages=4000, payload_size=100, inflight=50, protocol=5,
+                           properties=V5_PROPERTIES)
+    assert result.errors == []
+    assert result.acked == 4000

@@ -616,3 +616,28 @@ def test_v5_cached_topic_does_not_skip_checks(wire: bytes, code: int, fragment: 
         decoder.feed(wire)
         decoder.packets()
     assert info.value.reason_code == code
+
+
+@given(properties("PUBLISH", subscription_ids=3) | properties("WILL"))
+def test_message_headers_fast_encoder_equals_the_generic_encoder(props: Properties) -> None:
+    """A record's headers (encode_message_headers, built directly for speed) are byte for byte
+    the generic property encoder's section of the message properties, in identifier order,
+    and decode back to exactly those properties (topic alias, subscription identifiers and
+    will delay are not message properties and are left out)."""
+    from filemq.mqtt.properties import (
+        _encode_message_headers_generic,
+        decode_message_headers,
+        encode_message_headers,
+    )
+
+    headers = encode_message_headers(props)
+    assert headers == _encode_message_headers_generic(props)
+    back = decode_message_headers(headers)
+    if not headers:
+        assert back is None
+        return
+    assert back is not None
+    for attr in ("payload_format_indicator", "message_expiry_interval", "content_type", "response_topic",
+                 "correlation_data", "user_properties"):
+        assert getattr(back, attr) == getattr(props, attr)
+    assert back.topic_alias is None and back.subscription_identifiers == [] and back.will_delay_interval is None

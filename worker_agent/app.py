@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 from collections.abc import Callable
 
@@ -131,6 +132,19 @@ async def serve_agent(config: Config, ready: Callable[[str], None] | None = None
         log=log, ready=ready, stop=stop, sidecar=metrics, status=lambda agent: backlog_status(agent.broker))
 
 
+# Young-generation threshold of the agent process's cyclic GC (CPython's default: 700). Every
+# log record an export reads is a tuple, so at the default a backlog drain ran a young
+# collection every ~700 records, which cost ~20 % of reading and acknowledging a record.
+GC_YOUNG_THRESHOLD = 20_000
+
+
+def tune_gc() -> None:
+    """Collect the young generation less often (see GC_YOUNG_THRESHOLD); older ones as before."""
+    _, older, oldest = gc.get_threshold()
+    gc.set_threshold(GC_YOUNG_THRESHOLD, older, oldest)
+
+
 def run_agent(config: Config, ready: Callable[[str], None] | None = None) -> int:
     """``filemq agent``: run until SIGTERM/SIGINT in a new event loop; the exit code."""
+    tune_gc()
     return run_until_signalled(serve_agent(config, ready), name="agent", log=log)

@@ -2,7 +2,8 @@
 
 A :class:`MqttExport` reads its durable consumer group (``export.NAME``) and publishes each
 record with the export's QoS to ``topic_template`` on the upstream broker, through one
-:class:`filemq.mqtt.client.MQTTClient` kept for the life of the export.
+:class:`worker_agent.mqtt_link.ExportLink` kept for the life of the export (a lean publisher:
+a batch of records becomes one write, acknowledgements are parsed in bulk).
 
 What a caller may rely on:
 
@@ -33,12 +34,15 @@ import contextlib
 import logging
 import random
 import time
-from collections.abc import Awaitable, Callable, Iterable
+from collections import deque
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from operator import attrgetter
 from typing import TYPE_CHECKING, Protocol
 
-from filemq.mqtt.client import ConnectionRefused, MQTTClient
+from filemq.mqtt.client import ConnectionRefused
 from worker_agent.forwarder import CONSUMER, ForwardGroup, RateLimiter, backoff_delay
+from worker_agent.mqtt_link import ExportLink, Message
 from worker_agent.uplink import MAX_GRANT_BYTES
 
 if TYPE_CHECKING:
@@ -47,7 +51,13 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-FETCH_MAX = 512  # records per group fetch
+_OFFSET = attrgetter("offset")
+_PAYLOAD = attrgetter("payload")
+
+# Records per group fetch, and so per write upstream. Larger runs made a drain stop-and-go (a
+# long fetch and publish while acknowledgements wait): 512 keeps the pipe smooth.
+FETCH_MAX = 512
+MAX_INFLIGHT_BYTES = 16 << 20  # payload bytes in flight, whatever the window in records
 PUBLISH_OVERHEAD = 7  # fixed header, topic length, packet id: bytes per PUBLISH besides topic and payload
 PUBLISH_MAX_OVERHEAD = 9  # the same with a 4-byte remaining length: an upper bound
 
@@ -59,16 +69,19 @@ class ExportGroup(ForwardGroup, Protocol):
 
 
 class ExportClient(Protocol):
-    """What the export needs of its upstream client (:class:`MQTTClient` fits)."""
+    """What the export needs of its upstream connection (:class:`worker_agent.mqtt_link.ExportLink` fits)."""
 
     closed: asyncio.Event
     close_reason: BaseException | None
     clean_session: bool
-    on_complete: Callable[[list[int]], None] | None
+    on_complete: Callable[[list[Message]], None] | None
+    topic_of: Callable[[str], str]
+    inflight: dict[int, Message]
+    coalesce_above: int
 
     async def connect(self, timeout: float = 10.0) -> object: ...
 
-    def publish_batch(self, messages: Iterable[tuple[str, bytes, bool, bool]], qos: int = 1) -> list[int]: ...
+    def publish(self, messages: Sequence[Message], retain: bool, redelivered: Callable[[int], bool]) -> int: ...
 
     async def disconnect(self, timeout: float = 5.0) -> None: ...
 
@@ -101,7 +114,7 @@ class MqttExportSettings:
     qos: int = 1
     retain: bool = True
     topic_template: str = "{topic}"
-    window: int = 2000
+    window: int = 8000
     backoff_initial_s: float = 0.5
     backoff_max_s: float = 60.0
     connect_timeout_s: float = 10.0
@@ -139,8 +152,8 @@ class MqttExport:
         self._rng = rng or random.Random()
         self._template = self._topic_function(settings)
         self._carry: list[Record] = []  # fetched, not yet handed to the client
-        self._inflight = 0
-        self._sent: dict[int, tuple[int, int]] = {}  # packet id -> (offset, payload bytes), unacknowledged
+        self._client: ExportClient | None = None
+        self._inflight_bytes = 0  # payload bytes published and not yet acknowledged
         self._room = asyncio.Event()
         self._stopping = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -174,8 +187,10 @@ class MqttExport:
     # -- the connection loop ------------------------------------------------------------------
 
     async def _run(self) -> None:
-        client = self._make_client()
+        client = self._client = self._make_client()
         client.on_complete = self._completed
+        client.topic_of = self._template
+        client.coalesce_above = max(self.settings.window // 2, 2)
         fresh = self.settings.qos == 2  # see the module doc: forget stale QoS 2 packet ids once
         try:
             while not self._stopping.is_set():
@@ -194,8 +209,7 @@ class MqttExport:
                 async with asyncio.timeout(3.0):
                     await asyncio.shield(client.disconnect(timeout=1.0))
             self._carry = []
-            self._sent.clear()
-            self._inflight = 0
+            self._inflight_bytes = 0
             self.stats.inflight = 0
             self.group.release(CONSUMER)
 
@@ -266,15 +280,16 @@ class MqttExport:
         s = self.settings
         group = self.group
         window = s.window
+        inflight = client.inflight
         # Refill the window in chunks, not a record per acknowledgement: fewer, larger writes.
         refill = max(1, min(window // 4, FETCH_MAX))
         limiter = self._limiter
         while True:
-            while self._inflight > window - refill:
+            while len(inflight) > window - refill or self._inflight_bytes > MAX_INFLIGHT_BYTES:
                 self._room.clear()
                 await self._room.wait()
             if not self._carry:
-                records = group.fetch(min(window - self._inflight, FETCH_MAX), CONSUMER)
+                records = group.fetch(min(window - len(inflight), FETCH_MAX), CONSUMER)
                 if not records:
                     if group.has_work():
                         await asyncio.sleep(0)
@@ -295,26 +310,15 @@ class MqttExport:
 
     def _publish(self, client: ExportClient, records: list[Record]) -> None:
         s = self.settings
-        retain = s.retain
-        topic_of = self._template
-        redelivered = self.group.redelivered
         if s.max_packet_size is not None:
             records = self._set_aside_oversized(records, s.max_packet_size)
             if not records:
                 return
-        ids = client.publish_batch(
-            [(topic_of(r.topic), r.payload, retain and r.retain, redelivered(r.offset)) for r in records], s.qos)
-        sent = self._sent
-        sent_bytes = 0
-        for pid, r in zip(ids, records, strict=True):
-            size = len(r.payload)
-            sent[pid] = (r.offset, size)
-            sent_bytes += size
-        n = len(records)
-        self._inflight += n
+        sent_bytes = client.publish(records, s.retain, self.group.redelivered)
+        self._inflight_bytes += sent_bytes
         stats = self.stats
-        stats.inflight = self._inflight
-        stats.records_sent += n
+        stats.inflight = len(client.inflight)
+        stats.records_sent += len(records)
         stats.bytes_sent += sent_bytes
 
     def _set_aside_oversized(self, records: list[Record], limit: int) -> list[Record]:
@@ -337,29 +341,17 @@ class MqttExport:
                       "set aside, not sent", self.name, r.offset, len(r.payload), r.topic, limit)
         return keep
 
-    def _completed(self, packet_ids: list[int]) -> None:
+    def _completed(self, messages: list[Message]) -> None:
         """The destination acknowledged these publishes (PUBACK / PUBCOMP): ack their records."""
-        sent = self._sent
-        ack = self.group.ack
-        acked_bytes = 0
-        top = -1
-        n = 0
-        for pid in packet_ids:
-            entry = sent.pop(pid, None)
-            if entry is None:
-                continue
-            offset, size = entry
-            ack(offset)
-            acked_bytes += size
-            n += 1
-            if offset > top:
-                top = offset
-        if not n:
-            return
-        self._inflight -= n
+        offsets = list(map(_OFFSET, messages))
+        deque(map(self.group.ack, offsets), maxlen=0)
+        acked_bytes = sum(map(len, map(_PAYLOAD, messages)))
+        self._inflight_bytes -= acked_bytes
+        top = max(offsets)
         stats = self.stats
-        stats.inflight = self._inflight
-        stats.records_acked += n
+        client = self._client
+        stats.inflight = len(client.inflight) if client is not None else 0
+        stats.records_acked += len(messages)
         stats.bytes_acked += acked_bytes
         if top > stats.acked_offset:
             stats.acked_offset = top
@@ -379,7 +371,7 @@ def _chunk(records: list[Record]) -> tuple[list[Record], int]:
     return records, size
 
 
-def mqtt_client_factory(spec: ExportSection, device_id: str) -> Callable[[], MQTTClient]:
+def mqtt_client_factory(spec: ExportSection, device_id: str) -> Callable[[], ExportLink]:
     """A function making the export's client: persistent session, its login and TLS settings.
 
     Raises :class:`filemq.common.config.ConfigError` when a password, CA or key file cannot be read.
@@ -404,11 +396,9 @@ def mqtt_client_factory(spec: ExportSection, device_id: str) -> Callable[[], MQT
             raise ConfigError(f"export {spec.name!r}: cannot load its TLS files: {exc}",
                               key="export.tls_ca") from exc
     client_id = spec.client_id or f"filemq-{device_id}-{spec.name}"
-    window = spec.window or MqttExportSettings.window
 
-    def make() -> MQTTClient:
-        return MQTTClient(client_id, spec.host, spec.port, clean_session=False, keepalive=30,
-                          username=spec.username, password=password, ssl=context,
-                          max_inflight=window)
+    def make() -> ExportLink:
+        return ExportLink(client_id, spec.host, spec.port, qos=spec.qos, clean_session=False, keepalive=30,
+                          username=spec.username, password=password, ssl=context)
 
     return make

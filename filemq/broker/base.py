@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
@@ -232,7 +232,7 @@ class CoreBase:
 
             def _drain_retained(self, conn: Connection, state: SessionState) -> bool: ...
 
-            def publishers(self) -> dict[int, str]: ...
+            def publishers(self) -> OrderedDict[int, str]: ...
 
             def _too_large(self, conn: Connection, topic: str, size: int, limit: int) -> None: ...
 

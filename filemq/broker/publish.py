@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
 from filemq.broker.base import CoreBase
@@ -41,14 +42,17 @@ log = logging.getLogger("filemq.broker")
 class PublishMixin(CoreBase):
     """Inbound PUBLISH with its durable ack; routing of committed records."""
 
-    _publisher_map: dict[int, str]  # offset -> client id of an MQTT 5 publisher (no local)
+    # offset -> client id of an MQTT 5 publisher (no local), oldest first.  An OrderedDict:
+    # dropping the oldest of a plain dict with ``next(iter(d))`` walks the deleted slots at its
+    # front, ~50 us per PUBLISH at 65,536 entries (m5bench profile); popitem(last=False) is O(1).
+    _publisher_map: OrderedDict[int, str]
 
-    def publishers(self) -> dict[int, str]:
+    def publishers(self) -> OrderedDict[int, str]:
         """Who published the latest offsets (MQTT 5 publishers; see :meth:`_note_publisher`)."""
         try:
             return self._publisher_map
         except AttributeError:
-            self._publisher_map = {}
+            self._publisher_map = OrderedDict()
             return self._publisher_map
 
     # ---- inbound PUBLISH -----------------------------------------------------------------
@@ -251,7 +255,7 @@ class PublishMixin(CoreBase):
         publishers = self.publishers()
         publishers[offset] = client_id
         if len(publishers) > PUBLISHERS_KEPT:
-            del publishers[next(iter(publishers))]
+            publishers.popitem(last=False)
 
     def _ack_now(self, conn: Connection, p: Publish) -> None:
         if p.qos == 1:

@@ -273,8 +273,43 @@ def _decode_properties(
 def encode_message_headers(props: Properties | None) -> bytes:
     """A record's ``headers`` (segments.record.Record): the message properties of a PUBLISH or
     will (:data:`MESSAGE_PROPERTY_IDS`) as an MQTT 5.0 property section *without* its length,
-    in the codec's property order (user properties in their wire order).  ``b""`` when there
-    are none, so a 3.1.1 message, or one without message properties, is stored as before."""
+    in identifier order (user properties in their wire order) -- the same bytes as the
+    generic property encoder gives, built directly: this runs for every MQTT 5 PUBLISH with
+    properties.  ``b""`` when there are none, so a 3.1.1 message, or one without message
+    properties, is stored as before.  ValueError for a value out of its type's range."""
+    if props is None:
+        return b""
+    out = bytearray()
+    v = props.payload_format_indicator
+    if v is not None:
+        if v not in (0, 1):
+            raise ValueError(f"payload format indicator must be 0..1, got {v}")
+        out += b"\x01\x00" if v == 0 else b"\x01\x01"
+    v = props.message_expiry_interval
+    if v is not None:
+        out.append(0x02)
+        out += _pack_I(v)  # struct.error (a ValueError) outside 0..2**32-1
+    t = props.content_type
+    if t is not None:
+        out.append(0x03)
+        out += _str(t, "content type")
+    t = props.response_topic
+    if t is not None:
+        out.append(0x08)
+        out += _str(t, "response topic")
+    b = props.correlation_data
+    if b is not None:
+        out.append(0x09)
+        out += _bin(b, "correlation data")
+    for key, val in props.user_properties:
+        out.append(0x26)
+        out += _str(key, "user property name")
+        out += _str(val, "user property value")
+    return bytes(out)
+
+
+def _encode_message_headers_generic(props: Properties | None) -> bytes:
+    """:func:`encode_message_headers` through the generic property encoder (the tests' oracle)."""
     if props is None:
         return b""
     msg = Properties(

@@ -1,0 +1,444 @@
+"""The MQTT export's connection upstream: a lean MQTT 3.1.1 publisher for a record backlog.
+
+:class:`ExportLink` does what :class:`worker_agent.mqtt_export.MqttExport` needs of an upstream
+client and nothing else: CONNECT (clean session as asked), QoS 1 or 2 publishes of log records
+with their acknowledgements, the resend of the in-flight window after a reconnect, keepalive.
+It exists because the general client (:class:`filemq.mqtt.client.MQTTClient`) builds a
+``Publish`` object per message and decodes every acknowledgement into a packet object, which
+cost the export more CPU per record than the upstream broker spends on it.
+
+Per batch of records it builds every PUBLISH frame into one ``b"".join`` and writes once;
+packet ids come from a counter (an id still in flight is skipped). A read made only of
+4-byte PUBACKs (what a broker sends back) is split with C-level slices instead of decoding
+packet by packet; anything else goes through the codec's :class:`Decoder`.
+
+The protocol rules it keeps, as the general client does:
+
+* Outgoing QoS 1/2 publishes stay in flight until PUBACK (QoS 1) or PUBCOMP (QoS 2); the
+  window survives a lost connection and :meth:`ExportLink.connect` sends it again first, in
+  original order, with the same packet ids: PUBLISH with DUP set when not yet PUBACK'd /
+  PUBREC'd, PUBREL when PUBREC'd (MQTT-4.4.0-1).
+* A PUBREC is answered with PUBREL even for an unknown id, so the broker can finish (4.3.3).
+* ``dup`` on the first send marks a record possibly sent before a restart (MQTT-3.3.1-1).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import ssl as ssl_module
+import struct
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+from filemq.mqtt.client import ConnectionRefused
+from filemq.mqtt.codec import Decoder, ProtocolError, encode
+from filemq.mqtt.packets import (
+    CONNACK_ACCEPTED,
+    Connack,
+    Connect,
+    Packet,
+    Pingresp,
+    Puback,
+    Pubcomp,
+    Publish,
+    Pubrec,
+    Pubrel,
+)
+
+log = logging.getLogger(__name__)
+
+DISCONNECT = b"\xe0\x00"
+PINGREQ = b"\xc0\x00"
+COALESCE_S = 0.002  # how long acknowledgements may gather while the window is well filled
+_PREFIX_CACHE_MAX = 4096  # (topic, payload length) -> fixed header + topic, per flags byte
+
+
+class Message(Protocol):
+    """What the link publishes: a log record (``segments.Record`` fits)."""
+
+    @property
+    def offset(self) -> int: ...
+
+    @property
+    def topic(self) -> str: ...
+
+    @property
+    def payload(self) -> bytes: ...
+
+    @property
+    def retain(self) -> bool: ...
+
+
+def remaining_length(n: int) -> bytes:
+    """The MQTT variable byte integer ``n`` (spec 2.2.3)."""
+    out = bytearray()
+    while True:
+        byte, n = n & 0x7F, n >> 7
+        out.append(byte | 0x80 if n else byte)
+        if not n:
+            return bytes(out)
+
+
+class _Connection(asyncio.Protocol):
+    """One TCP (or TLS) connection of a link: hands received bytes and the end to it."""
+
+    def __init__(self, link: ExportLink) -> None:
+        self.link = link
+        self.transport: asyncio.Transport | None = None
+        self._paused = False
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        link = self.link
+        link._received(self, data)
+        # A broker acknowledges each PUBLISH with its own small write: while plenty is in flight,
+        # let acknowledgements gather in the socket for a moment and read them in one go.
+        if len(link.inflight) >= link.coalesce_above and not self._paused and self.transport is not None:
+            self._paused = True
+            self.transport.pause_reading()
+            asyncio.get_running_loop().call_later(link.coalesce_s, self._resume)
+
+    def _resume(self) -> None:
+        self._paused = False
+        transport = self.transport
+        if transport is not None and not transport.is_closing():
+            transport.resume_reading()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.link._lost(self, exc)
+
+
+class ExportLink:
+    """A persistent-session MQTT 3.1.1 publisher of records, QoS 1 or 2 (see the module doc).
+
+    ``on_complete(messages)`` is called with the messages the broker fully acknowledged, once
+    per read from the socket. ``topic_of`` maps a record's topic to the published one.
+    While at least ``coalesce_above`` publishes are in flight, reading pauses for ``coalesce_s``
+    after each read, so acknowledgements are handled in bulk (the export sets it to half its
+    window: enough stays in flight to keep the broker busy meanwhile).
+    """
+
+    def __init__(
+        self,
+        client_id: str,
+        host: str,
+        port: int,
+        *,
+        qos: int = 1,
+        clean_session: bool = False,
+        keepalive: int = 30,
+        username: str | None = None,
+        password: bytes | str | None = None,
+        ssl: ssl_module.SSLContext | None = None,
+        max_packet_size: int = 1 << 20,
+    ) -> None:
+        if qos not in (1, 2):
+            raise ValueError(f"an export publishes with QoS 1 or 2, not {qos}")
+        self.client_id = client_id
+        self.host = host
+        self.port = port
+        self.qos = qos
+        self.clean_session = clean_session
+        self.keepalive = keepalive
+        self.username = username
+        self.password = password.encode() if isinstance(password, str) else password
+        self.ssl = ssl
+        self.on_complete: Callable[[list[Message]], None] | None = None
+        self.topic_of: Callable[[str], str] = _same
+        self.coalesce_above = 1 << 30  # never, unless the caller sets it
+        self.coalesce_s = COALESCE_S
+        self.closed = asyncio.Event()
+        self.closed.set()
+        self.close_reason: BaseException | None = None
+        # In flight, in send order: packet id -> message. QoS 2 ids PUBREC'd are also in _released.
+        self.inflight: dict[int, Message] = {}
+        self._released: set[int] = set()
+        self._next_id = 1
+        self._max_packet_size = max_packet_size
+        self._conn: _Connection | None = None
+        self._decoder = Decoder(max_packet_size, server=False)
+        self._connack: asyncio.Future[Connack] | None = None
+        self._keepalive_task: asyncio.Task[None] | None = None
+        self._last_sent = 0.0
+        self._ping_due: float | None = None
+        self._base = 0x30 | (qos << 1)  # PUBLISH first byte without DUP and RETAIN
+        self._prefixes: dict[int, dict[tuple[str, int], bytes]] = {}
+        self._unexpected_logged = False
+
+    @property
+    def connected(self) -> bool:
+        return not self.closed.is_set()
+
+    # -- connection -------------------------------------------------------------------------------
+
+    async def connect(self, timeout: float = 10.0) -> Connack:
+        """Connect, send CONNECT, wait for CONNACK, then resend the in-flight window first.
+
+        Raises :class:`ConnectionRefused` (non-zero return code), ``TimeoutError``, ``OSError``
+        (``ConnectionError`` when the broker closes before its CONNACK)."""
+        if self.connected:
+            raise RuntimeError(f"export link {self.client_id!r} is already connected")
+        loop = asyncio.get_running_loop()
+        self._decoder = Decoder(self._max_packet_size, server=False)
+        self._connack = loop.create_future()
+        async with asyncio.timeout(timeout):
+            _, conn = await loop.create_connection(lambda: _Connection(self), self.host, self.port, ssl=self.ssl)
+            self._conn = conn
+            self.closed.clear()
+            self.close_reason = None
+            self._ping_due = None
+            self._write(encode(Connect(client_id=self.client_id, clean_session=self.clean_session,
+                                       keepalive=self.keepalive, username=self.username, password=self.password)))
+            try:
+                connack = await self._connack
+            except BaseException:
+                self._close(ConnectionError(f"export link {self.client_id!r}: no CONNACK"))
+                raise
+        if connack.return_code != CONNACK_ACCEPTED:
+            self._close(ConnectionRefused(self.client_id, connack.return_code))
+            raise ConnectionRefused(self.client_id, connack.return_code)
+        if self.clean_session:
+            # The broker dropped the session: nothing in flight is known to it any more; the
+            # messages are sent again as new publishes by the caller (it still holds them).
+            self._released.clear()
+        self._resend()
+        if self.keepalive:
+            self._keepalive_task = asyncio.create_task(self._keepalive_loop(), name=f"export-ping-{self.client_id}")
+        log.info("export link %r connected to %s:%d (session present: %s, %d in flight resent)",
+                 self.client_id, self.host, self.port, connack.session_present, len(self.inflight))
+        return connack
+
+    def _resend(self) -> None:
+        """The in-flight window again, oldest first, same ids (MQTT-4.4.0-1)."""
+        if not self.inflight:
+            return
+        pieces: list[bytes] = []
+        released = self._released
+        topic_of = self.topic_of
+        for pid, m in self.inflight.items():
+            if pid in released:
+                pieces.append(b"\x62\x02" + pid.to_bytes(2, "big"))
+                continue
+            topic = topic_of(m.topic).encode()
+            payload = m.payload
+            first = self._base | 0x08 | (1 if m.retain else 0)
+            pieces += (bytes((first,)), remaining_length(4 + len(topic) + len(payload)),
+                       len(topic).to_bytes(2, "big"), topic, pid.to_bytes(2, "big"), payload)
+        self._write(b"".join(pieces))
+
+    async def disconnect(self, timeout: float = 5.0) -> None:
+        """Send DISCONNECT and close (the in-flight window is kept for the next connect)."""
+        conn = self._conn
+        if conn is not None and self.connected:
+            with contextlib.suppress(Exception):
+                self._write(DISCONNECT)
+        self._close(None)
+        if conn is not None and conn.transport is not None:
+            conn.transport.close()
+
+    def forget(self) -> list[Message]:
+        """Drop the in-flight window (a clean session replaces it); returns what it held."""
+        dropped = list(self.inflight.values())
+        self.inflight.clear()
+        self._released.clear()
+        return dropped
+
+    # -- publishing ---------------------------------------------------------------------------------
+
+    def publish(self, messages: Sequence[Message], retain: bool, redelivered: Callable[[int], bool]) -> int:
+        """Publish ``messages`` (QoS of the link) in one write; they are in flight until
+        acknowledged. ``retain``: pass each record's retained flag through (else never set);
+        ``redelivered(offset)``: True to set DUP on the first send. Returns payload bytes sent.
+        Not connected: they are only put in flight (the next connect sends them)."""
+        inflight = self.inflight
+        pieces: list[bytes] = []
+        append = pieces.append
+        base = self._base
+        prefixes = self._prefixes
+        topic_of = self.topic_of
+        pid = self._next_id
+        size = 0
+        for m in messages:
+            pid = pid % 65535 + 1
+            if pid in inflight:
+                pid = self._free_id(pid)
+            inflight[pid] = m
+            payload = m.payload
+            first = base | 1 if retain and m.retain else base
+            if redelivered(m.offset):
+                first |= 0x08
+            cache = prefixes.get(first)
+            if cache is None:
+                cache = prefixes[first] = {}
+            key = (m.topic, len(payload))
+            prefix = cache.get(key)
+            if prefix is None:
+                if len(cache) >= _PREFIX_CACHE_MAX:
+                    cache.clear()
+                topic = topic_of(m.topic).encode()
+                prefix = cache[key] = (bytes((first,)) + remaining_length(4 + len(topic) + len(payload))
+                                       + len(topic).to_bytes(2, "big") + topic)
+            append(prefix)
+            append(pid.to_bytes(2, "big"))
+            append(payload)
+            size += len(payload)
+        self._next_id = pid
+        if self.connected and pieces:
+            self._write(b"".join(pieces))
+        return size
+
+    def _free_id(self, pid: int) -> int:
+        inflight = self.inflight
+        for _ in range(65535):
+            if pid not in inflight:
+                return pid
+            pid = pid % 65535 + 1
+        raise RuntimeError("all 65535 packet ids are in flight")
+
+    def _write(self, data: bytes) -> None:
+        conn = self._conn
+        if conn is None or conn.transport is None:
+            raise ConnectionError(f"export link {self.client_id!r} is not connected")
+        conn.transport.write(data)
+        self._last_sent = time.monotonic()
+
+    # -- receiving ----------------------------------------------------------------------------------
+
+    def _received(self, conn: _Connection, data: bytes) -> None:
+        if conn is not self._conn or self.closed.is_set():
+            return
+        n = len(data) >> 2
+        if (n and len(data) & 3 == 0 and self.qos == 1 and data[0::4] == b"\x40" * n
+                and data[1::4] == b"\x02" * n and not self._decoder.buffered):
+            # Fast path: nothing but PUBACKs, split and looked up in C, not packet by packet.
+            ids = struct.unpack(f">{2 * n}H", data)[1::2]
+            inflight = self.inflight
+            try:
+                done = list(map(inflight.__getitem__, ids))
+            except KeyError:  # an id not in flight (nothing removed yet): one by one
+                done = self._complete_ids(ids, [])
+            else:
+                try:
+                    deque(map(inflight.__delitem__, ids), maxlen=0)
+                except KeyError:  # an id twice in this read: remove the rest, complete each once
+                    for pid in ids:
+                        inflight.pop(pid, None)
+                    done = list({id(m): m for m in done}.values())
+            self._complete(done)
+            return
+        try:
+            self._decoder.feed(data)
+            packets = self._decoder.packets()
+        except ProtocolError as exc:
+            log.warning("export link %r: protocol error from %s:%d: %s", self.client_id, self.host, self.port, exc)
+            self._close(exc)
+            return
+        done = []
+        for packet in packets:
+            m = self._handle(packet)
+            if m is not None:
+                done.append(m)
+        self._complete(done)
+
+    def _complete_ids(self, ids: Sequence[int], done: list[Message]) -> list[Message]:
+        """PUBACKs one by one (the rare case the fast path cannot take)."""
+        pop = self.inflight.pop
+        for pid in ids:
+            m = pop(pid, None)
+            if m is None:
+                self._note_unexpected(f"PUBACK for packet id {pid} that is not in flight")
+            else:
+                done.append(m)
+        return done
+
+    def _handle(self, packet: Packet) -> Message | None:
+        """Apply one packet from the broker; the message it completes, if any."""
+        if isinstance(packet, Puback | Pubcomp):
+            pid = packet.packet_id
+            m = self.inflight.get(pid)
+            qos1 = isinstance(packet, Puback)
+            if m is not None and (self.qos == 1) == qos1 and (qos1 or pid in self._released):
+                del self.inflight[pid]
+                self._released.discard(pid)
+                return m
+            self._note_unexpected(f"{type(packet).__name__} for packet id {pid} that is not awaiting it")
+        elif isinstance(packet, Pubrec):
+            pid = packet.packet_id
+            if pid in self.inflight and self.qos == 2:
+                self._released.add(pid)
+            else:
+                self._note_unexpected(f"PUBREC for packet id {pid} that is not an in-flight QoS 2 publish")
+            self._write(b"\x62\x02" + pid.to_bytes(2, "big"))  # answer even an unknown id (4.3.3)
+        elif isinstance(packet, Connack):
+            if self._connack is not None and not self._connack.done():
+                self._connack.set_result(packet)
+        elif isinstance(packet, Pingresp):
+            self._ping_due = None
+        elif isinstance(packet, Publish):
+            # Not subscribed: a message the broker kept for an old session of this client id.
+            # Acknowledge it so the broker forgets it; it is not ours to deliver.
+            self._note_unexpected(f"a PUBLISH on {packet.topic!r}")
+            if packet.qos and packet.packet_id is not None:
+                self._write(encode(Puback(packet.packet_id) if packet.qos == 1 else Pubrec(packet.packet_id)))
+        elif isinstance(packet, Pubrel):
+            self._write(encode(Pubcomp(packet.packet_id)))
+        else:
+            self._note_unexpected(f"a {type(packet).__name__} packet")
+        return None
+
+    def _note_unexpected(self, what: str) -> None:
+        if not self._unexpected_logged:
+            self._unexpected_logged = True
+            log.warning("export link %r: %s from %s:%d (ignored; logged once)", self.client_id, what,
+                        self.host, self.port)
+
+    def _complete(self, done: list[Message]) -> None:
+        if done and self.on_complete is not None:
+            self.on_complete(done)
+
+    # -- the end of a connection ------------------------------------------------------------------
+
+    def _lost(self, conn: _Connection, exc: Exception | None) -> None:
+        if conn is self._conn:
+            self._close(exc or ConnectionError(f"export link {self.client_id!r}: the broker closed the connection"))
+
+    def _close(self, reason: BaseException | None) -> None:
+        if self.closed.is_set():
+            return
+        self.close_reason = reason
+        self.closed.set()
+        conn, self._conn = self._conn, None
+        if conn is not None and conn.transport is not None:
+            conn.transport.close()
+        if self._connack is not None and not self._connack.done():
+            self._connack.set_exception(reason or ConnectionError("connection closed"))
+        task, self._keepalive_task = self._keepalive_task, None
+        if task is not None and task is not asyncio.current_task():
+            task.cancel()
+        if reason is not None:
+            log.warning("export link %r: connection to %s:%d lost: %s", self.client_id, self.host, self.port, reason)
+
+    async def _keepalive_loop(self) -> None:
+        interval = self.keepalive
+        while self.connected:
+            await asyncio.sleep(min(interval / 2, 30))
+            if not self.connected:
+                return
+            now = time.monotonic()
+            if self._ping_due is not None and now > self._ping_due:
+                self._close(ConnectionError(f"export link {self.client_id!r}: no PINGRESP within {interval} s"))
+                return
+            if now - self._last_sent >= interval / 2 and self._ping_due is None:
+                self._write(PINGREQ)
+                self._ping_due = now + interval
+
+
+def _same(topic: str) -> str:
+    return topic

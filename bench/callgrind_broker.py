@@ -1,0 +1,67 @@
+"""Instruction counts (valgrind callgrind "Ir") of `filemq broker` for a fixed load, per
+source tree: the measure of small CPU differences that machine load does not disturb.
+
+    PYTHONPATH=$PWD python -m bench.callgrind_broker N name=/tree [name=/tree ...]
+    SCENARIO=fanout PYTHONPATH=$PWD python -m bench.callgrind_broker N name=/tree ...
+
+Runs each tree's broker (``fsync = "always"``, fresh data dir) under ``valgrind
+--tool=callgrind`` (``apt-get install valgrind``), sends the `filemq bench broker` ingest load
+of N QoS 1 PUBLISHes (or, with ``SCENARIO=fanout``, N PUBLISHes to its 10 subscribers), stops
+the broker with SIGINT and prints the total instruction count.  Run it with N=0 too and
+subtract: what remains is the load's.  Each run takes about a minute (valgrind is ~50x slower).
+"""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from bench.baselines import LOOPBACK, free_port, spawn
+from bench.broker import BrokerBenchOptions, _fanout_run, _ingest_run
+
+SCENARIO = os.environ.get("SCENARIO", "ingest")
+
+
+def run(tree: Path, n: int, work: Path) -> int:
+    port = free_port()
+    out = work / "cg.out"
+    argv = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", sys.executable,
+            str(tree / "cli.py"), "broker", "--data-dir", str(work / "data"), "--host", LOOPBACK,
+            "--port", str(port), "--fsync", "always"]
+    broker = spawn(tree.name, argv, LOOPBACK, port, work / "broker.log",
+                   env=dict(os.environ, PYTHONPATH=str(tree), PYTHONMALLOC="malloc"), cwd=tree)
+    try:
+        broker.wait_ready(600)
+        if n:
+            opts = BrokerBenchOptions(max_seconds=600)
+            if SCENARIO == "ingest":
+                r = _ingest_run(broker, opts, n, "bench/ingest")
+                assert r.acked == n, (r.acked, r.errors)
+            else:
+                r = _fanout_run(broker, opts, n)
+                print(f"  delivered {r.delivered:,}", flush=True)
+    finally:
+        broker.proc.send_signal(signal.SIGINT)
+        broker.proc.wait(600)
+    text = out.read_text(errors="replace")
+    m = re.search(r"^(?:summary|totals):\s+(\d+)", text, re.M)
+    assert m, "no totals"
+    return int(m.group(1))
+
+
+def main() -> None:
+    n = int(sys.argv[1])
+    for arg in sys.argv[2:]:
+        name, path = arg.split("=", 1)
+        with tempfile.TemporaryDirectory(prefix="cg-") as d:
+            t0 = time.time()
+            ir = run(Path(path), n, Path(d))
+            print(f"{name} N={n} Ir={ir:,} ({time.time() - t0:.0f} s)", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -89,6 +89,14 @@ def refusal_code(exc: BaseException | None) -> int:
     return 0x80
 
 
+def _publish_aliased(topic: str, alias: int, payload: bytes, qos: int, dup: bool, packet_id: int | None,
+                     retain: bool, headers: bytes) -> bytes:
+    """An MQTT 5 PUBLISH carrying Topic Alias ``alias`` (property 0x23, 3.3.2.3.4) after
+    ``headers``; ``topic`` is "" once the client knows the alias."""
+    return publish_bytes5(topic, payload, qos, dup, packet_id, retain,
+                          headers + bytes((0x23, alias >> 8, alias & 0xFF)))
+
+
 class Transport(Protocol):
     """The two things a connection needs from its socket (asyncio.Transport satisfies it)."""
 
@@ -454,8 +462,7 @@ class Connection:
             if self.alias_max:
                 alias = self.out_aliases.get(topic)
                 if alias is not None:  # only aliases the client already has (never assigned here)
-                    return publish_bytes5("", payload, qos, dup, packet_id, retain,
-                                          headers + bytes((0x23, alias >> 8, alias & 0xFF)))
+                    return _publish_aliased("", alias, payload, qos, dup, packet_id, retain, headers)
             return publish_bytes5(topic, payload, qos, dup, packet_id, retain, headers)
         return publish_bytes(topic, payload, qos, dup, packet_id, retain)
 
@@ -469,13 +476,11 @@ class Connection:
         always knows an alias before it is used alone."""
         alias = self.out_aliases.get(topic)
         if alias is not None:
-            return publish_bytes5("", payload, qos, dup, packet_id, retain,
-                                  headers + bytes((0x23, alias >> 8, alias & 0xFF)))
+            return _publish_aliased("", alias, payload, qos, dup, packet_id, retain, headers)
         if len(self.out_aliases) >= self.alias_max or (limit is not None and len(data) + 3 > limit):
             return data
         alias = self.out_aliases[topic] = len(self.out_aliases) + 1
-        return publish_bytes5(topic, payload, qos, dup, packet_id, retain,
-                              headers + bytes((0x23, alias >> 8, alias & 0xFF)))
+        return _publish_aliased(topic, alias, payload, qos, dup, packet_id, retain, headers)
 
     def data_to_send(self) -> bytes:
         """Everything queued for the peer since the last call (possibly empty)."""

@@ -89,7 +89,7 @@ def message_expiry(headers: bytes, timestamp_us: int, now_us: int) -> bytes | No
 def ack5(first: int, packet_id: int, reason_code: int) -> bytes:
     """An MQTT 5 PUBACK (0x40) / PUBREC (0x50) with a reason code (3.4.2.1, 3.5.2.1)."""
     if not reason_code:
-        return bytes((first, 2, packet_id >> 8, packet_id & 0xFF))
+        return _ack(first, packet_id)
     return bytes((first, 3, packet_id >> 8, packet_id & 0xFF, reason_code))
 
 

@@ -259,6 +259,17 @@ def encode_puback(packet_id: int) -> bytes:
 _topic_bytes: dict[str, bytes] = {}
 
 
+def _cache_topic(topic: str) -> bytes:
+    """The length-prefixed UTF-8 topic field, cached in :data:`_topic_bytes` (bounded with
+    unbounded distinct topics); the publish encoders look the cache up inline first."""
+    raw = topic.encode("utf-8")
+    tb = _pack_H(len(raw)) + raw
+    if len(_topic_bytes) >= 4096:
+        _topic_bytes.clear()
+    _topic_bytes[topic] = tb
+    return tb
+
+
 def publish_bytes(topic: str, payload: bytes, qos: int, dup: bool, packet_id: int | None,
                   retain: bool = False, _props: bytes = b"") -> bytes:
     """PUBLISH bytes, the same as ``encode(Publish(...))``, without building a :class:`Publish`
@@ -268,11 +279,7 @@ def publish_bytes(topic: str, payload: bytes, qos: int, dup: bool, packet_id: in
     both levels (:func:`publish_bytes5`)."""
     tb = _topic_bytes.get(topic)
     if tb is None:
-        raw = topic.encode("utf-8")
-        tb = _pack_H(len(raw)) + raw
-        if len(_topic_bytes) >= 4096:
-            _topic_bytes.clear()  # bounded with unbounded distinct topics
-        _topic_bytes[topic] = tb
+        tb = _cache_topic(topic)
     first = 0x30 | (qos << 1) | (0x08 if dup else 0) | (0x01 if retain else 0)
     if qos:
         assert packet_id is not None
@@ -287,11 +294,7 @@ def publish_bytes5(topic: str, payload: bytes, qos: int, dup: bool, packet_id: i
     identifiers), so a delivery splices stored properties without decoding them."""
     tb = _topic_bytes.get(topic)
     if tb is None:
-        raw = topic.encode("utf-8")
-        tb = _pack_H(len(raw)) + raw
-        if len(_topic_bytes) >= 4096:
-            _topic_bytes.clear()
-        _topic_bytes[topic] = tb
+        tb = _cache_topic(topic)
     first = 0x30 | (qos << 1) | (0x08 if dup else 0) | (0x01 if retain else 0)
     plen = _vbi(len(props)) if props else b"\x00"
     size = len(tb) + len(plen) + len(props) + len(payload)

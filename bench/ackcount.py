@@ -82,6 +82,7 @@ class AckCounter:
         self._goal = 0
         self.sample_at_first: int | None = None  # a pid whose CPU seconds are read at the first PUBACK
         self.sampled_cpu: float | None = None
+        self.cpu_seconds = 0.0  # the proxy thread's own CPU, set when it stops
         self._done = threading.Event()
         self._ready = threading.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -151,6 +152,7 @@ class AckCounter:
         try:
             loop.run_forever()
         finally:
+            self.cpu_seconds = time.thread_time()
             server.close()
             with contextlib.suppress(Exception):
                 loop.run_until_complete(server.wait_closed())

@@ -21,6 +21,7 @@ def test_mqtt_export_drain_ships_every_record(tmp_path: Path, oracle: str) -> No
     assert result.name == "mqtt_export_drain" and result.records == 2000
     assert result.rate > 0 and "TIMED OUT" not in result.note
     assert result.cpu_seconds["agent"] > 0
+    assert "export.up lag 0 after the agent stopped" in result.note
 
 
 @pytest.mark.skipif(not mosquitto.available(), reason="Debian mosquitto is not installed")

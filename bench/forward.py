@@ -511,7 +511,7 @@ def run_ingest(work: Path, records: int, size: int, timeout: float) -> Result:
 def run_forward_bench(
     *, records: int, size: int, devices: int, work_dir: str | None, keep: bool, as_json: bool,
     skip_bridge: bool = False, ingest_records: int = 200_000, timeout: float = 900, only: str = "all",
-    mosquitto_max_inflight: int | None = None, oracle: str = "puback", oracle_qos: int = 1,
+    mosquitto_max_inflight: int | None = None, oracle: str = "puback", oracle_qos: int = 1, repeat: int = 1,
 ) -> dict[str, Any]:
     """Run (a), (b), (c) and (d) and print the rates and ratios; returns the summary.
 
@@ -522,7 +522,7 @@ def run_forward_bench(
 
         return run_export_vs_bridge(records=records, size=size, work_dir=work_dir, keep=keep, as_json=as_json,
                                     timeout=timeout, mosquitto_max_inflight=mosquitto_max_inflight,
-                                    oracle=oracle, oracle_qos=oracle_qos)
+                                    oracle=oracle, oracle_qos=oracle_qos, repeat=repeat)
     base = Path(work_dir) if work_dir else Path(tempfile.mkdtemp(prefix="filemq-bench-forward-"))
     base.mkdir(parents=True, exist_ok=True)
     results: dict[str, Result] = {}

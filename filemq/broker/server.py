@@ -345,7 +345,8 @@ class Broker:
                 return mqtt
             from filemq.broker.websocket import WebSocketProtocol
 
-            return lambda: WebSocketProtocol(mqtt())
+            origins = lst.allowed_origins
+            return lambda: WebSocketProtocol(mqtt(), origins)
 
         try:
             for lst, ctx in zip(self.listeners, contexts, strict=True):

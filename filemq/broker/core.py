@@ -102,6 +102,7 @@ class BrokerCore(ConnectMixin, SubscribeMixin, PublishMixin, DeliveryMixin):
         self.next_timeout = math.inf  # the earliest keepalive / CONNECT deadline at the last check
         self._expiring = {}
         self._wills_waiting = set()
+        self._stored_wills = {}
 
     # ---- periodic work ---------------------------------------------------------------------
 

@@ -125,6 +125,31 @@ class GroupCommitter:
             self._open = None
         return offset, future
 
+    def append_many_nowait(
+        self, topics: list[str], payloads: list[bytes], retains: list[bool], qos: int, timestamp_us: int,
+    ) -> tuple[int, asyncio.Future[None]]:
+        """:meth:`append_nowait` for several records at once (:meth:`segments.log.Log.append_many`):
+        returns the first one's offset and the one commit future they all share.  On an error
+        the records buffered before the failing one are committed with the open batch."""
+        if self._task is None or self._closing:
+            raise RuntimeError("GroupCommitter is not running")
+        future = self._open
+        if future is None:
+            assert self._loop is not None
+            future = self._open = self._loop.create_future()
+            self._open_bytes = 0
+            self._wake.set()
+        log_ = self.log
+        before = log_._pending_bytes
+        try:
+            first = log_.append_many(topics, payloads, retains, qos, timestamp_us)
+        finally:
+            self._open_bytes += log_._pending_bytes - before
+            if self._open_bytes >= self.max_batch_bytes:
+                self._closed_batches.append((log_.next_offset, future))
+                self._open = None
+        return first, future
+
     async def append(
         self, topic: str, payload: bytes, *, qos: int = 0, retain: bool = False,
         timestamp_us: int | None = None, headers: bytes = b"",

@@ -68,6 +68,7 @@ class CoreBase:
         self.log = queue.log
         # Topics reaching _append passed the codec's and CONNECT's topic-name checks already.
         self._append = functools.partial(queue.publish_nowait, validated=True)
+        self._append_many = queue.publish_many_nowait  # the same, for a run of PUBLISHes
         self.cache = cache
         self.config = config
         self.store = store

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import struct
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from filemq.broker.base import CoreBase
@@ -181,6 +183,85 @@ class PublishMixin(CoreBase):
             conn.queue_ack(fut, _ack(_PUBREC, pid), offset)
         if conn.last_batch is not fut:
             self._join_batch(conn, fut)
+
+    def on_publishes(self, conn: Connection, ps: Sequence[Publish]) -> None:
+        """A run of MQTT 3.1.1 PUBLISHes from one read, in order: the same outcome as
+        :meth:`on_publish` for each, for less work per message.  The QoS 1 ones that pass
+        on_publish's checks untouched (no publish hook, topic not too long, payload within
+        ``message_size_limit``, not a ``$`` topic, allowed by the ACL) are appended with one
+        call, share one time stamp, and their PUBACKs wait for the commit as one entry;
+        anything else goes through :meth:`on_publish`, after the run before it."""
+        if self.hook is not None:
+            for p in ps:
+                self.on_publish(conn, p)
+                if conn.closed:
+                    return
+            return
+        short = self.config.max_topic_length // 4  # no longer topic is over the limit in UTF-8
+        limit = self.config.message_size_limit
+        acl = conn.acl
+        topics: list[str] = []
+        payloads: list[bytes] = []
+        retains: list[bool] = []
+        pids: list[int] = []
+        for p in ps:
+            topic = p.topic
+            if (p.qos == 1 and len(topic) <= short and topic[0] != "$"
+                    and (limit is None or len(p.payload) <= limit)
+                    and (acl is None or acl.can_publish(topic))):
+                topics.append(topic)
+                payloads.append(p.payload)
+                retains.append(p.retain)
+                pids.append(p.packet_id)  # type: ignore[arg-type]
+                continue
+            if topics:
+                if not self._append_run(conn, topics, payloads, retains, pids):
+                    return
+                topics, payloads, retains, pids = [], [], [], []
+            self.on_publish(conn, p)
+            if conn.closed:
+                return
+        if topics:
+            self._append_run(conn, topics, payloads, retains, pids)
+
+    def _append_run(self, conn: Connection, topics: list[str], payloads: list[bytes], retains: list[bool],
+                    pids: list[int]) -> bool:
+        """Store QoS 1 PUBLISHes (checked by :meth:`on_publishes`) and queue their PUBACKs
+        behind the commit; False if storing failed and the connection was closed."""
+        stats = self.stats
+        now = time.monotonic()
+        n = len(topics)
+        stats.messages_received += n
+        hot = stats.hot_topics
+        topic = topics[0]
+        if topics.count(topic) == n:
+            hot.record(topic, now, n)
+        else:
+            for topic, count in Counter(topics).items():
+                hot.record(topic, now, count)
+        ts = time.time_ns() // 1000
+        try:
+            first, fut = self._append_many(topics, payloads, retains, 1, ts)
+        except (OSError, ValueError) as exc:
+            # As on_publish: not acknowledged (records stored before the failing one are
+            # routed from the log; their PUBACKs never leave, the client re-sends them).
+            conn.close(f"storing {n} PUBLISHes to {topics[0]!r}... failed: {exc}", will=True,
+                       level=logging.ERROR)
+            return False
+        pending = self._pending
+        if pending and pending[-1][0].offset >= first:
+            publishers = self.publishers()  # a failed commit made the log reuse offsets
+            while pending and pending[-1][0].offset >= first:
+                publishers.pop(pending.pop()[0].offset, None)
+        new = tuple.__new__
+        pending.extend([(new(Record, (offset, ts, topic, payload, 1, retain, b"")), fut)
+                        for offset, topic, payload, retain in zip(range(first, first + n), topics, payloads,
+                                                                  retains, strict=True)])
+        # n PUBACKs (0x40 0x02 id), each one big-endian 32-bit word.
+        conn.queue_ack(fut, struct.pack(f">{n}I", *[0x40020000 | pid for pid in pids]), first + n - 1)
+        if conn.last_batch is not fut:
+            self._join_batch(conn, fut)
+        return True
 
     def _stored_at(self, offset: int | None, p: Publish) -> bool:
         """Whether the log's record at ``offset`` is ``p`` (same topic and payload)."""

@@ -120,6 +120,8 @@ class Core(Protocol):
 
     def on_publish(self, conn: Connection, p: Publish) -> None: ...
 
+    def on_publishes(self, conn: Connection, ps: Sequence[Publish]) -> None: ...
+
     def on_puback(self, conn: Connection, pid: int) -> None: ...
 
     def on_pubacks(self, conn: Connection, pids: Sequence[int]) -> None: ...
@@ -297,6 +299,39 @@ class Connection:
                        level=logging.WARNING)
 
     def handle_packets(self, packets: Sequence[object]) -> None:
+        if len(packets) > 1 and self.protocol_level != PROTOCOL_LEVEL_5 and self.state == CONNECTED:
+            self._handle_runs(packets)
+        else:
+            self._dispatch(packets)
+
+    def _handle_runs(self, packets: Sequence[object]) -> None:
+        """MQTT 3.1.1, connected: each run of PUBLISHes goes to the core in one call
+        (:meth:`Core.on_publishes`), every other packet alone, all in order."""
+        core = self.core
+        n = len(packets)
+        i = 0
+        while i < n:
+            j = i
+            while j < n and type(packets[j]) is Publish:
+                j += 1
+            if j - i > 1:
+                try:
+                    core.on_publishes(self, packets[i:j])  # type: ignore[arg-type]
+                except ProtocolError as exc:
+                    self.close(f"protocol error: {exc.reason}", will=True, level=logging.WARNING,
+                               reason_code=exc.reason_code)
+                    return
+                i = j
+            else:
+                if type(packets[i]) is Disconnect:
+                    self._dispatch(packets[i:])
+                    return
+                self._dispatch(packets[i:i + 1])
+                i += 1
+            if self.closed:
+                return
+
+    def _dispatch(self, packets: Sequence[object]) -> None:
         core = self.core
         for packet in packets:
             if self.closed:

@@ -1,0 +1,116 @@
+"""The ingest batch path (issue 16 item 3): a read's run of MQTT 3.1.1 PUBLISHes is appended
+with one call (``Log.append_many`` / ``GroupCommitter.append_many_nowait`` /
+``Queue.publish_many_nowait``) and its PUBACKs wait for the commit as one entry. Same records,
+same bytes on disk, same acks in the same order as one ``on_publish`` per message; PUBACK only
+after the commit (MQTT-4.3.2 / ARCHITECTURE.md: acknowledged = fdatasynced)."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from filemq.mqtt.packets import Puback, Publish, Pubrec
+from segments import GroupCommitter, Log, LogConfig
+from tests.test_broker_session import Harness, run
+
+SMALL = LogConfig(segment_bytes=2048, index_interval_bytes=200)
+
+_msg = st.tuples(st.sampled_from(["a", "dev/t", "é/ü"]), st.binary(max_size=300), st.booleans())
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(msgs=st.lists(_msg, min_size=1, max_size=40), qos=st.integers(0, 2), cut=st.integers(0, 40))
+def test_append_many_writes_the_same_bytes_as_append_one_by_one(
+        tmp_path_factory: pytest.TempPathFactory, msgs: list[tuple[str, bytes, bool]], qos: int, cut: int) -> None:
+    """Byte for byte the segment files (and their rolls, indexes) of ``append`` per record."""
+    one, many = tmp_path_factory.mktemp("one"), tmp_path_factory.mktemp("many")
+    a, b = Log.open(one, SMALL), Log.open(many, SMALL)
+    a.append("x", b"first", timestamp_us=1)  # not at offset 0 / position 0
+    b.append("x", b"first", timestamp_us=1)
+    for t, p, r in msgs:
+        a.append(t, p, qos=qos, retain=r, timestamp_us=1234)
+    first = b.append_many([t for t, _, _ in msgs[:cut]], [p for _, p, _ in msgs[:cut]],
+                          [r for _, _, r in msgs[:cut]], qos, 1234) if cut else 1
+    second = b.append_many([t for t, _, _ in msgs[cut:]], [p for _, p, _ in msgs[cut:]],
+                           [r for _, _, r in msgs[cut:]], qos, 1234) if msgs[cut:] else None
+    assert first == 1 and second in (None, 1 + min(cut, len(msgs)))
+    a.close()
+    b.close()
+    files_a = sorted(p.name for p in one.iterdir())
+    assert files_a == sorted(p.name for p in many.iterdir())
+    for name in files_a:
+        assert (one / name).read_bytes() == (many / name).read_bytes(), name
+
+
+def test_append_many_keeps_the_records_before_a_failing_one(tmp_path: Path) -> None:
+    """A record too large for a segment raises ValueError as ``append`` does; the ones before
+    it stay buffered with their offsets, it and the ones after it get none."""
+    log = Log.open(tmp_path, SMALL)
+    with pytest.raises(ValueError, match="does not fit"):
+        log.append_many(["t", "t", "t"], [b"1", b"x" * 4096, b"3"], [False] * 3, 1, 5)
+    assert log.next_offset == 1
+    log.flush()
+    assert [(r.offset, r.payload, r.qos) for r in log.read(0, 10)] == [(0, b"1", 1)]
+    with pytest.raises(ValueError, match="qos"):
+        log.append_many(["t"], [b"1"], [False], 3, 5)
+    log.close()
+
+
+def test_group_commit_of_a_run_resolves_one_future_after_the_sync(tmp_path: Path) -> None:
+    async def main() -> None:
+        log = Log.open(tmp_path, LogConfig(fsync="always"))
+        gc = GroupCommitter(log)
+        await gc.start()
+        first, fut = gc.append_many_nowait(["a", "b"], [b"1", b"2"], [False, True], 1, 7)
+        offset, fut2 = gc.append_nowait("c", b"3", qos=1)
+        assert (first, offset) == (0, 2) and fut2 is fut and not fut.done()
+        await fut
+        assert log.committed_offset == 3 and log.stats.fsyncs >= 1
+        assert [(r.topic, r.payload, r.retain, r.timestamp_us) for r in log.read(0, 2)] == \
+            [("a", b"1", False, 7), ("b", b"2", True, 7)]
+        await gc.close()
+        log.close()
+    run(main())
+
+
+def test_a_read_of_mixed_publishes_is_stored_and_acked_in_order(tmp_path: Path) -> None:
+    """MQTT-4.6.0-2 (PUBACKs in the order the PUBLISHes were received) with the run split by a
+    QoS 0, a ``$`` topic (acked, dropped), a QoS 2 and a retained message: records stored in
+    order, nothing acknowledged before the commit except what is not stored."""
+    async def main() -> None:
+        h = Harness(tmp_path)
+        c = h.connected("p")
+        c.send(Publish("t/1", b"1", qos=1, packet_id=1), Publish("t/1", b"2", qos=1, packet_id=2),
+               Publish("t/0", b"q0"), Publish("$x", b"d", qos=1, packet_id=3),
+               Publish("t/2", b"3", qos=2, packet_id=4), Publish("t/1", b"4", qos=1, packet_id=5, retain=True),
+               Publish("t/3", b"5", qos=1, packet_id=6))
+        await asyncio.sleep(0)
+        assert c.received() == []  # the $ PUBACK waits behind the acks queued before it
+        await h.commit()
+        assert c.received() == [Puback(1), Puback(2), Puback(3), Pubrec(4), Puback(5), Puback(6)]
+        assert [(r.topic, r.payload, r.qos, r.retain) for r in h.queue.log.records] == [
+            ("t/1", b"1", 1, False), ("t/1", b"2", 1, False), ("t/0", b"q0", 0, False),
+            ("t/2", b"3", 2, False), ("t/1", b"4", 1, True), ("t/3", b"5", 1, False)]
+        assert h.stats.messages_received == 7
+        rates = dict(h.stats.hot_topics.top(10, 0.0))
+        assert rates["t/1"] == pytest.approx(3 / 60, rel=1e-3)
+        assert rates["t/3"] == pytest.approx(1 / 60, rel=1e-3)
+        assert h.core.retained.get("t/1") is not None  # routed like any committed record
+    run(main())
+
+
+def test_a_failed_commit_of_a_run_acks_nothing_and_closes(tmp_path: Path) -> None:
+    """3.1.1 has no negative PUBACK: a run whose commit fails is not acknowledged."""
+    async def main() -> None:
+        h = Harness(tmp_path)
+        c = h.connected("p")
+        c.send(*[Publish("t", b"%d" % i, qos=1, packet_id=i + 1) for i in range(5)])
+        h.queue.fail_next = True
+        await h.commit()
+        assert c.received() == []
+        assert c.conn.closed and "storing a PUBLISH failed" in c.conn.close_reason
+    run(main())

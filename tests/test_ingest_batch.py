@@ -13,8 +13,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from filemq.broker.tailcache import TailCache
 from filemq.mqtt.packets import Puback, Publish, Pubrec
-from segments import GroupCommitter, Log, LogConfig
+from segments import GroupCommitter, Log, LogConfig, Record
 from tests.test_broker_session import Harness, run
 
 SMALL = LogConfig(segment_bytes=2048, index_interval_bytes=200)
@@ -114,3 +115,38 @@ def test_a_failed_commit_of_a_run_acks_nothing_and_closes(tmp_path: Path) -> Non
         assert c.received() == []
         assert c.conn.closed and "storing a PUBLISH failed" in c.conn.close_reason
     run(main())
+
+
+class _FakeLog:
+    first_offset = 0
+    next_offset = 10_000
+    committed_offset = 10_000
+
+    def read(self, offset: int, max_records: int = 1000, max_bytes: int = 1 << 20) -> list[Record]:
+        return []
+
+
+@settings(max_examples=60, deadline=None)
+@given(runs=st.lists(st.lists(st.integers(0, 3000), min_size=1, max_size=30), min_size=1, max_size=12),
+       gaps=st.lists(st.integers(-3, 3), min_size=12, max_size=12), limit=st.integers(2_000, 40_000))
+def test_tail_cache_put_many_keeps_what_put_per_record_keeps(runs: list[list[int]], gaps: list[int],
+                                                              limit: int) -> None:
+    """Runs that follow the tail, overlap it or leave a gap: the same records readable, the
+    same bytes counted, memory bounded as with :meth:`TailCache.put` one by one."""
+    one = TailCache(_FakeLog(), max_bytes=limit)  # type: ignore[arg-type]
+    many = TailCache(_FakeLog(), max_bytes=limit)  # type: ignore[arg-type]
+    offset = 0
+    for sizes, gap in zip(runs, gaps, strict=False):
+        offset = max(0, offset + gap)
+        records = [Record(offset + i, 0, "t", b"x" * size) for i, size in enumerate(sizes)]
+        offset += len(sizes)
+        for r in records:
+            one.put(r)
+        many.put_many(records)
+        # Both keep a gap-free suffix of what was put (eviction may cut at another record).
+        a, b = sorted((one._tail, many._tail), key=len)
+        assert a == b[len(b) - len(a):]
+        assert [r.offset for r in many._tail] == list(range(many._base, many._base + len(many._tail)))
+        assert many._tail_bytes == sum(len(r.payload) + len(r.topic) + 120 for r in many._tail)
+        assert many._tail_bytes <= many._tail_limit
+        assert many._largest >= max((len(r.payload) + 1 for r in many._tail), default=0)

@@ -103,7 +103,9 @@ class CoreBase:
         self.sys_retained: dict[str, bytes] = {}
         self._sys_warned: set[str] = set()  # invalid $SYS topics already warned about
         self._dirty: set[Connection] = set()
-        self._pending: deque[tuple[Record, asyncio.Future[None]]] = deque()
+        # Appended, not yet routed: runs of records with consecutive offsets (one per
+        # on_publish, or per run of on_publishes), each with its commit future.
+        self._pending: deque[tuple[list[Record], asyncio.Future[None]]] = deque()
         self._routed = self.log.committed_offset
         cache.limit = self._routed  # groups see a record only once it is routed
         self._batches: dict[asyncio.Future[None], set[Connection]] = {}

@@ -249,14 +249,12 @@ class PublishMixin(CoreBase):
                        level=logging.ERROR)
             return False
         pending = self._pending
-        if pending and pending[-1][0].offset >= first:
-            publishers = self.publishers()  # a failed commit made the log reuse offsets
-            while pending and pending[-1][0].offset >= first:
-                publishers.pop(pending.pop()[0].offset, None)
-        new = tuple.__new__
-        pending.extend([(new(Record, (offset, ts, topic, payload, 1, retain, b"")), fut)
-                        for offset, topic, payload, retain in zip(range(first, first + n), topics, payloads,
-                                                                  retains, strict=True)])
+        if pending and pending[-1][0][-1].offset >= first:
+            self._forget_from(first)
+        new = tuple.__new__  # a Record without the Python-level NamedTuple.__new__
+        pending.append(([new(Record, (offset, ts, topic, payload, 1, retain, b""))
+                         for offset, topic, payload, retain in zip(range(first, first + n), topics, payloads,
+                                                                   retains, strict=True)], fut))
         # n PUBACKs (0x40 0x02 id), each one big-endian 32-bit word.
         conn.queue_ack(fut, struct.pack(f">{n}I", *[0x40020000 | pid for pid in pids]), first + n - 1)
         if conn.last_batch is not fut:
@@ -350,12 +348,26 @@ class PublishMixin(CoreBase):
 
     def _track(self, record: Record, fut: asyncio.Future[None]) -> None:
         pending = self._pending
-        if pending and pending[-1][0].offset >= record.offset:
-            # A failed commit made the log reuse offsets: those entries were never stored.
-            publishers = self.publishers()
-            while pending and pending[-1][0].offset >= record.offset:
-                publishers.pop(pending.pop()[0].offset, None)
-        pending.append((record, fut))
+        if pending and pending[-1][0][-1].offset >= record.offset:
+            self._forget_from(record.offset)
+        pending.append(([record], fut))
+
+    def _forget_from(self, offset: int) -> None:
+        """A failed commit made the log reuse offsets from ``offset`` on: the pending records
+        there were never stored."""
+        pending = self._pending
+        publishers = self.publishers()
+        while pending:
+            records = pending[-1][0]
+            if records[-1].offset < offset:
+                break
+            keep = max(0, offset - records[0].offset)
+            for r in records[keep:]:
+                publishers.pop(r.offset, None)
+            if keep:
+                del records[keep:]
+                break
+            pending.pop()
 
     def _join_batch(self, conn: Connection, fut: asyncio.Future[None]) -> None:
         """Have ``conn``'s acks released when the commit ``fut`` resolves (one callback per batch)."""
@@ -382,17 +394,25 @@ class PublishMixin(CoreBase):
         pending = self._pending
         routed = self._routed
         records: list[Record] = []
-        while pending and pending[0][0].offset < committed:
-            record, fut = pending.popleft()
+        while pending and pending[0][0][0].offset < committed:
+            run, fut = pending[0]
+            first = run[0].offset
+            if run[-1].offset >= committed:  # (a run is appended in one go: not expected)
+                pending[0] = (run[committed - first:], fut)
+                run = run[:committed - first]
+            else:
+                pending.popleft()
             if fut.done() and (fut.cancelled() or fut.exception() is not None):
                 continue
-            if record.offset < routed:
+            if run[-1].offset < routed:
                 continue
-            if record.offset > routed:
-                records.extend(self._read_gap(routed, record.offset))
-            records.append(record)
-            routed = record.offset + 1
-        if routed < committed and not (pending and pending[0][0].offset == routed):
+            if first < routed:
+                run = run[routed - first:]
+            elif first > routed:
+                records.extend(self._read_gap(routed, first))
+            records.extend(run)
+            routed = run[-1].offset + 1
+        if routed < committed and not (pending and pending[0][0][0].offset == routed):
             records.extend(self._read_gap(routed, committed))
             routed = committed
         self._routed = max(routed, self._routed)
@@ -413,23 +433,20 @@ class PublishMixin(CoreBase):
         return out
 
     def _route(self, records: list[Record]) -> None:
-        cache_put = self.cache.put
+        cache_put = self.cache.put_many
         retained = self.retained
         ready = self.retained_ready
         match = self.trie.match
         woken: set[Any] = set()
-        seen: dict[str, None] = {}
-        for r in records:
-            cache_put(r)
-            if r.retain:
-                self.retained_changes += 1
-                if ready:
-                    retained.apply(r)
-                else:
-                    self._retained_buffer.append(r)
-            if r.topic not in seen:
-                seen[r.topic] = None
-                woken |= match(r.topic)
+        cache_put(records)
+        for r in [r for r in records if r.retain]:
+            self.retained_changes += 1
+            if ready:
+                retained.apply(r)
+            else:
+                self._retained_buffer.append(r)
+        for topic in {r.topic for r in records}:
+            woken |= match(topic)
         if self._retained_after:
             self._send_retained_after()  # before live records are pumped (MQTT-3.3.1-8)
         for target in woken:

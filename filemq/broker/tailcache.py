@@ -102,6 +102,27 @@ class TailCache:
         if self._tail_bytes > self._tail_limit:
             self._evict_tail()
 
+    def put_many(self, records: list[Record]) -> None:
+        """:meth:`put` of each of ``records`` (in offset order); one list extend when they
+        follow the tail without a gap (the broker's routed batch)."""
+        if not records:
+            return
+        tail = self._tail
+        first = records[0].offset
+        n = len(records)
+        if first != self._base + len(tail) or records[-1].offset != first + n - 1 or not tail:
+            for r in records:
+                self.put(r)
+            return
+        sizes = [len(r.payload) + len(r.topic) for r in records]
+        largest = max(sizes)
+        if largest > self._largest:
+            self._largest = largest
+        tail.extend(records)
+        self._tail_bytes += sum(sizes) + _OVERHEAD * n
+        if self._tail_bytes > self._tail_limit:
+            self._evict_tail()
+
     def _evict_tail(self) -> None:
         # Drop the oldest eighth at once: one list memmove per chunk, not per record.
         tail = self._tail

@@ -5,11 +5,13 @@ acks released per commit batch; then routing of committed records to subscribers
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import struct
 import time
 from collections import Counter, OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from itertools import repeat
 from typing import TYPE_CHECKING, Any
 
 from filemq.broker.base import CoreBase
@@ -39,6 +41,9 @@ if TYPE_CHECKING:
     from filemq.queue.retained import RetainedStore
 
 log = logging.getLogger("filemq.broker")
+
+_new_record: Callable[[tuple[int, int, str, bytes, int, bool, bytes]], Record] = \
+    functools.partial(tuple.__new__, Record)
 
 
 class PublishMixin(CoreBase):
@@ -251,10 +256,10 @@ class PublishMixin(CoreBase):
         pending = self._pending
         if pending and pending[-1][0][-1].offset >= first:
             self._forget_from(first)
-        new = tuple.__new__  # a Record without the Python-level NamedTuple.__new__
-        pending.append(([new(Record, (offset, ts, topic, payload, 1, retain, b""))
-                         for offset, topic, payload, retain in zip(range(first, first + n), topics, payloads,
-                                                                   retains, strict=True)], fut))
+        # The run's Records built in C: zip yields each one's fields, tuple.__new__ makes the
+        # Record of them (NamedTuple.__new__ is a Python function; no bytecode runs per record).
+        pending.append((list(map(_new_record, zip(range(first, first + n), repeat(ts), topics, payloads,
+                                                  repeat(1), retains, repeat(b"")))), fut))
         # n PUBACKs (0x40 0x02 id), each one big-endian 32-bit word.
         conn.queue_ack(fut, struct.pack(f">{n}I", *[0x40020000 | pid for pid in pids]), first + n - 1)
         if conn.last_batch is not fut:

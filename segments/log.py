@@ -408,48 +408,59 @@ class Log:
         with self._lock:
             if self._closed or self._broken:
                 raise SegmentError(str(self.directory), self._broken or "log is closed")
-            first = self._next_offset
+            # The tail's state in locals, written back once (also when a record fails).
+            first = offset = self._next_offset
+            pos = self._tail_pos
+            last_index = self._tail_last_index_pos
+            added = 0
             groups = self._groups
+            group = groups[-1] if groups else None
             interval = self._interval
-            for topic, payload, retain in zip(topics, payloads, retains, strict=True):
-                topic_bytes = cache.get(topic)
-                if topic_bytes is None:
-                    topic_bytes = self._topic_bytes(topic)
-                offset = self._next_offset
-                body = pack_body(version, qos | 4 if retain else qos, offset, ts, len(topic_bytes)) \
-                    + topic_bytes + payload
-                data = pack_prefix(len(body) + 4, crc32c(body)) + body
-                n = len(data)
-                if n > self._max_record:
-                    raise ValueError(f"record of {n} bytes does not fit a segment of {self.config.segment_bytes}")
-                if self._min_free:
-                    self._free_budget -= n
-                    if self._free_budget < 0:
-                        self._refresh_free_budget(n)
-                pos = self._tail_pos
-                if pos + n > self._segment_bytes and pos > 0:
-                    group = _Group(offset, True, 0, 0)
-                    groups.append(group)
-                    self._tail_base = offset
-                    pos = 0
-                    self._tail_last_index_pos = 0
-                else:
-                    if groups:
-                        group = groups[-1]
-                    else:
-                        group = _Group(self._tail_base, False, pos, self._tail_last_index_pos)
+            max_record = self._max_record
+            segment_bytes = self._segment_bytes
+            min_free = self._min_free
+            try:
+                for topic, payload, retain in zip(topics, payloads, retains, strict=True):
+                    topic_bytes = cache.get(topic)
+                    if topic_bytes is None:
+                        topic_bytes = self._topic_bytes(topic)
+                    body = pack_body(version, qos | 4 if retain else qos, offset, ts, len(topic_bytes)) \
+                        + topic_bytes + payload
+                    data = pack_prefix(len(body) + 4, crc32c(body)) + body
+                    n = len(data)
+                    if n > max_record:
+                        raise ValueError(f"record of {n} bytes does not fit a segment of {self.config.segment_bytes}")
+                    if min_free:
+                        self._free_budget -= n
+                        if self._free_budget < 0:
+                            self._pending_bytes += added
+                            added = 0
+                            self._refresh_free_budget(n)
+                    if pos + n > segment_bytes and pos > 0:
+                        group = _Group(offset, True, 0, 0)
                         groups.append(group)
-                    if pos - self._tail_last_index_pos >= interval:
-                        group.index.append((offset, pos))
-                        self._tail_last_index_pos = group.last_index_pos = pos
-                group.chunks.append(data)
-                group.nbytes += n
-                group.end_offset = offset + 1
-                if ts > group.max_ts:
-                    group.max_ts = ts
-                self._tail_pos = pos + n
-                self._next_offset = offset + 1
-                self._pending_bytes += n
+                        self._tail_base = offset
+                        pos = last_index = 0
+                    else:
+                        if group is None:
+                            group = _Group(self._tail_base, False, pos, last_index)
+                            groups.append(group)
+                        if pos - last_index >= interval:
+                            group.index.append((offset, pos))
+                            last_index = group.last_index_pos = pos
+                    group.chunks.append(data)
+                    group.nbytes += n
+                    offset += 1
+                    group.end_offset = offset
+                    if ts > group.max_ts:
+                        group.max_ts = ts
+                    pos += n
+                    added += n
+            finally:
+                self._next_offset = offset
+                self._tail_pos = pos
+                self._tail_last_index_pos = last_index
+                self._pending_bytes += added
         return first
 
     def _topic_bytes(self, topic: str) -> bytes:

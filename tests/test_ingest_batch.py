@@ -15,8 +15,9 @@ from hypothesis import strategies as st
 
 from filemq.broker.tailcache import TailCache
 from filemq.mqtt.packets import Puback, Publish, Pubrec
-from segments import GroupCommitter, Log, LogConfig, Record
+from segments import DiskFull, GroupCommitter, Log, LogConfig, Record
 from tests.test_broker_session import Harness, run
+from tests.test_log import InjectingFileIO
 
 SMALL = LogConfig(segment_bytes=2048, index_interval_bytes=200)
 
@@ -58,6 +59,27 @@ def test_append_many_keeps_the_records_before_a_failing_one(tmp_path: Path) -> N
     assert [(r.offset, r.payload, r.qos) for r in log.read(0, 10)] == [(0, b"1", 1)]
     with pytest.raises(ValueError, match="qos"):
         log.append_many(["t"], [b"1"], [False], 3, 5)
+    log.close()
+
+
+def test_append_many_below_the_free_space_floor_stops_where_append_would(tmp_path: Path) -> None:
+    """``min_free_bytes``: DiskFull at the same record as ``append`` one by one; the records
+    before it stay, and the log takes more once there is room again."""
+    ref_io, io = InjectingFileIO(), InjectingFileIO()
+    ref_io.free = io.free = 10_000
+    ref = Log.open(tmp_path / "ref", LogConfig(min_free_bytes=9_000), fileio=ref_io)
+    log = Log.open(tmp_path / "many", LogConfig(min_free_bytes=9_000), fileio=io)
+    with pytest.raises(DiskFull):
+        for _ in range(100):
+            ref.append("t", b"x" * 50, qos=1)
+    with pytest.raises(DiskFull):
+        log.append_many(["t"] * 100, [b"x" * 50] * 100, [False] * 100, 1, 5)
+    assert 0 < log.next_offset == ref.next_offset < 100
+    log.flush()
+    assert [r.offset for r in log.read(0, 1000)] == list(range(log.next_offset))
+    io.free = 10**9
+    assert log.append_many(["t"], [b"again"], [False], 1, 5) == ref.next_offset
+    ref.close()
     log.close()
 
 

@@ -205,6 +205,8 @@ class PublishMixin(CoreBase):
         short = self.config.max_topic_length // 4  # no longer topic is over the limit in UTF-8
         limit = self.config.message_size_limit
         acl = conn.acl
+        if acl is not None and acl.allow_all:
+            acl = None  # no ACL file: nothing to check
         topics: list[str] = []
         payloads: list[bytes] = []
         retains: list[bool] = []

@@ -227,6 +227,7 @@ class Connection:
         n = len(data) >> 2
         if (
             n
+            and data[0] == 0x40  # (a read of PUBLISHes skips the slices below)
             and self.state == CONNECTED
             and len(data) & 3 == 0
             and data[0::4] == b"\x40" * n

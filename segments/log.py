@@ -158,6 +158,15 @@ class _Group:
         self.last_index_pos = last_index_pos
 
 
+def _group_done(group: _Group, end_offset: int, nbytes: int, ts: int) -> None:
+    """Account records [.., end_offset) of ``nbytes`` bytes and time stamp ``ts`` that
+    :meth:`Log.append_many` put into ``group``."""
+    group.nbytes += nbytes
+    group.end_offset = end_offset
+    if ts > group.max_ts:
+        group.max_ts = ts
+
+
 @dataclass(frozen=True, slots=True)
 class Batch:
     """Records [first_offset, end_offset) taken from the buffer by :meth:`Log.take_batch`."""
@@ -414,7 +423,12 @@ class Log:
             last_index = self._tail_last_index_pos
             added = 0
             groups = self._groups
-            group = groups[-1] if groups else None
+            # The group records go to; its byte count, end offset and time stamp are brought
+            # up to date when the run leaves it (a roll) and at the end.
+            group = groups[-1] if groups else _Group(self._tail_base, False, pos, last_index)
+            chunks = group.chunks
+            group_start = offset  # the first offset this call put into ``group``
+            group_bytes = 0
             interval = self._interval
             max_record = self._max_record
             segment_bytes = self._segment_bytes
@@ -437,26 +451,29 @@ class Log:
                             added = 0
                             self._refresh_free_budget(n)
                     if pos + n > segment_bytes and pos > 0:
+                        if offset > group_start:
+                            _group_done(group, offset, group_bytes, ts)
                         group = _Group(offset, True, 0, 0)
                         groups.append(group)
+                        chunks = group.chunks
+                        group_start = offset
+                        group_bytes = 0
                         self._tail_base = offset
                         pos = last_index = 0
                     else:
-                        if group is None:
-                            group = _Group(self._tail_base, False, pos, last_index)
-                            groups.append(group)
+                        if not chunks and group not in groups:
+                            groups.append(group)  # the first record since the last take_batch
                         if pos - last_index >= interval:
                             group.index.append((offset, pos))
                             last_index = group.last_index_pos = pos
-                    group.chunks.append(data)
-                    group.nbytes += n
+                    chunks.append(data)
+                    group_bytes += n
                     offset += 1
-                    group.end_offset = offset
-                    if ts > group.max_ts:
-                        group.max_ts = ts
                     pos += n
                     added += n
             finally:
+                if offset > group_start:
+                    _group_done(group, offset, group_bytes, ts)
                 self._next_offset = offset
                 self._tail_pos = pos
                 self._tail_last_index_pos = last_index

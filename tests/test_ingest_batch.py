@@ -174,3 +174,19 @@ def test_tail_cache_put_many_keeps_what_put_per_record_keeps(runs: list[int], si
         assert many._tail_bytes == sum(len(r.payload) + len(r.topic) + 120 for r in many._tail)
         assert many._tail_bytes <= many._tail_limit
         assert many._largest >= max((len(r.payload) + 1 for r in many._tail), default=0)
+
+
+def test_a_run_with_a_payload_over_message_size_limit_stops_at_it(tmp_path: Path) -> None:
+    """As one on_publish per message: the PUBLISHes before the oversized one are stored, it and
+    those after it are not, the connection closes and nothing is acknowledged (3.1.1 has no
+    negative PUBACK; docs/CONFIG.md message_size_limit)."""
+    async def main() -> None:
+        h = Harness(tmp_path, message_size_limit=10)
+        c = h.connected("p")
+        c.send(Publish("t", b"ok", qos=1, packet_id=1), Publish("t", b"x" * 11, qos=1, packet_id=2),
+               Publish("t", b"later", qos=1, packet_id=3))
+        await h.commit()
+        assert c.received() == []
+        assert c.conn.closed and "message_size_limit" in c.conn.close_reason
+        assert [r.payload for r in h.queue.log.records] == [b"ok"]
+    run(main())

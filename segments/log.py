@@ -23,24 +23,21 @@ import time
 from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass
+from itertools import accumulate
 from pathlib import Path
 from typing import Literal, Protocol
-
-from crc32c import crc32c
 
 from segments.errors import SegmentError
 from segments.fileio import OS_FILE_IO, DiskFull, FileIO
 from segments.index import SparseIndex
 from segments.record import (
-    BODY,
-    FORMAT_VERSION,
     LENGTH,
     LENGTH_SIZE,
     MAX_RECORD_BYTES,
     MAX_TOPIC_BYTES,
-    PREFIX,
     Record,
     decode_at,
+    encode_run_v1,
     encode_v1,
     encode_v2,
 )
@@ -144,10 +141,12 @@ class _Group:
     """Buffered records bound for one segment, starting at byte ``start_pos``."""
 
     __slots__ = ("base_offset", "new_segment", "start_pos", "chunks", "nbytes", "end_offset",
-                 "index", "max_ts", "last_index_pos")
+                 "index", "max_ts", "last_index_pos", "first_offset")
 
-    def __init__(self, base_offset: int, new_segment: bool, start_pos: int, last_index_pos: int) -> None:
+    def __init__(self, base_offset: int, new_segment: bool, start_pos: int, last_index_pos: int,
+                 first_offset: int) -> None:
         self.base_offset = base_offset
+        self.first_offset = first_offset  # its first record's (chunks may hold several records)
         self.new_segment = new_segment
         self.start_pos = start_pos
         self.chunks: list[bytes] = []
@@ -156,15 +155,6 @@ class _Group:
         self.index: list[tuple[int, int]] = []
         self.max_ts = NO_TIMESTAMP
         self.last_index_pos = last_index_pos
-
-
-def _group_done(group: _Group, end_offset: int, nbytes: int, ts: int) -> None:
-    """Account records [.., end_offset) of ``nbytes`` bytes and time stamp ``ts`` that
-    :meth:`Log.append_many` put into ``group``."""
-    group.nbytes += nbytes
-    group.end_offset = end_offset
-    if ts > group.max_ts:
-        group.max_ts = ts
 
 
 @dataclass(frozen=True, slots=True)
@@ -376,7 +366,7 @@ class Log:
             pos = self._tail_pos
             groups = self._groups
             if pos + n > self._segment_bytes and pos > 0:
-                group = _Group(offset, True, 0, 0)
+                group = _Group(offset, True, 0, 0, offset)
                 groups.append(group)
                 self._tail_base = offset
                 pos = 0
@@ -385,7 +375,7 @@ class Log:
                 if groups:
                     group = groups[-1]
                 else:
-                    group = _Group(self._tail_base, False, pos, self._tail_last_index_pos)
+                    group = _Group(self._tail_base, False, pos, self._tail_last_index_pos, offset)
                     groups.append(group)
                 if pos - self._tail_last_index_pos >= self._interval:
                     group.index.append((offset, pos))
@@ -403,82 +393,71 @@ class Log:
     def append_many(self, topics: list[str], payloads: list[bytes], retains: list[bool], qos: int,
                     timestamp_us: int) -> int:
         """Buffer format 1 records (no headers), one per ``(topic, payload, retain)``, all with
-        ``qos`` and ``timestamp_us``; return the first one's offset.  The same records as that
-        many :meth:`append` calls, for the cost of one call (the broker's batch of a read's
-        PUBLISHes).  On an error (as :meth:`append` raises them) the records before the failing
-        one stay buffered with their offsets; the failing one and those after it are not."""
+        ``qos`` and ``timestamp_us``; return the first one's offset.  The same records (and
+        bytes) as that many :meth:`append` calls, for the cost of one call when the run needs
+        nothing special (the broker's run of a read's PUBLISHes); otherwise (a topic not seen
+        yet, a roll, a free-space re-check, an error) it is exactly that many :meth:`append`
+        calls: on an error the records before the failing one stay buffered with their
+        offsets, the failing one and those after it are not."""
         if qos.__class__ is not int or not 0 <= qos <= 2:
             raise ValueError(f"qos must be 0, 1 or 2, not {qos!r}")
-        cache = self._topics
-        ts = timestamp_us
-        pack_body = BODY.pack
-        pack_prefix = PREFIX.pack
-        version = FORMAT_VERSION
+        n = len(topics)
+        if len(payloads) != n or len(retains) != n:
+            raise ValueError(f"{n} topics, {len(payloads)} payloads and {len(retains)} retain flags")
         with self._lock:
             if self._closed or self._broken:
                 raise SegmentError(str(self.directory), self._broken or "log is closed")
-            # The tail's state in locals, written back once (also when a record fails).
-            first = offset = self._next_offset
-            pos = self._tail_pos
-            last_index = self._tail_last_index_pos
-            added = 0
-            groups = self._groups
-            # The group records go to; its byte count, end offset and time stamp are brought
-            # up to date when the run leaves it (a roll) and at the end.
-            group = groups[-1] if groups else _Group(self._tail_base, False, pos, last_index)
-            chunks = group.chunks
-            group_start = offset  # the first offset this call put into ``group``
-            group_bytes = 0
-            interval = self._interval
-            max_record = self._max_record
-            segment_bytes = self._segment_bytes
-            min_free = self._min_free
-            try:
-                for topic, payload, retain in zip(topics, payloads, retains, strict=True):
-                    topic_bytes = cache.get(topic)
-                    if topic_bytes is None:
-                        topic_bytes = self._topic_bytes(topic)
-                    body = pack_body(version, qos | 4 if retain else qos, offset, ts, len(topic_bytes)) \
-                        + topic_bytes + payload
-                    data = pack_prefix(len(body) + 4, crc32c(body)) + body
-                    n = len(data)
-                    if n > max_record:
-                        raise ValueError(f"record of {n} bytes does not fit a segment of {self.config.segment_bytes}")
-                    if min_free:
-                        self._free_budget -= n
-                        if self._free_budget < 0:
-                            self._pending_bytes += added
-                            added = 0
-                            self._refresh_free_budget(n)
-                    if pos + n > segment_bytes and pos > 0:
-                        if offset > group_start:
-                            _group_done(group, offset, group_bytes, ts)
-                        group = _Group(offset, True, 0, 0)
-                        groups.append(group)
-                        chunks = group.chunks
-                        group_start = offset
-                        group_bytes = 0
-                        self._tail_base = offset
-                        pos = last_index = 0
-                    else:
-                        if not chunks and group not in groups:
-                            groups.append(group)  # the first record since the last take_batch
-                        if pos - last_index >= interval:
-                            group.index.append((offset, pos))
-                            last_index = group.last_index_pos = pos
-                    chunks.append(data)
-                    group_bytes += n
-                    offset += 1
-                    pos += n
-                    added += n
-            finally:
-                if offset > group_start:
-                    _group_done(group, offset, group_bytes, ts)
-                self._next_offset = offset
-                self._tail_pos = pos
-                self._tail_last_index_pos = last_index
-                self._pending_bytes += added
+            first = self._next_offset
+            if not n or self._append_run(topics, payloads, retains, qos, timestamp_us):
+                return first
+        for topic, payload, retain in zip(topics, payloads, retains, strict=True):
+            self.append(topic, payload, qos=qos, retain=retain, timestamp_us=timestamp_us)
         return first
+
+    def _append_run(self, topics: list[str], payloads: list[bytes], retains: list[bool], qos: int, ts: int) -> bool:
+        """:meth:`append_many` without bytecode per record, if every topic was encoded before,
+        every record fits, no roll and no free-space re-check are due; else False, having
+        changed nothing.  Under ``_lock``."""
+        topic_bytes = list(map(self._topics.get, topics))
+        if None in topic_bytes:
+            return False
+        first = self._next_offset
+        n = len(topics)
+        data, sizes = encode_run_v1(first, ts, topic_bytes, payloads, map((qos, qos | 4).__getitem__, retains))
+        total = len(data)
+        pos = self._tail_pos
+        if max(sizes) > self._max_record or pos + total > self._segment_bytes or (
+                self._min_free and self._free_budget < total):
+            return False
+        if self._min_free:
+            self._free_budget -= total
+        groups = self._groups
+        last_index = self._tail_last_index_pos
+        if groups:
+            group = groups[-1]
+        else:
+            group = _Group(self._tail_base, False, pos, last_index, first)
+            groups.append(group)
+        interval = self._interval
+        if pos + total - last_index > interval:
+            # Index entries where append adds them: at each record that starts at least
+            # ``interval`` bytes after the previous entry.
+            starts = list(accumulate(sizes, initial=pos))
+            i = bisect.bisect_left(starts, last_index + interval, 0, n)
+            while i < n:
+                last_index = starts[i]
+                group.index.append((first + i, last_index))
+                i = bisect.bisect_left(starts, last_index + interval, i + 1, n)
+            group.last_index_pos = self._tail_last_index_pos = last_index
+        group.chunks.append(data)
+        group.nbytes += total
+        group.end_offset = first + n
+        if ts > group.max_ts:
+            group.max_ts = ts
+        self._tail_pos = pos + total
+        self._next_offset = first + n
+        self._pending_bytes += total
+        return True
 
     def _topic_bytes(self, topic: str) -> bytes:
         encoded = topic.encode("utf-8")
@@ -518,7 +497,7 @@ class Log:
             self._groups = []
             nbytes = self._pending_bytes
             self._pending_bytes = 0
-            first = groups[0].end_offset - len(groups[0].chunks)
+            first = groups[0].first_offset
             return Batch(groups, first, self._next_offset, nbytes)
 
     def write_batch(self, batch: Batch, sync: bool) -> None:

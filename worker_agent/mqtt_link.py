@@ -252,10 +252,11 @@ class ExportLink:
 
     # -- publishing ---------------------------------------------------------------------------------
 
-    def publish(self, messages: Sequence[Message], retain: bool, redelivered: Callable[[int], bool]) -> int:
+    def publish(self, messages: Sequence[Message], retain: bool, redelivered: Callable[[int], bool] | None) -> int:
         """Publish ``messages`` (QoS of the link) in one write; they are in flight until
         acknowledged. ``retain``: pass each record's retained flag through (else never set);
-        ``redelivered(offset)``: True to set DUP on the first send. Returns payload bytes sent.
+        ``redelivered(offset)``: True to set DUP on the first send (None: never). Returns
+        payload bytes sent.
         Not connected: they are only put in flight (the next connect sends them)."""
         inflight = self.inflight
         pieces: list[bytes] = []
@@ -272,7 +273,7 @@ class ExportLink:
             inflight[pid] = m
             payload = m.payload
             first = base | 1 if retain and m.retain else base
-            if redelivered(m.offset):
+            if redelivered is not None and redelivered(m.offset):
                 first |= 0x08
             cache = prefixes.get(first)
             if cache is None:

@@ -25,7 +25,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from itertools import accumulate
 from pathlib import Path
-from typing import Literal, Protocol
+from typing import Literal, Protocol, cast
 
 from segments.errors import SegmentError
 from segments.fileio import OS_FILE_IO, DiskFull, FileIO
@@ -423,7 +423,8 @@ class Log:
             return False
         first = self._next_offset
         n = len(topics)
-        data, sizes = encode_run_v1(first, ts, topic_bytes, payloads, map((qos, qos | 4).__getitem__, retains))
+        data, sizes = encode_run_v1(first, ts, cast("list[bytes]", topic_bytes), payloads,
+                                    map((qos, qos | 4).__getitem__, retains))
         total = len(data)
         pos = self._tail_pos
         if max(sizes) > self._max_record or pos + total > self._segment_bytes or (

@@ -67,6 +67,7 @@ class GroupCommitter:
         self._closing = False
         self._listeners: list[Callable[[int], None]] = []
         self._companions: list[Callable[[], None]] = []
+        self._companion_needed: list[Callable[[], bool] | None] = []
         self._companion_task: asyncio.Future[None] | None = None  # a companion sync running
         self._companion_again = False
         self._waiters: list[tuple[int, int, asyncio.Future[None]]] = []
@@ -169,13 +170,16 @@ class GroupCommitter:
         heapq.heappush(self._waiters, (offset, next(self._waiter_ids), future))
         await future
 
-    def add_sync_companion(self, sync: Callable[[], None]) -> None:
+    def add_sync_companion(self, sync: Callable[[], None], needed: Callable[[], bool] | None = None) -> None:
         """Run ``sync()`` after each commit that fdatasynced the log, so another file (the
         consumer groups' progress journal) is made durable with the group commit, without a
         schedule of its own. It runs in a thread of its own, overlapping the next log write
         (so it never lengthens a commit cycle); while one runs, later commits coalesce into
-        one more run. Its errors are logged, never fail a commit."""
+        one more run. Its errors are logged, never fail a commit. ``needed()`` (on the loop
+        thread) says whether it has anything to sync: when no companion needs to, no thread
+        is woken for them (e.g. an ingest with no subscriber acks has no journal to sync)."""
         self._companions.append(sync)
+        self._companion_needed.append(needed)
 
     def _sync_companions(self) -> None:
         for companion in self._companions:
@@ -187,6 +191,9 @@ class GroupCommitter:
     def _start_companions(self) -> None:
         """After a synced commit (loop thread): start the companions, or note another run."""
         if not self._companions:
+            return
+        if None not in self._companion_needed and not any(needed() for needed in self._companion_needed
+                                                          if needed is not None):
             return
         if self._companion_task is not None:
             self._companion_again = True

@@ -7,6 +7,7 @@ after the commit (MQTT-4.3.2 / ARCHITECTURE.md: acknowledged = fdatasynced)."""
 from __future__ import annotations
 
 import asyncio
+import threading
 from pathlib import Path
 
 import pytest
@@ -190,3 +191,34 @@ def test_a_run_with_a_payload_over_message_size_limit_stops_at_it(tmp_path: Path
         assert c.conn.closed and "message_size_limit" in c.conn.close_reason
         assert [r.payload for r in h.queue.log.records] == [b"ok"]
     run(main())
+
+
+def test_a_sync_companion_with_nothing_to_sync_wakes_no_thread(tmp_path: Path) -> None:
+    """The progress journal's sync rides on synced commits only when it has records to sync
+    (``needed``): an ingest without acks starts no companion thread per commit."""
+    log = Log.open(tmp_path, LogConfig(fsync="always"))
+    calls: list[int] = []
+    dirty = [False]
+
+    ran = threading.Event()
+
+    def companion() -> None:
+        calls.append(log.committed_offset)
+        dirty[0] = False
+        ran.set()
+
+    async def main() -> None:
+        gc = GroupCommitter(log)
+        gc.add_sync_companion(companion, lambda: dirty[0])
+        await gc.start()
+        for i in range(3):
+            await gc.append("t", b"%d" % i)
+        assert calls == []
+        dirty[0] = True
+        await gc.append("t", b"dirty")
+        assert await asyncio.get_running_loop().run_in_executor(None, ran.wait, 10)
+        assert calls == [4] and not dirty[0]
+        await gc.close()
+
+    run(main())
+    log.close()

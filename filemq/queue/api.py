@@ -122,7 +122,7 @@ class Queue:
             return
         self._committer = GroupCommitter(self.log)
         if self._journal is not None:
-            self._committer.add_sync_companion(self._journal.sync)
+            self._committer.add_sync_companion(self._journal.sync, self._journal.needs_sync)
         await self._committer.start()
         self._housekeeping = asyncio.get_running_loop().create_task(
             self._run_housekeeping(), name="filemq-queue-housekeeping"

@@ -465,15 +465,13 @@ class PublishMixin(CoreBase):
         match = self.trie.match
         woken: set[Any] = set()
         cache_put(records)
-        if any(map(_get_retain, records)):
-            for r in records:
-                if r.retain:
-                    self.retained_changes += 1
-                    if ready:
-                        retained.apply(r)
-                    else:
-                        self._retained_buffer.append(r)
-        for topic in set(map(_get_topic, records)):
+        for r in [r for r in records if r.retain]:
+            self.retained_changes += 1
+            if ready:
+                retained.apply(r)
+            else:
+                self._retained_buffer.append(r)
+        for topic in {r.topic for r in records}:
             woken |= match(topic)
         if self._retained_after:
             self._send_retained_after()  # before live records are pumped (MQTT-3.3.1-8)

@@ -21,15 +21,12 @@ records for readers that are behind.
 
 from __future__ import annotations
 
-import operator
 from collections import deque
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from segments import Log, Record
 
-_get_payload = operator.attrgetter("payload")
-_get_topic = operator.attrgetter("topic")
 _OVERHEAD = 120  # rough per-entry cost of the Record object and its slot, in bytes
 _FRAME = 28  # framing bytes per record, for the max_bytes accounting of Log.read
 
@@ -113,15 +110,12 @@ class TailCache:
             for r in records:
                 self.put(r)
             return
-        # Sizes with C-level maps; the largest payload plus the largest topic bounds the
-        # largest record from above, which is all the max_bytes shortcut of read needs.
-        payload_sizes = list(map(len, map(_get_payload, records)))
-        topic_sizes = list(map(len, map(_get_topic, records)))
-        largest = max(payload_sizes) + max(topic_sizes)
+        sizes = [len(r.payload) + len(r.topic) for r in records]
+        largest = max(sizes)
         if largest > self._largest:
             self._largest = largest
         tail.extend(records)
-        self._tail_bytes += sum(payload_sizes) + sum(topic_sizes) + _OVERHEAD * n
+        self._tail_bytes += sum(sizes) + _OVERHEAD * n
         if self._tail_bytes > self._tail_limit:
             self._evict_tail()
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import operator
 import struct
 import time
 from collections import Counter, OrderedDict
@@ -42,13 +41,6 @@ if TYPE_CHECKING:
     from filemq.queue.retained import RetainedStore
 
 log = logging.getLogger("filemq.broker")
-
-_get_topic = operator.attrgetter("topic")
-_get_payload = operator.attrgetter("payload")
-_get_qos = operator.attrgetter("qos")
-_get_retain = operator.attrgetter("retain")
-_get_packet_id = operator.attrgetter("packet_id")
-_puback_word = functools.partial(operator.or_, 0x40020000)  # a PUBACK (0x40 0x02 id) as one word
 
 _new_record: Callable[[tuple[int, int, str, bytes, int, bool, bytes]], Record] = \
     functools.partial(tuple.__new__, Record)
@@ -215,19 +207,8 @@ class PublishMixin(CoreBase):
         acl = conn.acl
         if acl is not None and acl.allow_all:
             acl = None  # no ACL file: nothing to check
-        # The usual run: every PUBLISH QoS 1 and fine; checked with C-level maps (no bytecode
-        # per message), each distinct topic once.
-        n = len(ps)
-        topics = list(map(_get_topic, ps))
-        payloads = list(map(_get_payload, ps))
-        if (list(map(_get_qos, ps)).count(1) == n
-                and (limit is None or max(map(len, payloads)) <= limit)
-                and all(len(t) <= short and t[0] != "$" and (acl is None or acl.can_publish(t))
-                        for t in set(topics))):
-            self._append_run(conn, topics, payloads, list(map(_get_retain, ps)), list(map(_get_packet_id, ps)))
-            return
-        topics = []
-        payloads = []
+        topics: list[str] = []
+        payloads: list[bytes] = []
         retains: list[bool] = []
         pids: list[int] = []
         for p in ps:
@@ -282,7 +263,7 @@ class PublishMixin(CoreBase):
         pending.append((list(map(_new_record, zip(range(first, first + n), repeat(ts), topics, payloads,
                                                   repeat(1), retains, repeat(b"")))), fut))
         # n PUBACKs (0x40 0x02 id), each one big-endian 32-bit word.
-        conn.queue_ack(fut, struct.pack(f">{n}I", *map(_puback_word, pids)), first + n - 1)
+        conn.queue_ack(fut, struct.pack(f">{n}I", *[0x40020000 | pid for pid in pids]), first + n - 1)
         if conn.last_batch is not fut:
             self._join_batch(conn, fut)
         return True

@@ -310,10 +310,9 @@ class Connection:
         (:meth:`Core.on_publishes`), every other packet alone, all in order."""
         core = self.core
         n = len(packets)
-        only_publishes = list(map(type, packets)).count(Publish) == n  # (the usual read: one run)
         i = 0
         while i < n:
-            j = n if only_publishes else i
+            j = i
             while j < n and type(packets[j]) is Publish:
                 j += 1
             if j - i > 1:

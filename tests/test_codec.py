@@ -19,6 +19,7 @@ from filemq.mqtt.packets import (
     Puback,
     Pubcomp,
     Publish,
+    PublishRun,
     Pubrec,
     Pubrel,
     Suback,
@@ -381,15 +382,20 @@ def test_codec_bench_runs_and_checks_both_sides() -> None:
 # ---------------------------------------------------------------- runs of equal-shaped PUBLISHes
 
 
-def _decode_in_cuts(stream: bytes, cuts: list[int], max_packet_size: int = 1 << 20) -> list[Packet] | str:
-    decoder = Decoder(max_packet_size)
+def _decode_in_cuts(stream: bytes, cuts: list[int], runs: bool = False) -> list[Packet] | str:
+    decoder = Decoder(runs=runs)
     got: list[Packet] = []
     prev = 0
     try:
         for cut in [*cuts, len(stream)]:
             decoder.feed(stream[prev:cut])
             prev = cut
-            got.extend(decoder.packets())
+            for p in decoder.packets():
+                if isinstance(p, PublishRun):
+                    assert len(p.payloads) >= codec._RUN_MIN
+                    got.extend(p.publishes())
+                else:
+                    got.append(p)
     except ProtocolError as exc:
         return f"{len(got)} then {exc.reason}"
     return got
@@ -423,6 +429,7 @@ def test_runs_of_equal_shaped_publishes_decode_as_packet_by_packet(
             stream = stream[:at] + bytes(wire) + stream[at + len(wire):]
     cuts = sorted(data.draw(st.lists(st.integers(0, len(stream)), max_size=6)))
     with_runs = _decode_in_cuts(stream, cuts)
+    assert _decode_in_cuts(stream, cuts, runs=True) == with_runs  # PublishRun: the same messages
     no_runs = pytest.MonkeyPatch()
     no_runs.setattr(codec, "_RUN_MIN", 1 << 30)
     try:
@@ -440,7 +447,7 @@ def test_a_run_is_decoded_without_the_per_packet_path() -> None:
     decoder.feed(stream[:len(stream) // 20])
     assert decoder.packets() == [Publish("t/1", b"x" * 100, 1, packet_id=1)]
     run = codec._publish_run(stream, len(stream) // 20, len(stream), 1 << 20, decoder._topics)
-    assert run is not None and run[1] == len(stream)
+    assert isinstance(run, tuple) and run[1] == len(stream)
     assert run[0] == [Publish("t/1", b"x" * 100, 1, packet_id=i + 1) for i in range(1, 20)]
     decoder.feed(stream[len(stream) // 20:])
     assert decoder.packets() == run[0]

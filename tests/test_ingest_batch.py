@@ -15,7 +15,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from filemq.broker.tailcache import TailCache
-from filemq.mqtt.packets import Puback, Publish, Pubrec
+from filemq.mqtt.codec import Decoder, encode
+from filemq.mqtt.packets import Puback, Publish, PublishRun, Pubrec
 from segments import DiskFull, GroupCommitter, Log, LogConfig, Record
 from tests.test_broker_session import Harness, run
 from tests.test_log import InjectingFileIO
@@ -222,3 +223,32 @@ def test_a_sync_companion_with_nothing_to_sync_wakes_no_thread(tmp_path: Path) -
 
     run(main())
     log.close()
+
+
+def test_runs_of_equal_shaped_publishes_are_stored_and_acked_like_single_ones(tmp_path: Path) -> None:
+    """MQTT-4.6.0-2 (acks in order) across runs the decoder hands over as one PublishRun each
+    (QoS 1 stored at once; QoS 0, QoS 2 and a ``$`` topic through on_publish per message)."""
+    async def main() -> None:
+        h = Harness(tmp_path)
+        c = h.connected("p")
+        first = [Publish("run/1", b"a%d" % i, qos=1, packet_id=1 + i) for i in range(6)]
+        dollar = [Publish("$run", b"b%d" % i, qos=1, packet_id=10 + i) for i in range(5)]
+        qos0 = [Publish("run/0", b"c%d" % i) for i in range(5)]
+        qos2 = [Publish("run/2", b"d%d" % i, qos=2, packet_id=20 + i) for i in range(5)]
+        last = [Publish("run/1", b"e%d" % i, qos=1, packet_id=30 + i, retain=True) for i in range(5)]
+        for p in (first[0], dollar[0], qos0[0], qos2[0]):  # topics seen once: the cache holds them
+            c.send(p)
+        await h.commit()
+        c.received()
+        records_before = len(h.queue.log.records)
+        decoder = Decoder(server=True, runs=True)
+        decoder.feed(b"".join(encode(p) for p in first[:1] + first))
+        assert [type(p) for p in decoder.packets()] == [Publish, PublishRun]
+        c.send(*first[1:], *dollar[1:], *qos0[1:], *qos2[1:], *last)
+        await h.commit()
+        acks: list[object] = [Puback(p.packet_id or 0) for p in first[1:] + dollar[1:]]
+        acks += [Pubrec(p.packet_id or 0) for p in qos2[1:]] + [Puback(p.packet_id or 0) for p in last]
+        assert c.received() == acks
+        assert [(r.topic, r.payload, r.qos, r.retain) for r in h.queue.log.records[records_before:]] == [
+            (p.topic, p.payload, p.qos, p.retain) for p in first[1:] + qos0[1:] + qos2[1:] + last]
+    run(main())

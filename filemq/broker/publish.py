@@ -33,7 +33,7 @@ from filemq.broker.state import (
 )
 from filemq.common.topics import InvalidTopic, validate_topic_name
 from filemq.mqtt.codec import ProtocolError, encode_puback
-from filemq.mqtt.packets import PROTOCOL_LEVEL_5, RC_PROTOCOL_ERROR, Publish
+from filemq.mqtt.packets import PROTOCOL_LEVEL_5, RC_PROTOCOL_ERROR, Publish, PublishRun
 from filemq.mqtt.properties import encode_message_headers
 from segments.record import Record
 
@@ -230,6 +230,23 @@ class PublishMixin(CoreBase):
                 return
         if topics:
             self._append_run(conn, topics, payloads, retains, pids)
+
+    def on_publish_run(self, conn: Connection, run: PublishRun) -> None:
+        """A :class:`PublishRun` (MQTT 3.1.1, one topic, QoS, RETAIN and DUP flag): the same
+        outcome as :meth:`on_publishes` of its messages; a QoS 1 run that passes its checks
+        (made once, for the topic and the largest payload) is stored without a step per
+        message."""
+        topic = run.topic
+        payloads = run.payloads
+        limit = self.config.message_size_limit
+        acl = conn.acl
+        if (run.qos == 1 and self.hook is None and len(topic) <= self.config.max_topic_length // 4
+                and topic[0] != "$" and (limit is None or max(map(len, payloads)) <= limit)
+                and (acl is None or acl.can_publish(topic))):
+            n = len(payloads)
+            self._append_run(conn, [topic] * n, payloads, [run.retain] * n, run.packet_ids)  # type: ignore[arg-type]
+            return
+        self.on_publishes(conn, run.publishes())
 
     def _append_run(self, conn: Connection, topics: list[str], payloads: list[bytes], retains: list[bool],
                     pids: list[int]) -> bool:

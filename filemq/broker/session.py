@@ -46,6 +46,7 @@ from filemq.mqtt.packets import (
     Puback,
     Pubcomp,
     Publish,
+    PublishRun,
     Pubrec,
     Pubrel,
     Subscribe,
@@ -122,6 +123,8 @@ class Core(Protocol):
 
     def on_publishes(self, conn: Connection, ps: Sequence[Publish]) -> None: ...
 
+    def on_publish_run(self, conn: Connection, run: PublishRun) -> None: ...
+
     def on_puback(self, conn: Connection, pid: int) -> None: ...
 
     def on_pubacks(self, conn: Connection, pids: Sequence[int]) -> None: ...
@@ -167,7 +170,7 @@ class Connection:
         self.peer = peer
         self.transport = transport
         self.max_packet_size = max_packet_size  # after CONNACK; less before (MAX_CONNECT_PACKET)
-        self.decoder = Decoder(min(max_packet_size, MAX_CONNECT_PACKET), server=True)
+        self.decoder = Decoder(min(max_packet_size, MAX_CONNECT_PACKET), server=True, runs=True)
         self.state = AWAITING_CONNECT
         self.out = bytearray()
         self.client_id = ""
@@ -344,6 +347,10 @@ class Connection:
                     if self.protocol_level == PROTOCOL_LEVEL_5:
                         self._inbound5(packet)
                     core.on_publish(self, packet)
+                elif type(packet) is PublishRun:  # (MQTT 3.1.1 only)
+                    if self.state != CONNECTED:
+                        raise ProtocolError("PUBLISH before CONNECT")
+                    core.on_publish_run(self, packet)
                 elif type(packet) is Puback:
                     self._require_connected("PUBACK")
                     core.on_puback(self, packet.packet_id)

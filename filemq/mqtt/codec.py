@@ -60,6 +60,7 @@ from filemq.mqtt.packets import (
     Puback,
     Pubcomp,
     Publish,
+    PublishRun,
     Pubrec,
     Pubrel,
     Suback,
@@ -432,14 +433,17 @@ def _decode_body(ptype: int, flags: int, buf: bytes | bytearray, pos: int, end: 
 
 
 _RUN_MIN = 4  # the fewest packets worth the run check of _publish_run
+_UNCACHED = False  # _publish_run's answer when the topic is not in the cache yet
 
 
-def _publish_run(buf: bytes, pos: int, n: int, maxsize: int, cache: dict[bytes, str]) -> tuple[list[Packet], int] | None:
+def _publish_run(buf: bytes, pos: int, n: int, maxsize: int, cache: dict[bytes, str],
+                 as_run: bool = False) -> tuple[list[Packet], int] | bool | None:
     """MQTT 3.1.1 PUBLISHes at ``buf[pos:]`` that all have the first one's size, fixed header
     and topic (a device publishing fixed-size messages to one topic): decoded with C-level
     maps, no bytecode per packet, into what the per-packet fast path of ``Decoder._decode``
-    gives, with the offset after them; None (nothing decoded) unless at least
-    :data:`_RUN_MIN` complete ones do and their topic is in ``cache``."""
+    gives (``as_run``: one :class:`PublishRun` of them), with the offset after them; None
+    (nothing decoded) unless at least :data:`_RUN_MIN` complete ones do, and
+    :data:`_UNCACHED` if they would but their topic is not in ``cache``."""
     first = buf[pos]
     second = buf[pos + 1]
     if second < 0x80:
@@ -462,20 +466,23 @@ def _publish_run(buf: bytes, pos: int, n: int, maxsize: int, cache: dict[bytes, 
         return None
     topic = cache.get(buf[tstart:tend])
     if topic is None:
-        return None
+        return _UNCACHED
     end = pos + count * size
     # Every packet starts with the first one's fixed header, topic length and topic.
     lead = tend - pos
     if b"".join(map(buf.__getitem__, map(slice, range(pos, end, size), range(tend, end + lead, size)))) \
             != buf[pos:tend] * count:
         return None
+    packet_ids: list[int] | None = None
     if qos:
-        pids: Iterable[int | None] = list(map(or_, map(lshift, buf[tend:end:size], repeat(8)), buf[tend + 1:end:size]))
-        if 0 in pids:  # invalid: the general path reports it
+        packet_ids = list(map(or_, map(lshift, buf[tend:end:size], repeat(8)), buf[tend + 1:end:size]))
+        if 0 in packet_ids:  # invalid: the general path reports it
             return None
-    else:
-        pids = repeat(None)
-    payloads = map(buf.__getitem__, map(slice, range(pstart, end, size), range(pos + size, end + 1, size)))
+    payloads = map(buf.__getitem__, map(slice, range(pstart, pstart + count * size, size),
+                                        range(pos + size, end + 1, size)))
+    if as_run:
+        return [PublishRun(topic, list(payloads), qos, bool(first & 1), bool(first & 8), packet_ids)], end
+    pids: Iterable[int | None] = packet_ids if packet_ids is not None else repeat(None)
     return list(map(Publish, repeat(topic), payloads, repeat(qos), repeat(bool(first & 1)), repeat(bool(first & 8)),
                     pids)), end
 
@@ -505,12 +512,14 @@ class Decoder:
     because a byte stream cannot be resynchronised after a framing error.
     """
 
-    __slots__ = ("_allowed", "_buf", "_error", "_max", "_names", "_pos", "_server", "_topics", "_v5")
+    __slots__ = ("_allowed", "_buf", "_error", "_max", "_names", "_pos", "_runs", "_server", "_topics", "_v5")
 
     def __init__(self, max_packet_size: int = DEFAULT_MAX_PACKET_SIZE, *, server: bool = True,
-                 protocol_level: int = PROTOCOL_LEVEL) -> None:
+                 protocol_level: int = PROTOCOL_LEVEL, runs: bool = False) -> None:
         if max_packet_size < 2:
             raise ValueError(f"max_packet_size must be at least 2 bytes, got {max_packet_size}")
+        # MQTT 3.1.1 packets(): a run of equal-shaped PUBLISHes comes as one PublishRun.
+        self._runs = runs
         self._max = max_packet_size
         self._server = server
         self._v5 = False
@@ -672,12 +681,14 @@ class Decoder:
                 # through to the general path, which also produces the error messages.
                 if first >> 4 == PUBLISH:
                     if runs:
-                        run = _publish_run(buf, pos, n, maxsize, cache)  # type: ignore[arg-type]
-                        if run is not None:
+                        run = _publish_run(buf, pos, n, maxsize, cache, self._runs)  # type: ignore[arg-type]
+                        if type(run) is tuple:
                             out += run[0]
                             pos = run[1]
                             continue
-                        runs = False  # (tried once per call after a run ends)
+                        # Tried once per call after a run ends; again after this packet when
+                        # only its topic was unknown (the general path caches it).
+                        runs = run is _UNCACHED
                     second = buf[pos + 1]
                     if second < 0x80:
                         start = pos + 2

@@ -3,7 +3,8 @@
 It only moves bytes between sockets and :class:`~filemq.broker.session.Connection` objects
 and calls :meth:`BrokerCore.flush` after every event, so each connection gets at most one
 ``transport.write`` per event (one per group commit for its acks).  No task per packet or
-per message: the only periodic work is one tick a second (keepalive, ``$SYS``, snapshots).
+per message: the only periodic work is one tick a second (``$SYS``, snapshots, session expiry), and a
+keepalive check at the next client deadline when one falls between ticks.
 
 In-process API (the agent and the collector build on it)::
 
@@ -47,6 +48,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("filemq.broker")
 
 RETAINED_SNAPSHOT_INTERVAL_S = 5.0  # at most this often, when retained messages changed
+KEEPALIVE_CHECK_MIN_S = 0.1  # between-tick keepalive checks at most this often (a late close: at most this)
 RETAINED_IDLE_SNAPSHOT_S = 60.0  # otherwise, to keep the replay at start short
 WRITE_BUFFER_HIGH = 256 * 1024
 
@@ -345,7 +347,8 @@ class Broker:
                 return mqtt
             from filemq.broker.websocket import WebSocketProtocol
 
-            return lambda: WebSocketProtocol(mqtt())
+            origins = lst.allowed_origins
+            return lambda: WebSocketProtocol(mqtt(), origins)
 
         try:
             for lst, ctx in zip(self.listeners, contexts, strict=True):
@@ -565,10 +568,25 @@ class Broker:
         retained_covered = self.retained.covered_offset
         retained_changes = -1
         last_snapshot = time.monotonic()
+        next_tick = time.monotonic() + 1.0
+        last_check = 0.0
         while True:
-            await asyncio.sleep(1.0)
+            # Asleep until the tick, or until a keepalive / CONNECT deadline falls before it
+            # (checked at most every KEEPALIVE_CHECK_MIN_S, however many clients time out).
+            now = time.monotonic()
+            wake = min(next_tick, max(core.next_timeout, last_check + KEEPALIVE_CHECK_MIN_S))
+            await asyncio.sleep(max(0.0, wake - now))
+            now = time.monotonic()
+            if now < next_tick:
+                last_check = now
+                try:
+                    core.check_timeouts(now)
+                except Exception:
+                    log.exception("broker keepalive check failed; continuing")
+                continue
+            next_tick = max(next_tick + 1.0, now + 0.5)
+            last_check = now
             try:
-                now = time.monotonic()
                 core.tick(now)
                 stats = queue.log.stats
                 if stats.fsyncs > last_fsyncs:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import math
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -611,7 +612,12 @@ class Connection:
 
     def keepalive_expired(self, now: float) -> bool:
         """True when no packet arrived for 1.5 x keepalive (spec 3.1.2.10)."""
+        return now > self.deadline()
+
+    def deadline(self) -> float:
+        """When this connection times out unless a packet arrives: 1.5 x keepalive after the
+        last one (spec 3.1.2.10), or the CONNECT deadline; inf without a keepalive."""
         if self.state == AWAITING_CONNECT:
             # Absolute from the accept: a byte trickled now and then must not extend it.
-            return now - self.connected_at > self.core.connect_timeout
-        return self.keepalive > 0 and now - self.last_rx > self.keepalive * 1.5
+            return self.connected_at + self.core.connect_timeout
+        return self.last_rx + self.keepalive * 1.5 if self.keepalive > 0 else math.inf

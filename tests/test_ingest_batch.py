@@ -252,3 +252,20 @@ def test_runs_of_equal_shaped_publishes_are_stored_and_acked_like_single_ones(tm
         assert [(r.topic, r.payload, r.qos, r.retain) for r in h.queue.log.records[records_before:]] == [
             (p.topic, p.payload, p.qos, p.retain) for p in first[1:] + qos0[1:] + qos2[1:] + last]
     run(main())
+
+
+def test_a_run_of_empty_payloads_loses_no_message(tmp_path: Path) -> None:
+    """Regression (823cdbc): a run of equal-shaped PUBLISHes with empty payloads is stored and
+    acknowledged whole, QoS 0 and QoS 1 alike."""
+    async def main() -> None:
+        h = Harness(tmp_path)
+        c = h.connected("p")
+        c.send(Publish("e", b"", qos=1, packet_id=100), Publish("z", b""))  # topics cached
+        await h.commit()
+        c.received()
+        before = len(h.queue.log.records)
+        c.send(*[Publish("e", b"", qos=1, packet_id=1 + i) for i in range(6)], *[Publish("z", b"") for _ in range(6)])
+        await h.commit()
+        assert c.received() == [Puback(1 + i) for i in range(6)]
+        assert [(r.topic, r.qos) for r in h.queue.log.records[before:]] == [("e", 1)] * 6 + [("z", 0)] * 6
+    run(main())

@@ -405,7 +405,7 @@ def _decode_in_cuts(stream: bytes, cuts: list[int], runs: bool = False) -> list[
                           st.integers(0, 2), st.booleans(), st.booleans(), st.integers(0, 3)),
                 min_size=1, max_size=40),
        st.data())
-@settings(max_examples=200)
+@settings(max_examples=200, deadline=None)  # (a loaded machine's first call may take > 200 ms)
 def test_runs_of_equal_shaped_publishes_decode_as_packet_by_packet(
         shapes: list[tuple[str, int, int, bool, bool, int]], data: st.DataObject) -> None:
     """A run of PUBLISHes with the same size, fixed header and topic (decoded without bytecode

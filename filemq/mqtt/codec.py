@@ -24,7 +24,7 @@ from __future__ import annotations
 import struct
 from collections.abc import Callable, Iterable
 from itertools import repeat
-from operator import lshift, or_
+from operator import eq, lshift, or_
 
 from filemq.mqtt.codec5 import _ENCODERS5, _decode_body5, _decode_connect, _encode_connect
 from filemq.mqtt.packets import (
@@ -467,12 +467,18 @@ def _publish_run(buf: bytes, pos: int, n: int, maxsize: int, cache: dict[bytes, 
     topic = cache.get(buf[tstart:tend])
     if topic is None:
         return _UNCACHED
-    end = pos + count * size
-    # Every packet starts with the first one's fixed header, topic length and topic.
+    # The run: the packets from ``pos`` on that start with the first one's fixed header (so
+    # have its size), topic length and topic, up to the first that does not.
     lead = tend - pos
-    if b"".join(map(buf.__getitem__, map(slice, range(pos, end, size), range(tend, end + lead, size)))) \
-            != buf[pos:tend] * count:
-        return None
+    end = pos + count * size
+    heads = list(map(buf.__getitem__, map(slice, range(pos, end, size), range(tend, end + lead, size))))
+    first_head = heads[0]
+    if heads.count(first_head) != count:
+        same = list(map(eq, heads, repeat(first_head)))
+        count = same.index(False)
+        if count < _RUN_MIN:
+            return None
+        end = pos + count * size
     packet_ids: list[int] | None = None
     if qos:
         packet_ids = list(map(or_, map(lshift, buf[tend:end:size], repeat(8)), buf[tend + 1:end:size]))

@@ -82,6 +82,13 @@ class FakeQueue:
             self._batch = asyncio.get_running_loop().create_future()
         return offset, self._batch
 
+    def publish_many_nowait(self, topics: list[str], payloads: list[bytes], retains: list[bool], qos: int,
+                            timestamp_us: int) -> tuple[int, asyncio.Future[None]]:
+        first = self.log.next_offset
+        for topic, payload, retain in zip(topics, payloads, retains, strict=True):
+            _, fut = self.publish_nowait(topic, payload, qos, retain, timestamp_us, validated=True)
+        return first, fut
+
     def commit(self) -> None:
         fut, self._batch = self._batch, None
         if fut is None:

@@ -85,6 +85,9 @@ class FakeQueue:
     def publish_many_nowait(self, topics: list[str], payloads: list[bytes], retains: list[bool], qos: int,
                             timestamp_us: int) -> tuple[int, asyncio.Future[None]]:
         first = self.log.next_offset
+        if self._batch is None:  # (as the real committer: no records still give the open batch)
+            self._batch = asyncio.get_running_loop().create_future()
+        fut = self._batch
         for topic, payload, retain in zip(topics, payloads, retains, strict=True):
             _, fut = self.publish_nowait(topic, payload, qos, retain, timestamp_us, validated=True)
         return first, fut

@@ -190,7 +190,8 @@ class PublishMixin(CoreBase):
             self._join_batch(conn, fut)
 
     def on_publishes(self, conn: Connection, ps: Sequence[Publish]) -> None:
-        """A run of MQTT 3.1.1 PUBLISHes from one read, in order: the same outcome as
+        """A run of PUBLISHes from one read (MQTT 3.1.1; MQTT 5: QoS 1 ones without properties,
+        whose Receive Maximum room the connection checked), in order: the same outcome as
         :meth:`on_publish` for each, for less work per message.  The QoS 1 ones that pass
         on_publish's checks untouched (no publish hook, topic not too long, payload within
         ``message_size_limit``, not a ``$`` topic, allowed by the ACL) are appended with one
@@ -264,17 +265,48 @@ class PublishMixin(CoreBase):
             for topic, count in Counter(topics).items():
                 hot.record(topic, now, count)
         ts = time.time_ns() // 1000
+        v5 = conn.protocol_level == PROTOCOL_LEVEL_5
+        before = self.log.next_offset
+        refused: list[int] = []
+        code = 0
         try:
             first, fut = self._append_many(topics, payloads, retains, 1, ts)
         except (OSError, ValueError) as exc:
-            # As on_publish: not acknowledged (records stored before the failing one are
-            # routed from the log; their PUBACKs never leave, the client re-sends them).
-            conn.close(f"storing {n} PUBLISHes to {topics[0]!r}... failed: {exc}", will=True,
-                       level=logging.ERROR)
-            return False
+            stored = self.log.next_offset - before
+            if not v5 or not 0 <= stored < n:
+                # As on_publish: not acknowledged (records stored before the failing one are
+                # routed from the log; their PUBACKs never leave, the client re-sends them).
+                conn.close(f"storing {n} PUBLISHes to {topics[0]!r}... failed: {exc}", will=True,
+                           level=logging.ERROR)
+                return False
+            # MQTT 5 (issue 13 item 6): the stored ones are acknowledged after their commit,
+            # as usual; the failing one and those after it get a reason code; the connection stays.
+            code = refusal_code(exc)
+            log.error("client %r: storing %d of %d PUBLISHes to %r refused: %s (0x%02x)", conn.client_id,
+                      n - stored, n, topics[0], exc, code)
+            refused = pids[stored:]
+            topics, payloads, retains, pids = topics[:stored], payloads[:stored], retains[:stored], pids[:stored]
+            n = stored
+            try:
+                first, fut = self._append_many([], [], [], 1, ts)  # the open batch's commit future
+            except (OSError, ValueError) as exc2:
+                conn.close(f"storing PUBLISHes to {topics[0] if topics else '?'!r} failed: {exc2}", will=True,
+                           level=logging.ERROR)
+                return False
+            first = before
+            if not n:
+                for pid in refused:
+                    conn.queue_ack(None, ack5(_PUBACK, pid, code))
+                return True
         pending = self._pending
         if pending and pending[-1][0][-1].offset >= first:
             self._forget_from(first)
+        if conn.protocol_level == PROTOCOL_LEVEL_5:
+            # No local (MQTT-3.8.3-3): who published each offset, as on_publish notes it.
+            publishers = self.publishers()
+            publishers.update(zip(range(first, first + n), repeat(conn.client_id)))
+            while len(publishers) > PUBLISHERS_KEPT:
+                publishers.popitem(last=False)
         # The run's Records built in C: zip yields each one's fields, tuple.__new__ makes the
         # Record of them (NamedTuple.__new__ is a Python function; no bytecode runs per record).
         pending.append((list(map(_new_record, zip(range(first, first + n), repeat(ts), topics, payloads,
@@ -283,6 +315,8 @@ class PublishMixin(CoreBase):
         conn.queue_ack(fut, struct.pack(f">{n}I", *[0x40020000 | pid for pid in pids]), first + n - 1)
         if conn.last_batch is not fut:
             self._join_batch(conn, fut)
+        for pid in refused:
+            conn.queue_ack(None, ack5(_PUBACK, pid, code))
         return True
 
     def _stored_at(self, offset: int | None, p: Publish) -> bool:

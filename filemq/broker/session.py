@@ -154,7 +154,7 @@ class Connection:
         "close_reason", "publish_will", "paused", "max_inflight", "last_batch",
         "connected_at", "max_packet_size", "reading_changed", "identity", "protocol_level",
         "encode_packet", "assigned_id", "client_max_packet", "linger_close", "alias_max",
-        "out_aliases", "topic_aliases",
+        "out_aliases", "topic_aliases", "acks_extra",
     )
 
     def __init__(
@@ -189,6 +189,9 @@ class Connection:
         self.acl: ClientAcl | None = None
         # (commit future or None, ack bytes), in arrival order: acks leave in this order.
         self.pending_acks: deque[tuple[asyncio.Future[None] | None, bytes, int]] = deque()
+        # A run's PUBACKs are one entry of n 4-byte PUBACKs: n - 1 of them, over all entries,
+        # so that len(pending_acks) + acks_extra bounds the unacknowledged QoS 1 count.
+        self.acks_extra = 0
         self.closed = False
         self.close_reason = ""
         self.publish_will = False
@@ -304,10 +307,49 @@ class Connection:
                        level=logging.WARNING)
 
     def handle_packets(self, packets: Sequence[object]) -> None:
-        if len(packets) > 1 and self.protocol_level != PROTOCOL_LEVEL_5 and self.state == CONNECTED:
-            self._handle_runs(packets)
+        if len(packets) > 1 and self.state == CONNECTED:
+            if self.protocol_level != PROTOCOL_LEVEL_5:
+                self._handle_runs(packets)
+            else:
+                self._handle_runs5(packets)
         else:
             self._dispatch(packets)
+
+    def _handle_runs5(self, packets: Sequence[object]) -> None:
+        """MQTT 5, connected: a run of QoS 1 PUBLISHes without properties (no topic alias,
+        nothing to store but topic and payload) goes to the core in one call, as 3.1.1's do,
+        when our Receive Maximum has room for all of it (3.2.2.3.3; otherwise, and for every
+        other packet, one at a time, so a 0x93 comes at the very PUBLISH over the limit)."""
+        core = self.core
+        n = len(packets)
+        i = 0
+        while i < n:
+            j = i
+            while j < n:
+                p = packets[j]
+                if type(p) is not Publish or p.qos != 1 or p.properties is not None:
+                    break
+                j += 1
+            if j - i > 1 and self._unacknowledged() + (j - i) <= core.config.receive_maximum:
+                try:
+                    core.on_publishes(self, packets[i:j])  # type: ignore[arg-type]
+                except ProtocolError as exc:
+                    self.close(f"protocol error: {exc.reason}", will=True, level=logging.WARNING,
+                               reason_code=exc.reason_code)
+                    return
+            else:
+                j = max(j, i + 1)
+                self._dispatch(packets[i:j])
+            i = j
+            if self.closed:
+                return
+
+    def _unacknowledged(self) -> int:
+        """The client's QoS 1/2 PUBLISHes we have not acknowledged yet (MQTT 5 Receive Maximum):
+        PUBACKs waiting in pending_acks (a run's entry counts each), PUBCOMPs waiting there,
+        and QoS 2 ids before PUBREL (qos2_in)."""
+        return sum((len(ack) >> 2 if ack[1] == 2 else 1) for _, ack, _ in self.pending_acks
+                   if ack[0] in _PUBACK_PUBCOMP) + len(self.session.qos2_in)
 
     def _handle_runs(self, packets: Sequence[object]) -> None:
         """MQTT 3.1.1, connected: each run of PUBLISHes goes to the core in one call
@@ -424,11 +466,10 @@ class Connection:
             # Unacknowledged: QoS 1 whose PUBACK waits in pending_acks, QoS 2 ids before PUBREL
             # (qos2_in) and after it while the PUBCOMP waits (for the session write).  Cheap
             # upper bound first (pending acks + qos2_in); counted exactly only near the limit.
-            if len(self.pending_acks) + len(qos2_in) >= limit and not (p.qos == 2 and p.packet_id in qos2_in):
-                waiting = sum(1 for _, ack, _ in self.pending_acks if ack[0] in _PUBACK_PUBCOMP)
-                if waiting + len(qos2_in) >= limit:
-                    raise ProtocolError(f"more than Receive Maximum ({limit}) unacknowledged QoS 1/2 PUBLISHes "
-                                        "(3.2.2.3.3)", "PUBLISH", RC_RECEIVE_MAXIMUM_EXCEEDED)
+            if (len(self.pending_acks) + self.acks_extra + len(qos2_in) >= limit
+                    and not (p.qos == 2 and p.packet_id in qos2_in) and self._unacknowledged() >= limit):
+                raise ProtocolError(f"more than Receive Maximum ({limit}) unacknowledged QoS 1/2 PUBLISHes "
+                                    "(3.2.2.3.3)", "PUBLISH", RC_RECEIVE_MAXIMUM_EXCEEDED)
 
     def _require_connected(self, name: str) -> None:
         if self.state != CONNECTED:
@@ -539,6 +580,8 @@ class Connection:
         if future is None and not self.pending_acks:
             self.send(ack)
             return
+        if len(ack) > 7 and ack[1] == 2:  # a run's PUBACKs (n x 4 bytes)
+            self.acks_extra += (len(ack) >> 2) - 1
         self.pending_acks.append((future, ack, offset))
 
     def ack_ready(self) -> bool:
@@ -564,15 +607,23 @@ class Connection:
                         code = refusal_code(exc)
                         log.error("client %r: storing a PUBLISH failed (%r): %s 0x%02x", self.client_id, exc,
                                   "PUBACK" if ack[0] == 0x40 else "PUBREC", code)
-                        parts.append(bytes((ack[0], 3, ack[2], ack[3], code)))
+                        if len(ack) > 7 and ack[1] == 2:  # a run's PUBACKs: each with the reason code
+                            self.acks_extra -= (len(ack) >> 2) - 1
+                            parts.extend(bytes((0x40, 3, ack[k + 2], ack[k + 3], code))
+                                         for k in range(0, len(ack), 4))
+                        else:
+                            parts.append(bytes((ack[0], 3, ack[2], ack[3], code)))
                         continue
                     acks.clear()
+                    self.acks_extra = 0
                     if parts:
                         self.send(b"".join(parts))
                     self.close(f"storing a PUBLISH failed ({exc!r}); not acknowledged", will=True,
                                level=logging.ERROR)
                     return False
             acks.popleft()
+            if len(ack) > 7 and ack[1] == 2:
+                self.acks_extra -= (len(ack) >> 2) - 1
             parts.append(ack)
         if parts:
             self.send(parts[0] if len(parts) == 1 else b"".join(parts))

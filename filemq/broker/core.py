@@ -55,6 +55,7 @@ from filemq.broker.state import (
     parse_share_key,
 )
 from filemq.broker.subscribe import SubscribeMixin
+from filemq.common.native import mypyc_attr
 from filemq.common.topics import (
     InvalidTopic,
     validate_topic_name,
@@ -89,6 +90,7 @@ __all__ = [
 ]
 
 
+@mypyc_attr(native_class=False)
 class BrokerCore(ConnectMixin, SubscribeMixin, PublishMixin, DeliveryMixin):
     """Broker state shared by all connections; see the module docstring for the guarantees.
 

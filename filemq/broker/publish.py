@@ -27,6 +27,7 @@ from filemq.broker.state import (
     _too_long,
     ack5,
 )
+from filemq.common.native import mypyc_attr
 from filemq.common.topics import InvalidTopic, validate_topic_name
 from filemq.mqtt.codec import ProtocolError, encode_puback
 from filemq.mqtt.packets import PROTOCOL_LEVEL_5, RC_PROTOCOL_ERROR, Publish
@@ -39,6 +40,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("filemq.broker")
 
 
+@mypyc_attr(native_class=False)
 class PublishMixin(CoreBase):
     """Inbound PUBLISH with its durable ack; routing of committed records."""
 

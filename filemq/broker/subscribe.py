@@ -27,6 +27,7 @@ from filemq.broker.state import (
     message_expiry,
     parse_share_key,
 )
+from filemq.common.native import mypyc_attr
 from filemq.common.topics import (
     InvalidTopic,
     topic_matches,
@@ -55,6 +56,7 @@ log = logging.getLogger("filemq.broker")
 _SUB_OPTION_BITS = SUB_NO_LOCAL | SUB_RETAIN_AS_PUBLISHED | (3 << SUB_RETAIN_HANDLING_SHIFT)
 
 
+@mypyc_attr(native_class=False)
 class SubscribeMixin(CoreBase):
     """SUBSCRIBE/UNSUBSCRIBE, shared groups, retained messages for new subscriptions."""
 

@@ -105,3 +105,29 @@ def test_mypyc_marker_is_a_no_op_without_mypy_extensions(monkeypatch: pytest.Mon
     finally:
         monkeypatch.undo()
         importlib.reload(native)
+
+
+def test_hot_path_except_variables_keep_one_type() -> None:
+    """mypyc gives a local variable one type per function: an ``except B as exc`` after an
+    ``except A as exc`` (B not a subclass of A) is cast to A in the compiled build and raises
+    TypeError instead of running the handler (it did, in SUBSCRIBE's full-disk path).  In
+    the compiled modules every later handler binding a name catches a subclass of the first."""
+    problems = []
+    for path in _hot_path():
+        module = importlib.import_module(_module(path))
+        tree = ast.parse((ROOT / path).read_text())
+        for fn in ast.walk(tree):
+            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            first: dict[str, type] = {}
+            handlers = sorted((n for n in ast.walk(fn) if isinstance(n, ast.ExceptHandler)), key=lambda n: n.lineno)
+            for node in handlers:
+                if node.name and node.type is not None:
+                    caught = eval(compile(ast.Expression(node.type), path, "eval"), vars(module))  # noqa: S307
+                    kinds = caught if isinstance(caught, tuple) else (caught,)
+                    if node.name not in first:
+                        first[node.name] = kinds[0] if len(kinds) == 1 else BaseException
+                        continue
+                    if not all(issubclass(k, first[node.name]) for k in kinds):
+                        problems.append(f"{path}:{node.lineno} {fn.name}: {node.name}")
+    assert problems == []

@@ -181,9 +181,9 @@ class SubscribeMixin(CoreBase):
                     self._register(conn, state, sub)
                 if state.persistent and durable_change:
                     self.store.save(state.stored())
-            except OSError as exc:
+            except OSError as err:  # not "exc": mypyc gives a name one type per function
                 # No SUBACK for a subscription whose state is not durable (a restart would forget it).
-                conn.close(f"SUBSCRIBE refused: its state cannot be persisted: {exc}", will=True, level=logging.ERROR)
+                conn.close(f"SUBSCRIBE refused: its state cannot be persisted: {err}", will=True, level=logging.ERROR)
                 return
         conn.send_packet(Suback(p.packet_id, codes))
         for sub in with_retained:

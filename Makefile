@@ -41,6 +41,9 @@ test: $(STAMP) system-deps
 # The copy is refreshed in place, so an unchanged module is not compiled again.
 COMPILED        := build/compiled
 MYPYC_OPT_LEVEL ?= 3
+COMPILE_JOBS    ?= 2
+# One C file per module, compiled COMPILE_JOBS at a time (pip's build: MYPYC_MULTI_FILE=0).
+MYPYC_MULTI_FILE ?= 1
 COMPILED_TESTS  := tests/test_build.py tests/test_codec.py tests/test_codec5.py \
                    tests/test_record.py tests/test_segment.py tests/test_log.py tests/test_commit.py \
                    tests/test_topics.py tests/test_offsets.py tests/test_groups.py tests/test_queue.py \
@@ -64,7 +67,7 @@ compiled: $(STAMP)
 	  --exclude=.mypy_cache --exclude=.pytest_cache --exclude=.ruff_cache --exclude=.hypothesis \
 	  --exclude='*.egg-info' --exclude=./demo-run --exclude=./spark-warehouse --exclude=./metastore_db \
 	  -cf - . | tar -xf - -C $(COMPILED)
-	cd $(COMPILED) && FILEMQ_COMPILE=1 MYPYC_OPT_LEVEL=$(MYPYC_OPT_LEVEL) $(abspath $(PY)) setup.py -q build_ext --inplace
+	cd $(COMPILED) && FILEMQ_COMPILE=1 MYPYC_OPT_LEVEL=$(MYPYC_OPT_LEVEL) MYPYC_MULTI_FILE=$(MYPYC_MULTI_FILE) $(abspath $(PY)) setup.py -q build_ext --inplace -j $(COMPILE_JOBS)
 	cd $(COMPILED) && $(abspath $(PY)) cli.py --version
 
 # The codec, segments and broker-core tests again, against the compiled copy; test_build.py

@@ -38,7 +38,7 @@ test: $(STAMP) system-deps
 # The optional compiled build (setup.py, docs/PERFORMANCE.md): the hot-path modules compiled
 # with mypyc in a COPY of the tree, build/compiled/, so the working tree stays pure Python and
 # editable. Run from there: cd build/compiled && ../../.venv/bin/python cli.py --version.
-# The copy is refreshed in place, so an unchanged module is not compiled again.
+# The copy is refreshed in place (make clean removes it).
 COMPILED        := build/compiled
 MYPYC_OPT_LEVEL ?= 3
 COMPILE_JOBS    ?= 2

@@ -487,18 +487,27 @@ def status(directory: str, as_json: bool) -> None:
               help="mqtt-export: only the MQTT export drain vs the bridge, at 50,000 and --records.")
 @click.option("--mosquitto-max-inflight", type=click.IntRange(min=0), default=None,
               help="With --only mqtt-export: max_inflight_messages for every mosquitto (default: its own, 20).")
+@click.option("--oracle", type=click.Choice(["puback", "subscriber"]), default="puback", show_default=True,
+              help="With --only mqtt-export: count the destination's PUBACKs (through a counting proxy) or the"
+                   " messages a mosquitto_sub there receives; the same for the export and the bridge.")
+@click.option("--oracle-qos", type=click.IntRange(0, 2), default=1, show_default=True,
+              help="With --oracle subscriber: the subscriber's QoS.")
+@click.option("--repeat", type=click.IntRange(min=1), default=1, show_default=True,
+              help="With --only mqtt-export: runs of each per size, alternating; the summary gives medians.")
 @click.option("--work-dir", type=click.Path(file_okay=False), default=None, help="Where to put the data (default: a temp dir).")
 @click.option("--keep", is_flag=True, help="Keep the work directory.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per line on stdout.")
 def bench_forward(records: int, size: int, devices: int, ingest_records: int, skip_bridge: bool, only: str,
-                  mosquitto_max_inflight: int | None, work_dir: str | None, keep: bool, as_json: bool) -> None:
+                  mosquitto_max_inflight: int | None, oracle: str, oracle_qos: int, repeat: int, work_dir: str | None,
+                  keep: bool, as_json: bool) -> None:
     """Backlog drain agent -> collector -> Parquet vs a Mosquitto bridge; 100 devices -> one
     collector; drain rate vs the broker's durable ingest rate."""
     from bench.forward import run_forward_bench
 
     run_forward_bench(records=records, size=size, devices=devices, work_dir=work_dir, keep=keep,
                       as_json=as_json, skip_bridge=skip_bridge, ingest_records=ingest_records, only=only,
-                      mosquitto_max_inflight=mosquitto_max_inflight)
+                      mosquitto_max_inflight=mosquitto_max_inflight, oracle=oracle, oracle_qos=oracle_qos,
+                      repeat=repeat)
 
 
 @bench.command("consume")

@@ -221,13 +221,18 @@ def _mosquitto_conf(path: Path, port: int, extra: str = "") -> Path:
 
 
 def run_bridge(work: Path, records: int, size: int, timeout: float, bridge_timeout: float = 120,
-               mosquitto_extra: str = "") -> Result:
+               mosquitto_extra: str = "", oracle: str = "subscriber", oracle_qos: int = 1) -> Result:
     """Mosquitto -> Mosquitto bridge draining a backlog of ``records`` QoS 1 messages.
 
     Mosquitto slows down as its per-client queue grows, so the drain is time-boxed to
     ``bridge_timeout`` seconds; if it has not finished by then its rate is what it achieved
     (messages received / seconds since the first one), and the note says so.
+    ``oracle``: ``"subscriber"`` counts what a persistent ``mosquitto_sub`` (QoS ``oracle_qos``)
+    on the remote receives; ``"puback"`` counts the remote's PUBACKs to the bridge through
+    :class:`bench.ackcount.AckCounter` (no subscriber).
     """
+    from bench.ackcount import AckCounter
+
     work.mkdir(parents=True, exist_ok=True)
     # Started as root, mosquitto drops to its own user: it must reach and write its store.
     os.chmod(work.parent, 0o755)
@@ -237,9 +242,10 @@ def run_bridge(work: Path, records: int, size: int, timeout: float, bridge_timeo
         work / "remote.conf", remote_port,
         f"persistence true\npersistence_location {work}/\nautosave_interval 0\n{mosquitto_extra}",
     )
+    counter = AckCounter(remote_port).start() if oracle == "puback" else None
     bridge = (
-        f"connection bench-bridge\naddress 127.0.0.1:{remote_port}\ntopic sensors/# out 1\n"
-        "cleansession false\nrestart_timeout 1\nbridge_protocol_version mqttv311\n"
+        f"connection bench-bridge\naddress 127.0.0.1:{counter.port if counter else remote_port}\n"
+        "topic sensors/# out 1\ncleansession false\nrestart_timeout 1\nbridge_protocol_version mqttv311\n"
     )
     local_conf = _mosquitto_conf(work / "local.conf", local_port, mosquitto_extra + bridge)
     devnull = subprocess.DEVNULL
@@ -251,12 +257,13 @@ def run_bridge(work: Path, records: int, size: int, timeout: float, bridge_timeo
             raise RuntimeError(f"mosquitto with {conf} exited with {proc.returncode}")
         return proc
 
-    # A persistent subscriber session on the remote, saved in its store, so messages the
-    # bridge delivers are kept for it even before it reconnects.
-    remote = mosq(remote_conf)
-    subprocess.run([MOSQUITTO_SUB, "-p", str(remote_port), "-q", "1", "-c", "-i", "bench-sub", "-t", "sensors/#",
-                    "-W", "1"], stdout=devnull, stderr=devnull, check=False)
-    _stop(remote)
+    if counter is None:
+        # A persistent subscriber session on the remote, saved in its store, so messages the
+        # bridge delivers are kept for it even before it reconnects.
+        remote = mosq(remote_conf)
+        subprocess.run([MOSQUITTO_SUB, "-p", str(remote_port), "-q", str(oracle_qos), "-c", "-i", "bench-sub",
+                        "-t", "sensors/#", "-W", "1"], stdout=devnull, stderr=devnull, check=False)
+        _stop(remote)
     local = mosq(local_conf)
     try:
         lines = work / "messages.txt"
@@ -268,36 +275,54 @@ def run_bridge(work: Path, records: int, size: int, timeout: float, bridge_timeo
         with open(lines, "rb") as stdin:
             subprocess.run([MOSQUITTO_PUB, "-p", str(local_port), "-q", "1", "-t", "sensors/s", "-l"],
                            stdin=stdin, stdout=devnull, stderr=devnull, check=True, timeout=timeout)
-        _say("[bridge] starting the remote mosquitto; timing until the subscriber has every message")
+        _say("[bridge] starting the remote mosquitto; timing until "
+             + ("it acknowledged every message" if counter else "the subscriber has every message"))
         local_cpu = cpu_seconds(local.pid)
         start = time.monotonic()
         remote = mosq(remote_conf)
         try:
-            sub = subprocess.Popen(
-                [MOSQUITTO_SUB, "-p", str(remote_port), "-q", "1", "-c", "-i", "bench-sub", "-t", "sensors/#",
-                 "-C", str(records), "-W", str(int(bridge_timeout))],
-                stdout=subprocess.PIPE, stderr=devnull,
-            )
-            first, received = count_received(sub, "the bridge")
-            seconds = time.monotonic() - start
-            from_first = time.monotonic() - first
-            cpu = {"local_mosquitto": cpu_seconds(local.pid) - local_cpu, "remote_mosquitto": cpu_seconds(remote.pid)}
+            if counter is not None:
+                counter.wait(records, bridge_timeout)
+                if counter.first is None:
+                    raise RuntimeError("the remote acknowledged nothing from the bridge")
+                first, received, end = counter.first, min(counter.acks, records), time.monotonic()
+                if received >= records and counter.last is not None:
+                    end = counter.last
+                cpu = {"local_mosquitto": cpu_seconds(local.pid) - local_cpu,
+                       "remote_mosquitto": cpu_seconds(remote.pid)}
+            else:
+                sub = subprocess.Popen(
+                    [MOSQUITTO_SUB, "-p", str(remote_port), "-q", str(oracle_qos), "-c", "-i", "bench-sub",
+                     "-t", "sensors/#", "-C", str(records), "-W", str(int(bridge_timeout))],
+                    stdout=subprocess.PIPE, stderr=devnull,
+                )
+                first, received, sub_cpu = count_received(sub, "the bridge")
+                end = time.monotonic()
+                cpu = {"local_mosquitto": cpu_seconds(local.pid) - local_cpu,
+                       "remote_mosquitto": cpu_seconds(remote.pid), "subscriber": sub_cpu}
+            seconds = end - start
+            from_first = end - first
         finally:
             _stop(remote)
     finally:
+        if counter is not None:
+            counter.stop()
         _stop(local)
+    what = "PUBACK" if counter else "message"
     _say(f"[bridge] {received:,} of {records:,} messages; {seconds:.2f} s from the remote's start,"
-         f" {from_first:.2f} s from the first message (the baseline uses the latter: mosquitto's"
+         f" {from_first:.2f} s from the first {what} (the baseline uses the latter: mosquitto's"
          " bridge reconnect delay is not counted)")
-    note = "local -> bridge -> remote -> subscriber, from the first message received"
+    note = ("local -> bridge -> remote, from the remote's first PUBACK" if counter else
+            f"local -> bridge -> remote -> QoS {oracle_qos} subscriber, from the first message received")
     if received < records:
         note += f"; TIMED OUT after {bridge_timeout:.0f} s with {received} of {records} received"
     return Result("mosquitto_bridge_drain", received, from_first, received / from_first, note, cpu)
 
 
-def count_received(sub: subprocess.Popen[bytes], source: str) -> tuple[float, int]:
+def count_received(sub: subprocess.Popen[bytes], source: str) -> tuple[float, int, float]:
     """Read a ``mosquitto_sub`` (one line per message) to its end: the monotonic time of the
-    first message and how many arrived. Raises when nothing came from ``source``."""
+    first message, how many arrived and the subscriber's CPU seconds (read at its end of output,
+    before it is reaped). Raises when nothing came from ``source``."""
     assert sub.stdout is not None
     first: float | None = None
     received = 0
@@ -305,10 +330,11 @@ def count_received(sub: subprocess.Popen[bytes], source: str) -> tuple[float, in
         if first is None:
             first = time.monotonic()
         received += 1
+    sub_cpu = cpu_seconds(sub.pid)
     sub.wait(30)
     if first is None:
         raise RuntimeError(f"mosquitto_sub received nothing from {source}")
-    return first, received
+    return first, received, sub_cpu
 
 
 # -- (b) many devices ------------------------------------------------------------------------------
@@ -485,7 +511,7 @@ def run_ingest(work: Path, records: int, size: int, timeout: float) -> Result:
 def run_forward_bench(
     *, records: int, size: int, devices: int, work_dir: str | None, keep: bool, as_json: bool,
     skip_bridge: bool = False, ingest_records: int = 200_000, timeout: float = 900, only: str = "all",
-    mosquitto_max_inflight: int | None = None,
+    mosquitto_max_inflight: int | None = None, oracle: str = "puback", oracle_qos: int = 1, repeat: int = 1,
 ) -> dict[str, Any]:
     """Run (a), (b), (c) and (d) and print the rates and ratios; returns the summary.
 
@@ -495,7 +521,8 @@ def run_forward_bench(
         from bench.forward_mqtt import run_export_vs_bridge
 
         return run_export_vs_bridge(records=records, size=size, work_dir=work_dir, keep=keep, as_json=as_json,
-                                    timeout=timeout, mosquitto_max_inflight=mosquitto_max_inflight)
+                                    timeout=timeout, mosquitto_max_inflight=mosquitto_max_inflight,
+                                    oracle=oracle, oracle_qos=oracle_qos, repeat=repeat)
     base = Path(work_dir) if work_dir else Path(tempfile.mkdtemp(prefix="filemq-bench-forward-"))
     base.mkdir(parents=True, exist_ok=True)
     results: dict[str, Result] = {}
@@ -522,7 +549,7 @@ def run_forward_bench(
         if not skip_bridge and os.path.exists(MOSQUITTO):
             from bench.forward_mqtt import run_mqtt_export_drain
 
-            emit(run_mqtt_export_drain(base / "export", records, size, timeout))
+            emit(run_mqtt_export_drain(base / "export", records, size, timeout, oracle="subscriber"))
         emit(run_devices(base / "devices", devices, records, size, timeout))
         emit(run_ingest(base / "ingest", ingest_records, size, timeout))
     finally:

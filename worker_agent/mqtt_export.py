@@ -34,7 +34,6 @@ import contextlib
 import logging
 import random
 import time
-from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from operator import attrgetter
@@ -67,6 +66,10 @@ class ExportGroup(ForwardGroup, Protocol):
 
     def redelivered(self, offset: int) -> bool: ...
 
+    def may_be_redelivered(self, lowest: int) -> bool: ...
+
+    def ack_many(self, offsets: Sequence[int]) -> int: ...
+
 
 class ExportClient(Protocol):
     """What the export needs of its upstream connection (:class:`worker_agent.mqtt_link.ExportLink` fits)."""
@@ -81,7 +84,8 @@ class ExportClient(Protocol):
 
     async def connect(self, timeout: float = 10.0) -> object: ...
 
-    def publish(self, messages: Sequence[Message], retain: bool, redelivered: Callable[[int], bool]) -> int: ...
+    def publish(self, messages: Sequence[Message], retain: bool,
+                redelivered: Callable[[int], bool] | None) -> int: ...
 
     async def disconnect(self, timeout: float = 5.0) -> None: ...
 
@@ -314,7 +318,11 @@ class MqttExport:
             records = self._set_aside_oversized(records, s.max_packet_size)
             if not records:
                 return
-        sent_bytes = client.publish(records, s.retain, self.group.redelivered)
+        group = self.group
+        # One test per run of records instead of a call per record: a backlog's first send has
+        # no DUP to set (only records handed out before a reconnect or a restart may).
+        dup = group.redelivered if group.may_be_redelivered(min(map(_OFFSET, records))) else None
+        sent_bytes = client.publish(records, s.retain, dup)
         self._inflight_bytes += sent_bytes
         stats = self.stats
         stats.inflight = len(client.inflight)
@@ -344,7 +352,7 @@ class MqttExport:
     def _completed(self, messages: list[Message]) -> None:
         """The destination acknowledged these publishes (PUBACK / PUBCOMP): ack their records."""
         offsets = list(map(_OFFSET, messages))
-        deque(map(self.group.ack, offsets), maxlen=0)
+        self.group.ack_many(offsets)
         acked_bytes = sum(map(len, map(_PAYLOAD, messages)))
         self._inflight_bytes -= acked_bytes
         top = max(offsets)

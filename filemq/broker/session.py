@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import math
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -46,6 +47,7 @@ from filemq.mqtt.packets import (
     Puback,
     Pubcomp,
     Publish,
+    PublishRun,
     Pubrec,
     Pubrel,
     Subscribe,
@@ -120,6 +122,10 @@ class Core(Protocol):
 
     def on_publish(self, conn: Connection, p: Publish) -> None: ...
 
+    def on_publishes(self, conn: Connection, ps: Sequence[Publish]) -> None: ...
+
+    def on_publish_run(self, conn: Connection, run: PublishRun) -> None: ...
+
     def on_puback(self, conn: Connection, pid: int) -> None: ...
 
     def on_pubacks(self, conn: Connection, pids: Sequence[int]) -> None: ...
@@ -165,7 +171,7 @@ class Connection:
         self.peer = peer
         self.transport = transport
         self.max_packet_size = max_packet_size  # after CONNACK; less before (MAX_CONNECT_PACKET)
-        self.decoder = Decoder(min(max_packet_size, MAX_CONNECT_PACKET), server=True)
+        self.decoder = Decoder(min(max_packet_size, MAX_CONNECT_PACKET), server=True, runs=True)
         self.state = AWAITING_CONNECT
         self.out = bytearray()
         self.client_id = ""
@@ -225,6 +231,7 @@ class Connection:
         n = len(data) >> 2
         if (
             n
+            and data[0] == 0x40  # (a read of PUBLISHes skips the slices below)
             and self.state == CONNECTED
             and len(data) & 3 == 0
             and data[0::4] == b"\x40" * n
@@ -297,6 +304,39 @@ class Connection:
                        level=logging.WARNING)
 
     def handle_packets(self, packets: Sequence[object]) -> None:
+        if len(packets) > 1 and self.protocol_level != PROTOCOL_LEVEL_5 and self.state == CONNECTED:
+            self._handle_runs(packets)
+        else:
+            self._dispatch(packets)
+
+    def _handle_runs(self, packets: Sequence[object]) -> None:
+        """MQTT 3.1.1, connected: each run of PUBLISHes goes to the core in one call
+        (:meth:`Core.on_publishes`), every other packet alone, all in order."""
+        core = self.core
+        n = len(packets)
+        i = 0
+        while i < n:
+            j = i
+            while j < n and type(packets[j]) is Publish:
+                j += 1
+            if j - i > 1:
+                try:
+                    core.on_publishes(self, packets[i:j])  # type: ignore[arg-type]
+                except ProtocolError as exc:
+                    self.close(f"protocol error: {exc.reason}", will=True, level=logging.WARNING,
+                               reason_code=exc.reason_code)
+                    return
+                i = j
+            else:
+                if type(packets[i]) is Disconnect:
+                    self._dispatch(packets[i:])
+                    return
+                self._dispatch(packets[i:i + 1])
+                i += 1
+            if self.closed:
+                return
+
+    def _dispatch(self, packets: Sequence[object]) -> None:
         core = self.core
         for packet in packets:
             if self.closed:
@@ -308,6 +348,10 @@ class Connection:
                     if self.protocol_level == PROTOCOL_LEVEL_5:
                         self._inbound5(packet)
                     core.on_publish(self, packet)
+                elif type(packet) is PublishRun:  # (MQTT 3.1.1 only)
+                    if self.state != CONNECTED:
+                        raise ProtocolError("PUBLISH before CONNECT")
+                    core.on_publish_run(self, packet)
                 elif type(packet) is Puback:
                     self._require_connected("PUBACK")
                     core.on_puback(self, packet.packet_id)
@@ -568,7 +612,12 @@ class Connection:
 
     def keepalive_expired(self, now: float) -> bool:
         """True when no packet arrived for 1.5 x keepalive (spec 3.1.2.10)."""
+        return now > self.deadline()
+
+    def deadline(self) -> float:
+        """When this connection times out unless a packet arrives: 1.5 x keepalive after the
+        last one (spec 3.1.2.10), or the CONNECT deadline; inf without a keepalive."""
         if self.state == AWAITING_CONNECT:
             # Absolute from the accept: a byte trickled now and then must not extend it.
-            return now - self.connected_at > self.core.connect_timeout
-        return self.keepalive > 0 and now - self.last_rx > self.keepalive * 1.5
+            return self.connected_at + self.core.connect_timeout
+        return self.last_rx + self.keepalive * 1.5 if self.keepalive > 0 else math.inf

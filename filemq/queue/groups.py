@@ -40,6 +40,7 @@ from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from itertools import repeat
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -601,6 +602,31 @@ class ConsumerGroup:
             while order and order[0] not in outstanding:
                 order.popleft()
         return True
+
+    def ack_many(self, offsets: Sequence[int]) -> int:
+        """:meth:`ack` of each of ``offsets`` (any order, duplicates counted once), with the
+        bookkeeping done once for the batch; returns how many were outstanding."""
+        outstanding = self._outstanding
+        missing = list(map(outstanding.pop, offsets, repeat(None))).count(None)
+        acked = len(offsets) - missing
+        if not acked:
+            return 0
+        self._acks += acked
+        if not self.progress_dirty:
+            self.progress_dirty = True
+            if self._dirty_sink is not None:
+                self._dirty_sink.add(self)
+        if self._again:
+            self._again.difference_update(offsets)
+        order = self._order
+        while order and order[0] not in outstanding:
+            order.popleft()
+        return acked
+
+    def may_be_redelivered(self, lowest: int) -> bool:
+        """False when :meth:`redelivered` is False for every outstanding offset >= ``lowest``
+        (one test for a batch instead of one call per record)."""
+        return bool(self._again) or lowest < self._redelivered_below
 
     def report_progress_to(self, sink: set[ConsumerGroup]) -> None:
         """Add this group to ``sink`` at its first ack after :attr:`progress_dirty` was

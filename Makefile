@@ -6,7 +6,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: test demo venv lint layers typecheck clean system-deps
+.PHONY: test demo venv lint layers typecheck clean system-deps compiled test-compiled
 
 # The venv is refreshed only when the package metadata changes (idempotent).
 $(STAMP): setup.cfg pyproject.toml
@@ -33,6 +33,55 @@ test: $(STAMP) system-deps
 	$(VENV)/bin/mypy segments filemq worker_agent collector spark_ingest bench demo cli.py
 	$(VENV)/bin/lint-imports --config setup.cfg
 	$(PY) -m pytest -q -p no:cacheprovider tests
+	$(MAKE) --no-print-directory test-compiled
+
+# The optional compiled build (setup.py, docs/PERFORMANCE.md): the hot-path modules compiled
+# with mypyc in a COPY of the tree, build/compiled/, so the working tree stays pure Python and
+# editable. Run from there: cd build/compiled && ../../.venv/bin/python cli.py --version.
+# The copy is refreshed in place (make clean removes it).
+COMPILED        := build/compiled
+MYPYC_OPT_LEVEL ?= 3
+COMPILE_JOBS    ?= 2
+# One C file per module, compiled COMPILE_JOBS at a time (pip's build: MYPYC_MULTI_FILE=0).
+MYPYC_MULTI_FILE ?= 1
+COMPILED_TESTS  := tests/test_build.py tests/test_codec.py tests/test_codec5.py \
+                   tests/test_record.py tests/test_segment.py tests/test_log.py tests/test_commit.py \
+                   tests/test_topics.py tests/test_offsets.py tests/test_groups.py tests/test_queue.py \
+                   tests/test_retained.py tests/test_acl.py tests/test_broker_session.py \
+                   tests/test_broker_mqtt5_session.py \
+                   --deselect tests/test_queue.py::test_a_failing_offset_write_is_logged_once_until_it_works_again \
+                   --deselect tests/test_broker_session.py::test_group_offsets_persisted_soon_after_acks
+# (The two deselected tests hand the compiled code duck-typed fakes of ConsumerGroup and Queue,
+# where the compiled build checks the declared native class; everything else runs.)
+HAVE_CC = $(PY) -c "import os, shutil, sys, sysconfig; \
+	cc = (os.environ.get('CC') or sysconfig.get_config_var('CC') or 'cc').split()[0]; \
+	h = os.path.join(sysconfig.get_paths()['include'], 'Python.h'); \
+	sys.exit(0 if shutil.which(cc) and os.path.exists(h) else 1)"
+
+compiled: $(STAMP)
+	@$(HAVE_CC) || { echo "make compiled: no C compiler or no Python headers (Python.h) on this machine;" \
+	  "the compiled build needs both (Debian: apt-get install gcc python3-dev)." \
+	  "The default install (pip install .) is pure Python and needs neither." >&2; exit 1; }
+	mkdir -p $(COMPILED)
+	tar --exclude=./.git --exclude=./build --exclude=./.venv --exclude=__pycache__ --exclude='*.so' \
+	  --exclude=.mypy_cache --exclude=.pytest_cache --exclude=.ruff_cache --exclude=.hypothesis \
+	  --exclude='*.egg-info' --exclude=./demo-run --exclude=./spark-warehouse --exclude=./metastore_db \
+	  -cf - . | tar -xf - -C $(COMPILED)
+	cd $(COMPILED) && FILEMQ_COMPILE=1 MYPYC_OPT_LEVEL=$(MYPYC_OPT_LEVEL) MYPYC_MULTI_FILE=$(MYPYC_MULTI_FILE) $(abspath $(PY)) setup.py -q build_ext --inplace -j $(COMPILE_JOBS)
+	cd $(COMPILED) && $(abspath $(PY)) cli.py --version
+
+# The codec, segments and broker-core tests again, against the compiled copy; test_build.py
+# asserts there that the modules really are compiled. Without a C compiler it says so and
+# runs only test_build.py, which skips with that reason.
+test-compiled: $(STAMP)
+	@if $(HAVE_CC); then \
+	  $(MAKE) --no-print-directory compiled && \
+	  cd $(COMPILED) && FILEMQ_EXPECT_COMPILED=1 PYTHONPATH=$(CURDIR)/$(COMPILED) \
+	    $(abspath $(PY)) -m pytest -q -p no:cacheprovider $(COMPILED_TESTS); \
+	else \
+	  echo "note: no C compiler or Python headers: the compiled build is not tested here"; \
+	  FILEMQ_EXPECT_COMPILED=1 $(PY) -m pytest -q -p no:cacheprovider -rs tests/test_build.py; \
+	fi
 
 demo: $(STAMP) system-deps
 	$(VENV)/bin/filemq demo

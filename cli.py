@@ -12,8 +12,20 @@ import click
 F = TypeVar("F", bound=Callable[..., Any])
 
 
+def _print_version(ctx: click.Context, _param: click.Parameter, value: bool) -> None:
+    if not value or ctx.resilient_parsing:
+        return
+    from filemq.ops.build import build_description
+
+    click.echo(build_description())
+    ctx.exit()
+
+
 @click.group()
 @click.option("-v", "--verbose", count=True, help="More log output (-v info, -vv debug).")
+@click.option("--version", is_flag=True, expose_value=False, is_eager=True, callback=_print_version,
+              help="Print the version and which build runs (pure Python, or compiled with mypyc "
+                   "and how many modules), then exit.")
 def main(verbose: int) -> None:
     """filemq: an embedded store-and-forward MQTT broker on a CRC-checked segment log."""
     level = logging.WARNING - 10 * min(verbose, 2)

@@ -215,3 +215,13 @@ def test_pattern_substitution_is_one_pass() -> None:
     other = acl.for_client("alice", "%u")
     assert other.can_publish("devices/%u/y")
     assert not other.can_publish("devices/alice/y")
+
+
+def test_access_flag_values_are_fixed() -> None:
+    """The Access flags keep their values (``READWRITE`` is exactly ``READ | WRITE``, an alias,
+    not a member of its own), so the flags written as literals for the compiled build
+    (mypyc cannot evaluate one enum member from others) mean what ``enum.auto()`` gave."""
+    assert [(m.name, m.value) for m in Access] == [("READ", 1), ("WRITE", 2), ("DENY", 4)]
+    assert list(Access.__members__) == ["NONE", "READ", "WRITE", "READWRITE", "DENY"]
+    assert Access.READWRITE is Access.READ | Access.WRITE
+    assert Access.NONE.value == 0 and not Access.READWRITE & Access.DENY

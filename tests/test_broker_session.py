@@ -1644,3 +1644,34 @@ def test_connect_waiting_for_its_session_file_when_a_clean_connect_discards_it(t
         assert a.received() == [Connack(False, 0x03)] and a.conn.closed
         assert not b.conn.closed and h.store.load("x") is None
     run(main())
+
+
+# ---- a bug in the broker costs one connection (both builds) --------------------------------------
+
+
+def test_a_bug_while_handling_packets_closes_only_that_connection(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An exception from the broker while it handles a connected client's packets, or its
+    CONNECT, closes that connection with the exception in the reason and logs it; the caller
+    (the event loop's read callback) sees nothing and other connections go on.  In the compiled
+    build too: the ``except Exception`` after an ``except ProtocolError`` must not be cast to
+    ProtocolError (tests/test_build.py::test_hot_path_except_variables_keep_one_type)."""
+    async def main() -> None:
+        h = Harness(tmp_path)
+        p = h.connected("p")
+        other = h.connected("o")
+
+        def broken(*args: Any) -> None:
+            raise RuntimeError("bug")
+
+        with caplog.at_level(logging.ERROR, "filemq.broker"):
+            monkeypatch.setattr(h.core, "on_publish", broken)
+            p.send(Publish("t", b"x", 1, packet_id=1))
+            assert p.conn.state == CLOSED and "internal error: RuntimeError('bug')" in p.conn.close_reason
+            monkeypatch.setattr(h.core, "on_connect", broken)
+            c = h.client()
+            c.send(Connect(client_id="c"))
+            assert c.conn.state == CLOSED and "internal error: RuntimeError('bug')" in c.conn.close_reason
+        assert caplog.text.count("internal error: RuntimeError('bug')") == 2
+        assert other.conn.state == CONNECTED
+    run(main())

@@ -46,11 +46,13 @@ log = logging.getLogger(__name__)
 class Access(enum.Flag):
     """What a rule grants; ``DENY`` is a separate kind that removes both."""
 
+    # Literal values (what enum.auto() gave): mypyc cannot compile a member computed from
+    # others (tests/test_acl.py::test_access_flag_values_are_fixed).
     NONE = 0
-    READ = enum.auto()
-    WRITE = enum.auto()
-    READWRITE = READ | WRITE
-    DENY = enum.auto()
+    READ = 1
+    WRITE = 2
+    READWRITE = 3  # READ | WRITE
+    DENY = 4
 
 
 _ACCESS_WORDS = {

@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     from filemq.queue import Queue
     from filemq.queue.groups import ConsumerGroup
     from filemq.queue.retained import RetainedMessage, RetainedStore
+    from segments.log import LogView
 
 log = logging.getLogger("filemq.broker")
 
@@ -65,7 +66,7 @@ class CoreBase:
         group_factory: Callable[[str, tuple[str, ...], bool], ConsumerGroup] | None = None,
     ) -> None:
         self.queue = queue
-        self.log = queue.log
+        self.log: LogView = queue.log  # only its read side: a test fake stands in (compiled build)
         # Topics reaching _append passed the codec's and CONNECT's topic-name checks already.
         self._append = functools.partial(queue.publish_nowait, validated=True)
         self._append_many = queue.publish_many_nowait  # the same, for a run of PUBLISHes

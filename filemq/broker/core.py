@@ -56,6 +56,7 @@ from filemq.broker.state import (
     parse_share_key,
 )
 from filemq.broker.subscribe import SubscribeMixin
+from filemq.common.native import mypyc_attr
 from filemq.common.topics import (
     InvalidTopic,
     validate_topic_name,
@@ -90,6 +91,7 @@ __all__ = [
 ]
 
 
+@mypyc_attr(native_class=False)
 class BrokerCore(ConnectMixin, SubscribeMixin, PublishMixin, DeliveryMixin):
     """Broker state shared by all connections; see the module docstring for the guarantees.
 

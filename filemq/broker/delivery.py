@@ -24,6 +24,7 @@ from filemq.broker.state import (
     _ack,
     message_expiry,
 )
+from filemq.common.native import mypyc_attr
 from filemq.mqtt.codec import publish_bytes, publish_bytes5
 from filemq.mqtt.packets import PROTOCOL_LEVEL_5
 from segments.record import Record
@@ -34,6 +35,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("filemq.broker")
 
 
+@mypyc_attr(native_class=False)
 class DeliveryMixin(CoreBase):
     """Outbound delivery, the QoS 1/2 ack state machine, disconnects."""
 

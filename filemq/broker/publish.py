@@ -31,6 +31,7 @@ from filemq.broker.state import (
     _too_long,
     ack5,
 )
+from filemq.common.native import mypyc_attr
 from filemq.common.topics import InvalidTopic, validate_topic_name
 from filemq.mqtt.codec import ProtocolError, encode_puback
 from filemq.mqtt.packets import PROTOCOL_LEVEL_5, RC_PROTOCOL_ERROR, Publish, PublishRun
@@ -46,6 +47,7 @@ _new_record: Callable[[tuple[int, int, str, bytes, int, bool, bytes]], Record] =
     functools.partial(tuple.__new__, Record)
 
 
+@mypyc_attr(native_class=False)
 class PublishMixin(CoreBase):
     """Inbound PUBLISH with its durable ack; routing of committed records."""
 

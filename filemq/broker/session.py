@@ -271,10 +271,10 @@ class Connection:
             return
         try:
             self.handle_packets(packets)
-        except Exception as exc:
+        except Exception as err:  # not "exc": mypyc gives a name one type per function
             # A bug must cost this one connection, not the broker or the other clients.
             log.exception("client %r from %s: internal error", self.client_id, self.peer)
-            self.close(f"internal error: {exc!r}", will=True, level=logging.ERROR)
+            self.close(f"internal error: {err!r}", will=True, level=logging.ERROR)
 
     def _receive_before_connack(self) -> None:
         """Decode the CONNECT alone (under the pre-CONNECT size cap); bytes behind it wait,
@@ -293,9 +293,9 @@ class Connection:
                 self.send_packet(Connack(False, code))
             self.close(f"protocol error: {exc.reason}", will=False, level=logging.WARNING)
             return
-        except Exception as exc:
+        except Exception as err:  # not "exc": mypyc gives a name one type per function
             log.exception("client %r from %s: internal error", self.client_id, self.peer)
-            self.close(f"internal error: {exc!r}", will=False, level=logging.ERROR)
+            self.close(f"internal error: {err!r}", will=False, level=logging.ERROR)
             return
         if self.closed:
             return

@@ -27,6 +27,7 @@ from filemq.broker.state import (
     message_expiry,
     parse_share_key,
 )
+from filemq.common.native import mypyc_attr
 from filemq.common.topics import (
     InvalidTopic,
     topic_matches,
@@ -55,6 +56,7 @@ log = logging.getLogger("filemq.broker")
 _SUB_OPTION_BITS = SUB_NO_LOCAL | SUB_RETAIN_AS_PUBLISHED | (3 << SUB_RETAIN_HANDLING_SHIFT)
 
 
+@mypyc_attr(native_class=False)
 class SubscribeMixin(CoreBase):
     """SUBSCRIBE/UNSUBSCRIBE, shared groups, retained messages for new subscriptions."""
 
@@ -179,9 +181,9 @@ class SubscribeMixin(CoreBase):
                     self._register(conn, state, sub)
                 if state.persistent and durable_change:
                     self.store.save(state.stored())
-            except OSError as exc:
+            except OSError as err:  # not "exc": mypyc gives a name one type per function
                 # No SUBACK for a subscription whose state is not durable (a restart would forget it).
-                conn.close(f"SUBSCRIBE refused: its state cannot be persisted: {exc}", will=True, level=logging.ERROR)
+                conn.close(f"SUBSCRIBE refused: its state cannot be persisted: {err}", will=True, level=logging.ERROR)
                 return
         conn.send_packet(Suback(p.packet_id, codes))
         for sub in with_retained:

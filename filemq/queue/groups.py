@@ -44,6 +44,7 @@ from itertools import repeat
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+from filemq.common.native import mypyc_attr
 from filemq.common.topics import topic_matches, validate_topic_filter
 from filemq.queue.offsets import OffsetFile
 from segments.fileio import OS_FILE_IO, FileIO, atomic_write
@@ -81,6 +82,7 @@ class CorruptGroup(ValueError):
         self.reason = reason
 
 
+@mypyc_attr(native_class=False)
 class GroupClosed(RuntimeError):
     """The group was closed or dropped; ``name`` says which."""
 

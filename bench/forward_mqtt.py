@@ -98,6 +98,9 @@ def run_mqtt_export_drain(work: Path, records: int, size: int, timeout: float, u
             done = time.monotonic()
             cpu = {"agent": cpu_seconds(agent.pid), "upstream_mosquitto": cpu_seconds(upstream.pid),
                    "subscriber": sub_cpu}
+        # The destination's PUBACK reaches the proxy (or the subscriber gets the message)
+        # before the agent has read that PUBACK: let it catch up before stopping it.
+        wait_for_export_lag_0(agent_dir, "up", 15.0)
     finally:
         if counter is not None:
             counter.stop()
@@ -124,6 +127,22 @@ def run_mqtt_export_drain(work: Path, records: int, size: int, timeout: float, u
     # stop its lag says whether every record was acknowledged, whatever the oracle counted.
     note += "; export.up lag 0 after the agent stopped" if lag == 0 else f"; NOT ALL ACKNOWLEDGED: export.up lag {lag}"
     return Result("mqtt_export_drain", received, seconds, received / seconds, note, cpu)
+
+
+def wait_for_export_lag_0(data_dir: Path, name: str, timeout: float) -> bool:
+    """Poll a running agent's ``exports.json`` (written every second) until export ``name``
+    shows no lag; False at ``timeout``."""
+    deadline = time.monotonic() + timeout
+    path = data_dir / "exports.json"
+    while time.monotonic() < deadline:
+        try:
+            entries = json.loads(path.read_text()).get("exports", [])
+        except (OSError, ValueError, AttributeError):
+            entries = []
+        if any(e.get("name") == name and e.get("lag_records") == 0 for e in entries if isinstance(e, dict)):
+            return True
+        time.sleep(0.2)
+    return False
 
 
 def export_lag(data_dir: Path, group: str) -> int | None:

@@ -1614,3 +1614,42 @@ def test_connect_waiting_for_its_session_file_when_a_clean_connect_discards_it(t
         assert a.received() == [Connack(False, 0x03)] and a.conn.closed
         assert not b.conn.closed and h.store.load("x") is None
     run(main())
+
+
+def test_a_read_of_pubacks_is_acked_with_one_group_call(tmp_path: Path) -> None:
+    """A read of PUBACKs for QoS 1 deliveries of one group acks them with one
+    ConsumerGroup.ack_many (MQTT 4.3.2: each PUBACK completes its delivery); a read with a
+    repeated id, an unknown id or a QoS 2 id takes the per-id rules (ignored / closed,
+    MQTT-4.8.0-1), the deliveries acked before a bad id staying acked."""
+    async def main() -> None:
+        h = Harness(tmp_path, max_inflight=50)
+        s = h.connected("s", clean=False, subscribe=Subscribe(1, [("t", 1), ("q2", 2)]))
+        p = h.connected("p")
+        p.send(*[Publish("t", b"%d" % i, 1, packet_id=i + 1) for i in range(12)])
+        await h.commit()
+        got = s.received()
+        state = s.conn.session
+        assert state is not None and state.group is not None and len(got) == 12
+        group = state.group
+        calls: list[int] = []
+        real = group.ack_many
+
+        def ack_many(offsets: Any) -> int:
+            calls.append(len(offsets))
+            return real(offsets)
+
+        group.ack_many = ack_many  # type: ignore[method-assign]
+        ids = [m.packet_id for m in got]
+        s.send_bytes(b"".join(encode(Puback(i)) for i in ids[:6]))  # one read
+        assert calls == [6] and sorted(state.inflight) == ids[6:] and group.pending_offset == 6
+        s.send_bytes(b"".join(encode(Puback(i)) for i in [ids[6], ids[6], 999, ids[7]]))
+        assert calls == [6] and sorted(state.inflight) == ids[8:] and group.pending_offset == 8
+        assert not s.conn.closed
+        p.send(Publish("q2", b"x", 2, packet_id=100))
+        await h.commit()
+        q2 = [m for m in s.received() if isinstance(m, Publish)]
+        assert len(q2) == 1 and q2[0].qos == 2
+        s.send_bytes(b"".join(encode(Puback(i)) for i in [ids[8], q2[0].packet_id, ids[9]]))
+        assert s.conn.closed and "MQTT-4.8.0-1" in s.conn.close_reason
+        assert sorted(state.inflight) == [*ids[9:], q2[0].packet_id] and group.pending_offset == 9
+    run(main())

@@ -1653,3 +1653,114 @@ def test_a_read_of_pubacks_is_acked_with_one_group_call(tmp_path: Path) -> None:
         assert s.conn.closed and "MQTT-4.8.0-1" in s.conn.close_reason
         assert sorted(state.inflight) == [*ids[9:], q2[0].packet_id] and group.pending_offset == 9
     run(main())
+
+
+@settings(max_examples=200, deadline=None)
+@given(msgs=st.lists(st.tuples(st.sampled_from(["a", "a/b", "é/x"]), st.binary(max_size=300)), min_size=1,
+                     max_size=30),
+       pid=st.integers(1, 0xFFFF))
+def test_publish_run_matches_publish_bytes(msgs: list[tuple[str, bytes]], pid: int) -> None:
+    """publish_run (the fanout run path's encoder) gives the bytes of one publish_bytes per
+    message: QoS 1, DUP 0, RETAIN 0, consecutive packet ids (MQTT 3.3.1, 3.3.2.2)."""
+    from filemq.mqtt.codec import publish_bytes, publish_run
+
+    msgs = msgs[:0x10000 - pid]
+    expected = b"".join(publish_bytes(t, p, 1, False, pid + i) for i, (t, p) in enumerate(msgs))
+    assert publish_run([t for t, _ in msgs], [p for _, p in msgs], pid) == expected
+
+
+_run_ops = st.lists(
+    st.one_of(
+        st.tuples(st.just("publish"), st.lists(st.tuples(st.sampled_from(["a/1", "a/2", "b/1", "c/1"]),
+                                                         st.integers(0, 2), st.booleans()),
+                                               min_size=1, max_size=12)),
+        st.tuples(st.just("ack"), st.integers(0, 12), st.booleans()),
+        st.tuples(st.just("subscribe"), st.sampled_from(["b/#", "c/1", "#"]), st.integers(0, 2)),
+        st.just(("reconnect",)),
+    ),
+    max_size=12,
+)
+
+
+def _deliveries(ops: list[tuple[Any, ...]], first_pid: int, tmp: Path, run_path: bool) -> tuple[Any, ...]:
+    """What a persistent subscriber receives and keeps in flight under ``ops``, with or
+    without DeliveryMixin._deliver_run."""
+    calls = 0
+
+    async def main() -> tuple[Any, ...]:
+        nonlocal calls
+        h = Harness(tmp, max_inflight=20)
+        h.core.acl = Acl.parse("topic read a/#\ntopic read b/#\ntopic read c/1\ntopic write #\n"
+                               "pattern read nothing\n")
+        real = h.core._deliver_run
+
+        def spy(*a: Any) -> bool:
+            nonlocal calls
+            done = run_path and real(*a)
+            calls += done
+            return done
+
+        h.core._deliver_run = spy  # type: ignore[method-assign]
+        s = h.connected("s", clean=False, subscribe=Subscribe(1, [("a/#", 1), ("b/1", 2)]))
+        assert s.conn.session is not None
+        s.conn.session.next_pid = first_pid
+        p = h.connected("p")
+        got: list[Any] = []
+        pending: list[int] = []
+        n = 0
+        for op in ops:
+            if op[0] == "publish":
+                for topic, qos, retain in op[1]:
+                    n += 1
+                    p.send(Publish(topic, b"%d" % n, qos, retain, packet_id=n if qos else None))
+                await h.commit()
+            elif op[0] == "ack":
+                ids = pending[:op[1]] + (pending[:1] if op[2] else [])  # op[2]: with a duplicate id
+                del pending[:op[1]]
+                if ids:
+                    s.send_bytes(b"".join(encode(Puback(i)) for i in ids))  # one read
+            elif op[0] == "subscribe":
+                s.send(Subscribe(2, [(op[1], op[2])]))
+            else:
+                s.conn.connection_lost()
+                s = h.connected("s", clean=False)
+                pending.clear()
+            await h.settle()
+            for m in s.received():
+                got.append(m)
+                if isinstance(m, Publish) and m.qos == 1:
+                    pending.append(m.packet_id)  # type: ignore[arg-type]
+        state = s.conn.session
+        assert state is not None
+        inflight = {pid: (o.offset, o.qos, o.topic, o.payload, o.share, o.stage, o.retain, o.headers)
+                    for pid, o in state.inflight.items()}
+        return got, inflight, state.next_pid
+
+    return run(main()), calls
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(ops=_run_ops, first_pid=st.sampled_from([1, 500, 0xFFF8, 0xFFFF]))
+def test_deliver_run_sends_what_the_record_loop_sends(tmp_path: Path, ops: list[tuple[Any, ...]],
+                                                      first_pid: int) -> None:
+    """_deliver's run path (C loops over a run of QoS 1 records) and its per-record loop give
+    the subscriber the same packets (QoS min(granted, published) 3.8.4 / MQTT-3.8.4-6, DUP on
+    redelivery MQTT-3.3.1-1, packet ids unused among those in flight MQTT-2.3.1-2, the ACL's
+    read rules) and leave the same messages in flight, under publishes, reads of PUBACKs
+    (with duplicate ids), subscriptions added mid-way and reconnects; ids wrap past 0xFFFF."""
+    import tempfile
+
+    loop_result, _ = _deliveries(ops, first_pid, Path(tempfile.mkdtemp(dir=tmp_path)), run_path=False)
+    run_result, _ = _deliveries(ops, first_pid, Path(tempfile.mkdtemp(dir=tmp_path)), run_path=True)
+    assert run_result == loop_result
+
+
+def test_deliver_run_takes_a_fanout_batch(tmp_path: Path) -> None:
+    """The fanout case (QoS 1 records to a QoS 1 subscription, new to the group) goes the run
+    path, and its PUBACKs in one read empty the in-flight map (ConsumerGroup.ack_many)."""
+    ops: list[tuple[Any, ...]] = [("publish", [("a/1", 1, False), ("a/2", 1, False)] * 5), ("ack", 10, False)]
+    (got, inflight, next_pid), calls = _deliveries(ops, 0xFFF6, tmp_path, run_path=True)
+    assert calls == 1
+    assert [(m.packet_id, m.qos, m.dup, m.payload) for m in got] == [
+        (0xFFF6 + i, 1, False, b"%d" % (i + 1)) for i in range(10)]
+    assert inflight == {} and next_pid == 1  # the last id was 0xFFFF

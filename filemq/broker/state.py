@@ -9,7 +9,7 @@ import logging
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Literal, NamedTuple
 
 from filemq.broker.session import Connection
 from filemq.broker.sessions import StoredSession, StoredSubscription
@@ -190,6 +190,24 @@ class Outbound:
         self.headers = headers  # the record's MQTT 5 message properties (re-sent with it)
 
 
+class SentRecord(NamedTuple):
+    """A QoS 1 PUBLISH of a group record sent to the client and not yet acknowledged, as
+    :meth:`DeliveryMixin._deliver`'s run path builds it: a tuple, so a run of them is made
+    in C (``tuple.__new__`` over ``zip``) instead of one :class:`Outbound` ``__init__`` per
+    record.  It reads like an :class:`Outbound` (same fields, same order); it is never a QoS 2
+    delivery, so its ``stage`` stays 0."""
+
+    offset: int
+    group: ConsumerGroup | None
+    qos: int
+    topic: str
+    payload: bytes
+    share: str | None
+    stage: int
+    retain: bool
+    headers: bytes
+
+
 class SessionState:
     """One client id's session; a persistent one outlives its connections (and, through the
     :class:`SessionStore`, the broker process)."""
@@ -208,7 +226,7 @@ class SessionState:
         self.will_pending: tuple[Publish, ClientAcl | None, float] | None = None
         self.subs: dict[str, Subscription] = {}
         self.group: ConsumerGroup | None = None
-        self.inflight: dict[int, Outbound] = {}
+        self.inflight: dict[int, Outbound | SentRecord] = {}
         self.next_pid = 1
         # QoS 2 inbound ids waiting for PUBREL -> the commit future of the stored record
         # (None: committed long ago, or loaded from the session file, which is exact).
@@ -297,6 +315,20 @@ class SessionState:
         for start, qos, sh, retain_below in entries:
             if sh == share and start <= offset and qos > best and not (retain and offset < retain_below):
                 best = qos
+        return best
+
+    def run_qos(self, topics: set[str], lowest: int, share: str | None) -> int:
+        """The QoS :meth:`granted_qos` gives each not retained record with offset >= ``lowest``
+        and a topic in ``topics``, if that is one value for all of them; else -1."""
+        best = -2
+        for topic in topics:
+            qos = self.granted_qos(topic, lowest, share)
+            if qos != best and best != -2:
+                return -1
+            best = qos
+            for start, _, sh, _ in self._qos_cache[topic]:
+                if start > lowest and sh == share:
+                    return -1  # a subscription that starts inside the run
         return best
 
     def alloc_pid(self) -> int:

@@ -11,7 +11,7 @@ import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
 from itertools import repeat
-from operator import attrgetter, itemgetter
+from operator import itemgetter
 from typing import TYPE_CHECKING, Any, cast
 
 from filemq.broker.base import CoreBase
@@ -43,10 +43,6 @@ _payload_of = itemgetter(3)
 _qos_of = itemgetter(4)
 _retain_of = itemgetter(5)
 _headers_of = itemgetter(6)
-# Outbound / SentRecord fields by name (both kinds sit in SessionState.inflight).
-_offset_attr = attrgetter("offset")
-_group_attr = attrgetter("group")
-_qos_attr = attrgetter("qos")
 # A SentRecord from a tuple of its fields, in C (SentRecord(...) runs Python-level __new__).
 _sent_record = cast(Callable[[Iterable[Any]], SentRecord], functools.partial(tuple.__new__, SentRecord))
 
@@ -287,21 +283,6 @@ class DeliveryMixin(CoreBase):
         state = conn.session
         assert state is not None
         inflight = state.inflight
-        if len(pids) > 1:
-            # The common read: in-flight QoS 1 deliveries of one group, each id once: acked
-            # with one ConsumerGroup.ack_many, the lookups in C.
-            outs = list(map(inflight.get, pids))
-            if None not in outs and len(set(pids)) == len(pids):
-                groups = set(map(_group_attr, outs))
-                if len(groups) == 1 and set(map(_qos_attr, outs)) == {1}:
-                    for pid in pids:
-                        del inflight[pid]
-                    (group,) = groups
-                    if group is not None:
-                        group.ack_many(list(map(_offset_attr, outs)))
-                        self._acked = True
-                    self._to_pump.add(conn)
-                    return
         for pid in pids:
             out = inflight.get(pid)
             if out is None:

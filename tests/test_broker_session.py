@@ -1651,13 +1651,16 @@ def test_a_read_of_pubacks_with_repeated_unknown_and_qos2_ids(tmp_path: Path) ->
                      max_size=30),
        pid=st.integers(1, 0xFFFF))
 def test_publish_run_matches_publish_bytes(msgs: list[tuple[str, bytes]], pid: int) -> None:
-    """publish_run (the fanout run path's encoder) gives the bytes of one publish_bytes per
-    message: QoS 1, DUP 0, RETAIN 0, consecutive packet ids (MQTT 3.3.1, 3.3.2.2)."""
-    from filemq.mqtt.codec import publish_bytes, publish_run
+    """publish_run (the fanout run path's encoder) gives the bytes of one publish_bytes (MQTT 5:
+    publish_bytes5, empty property section 3.3.2.3.1) per message: QoS 1, DUP 0, RETAIN 0,
+    consecutive packet ids (MQTT 3.3.1, 3.3.2.2)."""
+    from filemq.mqtt.codec import publish_bytes, publish_bytes5, publish_run
 
     msgs = msgs[:0x10000 - pid]
     expected = b"".join(publish_bytes(t, p, 1, False, pid + i) for i, (t, p) in enumerate(msgs))
     assert publish_run([t for t, _ in msgs], [p for _, p in msgs], pid) == expected
+    expected5 = b"".join(publish_bytes5(t, p, 1, False, pid + i) for i, (t, p) in enumerate(msgs))
+    assert publish_run([t for t, _ in msgs], [p for _, p in msgs], pid, v5=True) == expected5
 
 
 _run_ops = st.lists(
@@ -1673,10 +1676,21 @@ _run_ops = st.lists(
 )
 
 
-def _deliveries(ops: list[tuple[Any, ...]], first_pid: int, tmp: Path, run_path: bool) -> tuple[Any, ...]:
+def _deliveries(ops: list[tuple[Any, ...]], first_pid: int, tmp: Path, run_path: bool,
+                new_client: Any = None, subscribe: Any = None, **connect: Any) -> tuple[Any, ...]:
     """What a persistent subscriber receives and keeps in flight under ``ops``, with or
-    without DeliveryMixin._deliver_run."""
+    without DeliveryMixin._deliver_run. ``new_client(h)``: the subscriber's client (default
+    MQTT 3.1.1), ``subscribe(op)``: the SUBSCRIBE of a "subscribe" op, ``connect``: its CONNECT's
+    other fields."""
     calls = 0
+    if subscribe is None:
+        def subscribe(op: tuple[Any, ...]) -> Subscribe:
+            return Subscribe(2, [(op[1], op[2])])
+
+    def connected(h: Harness) -> Client:
+        c = h.client() if new_client is None else new_client(h)
+        c.connect("s", False, **connect)
+        return c
 
     async def main() -> tuple[Any, ...]:
         nonlocal calls
@@ -1692,7 +1706,8 @@ def _deliveries(ops: list[tuple[Any, ...]], first_pid: int, tmp: Path, run_path:
             return done
 
         h.core._deliver_run = spy  # type: ignore[method-assign]
-        s = h.connected("s", clean=False, subscribe=Subscribe(1, [("a/#", 1), ("b/1", 2)]))
+        s = connected(h)
+        s.send(Subscribe(1, [("a/#", 1), ("b/1", 2)]))
         assert s.conn.session is not None
         s.conn.session.next_pid = first_pid
         p = h.connected("p")
@@ -1711,10 +1726,10 @@ def _deliveries(ops: list[tuple[Any, ...]], first_pid: int, tmp: Path, run_path:
                 if ids:
                     s.send_bytes(b"".join(encode(Puback(i)) for i in ids))  # one read
             elif op[0] == "subscribe":
-                s.send(Subscribe(2, [(op[1], op[2])]))
+                s.send(subscribe(op))
             else:
                 s.conn.connection_lost()
-                s = h.connected("s", clean=False)
+                s = connected(h)
                 pending.clear()
             await h.settle()
             for m in s.received():
@@ -1752,6 +1767,6 @@ def test_deliver_run_takes_a_fanout_batch(tmp_path: Path) -> None:
     ops: list[tuple[Any, ...]] = [("publish", [("a/1", 1, False), ("a/2", 1, False)] * 5), ("ack", 10, False)]
     (got, inflight, next_pid), calls = _deliveries(ops, 0xFFF6, tmp_path, run_path=True)
     assert calls == 1
-    assert [(m.packet_id, m.qos, m.dup, m.payload) for m in got] == [
+    assert [(m.packet_id, m.qos, m.dup, m.payload) for m in got if isinstance(m, Publish)] == [
         (0xFFF6 + i, 1, False, b"%d" % (i + 1)) for i in range(10)]
     assert inflight == {} and next_pid == 1  # the last id was 0xFFFF

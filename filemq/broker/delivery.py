@@ -121,10 +121,10 @@ class DeliveryMixin(CoreBase):
         """Send ``records`` (fetched from ``group`` for ``conn``) in one write; records no
         subscription of ``conn`` takes (older than it, or denied by the ACL) are acked, and
         so are expired ones (MQTT-3.3.2-5)."""
+        if len(records) > 1 and self._deliver_run(conn, state, group, records, share):
+            return
         if conn.protocol_level == PROTOCOL_LEVEL_5:
             self._deliver5(conn, state, group, records, share)
-            return
-        if len(records) > 1 and self._deliver_run(conn, state, group, records, share):
             return
         acl = conn.acl
         # Every delivery is checked against the receiving user's read rights (cached per topic).
@@ -172,8 +172,13 @@ class DeliveryMixin(CoreBase):
         redelivery (DUP) or is refused by the ACL, and a block of consecutive packet ids
         from ``next_pid`` on is free (the ids the per-record loop would take).  Sends the same
         bytes and leaves the same state as the loop; False (nothing done) when the run does
-        not qualify."""
+        not qualify.  MQTT 5 (:meth:`_deliver5`) also needs: no subscription with no local
+        or an identifier, no topic aliases to the client, and every PUBLISH surely within the
+        client's Maximum Packet Size (records without headers have no expiry)."""
         if any(map(_headers_of, records)) or any(map(_retain_of, records)):
+            return False
+        v5 = conn.protocol_level == PROTOCOL_LEVEL_5
+        if v5 and (conn.alias_max or not state.plain5()):
             return False
         offsets = list(map(_offset_of, records))
         lowest = min(offsets)
@@ -186,18 +191,21 @@ class DeliveryMixin(CoreBase):
             return False
         if state.run_qos(distinct, lowest, share) != 1 or min(map(_qos_of, records)) < 1:
             return False
+        payloads = list(map(_payload_of, records))
+        limit = conn.client_max_packet
+        if v5 and limit is not None and max(map(len, payloads)) + 4 * max(map(len, distinct)) + 10 > limit:
+            return False  # (a bound: fixed header <= 5, topic <= 2 + 4 per character, id 2, properties 1)
         pid = state.next_pid
         end = pid + len(records)
         inflight = state.inflight
         if end > 0x10000 or not inflight.keys().isdisjoint(range(pid, end)):
             return False
         state.next_pid = end if end <= 0xFFFF else 1
-        payloads = list(map(_payload_of, records))
         inflight.update(zip(range(pid, end), map(_sent_record, zip(
             offsets, repeat(group), repeat(1), topics, payloads, repeat(share), repeat(0), repeat(False),
             repeat(b""), strict=False)), strict=True))
         self.stats.publish_sent(len(records))
-        conn.send(publish_run(topics, payloads, pid))
+        conn.send(publish_run(topics, payloads, pid, v5))
         return True
 
     def _deliver5(self, conn: Connection, state: SessionState, group: ConsumerGroup,

@@ -246,6 +246,7 @@ class SessionState:
         self._match5_cache: dict[str, list[tuple[int, int, str | None, int, bool, bool, bytes]]] = {}
         self._share_names: frozenset[str] | None = None
         self._no_local: bool | None = None
+        self._plain5: bool | None = None
 
     def own_filters(self) -> tuple[str, ...]:
         return tuple(sorted({s.plain for s in self.subs.values() if s.share is None}))
@@ -261,6 +262,7 @@ class SessionState:
         self._match5_cache.clear()
         self._share_names = None
         self._no_local = None
+        self._plain5 = None
 
     def has_no_local(self) -> bool:
         """Whether any subscription of this session has the no local option (3.8.3.1)."""
@@ -268,6 +270,15 @@ class SessionState:
         if nl is None:
             nl = self._no_local = any(s.options & SUB_NO_LOCAL for s in self.subs.values())
         return nl
+
+    def plain5(self) -> bool:
+        """No subscription of this session has the no local option or a subscription
+        identifier: :meth:`match5` of a record that is not retained is then
+        ``(granted_qos(...), b"", False)``."""
+        plain = self._plain5
+        if plain is None:
+            plain = self._plain5 = not any(s.options & SUB_NO_LOCAL or s.identifier for s in self.subs.values())
+        return plain
 
     def match5(self, topic: str, offset: int, share: str | None, retain: bool,
                own: bool) -> tuple[int, bytes, bool]:

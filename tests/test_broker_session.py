@@ -1705,7 +1705,7 @@ def _deliveries(ops: list[tuple[Any, ...]], first_pid: int, tmp: Path, run_path:
             calls += done
             return done
 
-        h.core._deliver_run = spy  # type: ignore[method-assign]
+        h.core._deliver_run = spy  # type: ignore[method-assign,assignment]
         s = connected(h)
         s.send(Subscribe(1, [("a/#", 1), ("b/1", 2)]))
         assert s.conn.session is not None

@@ -202,8 +202,7 @@ class DeliveryMixin(CoreBase):
             return False
         state.next_pid = end if end <= 0xFFFF else 1
         inflight.update(zip(range(pid, end), map(_sent_record, zip(
-            offsets, repeat(group), repeat(1), topics, payloads, repeat(share), repeat(0), repeat(False),
-            repeat(b""), strict=False)), strict=True))
+            offsets, repeat(group), topics, payloads, repeat(share), strict=False)), strict=True))
         self.stats.publish_sent(len(records))
         conn.send(publish_run(topics, payloads, pid, v5))
         return True

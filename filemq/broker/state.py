@@ -9,7 +9,7 @@ import logging
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal, NamedTuple
+from typing import TYPE_CHECKING, ClassVar, Literal, NamedTuple
 
 from filemq.broker.session import Connection
 from filemq.broker.sessions import StoredSession, StoredSubscription
@@ -190,22 +190,26 @@ class Outbound:
         self.headers = headers  # the record's MQTT 5 message properties (re-sent with it)
 
 
-class SentRecord(NamedTuple):
-    """A QoS 1 PUBLISH of a group record sent to the client and not yet acknowledged, as
-    :meth:`DeliveryMixin._deliver`'s run path builds it: a tuple, so a run of them is made
-    in C (``tuple.__new__`` over ``zip``) instead of one :class:`Outbound` ``__init__`` per
-    record.  It reads like an :class:`Outbound` (same fields, same order); it is never a QoS 2
-    delivery, so its ``stage`` stays 0."""
-
+class _SentFields(NamedTuple):
     offset: int
     group: ConsumerGroup | None
-    qos: int
     topic: str
     payload: bytes
     share: str | None
-    stage: int
-    retain: bool
-    headers: bytes
+
+
+class SentRecord(_SentFields):
+    """A QoS 1 PUBLISH of a group record sent to the client and not yet acknowledged, as
+    :meth:`DeliveryMixin._deliver`'s run path builds it: a tuple, so a run of them is made
+    in C (``tuple.__new__`` over ``zip``) instead of one :class:`Outbound` ``__init__`` per
+    record.  It reads like an :class:`Outbound`; what the run path never varies (QoS 1, stage
+    0: never a QoS 2 delivery; not retained; no properties) are class attributes, not fields."""
+
+    __slots__ = ()
+    qos: ClassVar[int] = 1
+    stage: ClassVar[int] = 0
+    retain: ClassVar[bool] = False
+    headers: ClassVar[bytes] = b""
 
 
 class SessionState:

@@ -67,6 +67,7 @@ class GroupCommitter:
         self._closing = False
         self._listeners: list[Callable[[int], None]] = []
         self._companions: list[Callable[[], None]] = []
+        self._companion_needed: list[Callable[[], bool] | None] = []
         self._companion_task: asyncio.Future[None] | None = None  # a companion sync running
         self._companion_again = False
         self._waiters: list[tuple[int, int, asyncio.Future[None]]] = []
@@ -125,6 +126,31 @@ class GroupCommitter:
             self._open = None
         return offset, future
 
+    def append_many_nowait(
+        self, topics: list[str], payloads: list[bytes], retains: list[bool], qos: int, timestamp_us: int,
+    ) -> tuple[int, asyncio.Future[None]]:
+        """:meth:`append_nowait` for several records at once (:meth:`segments.log.Log.append_many`):
+        returns the first one's offset and the one commit future they all share.  On an error
+        the records buffered before the failing one are committed with the open batch."""
+        if self._task is None or self._closing:
+            raise RuntimeError("GroupCommitter is not running")
+        future = self._open
+        if future is None:
+            assert self._loop is not None
+            future = self._open = self._loop.create_future()
+            self._open_bytes = 0
+            self._wake.set()
+        log_ = self.log
+        before = log_._pending_bytes
+        try:
+            first = log_.append_many(topics, payloads, retains, qos, timestamp_us)
+        finally:
+            self._open_bytes += log_._pending_bytes - before
+            if self._open_bytes >= self.max_batch_bytes:
+                self._closed_batches.append((log_.next_offset, future))
+                self._open = None
+        return first, future
+
     async def append(
         self, topic: str, payload: bytes, *, qos: int = 0, retain: bool = False,
         timestamp_us: int | None = None, headers: bytes = b"",
@@ -144,13 +170,16 @@ class GroupCommitter:
         heapq.heappush(self._waiters, (offset, next(self._waiter_ids), future))
         await future
 
-    def add_sync_companion(self, sync: Callable[[], None]) -> None:
+    def add_sync_companion(self, sync: Callable[[], None], needed: Callable[[], bool] | None = None) -> None:
         """Run ``sync()`` after each commit that fdatasynced the log, so another file (the
         consumer groups' progress journal) is made durable with the group commit, without a
         schedule of its own. It runs in a thread of its own, overlapping the next log write
         (so it never lengthens a commit cycle); while one runs, later commits coalesce into
-        one more run. Its errors are logged, never fail a commit."""
+        one more run. Its errors are logged, never fail a commit. ``needed()`` (on the loop
+        thread) says whether it has anything to sync: when no companion needs to, no thread
+        is woken for them (e.g. an ingest with no subscriber acks has no journal to sync)."""
         self._companions.append(sync)
+        self._companion_needed.append(needed)
 
     def _sync_companions(self) -> None:
         for companion in self._companions:
@@ -162,6 +191,9 @@ class GroupCommitter:
     def _start_companions(self) -> None:
         """After a synced commit (loop thread): start the companions, or note another run."""
         if not self._companions:
+            return
+        if None not in self._companion_needed and not any(needed() for needed in self._companion_needed
+                                                          if needed is not None):
             return
         if self._companion_task is not None:
             self._companion_again = True

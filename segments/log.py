@@ -23,8 +23,9 @@ import time
 from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass
+from itertools import accumulate
 from pathlib import Path
-from typing import Literal, Protocol
+from typing import Literal, Protocol, cast
 
 from segments.errors import SegmentError
 from segments.fileio import OS_FILE_IO, DiskFull, FileIO
@@ -36,6 +37,7 @@ from segments.record import (
     MAX_TOPIC_BYTES,
     Record,
     decode_at,
+    encode_run_v1,
     encode_v1,
     encode_v2,
 )
@@ -139,10 +141,12 @@ class _Group:
     """Buffered records bound for one segment, starting at byte ``start_pos``."""
 
     __slots__ = ("base_offset", "new_segment", "start_pos", "chunks", "nbytes", "end_offset",
-                 "index", "max_ts", "last_index_pos")
+                 "index", "max_ts", "last_index_pos", "first_offset")
 
-    def __init__(self, base_offset: int, new_segment: bool, start_pos: int, last_index_pos: int) -> None:
+    def __init__(self, base_offset: int, new_segment: bool, start_pos: int, last_index_pos: int,
+                 first_offset: int) -> None:
         self.base_offset = base_offset
+        self.first_offset = first_offset  # its first record's (chunks may hold several records)
         self.new_segment = new_segment
         self.start_pos = start_pos
         self.chunks: list[bytes] = []
@@ -362,7 +366,7 @@ class Log:
             pos = self._tail_pos
             groups = self._groups
             if pos + n > self._segment_bytes and pos > 0:
-                group = _Group(offset, True, 0, 0)
+                group = _Group(offset, True, 0, 0, offset)
                 groups.append(group)
                 self._tail_base = offset
                 pos = 0
@@ -371,7 +375,7 @@ class Log:
                 if groups:
                     group = groups[-1]
                 else:
-                    group = _Group(self._tail_base, False, pos, self._tail_last_index_pos)
+                    group = _Group(self._tail_base, False, pos, self._tail_last_index_pos, offset)
                     groups.append(group)
                 if pos - self._tail_last_index_pos >= self._interval:
                     group.index.append((offset, pos))
@@ -385,6 +389,76 @@ class Log:
             self._next_offset = offset + 1
             self._pending_bytes += n
         return offset
+
+    def append_many(self, topics: list[str], payloads: list[bytes], retains: list[bool], qos: int,
+                    timestamp_us: int) -> int:
+        """Buffer format 1 records (no headers), one per ``(topic, payload, retain)``, all with
+        ``qos`` and ``timestamp_us``; return the first one's offset.  The same records (and
+        bytes) as that many :meth:`append` calls, for the cost of one call when the run needs
+        nothing special (the broker's run of a read's PUBLISHes); otherwise (a topic not seen
+        yet, a roll, a free-space re-check, an error) it is exactly that many :meth:`append`
+        calls: on an error the records before the failing one stay buffered with their
+        offsets, the failing one and those after it are not."""
+        if qos.__class__ is not int or not 0 <= qos <= 2:
+            raise ValueError(f"qos must be 0, 1 or 2, not {qos!r}")
+        n = len(topics)
+        if len(payloads) != n or len(retains) != n:
+            raise ValueError(f"{n} topics, {len(payloads)} payloads and {len(retains)} retain flags")
+        with self._lock:
+            if self._closed or self._broken:
+                raise SegmentError(str(self.directory), self._broken or "log is closed")
+            first = self._next_offset
+            if not n or self._append_run(topics, payloads, retains, qos, timestamp_us):
+                return first
+        for topic, payload, retain in zip(topics, payloads, retains, strict=True):
+            self.append(topic, payload, qos=qos, retain=retain, timestamp_us=timestamp_us)
+        return first
+
+    def _append_run(self, topics: list[str], payloads: list[bytes], retains: list[bool], qos: int, ts: int) -> bool:
+        """:meth:`append_many` without bytecode per record, if every topic was encoded before,
+        every record fits, no roll and no free-space re-check are due; else False, having
+        changed nothing.  Under ``_lock``."""
+        topic_bytes = list(map(self._topics.get, topics))
+        if None in topic_bytes:
+            return False
+        first = self._next_offset
+        n = len(topics)
+        data, sizes = encode_run_v1(first, ts, cast("list[bytes]", topic_bytes), payloads,
+                                    map((qos, qos | 4).__getitem__, retains))
+        total = len(data)
+        pos = self._tail_pos
+        if max(sizes) > self._max_record or pos + total > self._segment_bytes or (
+                self._min_free and self._free_budget < total):
+            return False
+        if self._min_free:
+            self._free_budget -= total
+        groups = self._groups
+        last_index = self._tail_last_index_pos
+        if groups:
+            group = groups[-1]
+        else:
+            group = _Group(self._tail_base, False, pos, last_index, first)
+            groups.append(group)
+        interval = self._interval
+        if pos + total - last_index > interval:
+            # Index entries where append adds them: at each record that starts at least
+            # ``interval`` bytes after the previous entry.
+            starts = list(accumulate(sizes, initial=pos))
+            i = bisect.bisect_left(starts, last_index + interval, 0, n)
+            while i < n:
+                last_index = starts[i]
+                group.index.append((first + i, last_index))
+                i = bisect.bisect_left(starts, last_index + interval, i + 1, n)
+            group.last_index_pos = self._tail_last_index_pos = last_index
+        group.chunks.append(data)
+        group.nbytes += total
+        group.end_offset = first + n
+        if ts > group.max_ts:
+            group.max_ts = ts
+        self._tail_pos = pos + total
+        self._next_offset = first + n
+        self._pending_bytes += total
+        return True
 
     def _topic_bytes(self, topic: str) -> bytes:
         encoded = topic.encode("utf-8")
@@ -424,7 +498,7 @@ class Log:
             self._groups = []
             nbytes = self._pending_bytes
             self._pending_bytes = 0
-            first = groups[0].end_offset - len(groups[0].chunks)
+            first = groups[0].first_offset
             return Batch(groups, first, self._next_offset, nbytes)
 
     def write_batch(self, batch: Batch, sync: bool) -> None:

@@ -22,6 +22,9 @@ reads and ``filemq inspect`` all use.
 from __future__ import annotations
 
 import struct
+from collections.abc import Iterable
+from itertools import chain, repeat, starmap
+from operator import add
 from typing import NamedTuple
 
 from crc32c import crc32c
@@ -110,6 +113,21 @@ def encode_v1(offset: int, timestamp_us: int, topic: bytes, payload: bytes, flag
     ``headers`` itself and so calls exactly what it called before format 2 existed)."""
     body = BODY.pack(FORMAT_VERSION, flags, offset, timestamp_us, len(topic)) + topic + payload
     return PREFIX.pack(len(body) + 4, crc32c(body)) + body
+
+
+def encode_run_v1(first_offset: int, timestamp_us: int, topics: list[bytes], payloads: list[bytes],
+                  flags: Iterable[int]) -> tuple[bytes, list[int]]:
+    """Format 1 records at offsets ``first_offset``, ``first_offset + 1``, ... back to back:
+    the bytes of :func:`encode_v1` of each, joined, and each one's framed size.  Built with
+    C-level maps, no bytecode per record (the broker's run of PUBLISHes)."""
+    n = len(topics)
+    heads = starmap(BODY.pack, zip(repeat(FORMAT_VERSION), flags, range(first_offset, first_offset + n),
+                                   repeat(timestamp_us), map(len, topics), strict=False))
+    bodies = list(map(b"".join, zip(heads, topics, payloads, strict=True)))
+    lengths = list(map(add, map(len, bodies), repeat(4)))  # the length field: CRC + body
+    prefixes = starmap(PREFIX.pack, zip(lengths, map(crc32c, bodies), strict=True))
+    data = b"".join(chain.from_iterable(zip(prefixes, bodies, strict=True)))
+    return data, list(map(add, lengths, repeat(LENGTH_SIZE)))
 
 
 def encode_v2(offset: int, timestamp_us: int, topic: bytes, payload: bytes, flags: int, headers: bytes) -> bytes:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import os
+import ssl
 import subprocess
 import sys
 import threading
@@ -19,6 +20,7 @@ import filemq.broker.base as base_module
 from filemq.broker.auth import MAX_ITERATIONS, SCHEME, PasswordFile, PasswordHash
 from filemq.broker.session import AUTHENTICATING
 from filemq.common.config import ConfigError
+from filemq.mqtt.client import MQTTClient
 from filemq.mqtt.codec import Decoder, encode
 from filemq.mqtt.packets import (
     Connack,
@@ -134,6 +136,35 @@ def test_tls_handshake_that_never_completes_is_cut_off_at_the_connect_deadline(
             assert await _closed_by_peer(r, 5.0)
             assert time.monotonic() - t0 < 2.0
             w.close()
+
+    asyncio.run(main())
+
+
+def test_tls_handshakes_count_in_max_connecting(tmp_path: Path) -> None:
+    """Sockets in their TLS handshake are half-open like sockets before CONNECT: at
+    max_connecting the oldest gives way at once, not at the deadline (10 s here), and a
+    real TLS client still gets in. Before, asyncio ran the handshake before the broker saw
+    the socket, so any number of silent TLS sockets were held until the deadline."""
+    cert, key = _ca(tmp_path, "server")
+    text = (f'[broker]\nmax_connecting = 4\n[[listener]]\nport = 0\ntls_cert = "{cert}"\n'
+            f'tls_key = "{key}"\n')
+
+    async def main() -> None:
+        async with running(_load(tmp_path, text)) as b:
+            port = b.ports[0]
+            silent = [await asyncio.open_connection("127.0.0.1", port) for _ in range(10)]  # no ClientHello
+            t0 = time.monotonic()
+            closed = [await _closed_by_peer(r, 3.0) for r, _ in silent[:6]]
+            assert all(closed) and time.monotonic() - t0 < 5.0
+            ctx = ssl.create_default_context(cafile=str(cert))
+            ctx.check_hostname = False
+            c = MQTTClient("real", port=port, ssl=ctx)
+            await c.connect(timeout=5)  # makes room: the oldest silent one goes
+            await c.publish("t", b"in", qos=1)
+            await c.disconnect()
+            assert not await _closed_by_peer(silent[-1][0], 0.2)  # the newest still waits
+            for _, w in silent:
+                w.close()
 
     asyncio.run(main())
 

@@ -305,6 +305,88 @@ def test_full_disk_at_append_gets_0x97_and_the_connection_stays(tmp_path: Path) 
     run(main())
 
 
+def _qos1(*pids: int) -> list[Publish]:
+    return [Publish("t/run", f"m{pid}".encode(), 1, packet_id=pid) for pid in pids]
+
+
+def test_a_read_of_qos1_publishes_without_properties_is_one_run(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """MQTT 5 takes 3.1.1's run path (issue 16): a read of QoS 1 PUBLISHes without
+    properties is stored with one call, never one on_publish each, acknowledged in order
+    after its commit with 4-byte PUBACKs (3.4.2.1: reason code 0 may be omitted), and each
+    offset's publisher is noted for no local (MQTT-3.8.3-3): a no-local subscriber with
+    the same client id gets none of its own messages."""
+    async def main() -> None:
+        h = Harness5(tmp_path)
+        me = h.sub5("me", ("t/#", subscription_options(1, no_local=True)))
+        other = h.sub5("other", ("t/#", 1))
+        calls: list[object] = []
+        real = h.core.on_publish
+        monkeypatch.setattr(h.core, "on_publish", lambda conn, p: (calls.append(p), real(conn, p)))
+        me.send(*_qos1(1, 2, 3, 4, 5))
+        await h.commit()
+        assert calls == []
+        assert me.received() == [Puback(pid) for pid in (1, 2, 3, 4, 5)]
+        assert [r.payload for r in h.queue.log.records] == [b"m1", b"m2", b"m3", b"m4", b"m5"]
+        assert [m.payload for m in other.received() if isinstance(m, Publish)] == [b"m1", b"m2", b"m3", b"m4", b"m5"]
+        assert not [m for m in me.received() if isinstance(m, Publish)]
+    run(main())
+
+
+def test_a_run_over_the_receive_maximum_gets_0x93_at_the_publish_over_it_mqtt_3_3_4_7(tmp_path: Path) -> None:
+    """MQTT-3.3.4-7 with runs: a read of 5 QoS 1 PUBLISHes against Receive Maximum 3 is taken
+    one by one: 3 stored, the 4th gets DISCONNECT 0x93. A run's PUBACKs waiting as one entry
+    still count one each: 3 in a run, then a read of 2 against 4: 0x93 at the 5th."""
+    async def main() -> None:
+        h = Harness5(tmp_path, receive_maximum=3)
+        c = client5(h)
+        c.connect("p")
+        c.send(*_qos1(1, 2, 3, 4, 5))
+        assert c.received() == [Disconnect(0x93)] and c.conn.closed
+        assert [r.payload for r in h.queue.log.records] == [b"m1", b"m2", b"m3"]
+        (tmp_path / "2").mkdir()
+        h2 = Harness5(tmp_path / "2", receive_maximum=4)
+        d = client5(h2)
+        d.connect("p")
+        d.send(*_qos1(1, 2, 3))
+        assert not d.conn.closed and d.received() == []
+        d.send(*_qos1(4, 5))
+        assert d.received() == [Disconnect(0x93)] and d.conn.closed
+        assert [r.payload for r in h2.queue.log.records] == [b"m1", b"m2", b"m3", b"m4"]
+    run(main())
+
+
+def test_a_run_refused_midway_acks_the_stored_and_gives_the_rest_0x97(tmp_path: Path) -> None:
+    """Issue 13 item 6 with runs: the log refuses the 3rd of a run of 5 (below
+    min_free_bytes): PUBACK for the 2 stored once committed, 0x97 for the 3 others, in order,
+    and the connection stays; a failed commit of a run gives each of its PUBLISHes 0x97."""
+    async def main() -> None:
+        h = Harness5(tmp_path)
+        p = client5(h)
+        p.connect("p")
+        real = h.queue.publish_nowait
+        count = {"n": 0}
+
+        def third_refused(*a: Any, **kw: Any) -> Any:
+            count["n"] += 1
+            if count["n"] == 3:
+                raise DiskFull("/data", "free space below min_free_bytes")
+            return real(*a, **kw)
+
+        h.queue.publish_nowait = third_refused  # type: ignore[method-assign]
+        p.send(*_qos1(1, 2, 3, 4, 5))
+        await h.commit()
+        assert p.received() == [Puback(1), Puback(2), Puback(3, 0x97), Puback(4, 0x97), Puback(5, 0x97)]
+        assert not p.conn.closed and [r.payload for r in h.queue.log.records] == [b"m1", b"m2"]
+        h.queue.publish_nowait = real  # type: ignore[method-assign]
+        p.send(*_qos1(6, 7, 8))
+        h.queue.fail_next = True
+        await h.commit()
+        assert p.received() == [Puback(6, 0x97), Puback(7, 0x97), Puback(8, 0x97)]
+        assert not p.conn.closed
+    run(main())
+
+
 def test_failed_commit_gets_a_reason_code_not_a_close(tmp_path: Path) -> None:
     """Item 6: a group commit that fails (ENOSPC at flush): each PUBLISH of that batch gets
     0x97 (0x80 for other errors) in order; later batches are acknowledged as usual."""

@@ -9,6 +9,7 @@ calling ``core.tick(now)`` with a monotonic time in the future (no sleeps)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import queue
 import threading
@@ -19,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from filemq.broker.sessions import SessionStore
+from filemq.broker.sessions import CorruptSession, SessionStore, StoredSession, StoredWill
 from filemq.mqtt.packets import (
     Connack,
     Connect,
@@ -280,6 +281,81 @@ def test_will_is_published_after_the_will_delay_3_1_3_2_2(tmp_path: Path) -> Non
         record = h.queue.log.records[-1]
         assert record.headers == encode_message_headers(wp)
     run(main())
+
+
+def test_delayed_will_survives_a_crash_and_is_published_when_due_mqtt_3_1_2_8(tmp_path: Path) -> None:
+    """MQTT-3.1.2-8: a will is published once its delay elapsed unless the client came back.
+    The delay outlives the process: the held will is in the session file (with its due time on
+    the wall clock), so after a crash -- a new core on the same files, no shutdown -- it is
+    published at its time, with its properties, once, and the file no longer holds it."""
+    async def main() -> None:
+        h = Harness5(tmp_path)
+        subscribed5(h, "watch", "will/#", 1, clean=False, properties=expiring(3600)).send(Disconnect())
+        c = client5(h)
+        wp = will_props(3, content_type="text/plain")
+        c.connect("c", False, properties=expiring(60), will_topic="will/c", will_payload=b"bye",
+                  will_qos=1, will_properties=wp)
+        c.conn.connection_lost()
+        lost = time.monotonic()
+        await h.settle()
+        held = session_file(h, "c")["will"]
+        assert held["topic"] == "will/c" and abs(held["due"] - (time.time() + 3)) < 1.5
+        h.store = SessionStore(tmp_path)
+        h.core = h.make_core()  # the process died: nothing published at a shutdown
+        h.core.release_expired_sessions()
+        h.core.tick(lost + 2)
+        await h.commit()
+        assert not [r for r in h.queue.log.records if r.topic == "will/c"]
+        h.core.tick(lost + 3.5)
+        h.core.tick(lost + 4.5)
+        await h.commit()
+        (record,) = [r for r in h.queue.log.records if r.topic == "will/c"]
+        assert record.payload == b"bye" and record.headers == encode_message_headers(wp)
+        assert "will" not in session_file(h, "c")
+        h.store = SessionStore(tmp_path)
+        h.core = h.make_core()  # and again: not published twice
+        h.core.release_expired_sessions()
+        h.core.tick(time.monotonic() + 10)
+        await h.commit()
+        assert len([r for r in h.queue.log.records if r.topic == "will/c"]) == 1
+    run(main())
+
+
+def test_delayed_will_from_before_a_crash_is_dropped_when_the_client_returns_mqtt_3_1_3_9(
+        tmp_path: Path) -> None:
+    """MQTT-3.1.3-9 across a crash: the client reconnects within the delay, so the will held
+    in its session file is not published, and the rewritten file no longer holds it."""
+    async def main() -> None:
+        h = Harness5(tmp_path)
+        c = client5(h)
+        c.connect("c", False, properties=expiring(60), will_topic="will/c", will_payload=b"bye",
+                  will_properties=will_props(30))
+        c.conn.connection_lost()
+        await h.settle()
+        assert "will" in session_file(h, "c")
+        h.store = SessionStore(tmp_path)
+        h.core = h.make_core()
+        h.core.release_expired_sessions()
+        again = client5(h)
+        assert again.connect("c", False, properties=expiring(60)).session_present
+        await h.settle()
+        h.core.tick(time.monotonic() + 60)
+        await h.commit()
+        assert not [r for r in h.queue.log.records if r.topic == "will/c"]
+        assert "will" not in session_file(h, "c")
+    run(main())
+
+
+def test_stored_session_with_a_will_round_trips_and_a_bad_one_is_corrupt(tmp_path: Path) -> None:
+    """The session file's ``will`` (format 2) holds bytes as base64 and refuses bad fields."""
+    will = StoredWill("w/t", b"\x00\xffbye", 2, True, b"\x03\x00\x01x", 1_800_000_000.5)
+    stored = StoredSession("c", expiry=60, disconnected_at=1_799_999_990.0, will=will)
+    back = StoredSession.from_json(stored.to_json(), "p")
+    assert back.will == will and back.expiry == 60
+    body = json.loads(stored.to_json())
+    for bad in ({"qos": 3}, {"payload": "%%"}, {"topic": ""}, {"due": "soon"}):
+        with pytest.raises(CorruptSession):
+            StoredSession.from_json(json.dumps({**body, "will": {**body["will"], **bad}}).encode(), "p")
 
 
 def test_will_without_delay_carries_its_properties_mqtt_3_1_2_9(tmp_path: Path) -> None:
@@ -809,6 +885,40 @@ def test_paho_session_of_a_killed_broker_is_kept_then_expires_from_the_restart(t
         while store.path_of("k").exists() and time.monotonic() < deadline:
             time.sleep(0.1)
         assert not store.path_of("k").exists()
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
+
+
+def test_paho_delayed_will_survives_kill_9_of_the_broker_mqtt_3_1_2_8(tmp_path: Path) -> None:
+    """kill -9 of the real process while a will waits for its Will Delay Interval (2 s): the
+    restarted broker publishes it when due, and a persistent subscriber gets it once."""
+    from tests.test_broker_kill9 import _start_broker
+
+    proc, port = _start_broker(tmp_path)
+    try:
+        watcher = Paho5(port, "watcher", clean_start=True, connect_props={"SessionExpiryInterval": 3600})
+        watcher.subscribe("will/#")
+        watcher.disconnect()
+        a = Paho5(port, "a", clean_start=True, connect_props={"SessionExpiryInterval": 600},
+                  will=("will/a", b"a died", {"WillDelayInterval": 2}))
+        a.drop()
+        store = SessionStore(tmp_path)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:  # the broker saw the close and wrote the held will
+            with contextlib.suppress(OSError, ValueError):
+                if "will" in json.loads(store.path_of("a").read_text()):
+                    break
+            time.sleep(0.05)
+        proc.kill()  # within the delay: nothing published yet
+        proc.wait(timeout=10)
+        proc, port = _start_broker(tmp_path)
+        watcher = Paho5(port, "watcher", clean_start=False, connect_props={"SessionExpiryInterval": 3600})
+        assert watcher.session_present
+        m = watcher.messages.get(timeout=10)
+        assert (m.topic, m.payload) == ("will/a", b"a died")
+        assert watcher.messages.empty()
+        watcher.disconnect()
     finally:
         proc.kill()
         proc.wait(timeout=10)

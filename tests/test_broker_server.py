@@ -152,6 +152,25 @@ def test_will_on_abnormal_close(tmp_path: Path) -> None:
     asyncio.run(main())
 
 
+def test_silent_client_is_closed_at_one_and_a_half_keepalives_not_a_tick_later(tmp_path: Path) -> None:
+    """MQTT-3.1.2-24: a client silent for 1.5 x its keepalive (1 s) is disconnected then: not
+    before 1.5 s, and well before the next whole-second tick after it could close it (2.5 s)."""
+    async def main() -> None:
+        async with running(make_config(tmp_path)) as b:
+            # Connect 0.6 s into the broker's once-a-second tick: the deadline (+1.5 s) then
+            # falls 0.9 s before the tick after it, which a tick-only check would wait for.
+            await asyncio.sleep(0.6)
+            r, w = await asyncio.open_connection("127.0.0.1", b.port)
+            w.write(encode(Connect("silent", keepalive=1)))
+            assert await asyncio.wait_for(r.read(4), 5) == b"\x20\x02\x00\x00"
+            quiet_since = time.monotonic()  # the CONNECT was the last packet we sent
+            assert await asyncio.wait_for(r.read(), 5) == b""
+            silent = time.monotonic() - quiet_since
+            w.close()
+            assert 1.5 <= silent < 1.9, silent
+    asyncio.run(main())
+
+
 def test_max_connections(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     async def main() -> None:
         async with running(make_config(tmp_path, max_connections=2)) as b:

@@ -82,6 +82,16 @@ class FakeQueue:
             self._batch = asyncio.get_running_loop().create_future()
         return offset, self._batch
 
+    def publish_many_nowait(self, topics: list[str], payloads: list[bytes], retains: list[bool], qos: int,
+                            timestamp_us: int) -> tuple[int, asyncio.Future[None]]:
+        first = self.log.next_offset
+        if self._batch is None:  # (as the real committer: no records still give the open batch)
+            self._batch = asyncio.get_running_loop().create_future()
+        fut = self._batch
+        for topic, payload, retain in zip(topics, payloads, retains, strict=True):
+            _, fut = self.publish_nowait(topic, payload, qos, retain, timestamp_us, validated=True)
+        return first, fut
+
     def commit(self) -> None:
         fut, self._batch = self._batch, None
         if fut is None:
@@ -730,6 +740,26 @@ def test_keepalive_expiry_publishes_will(tmp_path: Path) -> None:
         assert c.conn.closed and "keepalive" in c.conn.close_reason
         await h.commit()
         assert [r.topic for r in h.queue.log.records] == ["w"]
+    run(main())
+
+
+def test_next_keepalive_deadline_is_known_between_ticks(tmp_path: Path) -> None:
+    """MQTT-3.1.2-24: the server disconnects a client silent for 1.5 x its keepalive. The core
+    reports the earliest deadline (the server sleeps until it, not until its next tick), and
+    a packet moves a client's deadline on."""
+    async def main() -> None:
+        h = Harness(tmp_path)
+        a = h.connected("a", keepalive=2)
+        b = h.connected("b", keepalive=10)
+        h.connected("forever", keepalive=0)
+        h.core.tick(a.conn.last_rx)
+        assert h.core.next_timeout == a.conn.last_rx + 3.0
+        assert h.core.check_timeouts(a.conn.last_rx + 2.99) == a.conn.last_rx + 3.0
+        assert not a.conn.closed
+        a.send(Pingreq())
+        assert h.core.check_timeouts(b.conn.last_rx + 1) == a.conn.last_rx + 3.0
+        assert h.core.check_timeouts(a.conn.last_rx + 3.01) == b.conn.last_rx + 15.0
+        assert a.conn.closed and "keepalive" in a.conn.close_reason and not b.conn.closed
     run(main())
 
 

@@ -364,6 +364,10 @@ def test_listener_tables_and_flag_shorthand(tmp_path: Path) -> None:
      "needs require_certificate"),
     ('[[listener]]\nhost = "0.0.0.0"\nport = 1\n', "no password file"),
     ('[broker]\nport = 5\n[[listener]]\nport = 1\n', "both set"),
+    ('[[listener]]\nport = 1\nallowed_origins = ["https://a.example"]\n', "allowed_origins is for protocol"),
+    ('[[listener]]\nport = 1\nprotocol = "websockets"\nallowed_origins = ["a.example"]\n', "a list of origins"),
+    ('[[listener]]\nport = 1\nprotocol = "websockets"\nallowed_origins = "https://a.example"\n',
+     "a list of origins"),
 ])
 def test_listener_config_errors(tmp_path: Path, text: str, words: str) -> None:
     with pytest.raises(ConfigError) as info:
@@ -533,6 +537,47 @@ def test_websocket_upgrade_without_mqtt_subprotocol_is_refused(tmp_path: Path) -
             assert head.startswith(b"HTTP/1.1 400")
             assert await _closed_by_peer(r, 5)
             w.close()
+
+    asyncio.run(main())
+
+
+async def _upgrade(port: int, origin: bytes | None) -> bytes:
+    """A WebSocket upgrade offering subprotocol mqtt, with ``origin`` as its Origin header
+    (None: no header, as non-browser clients do); the status line of the answer."""
+    r, w = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        w.write(b"GET /mqtt HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+                b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n"
+                + (b"Origin: " + origin + b"\r\n" if origin is not None else b"")
+                + b"Sec-WebSocket-Protocol: mqtt\r\n\r\n")
+        return await asyncio.wait_for(r.readline(), 5)
+    finally:
+        w.close()
+
+
+def test_websocket_upgrade_from_a_foreign_origin_is_refused(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Cross-site WebSocket hijacking: a page from a site the listener does not allow, opened
+    in the device's browser, gets HTTP 403 (and a warning saying which key allows it); listed
+    origins (case and a trailing slash aside), clients sending no Origin and clients sending
+    their own (the Host header's host:port, as paho-mqtt does) get 101."""
+    text = ('[[listener]]\nport = 0\nprotocol = "websockets"\n\n'
+            '[[listener]]\nport = 0\nprotocol = "websockets"\nallowed_origins = ["https://dash.example:8443"]\n\n'
+            '[[listener]]\nport = 0\nprotocol = "websockets"\nallowed_origins = ["*"]\n')
+
+    async def main() -> None:
+        async with running(_load(tmp_path, text)) as b:
+            closed, listed, anyone = b.ports
+            with caplog.at_level(logging.WARNING, logger="filemq"):
+                assert (await _upgrade(closed, b"https://evil.example")).startswith(b"HTTP/1.1 403")
+            assert "allowed_origins" in caplog.text and "https://evil.example" in caplog.text
+            assert (await _upgrade(closed, None)).startswith(b"HTTP/1.1 101")
+            assert (await _upgrade(closed, b"http://x")).startswith(b"HTTP/1.1 101")  # Host: x
+            assert (await _upgrade(closed, b"http://x:1")).startswith(b"HTTP/1.1 403")
+            assert (await _upgrade(listed, b"https://evil.example")).startswith(b"HTTP/1.1 403")
+            assert (await _upgrade(listed, b"https://dash.example:8443")).startswith(b"HTTP/1.1 101")
+            assert (await _upgrade(listed, b"HTTPS://Dash.Example:8443/")).startswith(b"HTTP/1.1 101")
+            assert (await _upgrade(listed, b"https://dash.example")).startswith(b"HTTP/1.1 403")  # other port
+            assert (await _upgrade(anyone, b"https://evil.example")).startswith(b"HTTP/1.1 101")
 
     asyncio.run(main())
 

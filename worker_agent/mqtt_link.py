@@ -32,7 +32,9 @@ import struct
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from itertools import chain
+from operator import attrgetter
+from typing import Protocol, cast
 
 from filemq.mqtt.client import ConnectionRefused
 from filemq.mqtt.codec import Decoder, ProtocolError, encode
@@ -55,6 +57,10 @@ DISCONNECT = b"\xe0\x00"
 PINGREQ = b"\xc0\x00"
 COALESCE_S = 0.002  # how long acknowledgements may gather while the window is well filled
 _PREFIX_CACHE_MAX = 4096  # (topic, payload length) -> fixed header + topic, per flags byte
+_PAYLOAD = attrgetter("payload")
+_TOPIC = attrgetter("topic")
+_RETAIN = attrgetter("retain")
+_PACK_ID = struct.Struct(">H").pack
 
 
 class Message(Protocol):
@@ -259,6 +265,12 @@ class ExportLink:
         payload bytes sent.
         Not connected: they are only put in flight (the next connect sends them)."""
         inflight = self.inflight
+        n = len(messages)
+        last = self._next_id  # the id used last: the next one is last + 1 (wrapping 65535 -> 1)
+        if (n > 8 and redelivered is None and last + n <= 65535
+                and not (retain and any(map(_RETAIN, messages)))
+                and not any(map(inflight.__contains__, range(last + 1, last + 1 + n)))):
+            return self._publish_run(messages, last + 1)
         pieces: list[bytes] = []
         append = pieces.append
         base = self._base
@@ -294,6 +306,37 @@ class ExportLink:
         if self.connected and pieces:
             self._write(b"".join(pieces))
         return size
+
+    def _publish_run(self, messages: Sequence[Message], pid: int) -> int:
+        """:meth:`publish` of a run with no DUP, no RETAIN and the free packet ids ``pid`` ..
+        ``pid + len - 1``: the same bytes, built by C-level maps instead of a loop per record."""
+        n = len(messages)
+        ids = range(pid, pid + n)
+        self.inflight.update(zip(ids, messages, strict=True))
+        self._next_id = pid + n - 1
+        payloads = list(map(_PAYLOAD, messages))
+        first = self._base
+        cache = self._prefixes.get(first)
+        if cache is None:
+            cache = self._prefixes[first] = {}
+        keys = list(zip(map(_TOPIC, messages), map(len, payloads), strict=True))
+        prefixes = list(map(cache.get, keys))
+        if None in prefixes:  # a topic or payload size not seen yet
+            topic_of = self.topic_of
+            for i, key in enumerate(keys):
+                if prefixes[i] is None:
+                    prefix = cache.get(key)
+                    if prefix is None:
+                        if len(cache) >= _PREFIX_CACHE_MAX:
+                            cache.clear()
+                        topic = topic_of(key[0]).encode()
+                        prefix = cache[key] = (bytes((first,)) + remaining_length(4 + len(topic) + key[1])
+                                               + len(topic).to_bytes(2, "big") + topic)
+                    prefixes[i] = prefix
+        if self.connected:
+            heads = cast("list[bytes]", prefixes)  # every None was filled above
+            self._write(b"".join(chain.from_iterable(zip(heads, map(_PACK_ID, ids), payloads, strict=True))))
+        return sum(map(len, payloads))
 
     def _free_id(self, pid: int) -> int:
         inflight = self.inflight

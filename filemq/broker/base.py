@@ -68,6 +68,7 @@ class CoreBase:
         self.log = queue.log
         # Topics reaching _append passed the codec's and CONNECT's topic-name checks already.
         self._append = functools.partial(queue.publish_nowait, validated=True)
+        self._append_many = queue.publish_many_nowait  # the same, for a run of PUBLISHes
         self.cache = cache
         self.config = config
         self.store = store
@@ -102,7 +103,9 @@ class CoreBase:
         self.sys_retained: dict[str, bytes] = {}
         self._sys_warned: set[str] = set()  # invalid $SYS topics already warned about
         self._dirty: set[Connection] = set()
-        self._pending: deque[tuple[Record, asyncio.Future[None]]] = deque()
+        # Appended, not yet routed: runs of records with consecutive offsets (one per
+        # on_publish, or per run of on_publishes), each with its commit future.
+        self._pending: deque[tuple[list[Record], asyncio.Future[None]]] = deque()
         self._routed = self.log.committed_offset
         cache.limit = self._routed  # groups see a record only once it is routed
         self._batches: dict[asyncio.Future[None], set[Connection]] = {}

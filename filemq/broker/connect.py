@@ -99,6 +99,9 @@ class ConnectMixin(CoreBase):
     # expires; cids of sessions holding a delayed will.
     _expiring: dict[str, float]
     _wills_waiting: set[str]
+    # Wills held for their delay by sessions only on disk (from before a restart or a kill -9):
+    # cid -> (the session as stored, monotonic time the will is due).
+    _stored_wills: dict[str, tuple[StoredSession, float]]
 
     # ---- CONNECT -------------------------------------------------------------------------
 
@@ -296,6 +299,12 @@ class ConnectMixin(CoreBase):
             # interval) before CONNACK: after a crash the interval never counts from an older
             # close (never released early).
             self._expiring.pop(cid, None)
+            now = time.monotonic()
+            if state.will_pending is not None and state.will_pending[2] <= now:
+                self._will_due(state)  # its delay passed before this CONNECT (the tick is late)
+            held = self._stored_wills.get(cid)
+            if held is not None and held[1] <= now:
+                self._stored_will_due(cid)
             self._cancel_will(state)
             expiry_written = not present or (state.expiry == expiry and state.disconnected_at is None)
             state.expiry, state.disconnected_at = expiry, None
@@ -427,6 +436,8 @@ class ConnectMixin(CoreBase):
         self._expiring.pop(cid, None)
         if state is not None and state.will_pending is not None:
             self._will_due(state)  # the session ends: its delayed will is due (3.1.3.2.2)
+        if cid in self._stored_wills:
+            self._stored_will_due(cid, rewrite=False)  # the same for a will from before a restart
         # Group first, file second: a crash in between leaves a session file whose group is
         # gone (harmless), never a group without a file holding back retention.
         dropped = self.queue.drop_group(SESSION_GROUP_PREFIX + cid)
@@ -465,6 +476,10 @@ class ConnectMixin(CoreBase):
         started, mono = time.time(), time.monotonic()
         for stored in self.store.stored_sessions():
             cid = stored.client_id
+            if stored.will is not None and cid not in self.sessions:
+                # A will held for its delay when the broker stopped: due at its time (tick).
+                self._stored_wills[cid] = (stored, mono + max(0.0, stored.will.due - started))
+                self._wills_waiting.add(cid)
             at = stored.expires_at(started)
             if at is None or cid in self.sessions:
                 continue
@@ -486,7 +501,11 @@ class ConnectMixin(CoreBase):
         for cid in list(self._wills_waiting):
             state = self.sessions.get(cid)
             pending = None if state is None else state.will_pending
-            if pending is None:
+            held = self._stored_wills.get(cid)
+            if held is not None:
+                if held[1] <= now:
+                    self._stored_will_due(cid)
+            elif pending is None:
                 self._wills_waiting.discard(cid)
             elif pending[2] <= now:
                 assert state is not None
@@ -496,28 +515,50 @@ class ConnectMixin(CoreBase):
         """Keep ``will`` until its Will Delay Interval has passed (or the session ends)."""
         state.will_pending = (will, acl, time.monotonic() + delay)
         self._wills_waiting.add(state.client_id)
+        self._save_soon(state)  # the file holds it: a restart or a kill -9 does not lose it
 
     def _cancel_will(self, state: SessionState) -> None:
-        if state.will_pending is not None:
+        held = self._stored_wills.pop(state.client_id, None)
+        if state.will_pending is not None or held is not None:
             log.info("client %r: resumed its session within the will delay: its will is not sent", state.client_id)
             state.will_pending = None
         self._wills_waiting.discard(state.client_id)
+
+    def _stored_will_due(self, cid: str, rewrite: bool = True) -> None:
+        """Publish the will a session on disk held for its delay, then write the session
+        without it (``rewrite``; not when the session file is about to be deleted)."""
+        stored, _ = self._stored_wills.pop(cid)
+        self._wills_waiting.discard(cid)
+        will = stored.will
+        if will is None:
+            return
+        acl = self.acl.for_client(stored.owner, cid) if self.acl is not None else None
+        self._store_will(cid, will.topic, will.payload, will.qos, will.retain, will.headers, acl)
+        if rewrite:
+            stored.will = None
+            self.store.save(stored)
 
     def _will_due(self, state: SessionState) -> None:
         pending, state.will_pending = state.will_pending, None
         self._wills_waiting.discard(state.client_id)
         if pending is not None:
             self.publish_will(state.client_id, pending[0], pending[1])
+            if state.persistent and self.sessions.get(state.client_id) is state:
+                self._save_soon(state)  # the file no longer holds it: not published twice
 
     def publish_will(self, cid: str, will: Publish, acl: ClientAcl | None) -> None:
         """Store ``will`` with its will properties as the message's (3.1.3.2), as the client
         could have published it (ACL; never to a $-topic)."""
-        if will.topic.startswith("$") or (acl is not None and not acl.can_publish(will.topic)):
-            log.warning("client %r: will to %r not published (ACL or $-topic)", cid, will.topic)
+        self._store_will(cid, will.topic, will.payload, will.qos, will.retain,
+                         encode_message_headers(will.properties), acl)
+
+    def _store_will(self, cid: str, topic: str, payload: bytes, qos: int, retain: bool, headers: bytes,
+                    acl: ClientAcl | None) -> None:
+        if topic.startswith("$") or (acl is not None and not acl.can_publish(topic)):
+            log.warning("client %r: will to %r not published (ACL or $-topic)", cid, topic)
             return
-        log.info("client %r: publishing its will to %r", cid, will.topic)
-        self.store_internal(will.topic, will.payload, will.qos, will.retain,
-                            encode_message_headers(will.properties))
+        log.info("client %r: publishing its will to %r", cid, topic)
+        self.store_internal(topic, payload, qos, retain, headers)
 
     def publish_pending_wills(self) -> None:
         """Shutdown: delayed wills are published now rather than lost with the process."""
@@ -525,6 +566,8 @@ class ConnectMixin(CoreBase):
             state = self.sessions.get(cid)
             if state is not None:
                 self._will_due(state)
+            if cid in self._stored_wills:
+                self._stored_will_due(cid)
         self._wills_waiting.clear()
 
     def _group(self, name: str, filters: tuple[str, ...], durable: bool) -> ConsumerGroup:

@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -98,8 +99,10 @@ class BrokerCore(ConnectMixin, SubscribeMixin, PublishMixin, DeliveryMixin):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        self.next_timeout = math.inf  # the earliest keepalive / CONNECT deadline at the last check
         self._expiring = {}
         self._wills_waiting = set()
+        self._stored_wills = {}
 
     # ---- periodic work ---------------------------------------------------------------------
 
@@ -108,16 +111,35 @@ class BrokerCore(ConnectMixin, SubscribeMixin, PublishMixin, DeliveryMixin):
         MQTT 5 session expiry and delayed wills."""
         if now is None:
             now = time.monotonic()
-        for conn in list(self.conns):
-            if conn.keepalive_expired(now):
-                if conn.state == AWAITING_CONNECT:
-                    conn.close(f"no CONNECT within {self.connect_timeout:.0f} s", will=False)
-                else:
-                    conn.close(f"keepalive expired (no packet for 1.5 x {conn.keepalive} s)", will=True,
-                               reason_code=RC_KEEP_ALIVE_TIMEOUT)
+        self.next_timeout = self._close_timed_out(now)
         if self._expiring or self._wills_waiting:
             self.expire_sessions(now)
         self.flush()
+
+    def check_timeouts(self, now: float | None = None) -> float:
+        """The keepalive and CONNECT deadlines alone, between ticks (the server calls this at
+        :attr:`next_timeout`, so a silent client is closed at 1.5 x its keepalive, not up to a
+        tick later, MQTT-3.1.2-24); returns the next deadline."""
+        if now is None:
+            now = time.monotonic()
+        self.next_timeout = self._close_timed_out(now)
+        self.flush()
+        return self.next_timeout
+
+    def _close_timed_out(self, now: float) -> float:
+        """Close the connections past their deadline; the earliest deadline of the others."""
+        earliest = math.inf
+        for conn in list(self.conns):
+            deadline = conn.deadline()
+            if deadline >= now:
+                if deadline < earliest:
+                    earliest = deadline
+            elif conn.state == AWAITING_CONNECT:
+                conn.close(f"no CONNECT within {self.connect_timeout:.0f} s", will=False)
+            else:
+                conn.close(f"keepalive expired (no packet for 1.5 x {conn.keepalive} s)", will=True,
+                           reason_code=RC_KEEP_ALIVE_TIMEOUT)
+        return earliest
 
     def on_close(self, conn: Connection, prev_state: str) -> None:
         """A connection closed (delivery.py releases it); then, MQTT 5: the session's expiry

@@ -3,7 +3,8 @@
 It only moves bytes between sockets and :class:`~filemq.broker.session.Connection` objects
 and calls :meth:`BrokerCore.flush` after every event, so each connection gets at most one
 ``transport.write`` per event (one per group commit for its acks).  No task per packet or
-per message: the only periodic work is one tick a second (keepalive, ``$SYS``, snapshots).
+per message: the only periodic work is one tick a second (``$SYS``, snapshots, session expiry), and a
+keepalive check at the next client deadline when one falls between ticks.
 
 In-process API (the agent and the collector build on it)::
 
@@ -47,6 +48,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("filemq.broker")
 
 RETAINED_SNAPSHOT_INTERVAL_S = 5.0  # at most this often, when retained messages changed
+KEEPALIVE_CHECK_MIN_S = 0.1  # between-tick keepalive checks at most this often (a late close: at most this)
 RETAINED_IDLE_SNAPSHOT_S = 60.0  # otherwise, to keep the replay at start short
 WRITE_BUFFER_HIGH = 256 * 1024
 
@@ -88,6 +90,98 @@ class HalfOpen:
 
 LINGER_S = 2.0
 """Seconds a closed connection keeps reading (and discarding) after its last packet."""
+
+
+class _Handshaking:
+    """A TLS socket in its handshake, counted in :class:`HalfOpen` like a socket that has not
+    sent its CONNECT yet: at ``max_connecting`` the oldest is closed, so sockets that never
+    finish a handshake cannot pile up until the deadline."""
+
+    __slots__ = ("raw", "closed")
+    state = AWAITING_CONNECT
+
+    def __init__(self, raw: asyncio.Transport) -> None:
+        self.raw = raw
+        self.closed = False
+
+    def close(self, reason: str, will: bool = False, level: int = logging.INFO) -> None:
+        if not self.closed:
+            self.closed = True
+            log.log(level, "closing a TLS handshake from %s: %s", self.raw.get_extra_info("peername"), reason)
+            self.raw.abort()
+
+
+class _TlsGate(asyncio.Protocol):
+    """Accepts a TCP socket for a TLS listener and runs the handshake itself (``start_tls``),
+    so that the handshake counts as half-open (:class:`_Handshaking`) and is bounded by the
+    CONNECT deadline; then hands the TLS transport to ``inner`` (the MQTT or WebSocket
+    protocol), as ``create_server(ssl=...)`` would. It stays the TLS transport's protocol and
+    passes everything on: what arrives between the handshake's end and ``inner``'s
+    ``connection_made`` (a client sends its CONNECT at once) is held and passed on then."""
+
+    __slots__ = ("inner", "ctx", "half_open", "timeout", "pending", "held", "ready", "task")
+
+    def __init__(self, inner: asyncio.Protocol, ctx: ssl.SSLContext, half_open: HalfOpen,
+                 timeout: float) -> None:
+        self.inner = inner
+        self.ctx = ctx
+        self.half_open = half_open
+        self.timeout = timeout
+        self.pending: _Handshaking | None = None
+        self.held: list[bytes] = []
+        self.ready = False
+        self.task: asyncio.Task[None] | None = None  # referenced: the loop only holds tasks weakly
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        transport.pause_reading()  # the ClientHello is for the TLS layer start_tls puts in
+        self.pending = _Handshaking(transport)
+        self.half_open.admit(self.pending)  # type: ignore[arg-type]
+        self.task = asyncio.get_running_loop().create_task(self._handshake(transport, self.pending))
+
+    async def _handshake(self, raw: asyncio.Transport, pending: _Handshaking) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            tls = await loop.start_tls(raw, self, self.ctx, server_side=True, ssl_handshake_timeout=self.timeout)
+        except Exception as exc:  # noqa: BLE001 - a failed handshake of any kind closes the socket
+            if not pending.closed:
+                log.info("TLS handshake from %s failed: %s", raw.get_extra_info("peername"), exc)
+            pending.closed = True
+            raw.abort()
+            return
+        if pending.closed or tls is None:  # given way to newer sockets meanwhile
+            if tls is not None:
+                tls.abort()
+            return
+        pending.closed = True  # leaves HalfOpen; the MQTT connection is admitted in its place
+        self.ready = True
+        self.inner.connection_made(tls)
+        held, self.held = self.held, []
+        for data in held:
+            self.inner.data_received(data)
+
+    def data_received(self, data: bytes) -> None:
+        if self.ready:
+            self.inner.data_received(data)
+        else:
+            self.held.append(data)
+
+    def eof_received(self) -> bool | None:
+        return self.inner.eof_received() if self.ready else None
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.pending is not None:
+            self.pending.closed = True
+        if self.ready:
+            self.inner.connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        if self.ready:
+            self.inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        if self.ready:
+            self.inner.resume_writing()
 
 
 class _MQTTProtocol(asyncio.Protocol):
@@ -336,24 +430,27 @@ class Broker:
 
         half_open = HalfOpen(b.max_connecting)
 
-        def factory_for(lst: Listener) -> Callable[[], asyncio.Protocol]:
+        def factory_for(lst: Listener, ctx: ssl.SSLContext | None) -> Callable[[], asyncio.Protocol]:
             def mqtt() -> _MQTTProtocol:
                 return _MQTTProtocol(core, b.max_packet_size, b.max_inflight, half_open,
                                      identity_as_username=lst.use_identity_as_username)
 
-            if lst.protocol != "websockets":
-                return mqtt
-            from filemq.broker.websocket import WebSocketProtocol
+            inner: Callable[[], asyncio.Protocol] = mqtt
+            if lst.protocol == "websockets":
+                from filemq.broker.websocket import WebSocketProtocol
 
-            return lambda: WebSocketProtocol(mqtt())
+                origins = lst.allowed_origins
+                inner = lambda: WebSocketProtocol(mqtt(), origins)  # noqa: E731
+            if ctx is None:
+                return inner
+            return lambda: _TlsGate(inner(), ctx, half_open, core.connect_timeout)
 
         try:
             for lst, ctx in zip(self.listeners, contexts, strict=True):
-                # The handshake runs before the broker sees the socket: bounded by the same
-                # deadline as the CONNECT (which then counts from the accept too).
+                # TLS: _TlsGate runs the handshake, counted among the half-open sockets and
+                # bounded by the same deadline as the CONNECT (which counts from the accept).
                 server = await loop.create_server(
-                    factory_for(lst), lst.host, lst.port, ssl=ctx, reuse_address=True, backlog=1024,
-                    ssl_handshake_timeout=None if ctx is None else core.connect_timeout)
+                    factory_for(lst, ctx), lst.host, lst.port, reuse_address=True, backlog=1024)
                 self._servers.append(server)
                 port = server.sockets[0].getsockname()[1]
                 self.ports.append(port)
@@ -565,10 +662,25 @@ class Broker:
         retained_covered = self.retained.covered_offset
         retained_changes = -1
         last_snapshot = time.monotonic()
+        next_tick = time.monotonic() + 1.0
+        last_check = 0.0
         while True:
-            await asyncio.sleep(1.0)
+            # Asleep until the tick, or until a keepalive / CONNECT deadline falls before it
+            # (checked at most every KEEPALIVE_CHECK_MIN_S, however many clients time out).
+            now = time.monotonic()
+            wake = min(next_tick, max(core.next_timeout, last_check + KEEPALIVE_CHECK_MIN_S))
+            await asyncio.sleep(max(0.0, wake - now))
+            now = time.monotonic()
+            if now < next_tick:
+                last_check = now
+                try:
+                    core.check_timeouts(now)
+                except Exception:
+                    log.exception("broker keepalive check failed; continuing")
+                continue
+            next_tick = max(next_tick + 1.0, now + 0.5)
+            last_check = now
             try:
-                now = time.monotonic()
                 core.tick(now)
                 stats = queue.log.stats
                 if stats.fsyncs > last_fsyncs:

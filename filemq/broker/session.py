@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import math
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -46,6 +47,7 @@ from filemq.mqtt.packets import (
     Puback,
     Pubcomp,
     Publish,
+    PublishRun,
     Pubrec,
     Pubrel,
     Subscribe,
@@ -120,6 +122,10 @@ class Core(Protocol):
 
     def on_publish(self, conn: Connection, p: Publish) -> None: ...
 
+    def on_publishes(self, conn: Connection, ps: Sequence[Publish]) -> None: ...
+
+    def on_publish_run(self, conn: Connection, run: PublishRun) -> None: ...
+
     def on_puback(self, conn: Connection, pid: int) -> None: ...
 
     def on_pubacks(self, conn: Connection, pids: Sequence[int]) -> None: ...
@@ -148,7 +154,7 @@ class Connection:
         "close_reason", "publish_will", "paused", "max_inflight", "last_batch",
         "connected_at", "max_packet_size", "reading_changed", "identity", "protocol_level",
         "encode_packet", "assigned_id", "client_max_packet", "linger_close", "alias_max",
-        "out_aliases", "topic_aliases",
+        "out_aliases", "topic_aliases", "acks_extra",
     )
 
     def __init__(
@@ -165,7 +171,7 @@ class Connection:
         self.peer = peer
         self.transport = transport
         self.max_packet_size = max_packet_size  # after CONNACK; less before (MAX_CONNECT_PACKET)
-        self.decoder = Decoder(min(max_packet_size, MAX_CONNECT_PACKET), server=True)
+        self.decoder = Decoder(min(max_packet_size, MAX_CONNECT_PACKET), server=True, runs=True)
         self.state = AWAITING_CONNECT
         self.out = bytearray()
         self.client_id = ""
@@ -183,6 +189,9 @@ class Connection:
         self.acl: ClientAcl | None = None
         # (commit future or None, ack bytes), in arrival order: acks leave in this order.
         self.pending_acks: deque[tuple[asyncio.Future[None] | None, bytes, int]] = deque()
+        # A run's PUBACKs are one entry of n 4-byte PUBACKs: n - 1 of them, over all entries,
+        # so that len(pending_acks) + acks_extra bounds the unacknowledged QoS 1 count.
+        self.acks_extra = 0
         self.closed = False
         self.close_reason = ""
         self.publish_will = False
@@ -225,6 +234,7 @@ class Connection:
         n = len(data) >> 2
         if (
             n
+            and data[0] == 0x40  # (a read of PUBLISHes skips the slices below)
             and self.state == CONNECTED
             and len(data) & 3 == 0
             and data[0::4] == b"\x40" * n
@@ -297,6 +307,78 @@ class Connection:
                        level=logging.WARNING)
 
     def handle_packets(self, packets: Sequence[object]) -> None:
+        if len(packets) > 1 and self.state == CONNECTED:
+            if self.protocol_level != PROTOCOL_LEVEL_5:
+                self._handle_runs(packets)
+            else:
+                self._handle_runs5(packets)
+        else:
+            self._dispatch(packets)
+
+    def _handle_runs5(self, packets: Sequence[object]) -> None:
+        """MQTT 5, connected: a run of QoS 1 PUBLISHes without properties (no topic alias,
+        nothing to store but topic and payload) goes to the core in one call, as 3.1.1's do,
+        when our Receive Maximum has room for all of it (3.2.2.3.3; otherwise, and for every
+        other packet, one at a time, so a 0x93 comes at the very PUBLISH over the limit)."""
+        core = self.core
+        n = len(packets)
+        i = 0
+        while i < n:
+            j = i
+            while j < n:
+                p = packets[j]
+                if type(p) is not Publish or p.qos != 1 or p.properties is not None:
+                    break
+                j += 1
+            if j - i > 1 and self._unacknowledged() + (j - i) <= core.config.receive_maximum:
+                try:
+                    core.on_publishes(self, packets[i:j])  # type: ignore[arg-type]
+                except ProtocolError as exc:
+                    self.close(f"protocol error: {exc.reason}", will=True, level=logging.WARNING,
+                               reason_code=exc.reason_code)
+                    return
+            else:
+                j = max(j, i + 1)
+                self._dispatch(packets[i:j])
+            i = j
+            if self.closed:
+                return
+
+    def _unacknowledged(self) -> int:
+        """The client's QoS 1/2 PUBLISHes we have not acknowledged yet (MQTT 5 Receive Maximum):
+        PUBACKs waiting in pending_acks (a run's entry counts each), PUBCOMPs waiting there,
+        and QoS 2 ids before PUBREL (qos2_in)."""
+        return sum((len(ack) >> 2 if ack[1] == 2 else 1) for _, ack, _ in self.pending_acks
+                   if ack[0] in _PUBACK_PUBCOMP) + len(self.session.qos2_in)
+
+    def _handle_runs(self, packets: Sequence[object]) -> None:
+        """MQTT 3.1.1, connected: each run of PUBLISHes goes to the core in one call
+        (:meth:`Core.on_publishes`), every other packet alone, all in order."""
+        core = self.core
+        n = len(packets)
+        i = 0
+        while i < n:
+            j = i
+            while j < n and type(packets[j]) is Publish:
+                j += 1
+            if j - i > 1:
+                try:
+                    core.on_publishes(self, packets[i:j])  # type: ignore[arg-type]
+                except ProtocolError as exc:
+                    self.close(f"protocol error: {exc.reason}", will=True, level=logging.WARNING,
+                               reason_code=exc.reason_code)
+                    return
+                i = j
+            else:
+                if type(packets[i]) is Disconnect:
+                    self._dispatch(packets[i:])
+                    return
+                self._dispatch(packets[i:i + 1])
+                i += 1
+            if self.closed:
+                return
+
+    def _dispatch(self, packets: Sequence[object]) -> None:
         core = self.core
         for packet in packets:
             if self.closed:
@@ -308,6 +390,10 @@ class Connection:
                     if self.protocol_level == PROTOCOL_LEVEL_5:
                         self._inbound5(packet)
                     core.on_publish(self, packet)
+                elif type(packet) is PublishRun:  # (MQTT 3.1.1 only)
+                    if self.state != CONNECTED:
+                        raise ProtocolError("PUBLISH before CONNECT")
+                    core.on_publish_run(self, packet)
                 elif type(packet) is Puback:
                     self._require_connected("PUBACK")
                     core.on_puback(self, packet.packet_id)
@@ -380,11 +466,10 @@ class Connection:
             # Unacknowledged: QoS 1 whose PUBACK waits in pending_acks, QoS 2 ids before PUBREL
             # (qos2_in) and after it while the PUBCOMP waits (for the session write).  Cheap
             # upper bound first (pending acks + qos2_in); counted exactly only near the limit.
-            if len(self.pending_acks) + len(qos2_in) >= limit and not (p.qos == 2 and p.packet_id in qos2_in):
-                waiting = sum(1 for _, ack, _ in self.pending_acks if ack[0] in _PUBACK_PUBCOMP)
-                if waiting + len(qos2_in) >= limit:
-                    raise ProtocolError(f"more than Receive Maximum ({limit}) unacknowledged QoS 1/2 PUBLISHes "
-                                        "(3.2.2.3.3)", "PUBLISH", RC_RECEIVE_MAXIMUM_EXCEEDED)
+            if (len(self.pending_acks) + self.acks_extra + len(qos2_in) >= limit
+                    and not (p.qos == 2 and p.packet_id in qos2_in) and self._unacknowledged() >= limit):
+                raise ProtocolError(f"more than Receive Maximum ({limit}) unacknowledged QoS 1/2 PUBLISHes "
+                                    "(3.2.2.3.3)", "PUBLISH", RC_RECEIVE_MAXIMUM_EXCEEDED)
 
     def _require_connected(self, name: str) -> None:
         if self.state != CONNECTED:
@@ -495,6 +580,8 @@ class Connection:
         if future is None and not self.pending_acks:
             self.send(ack)
             return
+        if len(ack) > 7 and ack[1] == 2:  # a run's PUBACKs (n x 4 bytes)
+            self.acks_extra += (len(ack) >> 2) - 1
         self.pending_acks.append((future, ack, offset))
 
     def ack_ready(self) -> bool:
@@ -520,15 +607,23 @@ class Connection:
                         code = refusal_code(exc)
                         log.error("client %r: storing a PUBLISH failed (%r): %s 0x%02x", self.client_id, exc,
                                   "PUBACK" if ack[0] == 0x40 else "PUBREC", code)
-                        parts.append(bytes((ack[0], 3, ack[2], ack[3], code)))
+                        if len(ack) > 7 and ack[1] == 2:  # a run's PUBACKs: each with the reason code
+                            self.acks_extra -= (len(ack) >> 2) - 1
+                            parts.extend(bytes((0x40, 3, ack[k + 2], ack[k + 3], code))
+                                         for k in range(0, len(ack), 4))
+                        else:
+                            parts.append(bytes((ack[0], 3, ack[2], ack[3], code)))
                         continue
                     acks.clear()
+                    self.acks_extra = 0
                     if parts:
                         self.send(b"".join(parts))
                     self.close(f"storing a PUBLISH failed ({exc!r}); not acknowledged", will=True,
                                level=logging.ERROR)
                     return False
             acks.popleft()
+            if len(ack) > 7 and ack[1] == 2:
+                self.acks_extra -= (len(ack) >> 2) - 1
             parts.append(ack)
         if parts:
             self.send(parts[0] if len(parts) == 1 else b"".join(parts))
@@ -568,7 +663,12 @@ class Connection:
 
     def keepalive_expired(self, now: float) -> bool:
         """True when no packet arrived for 1.5 x keepalive (spec 3.1.2.10)."""
+        return now > self.deadline()
+
+    def deadline(self) -> float:
+        """When this connection times out unless a packet arrives: 1.5 x keepalive after the
+        last one (spec 3.1.2.10), or the CONNECT deadline; inf without a keepalive."""
         if self.state == AWAITING_CONNECT:
             # Absolute from the accept: a byte trickled now and then must not extend it.
-            return now - self.connected_at > self.core.connect_timeout
-        return self.keepalive > 0 and now - self.last_rx > self.keepalive * 1.5
+            return self.connected_at + self.core.connect_timeout
+        return self.last_rx + self.keepalive * 1.5 if self.keepalive > 0 else math.inf

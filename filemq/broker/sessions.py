@@ -33,6 +33,11 @@ a reader sees the old or the new version after a crash, never a mix.  What it ho
   written (kill -9): then the interval counts from the broker's next start, never from an
   older time, so a session is never released early.  A file without them (format 1, every
   MQTT 3.1.1 session, byte for byte as before) never expires.
+* ``will`` (format 2, present while one is held): an MQTT 5 will waiting for its Will Delay
+  Interval (3.1.3.2.2) -- topic, payload and message properties (base64), QoS, retain and
+  ``due``, the wall-clock time it is to be published.  A restart, or a kill -9, then keeps it:
+  it is published when due, or when the session ends first, unless the client comes back
+  before (MQTT-3.1.2-8).
 
 The message backlog is not here: it stays in the log, behind the session's consumer group
 (:mod:`filemq.queue.groups`).  Writes happen on SUBSCRIBE/UNSUBSCRIBE and on QoS 2 traffic, never
@@ -41,6 +46,7 @@ per QoS 0/1 message.
 
 from __future__ import annotations
 
+import base64
 import json
 import logging
 import os
@@ -61,6 +67,38 @@ SESSIONS_DIR = "sessions"
 SESSION_FORMAT_EXPIRY = 2
 NEVER_EXPIRES = 0xFFFFFFFF
 SESSION_FORMAT = 1
+
+
+@dataclass(slots=True)
+class StoredWill:
+    """An MQTT 5 will held for its Will Delay Interval; ``due`` is wall-clock (Unix) seconds."""
+
+    topic: str
+    payload: bytes
+    qos: int
+    retain: bool
+    headers: bytes  # its will properties, as a record's message properties (segments format 2)
+    due: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"topic": self.topic, "payload": base64.b64encode(self.payload).decode("ascii"),
+                "qos": self.qos, "retain": self.retain,
+                "headers": base64.b64encode(self.headers).decode("ascii"), "due": self.due}
+
+    @classmethod
+    def from_dict(cls, raw: Any, path: str) -> StoredWill:
+        if not isinstance(raw, dict):
+            raise CorruptSession(path, "will is not an object")
+        topic, qos, retain, due = raw.get("topic"), raw.get("qos"), raw.get("retain"), raw.get("due")
+        try:
+            payload = base64.b64decode(raw.get("payload", ""), validate=True)
+            headers = base64.b64decode(raw.get("headers", ""), validate=True)
+        except (ValueError, TypeError):
+            raise CorruptSession(path, "will payload or headers are not base64") from None
+        if (not isinstance(topic, str) or not topic or qos not in (0, 1, 2) or not isinstance(retain, bool)
+                or not isinstance(due, (int, float)) or isinstance(due, bool) or due < 0):
+            raise CorruptSession(path, f"bad will {raw!r:.200}")
+        return cls(topic, payload, qos, retain, headers, float(due))
 
 
 @dataclass(slots=True)
@@ -116,6 +154,7 @@ class StoredSession:
     # wall-clock time its connection closed (None: connected, or the close was never written).
     expiry: int | None = None
     disconnected_at: float | None = None
+    will: StoredWill | None = None  # an MQTT 5 will held for its delay (format 2)
 
     def to_json(self) -> bytes:
         body: dict[str, Any] = {
@@ -133,6 +172,8 @@ class StoredSession:
         if self.expiry is not None:
             body["expiry"] = self.expiry
             body["disconnected_at"] = self.disconnected_at
+            if self.will is not None:
+                body["will"] = self.will.to_dict()
         return json.dumps(body, ensure_ascii=True, separators=(",", ":")).encode("ascii") + b"\n"
 
     @classmethod
@@ -188,6 +229,8 @@ class StoredSession:
                 raise CorruptSession(path, f"bad disconnected_at {at!r}")
             session.expiry = expiry
             session.disconnected_at = None if at is None else float(at)
+            if raw.get("will") is not None:
+                session.will = StoredWill.from_dict(raw["will"], path)
         return session
 
     def expires_at(self, started: float) -> float | None:

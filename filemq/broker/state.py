@@ -6,19 +6,20 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar, Literal, NamedTuple
 
 from filemq.broker.session import Connection
-from filemq.broker.sessions import StoredSession, StoredSubscription
+from filemq.broker.sessions import StoredSession, StoredSubscription, StoredWill
 from filemq.common.topics import (
     parse_shared,
     topic_matches,
 )
 from filemq.mqtt.packets import SUB_NO_LOCAL, SUB_QOS_MASK, SUB_RETAIN_AS_PUBLISHED, Publish
-from filemq.mqtt.properties import _vbi
+from filemq.mqtt.properties import _vbi, encode_message_headers
 
 if TYPE_CHECKING:
     from filemq.broker.acl import ClientAcl
@@ -371,7 +372,17 @@ class SessionState:
             qos2_outbound=set(self.qos2_out),
             expiry=self.expiry,
             disconnected_at=self.disconnected_at if self.expiry is not None else None,
+            will=self._stored_will(),
         )
+
+    def _stored_will(self) -> StoredWill | None:
+        """The will held for its delay, with its due time on the wall clock (a restart keeps it)."""
+        pending = self.will_pending
+        if pending is None or self.expiry is None:
+            return None
+        will, _, due = pending
+        return StoredWill(will.topic, will.payload, will.qos, will.retain,
+                          encode_message_headers(will.properties), time.time() + (due - time.monotonic()))
 
 
 class SharedGroup:

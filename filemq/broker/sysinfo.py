@@ -72,15 +72,15 @@ class HotTopics:
     def _decayed(self, entry: list[float], now: float) -> float:
         return entry[0] * math.exp(-max(0.0, now - entry[1]) / self.window_s)
 
-    def record(self, topic: str, now: float) -> None:
-        """Count one publish to ``topic`` at time ``now``."""
+    def record(self, topic: str, now: float, count: int = 1) -> None:
+        """Count ``count`` publishes to ``topic`` at time ``now``."""
         entry = self._counts.get(topic)
         if entry is None:
             if len(self._counts) >= self.capacity:
                 self._prune(now)
-            self._counts[topic] = [1.0, now]
+            self._counts[topic] = [float(count), now]
             return
-        entry[0] = self._decayed(entry, now) + 1.0
+        entry[0] = self._decayed(entry, now) + count
         entry[1] = now
 
     def _prune(self, now: float) -> None:

@@ -31,10 +31,6 @@ _OVERHEAD = 120  # rough per-entry cost of the Record object and its slot, in by
 _FRAME = 28  # framing bytes per record, for the max_bytes accounting of Log.read
 
 
-def _size(r: Record) -> int:
-    return len(r.payload) + len(r.topic) + len(r.headers) + _OVERHEAD
-
-
 def _frame_bytes(records: list[Record]) -> int:
     return sum(len(r.payload) + len(r.topic) + len(r.headers) for r in records) + _FRAME * len(records)
 
@@ -102,15 +98,41 @@ class TailCache:
         if self._tail_bytes > self._tail_limit:
             self._evict_tail()
 
+    def put_many(self, records: list[Record]) -> None:
+        """:meth:`put` of each of ``records`` (in offset order); one list extend when they
+        follow the tail without a gap (the broker's routed batch)."""
+        if not records:
+            return
+        tail = self._tail
+        first = records[0].offset
+        n = len(records)
+        if first != self._base + len(tail) or records[-1].offset != first + n - 1 or not tail:
+            for r in records:
+                self.put(r)
+            return
+        sizes = [len(r.payload) + len(r.topic) for r in records]
+        largest = max(sizes)
+        if largest > self._largest:
+            self._largest = largest
+        tail.extend(records)
+        self._tail_bytes += sum(sizes) + _OVERHEAD * n
+        if self._tail_bytes > self._tail_limit:
+            self._evict_tail()
+
     def _evict_tail(self) -> None:
-        # Drop the oldest eighth at once: one list memmove per chunk, not per record.
+        # Drop the oldest eighth at once: one list memmove per chunk, not per record; the
+        # records to drop are sized in slices estimated from the mean size (no call per record).
         tail = self._tail
         target = self._tail_limit - self._tail_limit // 8
+        n = len(tail)
         drop = 0
         freed = 0
-        while self._tail_bytes - freed > target and drop < len(tail):
-            freed += _size(tail[drop])
-            drop += 1
+        while self._tail_bytes - freed > target and drop < n:
+            excess = self._tail_bytes - freed - target
+            k = min(n - drop, excess * n // max(self._tail_bytes, 1) + 1)
+            end = drop + k
+            freed += sum([len(r.payload) + len(r.topic) + len(r.headers) for r in tail[drop:end]]) + _OVERHEAD * k
+            drop = end
         del tail[:drop]
         self._base += drop
         self._tail_bytes -= freed

@@ -76,11 +76,20 @@ class _WSTransport(asyncio.Transport):
         return self._raw.get_extra_info(name, default)
 
 
+def _header(headers: list[tuple[bytes, bytes]], name: bytes) -> str | None:
+    """The value of header ``name`` (lower case), decoded; None if absent."""
+    for key, value in headers:
+        if key.lower() == name:
+            return value.decode("latin-1")
+    return None
+
+
 class WebSocketProtocol(asyncio.Protocol):
     """One WebSocket connection carrying MQTT to ``inner`` (an ``asyncio.Protocol``)."""
 
-    def __init__(self, inner: asyncio.Protocol) -> None:
+    def __init__(self, inner: asyncio.Protocol, allowed_origins: tuple[str, ...] = ()) -> None:
         self.inner = inner
+        self.allowed_origins = allowed_origins
         self.ws = WSConnection(ConnectionType.SERVER)
         self.raw: asyncio.Transport | None = None
         self.peer = "?"
@@ -122,7 +131,14 @@ class WebSocketProtocol(asyncio.Protocol):
             if isinstance(event, BytesMessage):
                 self.inner.data_received(bytes(event.data))
             elif isinstance(event, Request):
-                if SUBPROTOCOL in event.subprotocols:
+                origin = _header(event.extra_headers, b"origin")
+                if origin is not None and not self._origin_allowed(origin, event.host):
+                    log.warning("refusing WebSocket connection from %s: Origin %r is not in this "
+                                "listener's allowed_origins (add it to let that site's pages connect)",
+                                self.peer, origin)
+                    self._write(self.ws.send(RejectConnection(status_code=403)))
+                    self.raw.close()
+                elif SUBPROTOCOL in event.subprotocols:
                     self._write(self.ws.send(AcceptConnection(subprotocol=SUBPROTOCOL)))
                 else:
                     log.warning("refusing WebSocket connection from %s: subprotocol %r is not "
@@ -139,6 +155,16 @@ class WebSocketProtocol(asyncio.Protocol):
                 log.warning("closing WebSocket connection from %s: a text message (MQTT is binary)",
                             self.peer)
                 self.close(1003, "MQTT needs binary messages")
+
+    def _origin_allowed(self, origin: str, host: str) -> bool:
+        """A listed origin, any with ``"*"``, or the request's own: the Origin's host[:port] is
+        the Host header (what paho-mqtt and other non-browser clients send)."""
+        allowed = self.allowed_origins
+        origin = origin.strip().lower().rstrip("/")
+        if "*" in allowed or origin in allowed:
+            return True
+        _, sep, netloc = origin.partition("://")
+        return bool(sep) and netloc == host.strip().lower()
 
     def eof_received(self) -> bool | None:
         return None

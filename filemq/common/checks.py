@@ -286,7 +286,12 @@ class Listener:
     ``tls_key`` make it TLS; ``tls_ca`` verifies client certificates, which
     ``require_certificate`` makes mandatory; ``use_identity_as_username`` (as Mosquitto)
     takes the client certificate's CN as the username and does not consult the password
-    file for it.
+    file for it.  ``allowed_origins`` (WebSockets only): the browser origins
+    (``scheme://host[:port]``, or ``"*"`` for any) whose pages may connect; an upgrade that
+    carries another ``Origin`` header gets HTTP 403, so that a web page the device's browser
+    opens cannot reach the broker in its user's name (cross-site WebSocket hijacking).
+    Clients that send no ``Origin``, or their own (host[:port] as in the ``Host`` header, as
+    paho-mqtt does), are not affected.
     """
 
     host: str = "127.0.0.1"
@@ -297,6 +302,7 @@ class Listener:
     tls_ca: str | None = None
     require_certificate: bool = False
     use_identity_as_username: bool = False
+    allowed_origins: tuple[str, ...] = ()
 
     @property
     def tls(self) -> bool:
@@ -309,7 +315,7 @@ class Listener:
 
 _LISTENER_WHAT = (
     "a list of [[listener]] tables with host, port, protocol = \"mqtt\" | \"websockets\", "
-    "tls_cert, tls_key, tls_ca, require_certificate, use_identity_as_username "
+    "tls_cert, tls_key, tls_ca, require_certificate, use_identity_as_username, allowed_origins "
     "(or strings 'HOST:PORT[,key=value...]')"
 )
 
@@ -340,7 +346,7 @@ def _listener(item: Any, from_flag: bool, n: int) -> Listener:
     checks: dict[str, Checker] = {
         "host": _str, "port": _PORT, "protocol": _enum("mqtt", "websockets"), "tls_cert": _str,
         "tls_key": _str, "tls_ca": _str, "require_certificate": _bool,
-        "use_identity_as_username": _bool,
+        "use_identity_as_username": _bool, "allowed_origins": _origins,
     }
     values: dict[str, Any] = {}
     for k, v in raw.items():
@@ -358,9 +364,31 @@ def _listener(item: Any, from_flag: bool, n: int) -> Listener:
         problem = "require_certificate needs tls_ca (the CA that signs client certificates)"
     elif lst.use_identity_as_username and not lst.require_certificate:
         problem = "use_identity_as_username needs require_certificate = true"
+    elif lst.allowed_origins and lst.protocol != "websockets":
+        problem = "allowed_origins is for protocol = \"websockets\" (only browsers send an Origin)"
     if problem is not None:
         raise _Bad(f"{_LISTENER_WHAT}; listener {n} ({lst.host}:{lst.port}): {problem}")
     return lst
+
+
+_ORIGIN = re.compile(r"(https?)://([a-z0-9.-]+|\[[0-9a-f:.]+\])(:[0-9]{1,5})?")
+
+
+def _origins(value: Any, from_flag: bool) -> tuple[str, ...]:
+    """A list of browser origins (``scheme://host[:port]``, lower case as browsers send them,
+    or ``"*"``); from a flag, separated by ``|``."""
+    expected = 'a list of origins such as "https://dashboard.local:8443" (or "*" for any)'
+    if from_flag and isinstance(value, str):
+        value = [v for v in value.split("|") if v]
+    if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+        raise _Bad(expected)
+    out = []
+    for v in value:
+        origin = v.strip().lower().rstrip("/")
+        if origin != "*" and not _ORIGIN.fullmatch(origin):
+            raise _Bad(f"{expected}, not {v!r}")
+        out.append(origin)
+    return tuple(out)
 
 
 def _listeners(value: Any, from_flag: bool) -> tuple[Listener, ...]:

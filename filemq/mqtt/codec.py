@@ -22,9 +22,9 @@ tables are re-exported here, so ``from filemq.mqtt.codec import ...`` keeps work
 from __future__ import annotations
 
 import struct
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from itertools import chain, repeat
-from operator import add
+from operator import add, eq, lshift, or_
 
 from filemq.mqtt.codec5 import _ENCODERS5, _decode_body5, _decode_connect, _encode_connect
 from filemq.mqtt.packets import (
@@ -60,6 +60,7 @@ from filemq.mqtt.packets import (
     Puback,
     Pubcomp,
     Publish,
+    PublishRun,
     Pubrec,
     Pubrel,
     Suback,
@@ -464,6 +465,67 @@ def _decode_body(ptype: int, flags: int, buf: bytes | bytearray, pos: int, end: 
     return _decode_empty(ptype, end - pos)
 
 
+_RUN_MIN = 4  # the fewest packets worth the run check of _publish_run
+_UNCACHED = False  # _publish_run's answer when the topic is not in the cache yet
+
+
+def _publish_run(buf: bytes, pos: int, n: int, maxsize: int, cache: dict[bytes, str],
+                 as_run: bool = False) -> tuple[list[Packet], int] | bool | None:
+    """MQTT 3.1.1 PUBLISHes at ``buf[pos:]`` that all have the first one's size, fixed header
+    and topic (a device publishing fixed-size messages to one topic): decoded with C-level
+    maps, no bytecode per packet, into what the per-packet fast path of ``Decoder._decode``
+    gives (``as_run``: one :class:`PublishRun` of them), with the offset after them; None
+    (nothing decoded) unless at least :data:`_RUN_MIN` complete ones do, and
+    :data:`_UNCACHED` if they would but their topic is not in ``cache``."""
+    first = buf[pos]
+    second = buf[pos + 1]
+    if second < 0x80:
+        head = 2
+        remaining = second
+    elif n - pos >= 3 and buf[pos + 2] < 0x80:
+        head = 3
+        remaining = (second & 0x7F) | (buf[pos + 2] << 7)
+    else:
+        return None
+    size = head + remaining
+    count = (n - pos) // size
+    qos = (first >> 1) & 0x03
+    if count < _RUN_MIN or size > maxsize or remaining < 2 or qos == 3:
+        return None
+    tstart = pos + head + 2
+    tend = tstart + ((buf[pos + head] << 8) | buf[pos + head + 1])
+    pstart = tend + 2 if qos else tend
+    if pstart > pos + size:
+        return None
+    topic = cache.get(buf[tstart:tend])
+    if topic is None:
+        return _UNCACHED
+    # The run: the packets from ``pos`` on that start with the first one's fixed header (so
+    # have its size), topic length and topic, up to the first that does not.
+    lead = tend - pos
+    end = pos + count * size
+    heads = list(map(buf.__getitem__, map(slice, range(pos, end, size), range(tend, end + lead, size))))
+    first_head = heads[0]
+    if heads.count(first_head) != count:
+        same = list(map(eq, heads, repeat(first_head)))
+        count = same.index(False)
+        if count < _RUN_MIN:
+            return None
+        end = pos + count * size
+    packet_ids: list[int] | None = None
+    if qos:
+        packet_ids = list(map(or_, map(lshift, buf[tend:end:size], repeat(8)), buf[tend + 1:end:size]))
+        if 0 in packet_ids:  # invalid: the general path reports it
+            return None
+    payloads = map(buf.__getitem__, map(slice, range(pstart, pstart + count * size, size),
+                                        range(pos + size, end + 1, size)))
+    if as_run:
+        return [PublishRun(topic, list(payloads), qos, bool(first & 1), bool(first & 8), packet_ids)], end
+    pids: Iterable[int | None] = packet_ids if packet_ids is not None else repeat(None)
+    return list(map(Publish, repeat(topic), payloads, repeat(qos), repeat(bool(first & 1)), repeat(bool(first & 8)),
+                    pids)), end
+
+
 class Decoder:
     """Incremental MQTT 3.1.1 / 5.0 decoder for one connection direction.
 
@@ -489,12 +551,14 @@ class Decoder:
     because a byte stream cannot be resynchronised after a framing error.
     """
 
-    __slots__ = ("_allowed", "_buf", "_error", "_max", "_names", "_pos", "_server", "_topics", "_v5")
+    __slots__ = ("_allowed", "_buf", "_error", "_max", "_names", "_pos", "_runs", "_server", "_topics", "_v5")
 
     def __init__(self, max_packet_size: int = DEFAULT_MAX_PACKET_SIZE, *, server: bool = True,
-                 protocol_level: int = PROTOCOL_LEVEL) -> None:
+                 protocol_level: int = PROTOCOL_LEVEL, runs: bool = False) -> None:
         if max_packet_size < 2:
             raise ValueError(f"max_packet_size must be at least 2 bytes, got {max_packet_size}")
+        # MQTT 3.1.1 packets(): a run of equal-shaped PUBLISHes comes as one PublishRun.
+        self._runs = runs
         self._max = max_packet_size
         self._server = server
         self._v5 = False
@@ -647,6 +711,7 @@ class Decoder:
         maxsize = self._max
         cache = self._topics
         as_bytes = type(buf) is bytes
+        runs = limit < 0 and as_bytes  # packets(): look for runs of equal-shaped PUBLISHes
         try:
             while limit and n - pos >= 2:
                 first = buf[pos]
@@ -654,6 +719,15 @@ class Decoder:
                 # before on this connection -- nearly all traffic.  Anything unusual falls
                 # through to the general path, which also produces the error messages.
                 if first >> 4 == PUBLISH:
+                    if runs:
+                        run = _publish_run(buf, pos, n, maxsize, cache, self._runs)  # type: ignore[arg-type]
+                        if type(run) is tuple:
+                            out += run[0]
+                            pos = run[1]
+                            continue
+                        # Tried once per call after a run ends; again after this packet when
+                        # only its topic was unknown (the general path caches it).
+                        runs = run is _UNCACHED
                     second = buf[pos + 1]
                     if second < 0x80:
                         start = pos + 2

@@ -302,6 +302,26 @@ class Auth:
     properties: Properties | None = None
 
 
+@dataclass(slots=True)
+class PublishRun:
+    """Consecutive MQTT 3.1.1 PUBLISHes with one topic, QoS, RETAIN and DUP flag (a device
+    publishing to one topic): what ``Decoder(runs=True)`` gives for a run of equal-shaped
+    ones instead of one :class:`Publish` each.  ``packet_ids`` is None exactly for QoS 0."""
+
+    topic: str
+    payloads: list[bytes]
+    qos: int
+    retain: bool
+    dup: bool
+    packet_ids: list[int] | None
+
+    def publishes(self) -> list[Publish]:
+        """The run as one :class:`Publish` per message, in order."""
+        pids: list[int] | list[None] = self.packet_ids if self.packet_ids is not None else [None] * len(self.payloads)
+        return [Publish(self.topic, payload, self.qos, self.retain, self.dup, pid)
+                for payload, pid in zip(self.payloads, pids, strict=True)]
+
+
 Packet = (
     Connect
     | Connack
@@ -318,4 +338,5 @@ Packet = (
     | Pingresp
     | Disconnect
     | Auth
+    | PublishRun
 )

@@ -122,7 +122,7 @@ class Queue:
             return
         self._committer = GroupCommitter(self.log)
         if self._journal is not None:
-            self._committer.add_sync_companion(self._journal.sync)
+            self._committer.add_sync_companion(self._journal.sync, self._journal.needs_sync)
         await self._committer.start()
         self._housekeeping = asyncio.get_running_loop().create_task(
             self._run_housekeeping(), name="filemq-queue-housekeeping"
@@ -190,6 +190,18 @@ class Queue:
             validate_topic_name(topic)
         return self._committer.append_nowait(topic, payload, qos=qos, retain=retain, timestamp_us=timestamp_us,
                                              headers=headers)
+
+    def publish_many_nowait(
+        self, topics: list[str], payloads: list[bytes], retains: list[bool], qos: int, timestamp_us: int,
+    ) -> tuple[int, asyncio.Future[None]]:
+        """Append several records without headers, topics already validated (as
+        ``publish_nowait(..., validated=True)`` each, in order, all with ``qos`` and
+        ``timestamp_us``); returns the first one's offset and the commit future they share.
+        On an error the records before the failing one stay appended (they commit with the
+        next batch), the failing one and those after it are not."""
+        if self._committer is None:
+            raise RuntimeError(f"queue {self.data_dir} is not started")
+        return self._committer.append_many_nowait(topics, payloads, retains, qos, timestamp_us)
 
     async def publish(
         self, topic: str, payload: bytes, qos: int = 0, retain: bool = False,

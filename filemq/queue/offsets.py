@@ -223,6 +223,11 @@ class ProgressJournal:
     def size(self) -> int:
         return self._end
 
+    def needs_sync(self) -> bool:
+        """Whether records were appended since the last sync (read on the loop thread, which
+        is the one appending them)."""
+        return self._dirty
+
     def record(self, entries: list[tuple[str, int, int]]) -> None:
         """Append (key, pending, doing) records with one write; not synced (see :meth:`sync`)."""
         if not entries:

@@ -15,6 +15,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from filemq.broker.acl import Acl
 from filemq.broker.sessions import StoredSession, StoredSubscription
@@ -835,3 +837,54 @@ def test_paho_enospc_at_commit_gets_0x97_on_a_real_full_file_system(tmp_path: Pa
             pub.close()
         finally:
             b.stop()
+
+
+_run_ops5 = st.lists(
+    st.one_of(
+        st.tuples(st.just("publish"), st.lists(st.tuples(st.sampled_from(["a/1", "a/2", "b/1", "c/1"]),
+                                                         st.integers(0, 2), st.booleans()),
+                                               min_size=1, max_size=12)),
+        st.tuples(st.just("ack"), st.integers(0, 12), st.booleans()),
+        st.tuples(st.just("subscribe"), st.sampled_from(["b/#", "c/1", "#"]), st.integers(0, 2), st.booleans(),
+                  st.sampled_from([0, 9])),
+        st.just(("reconnect",)),
+    ),
+    max_size=12,
+)
+
+
+def _subscribe5(op: tuple[Any, ...]) -> Subscribe:
+    return Subscribe(2, [(op[1], subscription_options(op[2], no_local=op[3]))],
+                     Properties(subscription_identifiers=[op[4]]) if op[4] else None)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(ops=_run_ops5, first_pid=st.sampled_from([1, 0xFFF8]), max_packet=st.sampled_from([None, 16, 1000]),
+       aliases=st.sampled_from([None, 4]))
+def test_deliver_run_sends_what_deliver5_sends(tmp_path: Path, ops: list[tuple[Any, ...]], first_pid: int,
+                                               max_packet: int | None, aliases: int | None) -> None:
+    """MQTT 5: _deliver's run path gives the subscriber the packets _deliver5 gives (an empty
+    property section; subscription identifiers 3.3.4 and no local MQTT-3.8.3-3 on, topic
+    aliases 3.3.2.3.4 and the client's Maximum Packet Size MQTT-3.1.2-24 respected: then the
+    per-record loop) and leaves the same messages in flight."""
+    import tempfile
+
+    from tests.test_broker_session import _deliveries
+
+    props = Properties(maximum_packet_size=max_packet, topic_alias_maximum=aliases)
+    results = [_deliveries(ops, first_pid, Path(tempfile.mkdtemp(dir=tmp_path)), run_path, client5, _subscribe5,
+                           protocol_level=5, properties=props)[0] for run_path in (False, True)]
+    assert results[1] == results[0]
+
+
+def test_deliver_run_takes_an_mqtt5_fanout_batch(tmp_path: Path) -> None:
+    """An MQTT 5 subscriber without identifiers, no local or aliases gets a QoS 1 run through
+    the run path, as _deliver5 would send it (MQTT 5 PUBLISH with an empty property section)."""
+    from tests.test_broker_session import _deliveries
+
+    ops: list[tuple[Any, ...]] = [("publish", [("a/1", 1, False), ("a/2", 1, False)] * 3), ("ack", 6, False)]
+    (got, inflight, _), calls = _deliveries(ops, 7, tmp_path, True, client5, protocol_level=5)
+    assert calls == 1 and inflight == {}
+    pubs = [m for m in got if isinstance(m, Publish)]
+    assert [(m.packet_id, m.qos, m.payload, m.properties) for m in pubs] == [
+        (7 + i, 1, b"%d" % (i + 1), None) for i in range(6)]

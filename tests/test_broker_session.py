@@ -230,7 +230,7 @@ class Harness(Clients):
         self.core = self.make_core()
 
     def make_core(self) -> BrokerCore:
-        core = BrokerCore(self.queue, TailCache(self.queue.log), config=self.config,  # type: ignore[arg-type]
+        core = BrokerCore(self.queue, TailCache(self.queue.log), config=self.config,
                           store=self.store, retained=self.retained, stats=self.stats, acl=self.acl,
                           publish_hook=self.hook)
         if not self.threaded_writes:
@@ -284,7 +284,7 @@ def test_acks_and_deliveries_to_one_connection_leave_in_one_write_per_loop_pass(
         c = h.connected("self", subscribe=Subscribe(1, [("t", 1)]))
         counting = CountingTransport()
         c.transport = counting
-        c.conn.transport = counting  # type: ignore[assignment]
+        c.conn.transport = counting
         c._read = 0
         c.send(Publish("t", b"1", 1, packet_id=1), Publish("t", b"2", 1, packet_id=2))
         assert counting.writes == 0  # the PUBACKs wait for the commit (MQTT-4.3.2-2 durable first)
@@ -1066,7 +1066,7 @@ def test_qos2_resend_after_failed_commit_is_stored(tmp_path: Path) -> None:
 
 
 @settings(max_examples=200, deadline=None)
-@given(topic=st.text(st.characters(blacklist_categories=("Cs",), blacklist_characters="\x00+#"), min_size=1,
+@given(topic=st.text(st.characters(blacklist_categories=["Cs"], blacklist_characters="\x00+#"), min_size=1,
                      max_size=40),
        payload=st.binary(max_size=20000), qos=st.integers(0, 2), dup=st.booleans(), retain=st.booleans(),
        pid=st.integers(1, 0xFFFF))
@@ -1156,7 +1156,7 @@ def test_unsubscribing_from_a_share_leaves_it(tmp_path: Path) -> None:
             if not got:
                 break
             seen += got
-            b.send(*[Puback(m.packet_id) for m in got])
+            b.send(*[Puback(m.packet_id or 0) for m in got])
         assert sorted(int(m.payload) for m in seen) == list(range(10))  # a's unacked ones too
         assert a.received() == []
     run(main())
@@ -1234,6 +1234,7 @@ def test_persistent_subscriber_gets_every_acked_message(tmp_path: Path, ops: lis
         h = RealHarness(d)
         await h.start()
         sub: Client | None = h.client()
+        assert sub is not None
         sub.connect("durable", clean=False)
         sub.send(Subscribe(1, [("data/#", 1)]))
         received: set[bytes] = set()
@@ -1675,3 +1676,159 @@ def test_a_bug_while_handling_packets_closes_only_that_connection(
         assert caplog.text.count("internal error: RuntimeError('bug')") == 2
         assert other.conn.state == CONNECTED
     run(main())
+
+
+def test_a_read_of_pubacks_with_repeated_unknown_and_qos2_ids(tmp_path: Path) -> None:
+    """A read of PUBACKs completes each QoS 1 delivery it names (MQTT 4.3.2); in one read a
+    repeated or unknown id is ignored, and a PUBACK for a QoS 2 delivery closes
+    (MQTT-4.8.0-1), the deliveries acked before it in the read staying acked."""
+    async def main() -> None:
+        h = Harness(tmp_path, max_inflight=50)
+        s = h.connected("s", clean=False, subscribe=Subscribe(1, [("t", 1), ("q2", 2)]))
+        p = h.connected("p")
+        p.send(*[Publish("t", b"%d" % i, 1, packet_id=i + 1) for i in range(12)])
+        await h.commit()
+        got = s.received()
+        state = s.conn.session
+        assert state is not None and state.group is not None and len(got) == 12
+        group = state.group
+        ids = [m.packet_id for m in got]
+        s.send_bytes(b"".join(encode(Puback(i)) for i in ids[:6]))  # one read
+        assert sorted(state.inflight) == ids[6:] and group.pending_offset == 6
+        s.send_bytes(b"".join(encode(Puback(i)) for i in [ids[6], ids[6], 999, ids[7]]))
+        assert sorted(state.inflight) == ids[8:] and group.pending_offset == 8
+        assert not s.conn.closed
+        p.send(Publish("q2", b"x", 2, packet_id=100))
+        await h.commit()
+        q2 = [m for m in s.received() if isinstance(m, Publish)]
+        assert len(q2) == 1 and q2[0].qos == 2
+        s.send_bytes(b"".join(encode(Puback(i)) for i in [ids[8], q2[0].packet_id, ids[9]]))
+        assert s.conn.closed and "MQTT-4.8.0-1" in s.conn.close_reason
+        assert sorted(state.inflight) == [*ids[9:], q2[0].packet_id] and group.pending_offset == 9
+    run(main())
+
+
+@settings(max_examples=200, deadline=None)
+@given(msgs=st.lists(st.tuples(st.sampled_from(["a", "a/b", "é/x"]), st.binary(max_size=300)), min_size=1,
+                     max_size=30),
+       pid=st.integers(1, 0xFFFF))
+def test_publish_run_matches_publish_bytes(msgs: list[tuple[str, bytes]], pid: int) -> None:
+    """publish_run (the fanout run path's encoder) gives the bytes of one publish_bytes (MQTT 5:
+    publish_bytes5, empty property section 3.3.2.3.1) per message: QoS 1, DUP 0, RETAIN 0,
+    consecutive packet ids (MQTT 3.3.1, 3.3.2.2)."""
+    from filemq.mqtt.codec import publish_bytes, publish_bytes5, publish_run
+
+    msgs = msgs[:0x10000 - pid]
+    expected = b"".join(publish_bytes(t, p, 1, False, pid + i) for i, (t, p) in enumerate(msgs))
+    assert publish_run([t for t, _ in msgs], [p for _, p in msgs], pid) == expected
+    expected5 = b"".join(publish_bytes5(t, p, 1, False, pid + i) for i, (t, p) in enumerate(msgs))
+    assert publish_run([t for t, _ in msgs], [p for _, p in msgs], pid, v5=True) == expected5
+
+
+_run_ops = st.lists(
+    st.one_of(
+        st.tuples(st.just("publish"), st.lists(st.tuples(st.sampled_from(["a/1", "a/2", "b/1", "c/1"]),
+                                                         st.integers(0, 2), st.booleans()),
+                                               min_size=1, max_size=12)),
+        st.tuples(st.just("ack"), st.integers(0, 12), st.booleans()),
+        st.tuples(st.just("subscribe"), st.sampled_from(["b/#", "c/1", "#"]), st.integers(0, 2)),
+        st.just(("reconnect",)),
+    ),
+    max_size=12,
+)
+
+
+def _deliveries(ops: list[tuple[Any, ...]], first_pid: int, tmp: Path, run_path: bool,
+                new_client: Any = None, subscribe: Any = None, **connect: Any) -> tuple[Any, ...]:
+    """What a persistent subscriber receives and keeps in flight under ``ops``, with or
+    without DeliveryMixin._deliver_run. ``new_client(h)``: the subscriber's client (default
+    MQTT 3.1.1), ``subscribe(op)``: the SUBSCRIBE of a "subscribe" op, ``connect``: its CONNECT's
+    other fields."""
+    calls = 0
+    if subscribe is None:
+        def subscribe(op: tuple[Any, ...]) -> Subscribe:
+            return Subscribe(2, [(op[1], op[2])])
+
+    def connected(h: Harness) -> Client:
+        c = h.client() if new_client is None else new_client(h)
+        c.connect("s", False, **connect)
+        return c
+
+    async def main() -> tuple[Any, ...]:
+        nonlocal calls
+        h = Harness(tmp, max_inflight=20)
+        h.core.acl = Acl.parse("topic read a/#\ntopic read b/#\ntopic read c/1\ntopic write #\n"
+                               "pattern read nothing\n")
+        real = h.core._deliver_run
+
+        def spy(*a: Any) -> bool:
+            nonlocal calls
+            done = run_path and real(*a)
+            calls += done
+            return done
+
+        h.core._deliver_run = spy  # type: ignore[method-assign,assignment]
+        s = connected(h)
+        s.send(Subscribe(1, [("a/#", 1), ("b/1", 2)]))
+        assert s.conn.session is not None
+        s.conn.session.next_pid = first_pid
+        p = h.connected("p")
+        got: list[Any] = []
+        pending: list[int] = []
+        n = 0
+        for op in ops:
+            if op[0] == "publish":
+                for topic, qos, retain in op[1]:
+                    n += 1
+                    p.send(Publish(topic, b"%d" % n, qos, retain, packet_id=n if qos else None))
+                await h.commit()
+            elif op[0] == "ack":
+                ids = pending[:op[1]] + (pending[:1] if op[2] else [])  # op[2]: with a duplicate id
+                del pending[:op[1]]
+                if ids:
+                    s.send_bytes(b"".join(encode(Puback(i)) for i in ids))  # one read
+            elif op[0] == "subscribe":
+                s.send(subscribe(op))
+            else:
+                s.conn.connection_lost()
+                s = connected(h)
+                pending.clear()
+            await h.settle()
+            for m in s.received():
+                got.append(m)
+                if isinstance(m, Publish) and m.qos == 1:
+                    pending.append(m.packet_id)  # type: ignore[arg-type]
+        state = s.conn.session
+        assert state is not None
+        inflight = {pid: (o.offset, o.qos, o.topic, o.payload, o.share, o.stage, o.retain, o.headers)
+                    for pid, o in state.inflight.items()}
+        return got, inflight, state.next_pid
+
+    return run(main()), calls
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(ops=_run_ops, first_pid=st.sampled_from([1, 500, 0xFFF8, 0xFFFF]))
+def test_deliver_run_sends_what_the_record_loop_sends(tmp_path: Path, ops: list[tuple[Any, ...]],
+                                                      first_pid: int) -> None:
+    """_deliver's run path (C loops over a run of QoS 1 records) and its per-record loop give
+    the subscriber the same packets (QoS min(granted, published) 3.8.4 / MQTT-3.8.4-6, DUP on
+    redelivery MQTT-3.3.1-1, packet ids unused among those in flight MQTT-2.3.1-2, the ACL's
+    read rules) and leave the same messages in flight, under publishes, reads of PUBACKs
+    (with duplicate ids), subscriptions added mid-way and reconnects; ids wrap past 0xFFFF."""
+    import tempfile
+
+    loop_result, _ = _deliveries(ops, first_pid, Path(tempfile.mkdtemp(dir=tmp_path)), run_path=False)
+    run_result, _ = _deliveries(ops, first_pid, Path(tempfile.mkdtemp(dir=tmp_path)), run_path=True)
+    assert run_result == loop_result
+
+
+def test_deliver_run_takes_a_fanout_batch(tmp_path: Path) -> None:
+    """The fanout case (QoS 1 records to a QoS 1 subscription, new to the group) goes the run
+    path, and its PUBACKs in one read empty the in-flight map."""
+    ops: list[tuple[Any, ...]] = [("publish", [("a/1", 1, False), ("a/2", 1, False)] * 5), ("ack", 10, False)]
+    (got, inflight, next_pid), calls = _deliveries(ops, 0xFFF6, tmp_path, run_path=True)
+    assert calls == 1
+    assert [(m.packet_id, m.qos, m.dup, m.payload) for m in got if isinstance(m, Publish)] == [
+        (0xFFF6 + i, 1, False, b"%d" % (i + 1)) for i in range(10)]
+    assert inflight == {} and next_pid == 1  # the last id was 0xFFFF

@@ -9,8 +9,10 @@ import asyncio
 import functools
 import logging
 import time
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterable, Sequence
+from itertools import repeat
+from operator import itemgetter
+from typing import TYPE_CHECKING, Any, cast
 
 from filemq.broker.base import CoreBase
 from filemq.broker.session import CONNECTED, Connection
@@ -19,13 +21,14 @@ from filemq.broker.state import (
     _PUBCOMP,
     _PUBREL,
     Outbound,
+    SentRecord,
     SessionState,
     SharedGroup,
     _ack,
     message_expiry,
 )
 from filemq.common.native import mypyc_attr
-from filemq.mqtt.codec import publish_bytes, publish_bytes5
+from filemq.mqtt.codec import publish_bytes, publish_bytes5, publish_run
 from filemq.mqtt.packets import PROTOCOL_LEVEL_5
 from segments.record import Record
 
@@ -33,6 +36,16 @@ if TYPE_CHECKING:
     from filemq.queue.groups import ConsumerGroup
 
 log = logging.getLogger("filemq.broker")
+
+# Record fields by position (a Record is a named tuple): C-level getters for map().
+_offset_of = itemgetter(0)
+_topic_of = itemgetter(2)
+_payload_of = itemgetter(3)
+_qos_of = itemgetter(4)
+_retain_of = itemgetter(5)
+_headers_of = itemgetter(6)
+# A SentRecord from a tuple of its fields, in C (SentRecord(...) runs Python-level __new__).
+_sent_record = cast(Callable[[Iterable[Any]], SentRecord], functools.partial(tuple.__new__, SentRecord))
 
 
 @mypyc_attr(native_class=False)
@@ -110,6 +123,8 @@ class DeliveryMixin(CoreBase):
         """Send ``records`` (fetched from ``group`` for ``conn``) in one write; records no
         subscription of ``conn`` takes (older than it, or denied by the ACL) are acked, and
         so are expired ones (MQTT-3.3.2-5)."""
+        if len(records) > 1 and self._deliver_run(conn, state, group, records, share):
+            return
         if conn.protocol_level == PROTOCOL_LEVEL_5:
             self._deliver5(conn, state, group, records, share)
             return
@@ -150,6 +165,49 @@ class DeliveryMixin(CoreBase):
         if parts:
             self.stats.publish_sent(len(parts))
             conn.send(parts[0] if len(parts) == 1 else b"".join(parts))
+
+    def _deliver_run(self, conn: Connection, state: SessionState, group: ConsumerGroup,
+                     records: list[Record], share: str | None) -> bool:
+        """:meth:`_deliver` of the common run, with the per-record work in C loops: every
+        record goes out at QoS 1 (the same granted QoS for every topic of the run from its
+        lowest offset on, no record below it), none is retained, has headers, may be a
+        redelivery (DUP) or is refused by the ACL, and a block of consecutive packet ids
+        from ``next_pid`` on is free (the ids the per-record loop would take).  Sends the same
+        bytes and leaves the same state as the loop; False (nothing done) when the run does
+        not qualify.  MQTT 5 (:meth:`_deliver5`) also needs: no subscription with no local
+        or an identifier, no topic aliases to the client, and every PUBLISH surely within the
+        client's Maximum Packet Size (records without headers have no expiry)."""
+        if any(map(_headers_of, records)) or any(map(_retain_of, records)):
+            return False
+        v5 = conn.protocol_level == PROTOCOL_LEVEL_5
+        if v5 and (conn.alias_max or not state.plain5()):
+            return False
+        offsets = list(map(_offset_of, records))
+        lowest = min(offsets)
+        if group.may_be_redelivered(lowest):
+            return False
+        topics = list(map(_topic_of, records))
+        distinct = set(topics)
+        acl = conn.acl
+        if acl is not None and not acl.allow_all and not all(map(acl.can_receive, distinct)):
+            return False
+        if state.run_qos(distinct, lowest, share) != 1 or min(map(_qos_of, records)) < 1:
+            return False
+        payloads = list(map(_payload_of, records))
+        limit = conn.client_max_packet
+        if v5 and limit is not None and max(map(len, payloads)) + 4 * max(map(len, distinct)) + 10 > limit:
+            return False  # (a bound: fixed header <= 5, topic <= 2 + 4 per character, id 2, properties 1)
+        pid = state.next_pid
+        end = pid + len(records)
+        inflight = state.inflight
+        if end > 0x10000 or not inflight.keys().isdisjoint(range(pid, end)):
+            return False
+        state.next_pid = end if end <= 0xFFFF else 1
+        inflight.update(zip(range(pid, end), map(_sent_record, zip(
+            offsets, repeat(group), topics, payloads, repeat(share), strict=False)), strict=True))
+        self.stats.publish_sent(len(records))
+        conn.send(publish_run(topics, payloads, pid, v5))
+        return True
 
     def _deliver5(self, conn: Connection, state: SessionState, group: ConsumerGroup,
                   records: list[Record], share: str | None) -> None:
@@ -268,6 +326,7 @@ class DeliveryMixin(CoreBase):
                 self._to_pump.add(conn)
             return
         if out is not None and out.stage == 0:
+            assert isinstance(out, Outbound)  # a SentRecord is QoS 1 (refused above)
             out.stage = 1
             if state.persistent:
                 # The id awaiting PUBCOMP is session state (3.1.2.4): written before the
@@ -314,7 +373,7 @@ class DeliveryMixin(CoreBase):
         self._acked = True
         self.flush()
 
-    def _wrong_ack(self, conn: Connection, ack: str, pid: int, out: Outbound) -> None:
+    def _wrong_ack(self, conn: Connection, ack: str, pid: int, out: Outbound | SentRecord) -> None:
         """An acknowledgement that does not fit the in-flight message's state is a protocol
         violation (MQTT-4.8.0-1, 4.3): close; the message stays in flight and is re-sent
         (DUP = 1, or its PUBREL) when the session reconnects."""

@@ -10,7 +10,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, ClassVar, Literal, NamedTuple
 
 from filemq.broker.session import Connection
 from filemq.broker.sessions import StoredSession, StoredSubscription, StoredWill
@@ -191,6 +191,28 @@ class Outbound:
         self.headers = headers  # the record's MQTT 5 message properties (re-sent with it)
 
 
+class _SentFields(NamedTuple):
+    offset: int
+    group: ConsumerGroup | None
+    topic: str
+    payload: bytes
+    share: str | None
+
+
+class SentRecord(_SentFields):
+    """A QoS 1 PUBLISH of a group record sent to the client and not yet acknowledged, as
+    :meth:`DeliveryMixin._deliver`'s run path builds it: a tuple, so a run of them is made
+    in C (``tuple.__new__`` over ``zip``) instead of one :class:`Outbound` ``__init__`` per
+    record.  It reads like an :class:`Outbound`; what the run path never varies (QoS 1, stage
+    0: never a QoS 2 delivery; not retained; no properties) are class attributes, not fields."""
+
+    __slots__ = ()
+    qos: ClassVar[int] = 1
+    stage: ClassVar[int] = 0
+    retain: ClassVar[bool] = False
+    headers: ClassVar[bytes] = b""
+
+
 class SessionState:
     """One client id's session; a persistent one outlives its connections (and, through the
     :class:`SessionStore`, the broker process)."""
@@ -209,7 +231,7 @@ class SessionState:
         self.will_pending: tuple[Publish, ClientAcl | None, float] | None = None
         self.subs: dict[str, Subscription] = {}
         self.group: ConsumerGroup | None = None
-        self.inflight: dict[int, Outbound] = {}
+        self.inflight: dict[int, Outbound | SentRecord] = {}
         self.next_pid = 1
         # QoS 2 inbound ids waiting for PUBREL -> the commit future of the stored record
         # (None: committed long ago, or loaded from the session file, which is exact).
@@ -229,6 +251,7 @@ class SessionState:
         self._match5_cache: dict[str, list[tuple[int, int, str | None, int, bool, bool, bytes]]] = {}
         self._share_names: frozenset[str] | None = None
         self._no_local: bool | None = None
+        self._plain5: bool | None = None
 
     def own_filters(self) -> tuple[str, ...]:
         return tuple(sorted({s.plain for s in self.subs.values() if s.share is None}))
@@ -244,6 +267,7 @@ class SessionState:
         self._match5_cache.clear()
         self._share_names = None
         self._no_local = None
+        self._plain5 = None
 
     def has_no_local(self) -> bool:
         """Whether any subscription of this session has the no local option (3.8.3.1)."""
@@ -251,6 +275,15 @@ class SessionState:
         if nl is None:
             nl = self._no_local = any(s.options & SUB_NO_LOCAL for s in self.subs.values())
         return nl
+
+    def plain5(self) -> bool:
+        """No subscription of this session has the no local option or a subscription
+        identifier: :meth:`match5` of a record that is not retained is then
+        ``(granted_qos(...), b"", False)``."""
+        plain = self._plain5
+        if plain is None:
+            plain = self._plain5 = not any(s.options & SUB_NO_LOCAL or s.identifier for s in self.subs.values())
+        return plain
 
     def match5(self, topic: str, offset: int, share: str | None, retain: bool,
                own: bool) -> tuple[int, bytes, bool]:
@@ -298,6 +331,20 @@ class SessionState:
         for start, qos, sh, retain_below in entries:
             if sh == share and start <= offset and qos > best and not (retain and offset < retain_below):
                 best = qos
+        return best
+
+    def run_qos(self, topics: set[str], lowest: int, share: str | None) -> int:
+        """The QoS :meth:`granted_qos` gives each not retained record with offset >= ``lowest``
+        and a topic in ``topics``, if that is one value for all of them; else -1."""
+        best = -2
+        for topic in topics:
+            qos = self.granted_qos(topic, lowest, share)
+            if qos != best and best != -2:
+                return -1
+            best = qos
+            for start, _, sh, _ in self._qos_cache[topic]:
+                if start > lowest and sh == share:
+                    return -1  # a subscription that starts inside the run
         return best
 
     def alloc_pid(self) -> int:

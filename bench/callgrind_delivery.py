@@ -1,0 +1,98 @@
+"""Instruction counts (valgrind callgrind "Ir") of the broker's fanout delivery path in one
+process, per source tree: a measure of the per-delivery work that neither machine load nor
+socket timing moves (unlike `bench.callgrind_broker`, whose batch sizes follow the timing).
+
+    PYTHONPATH=$PWD python -m bench.callgrind_delivery ROUNDS name=/tree [name=/tree ...]
+    ACKS_PER_READ=5 V5=1 PYTHONPATH=$PWD python -m bench.callgrind_delivery ROUNDS ...
+
+Each tree's `BrokerCore` runs over the tests' `FakeQueue` (tests/test_broker_session.py, no
+disk, no sockets) with 10 persistent QoS 1 subscribers on ``bench/fanout/#`` (``V5=1``: MQTT 5
+clients); a round publishes 100 QoS 1 messages of 100 bytes to 4 topics, commits them (route ->
+fetch -> _deliver -> write) and feeds every subscriber its PUBACKs, ``ACKS_PER_READ`` (100) per
+read (receive_data -> on_pubacks -> group ack).  Prints Ir for ROUNDS and for 0 rounds and the
+difference per delivery (publish side included).  ``PYTHONHASHSEED=0``; valgrind ~50x slower.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+
+async def _load(rounds: int) -> None:
+    from filemq.mqtt.packets import Subscribe
+    from tests.test_broker_session import Client, Harness
+
+    acks_per_read = int(os.environ.get("ACKS_PER_READ", "100"))
+    h = Harness(Path(tempfile.mkdtemp(prefix="cg-delivery-")), max_inflight=200)
+    subs = []
+    for i in range(10):
+        c: Client
+        if os.environ.get("V5") == "1":
+            from tests.test_broker_mqtt5 import client5
+            c = client5(h)
+            c.connect(f"s{i}", False)
+        else:
+            c = h.client()
+            c.connect(f"s{i}", False)
+        c.send(Subscribe(1, [("bench/fanout/#", 1)]))
+        c.received()
+        subs.append(c)
+    core, q = h.core, h.queue
+    core._persist_offsets = lambda: None  # type: ignore[method-assign]  # no offset-file threads
+    payload = b"x" * 100
+    topics = [f"bench/fanout/{i}" for i in range(4)]
+    delivered = 0
+    for _ in range(rounds):
+        for i in range(100):
+            q.publish_nowait(topics[i % 4], payload, 1, validated=True)
+        q.commit()
+        for _ in range(3):
+            await asyncio.sleep(0)
+        core.flush()
+        for s in subs:
+            state = s.conn.session
+            assert state is not None
+            delivered += len(state.inflight)
+            acks = [b"\x40\x02" + pid.to_bytes(2, "big") for pid in state.inflight]
+            for j in range(0, len(acks), acks_per_read):
+                s.conn.receive_data(b"".join(acks[j:j + acks_per_read]))
+            s.transport.data.clear()
+        core.flush()
+        for s in subs:
+            s.transport.data.clear()
+    assert delivered == rounds * 1000, delivered
+
+
+def _ir(tree: Path, rounds: int) -> int:
+    with tempfile.TemporaryDirectory(prefix="cg-delivery-") as d:
+        out = Path(d) / "cg.out"
+        subprocess.run(["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", sys.executable,
+                        str(Path(__file__).resolve()), "--inner", str(rounds)],
+                       cwd=tree, env=dict(os.environ, PYTHONPATH=str(tree), PYTHONHASHSEED="0",
+                                          PYTHONMALLOC="malloc"),
+                       check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        m = re.search(r"^(?:summary|totals):\s+(\d+)", out.read_text(errors="replace"), re.M)
+        assert m, "no totals"
+        return int(m.group(1))
+
+
+def main() -> None:
+    if sys.argv[1] == "--inner":
+        sys.path.insert(0, os.environ["PYTHONPATH"])
+        asyncio.run(_load(int(sys.argv[2])))
+        return
+    rounds = int(sys.argv[1])
+    for arg in sys.argv[2:]:
+        name, path = arg.split("=", 1)
+        loaded, idle = _ir(Path(path), rounds), _ir(Path(path), 0)
+        print(f"{name} rounds={rounds} Ir={loaded:,} idle={idle:,} per delivery={(loaded - idle) / (rounds * 1000):,.0f}",
+              flush=True)
+
+
+if __name__ == "__main__":
+    main()

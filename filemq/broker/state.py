@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, ClassVar, Literal, NamedTuple
 
 from filemq.broker.session import Connection
 from filemq.broker.sessions import StoredSession, StoredSubscription, StoredWill
+from filemq.common.native import mypyc_attr
 from filemq.common.topics import (
     parse_shared,
     topic_matches,
@@ -199,6 +200,7 @@ class _SentFields(NamedTuple):
     share: str | None
 
 
+@mypyc_attr(native_class=False)  # a tuple subclass (compiled builds cannot make it native)
 class SentRecord(_SentFields):
     """A QoS 1 PUBLISH of a group record sent to the client and not yet acknowledged, as
     :meth:`DeliveryMixin._deliver`'s run path builds it: a tuple, so a run of them is made

@@ -81,7 +81,9 @@ def wait_until(what: str, check: object, timeout: float, logs: list[Path]) -> No
         try:
             if check():  # type: ignore[operator]
                 return
-        except OSError:
+        except (OSError, ValueError):
+            # Not up yet: refused, or (seen once) the master's web UI answering /json/ with
+            # its HTML page while it starts; the timeout bounds it and reports the logs.
             pass
         time.sleep(0.5)
     tails = "\n".join(f"--- {p}\n{p.read_text(errors='replace')[-3000:]}" for p in logs if p.exists())

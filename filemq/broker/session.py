@@ -331,11 +331,7 @@ class Connection:
                     break
                 j += 1
             if j - i > 1 and self._unacknowledged() + (j - i) <= core.config.receive_maximum:
-                try:
-                    core.on_publishes(self, packets[i:j])  # type: ignore[arg-type]
-                except ProtocolError as exc:
-                    self.close(f"protocol error: {exc.reason}", will=True, level=logging.WARNING,
-                               reason_code=exc.reason_code)
+                if not self._publishes(packets[i:j]):
                     return
             else:
                 j = max(j, i + 1)
@@ -343,6 +339,17 @@ class Connection:
             i = j
             if self.closed:
                 return
+
+    def _publishes(self, run: Sequence[object]) -> bool:
+        """A run of PUBLISHes to the core in one call; False if it was a protocol error (the
+        connection is closed)."""
+        try:
+            self.core.on_publishes(self, run)  # type: ignore[arg-type]
+        except ProtocolError as exc:
+            self.close(f"protocol error: {exc.reason}", will=True, level=logging.WARNING,
+                       reason_code=exc.reason_code)
+            return False
+        return True
 
     def _unacknowledged(self) -> int:
         """The client's QoS 1/2 PUBLISHes we have not acknowledged yet (MQTT 5 Receive Maximum):
@@ -354,7 +361,6 @@ class Connection:
     def _handle_runs(self, packets: Sequence[object]) -> None:
         """MQTT 3.1.1, connected: each run of PUBLISHes goes to the core in one call
         (:meth:`Core.on_publishes`), every other packet alone, all in order."""
-        core = self.core
         n = len(packets)
         i = 0
         while i < n:
@@ -362,11 +368,7 @@ class Connection:
             while j < n and type(packets[j]) is Publish:
                 j += 1
             if j - i > 1:
-                try:
-                    core.on_publishes(self, packets[i:j])  # type: ignore[arg-type]
-                except ProtocolError as exc:
-                    self.close(f"protocol error: {exc.reason}", will=True, level=logging.WARNING,
-                               reason_code=exc.reason_code)
+                if not self._publishes(packets[i:j]):
                     return
                 i = j
             else:

@@ -114,10 +114,7 @@ class GroupCommitter:
                                  headers=headers)
         future = self._open
         if future is None:
-            assert self._loop is not None
-            future = self._open = self._loop.create_future()
-            self._open_bytes = 0
-            self._wake.set()
+            future = self._open_batch()
         self._open_bytes += len(payload) + len(topic) + 28
         if headers:
             self._open_bytes += len(headers) + 4
@@ -125,6 +122,14 @@ class GroupCommitter:
             self._closed_batches.append((offset + 1, future))
             self._open = None
         return offset, future
+
+    def _open_batch(self) -> asyncio.Future[None]:
+        """A new open batch (its commit future), and the commit thread woken for it."""
+        assert self._loop is not None
+        future = self._open = self._loop.create_future()
+        self._open_bytes = 0
+        self._wake.set()
+        return future
 
     def append_many_nowait(
         self, topics: list[str], payloads: list[bytes], retains: list[bool], qos: int, timestamp_us: int,
@@ -136,10 +141,7 @@ class GroupCommitter:
             raise RuntimeError("GroupCommitter is not running")
         future = self._open
         if future is None:
-            assert self._loop is not None
-            future = self._open = self._loop.create_future()
-            self._open_bytes = 0
-            self._wake.set()
+            future = self._open_batch()
         log_ = self.log
         before = log_._pending_bytes
         try:

@@ -590,9 +590,7 @@ class ConsumerGroup:
             return False
         self._acks += 1
         if not self.progress_dirty:
-            self.progress_dirty = True
-            if self._dirty_sink is not None:
-                self._dirty_sink.add(self)
+            self._mark_progress()
         if self._again:
             self._again.discard(offset)
         order = self._order
@@ -613,9 +611,7 @@ class ConsumerGroup:
             return 0
         self._acks += acked
         if not self.progress_dirty:
-            self.progress_dirty = True
-            if self._dirty_sink is not None:
-                self._dirty_sink.add(self)
+            self._mark_progress()
         if self._again:
             self._again.difference_update(offsets)
         order = self._order
@@ -627,6 +623,13 @@ class ConsumerGroup:
         """False when :meth:`redelivered` is False for every outstanding offset >= ``lowest``
         (one test for a batch instead of one call per record)."""
         return bool(self._again) or lowest < self._redelivered_below
+
+    def _mark_progress(self) -> None:
+        """The first ack since :attr:`progress_dirty` was cleared: note it, and tell the
+        queue's progress journal (:meth:`report_progress_to`), once per clearing."""
+        self.progress_dirty = True
+        if self._dirty_sink is not None:
+            self._dirty_sink.add(self)
 
     def report_progress_to(self, sink: set[ConsumerGroup]) -> None:
         """Add this group to ``sink`` at its first ack after :attr:`progress_dirty` was

@@ -9,7 +9,9 @@ Each tree's `BrokerCore` runs over the tests' `FakeQueue` (tests/test_broker_ses
 disk, no sockets) with 10 persistent QoS 1 subscribers on ``bench/fanout/#`` (``V5=1``: MQTT 5
 clients); a round publishes 100 QoS 1 messages of 100 bytes to 4 topics, commits them (route ->
 fetch -> _deliver -> write) and feeds every subscriber its PUBACKs, ``ACKS_PER_READ`` (100) per
-read (receive_data -> on_pubacks -> group ack).  Prints Ir for ROUNDS and for 0 rounds and the
+read (receive_data -> on_pubacks -> group ack), and flushes after each read as the broker does
+(``WINDOW=20``: the subscribers' in-flight window, 200 unless given; a read of PUBACKs then
+refills it, fetch -> _deliver -> write, as in the real load).  Prints Ir for ROUNDS and for 0 rounds and the
 difference per delivery (publish side included).  ``PYTHONHASHSEED=0``; valgrind ~50x slower.
 """
 from __future__ import annotations
@@ -28,7 +30,8 @@ async def _load(rounds: int) -> None:
     from tests.test_broker_session import Client, Harness
 
     acks_per_read = int(os.environ.get("ACKS_PER_READ", "100"))
-    h = Harness(Path(tempfile.mkdtemp(prefix="cg-delivery-")), max_inflight=200)
+    window = int(os.environ.get("WINDOW", "200"))
+    h = Harness(Path(tempfile.mkdtemp(prefix="cg-delivery-")), max_inflight=window)
     subs = []
     for i in range(10):
         c: Client
@@ -54,15 +57,21 @@ async def _load(rounds: int) -> None:
         for _ in range(3):
             await asyncio.sleep(0)
         core.flush()
-        for s in subs:
-            state = s.conn.session
-            assert state is not None
-            delivered += len(state.inflight)
-            acks = [b"\x40\x02" + pid.to_bytes(2, "big") for pid in state.inflight]
-            for j in range(0, len(acks), acks_per_read):
-                s.conn.receive_data(b"".join(acks[j:j + acks_per_read]))
-            s.transport.data.clear()
-        core.flush()
+        busy = True
+        while busy:  # with a small WINDOW: each read of PUBACKs refills it (flush), as in the broker
+            busy = False
+            for s in subs:
+                state = s.conn.session
+                assert state is not None
+                if not state.inflight:
+                    continue
+                busy = True
+                delivered += len(state.inflight)
+                acks = [b"\x40\x02" + pid.to_bytes(2, "big") for pid in state.inflight]
+                for j in range(0, len(acks), acks_per_read):
+                    s.conn.receive_data(b"".join(acks[j:j + acks_per_read]))
+                    core.flush()
+                s.transport.data.clear()
         for s in subs:
             s.transport.data.clear()
     assert delivered == rounds * 1000, delivered

@@ -656,10 +656,40 @@ def test_inflight_window_and_pingreq(tmp_path: Path) -> None:
         await h.commit()
         first = s.received()
         assert [m.payload for m in first] == [b"0", b"1", b"2"]
+        # One PUBACK frees a third of the window: not refilled yet (DeliveryMixin._refill:
+        # at least half of it free), so the PINGREQ is answered alone.
         s.send(Puback(first[0].packet_id), Pingreq())
+        assert s.received() == [Pingresp()]
+        s.send(Puback(first[1].packet_id), Pingreq())
         out = s.received()
-        assert sorted(type(x).__name__ for x in out) == ["Pingresp", "Publish"]
-        assert [x.payload for x in out if isinstance(x, Publish)] == [b"3"]
+        assert sorted(type(x).__name__ for x in out) == ["Pingresp", "Publish", "Publish"]
+        assert [x.payload for x in out if isinstance(x, Publish)] == [b"3", b"4"]
+    run(main())
+
+
+def test_window_refilled_in_half_window_steps_whatever_the_ack_pattern(tmp_path: Path) -> None:
+    """PUBACKs one at a time, in any order: the window is refilled once half of it is free
+    (one write of half a window), never overfilled, and every record arrives once, in order."""
+    async def main() -> None:
+        h = Harness(tmp_path, max_inflight=10)
+        s = h.connected("s", subscribe=Subscribe(1, [("t", 1)]))
+        p = h.connected("p")
+        p.send(*[Publish("t", b"%d" % i, 1, packet_id=i + 1) for i in range(60)])
+        await h.commit()
+        inflight = s.received()
+        assert len(inflight) == 10
+        got = [m.payload for m in inflight]
+        rounds = 0
+        while inflight and rounds < 200:
+            rounds += 1
+            m = inflight.pop(len(inflight) // 2)  # out of order
+            s.send(Puback(m.packet_id))
+            new = [x for x in s.received() if isinstance(x, Publish)]
+            assert not new or len(inflight) <= 5, "refilled before half the window was free"
+            inflight += new
+            assert len(inflight) <= 10
+            got += [x.payload for x in new]
+        assert got == [b"%d" % i for i in range(60)]
     run(main())
 
 

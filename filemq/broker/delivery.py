@@ -44,6 +44,11 @@ _payload_of = itemgetter(3)
 _qos_of = itemgetter(4)
 _retain_of = itemgetter(5)
 _headers_of = itemgetter(6)
+_group_of_sent = itemgetter(1)  # SentRecord.group
+_ONLY_SENT = {SentRecord}
+# Reads with at least this many PUBACKs take on_pubacks' bulk path (below it, its sets and
+# lists cost more than the per-id loop: docs/PERFORMANCE.md, row F2'').
+_BULK_ACKS = 8
 # A SentRecord from a tuple of its fields, in C (SentRecord(...) runs Python-level __new__).
 _sent_record = cast(Callable[[Iterable[Any]], SentRecord], functools.partial(tuple.__new__, SentRecord))
 
@@ -292,6 +297,21 @@ class DeliveryMixin(CoreBase):
         state = conn.session
         assert state is not None
         inflight = state.inflight
+        if len(pids) >= _BULK_ACKS:
+            # The common read: PUBACKs of run-path deliveries (SentRecord: QoS 1, so no ack
+            # can be the wrong one) of one group: acked with C-level maps and one ack_many.
+            # Anything else (an unknown id, a QoS 2 entry, two groups) takes the loop below.
+            outs = list(map(inflight.get, pids))
+            if set(map(type, outs)) == _ONLY_SENT:
+                groups = set(map(_group_of_sent, outs))
+                if len(groups) == 1:
+                    list(map(inflight.pop, pids, repeat(None)))  # (a repeated id: popped once)
+                    group = groups.pop()
+                    if group is not None:
+                        group.ack_many(list(map(_offset_of, outs)))
+                        self._acked = True
+                    self._refill(conn, inflight)
+                    return
         for pid in pids:
             out = inflight.get(pid)
             if out is None:
@@ -304,7 +324,18 @@ class DeliveryMixin(CoreBase):
             if out.group is not None:
                 out.group.ack(out.offset)
                 self._acked = True
-        self._to_pump.add(conn)
+        self._refill(conn, inflight)
+
+    def _refill(self, conn: Connection, inflight: dict[int, Any]) -> None:
+        """Fill ``conn``'s in-flight window again after acks, once at least half of it is
+        free (or all of it is empty), not after every ack: a client that sends its PUBACKs
+        one at a time then gets its next deliveries in one write of half a window, not one
+        write (and one fetch) per PUBACK, while the other half keeps it busy; the credit
+        batching of RabbitMQ's ``credit_flow``.  Nothing stalls: below the mark, more than
+        half the window is in flight, and its acks come back here."""
+        limit = conn.max_inflight
+        if 2 * (limit - len(inflight)) >= limit:
+            self._to_pump.add(conn)
 
     def on_pubrec(self, conn: Connection, pid: int, reason_code: int = 0) -> None:
         state = conn.session
@@ -323,7 +354,7 @@ class DeliveryMixin(CoreBase):
                     self._acked = True
                 log.info("client %r: PUBREC 0x%02x for packet id %d: the receiver refused the message",
                          conn.client_id, reason_code, pid)
-                self._to_pump.add(conn)
+                self._refill(conn, state.inflight)
             return
         if out is not None and out.stage == 0:
             assert isinstance(out, Outbound)  # a SentRecord is QoS 1 (refused above)
@@ -361,7 +392,7 @@ class DeliveryMixin(CoreBase):
             # Written soon, in a worker thread (nothing waits: a stale id would only cost one
             # PUBREL after a crash, which the client answers with PUBCOMP).
             self._save_soon(state)
-        self._to_pump.add(conn)
+        self._refill(conn, state.inflight)
 
     def _ack_released(self, group: ConsumerGroup, offset: int, written: asyncio.Future[None]) -> None:
         """The group's ack of a record PUBREC'd by a persistent session, once the session file

@@ -27,6 +27,7 @@ from __future__ import annotations
 import errno
 import logging
 import math
+import struct
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -63,6 +64,9 @@ if TYPE_CHECKING:
     from filemq.common.config import BrokerSection
 
 log = logging.getLogger("filemq.broker")
+
+_unpack_words = struct.unpack
+_LOW16 = (0xFFFF).__and__  # the packet id of a PUBACK read as a 32-bit word
 
 PINGRESP = b"\xd0\x00"
 # The largest CONNECT MQTT 3.1.1 allows: fixed header (5 bytes), variable header (10) and five
@@ -243,7 +247,8 @@ class Connection:
         ):
             # Fast path: a read of nothing but PUBACKs (what a subscriber sends back) is
             # split with two C-level slices instead of decoding packet by packet.
-            pids = [(hi << 8) | lo for hi, lo in zip(data[2::4], data[3::4], strict=True)]
+            # Each PUBACK as one big-endian 32-bit word 0x4002_iiii: the id is its low half.
+            pids = list(map(_LOW16, _unpack_words(f">{n}I", data)))
             if 0 not in pids:  # (id 0 is invalid: let the decoder report it)
                 try:
                     self.core.on_pubacks(self, pids)

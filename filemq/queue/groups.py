@@ -41,6 +41,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from itertools import repeat
+from operator import itemgetter
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -54,6 +55,8 @@ if TYPE_CHECKING:
     from segments import Record
 
 log = logging.getLogger(__name__)
+
+_topic_of = itemgetter(2)  # Record.topic (a Record is a named tuple)
 
 GROUP_FILE = "group.json"
 DOING_FILE = "doing"
@@ -518,7 +521,7 @@ class ConsumerGroup:
             if (
                 batch[0].offset == doing
                 and batch[-1].offset == doing + n - 1
-                and all(map(self.matches, {r.topic for r in batch}))
+                and all(map(self.matches, set(map(_topic_of, batch))))
             ):
                 # Fast path (the common case): gap-free and every topic matches, so the
                 # bookkeeping runs in C over the whole batch.
@@ -615,6 +618,8 @@ class ConsumerGroup:
         if self._again:
             self._again.difference_update(offsets)
         order = self._order
+        if not outstanding:
+            order.clear()  # (the whole window acked: the common read)
         while order and order[0] not in outstanding:
             order.popleft()
         return acked

@@ -896,6 +896,14 @@ def run_broker_bench(scenarios: list[str], opts: BrokerBenchOptions, say: Progre
                 raise ValueError(f"unknown scenario {name!r}; choose from {', '.join(SCENARIOS)} or all")
 
 
+def _fanout_setup(result: dict[str, Any]) -> str:
+    """'; paho subscribers, in-flight window filemq 20 / mosquitto 20' (when the result says)."""
+    if "subscriber_client" not in result:
+        return ""
+    return (f"; {result['subscriber_client']} subscribers, in-flight window filemq "
+            f"{result.get('filemq_max_inflight', '-')} / mosquitto {result.get('mosquitto_max_inflight', '-')}")
+
+
 def summary_line(result: dict[str, Any]) -> str:
     """One human line per scenario result (what ``filemq bench broker`` prints without --json)."""
     if result.get("protocol") == 5:
@@ -913,7 +921,7 @@ def summary_line(result: dict[str, Any]) -> str:
     if s == "fanout":
         return (f"fanout   filemq {result['filemq_deliveries_per_s']:,} deliveries/s; "
                 f"vs mosquitto {result.get('ratio_vs_mosquitto', '-')}x (>= 0.5)  [{ok}]\n"
-                f"         {_cpu_text(result, ('mosquitto',))} per delivery")
+                f"         {_cpu_text(result, ('mosquitto',))} per delivery{_fanout_setup(result)}")
     if s == "latency":
         ref = (f"; mosquitto p99 {result['mosquitto_p99_ms']} ms" if "mosquitto_p99_ms" in result else "")
         return (f"latency  filemq p50 {result['filemq_p50_ms']} ms, p99 {result['filemq_p99_ms']} ms, "

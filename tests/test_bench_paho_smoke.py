@@ -46,6 +46,7 @@ def test_fanout_with_paho_subscribers_delivers_every_message_through_the_cli(tmp
     assert out["cpu_ratio_vs_mosquitto"] > 0
     assert "paho" in run.stderr and "in-flight window filemq 20, mosquitto 20" in run.stderr
     assert "CPU" in summary_line(out)
+    assert "paho subscribers, in-flight window filemq 20 / mosquitto 20" in summary_line(out)
     assert not list(tmp_path.iterdir()), "the bench left its data directories behind"
 
 

@@ -1,6 +1,6 @@
 """`DeliveryMixin.on_pubacks`' bulk path is the per-PUBACK path, only faster (issue 16).
 
-A read of at least ``_BULK_ACKS`` (8) PUBACKs whose in-flight entries are all run-path
+A read of at least ``_BULK_ACKS`` (16) PUBACKs whose in-flight entries are all run-path
 deliveries (:class:`SentRecord`) of one consumer group is acked with C-level maps and one
 ``ConsumerGroup.ack_many`` (filemq/broker/delivery.py).  These tests drive two brokers (the
 ``Harness`` of tests/test_broker_session.py) through the same packets in lockstep: one as it
@@ -159,6 +159,8 @@ class Pair:
         ("publish", [(topic, qos), ...]), ("acks", ids, read sizes) or ("reconnect",)."""
         got: list[Any] = []
         journal: list[list[bool]] = [[], []]  # per read: did it mark the acks for the progress journal?
+        # Both sides' ids for the acked messages, mapped before either side acks them.
+        side_ids = [self._ids(i, action[1]) for i in range(2)] if action[0] == "acks" else []
         for i, (h, s, p) in enumerate(self.sides):
             if action[0] == "publish":
                 for k, (topic, qos) in enumerate(action[1]):
@@ -166,7 +168,7 @@ class Pair:
                                    packet_id=self.published + k + 1 if qos else None))
                 await h.commit()
             elif action[0] == "acks":
-                data = b"".join(encode(Puback(pid)) for pid in self._ids(i, action[1]))
+                data = b"".join(encode(Puback(pid)) for pid in side_ids[i])
                 pos = 0
                 for size in action[2]:
                     s.send_bytes(data[pos:pos + size])
@@ -184,7 +186,7 @@ class Pair:
             self.published += len(action[1])
         bulk, single = (_state(h, s, self.share) for h, s, _ in self.sides)
         assert got[0] == got[1], action
-        assert bulk == single, action
+        assert bulk == single, (action, {k: (bulk[k], single[k]) for k in bulk if bulk[k] != single[k]})
         assert journal[0] == journal[1], action
         self.last = got[0]
 
@@ -240,16 +242,16 @@ def test_bulk_pubacks_leave_the_state_of_one_at_a_time_acks(tmp_path: Path, data
 
 
 def test_a_read_of_fanout_pubacks_takes_the_bulk_path(tmp_path: Path) -> None:
-    """The property above is not vacuous: a read of 10 PUBACKs (in shuffled order, one id
+    """The property above is not vacuous: a read of 20 PUBACKs (in shuffled order, one id
     repeated) of run-path deliveries goes through one ``ack_many`` and no per-record ``ack``,
     and leaves the same state and next deliveries as acking them one at a time."""
     async def main() -> None:
-        pair = Pair(tmp_path, 20, False)
-        await pair.step(("publish", [("t/a", 1)] * 30))
+        pair = Pair(tmp_path, 40, False)
+        await pair.step(("publish", [("t/a", 1)] * 50))
         bulk_state = pair.sides[0][1].conn.session
-        assert bulk_state is not None and len(pair.pending) == 20
+        assert bulk_state is not None and len(pair.pending) == 40
         assert all(type(o) is SentRecord for o in bulk_state.inflight.values())
-        ids = pair.pending[:10]
+        ids = pair.pending[:20]
         ids = ids[5:] + ids[:5] + ids[:1]
         with mock.patch.object(ConsumerGroup, "ack_many", autospec=True,
                                side_effect=ConsumerGroup.ack_many) as ack_many, \
@@ -257,13 +259,13 @@ def test_a_read_of_fanout_pubacks_takes_the_bulk_path(tmp_path: Path) -> None:
             await pair.step(("acks", ids, [4 * len(ids)]))
         assert len(ids) >= delivery._BULK_ACKS
         assert ack_many.call_count == 1  # the bulk side
-        assert ack.call_count == 10  # the one-at-a-time side (its repeated id: not in flight any more)
+        assert ack.call_count == 20  # the one-at-a-time side (its repeated id: not in flight any more)
     run(main())
 
 
 def test_reads_of_pubacks_split_mid_packet_stay_equivalent(tmp_path: Path) -> None:
     """PUBACK bytes split inside a packet go through the decoder, one PUBACK per call; the
-    next whole-packet read of >= 8 takes the bulk path again.  Same state either way."""
+    next whole-packet read of >= 16 takes the bulk path again.  Same state either way."""
     async def main() -> None:
         pair = Pair(tmp_path, 30, False)
         await pair.step(("publish", [("t/a", 1), ("t/b", 1)] * 18))
@@ -271,14 +273,14 @@ def test_reads_of_pubacks_split_mid_packet_stay_equivalent(tmp_path: Path) -> No
         ids = pair.pending[::-1]
         with mock.patch.object(ConsumerGroup, "ack_many", autospec=True,
                                side_effect=ConsumerGroup.ack_many) as ack_many:
-            await pair.step(("acks", ids, [6, 2, 40, 3, 4 * len(ids) - 51]))
-        assert ack_many.call_count == 1  # data[8:48]: ten whole PUBACKs after an emptied decoder
+            await pair.step(("acks", ids, [6, 2, 80, 3, 4 * len(ids) - 91]))
+        assert ack_many.call_count == 1  # data[8:88]: twenty whole PUBACKs after an emptied decoder
         assert len(pair.last) == 6 and len(pair.pending) == 6  # all 30 acked: the rest delivered
     run(main())
 
 
 def test_a_read_of_two_groups_pubacks_stays_equivalent(tmp_path: Path) -> None:
-    """A read of >= 8 PUBACKs for the session's own deliveries and a shared subscription's
+    """A read of >= 16 PUBACKs for the session's own deliveries and a shared subscription's
     (4.8.2: another consumer group) is not the bulk path's one group: it leaves what acking
     them one at a time leaves (compared by message: which group's records go out first after
     a commit is the broker's choice, so the two brokers' packet ids may differ)."""

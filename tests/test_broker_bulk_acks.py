@@ -52,7 +52,7 @@ def _bulk_reads(h: Harness) -> list[int]:
         state = conn.session
         if state is not None and len(pids) >= delivery._BULK_ACKS:
             outs = [state.inflight.get(pid) for pid in pids]
-            if all(type(o) is SentRecord for o in outs) and len({o.group for o in outs}) == 1:  # type: ignore[union-attr]
+            if all(type(o) is SentRecord for o in outs) and len({o.group for o in outs if o is not None}) == 1:
                 bulk.append(len(pids))
         DeliveryMixin.on_pubacks(core, conn, pids)
 
@@ -127,7 +127,8 @@ class Pair:
     def inflight(self, side: int) -> dict[int, Any]:
         state = self.sides[side][1].conn.session
         assert state is not None
-        return state.inflight
+        inflight: dict[int, Any] = state.inflight
+        return inflight
 
     @property
     def pending(self) -> list[int]:

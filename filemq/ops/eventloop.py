@@ -17,7 +17,6 @@ buffer and dispatches in C.
 from __future__ import annotations
 
 import asyncio
-import importlib.metadata
 from collections.abc import Callable
 
 from filemq.common.config import ConfigError
@@ -30,13 +29,10 @@ LoopFactory = Callable[[], asyncio.AbstractEventLoop]
 def uvloop_version() -> str | None:
     """uvloop's version when it is installed and imports, else None."""
     try:
-        import uvloop  # noqa: F401
+        import uvloop
     except ImportError:
         return None
-    try:
-        return importlib.metadata.version("uvloop")
-    except importlib.metadata.PackageNotFoundError:
-        return "unknown"
+    return str(getattr(uvloop, "__version__", "unknown"))  # (not importlib.metadata: a path scan)
 
 
 def loop_factory(choice: str, *, tls: bool = False) -> tuple[str, LoopFactory | None]:

@@ -235,10 +235,10 @@ class PublishMixin(CoreBase):
             self._append_run(conn, topics, payloads, retains, pids)
 
     def on_publish_run(self, conn: Connection, run: PublishRun) -> None:
-        """A :class:`PublishRun` (MQTT 3.1.1, one topic, QoS, RETAIN and DUP flag): the same
-        outcome as :meth:`on_publishes` of its messages; a QoS 1 run that passes its checks
-        (made once, for the topic and the largest payload) is stored without a step per
-        message."""
+        """A :class:`PublishRun` (one topic, QoS, RETAIN and DUP flag; MQTT 5: QoS 1 without
+        properties, whose Receive Maximum room the connection checked): the same outcome as
+        :meth:`on_publishes` of its messages; a QoS 1 run that passes its checks (made once,
+        for the topic and the largest payload) is stored without a step per message."""
         topic = run.topic
         payloads = run.payloads
         limit = self.config.message_size_limit

@@ -244,3 +244,30 @@ def test_a_publish_run_to_a_refused_topic_gets_each_its_reason_code(tmp_path: Pa
         assert len(h.queue.log.records) == 6
     run(main())
 
+
+
+def test_the_no_local_publisher_map_keeps_the_latest_offsets_in_order(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """MQTT-3.8.3-3 bookkeeping: runs and single PUBLISHes note their offsets' publisher; the
+    map keeps the latest PUBLISHERS_KEPT offsets, oldest first (a run that overflows it drops
+    as many of the oldest as it adds)."""
+    from filemq.broker import publish
+
+    monkeypatch.setattr(publish, "PUBLISHERS_KEPT", 10)
+
+    async def main() -> None:
+        h = RunHarness(tmp_path)
+        c = client5(h)
+        c.connect("p")
+        d = client5(h)
+        d.connect("q")
+        c.send(*_qos1(*range(1, 9)))  # offsets 0-7: one Publish, then a PublishRun of 7
+        d.send(*_qos1(1))  # offset 8
+        assert list(h.core.publishers().items()) == [(o, "p") for o in range(8)] + [(8, "q")]
+        c.send(*_qos1(*range(9, 17)))  # offsets 9-16: a PublishRun of 8
+        assert list(h.core.publishers().items()) == [(7, "p"), (8, "q")] + [(o, "p") for o in range(9, 17)]
+        d.send(*_qos1(2))
+        assert list(h.core.publishers().items()) == [(8, "q")] + [(o, "p") for o in range(9, 17)] + [(17, "q")]
+        await h.commit()
+        assert [len(c.received()), len(d.received())] == [16, 2]
+    run(main())

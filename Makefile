@@ -33,6 +33,9 @@ test: $(STAMP) system-deps
 	$(VENV)/bin/mypy segments filemq worker_agent collector spark_ingest bench demo cli.py
 	$(VENV)/bin/lint-imports --config setup.cfg
 	$(PY) -m pytest -q -p no:cacheprovider tests
+	@# The socket-level broker suites again on uvloop, the loop `filemq broker` takes where
+	@# it is installed (filemq/ops/eventloop.py); its real processes above ran on it already.
+	FILEMQ_TEST_EVENT_LOOP=uvloop $(PY) -m pytest -q -p no:cacheprovider -rs tests/test_broker_server.py tests/test_broker_transport.py
 	$(MAKE) --no-print-directory test-compiled
 
 # The optional compiled build (setup.py, docs/PERFORMANCE.md): the hot-path modules compiled

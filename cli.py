@@ -225,6 +225,12 @@ def _split_scenarios(ctx: click.Context, param: click.Parameter, value: tuple[st
 @click.option("--inflight", type=click.IntRange(min=1, max=65535), default=100, show_default=True)
 @click.option("--size", type=click.IntRange(min=16), default=100, show_default=True, help="Payload bytes.")
 @click.option("--subscribers", type=click.IntRange(min=1), default=10, show_default=True, help="fanout subscribers.")
+@click.option("--subscriber-client", type=click.Choice(["loadgen", "paho"]), default="loadgen", show_default=True,
+              help="fanout subscribers: our bulk-acking clients, or paho-mqtt 2.x clients (one PUBACK per "
+                   "message, like ordinary clients; needs pip install paho-mqtt).")
+@click.option("--max-inflight", type=click.IntRange(min=1, max=65535), default=None,
+              help="In-flight window of BOTH brokers (filemq --max-inflight, mosquitto max_inflight_messages); "
+                   "default: each its own (filemq 20, mosquitto 100).")
 @click.option("--rate", type=click.FloatRange(min=1), default=5000.0, show_default=True, help="latency msg/s.")
 @click.option("--kill-rounds", type=click.IntRange(min=1), default=200, show_default=True)
 @click.option("--backlog-mb", type=click.IntRange(min=1), default=1024, show_default=True,
@@ -247,7 +253,8 @@ def bench_broker(scenarios: tuple[str, ...], messages: int | None, publishers: i
                  idle_seconds: float, max_seconds: float, repeat: int, fsync: str, no_baselines: bool,
                  seed: int | None,
                  workdir: str | None, keep: bool, as_json: bool, protocol: str = "3.1.1",
-                 v5_properties: bool = False) -> None:
+                 v5_properties: bool = False, subscriber_client: str = "loadgen",
+                 max_inflight: int | None = None) -> None:
     """The broker's acceptance figures vs Debian mosquitto and amqtt, in the same run."""
     import json
     from pathlib import Path
@@ -260,12 +267,22 @@ def bench_broker(scenarios: tuple[str, ...], messages: int | None, publishers: i
             raise click.UsageError(f"--protocol 5 runs the ingest and fanout scenarios only, not {', '.join(other)}")
     elif v5_properties:
         raise click.UsageError("--v5-properties needs --protocol 5")
+    if subscriber_client == "paho":
+        from bench.paho_sub import PahoMissing, require_paho
+
+        if protocol == "5":
+            raise click.UsageError("--subscriber-client paho runs with --protocol 3.1.1 only")
+        try:
+            require_paho()
+        except PahoMissing as exc:
+            raise click.ClickException(str(exc)) from exc
     opts = BrokerBenchOptions(
         messages=messages, publishers=publishers, inflight=inflight, size=size, subscribers=subscribers,
         rate=rate, kill_rounds=kill_rounds, backlog_mb=backlog_mb, idle_clients=idle_clients,
         idle_seconds=idle_seconds, max_seconds=max_seconds, repeat=repeat, fsync=fsync, seed=seed,
         workdir=Path(workdir) if workdir else None, keep=keep, baselines=not no_baselines,
         protocol=5 if protocol == "5" else 4, v5_properties=v5_properties,
+        subscriber_client=subscriber_client, max_inflight=max_inflight,
     )
     for result in run_broker_bench(list(scenarios), opts, lambda msg: click.echo(msg, err=True)):
         click.echo(json.dumps(result) if as_json else summary_line(result))

@@ -6,7 +6,8 @@ filemq (:mod:`bench.loadgen`):
 * **mosquitto** (Debian 2.0): default persistence (``persistence true`` with a
   ``persistence_location`` in the run's temporary directory; mosquitto writes its store only
   on autosave and at shutdown, so it acknowledges before anything is on disk),
-  ``max_inflight_messages 100`` and an unlimited queue (``max_queued_messages 0``) so a slow
+  ``max_inflight_messages 100`` (``filemq bench broker --max-inflight N`` sets it and filemq's
+  window to N) and an unlimited queue (``max_queued_messages 0``) so a slow
   subscriber is not silently dropped messages.
 * **amqtt**: the stock broker configuration (``amqtt -c``) with only the listener moved to
   a loopback port.
@@ -35,6 +36,7 @@ from filemq.mqtt.packets import CONNACK_ACCEPTED, Connack, Connect, Disconnect
 LOOPBACK = "127.0.0.1"
 MOSQUITTO = os.environ.get("FILEMQ_BENCH_MOSQUITTO", "/usr/sbin/mosquitto")
 _CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+MOSQUITTO_MAX_INFLIGHT = 100  # the baseline's max_inflight_messages unless a run sets both brokers' window
 
 
 class BrokerStartError(RuntimeError):
@@ -218,8 +220,10 @@ def mosquitto_available() -> bool:
 
 
 def start_mosquitto(workdir: Path, port: int | None = None, *, host: str = LOOPBACK,
-                    timeout: float = 10.0) -> BrokerProcess:
-    """Debian mosquitto with default persistence in ``workdir``; returns once it accepts CONNECT."""
+                    timeout: float = 10.0, max_inflight: int = MOSQUITTO_MAX_INFLIGHT) -> BrokerProcess:
+    """Debian mosquitto with default persistence in ``workdir``; returns once it accepts CONNECT.
+
+    ``max_inflight`` is its ``max_inflight_messages`` (QoS 1/2 deliveries in flight per client)."""
     if not mosquitto_available():
         raise BrokerStartError("mosquitto", f"{MOSQUITTO} not found (apt-get install mosquitto)")
     port = port or free_port(host)
@@ -232,7 +236,7 @@ def start_mosquitto(workdir: Path, port: int | None = None, *, host: str = LOOPB
         "allow_anonymous true\n"
         "persistence true\n"
         f"persistence_location {store}/\n"
-        "max_inflight_messages 100\n"
+        f"max_inflight_messages {max_inflight}\n"
         # 0 = no limit in mosquitto 2.0: a backlogged subscriber must not lose messages.
         "max_queued_messages 0\n"
         "log_dest stderr\n"

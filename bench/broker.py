@@ -37,6 +37,7 @@ from typing import Any
 
 from bench.baselines import (
     LOOPBACK,
+    MOSQUITTO_MAX_INFLIGHT,
     BrokerProcess,
     BrokerStartError,
     free_port,
@@ -53,6 +54,8 @@ from bench.loadgen import (
     run_load,
     run_null_sink,
 )
+from bench.paho_sub import require_paho
+from filemq.common.config import BrokerSection
 from filemq.mqtt.codec import Decoder, ProtocolError, encode, encode_puback
 from filemq.mqtt.packets import (
     PROTOCOL_LEVEL,
@@ -96,24 +99,31 @@ class BrokerBenchOptions:
     baselines: bool = True
     protocol: int = PROTOCOL_LEVEL  # 5: ingest and fanout with MQTT 5 clients (bench.broker5)
     v5_properties: bool = False  # MQTT 5 PUBLISHes carry a content type and a user property
+    subscriber_client: str = "loadgen"  # fanout subscribers: "loadgen" (bulk acks) or "paho" (bench.paho_sub)
+    max_inflight: int | None = None  # both brokers' in-flight window; None = each broker's own default
     _backlog_dir: Path | None = field(default=None, repr=False)
 
 
 # --------------------------------------------------------------------------- filemq process
 
 
-def filemq_argv(data_dir: Path, port: int, fsync: str = "always", host: str = LOOPBACK) -> list[str]:
-    """The ``filemq broker`` command line, run through this interpreter (no PATH needed)."""
-    return [sys.executable, str(CLI_PATH), "broker", "--data-dir", str(data_dir), "--host", host,
+def filemq_argv(data_dir: Path, port: int, fsync: str = "always", host: str = LOOPBACK,
+                max_inflight: int | None = None) -> list[str]:
+    """The ``filemq broker`` command line, run through this interpreter (no PATH needed);
+    ``max_inflight`` None = the broker's default window."""
+    argv = [sys.executable, str(CLI_PATH), "broker", "--data-dir", str(data_dir), "--host", host,
             "--port", str(port), "--fsync", fsync]
+    return argv + (["--max-inflight", str(max_inflight)] if max_inflight is not None else [])
 
 
 def start_filemq(data_dir: Path, port: int | None = None, *, fsync: str = "always",
-                 log_path: Path | None = None, wait: bool = True, timeout: float = 30.0) -> BrokerProcess:
+                 log_path: Path | None = None, wait: bool = True, timeout: float = 30.0,
+                 max_inflight: int | None = None) -> BrokerProcess:
     """Spawn ``filemq broker`` on ``data_dir``; with ``wait``, return once it answers CONNECT."""
     port = port or free_port()
     log_path = log_path or data_dir.parent / f"{data_dir.name}-broker.log"
-    broker = spawn("filemq", filemq_argv(data_dir, port, fsync), LOOPBACK, port, log_path)
+    broker = spawn("filemq", filemq_argv(data_dir, port, fsync, max_inflight=max_inflight), LOOPBACK, port,
+                   log_path)
     if wait:
         broker.wait_ready(timeout)
     return broker
@@ -129,6 +139,24 @@ def _workdir(opts: BrokerBenchOptions, name: str) -> Iterator[Path]:
     finally:
         if not opts.keep:
             shutil.rmtree(path, ignore_errors=True)
+
+
+def windows(opts: BrokerBenchOptions) -> dict[str, int]:
+    """The in-flight windows a run's brokers use: ``--max-inflight`` for both, else filemq's
+    default (``[broker] max_inflight``) and the mosquitto baseline's configured one."""
+    if opts.max_inflight is not None:
+        return {"filemq_max_inflight": opts.max_inflight, "mosquitto_max_inflight": opts.max_inflight}
+    return {"filemq_max_inflight": BrokerSection().max_inflight, "mosquitto_max_inflight": MOSQUITTO_MAX_INFLIGHT}
+
+
+def windows_text(opts: BrokerBenchOptions) -> str:
+    w = windows(opts)
+    return f"in-flight window filemq {w['filemq_max_inflight']}, mosquitto {w['mosquitto_max_inflight']}"
+
+
+def start_mosquitto_for(opts: BrokerBenchOptions, workdir: Path) -> BrokerProcess:
+    """The mosquitto baseline with the run's in-flight window."""
+    return start_mosquitto(workdir, max_inflight=windows(opts)["mosquitto_max_inflight"])
 
 
 def _rnd(x: float, digits: int = 1) -> float:
@@ -151,9 +179,10 @@ def scenario_ingest(opts: BrokerBenchOptions, say: Progress) -> dict[str, Any]:
     """Durable QoS 1 ingest: PUBACKs/s for filemq (fsync as given) vs mosquitto and amqtt."""
     messages = opts.messages or 200_000
     out: dict[str, Any] = {"bench": "broker", "scenario": "ingest", "publishers": opts.publishers,
-                           "inflight": opts.inflight, "payload_bytes": opts.size, "fsync": opts.fsync}
+                           "inflight": opts.inflight, "payload_bytes": opts.size, "fsync": opts.fsync,
+                           **windows(opts)}
     say(f"ingest: {opts.publishers} publishers x {opts.inflight} in flight, QoS 1, {opts.size}-byte payloads, "
-        f"up to {messages:,} messages or {opts.max_seconds:.0f} s per broker")
+        f"up to {messages:,} messages or {opts.max_seconds:.0f} s per broker; {windows_text(opts)}")
     sink = run_null_sink(opts.publishers, max(messages, 400_000), opts.size, opts.inflight, max_seconds=opts.max_seconds)
     out["generator_ceiling_acks_per_s"] = round(sink.ack_rate)
     say(f"  load generator ceiling (null sink): {sink.ack_rate:,.0f} PUBACKs/s")
@@ -229,9 +258,9 @@ def _alternate(opts: BrokerBenchOptions, work: Path, run: Callable[[BrokerProces
     a fresh data directory.  amqtt (a fixed-time run far from its target) runs once.
     """
     starters: list[tuple[str, Callable[[Path], BrokerProcess]]] = [
-        ("filemq", lambda d: start_filemq(d / "data", fsync=opts.fsync))]
+        ("filemq", lambda d: start_filemq(d / "data", fsync=opts.fsync, max_inflight=opts.max_inflight))]
     if opts.baselines and mosquitto_available():
-        starters.append(("mosquitto", start_mosquitto))
+        starters.append(("mosquitto", lambda d: start_mosquitto_for(opts, d)))
     if opts.baselines and amqtt:
         starters.append(("amqtt", start_amqtt))
     runs: dict[str, list[LoadResult]] = {}
@@ -254,7 +283,7 @@ def _fanout_run(broker: BrokerProcess, opts: BrokerBenchOptions, messages: int, 
                 protocol: int = PROTOCOL_LEVEL, properties: Properties | None = None) -> LoadResult:
     subs = [SubscriberSpec(broker.host, broker.port, f"bench-fan-sub-{i}", "bench/fanout/#", qos=1,
                            clean_session=False, idle_seconds=5.0, max_seconds=opts.max_seconds * 4,
-                           protocol=protocol)
+                           protocol=protocol, client=opts.subscriber_client)
             for i in range(opts.subscribers)]
     per = max(messages // opts.publishers, 1)
     pubs = [PublisherSpec(broker.host, broker.port, f"bench-fan-pub-{i}", f"bench/fanout/{i}", per, opts.size,
@@ -263,13 +292,19 @@ def _fanout_run(broker: BrokerProcess, opts: BrokerBenchOptions, messages: int, 
     return run_load(pubs, subs, timeout=opts.max_seconds * 6)
 
 
+_CLIENT_TEXT = {"loadgen": "loadgen clients, bulk PUBACKs", "paho": "paho-mqtt clients, one PUBACK per message"}
+
+
 def scenario_fanout(opts: BrokerBenchOptions, say: Progress) -> dict[str, Any]:
     """Deliveries/s across persistent QoS 1 subscribers (subscribed before the load)."""
     messages = opts.messages or 20_000
+    if opts.subscriber_client == "paho":
+        require_paho()  # before any broker starts
     out: dict[str, Any] = {"bench": "broker", "scenario": "fanout", "subscribers": opts.subscribers,
-                           "publishers": opts.publishers, "fsync": opts.fsync}
-    say(f"fanout: {opts.subscribers} persistent QoS 1 subscribers, {messages:,} messages from "
-        f"{opts.publishers} publishers")
+                           "publishers": opts.publishers, "fsync": opts.fsync,
+                           "subscriber_client": opts.subscriber_client, **windows(opts)}
+    say(f"fanout: {opts.subscribers} persistent QoS 1 subscribers ({_CLIENT_TEXT[opts.subscriber_client]}), "
+        f"{messages:,} messages from {opts.publishers} publishers; {windows_text(opts)}")
 
     with _workdir(opts, "fanout") as work:
         runs = _alternate(opts, work, lambda b: _fanout_run(b, opts, messages), amqtt=False,
@@ -325,9 +360,9 @@ def scenario_latency(opts: BrokerBenchOptions, say: Progress) -> dict[str, Any]:
     say(f"latency: one publisher paced at {opts.rate:,.0f} msg/s ({messages:,} messages), one subscriber, QoS 1")
     with _workdir(opts, "latency") as work:
         runs: list[tuple[str, Callable[[], BrokerProcess]]] = [
-            ("filemq", lambda: start_filemq(work / "data", fsync=opts.fsync))]
+            ("filemq", lambda: start_filemq(work / "data", fsync=opts.fsync, max_inflight=opts.max_inflight))]
         if opts.baselines and mosquitto_available():
-            runs.append(("mosquitto", lambda: start_mosquitto(work / "mosquitto")))
+            runs.append(("mosquitto", lambda: start_mosquitto_for(opts, work / "mosquitto")))
         for name, starter in runs:
             with starter() as broker:
                 figures = _latency_run(broker, opts, messages)
@@ -861,6 +896,14 @@ def run_broker_bench(scenarios: list[str], opts: BrokerBenchOptions, say: Progre
                 raise ValueError(f"unknown scenario {name!r}; choose from {', '.join(SCENARIOS)} or all")
 
 
+def _fanout_setup(result: dict[str, Any]) -> str:
+    """'; paho subscribers, in-flight window filemq 20 / mosquitto 20' (when the result says)."""
+    if "subscriber_client" not in result:
+        return ""
+    return (f"; {result['subscriber_client']} subscribers, in-flight window filemq "
+            f"{result.get('filemq_max_inflight', '-')} / mosquitto {result.get('mosquitto_max_inflight', '-')}")
+
+
 def summary_line(result: dict[str, Any]) -> str:
     """One human line per scenario result (what ``filemq bench broker`` prints without --json)."""
     if result.get("protocol") == 5:
@@ -878,7 +921,7 @@ def summary_line(result: dict[str, Any]) -> str:
     if s == "fanout":
         return (f"fanout   filemq {result['filemq_deliveries_per_s']:,} deliveries/s; "
                 f"vs mosquitto {result.get('ratio_vs_mosquitto', '-')}x (>= 0.5)  [{ok}]\n"
-                f"         {_cpu_text(result, ('mosquitto',))} per delivery")
+                f"         {_cpu_text(result, ('mosquitto',))} per delivery{_fanout_setup(result)}")
     if s == "latency":
         ref = (f"; mosquitto p99 {result['mosquitto_p99_ms']} ms" if "mosquitto_p99_ms" in result else "")
         return (f"latency  filemq p50 {result['filemq_p50_ms']} ms, p99 {result['filemq_p99_ms']} ms, "

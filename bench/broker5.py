@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.baselines import BrokerProcess, mosquitto_available, start_mosquitto
+from bench.baselines import BrokerProcess, mosquitto_available
 from bench.broker import (
     BrokerBenchOptions,
     Progress,
@@ -37,6 +37,9 @@ from bench.broker import (
     _rnd,
     _workdir,
     start_filemq,
+    start_mosquitto_for,
+    windows,
+    windows_text,
 )
 from bench.loadgen import LoadResult, run_null_sink
 from filemq.mqtt.packets import PROTOCOL_LEVEL, PROTOCOL_LEVEL_5, Properties
@@ -66,8 +69,8 @@ def contenders(opts: BrokerBenchOptions) -> list[Contender]:
 
 def _start(contender: Contender, opts: BrokerBenchOptions, work: Path) -> BrokerProcess:
     if contender.broker == "mosquitto":
-        return start_mosquitto(work)
-    return start_filemq(work / "data", fsync=opts.fsync)
+        return start_mosquitto_for(opts, work)
+    return start_filemq(work / "data", fsync=opts.fsync, max_inflight=opts.max_inflight)
 
 
 def _properties(opts: BrokerBenchOptions, contender: Contender) -> Properties | None:
@@ -162,7 +165,7 @@ def _ratios(out: dict[str, Any], rate_key: str) -> None:
 def _header(opts: BrokerBenchOptions, scenario: str) -> dict[str, Any]:
     return {"bench": "broker", "scenario": scenario, "protocol": 5, "v5_properties": opts.v5_properties,
             "publishers": opts.publishers, "inflight": opts.inflight, "payload_bytes": opts.size,
-            "fsync": opts.fsync}
+            "fsync": opts.fsync, **windows(opts)}
 
 
 def _props_text(opts: BrokerBenchOptions) -> str:
@@ -175,7 +178,8 @@ def scenario_ingest5(opts: BrokerBenchOptions, say: Progress) -> dict[str, Any]:
     messages = opts.messages or 200_000
     out = _header(opts, "ingest")
     say(f"ingest (MQTT 5): {opts.publishers} publishers x {opts.inflight} in flight, QoS 1, {opts.size}-byte "
-        f"payloads, {_props_text(opts)}; up to {messages:,} messages or {opts.max_seconds:.0f} s per broker")
+        f"payloads, {_props_text(opts)}; up to {messages:,} messages or {opts.max_seconds:.0f} s per broker; "
+        f"{windows_text(opts)}")
     sink = run_null_sink(opts.publishers, max(messages, 400_000), opts.size, opts.inflight,
                          max_seconds=opts.max_seconds, protocol=PROTOCOL_LEVEL_5,
                          properties=V5_PROPERTIES if opts.v5_properties else None)
@@ -204,7 +208,7 @@ def scenario_fanout5(opts: BrokerBenchOptions, say: Progress) -> dict[str, Any]:
     out = _header(opts, "fanout")
     out["subscribers"] = opts.subscribers
     say(f"fanout (MQTT 5): {opts.subscribers} persistent QoS 1 subscribers, {messages:,} messages from "
-        f"{opts.publishers} publishers, {_props_text(opts)}")
+        f"{opts.publishers} publishers, {_props_text(opts)}; {windows_text(opts)}")
 
     def run(broker: BrokerProcess, c: Contender) -> LoadResult:
         return _fanout_run(broker, opts, messages, protocol=c.protocol, properties=_properties(opts, c))

@@ -547,6 +547,7 @@ class SubscriberSpec:
     idle_seconds: float = 5.0  # give up after this long without a message once the load is over
     max_seconds: float = 120.0
     protocol: int = PROTOCOL_LEVEL  # 5: MQTT 5 CONNECT (session expiry when persistent) and SUBSCRIBE
+    client: str = "loadgen"  # "paho": a paho-mqtt 2.x client, one PUBACK per message (bench.paho_sub)
 
 
 @dataclass
@@ -721,6 +722,12 @@ def run_load(publishers: Sequence[PublisherSpec], subscribers: Sequence[Subscrib
     Subscribers stop once they received the publishers' total acked count (QoS 1 at
     least once: a duplicate counts as delivered), or after their idle timeout.
     """
+    targets = {"loadgen": subscriber_main}
+    if any(s.client == "paho" for s in subscribers):
+        from bench.paho_sub import paho_subscriber_main, require_paho
+
+        require_paho()
+        targets["paho"] = paho_subscriber_main
     out = _CTX.Queue()
     expected: Synchronized[int] = _CTX.Value("q", -1)
     start = _CTX.Event()
@@ -729,7 +736,7 @@ def run_load(publishers: Sequence[PublisherSpec], subscribers: Sequence[Subscrib
     try:
         for sspec in subscribers:
             ready = _CTX.Event()
-            proc = _CTX.Process(target=subscriber_main, args=(sspec, ready, expected, out), daemon=True)
+            proc = _CTX.Process(target=targets[sspec.client], args=(sspec, ready, expected, out), daemon=True)
             proc.start()
             procs.append(proc)
             if not ready.wait(30):

@@ -47,12 +47,17 @@ def test_version_names_the_build() -> None:
     result = CliRunner().invoke(cli.main, ["--version"])
     assert result.exit_code == 0, result.output
     line = result.output.strip()
-    assert re.fullmatch(r"filemq \S+ \((pure Python|compiled with mypyc: \d+ modules)\)", line), line
+    assert re.fullmatch(r"filemq \S+ \((pure Python|compiled with mypyc: \d+ modules); "
+                        r"event loop: (uvloop \S+|asyncio \(uvloop not installed\))\)", line), line
     compiled = build.compiled_modules()
     if compiled:
-        assert line.endswith(f"(compiled with mypyc: {len(compiled)} modules)")
+        assert f"(compiled with mypyc: {len(compiled)} modules;" in line
     else:
-        assert line.endswith("(pure Python)")
+        assert "(pure Python;" in line
+    from filemq.ops.eventloop import uvloop_version
+
+    uv = uvloop_version()
+    assert line.endswith(f"event loop: uvloop {uv})" if uv else "event loop: asyncio (uvloop not installed))")
 
 
 def test_hot_path_lists_existing_modules() -> None:
@@ -76,10 +81,10 @@ def test_this_run_is_the_build_it_expects() -> None:
         assert compiled == hot, (sorted(hot - compiled), sorted(compiled - hot))
         codec = importlib.import_module("filemq.mqtt.codec")
         assert str(codec.__file__).endswith(tuple(importlib.machinery.EXTENSION_SUFFIXES)), codec.__file__
-        assert build.build_description().endswith(f"(compiled with mypyc: {len(hot)} modules)")
+        assert f"(compiled with mypyc: {len(hot)} modules;" in build.build_description()
     else:
         assert compiled == set(), sorted(compiled)
-        assert build.build_description().endswith("(pure Python)")
+        assert "(pure Python;" in build.build_description()
 
 
 def test_mypyc_marker_is_a_no_op_without_mypy_extensions(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -22,7 +22,7 @@ from collections.abc import Callable
 
 from filemq.broker import Broker
 from filemq.broker.metrics import backlog_status
-from filemq.common.config import Config, ConfigError
+from filemq.common.config import Config, ConfigError, broker_listeners
 from filemq.ops.service import Sidecar, run_until_signalled, serve_until_signalled
 from worker_agent.exports import Exports
 from worker_agent.exports import describe as describe_exports
@@ -147,4 +147,5 @@ def tune_gc() -> None:
 def run_agent(config: Config, ready: Callable[[str], None] | None = None) -> int:
     """``filemq agent``: run until SIGTERM/SIGINT in a new event loop; the exit code."""
     tune_gc()
-    return run_until_signalled(serve_agent(config, ready), name="agent", log=log)
+    return run_until_signalled(serve_agent(config, ready), name="agent", log=log, event_loop=config.broker.event_loop,
+                               tls=any(lst.tls_cert is not None for lst in broker_listeners(config)))

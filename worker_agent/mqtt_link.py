@@ -98,7 +98,7 @@ class _Connection(asyncio.Protocol):
         self._paused = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
+        transport = cast(asyncio.Transport, transport)  # (uvloop transports do not subclass it)
         self.transport = transport
 
     def data_received(self, data: bytes) -> None:

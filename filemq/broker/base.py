@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from filemq.broker.session import CONNECTED, Connection
 from filemq.broker.sessions import SessionSnapshot, SessionStore
 from filemq.broker.state import (
+    JOURNAL_INTERVAL_S,
     PERSIST_DELAY_S,
     PublishHook,
     SessionState,
@@ -115,7 +116,8 @@ class CoreBase:
         self._to_pump: set[Connection] = set()
         self._repump_scheduled = False
         self._flush_scheduled = False  # a flush_soon() is pending for this loop pass
-        self._journal_scheduled = False  # a progress-journal append is pending for this pass
+        self._journal_scheduled = False  # a progress-journal append is pending (this pass or timed)
+        self._journal_at = 0.0  # loop.time() of the last progress-journal append
         self._acked = False  # group acks since the last persistence nudge
         self._persist_handle: asyncio.TimerHandle | None = None
         self._persist_task: asyncio.Task[None] | None = None
@@ -153,6 +155,8 @@ class CoreBase:
         self._journal_scheduled = False
         if self._acked:
             self._acked = False
+            loop = asyncio.get_running_loop()
+            self._journal_at = loop.time()
             self.queue.journal_progress()
             if self._persist_handle is None:
                 self._persist_handle = asyncio.get_running_loop().call_later(
@@ -161,10 +165,15 @@ class CoreBase:
     def flush(self) -> None:
         """Write every connection's queued output with one transport write each."""
         if self._acked and not self._journal_scheduled:
-            # One journal append per loop pass with acks, after all of the pass's reads: a
-            # kill -9 re-delivers only the acks of about one pass.
+            # One journal append after the loop pass of the first acks, and at most one per
+            # JOURNAL_INTERVAL_S: a kill -9 re-delivers only the acks of about that long.
             self._journal_scheduled = True
-            asyncio.get_running_loop().call_soon(self._journal_pass)
+            loop = asyncio.get_running_loop()
+            wait = self._journal_at + JOURNAL_INTERVAL_S - loop.time()
+            if wait > 0:
+                loop.call_later(wait, self._journal_pass)
+            else:
+                loop.call_soon(self._journal_pass)
         if self._to_pump:
             # Window room freed by the acks of one read is filled with one fetch, not one each.
             to_pump, self._to_pump = self._to_pump, set()

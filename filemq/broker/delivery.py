@@ -46,9 +46,10 @@ _retain_of = itemgetter(5)
 _headers_of = itemgetter(6)
 _group_of_sent = itemgetter(1)  # SentRecord.group
 _ONLY_SENT = {SentRecord}
-# Reads with at least this many PUBACKs take on_pubacks' bulk path (below it, its sets and
-# lists cost more than the per-id loop: docs/PERFORMANCE.md, row F2'').
-_BULK_ACKS = 8
+# Reads with at least this many PUBACKs take on_pubacks' bulk path; below it its sets and
+# lists cost more than the per-id loop (callgrind, WINDOW=20: +8 % Ir per delivery at 5 per
+# read, +1.4 % at 10, -3.6 % at 20, -8 % at 100; docs/PERFORMANCE.md).
+_BULK_ACKS = 16
 # A SentRecord from a tuple of its fields, in C (SentRecord(...) runs Python-level __new__).
 _sent_record = cast(Callable[[Iterable[Any]], SentRecord], functools.partial(tuple.__new__, SentRecord))
 

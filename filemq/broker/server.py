@@ -28,7 +28,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from filemq.broker.acl import Acl
 from filemq.broker.auth import PasswordFile
@@ -133,7 +133,7 @@ class _TlsGate(asyncio.Protocol):
         self.task: asyncio.Task[None] | None = None  # referenced: the loop only holds tasks weakly
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
+        transport = cast(asyncio.Transport, transport)  # (uvloop transports do not subclass it)
         transport.pause_reading()  # the ClientHello is for the TLS layer start_tls puts in
         self.pending = _Handshaking(transport)
         self.half_open.admit(self.pending)  # type: ignore[arg-type]
@@ -203,7 +203,7 @@ class _MQTTProtocol(asyncio.Protocol):
         self.accepted_at = time.monotonic()  # made at the accept, before any TLS handshake
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
+        transport = cast(asyncio.Transport, transport)  # (uvloop transports do not subclass it)
         peername = transport.get_extra_info("peername")
         peer = f"{peername[0]}:{peername[1]}" if isinstance(peername, tuple) else str(peername)
         core = self.core

@@ -38,6 +38,10 @@ _PUBREL = 0x62
 _PUBCOMP = 0x70
 RETAINED_OUT_HIGH = 256 * 1024  # retained PUBLISH bytes queued in one connection's output at once
 PERSIST_DELAY_S = 0.1  # group offsets are written this long after subscriber acks
+# Acked progress goes to the progress journal at most this often (after the loop pass of the
+# first ack since the last append): a kill -9 re-delivers the in-flight window plus at most
+# this long of acks, and a busy loop of small reads appends once per interval, not per pass.
+JOURNAL_INTERVAL_S = 0.001
 _MAX_PUMP = 1000  # records pushed to one connection per wake-up before yielding the loop
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from typing import Any
+from typing import Any, cast
 
 from wsproto import ConnectionType, WSConnection
 from wsproto.connection import ConnectionState
@@ -95,7 +95,7 @@ class WebSocketProtocol(asyncio.Protocol):
         self.peer = "?"
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
+        transport = cast(asyncio.Transport, transport)  # (uvloop transports do not subclass it)
         self.raw = transport
         peername = transport.get_extra_info("peername")
         self.peer = f"{peername[0]}:{peername[1]}" if isinstance(peername, tuple) else str(peername)

@@ -111,6 +111,8 @@ class BrokerSection:
     auto_subscribe: tuple[AutoSubscribe, ...] = field(
         default=(), metadata=_spec(_auto_subscribe)
     )
+    # The asyncio event loop: uvloop where installed ("auto"), or insist on one (filemq.ops.eventloop).
+    event_loop: str = field(default="auto", metadata=_spec(_enum("auto", "uvloop", "asyncio")))
 
     def anonymous_allowed(self) -> bool:
         """Whether clients without a username may connect: ``allow_anonymous`` when set, else

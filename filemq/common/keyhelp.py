@@ -67,6 +67,8 @@ _KEY_HELP: dict[str, tuple[str, str, str]] = {
     "broker.tls_port": ("listener", "TLS listener port, used when --tls-cert is set", ""),
     "broker.tls_cert": ("security", "PEM certificate chain; enables the TLS listener", "no TLS"),
     "broker.tls_key": ("security", "PEM private key for the TLS certificate", "no TLS"),
+    "broker.event_loop": ("general", "asyncio event loop: auto = uvloop where installed, else the "
+                          "standard one; uvloop = refuse to start without it", ""),
     "broker.sys_interval_s": ("listener", "Seconds between $SYS/broker/... updates (0 = off)", ""),
     "broker.acl_denied_publish": ("security", "A PUBLISH the ACL denies: ack_drop acknowledges and "
                                   "drops it; disconnect closes the connection unacknowledged", ""),

@@ -14,7 +14,8 @@ from collections.abc import Callable
 
 from filemq.broker.metrics import backlog_status, broker_families, render_text
 from filemq.broker.server import Broker
-from filemq.common.config import Config
+from filemq.common.config import Config, broker_listeners
+from filemq.ops.eventloop import running_loop_name
 from filemq.ops.service import (
     EXIT_CONFIG,
     EXIT_OK,
@@ -38,7 +39,8 @@ async def serve(config: Config, ready: Callable[[str], None] | None = None,
         lg = broker.queue.log
         tls = f" (TLS on port {broker.tls_port})" if broker.tls_port else ""
         return (f"filemq broker listening on {broker.listening}{tls}, data dir {broker.data_dir}, "
-                f"{lg.next_offset - lg.first_offset} records, recovered in {broker.recovery_seconds * 1000:.0f} ms")
+                f"{lg.next_offset - lg.first_offset} records, recovered in {broker.recovery_seconds * 1000:.0f} ms, "
+                f"event loop {running_loop_name()}")
 
     def metrics(broker: Broker) -> Sidecar | None:
         if config.broker.metrics_port is None:
@@ -54,5 +56,7 @@ async def serve(config: Config, ready: Callable[[str], None] | None = None,
 
 
 def run_broker(config: Config, ready: Callable[[str], None] | None = None) -> int:
-    """Run the broker in a new event loop until SIGTERM/SIGINT; returns the exit code."""
-    return run_until_signalled(serve(config, ready), name="broker", log=log)
+    """Run the broker in a new event loop (``broker.event_loop``: uvloop where installed) until
+    SIGTERM/SIGINT; returns the exit code (2 for ``event_loop = "uvloop"`` without uvloop)."""
+    return run_until_signalled(serve(config, ready), name="broker", log=log, event_loop=config.broker.event_loop,
+                               tls=any(lst.tls_cert is not None for lst in broker_listeners(config)))

@@ -55,7 +55,11 @@ def version() -> str:
 
 def build_description() -> str:
     """``filemq 0.1.0 (pure Python)`` or ``filemq 0.1.0 (compiled with mypyc: 24 modules)``."""
+    from filemq.ops.eventloop import uvloop_version
+
     compiled = compiled_modules()
+    uv = uvloop_version()
+    loop = f"; event loop: uvloop {uv}" if uv else "; event loop: asyncio (uvloop not installed)"
     if not compiled:
-        return f"filemq {version()} (pure Python)"
-    return f"filemq {version()} (compiled with mypyc: {len(compiled)} modules)"
+        return f"filemq {version()} (pure Python{loop})"
+    return f"filemq {version()} (compiled with mypyc: {len(compiled)} modules{loop})"

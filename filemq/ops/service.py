@@ -25,6 +25,7 @@ from typing import Any, Protocol, TypeVar
 
 from filemq.common.config import ConfigError
 from filemq.ops import sdnotify
+from filemq.ops.eventloop import loop_factory
 
 EXIT_OK = 0
 EXIT_RUNTIME = 1
@@ -163,10 +164,22 @@ def _start_systemd_pings(service: S, line: str, status: Callable[[S], str] | Non
     return asyncio.create_task(ping(), name="filemq-systemd-notify")
 
 
-def run_until_signalled(main: Coroutine[Any, Any, int], *, name: str, log: logging.Logger) -> int:
-    """Run ``main`` (a :func:`serve_until_signalled` call) in a new event loop; the exit code."""
+def run_until_signalled(main: Coroutine[Any, Any, int], *, name: str, log: logging.Logger,
+                        event_loop: str = "asyncio", tls: bool = False) -> int:
+    """Run ``main`` (a :func:`serve_until_signalled` call) in a new event loop, the one
+    ``event_loop`` names (:func:`filemq.ops.eventloop.loop_factory`: ``auto`` = uvloop where
+    installed; ``tls``: the service has a TLS listener); the exit code (2 if that loop cannot
+    be had)."""
     try:
-        return asyncio.run(main)
+        loop_name, factory = loop_factory(event_loop, tls=tls)
+    except ConfigError as exc:
+        main.close()  # never awaited
+        log.error("%s", exc)
+        return EXIT_CONFIG
+    log.info("%s: event loop %s", name, loop_name)
+    try:
+        with asyncio.Runner(loop_factory=factory) as runner:
+            return runner.run(main)
     except KeyboardInterrupt:  # a second Ctrl-C during shutdown
         return EXIT_RUNTIME
     except Exception:

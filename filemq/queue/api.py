@@ -317,7 +317,7 @@ class Queue:
                 now = (g.pending_offset, g.doing_offset)
                 if now != g.journaled:
                     g.journaled = now
-                    entries.append((g.directory.name, now[0], now[1]))
+                    entries.append((g.journal_key, now[0], now[1]))
         dirty.clear()
         if entries:
             try:

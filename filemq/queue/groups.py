@@ -199,6 +199,8 @@ class ConsumerGroup:
         self.name = name
         self.durable = durable
         self.directory = directory
+        # Its key in the progress journal (the directory's name; read per journal append).
+        self.journal_key = directory.name if directory is not None else ""
         self.created = created or datetime.now(UTC).isoformat(timespec="seconds")
         self.config = config or GroupConfig()
         self._stats = GroupStats()

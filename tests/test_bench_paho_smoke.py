@@ -1,0 +1,87 @@
+"""Tiny runs of `filemq bench broker --subscriber-client paho` and `--max-inflight N`.
+
+The fanout scenario with off-the-shelf paho-mqtt 2.x subscribers (one PUBACK per message,
+like the held-out clients of issue 16) and one in-flight window for both brokers.  Checks
+that every broker delivered every message and that the CPU figures are there; never a
+timing threshold.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+from click.testing import CliRunner
+
+from bench.baselines import mosquitto_available, start_mosquitto
+from bench.broker import BrokerBenchOptions, filemq_argv, scenario_fanout, summary_line
+from cli import main
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
+
+needs_mosquitto = pytest.mark.skipif(not mosquitto_available(),
+                                     reason="Debian mosquitto (/usr/sbin/mosquitto) is not installed")
+
+MESSAGES = 3000  # a few CPU clock ticks (10 ms) per broker
+
+
+@needs_mosquitto
+def test_fanout_with_paho_subscribers_delivers_every_message_through_the_cli(tmp_path):
+    args = ["bench", "broker", "--scenario", "fanout", "--subscriber-client", "paho", "--max-inflight", "20",
+            "--messages", str(MESSAGES), "--publishers", "2", "--subscribers", "2", "--max-seconds", "10",
+            "--repeat", "1", "--workdir", str(tmp_path), "--json"]
+    run = CliRunner().invoke(main, args)
+    assert run.exit_code == 0, run.output
+    (out,) = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+    assert out["scenario"] == "fanout"
+    assert out["subscriber_client"] == "paho"
+    assert out["filemq_max_inflight"] == 20 and out["mosquitto_max_inflight"] == 20
+    for name in ("filemq", "mosquitto"):
+        assert out[f"{name}_published"] == MESSAGES, out
+        assert out[f"{name}_delivered"] == MESSAGES * 2, out
+        assert out[f"{name}_deliveries_per_s"] > 0
+        assert out[f"{name}_cpu_us_per_msg"] > 0  # per delivery
+        assert f"{name}_errors" not in out
+    assert out["cpu_ratio_vs_mosquitto"] > 0
+    assert "paho" in run.stderr and "in-flight window filemq 20, mosquitto 20" in run.stderr
+    assert "CPU" in summary_line(out)
+    assert "paho subscribers, in-flight window filemq 20 / mosquitto 20" in summary_line(out)
+    assert not list(tmp_path.iterdir()), "the bench left its data directories behind"
+
+
+@needs_mosquitto
+def test_default_windows_stay_each_brokers_own(tmp_path):
+    """Without --max-inflight: filemq's default window (20) and today's mosquitto config (100),
+    reported in the JSON; mosquitto's configuration file says 100."""
+    opts = BrokerBenchOptions(messages=MESSAGES, publishers=2, subscribers=2, max_seconds=10.0, repeat=1,
+                              workdir=tmp_path)
+    assert opts.subscriber_client == "loadgen" and opts.max_inflight is None
+    out = scenario_fanout(opts, lambda _msg: None)
+    assert out["subscriber_client"] == "loadgen"
+    assert (out["filemq_max_inflight"], out["mosquitto_max_inflight"]) == (20, 100)
+    assert out["filemq_delivered"] == out["mosquitto_delivered"] == MESSAGES * 2
+    with start_mosquitto(tmp_path / "m") as broker:
+        assert broker.alive()
+    assert "max_inflight_messages 100\n" in (tmp_path / "m" / "mosquitto.conf").read_text()
+
+
+def test_max_inflight_reaches_both_brokers(tmp_path):
+    argv = filemq_argv(tmp_path / "data", 1883, max_inflight=7)
+    assert argv[argv.index("--max-inflight") + 1] == "7"
+    assert "--max-inflight" not in filemq_argv(tmp_path / "data", 1883)
+    if mosquitto_available():
+        with start_mosquitto(tmp_path / "m", max_inflight=7) as broker:
+            assert broker.alive()
+        assert "max_inflight_messages 7\n" in (tmp_path / "m" / "mosquitto.conf").read_text()
+
+
+def test_paho_missing_is_a_clear_error(monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "paho", None)
+    monkeypatch.setitem(sys.modules, "paho.mqtt", None)
+    monkeypatch.setitem(sys.modules, "paho.mqtt.client", None)
+    run = CliRunner().invoke(main, ["bench", "broker", "--scenario", "fanout", "--subscriber-client", "paho",
+                                    "--messages", "10", "--workdir", str(tmp_path)])
+    assert run.exit_code != 0
+    assert "pip install paho-mqtt" in run.output
+    assert not list(tmp_path.iterdir()), "no broker was started"

@@ -271,3 +271,28 @@ def test_the_no_local_publisher_map_keeps_the_latest_offsets_in_order(tmp_path: 
         await h.commit()
         assert [len(c.received()), len(d.received())] == [16, 2]
     run(main())
+
+
+def test_paho_burst_of_qos1_publishes_is_acknowledged_delivered_in_order_and_not_echoed(tmp_path: Path) -> None:
+    """paho-mqtt 2.x, real sockets: 400 equal-shaped QoS 1 PUBLISHes sent without waiting
+    (paho's 20 in flight, so a read may carry several) all get PUBACK 0 (3.4.2.1); a subscriber gets
+    them in order (4.6), and the publisher's own no-local subscription none (MQTT-3.8.3-3)."""
+    from paho.mqtt.subscribeoptions import SubscribeOptions
+
+    from tests.test_broker_mqtt5_publish import Paho5, _broker
+
+    b = _broker(tmp_path)
+    try:
+        sub = Paho5(b.port, "sub")
+        assert sub.subscribe("burst/#", SubscribeOptions(qos=1)) == [1]
+        pub = Paho5(b.port, "pub")
+        assert pub.subscribe("burst/#", SubscribeOptions(qos=1, noLocal=True)) == [1]
+        mids = [pub.c.publish("burst/t", f"{i:06}".encode(), 1).mid for i in range(400)]
+        acks = [pub.acks.get(timeout=30) for _ in mids]
+        assert sorted(acks) == sorted((mid, 0) for mid in mids)
+        assert [sub.get(30).payload for _ in mids] == [f"{i:06}".encode() for i in range(400)]
+        assert pub.none_within(0.3)
+        sub.close()
+        pub.close()
+    finally:
+        b.stop()

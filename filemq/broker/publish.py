@@ -9,7 +9,7 @@ import functools
 import logging
 import struct
 import time
-from collections import Counter, OrderedDict
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Sequence
 from itertools import repeat
 from typing import TYPE_CHECKING, Any
@@ -235,10 +235,10 @@ class PublishMixin(CoreBase):
             self._append_run(conn, topics, payloads, retains, pids)
 
     def on_publish_run(self, conn: Connection, run: PublishRun) -> None:
-        """A :class:`PublishRun` (MQTT 3.1.1, one topic, QoS, RETAIN and DUP flag): the same
-        outcome as :meth:`on_publishes` of its messages; a QoS 1 run that passes its checks
-        (made once, for the topic and the largest payload) is stored without a step per
-        message."""
+        """A :class:`PublishRun` (one topic, QoS, RETAIN and DUP flag; MQTT 5: QoS 1 without
+        properties, whose Receive Maximum room the connection checked): the same outcome as
+        :meth:`on_publishes` of its messages; a QoS 1 run that passes its checks (made once,
+        for the topic and the largest payload) is stored without a step per message."""
         topic = run.topic
         payloads = run.payloads
         limit = self.config.message_size_limit
@@ -307,8 +307,9 @@ class PublishMixin(CoreBase):
             # No local (MQTT-3.8.3-3): who published each offset, as on_publish notes it.
             publishers = self.publishers()
             publishers.update(zip(range(first, first + n), repeat(conn.client_id)))
-            while len(publishers) > PUBLISHERS_KEPT:
-                publishers.popitem(last=False)
+            excess = len(publishers) - PUBLISHERS_KEPT
+            if excess > 0:  # the oldest out, popitem(last=False) each, called by C (no bytecode per message)
+                deque(map(publishers.popitem, repeat(False, excess)), 0)
         # The run's Records built in C: zip yields each one's fields, tuple.__new__ makes the
         # Record of them (NamedTuple.__new__ is a Python function; no bytecode runs per record).
         pending.append((list(map(_new_record, zip(range(first, first + n), repeat(ts), topics, payloads,

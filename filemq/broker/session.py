@@ -103,6 +103,17 @@ def _publish_aliased(topic: str, alias: int, payload: bytes, qos: int, dup: bool
                           headers + bytes((0x23, alias >> 8, alias & 0xFF)))
 
 
+def _expand(packets: Sequence[object]) -> list[object]:
+    """``packets`` with each :class:`PublishRun` as one :class:`Publish` per message."""
+    out: list[object] = []
+    for p in packets:
+        if type(p) is PublishRun:
+            out += p.publishes()
+        else:
+            out.append(p)
+    return out
+
+
 class Transport(Protocol):
     """The two things a connection needs from its socket (asyncio.Transport satisfies it)."""
 
@@ -317,6 +328,8 @@ class Connection:
                 self._handle_runs(packets)
             else:
                 self._handle_runs5(packets)
+        elif packets and type(packets[0]) is PublishRun and self.protocol_level == PROTOCOL_LEVEL_5:
+            self._handle_runs5(packets)  # (its Receive Maximum check)
         else:
             self._dispatch(packets)
 
@@ -324,20 +337,43 @@ class Connection:
         """MQTT 5, connected: a run of QoS 1 PUBLISHes without properties (no topic alias,
         nothing to store but topic and payload) goes to the core in one call, as 3.1.1's do,
         when our Receive Maximum has room for all of it (3.2.2.3.3; otherwise, and for every
-        other packet, one at a time, so a 0x93 comes at the very PUBLISH over the limit)."""
-        core = self.core
+        other packet, one at a time, so a 0x93 comes at the very PUBLISH over the limit).
+        The decoder's :class:`PublishRun` (QoS 1, no properties) counts each of its messages
+        and goes to ``on_publish_run`` whole when there is room, else one :class:`Publish` at a
+        time."""
+        limit = self.core.config.receive_maximum
         n = len(packets)
         i = 0
         while i < n:
             j = i
+            count = 0
             while j < n:
                 p = packets[j]
-                if type(p) is not Publish or p.qos != 1 or p.properties is not None:
+                if type(p) is PublishRun:
+                    count += len(p.payloads)
+                elif type(p) is not Publish or p.qos != 1 or p.properties is not None:
                     break
+                else:
+                    count += 1
                 j += 1
-            if j - i > 1 and self._unacknowledged() + (j - i) <= core.config.receive_maximum:
-                if not self._publishes(packets[i:j]):
-                    return
+            # Room: the cheap upper bound of the unacknowledged count first (as _inbound5).
+            if count > 1 and (len(self.pending_acks) + self.acks_extra + len(self.session.qos2_in) + count <= limit
+                              or self._unacknowledged() + count <= limit):
+                while i < j:  # each PublishRun to on_publish_run, the PUBLISHes between as one run
+                    k = i + 1
+                    if type(packets[i]) is PublishRun:
+                        self._dispatch(packets[i:k])
+                    else:
+                        while k < j and type(packets[k]) is Publish:
+                            k += 1
+                        if not self._publishes(packets[i:k]):
+                            return
+                    i = k
+                    if self.closed:
+                        return
+                continue
+            if count > 1:
+                self._dispatch(_expand(packets[i:j]))
             else:
                 j = max(j, i + 1)
                 self._dispatch(packets[i:j])
@@ -397,7 +433,7 @@ class Connection:
                     if self.protocol_level == PROTOCOL_LEVEL_5:
                         self._inbound5(packet)
                     core.on_publish(self, packet)
-                elif type(packet) is PublishRun:  # (MQTT 3.1.1 only)
+                elif type(packet) is PublishRun:  # (MQTT 5: from _handle_runs5, the Receive Maximum checked)
                     if self.state != CONNECTED:
                         raise ProtocolError("PUBLISH before CONNECT")
                     core.on_publish_run(self, packet)

@@ -470,13 +470,14 @@ _UNCACHED = False  # _publish_run's answer when the topic is not in the cache ye
 
 
 def _publish_run(buf: bytes, pos: int, n: int, maxsize: int, cache: dict[bytes, str],
-                 as_run: bool = False) -> tuple[list[Packet], int] | bool | None:
+                 as_run: bool = False, v5: bool = False) -> tuple[list[Packet], int] | bool | None:
     """MQTT 3.1.1 PUBLISHes at ``buf[pos:]`` that all have the first one's size, fixed header
     and topic (a device publishing fixed-size messages to one topic): decoded with C-level
     maps, no bytecode per packet, into what the per-packet fast path of ``Decoder._decode``
     gives (``as_run``: one :class:`PublishRun` of them), with the offset after them; None
     (nothing decoded) unless at least :data:`_RUN_MIN` complete ones do, and
-    :data:`_UNCACHED` if they would but their topic is not in ``cache``."""
+    :data:`_UNCACHED` if they would but their topic is not in ``cache``.  ``v5``: MQTT 5.0
+    PUBLISHes, of which only those with property length 0 (no properties) join the run."""
     first = buf[pos]
     second = buf[pos + 1]
     if second < 0x80:
@@ -495,6 +496,8 @@ def _publish_run(buf: bytes, pos: int, n: int, maxsize: int, cache: dict[bytes, 
     tstart = pos + head + 2
     tend = tstart + ((buf[pos + head] << 8) | buf[pos + head + 1])
     pstart = tend + 2 if qos else tend
+    if v5:
+        pstart += 1  # the property length byte, 0 for every packet of the run (checked below)
     if pstart > pos + size:
         return None
     topic = cache.get(buf[tstart:tend])
@@ -512,6 +515,13 @@ def _publish_run(buf: bytes, pos: int, n: int, maxsize: int, cache: dict[bytes, 
         if count < _RUN_MIN:
             return None
         end = pos + count * size
+    if v5:
+        plens = buf[pstart - 1:end:size]  # the run ends at the first packet with properties
+        if plens.count(0) != count:
+            count = len(plens) - len(plens.lstrip(b"\x00"))
+            if count < _RUN_MIN:
+                return None
+            end = pos + count * size
     packet_ids: list[int] | None = None
     if qos:
         packet_ids = list(map(or_, map(lshift, buf[tend:end:size], repeat(8)), buf[tend + 1:end:size]))
@@ -544,8 +554,8 @@ class Decoder:
     CONNECT it sent).  A server-side decoder switches to 5 by itself on decoding a level-5
     CONNECT, before the packets pipelined behind it; a CONNECT of any level is decoded by its
     own level byte.  A packet's ``properties`` is a :class:`Properties` when the wire carries
-    any, else None (always None on 3.1.1).  Level 5 has the same PUBLISH fast path as 3.1.1
-    for packets without properties.
+    any, else None (always None on 3.1.1).  Level 5 has the same PUBLISH fast path and runs
+    as 3.1.1 for packets without properties.
 
     After a :class:`ProtocolError` the decoder is poisoned: every later call re-raises it,
     because a byte stream cannot be resynchronised after a framing error.
@@ -557,7 +567,8 @@ class Decoder:
                  protocol_level: int = PROTOCOL_LEVEL, runs: bool = False) -> None:
         if max_packet_size < 2:
             raise ValueError(f"max_packet_size must be at least 2 bytes, got {max_packet_size}")
-        # MQTT 3.1.1 packets(): a run of equal-shaped PUBLISHes comes as one PublishRun.
+        # packets(): a run of equal-shaped PUBLISHes comes as one PublishRun (MQTT 5: QoS 1 ones
+        # without properties).
         self._runs = runs
         self._max = max_packet_size
         self._server = server
@@ -793,8 +804,8 @@ class Decoder:
         return out
 
     def _decode5(self, limit: int) -> list[Packet]:
-        """:meth:`_decode` for MQTT 5.0, with the same PUBLISH fast path for packets without
-        properties."""
+        """:meth:`_decode` for MQTT 5.0, with the same PUBLISH fast path and runs for packets
+        without properties."""
         out: list[Packet] = []
         buf = self._buf
         n = len(buf)
@@ -803,12 +814,21 @@ class Decoder:
         cache = self._topics
         as_bytes = type(buf) is bytes
         server = self._server
+        runs = limit < 0 and as_bytes  # packets(): runs as in _decode, of packets without properties
         try:
             while limit and n - pos >= 2:
                 first = buf[pos]
                 # Fast path: a PUBLISH with a 1- or 2-byte remaining length, a property length
                 # of 0 and a topic seen before; anything else takes the general path below.
                 if first >> 4 == PUBLISH:
+                    if runs:  # (only a QoS 1 run comes as one PublishRun; others as Publishes)
+                        run = _publish_run(buf, pos, n, maxsize, cache,  # type: ignore[arg-type]
+                                           self._runs and first & 0x06 == 0x02, True)
+                        if type(run) is tuple:
+                            out += run[0]
+                            pos = run[1]
+                            continue
+                        runs = run is _UNCACHED
                     second = buf[pos + 1]
                     if second < 0x80:
                         start = pos + 2

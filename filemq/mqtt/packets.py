@@ -306,7 +306,8 @@ class Auth:
 class PublishRun:
     """Consecutive MQTT 3.1.1 PUBLISHes with one topic, QoS, RETAIN and DUP flag (a device
     publishing to one topic): what ``Decoder(runs=True)`` gives for a run of equal-shaped
-    ones instead of one :class:`Publish` each.  ``packet_ids`` is None exactly for QoS 0."""
+    ones instead of one :class:`Publish` each (MQTT 5: QoS 1 ones without properties only).
+    ``packet_ids`` is None exactly for QoS 0."""
 
     topic: str
     payloads: list[bytes]

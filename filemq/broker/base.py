@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
@@ -18,6 +18,7 @@ from filemq.broker.sessions import SessionSnapshot, SessionStore
 from filemq.broker.state import (
     JOURNAL_INTERVAL_S,
     PERSIST_DELAY_S,
+    PublisherRuns,
     PublishHook,
     SessionState,
     SharedGroup,
@@ -245,7 +246,7 @@ class CoreBase:
 
             def _drain_retained(self, conn: Connection, state: SessionState) -> bool: ...
 
-            def publishers(self) -> OrderedDict[int, str]: ...
+            def publishers(self) -> PublisherRuns: ...
 
             def _too_large(self, conn: Connection, topic: str, size: int, limit: int) -> None: ...
 

@@ -9,7 +9,7 @@ import functools
 import logging
 import struct
 import time
-from collections import Counter, OrderedDict, deque
+from collections import Counter
 from collections.abc import Callable, Sequence
 from itertools import repeat
 from typing import TYPE_CHECKING, Any
@@ -25,6 +25,7 @@ from filemq.broker.state import (
     RC_PAYLOAD_FORMAT_INVALID,
     RC_QUOTA_EXCEEDED,
     ClientInfo,
+    PublisherRuns,
     SessionState,
     SharedGroup,
     _ack,
@@ -51,17 +52,18 @@ _new_record: Callable[[tuple[int, int, str, bytes, int, bool, bytes]], Record] =
 class PublishMixin(CoreBase):
     """Inbound PUBLISH with its durable ack; routing of committed records."""
 
-    # offset -> client id of an MQTT 5 publisher (no local), oldest first.  An OrderedDict:
-    # dropping the oldest of a plain dict with ``next(iter(d))`` walks the deleted slots at its
-    # front, ~50 us per PUBLISH at 65,536 entries (m5bench profile); popitem(last=False) is O(1).
-    _publisher_map: OrderedDict[int, str]
+    # offset -> client id of an MQTT 5 publisher (no local), as runs (PublisherRuns: one entry
+    # per read's run of PUBLISHes; an OrderedDict entry per offset cost ~2.5k instructions
+    # per MQTT 5 PUBLISH, most of v5's cost over 3.1.1; a plain dict's oldest-first drop walks
+    # its deleted slots, ~50 us per PUBLISH at 65,536 entries).
+    _publisher_map: PublisherRuns
 
-    def publishers(self) -> OrderedDict[int, str]:
+    def publishers(self) -> PublisherRuns:
         """Who published the latest offsets (MQTT 5 publishers; see :meth:`_note_publisher`)."""
         try:
             return self._publisher_map
         except AttributeError:
-            self._publisher_map = OrderedDict()
+            self._publisher_map = PublisherRuns(PUBLISHERS_KEPT)
             return self._publisher_map
 
     # ---- inbound PUBLISH -----------------------------------------------------------------
@@ -305,11 +307,7 @@ class PublishMixin(CoreBase):
             self._forget_from(first)
         if conn.protocol_level == PROTOCOL_LEVEL_5:
             # No local (MQTT-3.8.3-3): who published each offset, as on_publish notes it.
-            publishers = self.publishers()
-            publishers.update(zip(range(first, first + n), repeat(conn.client_id)))
-            excess = len(publishers) - PUBLISHERS_KEPT
-            if excess > 0:  # the oldest out, popitem(last=False) each, called by C (no bytecode per message)
-                deque(map(publishers.popitem, repeat(False, excess)), 0)
+            self.publishers().add_run(first, n, conn.client_id)
         # The run's Records built in C: zip yields each one's fields, tuple.__new__ makes the
         # Record of them (NamedTuple.__new__ is a Python function; no bytecode runs per record).
         pending.append((list(map(_new_record, zip(range(first, first + n), repeat(ts), topics, payloads,
@@ -392,10 +390,7 @@ class PublishMixin(CoreBase):
     def _note_publisher(self, offset: int, client_id: str) -> None:
         """Remember who published ``offset`` (for no local, MQTT-3.8.3-3): the log does not
         record it, so a bounded map of the latest :data:`PUBLISHERS_KEPT` offsets does."""
-        publishers = self.publishers()
-        publishers[offset] = client_id
-        if len(publishers) > PUBLISHERS_KEPT:
-            publishers.popitem(last=False)
+        self.publishers().set(offset, client_id)
 
     def _ack_now(self, conn: Connection, p: Publish) -> None:
         if p.qos == 1:
@@ -417,14 +412,12 @@ class PublishMixin(CoreBase):
         """A failed commit made the log reuse offsets from ``offset`` on: the pending records
         there were never stored."""
         pending = self._pending
-        publishers = self.publishers()
+        self.publishers().forget_from(offset)
         while pending:
             records = pending[-1][0]
             if records[-1].offset < offset:
                 break
             keep = max(0, offset - records[0].offset)
-            for r in records[keep:]:
-                publishers.pop(r.offset, None)
             if keep:
                 del records[keep:]
                 break

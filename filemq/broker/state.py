@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from bisect import bisect_right
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -54,6 +55,89 @@ RC_QUOTA_EXCEEDED = 0x97  # (also refusal_code's, filemq.broker.session)
 RC_PAYLOAD_FORMAT_INVALID = 0x99
 # Offsets whose publisher's client id is remembered for no local (MQTT-3.8.3-3).
 PUBLISHERS_KEPT = 65536
+
+
+class PublisherRuns:
+    """Who published each of the latest ``kept`` offsets (MQTT 5 publishers, for no local,
+    MQTT-3.8.3-3), as runs of consecutive offsets of one client id: a read's run of
+    PUBLISHes costs one entry, not one per message.  Offsets are added in increasing order
+    (the log's); the oldest are dropped beyond ``kept``; :meth:`forget_from` drops what a
+    failed commit never stored (the log reuses those offsets)."""
+
+    def __init__(self, kept: int) -> None:
+        self.kept = kept
+        self._starts: list[int] = []  # first offset of each run, increasing
+        self._ends: list[int] = []  # one past its last offset
+        self._ids: list[str] = []
+        self._head = 0  # runs before it are dropped (the lists are compacted now and then)
+        self._count = 0  # offsets held
+
+    def __len__(self) -> int:
+        return self._count
+
+    def add_run(self, first: int, n: int, client_id: str) -> None:
+        """``client_id`` published offsets ``first`` .. ``first + n - 1``."""
+        if n <= 0:
+            return
+        ends = self._ends
+        if len(ends) > self._head and ends[-1] == first and self._ids[-1] == client_id:
+            ends[-1] = first + n
+        else:
+            self._starts.append(first)
+            ends.append(first + n)
+            self._ids.append(client_id)
+        self._count += n
+        if self._count > self.kept:
+            self._drop_oldest(self._count - self.kept)
+
+    def set(self, offset: int, client_id: str) -> None:
+        self.add_run(offset, 1, client_id)
+
+    def _drop_oldest(self, excess: int) -> None:
+        starts, ends = self._starts, self._ends
+        head = self._head
+        while excess > 0:
+            size = ends[head] - starts[head]
+            if size <= excess:
+                excess -= size
+                self._count -= size
+                head += 1
+            else:
+                starts[head] += excess
+                self._count -= excess
+                excess = 0
+        if head > 64 and head * 2 > len(starts):
+            del starts[:head], ends[:head], self._ids[:head]
+            head = 0
+        self._head = head
+
+    def get(self, offset: int) -> str | None:
+        """The client id that published ``offset``, or None (not known or dropped)."""
+        i = bisect_right(self._starts, offset, self._head) - 1
+        if i >= self._head and offset < self._ends[i]:
+            return self._ids[i]
+        return None
+
+    def forget_from(self, offset: int) -> None:
+        """Drop every offset >= ``offset``."""
+        starts, ends, ids = self._starts, self._ends, self._ids
+        while len(starts) > self._head and ends[-1] > offset:
+            if starts[-1] >= offset:
+                self._count -= ends[-1] - starts[-1]
+                starts.pop()
+                ends.pop()
+                ids.pop()
+            else:
+                self._count -= ends[-1] - offset
+                ends[-1] = offset
+
+    def items(self) -> list[tuple[int, str]]:
+        """(offset, client id) of every offset held, oldest first (for tests and debugging)."""
+        return [(o, self._ids[i]) for i in range(self._head, len(self._starts))
+                for o in range(self._starts[i], self._ends[i])]
+
+    def values(self) -> list[str]:
+        return [cid for _, cid in self.items()]
 
 
 def _ack(first: int, packet_id: int) -> bytes:

@@ -134,6 +134,37 @@ def test_a_batch_is_one_write_of_valid_publishes_with_the_records_fields() -> No
     run(scenario)
 
 
+def test_a_connect_whose_connect_packet_cannot_be_written_leaves_the_link_closed() -> None:
+    """If the CONNECT cannot be written (the transport went away between the TCP connect and
+    the write, or the protocol's connection_made failed), connect() raises and the link is
+    closed, so the next connect() works instead of refusing with "already connected" forever
+    (what an export link did on uvloop before its transports were accepted)."""
+
+    async def scenario(broker: RawBroker) -> None:
+        link = ExportLink("exp", "127.0.0.1", broker.port, qos=1)
+        real_write = link._write
+        calls = 0
+
+        def failing_write(data: bytes) -> None:
+            nonlocal calls
+            calls += 1
+            if calls == 1:
+                raise ConnectionError("transport gone")
+            real_write(data)
+
+        link._write = failing_write  # type: ignore[method-assign]
+        with pytest.raises(ConnectionError, match="transport gone"):
+            await link.connect()
+        assert not link.connected
+        await link.connect()
+        assert link.connected
+        link.publish(records(1), False, never)
+        await broker.wait_for(lambda: len(broker.publishes()) == 1)
+        await link.disconnect()
+
+    run(scenario)
+
+
 def test_pubacks_in_one_read_complete_each_message_once() -> None:
     """Many PUBACKs in one read (spec 4.3.2: PUBACK completes a QoS 1 publish) each complete
     their message once: a duplicate PUBACK or one for an unknown id completes nothing more."""

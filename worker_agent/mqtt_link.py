@@ -200,9 +200,13 @@ class ExportLink:
             self.closed.clear()
             self.close_reason = None
             self._ping_due = None
-            self._write(encode(Connect(client_id=self.client_id, clean_session=self.clean_session,
-                                       keepalive=self.keepalive, username=self.username, password=self.password)))
             try:
+                # (inside: a CONNECT that cannot be written -- the transport already gone, or
+                # its protocol's connection_made failed -- must leave the link closed, not
+                # "connected" for every later connect() to refuse)
+                self._write(encode(Connect(client_id=self.client_id, clean_session=self.clean_session,
+                                           keepalive=self.keepalive, username=self.username,
+                                           password=self.password)))
                 connack = await self._connack
             except BaseException:
                 self._close(ConnectionError(f"export link {self.client_id!r}: no CONNACK"))

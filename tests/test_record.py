@@ -28,6 +28,12 @@ from segments.record import (
     encode_record,
     find_next_valid,
     offset_at,
+    record_headers,
+    record_offset,
+    record_payload,
+    record_qos,
+    record_retain,
+    record_topic,
     scan_run,
 )
 
@@ -420,3 +426,11 @@ def _frames(stream: bytes, stop: int) -> list[tuple[int, int]]:
         out.append((pos, framed))
         pos += framed
     return out
+
+
+def test_positional_getters_read_the_named_fields() -> None:
+    """The C-level getters the groups and the delivery path map over runs of records read the
+    fields they are named for (they go by position: a reordered Record would break them)."""
+    r = Record(7, 11, "a/b", b"payload", 1, True, b"\x02\x00\x00\x00\x05")
+    assert [g(r) for g in (record_offset, record_topic, record_payload, record_qos, record_retain,
+                           record_headers)] == [r.offset, r.topic, r.payload, r.qos, r.retain, r.headers]

@@ -30,21 +30,22 @@ from filemq.broker.state import (
 from filemq.common.native import mypyc_attr
 from filemq.mqtt.codec import publish_bytes, publish_bytes5, publish_run
 from filemq.mqtt.packets import PROTOCOL_LEVEL_5
-from segments.record import Record
+from segments.record import (
+    Record,
+    record_headers,
+    record_offset,
+    record_payload,
+    record_qos,
+    record_retain,
+    record_topic,
+)
 
 if TYPE_CHECKING:
     from filemq.queue.groups import ConsumerGroup
 
 log = logging.getLogger("filemq.broker")
 
-# Record fields by position (a Record is a named tuple): C-level getters for map().
-_offset_of = itemgetter(0)
-_topic_of = itemgetter(2)
-_payload_of = itemgetter(3)
-_qos_of = itemgetter(4)
-_retain_of = itemgetter(5)
-_headers_of = itemgetter(6)
-_group_of_sent = itemgetter(1)  # SentRecord.group
+_group_of_sent = itemgetter(1)  # SentRecord.group (its offset: record_offset, index 0 too)
 _ONLY_SENT = {SentRecord}
 # Reads with at least this many PUBACKs take on_pubacks' bulk path; below it its sets and
 # lists cost more than the per-id loop (callgrind, WINDOW=20: +8 % Ir per delivery at 5 per
@@ -183,23 +184,23 @@ class DeliveryMixin(CoreBase):
         not qualify.  MQTT 5 (:meth:`_deliver5`) also needs: no subscription with no local
         or an identifier, no topic aliases to the client, and every PUBLISH surely within the
         client's Maximum Packet Size (records without headers have no expiry)."""
-        if any(map(_headers_of, records)) or any(map(_retain_of, records)):
+        if any(map(record_headers, records)) or any(map(record_retain, records)):
             return False
         v5 = conn.protocol_level == PROTOCOL_LEVEL_5
         if v5 and (conn.alias_max or not state.plain5()):
             return False
-        offsets = list(map(_offset_of, records))
+        offsets = list(map(record_offset, records))
         lowest = min(offsets)
         if group.may_be_redelivered(lowest):
             return False
-        topics = list(map(_topic_of, records))
+        topics = list(map(record_topic, records))
         distinct = set(topics)
         acl = conn.acl
         if acl is not None and not acl.allow_all and not all(map(acl.can_receive, distinct)):
             return False
-        if state.run_qos(distinct, lowest, share) != 1 or min(map(_qos_of, records)) < 1:
+        if state.run_qos(distinct, lowest, share) != 1 or min(map(record_qos, records)) < 1:
             return False
-        payloads = list(map(_payload_of, records))
+        payloads = list(map(record_payload, records))
         limit = conn.client_max_packet
         if v5 and limit is not None and max(map(len, payloads)) + 4 * max(map(len, distinct)) + 10 > limit:
             return False  # (a bound: fixed header <= 5, topic <= 2 + 4 per character, id 2, properties 1)
@@ -309,7 +310,7 @@ class DeliveryMixin(CoreBase):
                     list(map(inflight.pop, pids, repeat(None)))  # (a repeated id: popped once)
                     group = groups.pop()
                     if group is not None:
-                        group.ack_many(list(map(_offset_of, outs)))
+                        group.ack_many(list(map(record_offset, outs)))
                         self._acked = True
                     self._refill(conn, inflight)
                     return

@@ -41,7 +41,6 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from itertools import repeat
-from operator import itemgetter
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -50,13 +49,12 @@ from filemq.common.topics import topic_matches, validate_topic_filter
 from filemq.queue.offsets import OffsetFile
 from segments.fileio import OS_FILE_IO, FileIO, atomic_write
 from segments.log import LogView
+from segments.record import record_topic
 
 if TYPE_CHECKING:
     from segments import Record
 
 log = logging.getLogger(__name__)
-
-_topic_of = itemgetter(2)  # Record.topic (a Record is a named tuple)
 
 GROUP_FILE = "group.json"
 DOING_FILE = "doing"
@@ -523,7 +521,7 @@ class ConsumerGroup:
             if (
                 batch[0].offset == doing
                 and batch[-1].offset == doing + n - 1
-                and all(map(self.matches, set(map(_topic_of, batch))))
+                and all(map(self.matches, set(map(record_topic, batch))))
             ):
                 # Fast path (the common case): gap-free and every topic matches, so the
                 # bookkeeping runs in C over the whole batch.

@@ -22,7 +22,8 @@ from collections.abc import Callable
 
 from filemq.broker import Broker
 from filemq.broker.metrics import backlog_status
-from filemq.common.config import Config, ConfigError, broker_listeners
+from filemq.common.config import Config, ConfigError
+from filemq.ops.eventloop import serves_tls
 from filemq.ops.service import Sidecar, run_until_signalled, serve_until_signalled
 from worker_agent.exports import Exports
 from worker_agent.exports import describe as describe_exports
@@ -148,4 +149,4 @@ def run_agent(config: Config, ready: Callable[[str], None] | None = None) -> int
     """``filemq agent``: run until SIGTERM/SIGINT in a new event loop; the exit code."""
     tune_gc()
     return run_until_signalled(serve_agent(config, ready), name="agent", log=log, event_loop=config.broker.event_loop,
-                               tls=any(lst.tls_cert is not None for lst in broker_listeners(config)))
+                               tls=serves_tls(config))

@@ -160,8 +160,7 @@ class CoreBase:
             self._journal_at = loop.time()
             self.queue.journal_progress()
             if self._persist_handle is None:
-                self._persist_handle = asyncio.get_running_loop().call_later(
-                    PERSIST_DELAY_S, self._persist_offsets)
+                self._persist_handle = loop.call_later(PERSIST_DELAY_S, self._persist_offsets)
 
     def flush(self) -> None:
         """Write every connection's queued output with one transport write each."""

@@ -14,8 +14,8 @@ from collections.abc import Callable
 
 from filemq.broker.metrics import backlog_status, broker_families, render_text
 from filemq.broker.server import Broker
-from filemq.common.config import Config, broker_listeners
-from filemq.ops.eventloop import running_loop_name
+from filemq.common.config import Config
+from filemq.ops.eventloop import running_loop_name, serves_tls
 from filemq.ops.service import (
     EXIT_CONFIG,
     EXIT_OK,
@@ -59,4 +59,4 @@ def run_broker(config: Config, ready: Callable[[str], None] | None = None) -> in
     """Run the broker in a new event loop (``broker.event_loop``: uvloop where installed) until
     SIGTERM/SIGINT; returns the exit code (2 for ``event_loop = "uvloop"`` without uvloop)."""
     return run_until_signalled(serve(config, ready), name="broker", log=log, event_loop=config.broker.event_loop,
-                               tls=any(lst.tls_cert is not None for lst in broker_listeners(config)))
+                               tls=serves_tls(config))

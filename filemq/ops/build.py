@@ -54,7 +54,9 @@ def version() -> str:
 
 
 def build_description() -> str:
-    """``filemq 0.1.0 (pure Python)`` or ``filemq 0.1.0 (compiled with mypyc: 24 modules)``."""
+    """``filemq 0.1.0 (pure Python; event loop: uvloop 0.23.0)`` or ``filemq 0.1.0 (compiled
+    with mypyc: 23 modules; event loop: asyncio (uvloop not installed))``: the build, and the
+    loop ``broker.event_loop = "auto"`` takes."""
     from filemq.ops.eventloop import uvloop_version
 
     compiled = compiled_modules()

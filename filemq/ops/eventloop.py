@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
-from filemq.common.config import ConfigError
+from filemq.common.config import Config, ConfigError, broker_listeners
 
 CHOICES = ("auto", "uvloop", "asyncio")
 
@@ -61,6 +61,11 @@ def loop_factory(choice: str, *, tls: bool = False) -> tuple[str, LoopFactory | 
     import uvloop
 
     return f"uvloop {version}", uvloop.new_event_loop
+
+
+def serves_tls(config: Config) -> bool:
+    """Whether the broker of ``config`` has a TLS listener (the ``tls`` of :func:`loop_factory`)."""
+    return any(listener.tls for listener in broker_listeners(config))
 
 
 def running_loop_name() -> str:

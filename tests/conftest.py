@@ -23,17 +23,6 @@ def pytest_configure(config: pytest.Config) -> None:
         asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
 
 
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    import os
-
-    if os.environ.get("FILEMQ_TEST_EVENT_LOOP") == "uvloop":
-        skip = pytest.mark.skip(reason="TLS listeners run on the standard loop, never on uvloop "
-                                       "(filemq/ops/eventloop.py; tests/test_eventloop.py)")
-        for item in items:
-            if "tls" in item.name:
-                item.add_marker(skip)
-
-
 @pytest.fixture(scope="session")
 def spark() -> Iterator[Any]:
     """One local SparkSession for the whole test session (starting Spark takes seconds).

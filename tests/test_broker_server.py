@@ -30,6 +30,7 @@ from filemq.common.config import Config, load_config
 from filemq.mqtt.client import ConnectionLost, ConnectionRefused, MQTTClient, Will
 from filemq.mqtt.codec import Decoder, encode
 from filemq.mqtt.packets import Connect, Pingreq, Pingresp, Publish
+from tests.loops import skip_tls_on_uvloop
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -42,6 +43,7 @@ def make_config(data_dir: Path, **broker: Any) -> Config:
 
 @contextlib.asynccontextmanager
 async def running(config: Config, **kw: Any) -> AsyncIterator[Broker]:
+    skip_tls_on_uvloop(config)
     broker = Broker(config, **kw)
     await broker.start()
     try:

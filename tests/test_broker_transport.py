@@ -35,6 +35,7 @@ from filemq.common.config import (
 from filemq.mqtt.client import ConnectionLost, ConnectionRefused, MQTTClient
 from filemq.mqtt.codec import Decoder, encode
 from filemq.mqtt.packets import Connack, Connect, Pingreq, Publish
+from tests.loops import skip_tls_on_uvloop
 from tests.test_broker_session import Harness
 
 # MQTT 3.1.1 CONNECT for client id "slow": fixed header + variable header + payload.
@@ -49,6 +50,7 @@ def make_config(data_dir: Path, **broker: Any) -> Config:
 
 @contextlib.asynccontextmanager
 async def running(config: Config, **kw: Any) -> AsyncIterator[Broker]:
+    skip_tls_on_uvloop(config)
     broker = Broker(config, **kw)
     await broker.start()
     try:

@@ -99,7 +99,8 @@ class BrokerBenchOptions:
     baselines: bool = True
     protocol: int = PROTOCOL_LEVEL  # 5: ingest and fanout with MQTT 5 clients (bench.broker5)
     v5_properties: bool = False  # MQTT 5 PUBLISHes carry a content type and a user property
-    subscriber_client: str = "loadgen"  # fanout subscribers: "loadgen" (bulk acks) or "paho" (bench.paho_sub)
+    subscriber_client: str = "loadgen"  # fanout subscribers: "loadgen" (bulk acks), "single" (one send
+    # per PUBACK) or "paho" (bench.paho_sub)
     max_inflight: int | None = None  # both brokers' in-flight window; None = each broker's own default
     _backlog_dir: Path | None = field(default=None, repr=False)
 
@@ -292,7 +293,8 @@ def _fanout_run(broker: BrokerProcess, opts: BrokerBenchOptions, messages: int, 
     return run_load(pubs, subs, timeout=opts.max_seconds * 6)
 
 
-_CLIENT_TEXT = {"loadgen": "loadgen clients, bulk PUBACKs", "paho": "paho-mqtt clients, one PUBACK per message"}
+_CLIENT_TEXT = {"loadgen": "loadgen clients, bulk PUBACKs", "paho": "paho-mqtt clients, one PUBACK per message",
+                "single": "raw-socket clients, each PUBACK in a send of its own"}
 
 
 def scenario_fanout(opts: BrokerBenchOptions, say: Progress) -> dict[str, Any]:

@@ -11,7 +11,9 @@ plain blocking socket with our codec, so the generator is not the bottleneck:
   the stamps compare across processes);
 * a subscriber answers every QoS 1 delivery with one ``sendall`` of all the PUBACKs for what
   one ``recv`` brought, built in bulk by :class:`PublishAcker` (strided slices over uniform
-  packets; :class:`filemq.mqtt.codec.Decoder` for anything else, and for stamped payloads).
+  packets; :class:`filemq.mqtt.codec.Decoder` for anything else, and for stamped payloads);
+  a ``client="single"`` subscriber sends the same PUBACKs one ``sendall`` each, as a naive
+  raw-socket client answering packet by packet does.
 
 :func:`run_null_sink` is a fake broker that acks every PUBLISH the same bulk way; running
 publishers against it measures the generator's own ceiling.
@@ -33,6 +35,7 @@ refused CONNECT also as ``connack_code``.
 from __future__ import annotations
 
 import contextlib
+import functools
 import multiprocessing as mp
 import queue
 import select
@@ -547,7 +550,8 @@ class SubscriberSpec:
     idle_seconds: float = 5.0  # give up after this long without a message once the load is over
     max_seconds: float = 120.0
     protocol: int = PROTOCOL_LEVEL  # 5: MQTT 5 CONNECT (session expiry when persistent) and SUBSCRIBE
-    client: str = "loadgen"  # "paho": a paho-mqtt 2.x client, one PUBACK per message (bench.paho_sub)
+    client: str = "loadgen"  # "paho": a paho-mqtt 2.x client, one PUBACK per message (bench.paho_sub);
+    # "single": this generator, but each PUBACK in a send of its own (a naive raw-socket client)
 
 
 @dataclass
@@ -603,6 +607,7 @@ def _receive(client: RawClient, spec: SubscriberSpec, expected: Synchronized[int
     stamped = spec.stamped
     unpack = _STAMP.unpack_from
     sock.settimeout(0.2)
+    send_acks = sock.sendall if spec.client != "single" else functools.partial(_send_one_by_one, sock)
     deadline = time.monotonic() + spec.max_seconds
     last_data = time.monotonic()
     packets: list[Packet] = early
@@ -619,7 +624,7 @@ def _receive(client: RawClient, spec: SubscriberSpec, expected: Synchronized[int
                     if stamped:
                         latencies.append(now_ns - unpack(p.payload)[0])
             if acks:
-                sock.sendall(acks)
+                send_acks(acks)
                 result.first = result.first or now_ns / 1e9
                 result.last = now_ns / 1e9
             packets = []
@@ -647,11 +652,19 @@ def _receive(client: RawClient, spec: SubscriberSpec, expected: Synchronized[int
         acker.feed(data, acks)  # other packets (PINGRESP, ...) need no answer here
         received += acker.publishes - before
         if acks:
-            sock.sendall(acks)
+            send_acks(acks)
             now_s = time.monotonic()
             result.first = result.first or now_s
             result.last = now_s
     result.received = received
+
+
+def _send_one_by_one(sock: socket.socket, acks: bytearray) -> None:
+    """Each PUBACK in a ``sendall`` of its own, as a client that answers packet by packet does
+    (every PUBACK this generator sends is the 4-byte short form)."""
+    view = memoryview(acks)
+    for i in range(0, len(acks), 4):
+        sock.sendall(view[i:i + 4])
 
 
 # --------------------------------------------------------------------------- orchestration
@@ -722,7 +735,7 @@ def run_load(publishers: Sequence[PublisherSpec], subscribers: Sequence[Subscrib
     Subscribers stop once they received the publishers' total acked count (QoS 1 at
     least once: a duplicate counts as delivered), or after their idle timeout.
     """
-    targets = {"loadgen": subscriber_main}
+    targets = {"loadgen": subscriber_main, "single": subscriber_main}
     if any(s.client == "paho" for s in subscribers):
         from bench.paho_sub import paho_subscriber_main, require_paho
 

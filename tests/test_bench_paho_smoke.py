@@ -1,4 +1,4 @@
-"""Tiny runs of `filemq bench broker --subscriber-client paho` and `--max-inflight N`.
+"""Tiny runs of `filemq bench broker --subscriber-client paho|single` and `--max-inflight N`.
 
 The fanout scenario with off-the-shelf paho-mqtt 2.x subscribers (one PUBACK per message,
 like the held-out clients of issue 16) and one in-flight window for both brokers.  Checks
@@ -15,7 +15,14 @@ import pytest
 from click.testing import CliRunner
 
 from bench.baselines import mosquitto_available, start_mosquitto
-from bench.broker import BrokerBenchOptions, filemq_argv, scenario_fanout, summary_line
+from bench.broker import (
+    _CLIENT_TEXT,
+    BrokerBenchOptions,
+    filemq_argv,
+    scenario_fanout,
+    summary_line,
+)
+from bench.loadgen import _send_one_by_one
 from cli import main
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
@@ -27,15 +34,16 @@ MESSAGES = 3000  # a few CPU clock ticks (10 ms) per broker
 
 
 @needs_mosquitto
-def test_fanout_with_paho_subscribers_delivers_every_message_through_the_cli(tmp_path):
-    args = ["bench", "broker", "--scenario", "fanout", "--subscriber-client", "paho", "--max-inflight", "20",
+@pytest.mark.parametrize("client", ["paho", "single"])
+def test_fanout_with_ordinary_subscribers_delivers_every_message_through_the_cli(tmp_path, client):
+    args = ["bench", "broker", "--scenario", "fanout", "--subscriber-client", client, "--max-inflight", "20",
             "--messages", str(MESSAGES), "--publishers", "2", "--subscribers", "2", "--max-seconds", "10",
             "--repeat", "1", "--workdir", str(tmp_path), "--json"]
     run = CliRunner().invoke(main, args)
     assert run.exit_code == 0, run.output
     (out,) = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
     assert out["scenario"] == "fanout"
-    assert out["subscriber_client"] == "paho"
+    assert out["subscriber_client"] == client
     assert out["filemq_max_inflight"] == 20 and out["mosquitto_max_inflight"] == 20
     for name in ("filemq", "mosquitto"):
         assert out[f"{name}_published"] == MESSAGES, out
@@ -44,9 +52,9 @@ def test_fanout_with_paho_subscribers_delivers_every_message_through_the_cli(tmp
         assert out[f"{name}_cpu_us_per_msg"] > 0  # per delivery
         assert f"{name}_errors" not in out
     assert out["cpu_ratio_vs_mosquitto"] > 0
-    assert "paho" in run.stderr and "in-flight window filemq 20, mosquitto 20" in run.stderr
+    assert _CLIENT_TEXT[client] in run.stderr and "in-flight window filemq 20, mosquitto 20" in run.stderr
     assert "CPU" in summary_line(out)
-    assert "paho subscribers, in-flight window filemq 20 / mosquitto 20" in summary_line(out)
+    assert f"{client} subscribers, in-flight window filemq 20 / mosquitto 20" in summary_line(out)
     assert not list(tmp_path.iterdir()), "the bench left its data directories behind"
 
 
@@ -74,6 +82,19 @@ def test_max_inflight_reaches_both_brokers(tmp_path):
         with start_mosquitto(tmp_path / "m", max_inflight=7) as broker:
             assert broker.alive()
         assert "max_inflight_messages 7\n" in (tmp_path / "m" / "mosquitto.conf").read_text()
+
+
+def test_a_single_subscriber_sends_each_puback_on_its_own():
+    """``--subscriber-client single``: the PUBACKs of one read leave in one send each."""
+    sent: list[bytes] = []
+
+    class Sock:
+        def sendall(self, data: bytes) -> None:
+            sent.append(bytes(data))
+
+    acks = bytearray(b"\x40\x02\x00\x01\x40\x02\x00\x02\x40\x02\x01\x00")
+    _send_one_by_one(Sock(), acks)  # type: ignore[arg-type]
+    assert sent == [b"\x40\x02\x00\x01", b"\x40\x02\x00\x02", b"\x40\x02\x01\x00"]
 
 
 def test_paho_missing_is_a_clear_error(monkeypatch, tmp_path):

@@ -10,7 +10,9 @@ bench scenario (4 publishers x 100 in flight, 100-byte QoS 1; fanout adds 10 per
 subscribers), then print the broker's CPU per message (PUBACK or delivery). ``summary``
 prints the share of samples per thread, per leaf function and per filemq function
 (inclusive) of a raw profile.  ``PROTOCOL=5`` runs the load with MQTT 5 clients and
-``V5_PROPERTIES=1`` adds a content type and a user property to every PUBLISH (issue 13).
+``V5_PROPERTIES=1`` adds a content type and a user property to every PUBLISH (issue 13);
+``SUBSCRIBER_CLIENT=single|paho`` and ``MAX_INFLIGHT=N`` are the bench's ``--subscriber-client``
+and ``--max-inflight``.
 """
 
 from __future__ import annotations
@@ -33,10 +35,13 @@ PY_SPY = str(Path(sys.executable).with_name("py-spy"))
 
 def record(scenario: str, out: str, messages: int | None) -> str:
     """Run the load under py-spy; returns one line with the broker's CPU per message."""
-    opts = BrokerBenchOptions(max_seconds=10)
+    window = int(os.environ["MAX_INFLIGHT"]) if os.environ.get("MAX_INFLIGHT") else None
+    opts = BrokerBenchOptions(max_seconds=10, subscriber_client=os.environ.get("SUBSCRIBER_CLIENT", "loadgen"),
+                              max_inflight=window)
     protocol = int(os.environ.get("PROTOCOL", "4"))
     props = V5_PROPERTIES if protocol == 5 and os.environ.get("V5_PROPERTIES") == "1" else None
-    with tempfile.TemporaryDirectory(prefix="filemq-profile-") as d, start_filemq(Path(d) / "data") as broker:
+    with (tempfile.TemporaryDirectory(prefix="filemq-profile-") as d,
+          start_filemq(Path(d) / "data", max_inflight=window) as broker):
         spy = subprocess.Popen([PY_SPY, "record", "--pid", str(broker.pid), "--rate", "250", "--threads",
                                 "--format", "raw", "--nonblocking", "-o", out],
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

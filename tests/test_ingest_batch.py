@@ -14,7 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from filemq.broker.tailcache import TailCache
+from filemq.broker.tailcache import _OVERHEAD, TailCache
 from filemq.mqtt.codec import Decoder, encode
 from filemq.mqtt.packets import Puback, Publish, PublishRun, Pubrec
 from segments import DiskFull, GroupCommitter, Log, LogConfig, Record
@@ -173,7 +173,7 @@ def test_tail_cache_put_many_keeps_what_put_per_record_keeps(runs: list[int], si
         a, b = sorted((one._tail, many._tail), key=len)
         assert a == b[len(b) - len(a):]
         assert [r.offset for r in many._tail] == list(range(many._base, many._base + len(many._tail)))
-        assert many._tail_bytes == sum(len(r.payload) + len(r.topic) + 120 for r in many._tail)
+        assert many._tail_bytes == sum(len(r.payload) + len(r.topic) + _OVERHEAD for r in many._tail)
         assert many._tail_bytes <= many._tail_limit
         assert many._largest >= max((len(r.payload) + 1 for r in many._tail), default=0)
 

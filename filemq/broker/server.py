@@ -415,7 +415,7 @@ class Broker:
         self._drop_orphan_session_groups(queue, store)
         self._migrate_share_groups(queue)
         await queue.start()
-        cache = TailCache(queue.log)
+        cache = TailCache(queue.log, max_bytes=b.cache_bytes)
         core = BrokerCore(
             queue, cache, config=b, store=store, retained=self.retained, stats=self.stats,
             acl=acl, passwords=passwords, publish_hook=self.publish_hook,

@@ -93,6 +93,8 @@ class BrokerSection:
     max_connecting: int = field(default=128, metadata=_spec(_POS))
     max_packet_size: int = field(default=1 * MIB, metadata=_spec(_int(64, 268_435_455, sizes=True)))
     max_inflight: int = field(default=20, metadata=_spec(_int(1, 65535)))
+    # Memory for recent records (the tail cache), so subscribers read them without the disk.
+    cache_bytes: int = field(default=16 * MIB, metadata=_spec(_int(64 * KIB, sizes=True)))
     max_topic_length: int = field(default=1024, metadata=_spec(_int(1, 65535)))
     # Largest PUBLISH / will payload in bytes; None = no limit of its own (max_packet_size bounds it).
     message_size_limit: int | None = field(default=None, metadata=_spec(_int(1, 268_435_455, sizes=True)))

@@ -1746,11 +1746,20 @@ def test_publish_run_matches_publish_bytes(msgs: list[tuple[str, bytes]], pid: i
     """publish_run (the fanout run path's encoder) gives the bytes of one publish_bytes (MQTT 5:
     publish_bytes5, empty property section 3.3.2.3.1) per message: QoS 1, DUP 0, RETAIN 0,
     consecutive packet ids (MQTT 3.3.1, 3.3.2.2)."""
-    from filemq.mqtt.codec import publish_bytes, publish_bytes5, publish_run
+    from filemq.mqtt.codec import (
+        publish_bytes,
+        publish_bytes5,
+        publish_prefixes,
+        publish_run,
+        publish_run_prefixed,
+    )
 
     msgs = msgs[:0x10000 - pid]
     expected = b"".join(publish_bytes(t, p, 1, False, pid + i) for i, (t, p) in enumerate(msgs))
     assert publish_run([t for t, _ in msgs], [p for _, p in msgs], pid) == expected
+    # The same from the prefixes the tail cache keeps per record (made once for all subscribers).
+    prefixes = publish_prefixes([t for t, _ in msgs], [p for _, p in msgs])
+    assert publish_run_prefixed(prefixes, [p for _, p in msgs], pid) == expected
     expected5 = b"".join(publish_bytes5(t, p, 1, False, pid + i) for i, (t, p) in enumerate(msgs))
     assert publish_run([t for t, _ in msgs], [p for _, p in msgs], pid, v5=True) == expected5
 

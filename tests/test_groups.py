@@ -580,6 +580,12 @@ class GroupModel(RuleBasedStateMachine):
     def fetch(self, n: int, consumer: str) -> int:
         got = self.group.fetch(n, consumer)
         assert len(got) <= n
+        # What fetch tells about its list (the broker's run path relies on it): when
+        # run_start says so, the list is the gap-free run from there with those topics.
+        assert self.group.last_run is got
+        if self.group.run_start >= 0:
+            assert [r.offset for r in got] == list(range(self.group.run_start, self.group.run_start + len(got)))
+            assert set(self.group.run_topics) == {r.topic for r in got}
         for r in got:
             o = r.offset
             assert r.topic.startswith("a"), r  # filters respected
@@ -725,6 +731,21 @@ def test_ack_many_leaves_the_group_as_acking_one_by_one(tmp_path: Path, steps: l
                     assert many.may_be_redelivered(min(o, 40))
     finally:
         lg.close()
+
+
+def test_fetch_says_when_its_list_is_one_gap_free_run(tmp_path: Path, log: Log) -> None:
+    """run_start / run_topics (what the broker's run path takes instead of a pass over the
+    records): set for a gap-free matching piece, -1 once a redelivery or a skipped record
+    is in the list."""
+    fill(log, ["a/1", "a/2", "a/1", "b/x", "a/3", "a/3"])
+    g = ConsumerGroup.create("r", log, tmp_path / "g", filters=["a/#"], start="earliest")
+    got = g.fetch(3, "c")
+    assert g.last_run is got and g.run_start == 0 and set(g.run_topics) == {"a/1", "a/2"}
+    assert g.nack(1)
+    got = g.fetch(3, "c")  # the redelivery of 1 first, then 4 and 5 (3 is skipped: b/x)
+    assert offsets_of(got) == [1, 4, 5]
+    assert g.last_run is got and g.run_start == -1
+    assert g.fetch(3, "c") == [] and g.run_start == -1
 
 
 def test_may_be_redelivered_after_a_reopen_and_a_nack(tmp_path: Path, log: Log) -> None:

@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from filemq.broker.tailcache import _OVERHEAD, TailCache
-from filemq.mqtt.codec import Decoder, encode
+from filemq.mqtt.codec import Decoder, encode, publish_bytes
 from filemq.mqtt.packets import Puback, Publish, PublishRun, Pubrec
 from segments import DiskFull, GroupCommitter, Log, LogConfig, Record
 from tests.test_broker_session import Harness, run
@@ -176,6 +176,15 @@ def test_tail_cache_put_many_keeps_what_put_per_record_keeps(runs: list[int], si
         assert many._tail_bytes == sum(len(r.payload) + len(r.topic) + _OVERHEAD for r in many._tail)
         assert many._tail_bytes <= many._tail_limit
         assert many._largest >= max((len(r.payload) + 1 for r in many._tail), default=0)
+        for cache in (one, many):  # each record's PUBLISH prefix beside it (the run path's)
+            assert len(cache._prefix) == len(cache._tail)
+            assert cache.prefixes(cache._base - 1, 1) is None
+            assert cache.prefixes(cache._base, len(cache._tail) + 1) is None
+            got = cache.prefixes(cache._base, len(cache._tail))
+            assert got is not None
+            for k, (prefix, r) in enumerate(zip(got, cache._tail, strict=True)):
+                pid = 1 + k % 0xFFFF
+                assert prefix + pid.to_bytes(2, "big") + r.payload == publish_bytes(r.topic, r.payload, 1, False, pid)
 
 
 def test_a_run_with_a_payload_over_message_size_limit_stops_at_it(tmp_path: Path) -> None:

@@ -28,7 +28,7 @@ from filemq.broker.state import (
     message_expiry,
 )
 from filemq.common.native import mypyc_attr
-from filemq.mqtt.codec import publish_bytes, publish_bytes5, publish_run
+from filemq.mqtt.codec import publish_bytes, publish_bytes5, publish_run, publish_run_prefixed
 from filemq.mqtt.packets import PROTOCOL_LEVEL_5
 from segments.record import (
     Record,
@@ -189,12 +189,24 @@ class DeliveryMixin(CoreBase):
         v5 = conn.protocol_level == PROTOCOL_LEVEL_5
         if v5 and (conn.alias_max or not state.plain5()):
             return False
-        offsets = list(map(record_offset, records))
-        lowest = min(offsets)
+        offsets: Sequence[int]
+        prefixes: list[bytes] | None = None
+        if group.last_run is records and group.run_start >= 0:
+            # The group's fetch read these as the gap-free run [run_start, run_start + n);
+            # the tail cache may hold their PUBLISH prefixes (made once for all subscribers).
+            lowest = group.run_start
+            offsets = range(lowest, lowest + len(records))
+            topics = list(map(record_topic, records))
+            distinct = group.run_topics
+            if not v5:
+                prefixes = self.cache.prefixes(lowest, len(records))
+        else:
+            offsets = list(map(record_offset, records))
+            lowest = min(offsets)
+            topics = list(map(record_topic, records))
+            distinct = set(topics)
         if group.may_be_redelivered(lowest):
             return False
-        topics = list(map(record_topic, records))
-        distinct = set(topics)
         acl = conn.acl
         if acl is not None and not acl.allow_all and not all(map(acl.can_receive, distinct)):
             return False
@@ -213,7 +225,8 @@ class DeliveryMixin(CoreBase):
         inflight.update(zip(range(pid, end), map(_sent_record, zip(
             offsets, repeat(group), topics, payloads, repeat(share), strict=False)), strict=True))
         self.stats.publish_sent(len(records))
-        conn.send(publish_run(topics, payloads, pid, v5))
+        conn.send(publish_run(topics, payloads, pid, v5) if prefixes is None
+                  else publish_run_prefixed(prefixes, payloads, pid))
         return True
 
     def _deliver5(self, conn: Connection, state: SessionState, group: ConsumerGroup,

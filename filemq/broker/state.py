@@ -9,7 +9,7 @@ import logging
 import time
 from bisect import bisect_right
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Set
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar, Literal, NamedTuple
 
@@ -423,7 +423,7 @@ class SessionState:
                 best = qos
         return best
 
-    def run_qos(self, topics: set[str], lowest: int, share: str | None) -> int:
+    def run_qos(self, topics: Set[str], lowest: int, share: str | None) -> int:
         """The QoS :meth:`granted_qos` gives each not retained record with offset >= ``lowest``
         and a topic in ``topics``, if that is one value for all of them; else -1."""
         best = -2

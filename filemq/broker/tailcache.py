@@ -24,6 +24,9 @@ from __future__ import annotations
 from collections import deque
 from typing import TYPE_CHECKING
 
+from filemq.mqtt.codec import publish_prefixes
+from segments.record import record_payload, record_topic
+
 if TYPE_CHECKING:
     from segments import LogView, Record
 
@@ -47,6 +50,9 @@ class TailCache:
         self._tail_limit = max_bytes - max_bytes // 4  # the rest is for read-ahead
         self.read_ahead = read_ahead
         self._tail: list[Record] = []  # offsets [_base, _base + len(_tail)), no gaps
+        # Parallel to _tail: each record's MQTT 3.1.1 QoS 1 PUBLISH prefix (fixed header and
+        # topic field, codec.publish_prefixes), made once here for every subscriber's run.
+        self._prefix: list[bytes] = []
         self._base = 0
         self._tail_bytes = 0
         self._largest = 0  # largest payload + topic in the tail: cheap max_bytes check
@@ -90,10 +96,12 @@ class TailCache:
                 return  # already here, or older than the tail
             # A gap (records committed that the broker did not route): restart the tail.
             tail.clear()
+            self._prefix.clear()
             self._base = offset
             self._tail_bytes = 0
             self._largest = 0
         tail.append(record)
+        self._prefix += publish_prefixes((record.topic,), (record.payload,))
         size = len(record.payload) + len(record.topic)
         if size > self._largest:
             self._largest = size
@@ -118,6 +126,7 @@ class TailCache:
         if largest > self._largest:
             self._largest = largest
         tail.extend(records)
+        self._prefix += publish_prefixes(list(map(record_topic, records)), list(map(record_payload, records)))
         self._tail_bytes += sum(sizes) + _OVERHEAD * n
         if self._tail_bytes > self._tail_limit:
             self._evict_tail()
@@ -137,6 +146,7 @@ class TailCache:
             freed += sum([len(r.payload) + len(r.topic) + len(r.headers) for r in tail[drop:end]]) + _OVERHEAD * k
             drop = end
         del tail[:drop]
+        del self._prefix[:drop]
         self._base += drop
         self._tail_bytes -= freed
 
@@ -178,11 +188,20 @@ class TailCache:
 
     def clear(self) -> None:
         self._tail.clear()
+        self._prefix.clear()
         self._tail_bytes = 0
         self._largest = 0
         self._ahead.clear()
         self._ahead_bytes = 0
         self._ahead_largest = 0
+
+    def prefixes(self, offset: int, n: int) -> list[bytes] | None:
+        """The MQTT 3.1.1 QoS 1 PUBLISH prefixes (codec.publish_prefixes) of the records
+        [offset, offset + n) when the tail holds them all, else None."""
+        i = offset - self._base
+        if i < 0 or i + n > len(self._prefix):
+            return None
+        return self._prefix[i:i + n]
 
     def read(self, offset: int, max_records: int = 1000, max_bytes: int = 1 << 20) -> list[Record]:
         """Same contract as ``Log.read`` (up to :attr:`committed_offset`); served from memory where possible."""

@@ -217,6 +217,13 @@ class ConsumerGroup:
         self._again: set[int] = set()  # outstanding offsets delivered more than once
         self._order: deque[int] = deque()  # outstanding offsets, ascending; acked ones lazily
         self._redeliver: list[int] = []  # heap of offsets waiting for redelivery
+        # What the last fetch() knew of the list it returned, so a caller need not find it out
+        # again record by record: when that list (``last_run``, compared by identity) is the
+        # gap-free offsets [run_start, run_start + len) read in one piece, run_start and the
+        # set of its topics (run_topics); otherwise run_start is -1.
+        self.last_run: list[Record] | None = None
+        self.run_start = -1
+        self.run_topics: frozenset[str] | set[str] = frozenset()
         self._acks = 0
         self._acks_at_persist = 0
         self._last_persist = time.monotonic()
@@ -490,6 +497,8 @@ class ConsumerGroup:
         if self._closed:
             raise GroupClosed(self.name)
         out: list[Record] = []
+        run_start = -1
+        run_topics: set[str] = set()
         stats = self._stats
         outstanding = self._outstanding
         if self._redeliver:
@@ -518,21 +527,25 @@ class ConsumerGroup:
                 break
             batch = records if len(records) <= remaining else records[:remaining]
             n = len(batch)
-            if (
-                batch[0].offset == doing
-                and batch[-1].offset == doing + n - 1
-                and all(map(self.matches, set(map(record_topic, batch))))
-            ):
-                # Fast path (the common case): gap-free and every topic matches, so the
-                # bookkeeping runs in C over the whole batch.
-                offsets = range(doing, doing + n)
-                outstanding.update(dict.fromkeys(offsets, consumer))
-                self._order.extend(offsets)
-                out.extend(batch)
-                self._doing = doing + n
-                remaining -= n
-                scan_budget -= n
-                continue
+            if batch[0].offset == doing and batch[-1].offset == doing + n - 1:
+                topics = set(map(record_topic, batch))
+                if all(map(self.matches, topics)):
+                    # Fast path (the common case): gap-free and every topic matches, so the
+                    # bookkeeping runs in C over the whole batch.
+                    offsets = range(doing, doing + n)
+                    outstanding.update(dict.fromkeys(offsets, consumer))
+                    self._order.extend(offsets)
+                    if not out:
+                        run_start = doing
+                        run_topics = topics
+                    else:
+                        run_start = -1  # (after redeliveries, or a second piece)
+                    out.extend(batch)
+                    self._doing = doing + n
+                    remaining -= n
+                    scan_budget -= n
+                    continue
+            run_start = -1
             scanned = 0
             for record in records:
                 if not remaining:
@@ -557,6 +570,9 @@ class ConsumerGroup:
             # New to this process but possibly handed out before the restart.
             stats.redelivered += sum(1 for r in out[first_new:] if r.offset < below)
         stats.delivered += len(out)
+        self.last_run = out
+        self.run_start = run_start
+        self.run_topics = run_topics
         return out
 
     def _take_redeliveries(self, out: list[Record], max_records: int, consumer: str) -> None:

@@ -141,6 +141,9 @@ def test_a_failed_commit_of_a_run_acks_nothing_and_closes(tmp_path: Path) -> Non
     run(main())
 
 
+_QOS = (1, 2, 0, 1)
+
+
 class _FakeLog:
     first_offset = 0
     next_offset = 10_000
@@ -153,9 +156,10 @@ class _FakeLog:
 @settings(max_examples=60, deadline=None)
 @given(runs=st.lists(st.integers(1, 30), min_size=1, max_size=12),
        sizes=st.lists(st.integers(0, 3000), min_size=1, max_size=50),
-       gaps=st.lists(st.integers(-3, 3), min_size=12, max_size=12), limit=st.integers(2_000, 40_000))
+       gaps=st.lists(st.integers(-3, 3), min_size=12, max_size=12), limit=st.integers(2_000, 40_000),
+       mixed=st.booleans())
 def test_tail_cache_put_many_keeps_what_put_per_record_keeps(runs: list[int], sizes: list[int], gaps: list[int],
-                                                              limit: int) -> None:
+                                                              limit: int, mixed: bool) -> None:
     """Runs that follow the tail, overlap it or leave a gap: the same records readable, the
     same bytes counted, memory bounded as with :meth:`TailCache.put` one by one."""
     one = TailCache(_FakeLog(), max_bytes=limit)  # type: ignore[arg-type]
@@ -164,7 +168,10 @@ def test_tail_cache_put_many_keeps_what_put_per_record_keeps(runs: list[int], si
     for count, gap in zip(runs, gaps, strict=False):
         offset = max(0, offset + gap)
         # A record is the same whenever its offset is put again (committed records never change).
-        records = [Record(o, 0, "t", b"x" * sizes[o % len(sizes)]) for o in range(offset, offset + count)]
+        # Plain QoS 1 records, or (mixed) some QoS 0 / 2, retained or with MQTT 5 headers.
+        records = [Record(o, 0, "t", b"x" * sizes[o % len(sizes)], _QOS[o % 4] if mixed else 1,
+                          mixed and o % 7 == 3, b"\x03\x00\x01a" if mixed and o % 11 == 5 else b"")
+                   for o in range(offset, offset + count)]
         offset += count
         for r in records:
             one.put(r)
@@ -173,18 +180,23 @@ def test_tail_cache_put_many_keeps_what_put_per_record_keeps(runs: list[int], si
         a, b = sorted((one._tail, many._tail), key=len)
         assert a == b[len(b) - len(a):]
         assert [r.offset for r in many._tail] == list(range(many._base, many._base + len(many._tail)))
-        assert many._tail_bytes == sum(len(r.payload) + len(r.topic) + _OVERHEAD for r in many._tail)
+        # (headers counted as eviction counts them: the bytes stay those of what is held)
+        assert many._tail_bytes == sum(len(r.payload) + len(r.topic) + len(r.headers) + _OVERHEAD for r in many._tail)
         assert many._tail_bytes <= many._tail_limit
         assert many._largest >= max((len(r.payload) + 1 for r in many._tail), default=0)
         for cache in (one, many):  # each record's PUBLISH prefix beside it (the run path's)
-            assert len(cache._prefix) == len(cache._tail)
-            assert cache.prefixes(cache._base - 1, 1) is None
-            assert cache.prefixes(cache._base, len(cache._tail) + 1) is None
-            got = cache.prefixes(cache._base, len(cache._tail))
-            assert got is not None
-            for k, (prefix, r) in enumerate(zip(got, cache._tail, strict=True)):
-                pid = 1 + k % 0xFFFF
-                assert prefix + pid.to_bytes(2, "big") + r.payload == publish_bytes(r.topic, r.payload, 1, False, pid)
+            assert len(cache._prefix) == len(cache._odd) == len(cache._tail)
+            assert cache.plain_prefixes(cache._base - 1, 1) is None
+            assert cache.plain_prefixes(cache._base, len(cache._tail) + 1) is None
+            plain = [not r.headers and not r.retain and r.qos >= 1 for r in cache._tail]
+            whole = cache.plain_prefixes(cache._base, len(cache._tail))
+            assert (whole is not None) == all(plain)
+            for k, r in enumerate(cache._tail):
+                got = cache.plain_prefixes(r.offset, 1)
+                assert (got is not None) == plain[k], r
+                if got is not None:
+                    pid = 1 + k % 0xFFFF
+                    assert got[0] + pid.to_bytes(2, "big") + r.payload == publish_bytes(r.topic, r.payload, 1, False, pid)
 
 
 def test_a_run_with_a_payload_over_message_size_limit_stops_at_it(tmp_path: Path) -> None:

@@ -46,7 +46,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("filemq.broker")
 
 _group_of_sent = itemgetter(1)  # SentRecord.group (its offset: record_offset, index 0 too)
-_ONLY_SENT = {SentRecord}
+_NO_GROUPS: set[Any] = set()
 # Reads with at least this many PUBACKs take on_pubacks' bulk path; below it its sets and
 # lists cost more than the per-id loop (callgrind, WINDOW=20: +8 % Ir per delivery at 5 per
 # read, +1.4 % at 10, -3.6 % at 20, -8 % at 100; docs/PERFORMANCE.md).
@@ -184,8 +184,6 @@ class DeliveryMixin(CoreBase):
         not qualify.  MQTT 5 (:meth:`_deliver5`) also needs: no subscription with no local
         or an identifier, no topic aliases to the client, and every PUBLISH surely within the
         client's Maximum Packet Size (records without headers have no expiry)."""
-        if any(map(record_headers, records)) or any(map(record_retain, records)):
-            return False
         v5 = conn.protocol_level == PROTOCOL_LEVEL_5
         if v5 and (conn.alias_max or not state.plain5()):
             return False
@@ -193,14 +191,19 @@ class DeliveryMixin(CoreBase):
         prefixes: list[bytes] | None = None
         if group.last_run is records and group.run_start >= 0:
             # The group's fetch read these as the gap-free run [run_start, run_start + n);
-            # the tail cache may hold their PUBLISH prefixes (made once for all subscribers).
+            # the tail cache may hold their PUBLISH prefixes (made once for all subscribers),
+            # which it gives only for records without headers or retain, at QoS 1 or 2.
             lowest = group.run_start
             offsets = range(lowest, lowest + len(records))
+            if not v5:
+                prefixes = self.cache.plain_prefixes(lowest, len(records))
+            if prefixes is None and (any(map(record_headers, records)) or any(map(record_retain, records))):
+                return False
             topics = list(map(record_topic, records))
             distinct = group.run_topics
-            if not v5:
-                prefixes = self.cache.prefixes(lowest, len(records))
         else:
+            if any(map(record_headers, records)) or any(map(record_retain, records)):
+                return False
             offsets = list(map(record_offset, records))
             lowest = min(offsets)
             topics = list(map(record_topic, records))
@@ -210,7 +213,7 @@ class DeliveryMixin(CoreBase):
         acl = conn.acl
         if acl is not None and not acl.allow_all and not all(map(acl.can_receive, distinct)):
             return False
-        if state.run_qos(distinct, lowest, share) != 1 or min(map(record_qos, records)) < 1:
+        if state.run_qos(distinct, lowest, share) != 1 or (prefixes is None and min(map(record_qos, records)) < 1):
             return False
         payloads = list(map(record_payload, records))
         limit = conn.client_max_packet
@@ -317,16 +320,20 @@ class DeliveryMixin(CoreBase):
             # can be the wrong one) of one group: acked with C-level maps and one ack_many.
             # Anything else (an unknown id, a QoS 2 entry, two groups) takes the loop below.
             outs = list(map(inflight.get, pids))
-            if set(map(type, outs)) == _ONLY_SENT:
+            try:
+                # Only a SentRecord (a tuple) has an item 1: None (an unknown id) and an
+                # Outbound raise TypeError, and take the loop below.
                 groups = set(map(_group_of_sent, outs))
-                if len(groups) == 1:
-                    list(map(inflight.pop, pids, repeat(None)))  # (a repeated id: popped once)
-                    group = groups.pop()
-                    if group is not None:
-                        group.ack_many(list(map(record_offset, outs)))
-                        self._acked = True
-                    self._refill(conn, inflight)
-                    return
+            except TypeError:
+                groups = _NO_GROUPS
+            if len(groups) == 1:
+                list(map(inflight.pop, pids, repeat(None)))  # (a repeated id: popped once)
+                group = groups.pop()
+                if group is not None:
+                    group.ack_many(list(map(record_offset, outs)))
+                    self._acked = True
+                self._refill(conn, inflight)
+                return
         for pid in pids:
             out = inflight.get(pid)
             if out is None:

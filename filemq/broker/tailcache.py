@@ -25,7 +25,7 @@ from collections import deque
 from typing import TYPE_CHECKING
 
 from filemq.mqtt.codec import publish_prefixes
-from segments.record import record_payload, record_topic
+from segments.record import record_headers, record_payload, record_qos, record_retain, record_topic
 
 if TYPE_CHECKING:
     from segments import LogView, Record
@@ -53,9 +53,12 @@ class TailCache:
         # Parallel to _tail: each record's MQTT 3.1.1 QoS 1 PUBLISH prefix (fixed header and
         # topic field, codec.publish_prefixes), made once here for every subscriber's run.
         self._prefix: list[bytes] = []
+        # Parallel to _tail too: 1 for a record the run path cannot send as a plain QoS 1
+        # PUBLISH (MQTT 5 headers, retained, or QoS 0), else 0 (one memchr per run).
+        self._odd = bytearray()
         self._base = 0
         self._tail_bytes = 0
-        self._largest = 0  # largest payload + topic in the tail: cheap max_bytes check
+        self._largest = 0  # largest payload + topic + headers in the tail: cheap max_bytes check
         # Read-ahead for readers behind the tail: gap-free runs of records (oldest first),
         # each (first offset, records, bytes); a hit is a list slice of one run.
         self._ahead: deque[tuple[int, list[Record], int]] = deque()
@@ -97,12 +100,14 @@ class TailCache:
             # A gap (records committed that the broker did not route): restart the tail.
             tail.clear()
             self._prefix.clear()
+            self._odd.clear()
             self._base = offset
             self._tail_bytes = 0
             self._largest = 0
         tail.append(record)
         self._prefix += publish_prefixes((record.topic,), (record.payload,))
-        size = len(record.payload) + len(record.topic)
+        self._odd.append(bool(record.headers) or record.retain or record.qos == 0)
+        size = len(record.payload) + len(record.topic) + len(record.headers)
         if size > self._largest:
             self._largest = size
         self._tail_bytes += size + _OVERHEAD
@@ -121,12 +126,16 @@ class TailCache:
             for r in records:
                 self.put(r)
             return
-        sizes = [len(r.payload) + len(r.topic) for r in records]
+        sizes = [len(r.payload) + len(r.topic) + len(r.headers) for r in records]
         largest = max(sizes)
         if largest > self._largest:
             self._largest = largest
         tail.extend(records)
         self._prefix += publish_prefixes(list(map(record_topic, records)), list(map(record_payload, records)))
+        if any(map(record_headers, records)) or any(map(record_retain, records)) or min(map(record_qos, records)) < 1:
+            self._odd += bytes(bool(r.headers) or r.retain or r.qos == 0 for r in records)
+        else:
+            self._odd += bytes(n)  # (the common batch: plain QoS 1 and 2)
         self._tail_bytes += sum(sizes) + _OVERHEAD * n
         if self._tail_bytes > self._tail_limit:
             self._evict_tail()
@@ -147,6 +156,7 @@ class TailCache:
             drop = end
         del tail[:drop]
         del self._prefix[:drop]
+        del self._odd[:drop]
         self._base += drop
         self._tail_bytes -= freed
 
@@ -189,17 +199,19 @@ class TailCache:
     def clear(self) -> None:
         self._tail.clear()
         self._prefix.clear()
+        self._odd.clear()
         self._tail_bytes = 0
         self._largest = 0
         self._ahead.clear()
         self._ahead_bytes = 0
         self._ahead_largest = 0
 
-    def prefixes(self, offset: int, n: int) -> list[bytes] | None:
+    def plain_prefixes(self, offset: int, n: int) -> list[bytes] | None:
         """The MQTT 3.1.1 QoS 1 PUBLISH prefixes (codec.publish_prefixes) of the records
-        [offset, offset + n) when the tail holds them all, else None."""
+        [offset, offset + n) when the tail holds them all and none has MQTT 5 headers, is
+        retained or is QoS 0; else None."""
         i = offset - self._base
-        if i < 0 or i + n > len(self._prefix):
+        if i < 0 or i + n > len(self._prefix) or self._odd.find(1, i, i + n) >= 0:
             return None
         return self._prefix[i:i + n]
 

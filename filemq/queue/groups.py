@@ -510,14 +510,16 @@ class ConsumerGroup:
         match_all = self._match_all
         # Bound the work of one call (it runs on the event loop) when few records match.
         scan_budget = max(16 * max_records, 16384)
+        least = 0  # records per read: just what is wanted until some record was skipped
         while remaining > 0 and scan_budget > 0:
             doing = self._doing
             if doing >= self._log.committed_offset:
                 break
             committed = self._log.committed_offset
-            # Read at least a modest batch: with a narrow filter most records are skipped,
-            # and one read() per wanted record would cost an index lookup each.
-            records = read(doing, max(remaining, _MIN_READ))
+            # Once a record was skipped, read at least a modest batch: with a narrow filter
+            # most records are skipped, and one read() per wanted record would cost an index
+            # lookup each.
+            records = read(doing, max(remaining, least))
             if not records:
                 if committed > doing:
                     # read() returns a record whenever one is readable below its limit
@@ -546,6 +548,7 @@ class ConsumerGroup:
                     scan_budget -= n
                     continue
             run_start = -1
+            least = _MIN_READ
             scanned = 0
             for record in records:
                 if not remaining:

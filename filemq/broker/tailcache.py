@@ -35,6 +35,7 @@ if TYPE_CHECKING:
 # (tracemalloc: 313 bytes for a record with a 100-byte payload and a shared topic).
 _OVERHEAD = 210
 _FRAME = 28  # framing bytes per record, for the max_bytes accounting of Log.read
+_PREFIX_PIECE = 256  # PUBLISH prefixes are made for at least this many records at a time
 
 
 def _frame_bytes(records: list[Record]) -> int:
@@ -50,11 +51,12 @@ class TailCache:
         self._tail_limit = max_bytes - max_bytes // 4  # the rest is for read-ahead
         self.read_ahead = read_ahead
         self._tail: list[Record] = []  # offsets [_base, _base + len(_tail)), no gaps
-        # Parallel to _tail: each record's MQTT 3.1.1 QoS 1 PUBLISH prefix (fixed header and
-        # topic field, codec.publish_prefixes), made once here for every subscriber's run.
+        # Beside the first len(_prefix) records of _tail: each one's MQTT 3.1.1 QoS 1 PUBLISH
+        # prefix (fixed header and topic field, codec.publish_prefixes), made once for every
+        # subscriber's run, when the first subscriber asks (a broker without subscribers
+        # never makes them); and in _odd a 1 for a record the run path cannot send as a
+        # plain QoS 1 PUBLISH (MQTT 5 headers, retained, or QoS 0), else 0 (one memchr).
         self._prefix: list[bytes] = []
-        # Parallel to _tail too: 1 for a record the run path cannot send as a plain QoS 1
-        # PUBLISH (MQTT 5 headers, retained, or QoS 0), else 0 (one memchr per run).
         self._odd = bytearray()
         self._base = 0
         self._tail_bytes = 0
@@ -105,8 +107,6 @@ class TailCache:
             self._tail_bytes = 0
             self._largest = 0
         tail.append(record)
-        self._prefix += publish_prefixes((record.topic,), (record.payload,))
-        self._odd.append(bool(record.headers) or record.retain or record.qos == 0)
         size = len(record.payload) + len(record.topic) + len(record.headers)
         if size > self._largest:
             self._largest = size
@@ -131,11 +131,6 @@ class TailCache:
         if largest > self._largest:
             self._largest = largest
         tail.extend(records)
-        self._prefix += publish_prefixes(list(map(record_topic, records)), list(map(record_payload, records)))
-        if any(map(record_headers, records)) or any(map(record_retain, records)) or min(map(record_qos, records)) < 1:
-            self._odd += bytes(bool(r.headers) or r.retain or r.qos == 0 for r in records)
-        else:
-            self._odd += bytes(n)  # (the common batch: plain QoS 1 and 2)
         self._tail_bytes += sum(sizes) + _OVERHEAD * n
         if self._tail_bytes > self._tail_limit:
             self._evict_tail()
@@ -211,9 +206,24 @@ class TailCache:
         [offset, offset + n) when the tail holds them all and none has MQTT 5 headers, is
         retained or is QoS 0; else None."""
         i = offset - self._base
-        if i < 0 or i + n > len(self._prefix) or self._odd.find(1, i, i + n) >= 0:
+        if i < 0 or i + n > len(self._prefix):
+            if i < 0 or i + n > len(self._tail):
+                return None
+            self._make_prefixes(i + n)
+        if self._odd.find(1, i, i + n) >= 0:
             return None
         return self._prefix[i:i + n]
+
+    def _make_prefixes(self, end: int) -> None:
+        """Extend _prefix and _odd to at least the first ``end`` records of the tail (in
+        pieces of at least _PREFIX_PIECE records: the next subscriber's run is there too)."""
+        start = len(self._prefix)
+        records = self._tail[start:max(end, start + _PREFIX_PIECE)]
+        self._prefix += publish_prefixes(list(map(record_topic, records)), list(map(record_payload, records)))
+        if any(map(record_headers, records)) or any(map(record_retain, records)) or min(map(record_qos, records)) < 1:
+            self._odd += bytes(bool(r.headers) or r.retain or r.qos == 0 for r in records)
+        else:
+            self._odd += bytes(len(records))  # (the common piece: plain QoS 1 and 2)
 
     def read(self, offset: int, max_records: int = 1000, max_bytes: int = 1 << 20) -> list[Record]:
         """Same contract as ``Log.read`` (up to :attr:`committed_offset`); served from memory where possible."""

@@ -340,28 +340,26 @@ def publish_run(topics: Sequence[str], payloads: Sequence[bytes], first_pid: int
     return b"".join(chain.from_iterable(zip(map(heads.__getitem__, sizes), tbs, ids, payloads, strict=True)))
 
 
+# MQTT 3.1.1 QoS 1 PUBLISH prefixes by (topic, payload size); bounded as _topic_bytes.
+_prefixes: dict[tuple[str, int], bytes] = {}
+
+
 def publish_prefixes(topics: Sequence[str], payloads: Sequence[bytes]) -> list[bytes]:
     """Per message, the bytes of its MQTT 3.1.1 QoS 1 PUBLISH (DUP 0, RETAIN 0) before the
     packet id: fixed header and topic field.  ``prefix + id + payload`` is the packet, so a
     run of them is :func:`publish_run_prefixed`.  Equal (topic, size) pairs share one bytes
     object (the broker's tail cache keeps one per record)."""
-    cached = _topic_bytes.get
-    tmap = {t: cached(t) or _cache_topic(t) for t in set(topics)}
-    tbs = list(map(tmap.__getitem__, topics))
-    sizes = list(map(add, map(len, tbs), map(len, payloads)))
-    heads = _heads1
-    missing = set(sizes).difference(heads)
-    if missing:
-        if len(heads) + len(missing) > _HEADS_CACHE_SIZE:
-            heads.clear()
-            missing = set(sizes)
-        for size in missing:
-            heads[size] = _fixed_header(0x32, size + 2)
-    shared: dict[tuple[bytes, int], bytes] = {}
-    keys = list(zip(tbs, sizes, strict=True))
-    for key in set(keys):
-        shared[key] = heads[key[1]] + key[0]
-    return list(map(shared.__getitem__, keys))
+    out = list(map(_prefixes.get, zip(topics, map(len, payloads), strict=True)))
+    if None in out:
+        if len(_prefixes) >= 4096:
+            _prefixes.clear()
+        cached = _topic_bytes.get
+        for k, (topic, payload) in enumerate(zip(topics, payloads, strict=True)):
+            if out[k] is None:
+                tb = cached(topic) or _cache_topic(topic)
+                prefix = _prefixes[(topic, len(payload))] = _fixed_header(0x32, len(tb) + len(payload) + 2) + tb
+                out[k] = prefix
+    return out  # type: ignore[return-value]  # (no None left)
 
 
 def publish_run_prefixed(prefixes: Sequence[bytes], payloads: Sequence[bytes], first_pid: int) -> bytes:

@@ -1162,6 +1162,25 @@ def test_bulk_pubacks_and_a_bad_one(tmp_path: Path) -> None:
     run(main())
 
 
+@pytest.mark.parametrize("count", [3, 64, 65, 100])
+def test_a_read_of_pubacks_with_id_0_inside_is_a_protocol_error(tmp_path: Path, count: int) -> None:
+    """MQTT-2.3.1-1 (a packet id is non-zero): a PUBACK with id 0 anywhere in a read of
+    whole PUBACKs (the fast paths for up to 64 and for more) closes the connection."""
+    async def main() -> None:
+        h = Harness(tmp_path, max_inflight=200)
+        s = h.connected("s", subscribe=Subscribe(1, [("t", 1)]))
+        p = h.connected("p")
+        p.send(*[Publish("t", b"%d" % i, 1, packet_id=i + 1) for i in range(count)])
+        await h.commit()
+        got = s.received()
+        assert len(got) == count
+        acks = [encode(Puback(m.packet_id)) for m in got]
+        acks[count // 2] = b"\x40\x02\x00\x00"
+        s.send_bytes(b"".join(acks))
+        assert s.conn.closed and "packet id" in s.conn.close_reason
+    run(main())
+
+
 def test_unsubscribing_from_a_share_leaves_it(tmp_path: Path) -> None:
     async def main() -> None:
         h = Harness(tmp_path, max_inflight=5)

@@ -9,6 +9,7 @@ import asyncio
 import functools
 import logging
 import time
+from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from itertools import repeat
 from operator import itemgetter
@@ -47,6 +48,7 @@ log = logging.getLogger("filemq.broker")
 
 _group_of_sent = itemgetter(1)  # SentRecord.group (its offset: record_offset, index 0 too)
 _NO_GROUPS: set[Any] = set()
+_consume: Callable[[Iterable[Any]], Any] = functools.partial(deque, maxlen=0)  # runs an iterator to its end in C
 # Reads with at least this many PUBACKs take on_pubacks' bulk path; below it its sets and
 # lists cost more than the per-id loop (callgrind, WINDOW=20: +8 % Ir per delivery at 5 per
 # read, +1.4 % at 10, -3.6 % at 20, -8 % at 100; docs/PERFORMANCE.md).
@@ -327,7 +329,7 @@ class DeliveryMixin(CoreBase):
             except TypeError:
                 groups = _NO_GROUPS
             if len(groups) == 1:
-                list(map(inflight.pop, pids, repeat(None)))  # (a repeated id: popped once)
+                _consume(map(inflight.pop, pids, repeat(None)))  # (a repeated id: popped once)
                 group = groups.pop()
                 if group is not None:
                     group.ack_many(list(map(record_offset, outs)))

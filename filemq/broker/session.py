@@ -269,7 +269,9 @@ class Connection:
             elif data[0::4] == b"\x40" * n and data[1::4] == b"\x02" * n:
                 # Each PUBACK as one big-endian 32-bit word 0x4002_iiii: the id is its low half.
                 pids = list(map(_LOW16, _unpack_words(f">{n}I", data)))
-            if pids is not None and 0 not in pids:  # (id 0 is invalid: let the decoder report it)
+            # (id 0 is invalid: let the decoder report it; "40 02 00 00" can only be found
+            # at a packet's start in a read of whole PUBACKs)
+            if pids is not None and b"\x40\x02\x00\x00" not in data:
                 try:
                     self.core.on_pubacks(self, pids)
                 except Exception as exc:

@@ -350,7 +350,7 @@ def publish_prefixes(topics: Sequence[str], payloads: Sequence[bytes]) -> list[b
     run of them is :func:`publish_run_prefixed`.  Equal (topic, size) pairs share one bytes
     object (the broker's tail cache keeps one per record)."""
     out = list(map(_prefixes.get, zip(topics, map(len, payloads), strict=True)))
-    if None in out:
+    if not all(out):  # (a prefix is never empty: only a miss, None, is false)
         if len(_prefixes) >= 4096:
             _prefixes.clear()
         cached = _topic_bytes.get

@@ -60,7 +60,10 @@ class TailCache:
         self._odd = bytearray()
         self._base = 0
         self._tail_bytes = 0
-        self._largest = 0  # largest payload + topic + headers in the tail: cheap max_bytes check
+        # The tail in pieces as they were put, oldest first: [records, bytes] each, so eviction
+        # drops whole pieces and subtracts their bytes (no per-record sizing twice).
+        self._pieces: deque[tuple[int, int]] = deque()
+        self._largest = 0  # >= the largest payload + topic + headers in the tail: cheap max_bytes check
         # Read-ahead for readers behind the tail: gap-free runs of records (oldest first),
         # each (first offset, records, bytes); a hit is a list slice of one run.
         self._ahead: deque[tuple[int, list[Record], int]] = deque()
@@ -103,6 +106,7 @@ class TailCache:
             tail.clear()
             self._prefix.clear()
             self._odd.clear()
+            self._pieces.clear()
             self._base = offset
             self._tail_bytes = 0
             self._largest = 0
@@ -111,6 +115,7 @@ class TailCache:
         if size > self._largest:
             self._largest = size
         self._tail_bytes += size + _OVERHEAD
+        self._pieces.append((1, size + _OVERHEAD))
         if self._tail_bytes > self._tail_limit:
             self._evict_tail()
 
@@ -126,29 +131,32 @@ class TailCache:
             for r in records:
                 self.put(r)
             return
-        sizes = [len(r.payload) + len(r.topic) + len(r.headers) for r in records]
-        largest = max(sizes)
+        # Sized with C-level passes; the largest as the sum of the largest parts (a bound).
+        payloads = list(map(len, map(record_payload, records)))
+        topics = list(map(len, map(record_topic, records)))
+        headers = list(map(len, map(record_headers, records)))
+        largest = max(payloads) + max(topics) + max(headers)
         if largest > self._largest:
             self._largest = largest
         tail.extend(records)
-        self._tail_bytes += sum(sizes) + _OVERHEAD * n
+        size = sum(payloads) + sum(topics) + sum(headers) + _OVERHEAD * n
+        self._tail_bytes += size
+        self._pieces.append((n, size))
         if self._tail_bytes > self._tail_limit:
             self._evict_tail()
 
     def _evict_tail(self) -> None:
-        # Drop the oldest eighth at once: one list memmove per chunk, not per record; the
-        # records to drop are sized in slices estimated from the mean size (no call per record).
+        # Drop the oldest pieces (as put) down to seven eighths of the limit at once: one list
+        # memmove, and each piece's bytes as counted when it was put (no per-record work).
         tail = self._tail
         target = self._tail_limit - self._tail_limit // 8
-        n = len(tail)
+        pieces = self._pieces
         drop = 0
         freed = 0
-        while self._tail_bytes - freed > target and drop < n:
-            excess = self._tail_bytes - freed - target
-            k = min(n - drop, excess * n // max(self._tail_bytes, 1) + 1)
-            end = drop + k
-            freed += sum([len(r.payload) + len(r.topic) + len(r.headers) for r in tail[drop:end]]) + _OVERHEAD * k
-            drop = end
+        while self._tail_bytes - freed > target and pieces:
+            k, size = pieces.popleft()
+            drop += k
+            freed += size
         del tail[:drop]
         del self._prefix[:drop]
         del self._odd[:drop]
@@ -193,6 +201,7 @@ class TailCache:
 
     def clear(self) -> None:
         self._tail.clear()
+        self._pieces.clear()
         self._prefix.clear()
         self._odd.clear()
         self._tail_bytes = 0

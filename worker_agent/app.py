@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import gc
 import logging
 from collections.abc import Callable
 
@@ -24,6 +23,7 @@ from filemq.broker import Broker
 from filemq.broker.metrics import backlog_status
 from filemq.common.config import Config, ConfigError
 from filemq.ops.eventloop import serves_tls
+from filemq.ops.gctune import tune_gc
 from filemq.ops.service import Sidecar, run_until_signalled, serve_until_signalled
 from worker_agent.exports import Exports
 from worker_agent.exports import describe as describe_exports
@@ -131,18 +131,6 @@ async def serve_agent(config: Config, ready: Callable[[str], None] | None = None
                                 f"{agent.broker.listening}, data dir {agent.broker.data_dir}, "
                                 f"exporting to {describe_exports(agent.exports)}"),
         log=log, ready=ready, stop=stop, sidecar=metrics, status=lambda agent: backlog_status(agent.broker))
-
-
-# Young-generation threshold of the agent process's cyclic GC (CPython's default: 700). Every
-# log record an export reads is a tuple, so at the default a backlog drain ran a young
-# collection every ~700 records, which cost ~20 % of reading and acknowledging a record.
-GC_YOUNG_THRESHOLD = 20_000
-
-
-def tune_gc() -> None:
-    """Collect the young generation less often (see GC_YOUNG_THRESHOLD); older ones as before."""
-    _, older, oldest = gc.get_threshold()
-    gc.set_threshold(GC_YOUNG_THRESHOLD, older, oldest)
 
 
 def run_agent(config: Config, ready: Callable[[str], None] | None = None) -> int:

@@ -16,6 +16,7 @@ from filemq.broker.metrics import backlog_status, broker_families, render_text
 from filemq.broker.server import Broker
 from filemq.common.config import Config
 from filemq.ops.eventloop import running_loop_name, serves_tls
+from filemq.ops.gctune import tune_gc
 from filemq.ops.service import (
     EXIT_CONFIG,
     EXIT_OK,
@@ -58,5 +59,6 @@ async def serve(config: Config, ready: Callable[[str], None] | None = None,
 def run_broker(config: Config, ready: Callable[[str], None] | None = None) -> int:
     """Run the broker in a new event loop (``broker.event_loop``: uvloop where installed) until
     SIGTERM/SIGINT; returns the exit code (2 for ``event_loop = "uvloop"`` without uvloop)."""
+    tune_gc()
     return run_until_signalled(serve(config, ready), name="broker", log=log, event_loop=config.broker.event_loop,
                                tls=serves_tls(config))

@@ -534,9 +534,9 @@ class ConsumerGroup:
                 if all(map(self.matches, topics)):
                     # Fast path (the common case): gap-free and every topic matches, so the
                     # bookkeeping runs in C over the whole batch.
-                    offsets = range(doing, doing + n)
-                    outstanding.update(dict.fromkeys(offsets, consumer))
-                    self._order.extend(offsets)
+                    fresh = dict.fromkeys(range(doing, doing + n), consumer)
+                    outstanding.update(fresh)
+                    self._order.extend(fresh)  # (the same int objects, not made again)
                     if not out:
                         run_start = doing
                         run_topics = topics

@@ -1,0 +1,98 @@
+"""Instruction counts (valgrind callgrind "Ir") of one subscriber's steady-state fanout cycle
+in one process, per source tree (issue 16): the per-delivery work of the run path alone, with
+no publish side and no sockets, which neither machine load nor socket timing moves.
+
+    PYTHONPATH=$PWD python -m bench.callgrind_cycle CYCLES name=/tree [name=/tree ...]
+    WINDOW=20 ACKS=20 PYTHONPATH=$PWD python -m bench.callgrind_cycle 1000 main=$PWD
+
+Each tree's `BrokerCore` runs over the tests' `FakeQueue` (tests/test_broker_session.py) with
+one persistent QoS 1 subscriber on ``bench/fanout/#`` and a window of ``WINDOW`` (20); the
+log holds 40,300 committed, routed records of 100 bytes on 4 topics, all in the tail cache,
+and the subscriber starts at its beginning. A cycle feeds the subscriber the PUBACKs of its
+whole window, ``ACKS`` (= the window) per read (receive_data -> on_pubacks -> ack), and
+flushes after each read as the broker does (refill: fetch -> _deliver_run -> write). Prints
+Ir for CYCLES and for 0 cycles and the difference per delivery. Collected garbage is frozen
+before the cycles (the broker freezes its start-up, filemq/ops/gctune.py).
+``PYTHONHASHSEED=0``; valgrind ~50x slower (1,000 cycles: about 30 s per run).
+"""
+from __future__ import annotations
+
+import asyncio
+import gc
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+RECORDS = 20 * 2010 + 100
+
+
+async def _cycles(cycles: int) -> None:
+    from filemq.mqtt.packets import Subscribe
+    from segments.record import Record
+    from tests.test_broker_session import Harness
+
+    window = int(os.environ.get("WINDOW", "20"))
+    per = int(os.environ.get("ACKS", str(window)))
+    h = Harness(Path(tempfile.mkdtemp(prefix="cg-cycle-")), max_inflight=window)
+    c = h.client()
+    c.connect("s0", False)
+    c.send(Subscribe(1, [("bench/fanout/#", 1)]))
+    c.received()
+    core, q = h.core, h.queue
+    core._persist_offsets = lambda: None  # type: ignore[method-assign]  # no offset-file threads
+    payload = b"x" * 100
+    topics = [f"bench/fanout/{i}" for i in range(4)]
+    q.log.records.extend(Record(i, 0, topics[i % 4], payload, 1, False) for i in range(RECORDS))
+    q.log.committed_offset = RECORDS
+    core.cache._tail_limit = 1 << 40  # all of them in the tail
+    core.cache.put_many(q.log.records)
+    core._routed = RECORDS
+    core.cache.limit = RECORDS
+    conn = c.conn
+    state = conn.session
+    assert state is not None
+    core.pump(conn)
+    core.flush()
+    gc.collect()
+    gc.freeze()
+    sent = c.transport.data
+    for _ in range(cycles):
+        acks = b"".join([b"\x40\x02" + pid.to_bytes(2, "big") for pid in state.inflight])
+        for j in range(0, len(acks), 4 * per):
+            conn.receive_data(acks[j:j + 4 * per])
+            core.flush()
+        assert sent and state.inflight, "a cycle's PUBACKs refilled nothing"
+        sent.clear()
+
+
+def _ir(tree: Path, cycles: int) -> int:
+    with tempfile.TemporaryDirectory(prefix="cg-cycle-") as d:
+        out = Path(d) / "cg.out"
+        subprocess.run(["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", sys.executable,
+                        str(Path(__file__).resolve()), "--inner", str(cycles)],
+                       cwd=tree, env=dict(os.environ, PYTHONPATH=str(tree), PYTHONHASHSEED="0"),
+                       check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        m = re.search(r"^(?:summary|totals):\s+(\d+)", out.read_text(errors="replace"), re.M)
+        assert m, "no totals"
+        return int(m.group(1))
+
+
+def main() -> None:
+    if sys.argv[1] == "--inner":
+        sys.path.insert(0, os.environ["PYTHONPATH"])
+        asyncio.run(_cycles(int(sys.argv[2])))
+        return
+    cycles = int(sys.argv[1])
+    window = int(os.environ.get("WINDOW", "20"))
+    for arg in sys.argv[2:]:
+        name, path = arg.split("=", 1)
+        loaded, idle = _ir(Path(path), cycles), _ir(Path(path), 0)
+        print(f"{name} cycles={cycles} Ir={loaded:,} idle={idle:,} per delivery={(loaded - idle) / (cycles * window):,.0f}",
+              flush=True)
+
+
+if __name__ == "__main__":
+    main()

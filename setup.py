@@ -28,6 +28,7 @@ from setuptools import setup
 HOT_PATH = [
     "filemq/mqtt/codec.py",
     "filemq/mqtt/codec5.py",
+    "filemq/mqtt/runcodec.py",
     "filemq/mqtt/packets.py",
     "filemq/mqtt/properties.py",
     "filemq/broker/acl.py",

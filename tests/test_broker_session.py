@@ -1765,13 +1765,8 @@ def test_publish_run_matches_publish_bytes(msgs: list[tuple[str, bytes]], pid: i
     """publish_run (the fanout run path's encoder) gives the bytes of one publish_bytes (MQTT 5:
     publish_bytes5, empty property section 3.3.2.3.1) per message: QoS 1, DUP 0, RETAIN 0,
     consecutive packet ids (MQTT 3.3.1, 3.3.2.2)."""
-    from filemq.mqtt.codec import (
-        publish_bytes,
-        publish_bytes5,
-        publish_prefixes,
-        publish_run,
-        publish_run_prefixed,
-    )
+    from filemq.mqtt.codec import publish_bytes, publish_bytes5
+    from filemq.mqtt.runcodec import publish_prefixes, publish_run, publish_run_prefixed
 
     msgs = msgs[:0x10000 - pid]
     expected = b"".join(publish_bytes(t, p, 1, False, pid + i) for i, (t, p) in enumerate(msgs))

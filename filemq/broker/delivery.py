@@ -29,8 +29,9 @@ from filemq.broker.state import (
     message_expiry,
 )
 from filemq.common.native import mypyc_attr
-from filemq.mqtt.codec import publish_bytes, publish_bytes5, publish_run, publish_run_prefixed
+from filemq.mqtt.codec import publish_bytes, publish_bytes5
 from filemq.mqtt.packets import PROTOCOL_LEVEL_5
+from filemq.mqtt.runcodec import publish_run, publish_run_prefixed
 from segments.record import (
     Record,
     record_headers,

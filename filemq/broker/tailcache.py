@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections import deque
 from typing import TYPE_CHECKING
 
-from filemq.mqtt.codec import publish_prefixes
+from filemq.mqtt.runcodec import publish_prefixes
 from segments.record import record_headers, record_payload, record_qos, record_retain, record_topic
 
 if TYPE_CHECKING:
@@ -52,7 +52,7 @@ class TailCache:
         self.read_ahead = read_ahead
         self._tail: list[Record] = []  # offsets [_base, _base + len(_tail)), no gaps
         # Beside the first len(_prefix) records of _tail: each one's MQTT 3.1.1 QoS 1 PUBLISH
-        # prefix (fixed header and topic field, codec.publish_prefixes), made once for every
+        # prefix (fixed header and topic field, runcodec.publish_prefixes), made once for every
         # subscriber's run, when the first subscriber asks (a broker without subscribers
         # never makes them); and in _odd a 1 for a record the run path cannot send as a
         # plain QoS 1 PUBLISH (MQTT 5 headers, retained, or QoS 0), else 0 (one memchr).
@@ -211,7 +211,7 @@ class TailCache:
         self._ahead_largest = 0
 
     def plain_prefixes(self, offset: int, n: int) -> list[bytes] | None:
-        """The MQTT 3.1.1 QoS 1 PUBLISH prefixes (codec.publish_prefixes) of the records
+        """The MQTT 3.1.1 QoS 1 PUBLISH prefixes (runruncodec.publish_prefixes) of the records
         [offset, offset + n) when the tail holds them all and none has MQTT 5 headers, is
         retained or is QoS 0; else None."""
         i = offset - self._base

@@ -11,12 +11,16 @@ shared machine only ratios within one run mean something (docs/PERFORMANCE.md). 
 overrides the messages per run (ingest 200,000; fanout 20,000 x the 10 subscribers).
 ``PROTOCOL=5`` runs every broker with MQTT 5 load clients (trees that speak MQTT 5 only), and
 ``V5_PROPERTIES=1`` adds a content type and a user property to every PUBLISH (as
-``filemq bench broker --protocol 5 --v5-properties``).
+``filemq bench broker --protocol 5 --v5-properties``). ``SUBSCRIBER_CLIENT=single|paho`` and
+``MAX_INFLIGHT=N`` are the bench's ``--subscriber-client`` and ``--max-inflight`` (the window of
+every broker in the run); ``NO_MOSQUITTO=1`` runs the trees only. The summary also gives
+each broker's median, which on a loaded machine says more than the best run.
 """
 
 from __future__ import annotations
 
 import os
+import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -26,31 +30,37 @@ from bench.broker import BrokerBenchOptions, _fanout_run, _ingest_run
 from bench.broker5 import V5_PROPERTIES
 
 
-def _start(tree: Path | None, work: Path) -> BrokerProcess:
+def _start(tree: Path | None, work: Path, window: int | None) -> BrokerProcess:
     if tree is None:
-        return start_mosquitto(work)
+        return start_mosquitto(work) if window is None else start_mosquitto(work, max_inflight=window)
     port = free_port()
-    broker = spawn(tree.name, [sys.executable, str(tree / "cli.py"), "broker", "--data-dir", str(work / "data"),
-                               "--host", LOOPBACK, "--port", str(port), "--fsync", "always"],
-                   LOOPBACK, port, work / "broker.log", env=dict(os.environ, PYTHONPATH=str(tree)), cwd=tree)
+    argv = [sys.executable, str(tree / "cli.py"), "broker", "--data-dir", str(work / "data"),
+            "--host", LOOPBACK, "--port", str(port), "--fsync", "always"]
+    if window is not None:
+        argv += ["--max-inflight", str(window)]
+    broker = spawn(tree.name, argv, LOOPBACK, port, work / "broker.log", env=dict(os.environ, PYTHONPATH=str(tree)),
+                   cwd=tree)
     broker.wait_ready(30)
     return broker
 
 
 def compare(scenario: str, reps: int, trees: dict[str, Path]) -> list[str]:
-    opts = BrokerBenchOptions(max_seconds=10)
+    window = int(os.environ["MAX_INFLIGHT"]) if os.environ.get("MAX_INFLIGHT") else None
+    opts = BrokerBenchOptions(max_seconds=10, subscriber_client=os.environ.get("SUBSCRIBER_CLIENT", "loadgen"),
+                              max_inflight=window)
     messages = int(os.environ.get("MSGS", "0")) or (200_000 if scenario == "ingest" else 20_000)
     protocol = int(os.environ.get("PROTOCOL", "4"))
     props = V5_PROPERTIES if protocol == 5 and os.environ.get("V5_PROPERTIES") == "1" else None
     runs: dict[str, list[tuple[float, float]]] = {}
     lines: list[str] = []
-    named: dict[str, Path | None] = {**trees, "mosquitto": None}
+    named: dict[str, Path | None] = dict(trees) if os.environ.get("NO_MOSQUITTO") == "1" else {
+        **trees, "mosquitto": None}
     with tempfile.TemporaryDirectory(prefix="filemq-compare-") as d:
         for rep in range(reps):
             for name, tree in named.items():
                 work = Path(d) / f"{name}-{rep}"
                 work.mkdir()
-                with _start(tree, work) as broker:
+                with _start(tree, work, window) as broker:
                     cpu0 = broker.cpu_seconds()
                     if scenario == "ingest":
                         result = _ingest_run(broker, opts, messages, "bench/ingest", protocol=protocol,
@@ -65,13 +75,14 @@ def compare(scenario: str, reps: int, trees: dict[str, Path]) -> list[str]:
                 line = f"{scenario} {name:10} run {rep}: {rate:9,.0f}/s {us:6.2f} us/msg {result.errors[:1]}"
                 lines.append(line)
                 sys.stdout.write(line + "\n")
-    base_us = min(u for u, _ in runs["mosquitto"])
-    base_rate = max(r for _, r in runs["mosquitto"])
+    base = runs.get("mosquitto")
     for name, figures in runs.items():
         us = min(u for u, _ in figures)
         rate = max(r for _, r in figures)
-        lines.append(f"SUMMARY {scenario} {name:10} best {us:6.2f} us/msg ({rate:9,.0f}/s)  "
-                     f"cpu ratio vs mosquitto {base_us / us:.2f}  rate ratio {rate / base_rate:.2f}")
+        median = statistics.median(u for u, _ in figures)
+        vs = "" if base is None else (f"  cpu ratio vs mosquitto {min(u for u, _ in base) / us:.2f}  "
+                                      f"rate ratio {rate / max(r for _, r in base):.2f}")
+        lines.append(f"SUMMARY {scenario} {name:10} best {us:6.2f} us/msg ({rate:9,.0f}/s), median {median:6.2f}{vs}")
     return lines
 
 
@@ -79,7 +90,8 @@ def main(argv: list[str]) -> None:
     if len(argv) < 3 or argv[0] not in ("ingest", "fanout"):
         sys.exit(__doc__)
     trees = {name: Path(path).resolve() for name, path in (a.split("=", 1) for a in argv[2:])}
-    for line in compare(argv[0], int(argv[1]), trees)[-len(trees) - 1:]:
+    extra = 0 if os.environ.get("NO_MOSQUITTO") == "1" else 1
+    for line in compare(argv[0], int(argv[1]), trees)[-len(trees) - extra:]:
         sys.stdout.write(line + "\n")
 
 

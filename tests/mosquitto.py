@@ -48,7 +48,14 @@ class Mosquitto:
         )
 
     def set_password(self, user: str, password: str) -> None:
+        """The password file with this one user (created anew)."""
         subprocess.run([MOSQUITTO_PASSWD, "-b", "-c", str(self.passwd), user, password], check=True,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def add_user(self, user: str, password: str) -> None:
+        """Add ``user`` to the password file, or change its password; the others stay
+        (a running broker reads it again at :meth:`reload`)."""
+        subprocess.run([MOSQUITTO_PASSWD, "-b", str(self.passwd), user, password], check=True,
                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
     def start(self, timeout: float = 10.0) -> None:

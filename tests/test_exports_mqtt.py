@@ -370,7 +370,13 @@ def test_uplink_cut_at_random_bytes_loses_nothing(tmp_path: Path) -> None:
 def test_wrong_credentials_clear_error_backoff_nothing_skipped(tmp_path: Path) -> None:
     async def scenario() -> None:
         mq = Mosquitto(tmp_path / "mosquitto", password=("device", "right"))
+        mq.add_user("oracle", "oracle-pw")  # subscribed before the export can deliver anything
         mq.start()
+        oracle = Oracle(mq.port, "sensors/#")
+        oracle_client = MQTTClient("oracle", port=mq.port, clean_session=False, username="oracle",
+                                   password="oracle-pw", on_message=oracle._on_message)
+        await oracle_client.connect()
+        await oracle_client.subscribe([("sensors/#", 1)])
         pw = tmp_path / "pw"
         pw.write_text("wrong\n")
         agent = Agent(agent_config(tmp_path, f"""
@@ -392,14 +398,10 @@ password_file = "{pw}"
             assert "refused" in error and "not authorized (CONNACK 5)" in error and "password_file" in error, error
             assert export.group.pending_offset == 0 and export.group.lag == 200
             # The upstream now accepts that password (mosquitto re-reads its file on SIGHUP):
-            # the export connects by itself and every record arrives.
-            mq.set_password("device", "wrong")
+            # the export connects by itself and every record arrives (at the oracle, which
+            # subscribed before anything could be delivered: none can pass it by).
+            mq.add_user("device", "wrong")
             mq.reload()
-            oracle = Oracle(mq.port, "sensors/#")
-            oracle_client = MQTTClient("oracle", port=mq.port, clean_session=False, username="device",
-                                       password="wrong", on_message=oracle._on_message)
-            await oracle_client.connect()
-            await oracle_client.subscribe([("sensors/#", 1)])
             await until(lambda: export.group is not None and export.group.lag == 0, what="drained after the fix")
             await oracle.wait_for({f"m-{i}".encode() for i in range(200)}, timeout=30)
             await oracle_client.disconnect()

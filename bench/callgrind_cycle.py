@@ -20,8 +20,6 @@ from __future__ import annotations
 import asyncio
 import gc
 import os
-import re
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -69,15 +67,9 @@ async def _cycles(cycles: int) -> None:
 
 
 def _ir(tree: Path, cycles: int) -> int:
-    with tempfile.TemporaryDirectory(prefix="cg-cycle-") as d:
-        out = Path(d) / "cg.out"
-        subprocess.run(["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", sys.executable,
-                        str(Path(__file__).resolve()), "--inner", str(cycles)],
-                       cwd=tree, env=dict(os.environ, PYTHONPATH=str(tree), PYTHONHASHSEED="0"),
-                       check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        m = re.search(r"^(?:summary|totals):\s+(\d+)", out.read_text(errors="replace"), re.M)
-        assert m, "no totals"
-        return int(m.group(1))
+    from bench.valgrind import callgrind_ir  # (the outer process only: see bench/valgrind.py)
+
+    return callgrind_ir(__file__, tree, cycles, system_malloc=False)
 
 
 def main() -> None:

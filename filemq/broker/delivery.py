@@ -10,7 +10,7 @@ import functools
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence, Set
 from itertools import repeat
 from operator import itemgetter
 from typing import TYPE_CHECKING, Any, cast
@@ -31,14 +31,11 @@ from filemq.broker.state import (
 from filemq.common.native import mypyc_attr
 from filemq.mqtt.codec import publish_bytes, publish_bytes5
 from filemq.mqtt.packets import PROTOCOL_LEVEL_5
-from filemq.mqtt.runcodec import publish_run, publish_run_prefixed
+from filemq.mqtt.runcodec import all_plain, publish_run, publish_run_prefixed
 from segments.record import (
     Record,
-    record_headers,
     record_offset,
     record_payload,
-    record_qos,
-    record_retain,
     record_topic,
 )
 
@@ -192,31 +189,29 @@ class DeliveryMixin(CoreBase):
             return False
         offsets: Sequence[int]
         prefixes: list[bytes] | None = None
+        distinct: Set[str] | None = None
         if group.last_run is records and group.run_start >= 0:
             # The group's fetch read these as the gap-free run [run_start, run_start + n);
             # the tail cache may hold their PUBLISH prefixes (made once for all subscribers),
-            # which it gives only for records without headers or retain, at QoS 1 or 2.
+            # which it gives only for plain records (runcodec.all_plain).
             lowest = group.run_start
             offsets = range(lowest, lowest + len(records))
+            distinct = group.run_topics
             if not v5:
                 prefixes = self.cache.plain_prefixes(lowest, len(records))
-            if prefixes is None and (any(map(record_headers, records)) or any(map(record_retain, records))):
-                return False
-            topics = list(map(record_topic, records))
-            distinct = group.run_topics
-        else:
-            if any(map(record_headers, records)) or any(map(record_retain, records)):
-                return False
+        if prefixes is None and not all_plain(records):
+            return False
+        topics = list(map(record_topic, records))
+        if distinct is None:
             offsets = list(map(record_offset, records))
             lowest = min(offsets)
-            topics = list(map(record_topic, records))
             distinct = set(topics)
         if group.may_be_redelivered(lowest):
             return False
         acl = conn.acl
         if acl is not None and not acl.allow_all and not all(map(acl.can_receive, distinct)):
             return False
-        if state.run_qos(distinct, lowest, share) != 1 or (prefixes is None and min(map(record_qos, records)) < 1):
+        if state.run_qos(distinct, lowest, share) != 1:
             return False
         payloads = list(map(record_payload, records))
         limit = conn.client_max_packet

@@ -24,8 +24,8 @@ from __future__ import annotations
 from collections import deque
 from typing import TYPE_CHECKING
 
-from filemq.mqtt.runcodec import publish_prefixes
-from segments.record import record_headers, record_payload, record_qos, record_retain, record_topic
+from filemq.mqtt.runcodec import all_plain, publish_prefixes
+from segments.record import record_headers, record_payload, record_topic
 
 if TYPE_CHECKING:
     from segments import LogView, Record
@@ -211,7 +211,7 @@ class TailCache:
         self._ahead_largest = 0
 
     def plain_prefixes(self, offset: int, n: int) -> list[bytes] | None:
-        """The MQTT 3.1.1 QoS 1 PUBLISH prefixes (runruncodec.publish_prefixes) of the records
+        """The MQTT 3.1.1 QoS 1 PUBLISH prefixes (runcodec.publish_prefixes) of the records
         [offset, offset + n) when the tail holds them all and none has MQTT 5 headers, is
         retained or is QoS 0; else None."""
         i = offset - self._base
@@ -229,10 +229,10 @@ class TailCache:
         start = len(self._prefix)
         records = self._tail[start:max(end, start + _PREFIX_PIECE)]
         self._prefix += publish_prefixes(list(map(record_topic, records)), list(map(record_payload, records)))
-        if any(map(record_headers, records)) or any(map(record_retain, records)) or min(map(record_qos, records)) < 1:
-            self._odd += bytes(bool(r.headers) or r.retain or r.qos == 0 for r in records)
-        else:
+        if all_plain(records):
             self._odd += bytes(len(records))  # (the common piece: plain QoS 1 and 2)
+        else:
+            self._odd += bytes(bool(r.headers) or r.retain or r.qos == 0 for r in records)
 
     def read(self, offset: int, max_records: int = 1000, max_bytes: int = 1 << 20) -> list[Record]:
         """Same contract as ``Log.read`` (up to :attr:`committed_offset`); served from memory where possible."""

@@ -13,8 +13,16 @@ from operator import add
 
 from filemq.mqtt.codec import _cache_topic, _topic_bytes
 from filemq.mqtt.wire import _fixed_header, _pack_H
+from segments.record import Record, record_headers, record_qos, record_retain
 
-__all__ = ["publish_prefixes", "publish_run", "publish_run_prefixed"]
+__all__ = ["all_plain", "publish_prefixes", "publish_run", "publish_run_prefixed"]
+
+
+def all_plain(records: Sequence[Record]) -> bool:
+    """Whether every record can go out in a run as a plain PUBLISH: no MQTT 5 headers, not
+    retained, QoS 1 or 2 (C-level passes; the run path's and the tail cache's one test)."""
+    return not (any(map(record_headers, records)) or any(map(record_retain, records))
+                or min(map(record_qos, records)) < 1)
 
 
 # Fixed headers of QoS 1 PUBLISHes without DUP and RETAIN by topic field + payload size, for

@@ -25,10 +25,9 @@ def all_plain(records: Sequence[Record]) -> bool:
                 or min(map(record_qos, records)) < 1)
 
 
-# Fixed headers of QoS 1 PUBLISHes without DUP and RETAIN by topic field + payload size, for
-# MQTT 3.1.1 and MQTT 5 (which adds an empty property section); bounded: cleared when one
-# grows past _HEADS_CACHE_SIZE entries.
-_heads1: dict[int, bytes] = {}
+# Fixed headers of MQTT 5 QoS 1 PUBLISHes without DUP and RETAIN, with an empty property
+# section, by topic field + payload size; bounded: cleared when it grows past
+# _HEADS_CACHE_SIZE entries.
 _heads1_5: dict[int, bytes] = {}
 _HEADS_CACHE_SIZE = 1024
 
@@ -38,24 +37,25 @@ def publish_run(topics: Sequence[str], payloads: Sequence[bytes], first_pid: int
     the packet ids ``first_pid``, ``first_pid + 1``, ... (at most 0xFFFF), concatenated:
     byte for byte ``b"".join(publish_bytes(t, p, 1, False, first_pid + i) ...)`` (``v5``:
     :func:`publish_bytes5`, with an empty property section), with the per-message work done
-    by C loops (``map``/``zip``) and one join for the run (the broker's fanout delivery path)."""
+    by C loops (``map``/``zip``) and one join for the run (the broker's fanout delivery path).
+    MQTT 3.1.1 is :func:`publish_run_prefixed` of :func:`publish_prefixes`."""
+    if not v5:
+        return publish_run_prefixed(publish_prefixes(topics, payloads), payloads, first_pid)
     cached = _topic_bytes.get
     tmap = {t: cached(t) or _cache_topic(t) for t in set(topics)}
     tbs = list(map(tmap.__getitem__, topics))
     sizes = list(map(add, map(len, tbs), map(len, payloads)))
-    heads = _heads1_5 if v5 else _heads1
+    heads = _heads1_5
     missing = set(sizes).difference(heads)
     if missing:
         if len(heads) + len(missing) > _HEADS_CACHE_SIZE:
             heads.clear()
             missing = set(sizes)
         for size in missing:
-            heads[size] = _fixed_header(0x32, size + 3 if v5 else size + 2)
+            heads[size] = _fixed_header(0x32, size + 3)
     ids = map(_pack_H, range(first_pid, first_pid + len(tbs)))
-    if v5:
-        return b"".join(chain.from_iterable(zip(
-            map(heads.__getitem__, sizes), tbs, ids, repeat(b"\x00"), payloads, strict=False)))
-    return b"".join(chain.from_iterable(zip(map(heads.__getitem__, sizes), tbs, ids, payloads, strict=True)))
+    return b"".join(chain.from_iterable(zip(
+        map(heads.__getitem__, sizes), tbs, ids, repeat(b"\x00"), payloads, strict=False)))
 
 
 # MQTT 3.1.1 QoS 1 PUBLISH prefixes by (topic, payload size); bounded as _topic_bytes.

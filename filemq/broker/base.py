@@ -17,6 +17,7 @@ from filemq.broker.session import CONNECTED, Connection
 from filemq.broker.sessions import SessionSnapshot, SessionStore
 from filemq.broker.state import (
     JOURNAL_INTERVAL_S,
+    JOURNAL_MAX_ACKS,
     PERSIST_DELAY_S,
     PublisherRuns,
     PublishHook,
@@ -120,6 +121,8 @@ class CoreBase:
         self._journal_scheduled = False  # a progress-journal append is pending (this pass or timed)
         self._journal_at = 0.0  # loop.time() of the last progress-journal append
         self._acked = False  # group acks since the last persistence nudge
+        self._acks = 0  # group acks not yet in the progress journal (a lower bound: see flush)
+        self._journal_handle: asyncio.Handle | None = None
         self._persist_handle: asyncio.TimerHandle | None = None
         self._persist_task: asyncio.Task[None] | None = None
         self._session_writes: set[asyncio.Future[None]] = set()  # running session-file writes
@@ -154,8 +157,10 @@ class CoreBase:
 
     def _journal_pass(self) -> None:
         self._journal_scheduled = False
+        self._journal_handle = None
         if self._acked:
             self._acked = False
+            self._acks = 0
             loop = asyncio.get_running_loop()
             self._journal_at = loop.time()
             self.queue.journal_progress()
@@ -171,9 +176,14 @@ class CoreBase:
             loop = asyncio.get_running_loop()
             wait = self._journal_at + JOURNAL_INTERVAL_S - loop.time()
             if wait > 0:
-                loop.call_later(wait, self._journal_pass)
+                self._journal_handle = loop.call_later(wait, self._journal_pass)
             else:
-                loop.call_soon(self._journal_pass)
+                self._journal_handle = loop.call_soon(self._journal_pass)
+        elif self._acks >= JOURNAL_MAX_ACKS and self._journal_handle is not None:
+            # Quick passes acked JOURNAL_MAX_ACKS before the interval ran out: append now, so
+            # a kill -9 re-delivers at most about this many acks (plus the in-flight window).
+            self._journal_handle.cancel()
+            self._journal_pass()
         if self._to_pump:
             # Window room freed by the acks of one read is filled with one fetch, not one each.
             to_pump, self._to_pump = self._to_pump, set()

@@ -330,6 +330,7 @@ class DeliveryMixin(CoreBase):
                 if group is not None:
                     group.ack_many(list(map(record_offset, outs)))
                     self._acked = True
+                    self._acks += len(pids)
                 self._refill(conn, inflight)
                 return
         for pid in pids:
@@ -344,6 +345,7 @@ class DeliveryMixin(CoreBase):
             if out.group is not None:
                 out.group.ack(out.offset)
                 self._acked = True
+                self._acks += 1
         self._refill(conn, inflight)
 
     def _refill(self, conn: Connection, inflight: dict[int, Any]) -> None:
@@ -372,6 +374,7 @@ class DeliveryMixin(CoreBase):
                 if out.group is not None:
                     out.group.ack(out.offset)
                     self._acked = True
+                    self._acks += 1
                 log.info("client %r: PUBREC 0x%02x for packet id %d: the receiver refused the message",
                          conn.client_id, reason_code, pid)
                 self._refill(conn, state.inflight)
@@ -391,6 +394,7 @@ class DeliveryMixin(CoreBase):
                 # The client has the message: the group may move on; only the id is pending.
                 out.group.ack(out.offset)
                 self._acked = True
+                self._acks += 1
         # Also for an unknown id or a repeated PUBREC: PUBREL is idempotent (4.3.3).
         conn.send(_ack(_PUBREL, pid))
 
@@ -407,6 +411,7 @@ class DeliveryMixin(CoreBase):
         del state.inflight[pid]
         if out.group is not None and out.group.ack(out.offset):
             self._acked = True  # not acked at PUBREC yet (session write pending or failed)
+            self._acks += 1
         if pid in state.qos2_out:
             state.qos2_out.discard(pid)
             # Written soon, in a worker thread (nothing waits: a stale id would only cost one
@@ -422,6 +427,7 @@ class DeliveryMixin(CoreBase):
             return
         group.ack(offset)
         self._acked = True
+        self._acks += 1
         self.flush()
 
     def _wrong_ack(self, conn: Connection, ack: str, pid: int, out: Outbound | SentRecord) -> None:

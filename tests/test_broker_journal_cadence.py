@@ -11,7 +11,8 @@ of them (tests/test_broker_kill9.py once saw 120 in one round against its bound 
 Here the interval is made an hour, so only the count can trigger an append, and a persistent
 subscriber drains a backlog with reads of whole windows and with one PUBACK per read.  After
 every read the journal (what a restart would resume from) must be behind the group's Pending
-by fewer than ``JOURNAL_MAX_ACKS`` plus the acks of that one read.
+by fewer than ``JOURNAL_MAX_ACKS`` plus the acks of that one read (the bound is per group
+acked into since the last append; here one group acks).
 """
 
 from __future__ import annotations
@@ -42,6 +43,9 @@ class JournalingQueue(FakeQueue):
         for name, g in self._groups.items():
             self.journaled[name] = g.pending_offset
         return len(self._groups)
+
+    def groups_acked(self) -> int:
+        return sum(1 for name, g in self._groups.items() if g.pending_offset != self.journaled.get(name, 0))
 
 
 @pytest.mark.parametrize("acks_per_read", [WINDOW, 1])

@@ -291,9 +291,14 @@ def test_acked_progress_survives_a_process_crash_through_the_journal(tmp_path: P
         g = q.group("sub", ["#"], start="earliest")
         for i in range(100):
             await q.publish("t", bytes([i]), qos=1)
+        other = q.group("idle", ["#"], start="earliest")
+        assert q.groups_acked() == 0
         for r in g.fetch(100, "c")[:60]:
             g.ack(r.offset)
+        assert other.fetch(10, "d")  # handed out, not acked: nothing to journal for it
+        assert q.groups_acked() == 1  # what scales the broker's journal cadence (JOURNAL_MAX_ACKS)
         assert q.journal_progress() == 1
+        assert q.groups_acked() == 0
         assert q.journal_progress() == 0, "unchanged progress is not journaled again"
         # kill -9: no close, no persist; the journal's write is in the page cache.
 

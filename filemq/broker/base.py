@@ -179,9 +179,12 @@ class CoreBase:
                 self._journal_handle = loop.call_later(wait, self._journal_pass)
             else:
                 self._journal_handle = loop.call_soon(self._journal_pass)
-        elif self._acks >= JOURNAL_MAX_ACKS and self._journal_handle is not None:
-            # Quick passes acked JOURNAL_MAX_ACKS before the interval ran out: append now, so
-            # a kill -9 re-delivers at most about this many acks (plus the in-flight window).
+        elif (self._acks >= JOURNAL_MAX_ACKS and self._journal_handle is not None
+              and self._acks >= JOURNAL_MAX_ACKS * self.queue.groups_acked()):
+            # Quick passes acked JOURNAL_MAX_ACKS per group that acked before the interval ran
+            # out: append now, so a kill -9 re-delivers about that many acks per group (plus
+            # its in-flight window). Per group, not in all: ten busy subscribers would append
+            # every few reads, for a bound on each that is ten times tighter than needed.
             self._journal_handle.cancel()
             self._journal_pass()
         if self._to_pump:

@@ -44,7 +44,7 @@ PERSIST_DELAY_S = 0.1  # group offsets are written this long after subscriber ac
 # this long of acks, and a busy loop of small reads appends once per interval, not per pass.
 JOURNAL_INTERVAL_S = 0.001
 # ... and at the latest after the loop pass in which the acks since the last append reach this
-# many: a loop of quick passes (a subscriber draining a backlog while the publishers wait for
+# many per group acked into (Queue.groups_acked): a loop of quick passes (a subscriber draining a backlog while the publishers wait for
 # a commit) can ack several windows within one interval (a kill -9 once re-delivered 120).
 JOURNAL_MAX_ACKS = 40
 _MAX_PUMP = 1000  # records pushed to one connection per wake-up before yielding the loop

@@ -301,6 +301,11 @@ class Queue:
 
     # ---- housekeeping ----------------------------------------------------------------------
 
+    def groups_acked(self) -> int:
+        """How many durable groups were acked into since the last :meth:`journal_progress`
+        (loop thread)."""
+        return len(self._progress_dirty)
+
     def journal_progress(self) -> int:
         """Append every durable group's changed (Pending, Doing) to the progress journal with
         one write (loop thread; the broker calls it after each loop turn that processed acks).

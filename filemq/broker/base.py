@@ -122,7 +122,6 @@ class CoreBase:
         self._journal_at = 0.0  # loop.time() of the last progress-journal append
         self._acked = False  # group acks since the last persistence nudge
         self._acks = 0  # group acks not yet in the progress journal (a lower bound: see flush)
-        self._journal_handle: asyncio.Handle | None = None
         self._persist_handle: asyncio.TimerHandle | None = None
         self._persist_task: asyncio.Task[None] | None = None
         self._session_writes: set[asyncio.Future[None]] = set()  # running session-file writes
@@ -156,37 +155,40 @@ class CoreBase:
         self.flush()
 
     def _journal_pass(self) -> None:
+        """The timed append (JOURNAL_INTERVAL_S after the previous one)."""
         self._journal_scheduled = False
-        self._journal_handle = None
         if self._acked:
-            self._acked = False
-            self._acks = 0
-            loop = asyncio.get_running_loop()
-            self._journal_at = loop.time()
-            self.queue.journal_progress()
-            if self._persist_handle is None:
-                self._persist_handle = loop.call_later(PERSIST_DELAY_S, self._persist_offsets)
+            self._journal_at = asyncio.get_running_loop().time()
+            self._journal_now()
+
+    def _journal_now(self) -> None:
+        self._acked = False
+        self._acks = 0
+        self.queue.journal_progress()
+        if self._persist_handle is None:
+            self._persist_handle = asyncio.get_running_loop().call_later(PERSIST_DELAY_S, self._persist_offsets)
 
     def flush(self) -> None:
         """Write every connection's queued output with one transport write each."""
-        if self._acked and not self._journal_scheduled:
-            # One journal append after the loop pass of the first acks, and at most one per
-            # JOURNAL_INTERVAL_S: a kill -9 re-delivers only the acks of about that long.
-            self._journal_scheduled = True
-            loop = asyncio.get_running_loop()
-            wait = self._journal_at + JOURNAL_INTERVAL_S - loop.time()
-            if wait > 0:
-                self._journal_handle = loop.call_later(wait, self._journal_pass)
-            else:
-                self._journal_handle = loop.call_soon(self._journal_pass)
-        elif (self._acks >= JOURNAL_MAX_ACKS and self._journal_handle is not None
-              and self._acks >= JOURNAL_MAX_ACKS * self.queue.groups_acked()):
-            # Quick passes acked JOURNAL_MAX_ACKS per group that acked before the interval ran
-            # out: append now, so a kill -9 re-delivers about that many acks per group (plus
-            # its in-flight window). Per group, not in all: ten busy subscribers would append
-            # every few reads, for a bound on each that is ten times tighter than needed.
-            self._journal_handle.cancel()
-            self._journal_pass()
+        if self._acked:
+            if not self._journal_scheduled:
+                # One journal append after the loop pass of the first acks, and at most one
+                # per JOURNAL_INTERVAL_S: a kill -9 re-delivers only the acks of about that long.
+                self._journal_scheduled = True
+                loop = asyncio.get_running_loop()
+                wait = self._journal_at + JOURNAL_INTERVAL_S - loop.time()
+                if wait > 0:
+                    loop.call_later(wait, self._journal_pass)
+                else:
+                    loop.call_soon(self._journal_pass)
+            elif self._acks >= JOURNAL_MAX_ACKS and self._acks >= JOURNAL_MAX_ACKS * self.queue.groups_acked():
+                # Quick passes acked JOURNAL_MAX_ACKS per group that acked before the interval
+                # ran out: append now, so a kill -9 re-delivers about that many acks per group
+                # (plus its in-flight window). Per group, not in all: ten busy subscribers
+                # would append every few reads, for a bound on each ten times tighter than
+                # needed. The timer stays: it appends what is acked after this, if anything
+                # (no timer made and cancelled per append).
+                self._journal_now()
         if self._to_pump:
             # Window room freed by the acks of one read is filled with one fetch, not one each.
             to_pump, self._to_pump = self._to_pump, set()

@@ -42,7 +42,7 @@ def record(scenario: str, out: str, messages: int | None) -> str:
     props = V5_PROPERTIES if protocol == 5 and os.environ.get("V5_PROPERTIES") == "1" else None
     with (tempfile.TemporaryDirectory(prefix="filemq-profile-") as d,
           start_filemq(Path(d) / "data", max_inflight=window) as broker):
-        spy = subprocess.Popen([PY_SPY, "record", "--pid", str(broker.pid), "--rate", "250", "--threads",
+        spy = subprocess.Popen([PY_SPY, "record", "--pid", str(broker.pid), "--rate", os.environ.get("PYSPY_RATE", "250"), "--threads",
                                 "--format", "raw", "--nonblocking", "-o", out],
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         time.sleep(1.0)  # py-spy attached

@@ -1,8 +1,10 @@
 """`DeliveryMixin.on_pubacks`' bulk path is the per-PUBACK path, only faster (issue 16).
 
-A read of at least ``_BULK_ACKS`` (16) PUBACKs whose in-flight entries are all run-path
-deliveries (:class:`SentRecord`) of one consumer group is acked with C-level maps and one
-``ConsumerGroup.ack_many`` (filemq/broker/delivery.py).  These tests drive two brokers (the
+A read of two or more PUBACKs whose in-flight entries are all gap-free run-path deliveries
+(:class:`SentRun`, one object per run) of one consumer group, or of at least ``_BULK_ACKS``
+(16) whose entries are all run-path deliveries with gaps (:class:`SentRecord`, one per
+message) of one group, is acked with C-level maps and one ``ConsumerGroup.ack_many``
+(filemq/broker/delivery.py).  These tests drive two brokers (the
 ``Harness`` of tests/test_broker_session.py) through the same packets in lockstep: one as it
 is, one whose ``on_pubacks`` acks the ids of each read one at a time (a one-id call never
 takes the bulk path).  After every read both must hold the same in-flight messages, the same
@@ -33,7 +35,7 @@ from hypothesis import strategies as st
 from filemq.broker import delivery
 from filemq.broker.delivery import DeliveryMixin
 from filemq.broker.session import Connection
-from filemq.broker.state import SentRecord
+from filemq.broker.state import SentRecord, SentRun, message_of
 from filemq.mqtt.codec import encode
 from filemq.mqtt.packets import Puback, Publish, Subscribe
 from filemq.queue.groups import ConsumerGroup
@@ -50,9 +52,11 @@ def _bulk_reads(h: Harness) -> list[int]:
 
     def on_pubacks(conn: Connection, pids: Sequence[int]) -> None:
         state = conn.session
-        if state is not None and len(pids) >= delivery._BULK_ACKS:
+        if state is not None and len(pids) > 1:
             outs = [state.inflight.get(pid) for pid in pids]
-            if all(type(o) is SentRecord for o in outs) and len({o.group for o in outs if o is not None}) == 1:
+            kind = {type(o) for o in outs}
+            one_group = len({o.group for o in outs if o is not None}) == 1
+            if one_group and (kind == {SentRun} or (kind == {SentRecord} and len(pids) >= delivery._BULK_ACKS)):
                 bulk.append(len(pids))
         DeliveryMixin.on_pubacks(core, conn, pids)
 
@@ -79,9 +83,12 @@ def _group_state(h: Harness) -> dict[str, Any]:
             for name, g in sorted(h.queue._groups.items())}
 
 
-def _message(o: Any) -> tuple[Any, ...]:
-    """An in-flight entry, without its packet id."""
-    return (type(o).__name__, o.offset, o.group.name if o.group is not None else None, o.qos, o.topic, o.payload,
+def _message(o: Any, pid: int) -> tuple[Any, ...]:
+    """The in-flight entry ``o`` under packet id ``pid``, without the id (a SentRun, one
+    object for a whole run, as the one message it holds under ``pid``)."""
+    offset = pid + o.delta if type(o) is SentRun else o.offset
+    topic, payload = message_of(o, pid)
+    return (type(o).__name__, offset, o.group.name if o.group is not None else None, o.qos, topic, payload,
             o.share, o.stage, o.retain, o.headers)
 
 
@@ -92,9 +99,9 @@ def _state(h: Harness, s: Client, keyed: bool) -> dict[str, Any]:
     state = s.conn.session
     assert state is not None
     if keyed:
-        inflight: dict[Any, Any] = {(m[2], m[1]): m for m in map(_message, state.inflight.values())}
+        inflight: dict[Any, Any] = {(m[2], m[1]): m for m in map(_message, state.inflight.values(), state.inflight)}
     else:
-        inflight = {pid: _message(o) for pid, o in state.inflight.items()}
+        inflight = {pid: _message(o, pid) for pid, o in state.inflight.items()}
     return {"inflight": inflight, "groups": _group_state(h), "next_pid": None if keyed else state.next_pid,
             "closed": s.conn.closed, "close_reason": s.conn.close_reason}
 
@@ -150,9 +157,9 @@ class Pair:
         """``ids`` (the bulk side's) for ``side``: the same messages, by (group, offset)."""
         if side == 0 or not self.share:
             return ids
-        mine = {(m[2], m[1]): pid for pid, m in ((pid, _message(o)) for pid, o in self.inflight(1).items())}
+        mine = {(m[2], m[1]): pid for pid, m in ((pid, _message(o, pid)) for pid, o in self.inflight(1).items())}
         theirs = self.inflight(0)
-        return [mine[(theirs[i].group.name, theirs[i].offset)] if i in theirs else i for i in ids]
+        return [mine[_message(theirs[i], i)[2], _message(theirs[i], i)[1]] if i in theirs else i for i in ids]
 
     async def step(self, action: Any) -> None:
         """Apply ``action`` to both sides, settle, compare what each subscriber got and holds.
@@ -213,7 +220,8 @@ def _acks(draw: st.DrawFn, pair: Pair) -> tuple[str, list[int], list[int]]:
     return "acks", ids, sizes
 
 
-# All QoS 1 (the run path's SentRecords) or a mix (the per-record loop's Outbounds).
+# All QoS 1 (the run path's SentRuns, SentRecords where s/a records leave gaps) or a mix
+# (the per-record loop's Outbounds).
 _publish = st.tuples(st.just("publish"), st.one_of(
     st.lists(st.tuples(st.sampled_from(TOPICS), st.just(1)), min_size=1, max_size=40),
     st.lists(st.tuples(st.sampled_from(TOPICS), st.sampled_from([0, 1, 1, 1])), min_size=1, max_size=40)))
@@ -251,7 +259,7 @@ def test_a_read_of_fanout_pubacks_takes_the_bulk_path(tmp_path: Path) -> None:
         await pair.step(("publish", [("t/a", 1)] * 50))
         bulk_state = pair.sides[0][1].conn.session
         assert bulk_state is not None and len(pair.pending) == 40
-        assert all(type(o) is SentRecord for o in bulk_state.inflight.values())
+        assert all(type(o) is SentRun for o in bulk_state.inflight.values())  # gap-free runs
         ids = pair.pending[:20]
         ids = ids[5:] + ids[:5] + ids[:1]
         with mock.patch.object(ConsumerGroup, "ack_many", autospec=True,
@@ -261,6 +269,34 @@ def test_a_read_of_fanout_pubacks_takes_the_bulk_path(tmp_path: Path) -> None:
         assert len(ids) >= delivery._BULK_ACKS
         assert ack_many.call_count == 1  # the bulk side
         assert ack.call_count == 20  # the one-at-a-time side (its repeated id: not in flight any more)
+    run(main())
+
+
+def test_a_read_across_two_runs_and_a_short_read_take_one_ack_many_each(tmp_path: Path) -> None:
+    """Gap-free runs (SentRun) are acked in bulk from two PUBACKs a read on, also when a read
+    names ids of two runs (the second sent when the first half of the window was acked);
+    a read with an unknown id among them takes the per-id loop.  Same state either way."""
+    async def main() -> None:
+        pair = Pair(tmp_path, 20, False)
+        await pair.step(("publish", [("t/a", 1)] * 60))
+        bulk_state = pair.sides[0][1].conn.session
+        assert bulk_state is not None
+        first = list(pair.pending)
+        await pair.step(("acks", first[:10], [40]))  # half the window: refilled with a new run
+        runs = {id(o) for o in bulk_state.inflight.values()}
+        assert len(runs) == 2 and all(type(o) is SentRun for o in bulk_state.inflight.values())
+        both = list(pair.pending)  # ten ids of each run
+        with mock.patch.object(ConsumerGroup, "ack_many", autospec=True,
+                               side_effect=ConsumerGroup.ack_many) as ack_many, \
+                mock.patch.object(ConsumerGroup, "ack", autospec=True, side_effect=ConsumerGroup.ack) as ack:
+            await pair.step(("acks", both[::-1][:14], [56]))  # across both runs, in reverse
+            assert ack_many.call_count == 1 and ack.call_count == 14  # bulk side / one-at-a-time side
+            rest = list(pair.pending)[:3]
+            await pair.step(("acks", rest, [12]))  # a short read: still one ack_many
+            assert ack_many.call_count == 2
+            unknown = list(pair.pending)[:2] + [60000]
+            await pair.step(("acks", unknown, [12]))  # an unknown id: the loop (MQTT 4.3.2: ignored)
+            assert ack_many.call_count == 2
     run(main())
 
 

@@ -28,6 +28,7 @@ from filemq.broker.state import (
     _ack,
     _copy_outcome,
     _too_long,
+    message_of,
     parse_share_key,
 )
 from filemq.common.topics import (
@@ -362,7 +363,8 @@ class ConnectMixin(CoreBase):
         # 4.4: re-send unacknowledged PUBLISH (DUP) and PUBREL with their original ids.
         for pid, out in state.inflight.items():
             if out.stage == 0:
-                conn.send(conn.publish_bytes(out.topic, out.payload, out.qos, True, pid, out.retain, out.headers))
+                topic, payload = message_of(out, pid)
+                conn.send(conn.publish_bytes(topic, payload, out.qos, True, pid, out.retain, out.headers))
             else:
                 conn.send(_ack(_PUBREL, pid))
         log.info("client %r connected from %s (clean_session=%s, keepalive=%d, session_present=%s)",

@@ -12,7 +12,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence, Set
 from itertools import repeat
-from operator import itemgetter
+from operator import add, attrgetter, itemgetter
 from typing import TYPE_CHECKING, Any, cast
 
 from filemq.broker.base import CoreBase
@@ -21,8 +21,10 @@ from filemq.broker.state import (
     _MAX_PUMP,
     _PUBCOMP,
     _PUBREL,
+    Inflight,
     Outbound,
     SentRecord,
+    SentRun,
     SessionState,
     SharedGroup,
     _ack,
@@ -45,6 +47,13 @@ if TYPE_CHECKING:
 log = logging.getLogger("filemq.broker")
 
 _group_of_sent = itemgetter(1)  # SentRecord.group (its offset: record_offset, index 0 too)
+_delta_of = attrgetter("delta")  # SentRun.delta
+
+
+def _same_group_runs(outs: set[Any], group: ConsumerGroup) -> bool:
+    """Whether every entry of ``outs`` (a read's in-flight entries) is a SentRun of ``group``."""
+    return all(type(out) is SentRun and out.group is group for out in outs)
+
 _NO_GROUPS: set[Any] = set()
 _consume: Callable[[Iterable[Any]], Any] = functools.partial(deque, maxlen=0)  # runs an iterator to its end in C
 # Reads with at least this many PUBACKs take on_pubacks' bulk path; below it its sets and
@@ -201,11 +210,10 @@ class DeliveryMixin(CoreBase):
                 prefixes = self.cache.plain_prefixes(lowest, len(records))
         if prefixes is None and not all_plain(records):
             return False
-        topics = list(map(record_topic, records))
         if distinct is None:
             offsets = list(map(record_offset, records))
             lowest = min(offsets)
-            distinct = set(topics)
+            distinct = set(map(record_topic, records))
         if group.may_be_redelivered(lowest):
             return False
         acl = conn.acl
@@ -223,11 +231,19 @@ class DeliveryMixin(CoreBase):
         if end > 0x10000 or not inflight.keys().isdisjoint(range(pid, end)):
             return False
         state.next_pid = end if end <= 0xFFFF else 1
-        inflight.update(zip(range(pid, end), map(_sent_record, zip(
-            offsets, repeat(group), topics, payloads, repeat(share), strict=False)), strict=True))
+        topics: list[str] = []
+        if type(offsets) is range:
+            # Gap-free: one SentRun for the whole run (each of its ids -> the same object).
+            inflight.update(zip(range(pid, end), repeat(SentRun(lowest - pid, group, records, pid, share))))
+        else:
+            topics = list(map(record_topic, records))
+            inflight.update(zip(range(pid, end), map(_sent_record, zip(
+                offsets, repeat(group), topics, payloads, repeat(share), strict=False)), strict=True))
         self.stats.publish_sent(len(records))
-        conn.send(publish_run(topics, payloads, pid, v5) if prefixes is None
-                  else publish_run_prefixed(prefixes, payloads, pid))
+        if prefixes is None:
+            conn.send(publish_run(topics or list(map(record_topic, records)), payloads, pid, v5))
+        else:
+            conn.send(publish_run_prefixed(prefixes, payloads, pid))
         return True
 
     def _deliver5(self, conn: Connection, state: SessionState, group: ConsumerGroup,
@@ -313,26 +329,45 @@ class DeliveryMixin(CoreBase):
         state = conn.session
         assert state is not None
         inflight = state.inflight
-        if len(pids) >= _BULK_ACKS:
-            # The common read: PUBACKs of run-path deliveries (SentRecord: QoS 1, so no ack
-            # can be the wrong one) of one group: acked with C-level maps and one ack_many.
-            # Anything else (an unknown id, a QoS 2 entry, two groups) takes the loop below.
+        n = len(pids)
+        if n > 1:
             outs = list(map(inflight.get, pids))
-            try:
-                # Only a SentRecord (a tuple) has an item 1: None (an unknown id) and an
-                # Outbound raise TypeError, and take the loop below.
-                groups = set(map(_group_of_sent, outs))
-            except TypeError:
-                groups = _NO_GROUPS
-            if len(groups) == 1:
-                _consume(map(inflight.pop, pids, repeat(None)))  # (a repeated id: popped once)
-                group = groups.pop()
-                if group is not None:
-                    group.ack_many(list(map(record_offset, outs)))
+            first = outs[0]
+            if type(first) is SentRun:
+                # The common read: PUBACKs of gap-free runs (QoS 1, so no ack can be the
+                # wrong one) of one group, acked with C-level maps and one ack_many. Anything
+                # else (an unknown id, another kind of entry, two groups) takes the loop below.
+                group = first.group
+                if outs.count(first) == n:  # (identity: a SentRun has no __eq__)
+                    offsets = list(map(add, pids, repeat(first.delta)))
+                elif _same_group_runs(set(outs), group):
+                    offsets = list(map(add, pids, map(_delta_of, outs)))
+                else:
+                    offsets = None
+                if offsets is not None:
+                    _consume(map(inflight.pop, pids, repeat(None)))  # (a repeated id: popped once)
+                    group.ack_many(offsets)
                     self._acked = True
-                    self._acks += len(pids)
-                self._refill(conn, inflight)
-                return
+                    self._acks += n
+                    self._refill(conn, inflight)
+                    return
+            elif n >= _BULK_ACKS:
+                # SentRecords (runs with gaps) of one group, likewise.
+                try:
+                    # Only a SentRecord (a tuple) has an item 1: None (an unknown id) and an
+                    # Outbound raise TypeError, and take the loop below.
+                    groups = set(map(_group_of_sent, outs))
+                except TypeError:
+                    groups = _NO_GROUPS
+                if len(groups) == 1:
+                    _consume(map(inflight.pop, pids, repeat(None)))  # (a repeated id: popped once)
+                    sent_group = groups.pop()
+                    if sent_group is not None:
+                        sent_group.ack_many(list(map(record_offset, outs)))
+                        self._acked = True
+                        self._acks += n
+                    self._refill(conn, inflight)
+                    return
         for pid in pids:
             out = inflight.get(pid)
             if out is None:
@@ -343,7 +378,7 @@ class DeliveryMixin(CoreBase):
                 break
             del inflight[pid]
             if out.group is not None:
-                out.group.ack(out.offset)
+                out.group.ack(pid + out.delta if type(out) is SentRun else out.offset)
                 self._acked = True
                 self._acks += 1
         self._refill(conn, inflight)
@@ -430,7 +465,7 @@ class DeliveryMixin(CoreBase):
         self._acks += 1
         self.flush()
 
-    def _wrong_ack(self, conn: Connection, ack: str, pid: int, out: Outbound | SentRecord) -> None:
+    def _wrong_ack(self, conn: Connection, ack: str, pid: int, out: Inflight) -> None:
         """An acknowledgement that does not fit the in-flight message's state is a protocol
         violation (MQTT-4.8.0-1, 4.3): close; the message stays in flight and is re-sent
         (DUP = 1, or its PUBREL) when the session reconnects."""

@@ -22,6 +22,7 @@ from filemq.common.topics import (
 )
 from filemq.mqtt.packets import SUB_NO_LOCAL, SUB_QOS_MASK, SUB_RETAIN_AS_PUBLISHED, Publish
 from filemq.mqtt.properties import _vbi, encode_message_headers
+from segments.record import Record
 
 if TYPE_CHECKING:
     from filemq.broker.acl import ClientAcl
@@ -307,6 +308,45 @@ class SentRecord(_SentFields):
     headers: ClassVar[bytes] = b""
 
 
+class SentRun:
+    """The QoS 1 PUBLISHes of one gap-free run of a group's records, sent to the client with
+    consecutive packet ids and not yet all acknowledged: ``SessionState.inflight`` maps each of
+    the run's ids to this one object, so a run costs one object, not one :class:`SentRecord`
+    per message (:meth:`DeliveryMixin._deliver_run`).  The message with packet id ``pid`` is
+    ``records[pid - first_pid]`` at offset ``pid + delta``.  Like a SentRecord: QoS 1, stage
+    0, not retained, no properties."""
+
+    __slots__ = ("delta", "group", "records", "first_pid", "share")
+    qos: ClassVar[int] = 1
+    stage: ClassVar[int] = 0
+    retain: ClassVar[bool] = False
+    headers: ClassVar[bytes] = b""
+
+    def __init__(self, delta: int, group: ConsumerGroup, records: list[Record], first_pid: int,
+                 share: str | None) -> None:
+        self.delta = delta
+        self.group = group
+        self.records = records
+        self.first_pid = first_pid
+        self.share = share
+
+    def record(self, pid: int) -> Record:
+        """The record sent with packet id ``pid`` (one of this run's ids)."""
+        return self.records[pid - self.first_pid]
+
+
+Inflight = Outbound | SentRecord | SentRun
+
+
+
+def message_of(out: Inflight, pid: int) -> tuple[str, bytes]:
+    """(topic, payload) of in-flight entry ``out`` under packet id ``pid``."""
+    if type(out) is SentRun:
+        r = out.record(pid)
+        return r.topic, r.payload
+    return out.topic, out.payload  # type: ignore[union-attr]
+
+
 class SessionState:
     """One client id's session; a persistent one outlives its connections (and, through the
     :class:`SessionStore`, the broker process)."""
@@ -325,7 +365,7 @@ class SessionState:
         self.will_pending: tuple[Publish, ClientAcl | None, float] | None = None
         self.subs: dict[str, Subscription] = {}
         self.group: ConsumerGroup | None = None
-        self.inflight: dict[int, Outbound | SentRecord] = {}
+        self.inflight: dict[int, Inflight] = {}
         self.next_pid = 1
         # QoS 2 inbound ids waiting for PUBREL -> the commit future of the stored record
         # (None: committed long ago, or loaded from the session file, which is exact).

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Iterable
-from itertools import chain, repeat, starmap
+from itertools import repeat, starmap
 from operator import add, itemgetter
 from typing import NamedTuple
 
@@ -135,9 +135,10 @@ def encode_run_v1(first_offset: int, timestamp_us: int, topics: list[bytes], pay
                                    repeat(timestamp_us), map(len, topics), strict=False))
     bodies = list(map(b"".join, zip(heads, topics, payloads, strict=True)))
     lengths = list(map(add, map(len, bodies), repeat(4)))  # the length field: CRC + body
-    prefixes = starmap(PREFIX.pack, zip(lengths, map(crc32c, bodies), strict=True))
-    data = b"".join(chain.from_iterable(zip(prefixes, bodies, strict=True)))
-    return data, list(map(add, lengths, repeat(LENGTH_SIZE)))
+    parts: list[bytes] = [b""] * (2 * n)  # prefix, body, prefix, ... (slice copies, no zip tuples)
+    parts[0::2] = starmap(PREFIX.pack, zip(lengths, map(crc32c, bodies), strict=True))
+    parts[1::2] = bodies
+    return b"".join(parts), list(map(add, lengths, repeat(LENGTH_SIZE)))
 
 
 def encode_v2(offset: int, timestamp_us: int, topic: bytes, payload: bytes, flags: int, headers: bytes) -> bytes:

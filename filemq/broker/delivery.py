@@ -50,8 +50,9 @@ _group_of_sent = itemgetter(1)  # SentRecord.group (its offset: record_offset, i
 _delta_of = attrgetter("delta")  # SentRun.delta
 
 
-def _same_group_runs(outs: set[Any], group: ConsumerGroup) -> bool:
-    """Whether every entry of ``outs`` (a read's in-flight entries) is a SentRun of ``group``."""
+def _same_group_runs(outs: Iterable[Any], group: ConsumerGroup) -> bool:
+    """Whether every entry of ``outs`` (a read's distinct in-flight entries) is a SentRun of
+    ``group`` (no hashing of the entries: a SentRecord is a tuple of its fields)."""
     return all(type(out) is SentRun and out.group is group for out in outs)
 
 _NO_GROUPS: set[Any] = set()
@@ -340,7 +341,7 @@ class DeliveryMixin(CoreBase):
                 group = first.group
                 if outs.count(first) == n:  # (identity: a SentRun has no __eq__)
                     offsets = list(map(add, pids, repeat(first.delta)))
-                elif _same_group_runs(set(outs), group):
+                elif _same_group_runs(dict(zip(map(id, outs), outs, strict=True)).values(), group):
                     offsets = list(map(add, pids, map(_delta_of, outs)))
                 else:
                     offsets = None

@@ -300,6 +300,43 @@ def test_a_read_across_two_runs_and_a_short_read_take_one_ack_many_each(tmp_path
     run(main())
 
 
+def test_a_read_across_runs_with_different_offset_deltas_acks_each_at_its_own_offset(tmp_path: Path) -> None:
+    """Two gap-free runs in flight whose ids and offsets are apart by different amounts (as
+    after a QoS 0 record, which takes an offset and no id, or after the ids wrapped): one read
+    of PUBACKs for ids of both acks exactly the records sent under those ids (MQTT 4.3.2), in
+    the bulk path and in the per-id loop alike."""
+    async def main() -> None:
+        for one_at_a_time in (False, True):
+            h = Harness(Path(tempfile.mkdtemp(dir=tmp_path)), max_inflight=40)
+            if one_at_a_time:
+                _one_at_a_time(h)
+            s = h.connected("s", False, subscribe=Subscribe(1, [("t/#", 1)]))
+            s.received()
+            p = h.connected("p")
+            for i in range(40):
+                p.send(Publish("t/a", b"%d" % i, 1, packet_id=i + 1))
+            await h.commit()
+            assert len([m for m in s.received() if isinstance(m, Publish)]) == 40
+            state = s.conn.session
+            assert state is not None
+            run = state.inflight[1]
+            assert type(run) is SentRun and {id(o) for o in state.inflight.values()} == {id(run)}
+            group = run.group
+            first = group.pending_offset
+            # Re-label the second half as a run of its own under ids 101..120 (offset = id - 81 + first).
+            second = SentRun(first + 20 - 101, group, run.records[20:], 101, None)
+            for pid in range(21, 41):
+                del state.inflight[pid]
+            state.inflight.update(dict.fromkeys(range(101, 121), second))
+            s.send(*(Puback(pid) for pid in [*range(15, 21), *range(101, 111)]))
+            await h.settle()
+            left = sorted(group._outstanding)
+            expected = [first + i for i in [*range(0, 14), *range(30, 40)]]
+            assert left == expected, (one_at_a_time, left)
+            assert sorted(state.inflight) == [*range(1, 15), *range(111, 121)]
+    run(main())
+
+
 def test_reads_of_pubacks_split_mid_packet_stay_equivalent(tmp_path: Path) -> None:
     """PUBACK bytes split inside a packet go through the decoder, one PUBACK per call; the
     next whole-packet read of >= 16 takes the bulk path again.  Same state either way."""

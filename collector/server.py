@@ -24,7 +24,6 @@ its own id: ``pattern write filemq/v1/%u/#`` (see docs/FORWARDING.md).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import logging
 import socket
@@ -40,6 +39,7 @@ from collector.headers import check_headers
 from collector.lander import Lander
 from collector.landing import LandingWriter
 from filemq.broker import Broker, ClientInfo, HookResult
+from filemq.common.aio import cancel_and_wait
 from filemq.common.config import Config, ConfigError
 from filemq.ops.fdlimit import FD_RESERVE, connection_capacity, raise_nofile_limit
 from filemq.upstream.batch import (
@@ -178,9 +178,7 @@ class Collector:
     async def stop(self) -> None:
         """Land what is buffered (bounded wait), then stop the broker (persists everything)."""
         if self._tail_task is not None:
-            self._tail_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._tail_task
+            await cancel_and_wait(self._tail_task)
         if self.lander is not None:
             await self.lander.stop()
         await self.broker.stop()

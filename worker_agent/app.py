@@ -15,12 +15,12 @@ older ``$SYS/broker/forwarder/...``) every ``broker.sys_interval_s`` and is visi
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Callable
 
 from filemq.broker import Broker
 from filemq.broker.metrics import backlog_status
+from filemq.common.aio import cancel_and_wait
 from filemq.common.config import Config, ConfigError
 from filemq.ops.eventloop import serves_tls
 from filemq.ops.gctune import tune_gc
@@ -91,9 +91,7 @@ class Agent:
 
     async def stop(self) -> None:
         if self._sys_task is not None:
-            self._sys_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._sys_task
+            await cancel_and_wait(self._sys_task)
         await self.exports.stop()
         await self.broker.stop()
 

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from filemq.common.aio import cancel_and_wait
 from filemq.common.config import Config, ConfigError, ExportSection, read_config_text
 from filemq.mqtt.client import MQTTClient
 from filemq.ops.status import EXPORTS_FILE as STATUS_FILE
@@ -264,9 +265,7 @@ class Exports:
 
     async def stop(self) -> None:
         if self._watch_task is not None:
-            self._watch_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._watch_task
+            await cancel_and_wait(self._watch_task)
         await asyncio.gather(*(e.runner.stop() for e in self.exports if e.runner is not None))
         for e in self.exports:
             e.stopped = True

@@ -52,6 +52,7 @@ from dataclasses import dataclass, field
 from itertools import accumulate, islice
 from typing import TYPE_CHECKING, Protocol
 
+from filemq.common.aio import cancel_and_wait
 from filemq.upstream.batch import DEFAULT_STREAM, batch_topic, check_name, encode_batch
 
 if TYPE_CHECKING:
@@ -285,9 +286,7 @@ class Forwarder:
         self._stopping.set()
         task, self._task = self._task, None
         if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            await cancel_and_wait(task)
         self._unsent.clear()
         self._carry = []
         self._building = []

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from operator import attrgetter
 from typing import TYPE_CHECKING, Protocol
 
+from filemq.common.aio import cancel_and_wait
 from filemq.mqtt.client import ConnectionRefused
 from worker_agent.forwarder import CONSUMER, ForwardGroup, RateLimiter, backoff_delay
 from worker_agent.mqtt_link import ExportLink, Message
@@ -183,9 +184,7 @@ class MqttExport:
         self._stopping.set()
         task, self._task = self._task, None
         if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            await cancel_and_wait(task)
         self.stats.state = "stopped"
 
     # -- the connection loop ------------------------------------------------------------------

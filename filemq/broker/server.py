@@ -37,6 +37,7 @@ from filemq.broker.session import AUTHENTICATING, AWAITING_CONNECT, CONNECTED, C
 from filemq.broker.sessions import SessionStore
 from filemq.broker.sysinfo import SYS_PREFIX, BrokerStats
 from filemq.broker.tailcache import TailCache
+from filemq.common.aio import cancel_and_wait
 from filemq.common.config import ConfigError, Listener, broker_listeners
 from filemq.queue import Queue, QueueConfig
 from filemq.queue.retained import RetainedStore
@@ -546,9 +547,7 @@ class Broker:
         for server in self._servers:
             server.close()
         if self._ticker is not None:
-            self._ticker.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._ticker
+            await cancel_and_wait(self._ticker)
         core = self.core
         if core is not None:
             # Let the commits in progress finish so their publishers get their acks (fewer

@@ -20,6 +20,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
 
+from filemq.common.aio import cancel_and_wait
 from filemq.mqtt.codec import Decoder, ProtocolError, encode
 from filemq.mqtt.packets import (
     CONNACK_ACCEPTED,
@@ -640,9 +641,7 @@ class MQTTClient:
         self._connection_ended(reason)
         task = self._reader_task
         if task is not None and task is not asyncio.current_task():
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            await cancel_and_wait(task)
         self._reader_task = None
 
     def _fail_pending(self, exc: BaseException) -> None:

@@ -30,6 +30,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from filemq.common.aio import cancel_and_wait
 from filemq.common.topics import validate_topic_name
 from filemq.queue.groups import (
     ConsumerGroup,
@@ -134,9 +135,7 @@ class Queue:
             return
         self._closed = True
         if self._housekeeping is not None:
-            self._housekeeping.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._housekeeping
+            await cancel_and_wait(self._housekeeping)
         persisted = True
         for group in self._groups.values():
             try:

@@ -224,8 +224,19 @@ def test_an_interrupted_demo_stops_every_process_it_started(tmp_path: Path, inte
     if "agent" not in cli.main.commands or "collector" not in cli.main.commands:
         pytest.skip("not yet available: filemq agent / filemq collector")
     work = tmp_path / "demo"
-    proc = subprocess.Popen([sys.executable, "-m", "cli", "demo", "--quick", "--json", "--work-dir", str(work)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+    # A shell starts a background job (`make test &`, CI runners) with SIGINT ignored, and a
+    # child inherits that: the demo would rightly ignore Ctrl-C as a background job does.
+    # Spawn it as from a terminal: SIGINT at its default (a Python handler becomes SIG_DFL
+    # across exec; an ignored signal would stay ignored).
+    inherited = signal.getsignal(signal.SIGINT)
+    if inherited is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        proc = subprocess.Popen([sys.executable, "-m", "cli", "demo", "--quick", "--json", "--work-dir", str(work)],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+    finally:
+        if inherited is signal.SIG_IGN:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         agent_log = work / "logs" / "agent.log"
         for _ in range(300):  # until the agent has started and the sensors publish

@@ -21,6 +21,7 @@ from filemq.broker.acl import Acl
 from filemq.broker.core import BrokerCore, HookResult
 from filemq.broker.session import CLOSED, CONNECTED, Connection
 from filemq.broker.sessions import SessionStore
+from filemq.broker.state import SentRun, message_of
 from filemq.broker.sysinfo import BrokerStats
 from filemq.broker.tailcache import TailCache
 from filemq.common.config import AutoSubscribe, BrokerSection
@@ -1856,7 +1857,9 @@ def _deliveries(ops: list[tuple[Any, ...]], first_pid: int, tmp: Path, run_path:
                     pending.append(m.packet_id)  # type: ignore[arg-type]
         state = s.conn.session
         assert state is not None
-        inflight = {pid: (o.offset, o.qos, o.topic, o.payload, o.share, o.stage, o.retain, o.headers)
+        # (a SentRun, one object for a gap-free run, as the message it holds under each id)
+        inflight = {pid: (pid + o.delta if type(o) is SentRun else o.offset, o.qos, *message_of(o, pid),
+                          o.share, o.stage, o.retain, o.headers)
                     for pid, o in state.inflight.items()}
         return got, inflight, state.next_pid
 

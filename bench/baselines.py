@@ -162,6 +162,13 @@ class BrokerProcess:
         (/proc/PID/stat utime + stime + cutime + cstime of each)."""
         return sum(_proc_cpu_ticks(pid) for pid in [self.pid, *_descendants(self.pid)]) / _CLOCK_TICKS
 
+    def cpu_split(self) -> tuple[float, float]:
+        """:meth:`cpu_seconds` as (user, system): utime + cutime and stime + cstime, summed
+        the same way. Where a broker's CPU goes says what could cut it: interpreter work
+        (user) or system calls (system)."""
+        ticks = [_proc_cpu_ticks_split(pid) for pid in [self.pid, *_descendants(self.pid)]]
+        return sum(u for u, _ in ticks) / _CLOCK_TICKS, sum(s for _, s in ticks) / _CLOCK_TICKS
+
     def __enter__(self) -> BrokerProcess:
         return self
 
@@ -177,11 +184,16 @@ def _stat_fields(pid: int) -> list[str]:
 
 def _proc_cpu_ticks(pid: int) -> int:
     """utime + stime (all threads) + cutime + cstime (reaped children) of ``pid``; 0 if gone."""
+    return sum(_proc_cpu_ticks_split(pid))
+
+
+def _proc_cpu_ticks_split(pid: int) -> tuple[int, int]:
+    """(utime + cutime, stime + cstime) of ``pid`` (all threads, reaped children); 0s if gone."""
     try:
         fields = _stat_fields(pid)
     except (FileNotFoundError, ProcessLookupError):
-        return 0
-    return int(fields[11]) + int(fields[12]) + int(fields[13]) + int(fields[14])
+        return 0, 0
+    return int(fields[11]) + int(fields[13]), int(fields[12]) + int(fields[14])
 
 
 def _descendants(pid: int) -> list[int]:

@@ -21,7 +21,6 @@ both make ``meets_target``.  A broker that refuses the level-5 CONNECT is report
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,11 +30,13 @@ from bench.baselines import BrokerProcess, mosquitto_available
 from bench.broker import (
     BrokerBenchOptions,
     Progress,
-    _cpu_us,
+    _cpu_detail,
+    _cpu_figures,
     _fanout_run,
     _ingest_run,
     _rnd,
     _workdir,
+    measured,
     start_filemq,
     start_mosquitto_for,
     windows,
@@ -83,6 +84,11 @@ def refusal(result: LoadResult) -> str | None:
     return None if code is None else f"CONNACK 0x{code:02X}"
 
 
+def _bound(run: Callable[[BrokerProcess, Contender], LoadResult],
+           contender: Contender) -> Callable[[BrokerProcess], LoadResult]:
+    return lambda broker: run(broker, contender)
+
+
 def _alternate5(opts: BrokerBenchOptions, work: Path, run: Callable[[BrokerProcess, Contender], LoadResult],
                 say: Callable[[str, LoadResult], None]) -> dict[str, list[LoadResult]]:
     """Every contender ``opts.repeat`` times in alternation, each run on a fresh data dir; a
@@ -94,10 +100,7 @@ def _alternate5(opts: BrokerBenchOptions, work: Path, run: Callable[[BrokerProce
             if contender.name in refused:
                 continue
             with _start(contender, opts, work / f"{contender.name}-{rep}") as broker:
-                cpu0, t0 = broker.cpu_seconds(), time.monotonic()
-                result = run(broker, contender)
-                result.broker_cpu_seconds = broker.cpu_seconds() - cpu0
-                result.broker_cpu_pct = 100 * result.broker_cpu_seconds / (time.monotonic() - t0)
+                result = measured(broker, _bound(run, contender))
             if refusal(result):
                 refused.add(contender.name)
             runs.setdefault(contender.name, []).append(result)
@@ -128,9 +131,7 @@ def _figures(out: dict[str, Any], name: str, results: list[LoadResult], rate: Ca
     out[f"{name}_{count_key}"] = count(best)
     out[f"{name}_runs_{rate_key}"] = [round(rate(r)) for r in results]
     out[f"{name}_cpu_pct"] = _rnd(best.broker_cpu_pct or 0.0)
-    per_run = [_cpu_us(r, count(r)) for r in results]
-    out[f"{name}_runs_cpu_us_per_msg"] = [_rnd(x, 2) for x in per_run]
-    out[f"{name}_cpu_us_per_msg"] = _rnd(min(per_run), 2)
+    _cpu_figures(out, name, results, [count(r) for r in results])
     if best.refused:
         out[f"{name}_refused_pubacks"] = best.refused
     if best.errors:
@@ -192,7 +193,7 @@ def scenario_ingest5(opts: BrokerBenchOptions, say: Progress) -> dict[str, Any]:
 
     def text(r: LoadResult) -> str:
         return (f"{r.ack_rate:>10,.0f} PUBACKs/s ({r.acked:,} in {r.ack_seconds:.2f} s, broker CPU "
-                f"{r.broker_cpu_pct:.0f}%, {_cpu_us(r, r.acked):.1f} us/msg)")
+                f"{r.broker_cpu_pct:.0f}%, {_cpu_detail(r, r.acked)})")
 
     with _workdir(opts, "ingest5") as work:
         runs = _alternate5(opts, work, run, lambda name, r: say(f"  {LABELS[name]:12}: {_progress(r, text)}"))
@@ -216,7 +217,7 @@ def scenario_fanout5(opts: BrokerBenchOptions, say: Progress) -> dict[str, Any]:
     def text(r: LoadResult) -> str:
         return (f"{r.delivery_rate:>10,.0f} deliveries/s ({r.delivered:,} of {r.acked * opts.subscribers:,} in "
                 f"{r.delivery_seconds:.2f} s, broker CPU {r.broker_cpu_pct:.0f}%, "
-                f"{_cpu_us(r, r.delivered):.1f} us/delivery)")
+                f"{_cpu_detail(r, r.delivered, 'delivery')})")
 
     with _workdir(opts, "fanout5") as work:
         runs = _alternate5(opts, work, run, lambda name, r: say(f"  {LABELS[name]:12}: {_progress(r, text)}"))

@@ -678,6 +678,7 @@ class LoadResult:
     subscribers: list[SubscriberResult]
     broker_cpu_pct: float | None = None  # set by callers that own the broker process
     broker_cpu_seconds: float | None = None  # user + system, threads and helper processes; ditto
+    broker_user_seconds: float | None = None  # the user part of it; ditto
 
     @property
     def acked(self) -> int:

@@ -70,6 +70,8 @@ def test_ingest_json_through_the_cli(tmp_path):
     # Issue 16 item 1: broker CPU per message beside the rate, for every broker in the run.
     assert ingest["filemq_cpu_us_per_msg"] > 0
     assert len(ingest["filemq_runs_cpu_us_per_msg"]) == 1
+    # ... and its user part (the rest is system time), every run.
+    assert 0 < ingest["filemq_runs_user_us_per_msg"][0] <= ingest["filemq_runs_cpu_us_per_msg"][0]
     assert "filemq broker CPU" in summary_line(ingest)
     if mosquitto_available():
         assert ingest["mosquitto_cpu_us_per_msg"] > 0
@@ -142,18 +144,29 @@ def test_trie_agrees_with_brute_force_on_a_small_set(tmp_path):
 
 
 _BURNER = """
-import subprocess, sys, threading, time
+import os, subprocess, sys, threading, time
 
 def burn(seconds):
+    # User time: reading the thread's clock is a system call, so a long loop between reads.
     while time.thread_time() < seconds:
-        pass
+        for _ in range(100_000):
+            pass
 
-CHILD = "import sys, time\\nwhile time.process_time() < 0.3: pass\\nprint('ok', flush=True)\\nsys.stdin.read()"
+def in_kernel(seconds):
+    # System time: the kernel fills a 16 MiB buffer from /dev/zero, over and over.
+    buf = bytearray(16 << 20)
+    with open("/dev/zero", "rb", buffering=0) as zero:
+        while os.times().system < seconds:
+            zero.readinto(buf)
+
+CHILD = ("import sys, time\\nwhile time.process_time() < 0.3:\\n for _ in range(100_000): pass\\n"
+         "print('ok', flush=True)\\nsys.stdin.read()")
 t = threading.Thread(target=burn, args=(0.3,))
 t.start()
 child = subprocess.Popen([sys.executable, "-c", CHILD], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
 child.stdout.readline()
 t.join()
+in_kernel(0.4)
 print("burnt", flush=True)
 time.sleep(60)
 """
@@ -161,7 +174,8 @@ time.sleep(60)
 
 def test_broker_cpu_counts_threads_and_child_processes(tmp_path):
     """Issue 16 item 1: a broker's CPU is user + system of the process, all its threads and
-    its live helper processes (reaped ones count through cutime/cstime)."""
+    its live helper processes (reaped ones count through cutime/cstime); the split tells
+    user time from system time."""
     import sys
     import time
 
@@ -176,8 +190,12 @@ def test_broker_cpu_counts_threads_and_child_processes(tmp_path):
         while "burnt" not in log_path.read_text() and time.monotonic() < deadline and broker.alive():
             time.sleep(0.05)  # the burner's only signal is its log line
         assert "burnt" in log_path.read_text(), log_path.read_text()
-        # 0.3 s in a thread of the process + 0.3 s in its child (+ interpreter start-ups).
-        assert broker.cpu_seconds() >= 0.55
+        # 0.3 s in a thread of the process + 0.3 s in its child (+ interpreter start-ups),
+        # user time; then 0.4 s of system time in the process.
+        user, system = broker.cpu_split()
+        assert user >= 0.55, (user, system)
+        assert system >= 0.35, (user, system)
+        assert broker.cpu_seconds() == pytest.approx(user + system, abs=0.05)  # (ticks of 10 ms go on)
     finally:
         broker.stop(timeout=5)
 

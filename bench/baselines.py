@@ -160,11 +160,11 @@ class BrokerProcess:
         """User + system CPU time used so far by the broker: the process with all its threads,
         its live descendants (helper processes), and the children it already reaped
         (/proc/PID/stat utime + stime + cutime + cstime of each)."""
-        return sum(_proc_cpu_ticks(pid) for pid in [self.pid, *_descendants(self.pid)]) / _CLOCK_TICKS
+        return sum(self.cpu_split())
 
     def cpu_split(self) -> tuple[float, float]:
-        """:meth:`cpu_seconds` as (user, system): utime + cutime and stime + cstime, summed
-        the same way. Where a broker's CPU goes says what could cut it: interpreter work
+        """:meth:`cpu_seconds` as (user, system): utime + cutime and stime + cstime of the
+        same processes. Where a broker's CPU goes says what could cut it: interpreter work
         (user) or system calls (system)."""
         ticks = [_proc_cpu_ticks_split(pid) for pid in [self.pid, *_descendants(self.pid)]]
         return sum(u for u, _ in ticks) / _CLOCK_TICKS, sum(s for _, s in ticks) / _CLOCK_TICKS
@@ -180,11 +180,6 @@ def _stat_fields(pid: int) -> list[str]:
     """Fields 3.. of /proc/PID/stat (after the command name, which may hold spaces)."""
     stat = Path(f"/proc/{pid}/stat").read_text()
     return stat[stat.rindex(")") + 2 :].split()
-
-
-def _proc_cpu_ticks(pid: int) -> int:
-    """utime + stime (all threads) + cutime + cstime (reaped children) of ``pid``; 0 if gone."""
-    return sum(_proc_cpu_ticks_split(pid))
 
 
 def _proc_cpu_ticks_split(pid: int) -> tuple[int, int]:

@@ -328,17 +328,19 @@ def test_scan_run_stops_where_check_frame_does(recs: list[Record], data: st.Data
     assert (stop, nxt) == (pos, expected)
 
 
-def _reference_run(stream: bytes, first: int, limit: int, max_records: int, max_bytes: int) -> tuple[list[Record], int]:
-    """What decode_run must return, by check_frame + decode_at one record at a time."""
+def _reference_run(stream: bytes, first: int, limit: int, max_records: int,
+                   max_bytes: int) -> tuple[list[Record], int, int]:
+    """What decode_run must return, by check_frame + decode_at one record at a time: the
+    records, where it stops, and the framed bytes of the records it returns."""
     out: list[Record] = []
     pos, expected, total = 0, -1, 0
     while True:
         framed = check_frame(stream, pos, len(stream))
         if framed <= 0 or (expected >= 0 and offset_at(stream, pos) != expected):
-            return out, pos
+            return out, pos, total
         offset = offset_at(stream, pos)
         if offset >= limit or len(out) >= max_records or (out and offset >= first and total + framed > max_bytes):
-            return out, pos
+            return out, pos, total
         if offset >= first:
             out.append(decode_at(stream, pos, framed))
             total += framed
@@ -370,12 +372,29 @@ def test_decode_run_agrees_with_check_frame_on_mixed_v1_v2(recs: list[Record], d
     limit = data.draw(st.integers(100, 110))
     max_records = data.draw(st.integers(1, 10))
     max_bytes = data.draw(st.sampled_from([1, 100, 1000, 1 << 30]))
-    expected_records, expected_stop = _reference_run(stream, first, limit, max_records, max_bytes)
+    expected_records, expected_stop, expected_total = _reference_run(stream, first, limit, max_records, max_bytes)
     out: list[Record] = []
     stop, _, total, _ = decode_run(stream, 0, -1, first, limit, out, max_records, max_bytes, 0)
     assert out == expected_records
     assert stop == expected_stop
-    assert total == sum(len(encode_record(r)) for r in out)
+    # The framed bytes of what was returned, as stored: not re-encoded, since a topic that is
+    # not UTF-8 (damage behind a matching CRC) decodes with U+FFFD, longer when encoded again.
+    assert total == expected_total
+
+
+def test_decode_run_counts_a_non_utf8_topic_by_its_stored_bytes() -> None:
+    """A topic byte damaged behind a matching CRC can leave a topic that is not UTF-8: it
+    decodes with U+FFFD (3 bytes when encoded again, for the 2 stored), and decode_run's byte
+    total counts what is stored, as check_frame does (the case Hypothesis found, 2026-11-26)."""
+    rec = Record(100, 0, "\x80", b"", 0, False)  # topic stored as c2 80
+    buf = bytearray(encode_record(rec))
+    buf[HEADER_SIZE] ^= 0x20  # c2 -> e2: e2 80 is not UTF-8
+    buf[4:8] = crc32c(bytes(buf[8:])).to_bytes(4, "big")
+    out: list[Record] = []
+    stop, _, total, _ = decode_run(bytes(buf), 0, -1, 100, 101, out, 1, 1 << 30, 0)
+    assert [r.topic for r in out] == ["\ufffd"]
+    assert stop == total == len(buf) == check_frame(bytes(buf), 0, len(buf))
+    assert len(encode_record(out[0])) == len(buf) + 1
 
 
 def _check_walk(stream: bytes, first_offset: int) -> tuple[int, int]:

@@ -401,8 +401,14 @@ def _decode_in_cuts(stream: bytes, cuts: list[int], runs: bool = False) -> list[
     return got
 
 
-@given(st.lists(st.tuples(st.sampled_from(["a/b", "sensors/dev-1/temp", "é"]), st.sampled_from([0, 1, 5, 100, 200]),
-                          st.integers(0, 2), st.booleans(), st.booleans(), st.integers(0, 3)),
+# Repeats: short runs, and runs of 76 and 151 packets (decoded in struct pieces of 64, 8, 4
+# and 128, 16, 4, 2, 1); "a/c" packets have the size of "a/b" ones and another topic.
+_REPEATS = st.one_of(st.integers(0, 3), st.sampled_from([25, 50]))
+
+
+@given(st.lists(st.tuples(st.sampled_from(["a/b", "a/c", "sensors/dev-1/temp", "é"]),
+                          st.sampled_from([0, 1, 5, 100, 200]),
+                          st.integers(0, 2), st.booleans(), st.booleans(), _REPEATS),
                 min_size=1, max_size=40),
        st.data())
 @settings(max_examples=200, deadline=None)  # (a loaded machine's first call may take > 200 ms)
@@ -451,3 +457,33 @@ def test_a_run_is_decoded_without_the_per_packet_path() -> None:
     assert run[0] == [Publish("t/1", b"x" * 100, 1, packet_id=i + 1) for i in range(1, 20)]
     decoder.feed(stream[len(stream) // 20:])
     assert decoder.packets() == run[0]
+
+
+def test_a_long_run_is_cut_where_a_packet_of_the_same_size_has_another_topic() -> None:
+    """A read of 300 equal-sized QoS 1 PUBLISHes whose 200th has another topic of the same
+    length: the run path gives the first 199 as one PublishRun (struct pieces of 64, 64, 64,
+    4, 2, 1), then the rest, exactly as the per-packet path; packet ids and payloads intact."""
+    packets = [Publish("t/a" if i != 199 else "t/b", bytes([i % 256]) * 40, 1, packet_id=i + 1) for i in range(300)]
+    stream = b"".join(map(encode, packets))
+    decoder = Decoder(runs=True)
+    decoder.feed(encode(Publish("t/a", b"", 0)) + encode(Publish("t/b", b"", 0)))  # (caches both topics)
+    decoder.packets()
+    decoder.feed(stream)
+    got = decoder.packets()
+    assert isinstance(got[0], PublishRun) and len(got[0].payloads) == 199
+    assert got[0].packet_ids == list(range(1, 200))
+    flat = [q for p in got for q in (p.publishes() if isinstance(p, PublishRun) else [p])]
+    assert flat == packets
+
+
+def test_the_run_decoders_struct_cache_stays_bounded() -> None:
+    """Every layout (header and topic size, payload size, piece size) gets a cached Struct,
+    and the cache is cleared when it is full: 600 payload sizes leave at most its bound."""
+    for size in range(600):
+        stream = b"".join(encode(Publish("t/x", b"y" * size, 1, packet_id=i + 1)) for i in range(5))
+        decoder = Decoder(runs=True)
+        decoder.feed(encode(Publish("t/x", b"", 0)))
+        decoder.packets()
+        decoder.feed(stream)
+        assert [len(p.payloads) for p in decoder.packets() if isinstance(p, PublishRun)] == [5]
+        assert len(codec._run_structs) <= codec._RUN_STRUCTS_MAX

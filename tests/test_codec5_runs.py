@@ -46,8 +46,9 @@ _SAME_SIZE_PROPS = Properties(payload_format_indicator=0)
 
 
 @given(st.lists(st.one_of(
-    st.tuples(st.sampled_from(["a/b", "sensors/dev-1/temp", "é"]), st.sampled_from([0, 1, 2, 5, 100, 200]),
-              st.integers(0, 2), st.booleans(), st.booleans(), st.integers(0, 3),
+    st.tuples(st.sampled_from(["a/b", "a/c", "sensors/dev-1/temp", "é"]), st.sampled_from([0, 1, 2, 5, 100, 200]),
+              st.integers(0, 2), st.booleans(), st.booleans(),
+              st.one_of(st.integers(0, 3), st.sampled_from([25, 50])),  # (long runs: several struct pieces)
               st.lists(st.integers(0, 12), max_size=2)),
     _others), min_size=1, max_size=30),
     st.data())

@@ -24,7 +24,8 @@ from __future__ import annotations
 import struct
 from collections.abc import Callable, Iterable
 from itertools import repeat
-from operator import eq, lshift, or_
+from operator import eq
+from typing import Any
 
 from filemq.mqtt.codec5 import _ENCODERS5, _decode_body5, _decode_connect, _encode_connect
 from filemq.mqtt.packets import (
@@ -471,36 +472,71 @@ def _publish_run(buf: bytes, pos: int, n: int, maxsize: int, cache: dict[bytes, 
     if topic is None:
         return _UNCACHED
     # The run: the packets from ``pos`` on that start with the first one's fixed header (so
-    # have its size), topic length and topic, up to the first that does not.
+    # have its size), topic length and topic, up to the first that does not. Every field of
+    # every packet is cut out by struct unpacks (one per power-of-two piece of the count, of
+    # cached Structs), with no Python object per packet besides the fields themselves.
     lead = tend - pos
-    end = pos + count * size
-    heads = list(map(buf.__getitem__, map(slice, range(pos, end, size), range(tend, end + lead, size))))
+    plen = pos + size - pstart
+    fields = _run_fields(buf, pos, size, lead, plen, qos != 0, v5, count)
+    width = 2 + (qos != 0) + v5  # fields per packet: lead, [packet id], [property length], payload
+    heads = fields[0::width]
     first_head = heads[0]
     if heads.count(first_head) != count:
-        same = list(map(eq, heads, repeat(first_head)))
-        count = same.index(False)
+        count = list(map(eq, heads, repeat(first_head))).index(False)
         if count < _RUN_MIN:
             return None
-        end = pos + count * size
     if v5:
-        plens = buf[pstart - 1:end:size]  # the run ends at the first packet with properties
-        if plens.count(0) != count:
-            count = len(plens) - len(plens.lstrip(b"\x00"))
+        plens = fields[width - 2::width]  # the run ends at the first packet with properties
+        if plens.count(0) != len(plens):
+            count = min(count, list(map(eq, plens, repeat(0))).index(False))
             if count < _RUN_MIN:
                 return None
-            end = pos + count * size
+    stop = count * width
+    end = pos + count * size
     packet_ids: list[int] | None = None
     if qos:
-        packet_ids = list(map(or_, map(lshift, buf[tend:end:size], repeat(8)), buf[tend + 1:end:size]))
+        packet_ids = list(fields[1:stop:width])
         if 0 in packet_ids:  # invalid: the general path reports it
             return None
-    payloads = map(buf.__getitem__, map(slice, range(pstart, pstart + count * size, size),
-                                        range(pos + size, end + 1, size)))
+    payloads = list(fields[width - 1:stop:width])
     if as_run:
-        return [PublishRun(topic, list(payloads), qos, bool(first & 1), bool(first & 8), packet_ids)], end
+        return [PublishRun(topic, payloads, qos, bool(first & 1), bool(first & 8), packet_ids)], end
     pids: Iterable[int | None] = packet_ids if packet_ids is not None else repeat(None)
     return list(map(Publish, repeat(topic), payloads, repeat(qos), repeat(bool(first & 1)), repeat(bool(first & 8)),
                     pids)), end
+
+
+# Structs for _publish_run: (lead, payload size, has packet id, v5, 2^k) -> a Struct of 2^k
+# packets' fields (lead bytes, [id], [property length], payload), for k <= _RUN_PIECE_LOG.
+# Bounded: cleared when it holds _RUN_STRUCTS_MAX (a layout costs ~6 us to build once).
+_run_structs: dict[tuple[int, int, bool, bool, int], struct.Struct] = {}
+_RUN_STRUCTS_MAX = 512
+_RUN_PIECE_LOG = 6  # pieces of at most 64 packets
+
+
+def _run_fields(buf: bytes, pos: int, size: int, lead: int, plen: int, has_id: bool, v5: bool,
+                count: int) -> tuple[Any, ...]:
+    """The fields of the ``count`` packets of ``size`` bytes from ``buf[pos]`` on, each ``lead``
+    bytes, [a packet id (u16)], [a property length (u8)] and a payload of ``plen`` bytes, in
+    one flat tuple: unpacked in pieces of 2^k packets, largest first (one cached Struct per
+    piece size and layout)."""
+    out: tuple[Any, ...] = ()
+    piece = 1 << _RUN_PIECE_LOG
+    structs = _run_structs
+    while count:
+        while piece > count:
+            piece >>= 1
+        key = (lead, plen, has_id, v5, piece)
+        layout = structs.get(key)
+        if layout is None:
+            if len(structs) >= _RUN_STRUCTS_MAX:
+                structs.clear()
+            one = f"{lead}s" + ("H" if has_id else "") + ("B" if v5 else "") + f"{plen}s"
+            layout = structs[key] = struct.Struct(">" + one * piece)
+        out += layout.unpack_from(buf, pos)
+        pos += piece * size
+        count -= piece
+    return out
 
 
 class Decoder:

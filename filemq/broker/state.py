@@ -383,6 +383,9 @@ class SessionState:
         # MQTT 5 deliveries: per topic (start, qos, share, retain_below, no_local, retain as
         # published, the encoded subscription identifier property or b"").
         self._match5_cache: dict[str, list[tuple[int, int, str | None, int, bool, bool, bytes]]] = {}
+        # run_qos of a run's topic set (a fetch's frozenset) and share: (QoS, the latest start
+        # of the subscriptions it looked at), the answer for every run from that offset on.
+        self._run_qos_cache: dict[tuple[frozenset[str], str | None], tuple[int, int]] = {}
         self._share_names: frozenset[str] | None = None
         self._no_local: bool | None = None
         self._plain5: bool | None = None
@@ -399,6 +402,7 @@ class SessionState:
     def subs_changed(self) -> None:
         self._qos_cache.clear()
         self._match5_cache.clear()
+        self._run_qos_cache.clear()
         self._share_names = None
         self._no_local = None
         self._plain5 = None
@@ -469,16 +473,33 @@ class SessionState:
 
     def run_qos(self, topics: Set[str], lowest: int, share: str | None) -> int:
         """The QoS :meth:`granted_qos` gives each not retained record with offset >= ``lowest``
-        and a topic in ``topics``, if that is one value for all of them; else -1."""
+        and a topic in ``topics``, if that is one value for all of them; else -1.  A frozenset
+        of topics (a fetch's run) is answered from a cache once ``lowest`` is past the start of
+        every subscription of ``share`` that matches one of them (then ``lowest`` changes
+        nothing: each takes every record, none starts inside the run)."""
+        key = None
+        if type(topics) is frozenset:
+            key = (topics, share)
+            hit = self._run_qos_cache.get(key)
+            if hit is not None and lowest >= hit[1]:
+                return hit[0]
         best = -2
+        latest = -1
         for topic in topics:
             qos = self.granted_qos(topic, lowest, share)
             if qos != best and best != -2:
                 return -1
             best = qos
             for start, _, sh, _ in self._qos_cache[topic]:
-                if start > lowest and sh == share:
-                    return -1  # a subscription that starts inside the run
+                if sh == share:
+                    if start > lowest:
+                        return -1  # a subscription that starts inside the run
+                    if start > latest:
+                        latest = start
+        if key is not None:
+            if len(self._run_qos_cache) >= 1024:
+                self._run_qos_cache.clear()
+            self._run_qos_cache[key] = (best, latest)
         return best
 
     def alloc_pid(self) -> int:

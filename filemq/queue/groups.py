@@ -207,6 +207,7 @@ class ConsumerGroup:
         self._filters: tuple[str, ...] = ()
         self._match_all = False
         self._match_cache: dict[str, bool] = {}
+        self._matching: set[str] = set()  # the topics of _match_cache that match (one C subset test per run)
         self._set_filters_in_memory(filters)
         self._doing = start_offset
         # Offsets below this were possibly handed out before a restart: flag them DUP.
@@ -223,7 +224,7 @@ class ConsumerGroup:
         # set of its topics (run_topics); otherwise run_start is -1.
         self.last_run: list[Record] | None = None
         self.run_start = -1
-        self.run_topics: frozenset[str] | set[str] = frozenset()
+        self.run_topics: frozenset[str] = frozenset()
         self._acks = 0
         self._acks_at_persist = 0
         self._last_persist = time.monotonic()
@@ -423,17 +424,23 @@ class ConsumerGroup:
         self._filters = unique
         self._match_all = "#" in unique
         self._match_cache = {}
+        self._matching = set()
 
     def matches(self, topic: str) -> bool:
         """True if a record on ``topic`` is delivered by this group."""
         if self._match_all and topic[:1] != "$":
+            if len(self._matching) < _MATCH_CACHE_SIZE:
+                self._matching.add(topic)
             return True
         cached = self._match_cache.get(topic)
         if cached is None:
             cached = any(topic_matches(f, topic) for f in self._filters)
             if len(self._match_cache) >= _MATCH_CACHE_SIZE:
                 self._match_cache.clear()  # bounded memory with unbounded distinct topics
+                self._matching.clear()
             self._match_cache[topic] = cached
+            if cached:
+                self._matching.add(topic)
         return cached
 
     def _write_group_file(self) -> None:
@@ -498,7 +505,7 @@ class ConsumerGroup:
             raise GroupClosed(self.name)
         out: list[Record] = []
         run_start = -1
-        run_topics: set[str] = set()
+        run_topics: frozenset[str] = frozenset()
         stats = self._stats
         outstanding = self._outstanding
         if self._redeliver:
@@ -530,8 +537,8 @@ class ConsumerGroup:
             batch = records if len(records) <= remaining else records[:remaining]
             n = len(batch)
             if batch[0].offset == doing and batch[-1].offset == doing + n - 1:
-                topics = set(map(record_topic, batch))
-                if all(map(self.matches, topics)):
+                topics = frozenset(map(record_topic, batch))
+                if topics <= self._matching or all(map(self.matches, topics)):
                     # Fast path (the common case): gap-free and every topic matches, so the
                     # bookkeeping runs in C over the whole batch.
                     fresh = dict.fromkeys(range(doing, doing + n), consumer)

@@ -214,9 +214,11 @@ class ConsumerGroup:
         self._redelivered_below = redelivered_below
         # Fetched, not yet acked: offset -> consumer holding it (or _WAITING). Records are
         # not kept: a redelivery reads the log again, so memory does not grow with the window.
+        # Its keys are in ascending order: a key is only ever added by fetch(), at an offset
+        # beyond every earlier one (doing_offset never goes back), and a dict keeps insertion
+        # order; so its first key is the pending offset (no ordered copy of the offsets).
         self._outstanding: dict[int, str] = {}
         self._again: set[int] = set()  # outstanding offsets delivered more than once
-        self._order: deque[int] = deque()  # outstanding offsets, ascending; acked ones lazily
         self._redeliver: list[int] = []  # heap of offsets waiting for redelivery
         # What the last fetch() knew of the list it returned, so a caller need not find it out
         # again record by record: when that list (``last_run``, compared by identity) is the
@@ -459,11 +461,9 @@ class ConsumerGroup:
     @property
     def pending_offset(self) -> int:
         """The lowest offset not yet acked (== doing_offset when nothing is outstanding)."""
-        order = self._order
-        outstanding = self._outstanding
-        while order and order[0] not in outstanding:
-            order.popleft()
-        return order[0] if order else self._doing
+        for offset in self._outstanding:
+            return offset  # (the first key: the lowest, see __init__)
+        return self._doing
 
     @property
     def lag(self) -> int:
@@ -512,7 +512,6 @@ class ConsumerGroup:
             self._take_redeliveries(out, max_records, consumer)
         first_new = len(out)
         remaining = max_records - first_new
-        order_append = self._order.append
         read = self._log.read
         match_all = self._match_all
         # Bound the work of one call (it runs on the event loop) when few records match.
@@ -543,7 +542,6 @@ class ConsumerGroup:
                     # bookkeeping runs in C over the whole batch.
                     fresh = dict.fromkeys(range(doing, doing + n), consumer)
                     outstanding.update(fresh)
-                    self._order.extend(fresh)  # (the same int objects, not made again)
                     if not out:
                         run_start = doing
                         run_topics = topics
@@ -568,7 +566,6 @@ class ConsumerGroup:
                 topic = record.topic
                 if (match_all and topic[:1] != "$") or self.matches(topic):
                     outstanding[offset] = consumer
-                    order_append(offset)
                     out.append(record)
                     remaining -= 1
                 else:
@@ -622,12 +619,6 @@ class ConsumerGroup:
             self._mark_progress()
         if self._again:
             self._again.discard(offset)
-        order = self._order
-        if order[0] == offset:
-            # Advance past the acked prefix now, so the deque stays as small as the window.
-            order.popleft()
-            while order and order[0] not in outstanding:
-                order.popleft()
         return True
 
     def ack_many(self, offsets: Sequence[int]) -> int:
@@ -644,11 +635,6 @@ class ConsumerGroup:
             self._mark_progress()
         if self._again:
             self._again.difference_update(offsets)
-        order = self._order
-        if not outstanding:
-            order.clear()  # (the whole window acked: the common read)
-        while order and order[0] not in outstanding:
-            order.popleft()
         return acked
 
     def may_be_redelivered(self, lowest: int) -> bool:

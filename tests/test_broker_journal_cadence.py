@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from filemq.broker import base
+from filemq.broker import delivery
 from filemq.broker.state import JOURNAL_MAX_ACKS
 from filemq.mqtt.packets import Puback, Publish, Subscribe
 from tests.test_broker_session import FakeQueue, Harness, run
@@ -51,7 +51,7 @@ class JournalingQueue(FakeQueue):
 @pytest.mark.parametrize("acks_per_read", [WINDOW, 1])
 def test_a_kill_9_takes_back_at_most_journal_max_acks_of_acked_progress(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, acks_per_read: int) -> None:
-    monkeypatch.setattr(base, "JOURNAL_INTERVAL_S", 3600.0)
+    monkeypatch.setattr(delivery, "JOURNAL_INTERVAL_S", 3600.0)  # (read by DeliveryMixin.flush)
 
     async def main() -> None:
         h = Harness(tmp_path, max_inflight=WINDOW)

@@ -21,6 +21,8 @@ from filemq.broker.state import (
     _MAX_PUMP,
     _PUBCOMP,
     _PUBREL,
+    JOURNAL_INTERVAL_S,
+    JOURNAL_MAX_ACKS,
     Inflight,
     Outbound,
     SentRecord,
@@ -97,6 +99,46 @@ class DeliveryMixin(CoreBase):
             sh = self.shares.get(name)
             if sh is not None:
                 self.pump_share(sh)
+
+    def flush(self) -> None:
+        """Write every connection's queued output with one transport write each."""
+        if self._acked:
+            if not self._journal_scheduled:
+                # One journal append after the loop pass of the first acks, and at most one
+                # per JOURNAL_INTERVAL_S: a kill -9 re-delivers only the acks of about that long.
+                self._journal_scheduled = True
+                loop = asyncio.get_running_loop()
+                wait = self._journal_at + JOURNAL_INTERVAL_S - loop.time()
+                if wait > 0:
+                    loop.call_later(wait, self._journal_pass)
+                else:
+                    loop.call_soon(self._journal_pass)
+            elif self._acks >= JOURNAL_MAX_ACKS and self._acks >= JOURNAL_MAX_ACKS * self.queue.groups_acked():
+                # Quick passes acked JOURNAL_MAX_ACKS per group that acked before the interval
+                # ran out: append now, so a kill -9 re-delivers about that many acks per group
+                # (plus its in-flight window). Per group, not in all: ten busy subscribers
+                # would append every few reads, for a bound on each ten times tighter than
+                # needed. The timer stays: it appends what is acked after this, if anything
+                # (no timer made and cancelled per append).
+                self._journal_now()
+        if self._to_pump:
+            # Window room freed by the acks of one read is filled with one fetch, not one each.
+            to_pump, self._to_pump = self._to_pump, set()
+            for conn in to_pump:
+                self.pump(conn)
+        dirty = self._dirty
+        if not dirty:
+            return
+        self._dirty = set()
+        sent = 0
+        for conn in dirty:
+            if conn.closed or conn.transport is None:
+                continue
+            data = conn.data_to_send()
+            if data:
+                sent += len(data)
+                conn.transport.write(data)
+        self.stats.sent_bytes(sent)
 
     def _schedule_repump(self, conn: Connection) -> None:
         self._repump.add(conn)

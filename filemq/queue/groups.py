@@ -519,9 +519,9 @@ class ConsumerGroup:
         least = 0  # records per read: just what is wanted until some record was skipped
         while remaining > 0 and scan_budget > 0:
             doing = self._doing
-            if doing >= self._log.committed_offset:
-                break
             committed = self._log.committed_offset
+            if doing >= committed:
+                break
             # Once a record was skipped, read at least a modest batch: with a narrow filter
             # most records are skipped, and one read() per wanted record would cost an index
             # lookup each.

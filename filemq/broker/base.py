@@ -71,6 +71,9 @@ class CoreBase:
         # Topics reaching _append passed the codec's and CONNECT's topic-name checks already.
         self._append = functools.partial(queue.publish_nowait, validated=True)
         self._append_many = queue.publish_many_nowait  # the same, for a run of PUBLISHes
+        # (A bound method, not self.queue.groups_acked(): the compiled flush() would check that
+        # self.queue is a Queue, and the tests' fake queue is not one.)
+        self._groups_acked: Callable[[], int] = queue.groups_acked
         self.cache = cache
         self.config = config
         self.store = store

@@ -113,7 +113,7 @@ class DeliveryMixin(CoreBase):
                     loop.call_later(wait, self._journal_pass)
                 else:
                     loop.call_soon(self._journal_pass)
-            elif self._acks >= JOURNAL_MAX_ACKS and self._acks >= JOURNAL_MAX_ACKS * self.queue.groups_acked():
+            elif self._acks >= JOURNAL_MAX_ACKS and self._acks >= JOURNAL_MAX_ACKS * self._groups_acked():
                 # Quick passes acked JOURNAL_MAX_ACKS per group that acked before the interval
                 # ran out: append now, so a kill -9 re-delivers about that many acks per group
                 # (plus its in-flight window). Per group, not in all: ten busy subscribers

@@ -27,6 +27,7 @@ from filemq.mqtt.packets import (
     Unsuback,
     Unsubscribe,
 )
+from filemq.mqtt.runcodec import puback_run
 
 # ---------------------------------------------------------------- strategies (shared with fuzz)
 
@@ -487,3 +488,11 @@ def test_the_run_decoders_struct_cache_stays_bounded() -> None:
         decoder.feed(stream)
         assert [len(p.payloads) for p in decoder.packets() if isinstance(p, PublishRun)] == [5]
         assert len(codec._run_structs) <= codec._RUN_STRUCTS_MAX
+
+
+@given(st.lists(st.integers(1, 0xFFFF), max_size=300))
+@settings(max_examples=100, deadline=None)
+def test_puback_run_is_the_pubacks_of_the_ids_back_to_back(ids: list[int]) -> None:
+    """The broker's PUBACKs for a stored run of PUBLISHes (runcodec.puback_run): exactly what
+    encode(Puback(id)) gives for each id, joined, for any ids (ones with a zero byte too)."""
+    assert puback_run(ids) == b"".join(encode(Puback(i)) for i in ids)

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import struct
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -37,6 +36,7 @@ from filemq.common.topics import InvalidTopic, validate_topic_name
 from filemq.mqtt.codec import ProtocolError, encode_puback
 from filemq.mqtt.packets import PROTOCOL_LEVEL_5, RC_PROTOCOL_ERROR, Publish, PublishRun
 from filemq.mqtt.properties import encode_message_headers
+from filemq.mqtt.runcodec import puback_run
 from segments.record import Record
 
 if TYPE_CHECKING:
@@ -312,8 +312,8 @@ class PublishMixin(CoreBase):
         # Record of them (NamedTuple.__new__ is a Python function; no bytecode runs per record).
         pending.append((list(map(_new_record, zip(range(first, first + n), repeat(ts), topics, payloads,
                                                   repeat(1), retains, repeat(b"")))), fut))
-        # n PUBACKs (0x40 0x02 id), each one big-endian 32-bit word.
-        conn.queue_ack(fut, struct.pack(f">{n}I", *[0x40020000 | pid for pid in pids]), first + n - 1)
+        # n PUBACKs (0x40 0x02 id), back to back.
+        conn.queue_ack(fut, puback_run(pids), first + n - 1)
         if conn.last_batch is not fut:
             self._join_batch(conn, fut)
         for pid in refused:

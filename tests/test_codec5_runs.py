@@ -10,8 +10,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from filemq.mqtt import codec
-from filemq.mqtt.codec import Decoder, ProtocolError, encode5
+from filemq.mqtt.codec import Decoder, ProtocolError, encode5, publish_bytes5
 from filemq.mqtt.packets import Connect, Packet, Properties, Publish, PublishRun
+from filemq.mqtt.runcodec import (
+    publish_prefixes,
+    publish_prefixes5,
+    publish_run,
+    publish_run_prefixed5,
+)
 from tests.test_codec5 import client_packets5, normalized
 
 _others = client_packets5.filter(lambda p: not isinstance(p, Connect))
@@ -154,3 +160,22 @@ def test_v5_runs_of_other_qos_come_as_publishes() -> None:
         packets = [Publish("t", b"x" * 5, qos, packet_id=(i + 1) if qos else None) for i in range(10)]
         decoder.feed(b"".join(map(encode5, packets)))
         assert decoder.packets() == packets
+
+
+@given(st.lists(st.tuples(st.sampled_from(["a/b", "é", "x" * 120, "y" * 200]),
+                          st.sampled_from([0, 1, 100, 121, 122, 123, 16250, 16259, 16260, 16400])),
+                min_size=1, max_size=12),
+       st.integers(1, 0xFFFF))
+@settings(max_examples=100, deadline=None)
+def test_a_v5_run_from_the_tail_caches_prefixes_is_publish_run(messages: list[tuple[str, int]], first_pid: int) -> None:
+    """The MQTT 5 delivery run built from the 3.1.1 prefixes the tail cache keeps
+    (publish_prefixes5 of publish_prefixes; remaining lengths on both sides of the 1/2 and
+    2/3-byte boundaries): byte for byte runcodec.publish_run with v5, i.e. publish_bytes5 of
+    each message with an empty property section."""
+    first_pid = min(first_pid, 0xFFFF - len(messages) + 1)
+    topics = [t for t, _ in messages]
+    payloads = [bytes([k % 256]) * size for k, (_, size) in enumerate(messages)]
+    prefixes5 = publish_prefixes5(publish_prefixes(topics, payloads))
+    assert publish_run_prefixed5(prefixes5, payloads, first_pid) == publish_run(topics, payloads, first_pid, v5=True)
+    assert publish_run(topics, payloads, first_pid, v5=True) == b"".join(
+        publish_bytes5(t, p, 1, False, first_pid + k) for k, (t, p) in enumerate(zip(topics, payloads, strict=True)))

@@ -35,7 +35,13 @@ from filemq.broker.state import (
 from filemq.common.native import mypyc_attr
 from filemq.mqtt.codec import publish_bytes, publish_bytes5
 from filemq.mqtt.packets import PROTOCOL_LEVEL_5
-from filemq.mqtt.runcodec import all_plain, publish_run, publish_run_prefixed
+from filemq.mqtt.runcodec import (
+    all_plain,
+    publish_prefixes5,
+    publish_run,
+    publish_run_prefixed,
+    publish_run_prefixed5,
+)
 from segments.record import (
     Record,
     record_offset,
@@ -245,12 +251,12 @@ class DeliveryMixin(CoreBase):
         if group.last_run is records and group.run_start >= 0:
             # The group's fetch read these as the gap-free run [run_start, run_start + n);
             # the tail cache may hold their PUBLISH prefixes (made once for all subscribers),
-            # which it gives only for plain records (runcodec.all_plain).
+            # which it gives only for plain records (runcodec.all_plain); MQTT 5 maps them to
+            # its own (runcodec.publish_prefixes5).
             lowest = group.run_start
             offsets = range(lowest, lowest + len(records))
             distinct = group.run_topics
-            if not v5:
-                prefixes = self.cache.plain_prefixes(lowest, len(records))
+            prefixes = self.cache.plain_prefixes(lowest, len(records))
         if prefixes is None and not all_plain(records):
             return False
         if distinct is None:
@@ -285,6 +291,8 @@ class DeliveryMixin(CoreBase):
         self.stats.publish_sent(len(records))
         if prefixes is None:
             conn.send(publish_run(topics or list(map(record_topic, records)), payloads, pid, v5))
+        elif v5:
+            conn.send(publish_run_prefixed5(publish_prefixes5(prefixes), payloads, pid))
         else:
             conn.send(publish_run_prefixed(prefixes, payloads, pid))
         return True

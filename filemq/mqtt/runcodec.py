@@ -84,6 +84,53 @@ def publish_prefixes(topics: Sequence[str], payloads: Sequence[bytes]) -> list[b
     return out  # type: ignore[return-value]  # (no None left)
 
 
+# MQTT 5 QoS 1 PUBLISH prefixes (no properties) by the MQTT 3.1.1 prefix of the same message;
+# bounded as _prefixes.
+_prefixes5: dict[bytes, bytes] = {}
+
+
+def publish_prefixes5(prefixes: Sequence[bytes]) -> list[bytes]:
+    """Per message, the bytes of its MQTT 5.0 QoS 1 PUBLISH without properties before the
+    packet id, from its MQTT 3.1.1 prefix (:func:`publish_prefixes`): the same topic field
+    behind a remaining length one larger (the empty property section after the id).
+    ``prefix5 + id + 00 + payload`` is the packet: :func:`publish_run_prefixed5`."""
+    out = list(map(_prefixes5.get, prefixes))
+    if not all(out):  # (a prefix is never empty: only a miss, None, is false)
+        if len(_prefixes5) >= 4096:
+            _prefixes5.clear()
+        for k, prefix in enumerate(prefixes):
+            if out[k] is None:
+                out[k] = _prefixes5[prefix] = _prefix5_of(prefix)
+    return out  # type: ignore[return-value]  # (no None left)
+
+
+def _prefix5_of(prefix: bytes) -> bytes:
+    remaining = 0
+    shift = 0
+    at = 1
+    while True:  # the remaining length (a variable byte integer of 1-4 bytes)
+        byte = prefix[at]
+        remaining |= (byte & 0x7F) << shift
+        at += 1
+        if byte < 0x80:
+            break
+        shift += 7
+    return _fixed_header(prefix[0], remaining + 1) + prefix[at:]
+
+
+def publish_run_prefixed5(prefixes5: Sequence[bytes], payloads: Sequence[bytes], first_pid: int) -> bytes:
+    """:func:`publish_run` with ``v5`` from :func:`publish_prefixes5` of the same messages:
+    the same bytes, with only the ids and one join left to do per run."""
+    n = len(prefixes5)
+    if len(payloads) != n:
+        raise ValueError(f"{n} prefixes for {len(payloads)} payloads")
+    parts: list[bytes] = [b"\x00"] * (4 * n)  # (every third of four stays: the empty property section)
+    parts[0::4] = prefixes5
+    parts[1::4] = map(_pack_H, range(first_pid, first_pid + n))
+    parts[3::4] = payloads
+    return b"".join(parts)
+
+
 def publish_run_prefixed(prefixes: Sequence[bytes], payloads: Sequence[bytes], first_pid: int) -> bytes:
     """:func:`publish_run` (MQTT 3.1.1) from :func:`publish_prefixes` of the same messages:
     the same bytes, with only the ids and one join left to do per run."""

@@ -507,10 +507,8 @@ def _publish_run(buf: bytes, pos: int, n: int, maxsize: int, cache: dict[bytes, 
 
 
 # Structs for _publish_run: (lead, payload size, has packet id, v5, 2^k) -> a Struct of 2^k
-# packets' fields (lead bytes, [id], [property length], payload), for k <= _RUN_PIECE_LOG.
-# Bounded: cleared when it holds _RUN_STRUCTS_MAX (a layout costs ~6 us to build once and up
-# to ~9 KiB for a piece of 64, so at most ~1.2 MiB however many layouts clients send; a
-# device publishes a few).
+# packets' fields (lead bytes, [id], [property length], payload), k <= _RUN_PIECE_LOG; cleared
+# when full (~6 us to build one, <= ~9 KiB each: <= ~1.2 MiB whatever layouts clients send).
 _run_structs: dict[tuple[int, int, bool, bool, int], struct.Struct] = {}
 _RUN_STRUCTS_MAX = 128
 _RUN_PIECE_LOG = 6  # pieces of at most 64 packets

@@ -20,9 +20,10 @@ from setuptools import setup
 # write) and what they call per message.  Left interpreted, and why (docs/PERFORMANCE.md):
 # segments/fileio.py (DiskFull derives from OSError, which a mypyc native class cannot),
 # filemq/broker/base.py (CoreBase declares the mixins' cross-calls in an `if TYPE_CHECKING:`
-# block of its class body; its per-read flush() is DeliveryMixin's, so it is compiled), filemq/broker/connect.py (mypyc 2.x fails on its closures in a
-# non-native class), filemq/common/native.py (the marker shim itself), and everything that is
-# not per message (server, client, config, ops, broker/sessions.py: session files are written
+# block of its class body; its per-read flush() is DeliveryMixin's, so it is compiled),
+# filemq/broker/connect.py (mypyc 2.x fails on its closures in a non-native class),
+# filemq/common/native.py (the marker shim itself), and everything that is not per message
+# (server, client, config, ops, broker/sessions.py: session files are written
 # per SUBSCRIBE or QoS 2 exchange, and tests replace SessionStore.write on an instance, which
 # a native class does not allow).
 HOT_PATH = [

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from operator import add
 
 from filemq.mqtt.codec import _cache_topic, _topic_bytes
+from filemq.mqtt.properties import _read_vbi
 from filemq.mqtt.wire import _fixed_header, _pack_H
 from segments.record import Record, record_headers, record_qos, record_retain
 
@@ -105,16 +106,7 @@ def publish_prefixes5(prefixes: Sequence[bytes]) -> list[bytes]:
 
 
 def _prefix5_of(prefix: bytes) -> bytes:
-    remaining = 0
-    shift = 0
-    at = 1
-    while True:  # the remaining length (a variable byte integer of 1-4 bytes)
-        byte = prefix[at]
-        remaining |= (byte & 0x7F) << shift
-        at += 1
-        if byte < 0x80:
-            break
-        shift += 7
+    remaining, at = _read_vbi(prefix, 1, len(prefix), "remaining length", "PUBLISH")
     return _fixed_header(prefix[0], remaining + 1) + prefix[at:]
 
 

@@ -60,14 +60,14 @@ def test_fanout_with_ordinary_subscribers_delivers_every_message_through_the_cli
 
 @needs_mosquitto
 def test_default_windows_stay_each_brokers_own(tmp_path):
-    """Without --max-inflight: filemq's default window (20) and today's mosquitto config (100),
+    """Without --max-inflight: filemq's default window (32) and today's mosquitto config (100),
     reported in the JSON; mosquitto's configuration file says 100."""
     opts = BrokerBenchOptions(messages=MESSAGES, publishers=2, subscribers=2, max_seconds=10.0, repeat=1,
                               workdir=tmp_path)
     assert opts.subscriber_client == "loadgen" and opts.max_inflight is None
     out = scenario_fanout(opts, lambda _msg: None)
     assert out["subscriber_client"] == "loadgen"
-    assert (out["filemq_max_inflight"], out["mosquitto_max_inflight"]) == (20, 100)
+    assert (out["filemq_max_inflight"], out["mosquitto_max_inflight"]) == (32, 100)
     assert out["filemq_delivered"] == out["mosquitto_delivered"] == MESSAGES * 2
     with start_mosquitto(tmp_path / "m") as broker:
         assert broker.alive()

@@ -4,7 +4,8 @@ A read of two or more PUBACKs whose in-flight entries are all gap-free run-path 
 (:class:`SentRun`, one object per run) of one consumer group, or of at least ``_BULK_ACKS``
 (16) whose entries are all run-path deliveries with gaps (:class:`SentRecord`, one per
 message) of one group, is acked with C-level maps and one ``ConsumerGroup.ack_many``
-(filemq/broker/delivery.py).  These tests drive two brokers (the
+(filemq/broker/delivery.py); a read of 2 to ``_SMALL_READ`` (8) takes a short loop over its
+run-path ids instead, up to the first id that is not one.  These tests drive two brokers (the
 ``Harness`` of tests/test_broker_session.py) through the same packets in lockstep: one as it
 is, one whose ``on_pubacks`` acks the ids of each read one at a time (a one-id call never
 takes the bulk path).  After every read both must hold the same in-flight messages, the same
@@ -45,10 +46,11 @@ TOPICS = ("t/a", "t/b", "s/a")  # s/...: also the shared subscription's, when th
 SHARE = "$share/g/s/#"
 
 
-def _bulk_reads(h: Harness) -> list[int]:
-    """Count, on ``h``'s core, the reads that qualify for the bulk path (the same calls)."""
+def _bulk_reads(h: Harness) -> list[tuple[str, int]]:
+    """Note, on ``h``'s core, the reads that take the short loop ("short": 2 to _SMALL_READ
+    PUBACKs, the first of a run) or qualify for the bulk path ("bulk") (the same calls)."""
     core = h.core
-    bulk: list[int] = []
+    bulk: list[tuple[str, int]] = []
 
     def on_pubacks(conn: Connection, pids: Sequence[int]) -> None:
         state = conn.session
@@ -56,8 +58,11 @@ def _bulk_reads(h: Harness) -> list[int]:
             outs = [state.inflight.get(pid) for pid in pids]
             kind = {type(o) for o in outs}
             one_group = len({o.group for o in outs if o is not None}) == 1
-            if one_group and (kind == {SentRun} or (kind == {SentRecord} and len(pids) >= delivery._BULK_ACKS)):
-                bulk.append(len(pids))
+            if len(pids) <= delivery._SMALL_READ:
+                if type(outs[0]) is SentRun:
+                    bulk.append(("short", len(pids)))
+            elif one_group and (kind == {SentRun} or (kind == {SentRecord} and len(pids) >= delivery._BULK_ACKS)):
+                bulk.append(("bulk", len(pids)))
         DeliveryMixin.on_pubacks(core, conn, pids)
 
     core.on_pubacks = on_pubacks  # type: ignore[method-assign]
@@ -246,7 +251,8 @@ def test_bulk_pubacks_leave_the_state_of_one_at_a_time_acks(tmp_path: Path, data
                 await pair.step(data.draw(_acks(pair), label="acks"))
             else:
                 await pair.step(("reconnect",))
-        event(f"bulk path taken: {bool(pair.bulk_reads)}")
+        event(f"bulk path taken: {any(k == 'bulk' for k, _ in pair.bulk_reads)}")
+        event(f"short loop taken: {any(k == 'short' for k, _ in pair.bulk_reads)}")
     run(main())
 
 
@@ -292,11 +298,32 @@ def test_a_read_across_two_runs_and_a_short_read_take_one_ack_many_each(tmp_path
             await pair.step(("acks", both[::-1][:14], [56]))  # across both runs, in reverse
             assert ack_many.call_count == 1 and ack.call_count == 14  # bulk side / one-at-a-time side
             rest = list(pair.pending)[:3]
-            await pair.step(("acks", rest, [12]))  # a short read: still one ack_many
-            assert ack_many.call_count == 2
+            await pair.step(("acks", rest, [12]))  # a short read: the short loop, one ack each
+            assert ack_many.call_count == 1 and ack.call_count == 14 + 2 * 3
+            assert pair.bulk_reads[-1] == ("short", 3)
             unknown = list(pair.pending)[:2] + [60000]
             await pair.step(("acks", unknown, [12]))  # an unknown id: the loop (MQTT 4.3.2: ignored)
-            assert ack_many.call_count == 2
+            assert ack_many.call_count == 1 and ack.call_count == 20 + 2 * 2
+    run(main())
+
+
+def test_a_short_read_stops_its_loop_at_the_first_id_that_is_not_a_runs(tmp_path: Path) -> None:
+    """A read of 2 to _SMALL_READ PUBACKs acks its run-path ids in one short loop; from the
+    first id that is not in flight as a run's (here a repeated id, then an unknown one, which
+    MQTT 4.3.2 ignores) the per-id loop takes the rest, and the state is what one-id reads
+    leave."""
+    async def main() -> None:
+        pair = Pair(tmp_path, 20, False)
+        await pair.step(("publish", [("t/a", 1)] * 20))
+        ids = list(pair.pending)
+        assert len(ids) == 20
+        read = [ids[0], ids[1], ids[1], 60000, ids[2]]  # ids[2] after the break: the per-id loop
+        await pair.step(("acks", read, [4 * len(read)]))
+        assert pair.bulk_reads[-1] == ("short", 5)
+        assert ids[2] not in pair.inflight(0) and ids[3] in pair.inflight(0)
+        await pair.step(("acks", ids[3:3 + delivery._SMALL_READ], [4 * delivery._SMALL_READ]))
+        assert pair.bulk_reads[-1] == ("short", delivery._SMALL_READ)
+        assert not set(ids[:3 + delivery._SMALL_READ]) & set(pair.inflight(0))
     run(main())
 
 

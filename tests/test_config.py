@@ -38,7 +38,7 @@ def test_no_file_gives_documented_defaults() -> None:
     c = load_config(None, {})
     assert c == Config()
     assert (c.broker.host, c.broker.port, c.log.fsync) == ("127.0.0.1", 1883, "always")
-    assert c.broker.max_inflight == 20 and c.broker.max_packet_size == MIB
+    assert c.broker.max_inflight == 32 and c.broker.max_packet_size == MIB
     assert c.broker.anonymous_allowed() and not c.broker.tls_enabled
 
 

@@ -33,6 +33,7 @@ from collections import deque
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
+from filemq.common.config import DEFAULT_MAX_INFLIGHT
 from filemq.mqtt.codec import Decoder, ProtocolError, encode, encode5, publish_bytes, publish_bytes5
 from filemq.mqtt.packets import (
     CONNACK_REASON_CODES,
@@ -185,7 +186,7 @@ class Connection:
         transport: Transport | None = None,
         *,
         max_packet_size: int = 1 << 20,
-        max_inflight: int = 20,
+        max_inflight: int = DEFAULT_MAX_INFLIGHT,
         now: float | None = None,
     ) -> None:
         self.core = core

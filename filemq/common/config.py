@@ -53,6 +53,7 @@ from filemq.common.checks import read_config_text as read_config_text
 
 # -- sections -----------------------------------------------------------------------------
 
+DEFAULT_MAX_INFLIGHT = 32
 _POS = _int(1)
 _NONNEG = _int(0)
 _SIZE = _int(1, sizes=True)
@@ -92,7 +93,9 @@ class BrokerSection:
     # Sockets accepted but not yet CONNECTed, counted apart from max_connections.
     max_connecting: int = field(default=128, metadata=_spec(_POS))
     max_packet_size: int = field(default=1 * MIB, metadata=_spec(_int(64, 268_435_455, sizes=True)))
-    max_inflight: int = field(default=20, metadata=_spec(_int(1, 65535)))
+    # QoS 1/2 deliveries in flight per subscriber (EMQX's default, 32; mosquitto's is 20): the
+    # window is refilled half at a time, so it also sets how many deliveries share one write.
+    max_inflight: int = field(default=DEFAULT_MAX_INFLIGHT, metadata=_spec(_int(1, 65535)))
     # Memory for recent records (the tail cache), so subscribers read them without the disk.
     cache_bytes: int = field(default=16 * MIB, metadata=_spec(_int(64 * KIB, sizes=True)))
     max_topic_length: int = field(default=1024, metadata=_spec(_int(1, 65535)))

@@ -53,7 +53,9 @@ from filemq.common.checks import read_config_text as read_config_text
 
 # -- sections -----------------------------------------------------------------------------
 
+# [broker] max_inflight's default (also the broker's Connection default; docs/CONFIG.md).
 DEFAULT_MAX_INFLIGHT = 32
+
 _POS = _int(1)
 _NONNEG = _int(0)
 _SIZE = _int(1, sizes=True)

@@ -35,10 +35,7 @@ async def _cycles(cycles: int) -> None:
     window = int(os.environ.get("WINDOW", "20"))
     per = int(os.environ.get("ACKS", str(window)))
     h = Harness(Path(tempfile.mkdtemp(prefix="cg-cycle-")), max_inflight=window)
-    c = h.client()
-    c.connect("s0", False)
-    c.send(Subscribe(1, [("bench/fanout/#", 1)]))
-    c.received()
+    c = h.connected("s0", False, subscribe=Subscribe(1, [("bench/fanout/#", 1)]))
     core, q = h.core, h.queue
     core._persist_offsets = lambda: None  # type: ignore[method-assign]  # no offset-file threads
     payload = b"x" * 100

@@ -38,10 +38,7 @@ async def _load(reads: int) -> int:
         raise SystemExit(f"at most {MESSAGES // per_read} reads of {per_read} PUBACKs")
     tune_gc()
     h = Harness(Path(tempfile.mkdtemp(prefix="cg-reads-")), max_inflight=MESSAGES)
-    c = h.client()
-    c.connect("s0", False)
-    c.send(Subscribe(1, [("t/#", 1)]))
-    c.received()
+    c = h.connected("s0", False, subscribe=Subscribe(1, [("t/#", 1)]))
     core, q = h.core, h.queue
     core._persist_offsets = lambda: None  # type: ignore[method-assign]  # no offset-file threads
     for i in range(MESSAGES):

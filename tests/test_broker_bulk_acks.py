@@ -4,8 +4,8 @@ A read of two or more PUBACKs whose in-flight entries are all gap-free run-path 
 (:class:`SentRun`, one object per run) of one consumer group, or of at least ``_BULK_ACKS``
 (16) whose entries are all run-path deliveries with gaps (:class:`SentRecord`, one per
 message) of one group, is acked with C-level maps and one ``ConsumerGroup.ack_many``
-(filemq/broker/delivery.py); a read of 2 to ``_SMALL_READ`` (8) takes a short loop over its
-run-path ids instead, up to the first id that is not one.  These tests drive two brokers (the
+(filemq/broker/delivery.py); a read of 2 to ``_SMALL_READ`` (8) PUBACKs takes the per-id
+loop instead, whatever its entries, as one-id reads do.  These tests drive two brokers (the
 ``Harness`` of tests/test_broker_session.py) through the same packets in lockstep: one as it
 is, one whose ``on_pubacks`` acks the ids of each read one at a time (a one-id call never
 takes the bulk path).  After every read both must hold the same in-flight messages, the same
@@ -47,8 +47,9 @@ SHARE = "$share/g/s/#"
 
 
 def _bulk_reads(h: Harness) -> list[tuple[str, int]]:
-    """Note, on ``h``'s core, the reads that take the short loop ("short": 2 to _SMALL_READ
-    PUBACKs, the first of a run) or qualify for the bulk path ("bulk") (the same calls)."""
+    """Note, on ``h``'s core, the short reads of run-path ids that take the per-id loop
+    ("short": 2 to _SMALL_READ PUBACKs, the first of a run) and the reads that qualify for
+    the bulk path ("bulk") (the same calls)."""
     core = h.core
     bulk: list[tuple[str, int]] = []
 
@@ -252,7 +253,7 @@ def test_bulk_pubacks_leave_the_state_of_one_at_a_time_acks(tmp_path: Path, data
             else:
                 await pair.step(("reconnect",))
         event(f"bulk path taken: {any(k == 'bulk' for k, _ in pair.bulk_reads)}")
-        event(f"short loop taken: {any(k == 'short' for k, _ in pair.bulk_reads)}")
+        event(f"short read of a run taken: {any(k == 'short' for k, _ in pair.bulk_reads)}")
     run(main())
 
 
@@ -279,9 +280,10 @@ def test_a_read_of_fanout_pubacks_takes_the_bulk_path(tmp_path: Path) -> None:
 
 
 def test_a_read_across_two_runs_and_a_short_read_take_one_ack_many_each(tmp_path: Path) -> None:
-    """Gap-free runs (SentRun) are acked in bulk from two PUBACKs a read on, also when a read
-    names ids of two runs (the second sent when the first half of the window was acked);
-    a read with an unknown id among them takes the per-id loop.  Same state either way."""
+    """Gap-free runs (SentRun) are acked in bulk from _SMALL_READ + 1 PUBACKs a read on, also
+    when a read names ids of two runs (the second sent when the first half of the window was
+    acked); a shorter read, or one with an unknown id among them, takes the per-id loop.
+    Same state either way."""
     async def main() -> None:
         pair = Pair(tmp_path, 20, False)
         await pair.step(("publish", [("t/a", 1)] * 60))
@@ -298,7 +300,7 @@ def test_a_read_across_two_runs_and_a_short_read_take_one_ack_many_each(tmp_path
             await pair.step(("acks", both[::-1][:14], [56]))  # across both runs, in reverse
             assert ack_many.call_count == 1 and ack.call_count == 14  # bulk side / one-at-a-time side
             rest = list(pair.pending)[:3]
-            await pair.step(("acks", rest, [12]))  # a short read: the short loop, one ack each
+            await pair.step(("acks", rest, [12]))  # a short read: the per-id loop, one ack each
             assert ack_many.call_count == 1 and ack.call_count == 14 + 2 * 3
             assert pair.bulk_reads[-1] == ("short", 3)
             unknown = list(pair.pending)[:2] + [60000]
@@ -307,17 +309,16 @@ def test_a_read_across_two_runs_and_a_short_read_take_one_ack_many_each(tmp_path
     run(main())
 
 
-def test_a_short_read_stops_its_loop_at_the_first_id_that_is_not_a_runs(tmp_path: Path) -> None:
-    """A read of 2 to _SMALL_READ PUBACKs acks its run-path ids in one short loop; from the
-    first id that is not in flight as a run's (here a repeated id, then an unknown one, which
-    MQTT 4.3.2 ignores) the per-id loop takes the rest, and the state is what one-id reads
-    leave."""
+def test_a_short_read_with_repeated_and_unknown_ids_acks_each_run_id_once(tmp_path: Path) -> None:
+    """A read of 2 to _SMALL_READ PUBACKs of run-path ids, with a repeated id and an unknown
+    one (MQTT 4.3.2: ignored) among them, acks each id in flight once and leaves what one-id
+    reads leave; so does a read of exactly _SMALL_READ."""
     async def main() -> None:
         pair = Pair(tmp_path, 20, False)
         await pair.step(("publish", [("t/a", 1)] * 20))
         ids = list(pair.pending)
         assert len(ids) == 20
-        read = [ids[0], ids[1], ids[1], 60000, ids[2]]  # ids[2] after the break: the per-id loop
+        read = [ids[0], ids[1], ids[1], 60000, ids[2]]  # ids[2] after the repeated and the unknown id
         await pair.step(("acks", read, [4 * len(read)]))
         assert pair.bulk_reads[-1] == ("short", 5)
         assert ids[2] not in pair.inflight(0) and ids[3] in pair.inflight(0)

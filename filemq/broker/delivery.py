@@ -69,8 +69,9 @@ _consume: Callable[[Iterable[Any]], Any] = functools.partial(deque, maxlen=0)  #
 # lists cost more than the per-id loop (callgrind, WINDOW=20: +8 % Ir per delivery at 5 per
 # read, +1.4 % at 10, -3.6 % at 20, -8 % at 100; docs/PERFORMANCE.md).
 _BULK_ACKS = 16
-# Reads of at most this many PUBACKs take on_pubacks' short loop instead (callgrind, a read of
-# 2-6 PUBACKs of run-path deliveries: ~10,000 Ir less per read than the maps; docs/PERFORMANCE.md).
+# Reads of at most this many PUBACKs take on_pubacks' per-id loop, also for gap-free runs
+# (callgrind, a read of 2-6 PUBACKs of run-path deliveries: ~10,000 Ir less per read than the
+# maps; docs/PERFORMANCE.md).
 _SMALL_READ = 8
 # A SentRecord from a tuple of its fields, in C (SentRecord(...) runs Python-level __new__).
 _sent_record = cast(Callable[[Iterable[Any]], SentRecord], functools.partial(tuple.__new__, SentRecord))
@@ -384,27 +385,9 @@ class DeliveryMixin(CoreBase):
         assert state is not None
         inflight = state.inflight
         n = len(pids)
-        if 1 < n <= _SMALL_READ:
-            # A few PUBACKs (a client that answers each PUBLISH in a send of its own): one
-            # pass in bytecode over the run-path entries; the maps below cost more at this size.
-            # The first id that is not a run's (unknown, repeated, a SentRecord, QoS 2) and
-            # every id after it take the per-id loop at the end, as one-id reads do.
-            done = 0
-            for pid in pids:
-                out = inflight.get(pid)
-                if type(out) is not SentRun:
-                    break
-                del inflight[pid]
-                out.group.ack(pid + out.delta)
-                done += 1
-            if done:
-                self._acked = True
-                self._acks += done
-                if done == n:
-                    self._refill(conn, inflight)
-                    return
-                pids = pids[done:]
-        elif n > 1:
+        if n > _SMALL_READ:
+            # (a read of 2.._SMALL_READ PUBACKs, a client that answers each PUBLISH in a send
+            # of its own, takes the per-id loop below: the maps' fixed costs outweigh it there)
             outs = list(map(inflight.get, pids))
             first = outs[0]
             if type(first) is SentRun:

@@ -271,8 +271,9 @@ class Connection:
                 # Each PUBACK as one big-endian 32-bit word 0x4002_iiii: the id is its low half.
                 pids = list(map(_LOW16, _unpack_words(f">{n}I", data)))
             # (id 0 is invalid: let the decoder report it; "40 02 00 00" can only be found
-            # at a packet's start in a read of whole PUBACKs)
-            if pids is not None and b"\x40\x02\x00\x00" not in data:
+            # at a packet's start in a read of whole PUBACKs.  find, not "in": bytes.__contains__
+            # first tries its argument as an int and raises and clears a TypeError every time)
+            if pids is not None and data.find(b"\x40\x02\x00\x00") < 0:
                 try:
                     self.core.on_pubacks(self, pids)
                 except Exception as exc:

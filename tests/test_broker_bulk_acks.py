@@ -281,7 +281,7 @@ def test_a_read_of_fanout_pubacks_takes_the_bulk_path(tmp_path: Path) -> None:
 
 def test_a_read_across_two_runs_and_a_short_read_take_one_ack_many_each(tmp_path: Path) -> None:
     """Gap-free runs (SentRun) are acked in bulk from _SMALL_READ + 1 PUBACKs a read on, also
-    when a read names ids of two runs (the second sent when the first half of the window was
+    when a read names ids of two runs (the second sent when three quarters of the window were
     acked); a shorter read, or one with an unknown id among them, takes the per-id loop.
     Same state either way."""
     async def main() -> None:
@@ -290,22 +290,22 @@ def test_a_read_across_two_runs_and_a_short_read_take_one_ack_many_each(tmp_path
         bulk_state = pair.sides[0][1].conn.session
         assert bulk_state is not None
         first = list(pair.pending)
-        await pair.step(("acks", first[:10], [40]))  # half the window: refilled with a new run
+        await pair.step(("acks", first[:15], [60]))  # 3/4 of the window: refilled with a new run
         runs = {id(o) for o in bulk_state.inflight.values()}
         assert len(runs) == 2 and all(type(o) is SentRun for o in bulk_state.inflight.values())
-        both = list(pair.pending)  # ten ids of each run
+        both = list(pair.pending)[-20:][::-1]  # the new run's 15 ids, then the old run's last 5
         with mock.patch.object(ConsumerGroup, "ack_many", autospec=True,
                                side_effect=ConsumerGroup.ack_many) as ack_many, \
                 mock.patch.object(ConsumerGroup, "ack", autospec=True, side_effect=ConsumerGroup.ack) as ack:
-            await pair.step(("acks", both[::-1][:14], [56]))  # across both runs, in reverse
-            assert ack_many.call_count == 1 and ack.call_count == 14  # bulk side / one-at-a-time side
+            await pair.step(("acks", both[8:], [48]))  # 7 of the new run, the 5 old, in reverse
+            assert ack_many.call_count == 1 and ack.call_count == 12  # bulk side / one-at-a-time side
             rest = list(pair.pending)[:3]
             await pair.step(("acks", rest, [12]))  # a short read: the per-id loop, one ack each
-            assert ack_many.call_count == 1 and ack.call_count == 14 + 2 * 3
+            assert ack_many.call_count == 1 and ack.call_count == 12 + 2 * 3
             assert pair.bulk_reads[-1] == ("short", 3)
             unknown = list(pair.pending)[:2] + [60000]
             await pair.step(("acks", unknown, [12]))  # an unknown id: the loop (MQTT 4.3.2: ignored)
-            assert ack_many.call_count == 1 and ack.call_count == 20 + 2 * 2
+            assert ack_many.call_count == 1 and ack.call_count == 18 + 2 * 2
     run(main())
 
 

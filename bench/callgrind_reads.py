@@ -4,8 +4,9 @@
     A=4 PYTHONPATH=$PWD python -m bench.callgrind_reads READS name=/tree [name=/tree ...]
 
 One persistent QoS 1 subscriber over the tests' `FakeQueue` (tests/test_broker_session.py)
-gets 4,000 messages in flight (its window is 4,000, so the acks below never reach the
-refill mark); then READS reads of ``A`` PUBACKs each (ids in the order they were sent) are
+gets 4,000 messages in flight (its window is 4,000: the acks below reach the refill mark,
+a quarter of the window in flight, only past 3,000 ids, and the refill then finds nothing
+to send); then READS reads of ``A`` PUBACKs each (ids in the order they were sent) are
 fed to it, each followed by the broker's `flush`, as `data_received` does.  Prints the Ir per
 read: the run with READS reads minus the run with none (the PUBACK bytes are built before
 the reads, in both).  The regime of a subscriber that sends each PUBACK in a send of its own

@@ -1,11 +1,11 @@
 """`DeliveryMixin.on_pubacks`' bulk path is the per-PUBACK path, only faster (issue 16).
 
-A read of two or more PUBACKs whose in-flight entries are all gap-free run-path deliveries
-(:class:`SentRun`, one object per run) of one consumer group, or of at least ``_BULK_ACKS``
-(16) whose entries are all run-path deliveries with gaps (:class:`SentRecord`, one per
-message) of one group, is acked with C-level maps and one ``ConsumerGroup.ack_many``
-(filemq/broker/delivery.py); a read of 2 to ``_SMALL_READ`` (8) PUBACKs takes the per-id
-loop instead, whatever its entries, as one-id reads do.  These tests drive two brokers (the
+A read of more than ``_SMALL_READ`` (8) PUBACKs whose in-flight entries are all gap-free
+run-path deliveries (:class:`SentRun`, one object per run) of one consumer group, or of at
+least ``_BULK_ACKS`` (16) whose entries are all run-path deliveries with gaps
+(:class:`SentRecord`, one per message) of one group, is acked with C-level maps and one
+``ConsumerGroup.ack_many`` (filemq/broker/delivery.py); a read of 2 to ``_SMALL_READ``
+PUBACKs takes the per-id loop, whatever its entries, as one-id reads do.  These tests drive two brokers (the
 ``Harness`` of tests/test_broker_session.py) through the same packets in lockstep: one as it
 is, one whose ``on_pubacks`` acks the ids of each read one at a time (a one-id call never
 takes the bulk path).  After every read both must hold the same in-flight messages, the same

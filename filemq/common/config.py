@@ -96,7 +96,8 @@ class BrokerSection:
     max_connecting: int = field(default=128, metadata=_spec(_POS))
     max_packet_size: int = field(default=1 * MIB, metadata=_spec(_int(64, 268_435_455, sizes=True)))
     # QoS 1/2 deliveries in flight per subscriber (EMQX's default, 32; mosquitto's is 20): the
-    # window is refilled half at a time, so it also sets how many deliveries share one write.
+    # window is refilled once three quarters of it are free (DeliveryMixin._refill), so it also
+    # sets how many deliveries share one write.
     max_inflight: int = field(default=DEFAULT_MAX_INFLIGHT, metadata=_spec(_int(1, 65535)))
     # Memory for recent records (the tail cache), so subscribers read them without the disk.
     cache_bytes: int = field(default=16 * MIB, metadata=_spec(_int(64 * KIB, sizes=True)))

@@ -35,7 +35,8 @@ test: $(STAMP) system-deps
 	$(PY) -m pytest -q -p no:cacheprovider tests
 	@# The socket-level broker suites again on uvloop, the loop `filemq broker` takes where
 	@# it is installed (filemq/ops/eventloop.py); its real processes above ran on it already.
-	FILEMQ_TEST_EVENT_LOOP=uvloop $(PY) -m pytest -q -p no:cacheprovider -rs tests/test_broker_server.py tests/test_broker_transport.py
+	FILEMQ_TEST_EVENT_LOOP=uvloop $(PY) -m pytest -q -p no:cacheprovider -rs tests/test_broker_server.py tests/test_broker_transport.py \
+	  tests/test_broker_pacing.py
 	$(MAKE) --no-print-directory test-compiled
 
 # The optional compiled build (setup.py, docs/PERFORMANCE.md): the hot-path modules compiled

@@ -225,14 +225,15 @@ def _split_scenarios(ctx: click.Context, param: click.Parameter, value: tuple[st
 @click.option("--inflight", type=click.IntRange(min=1, max=65535), default=100, show_default=True)
 @click.option("--size", type=click.IntRange(min=16), default=100, show_default=True, help="Payload bytes.")
 @click.option("--subscribers", type=click.IntRange(min=1), default=10, show_default=True, help="fanout subscribers.")
-@click.option("--subscriber-client", type=click.Choice(["loadgen", "single", "paho"]), default="loadgen",
+@click.option("--subscriber-client", type=click.Choice(["loadgen", "single", "nagle", "paho"]), default="loadgen",
               show_default=True,
               help="fanout subscribers: our bulk-acking clients; the same raw-socket clients sending each "
-                   "PUBACK in a send of its own; or paho-mqtt 2.x clients (one PUBACK per message, like "
-                   "ordinary clients; needs pip install paho-mqtt).")
+                   "PUBACK in a send of its own; those again with Nagle's algorithm on (no TCP_NODELAY, "
+                   "a socket's default); or paho-mqtt 2.x clients (one PUBACK per message, like ordinary "
+                   "clients; needs pip install paho-mqtt).")
 @click.option("--max-inflight", type=click.IntRange(min=1, max=65535), default=None,
               help="In-flight window of BOTH brokers (filemq --max-inflight, mosquitto max_inflight_messages); "
-                   "default: each its own (filemq 20, mosquitto 100).")
+                   "default: each its own (filemq 32, mosquitto 100).")
 @click.option("--rate", type=click.FloatRange(min=1), default=5000.0, show_default=True, help="latency msg/s.")
 @click.option("--kill-rounds", type=click.IntRange(min=1), default=200, show_default=True)
 @click.option("--backlog-mb", type=click.IntRange(min=1), default=1024, show_default=True,

@@ -100,7 +100,7 @@ class BrokerBenchOptions:
     protocol: int = PROTOCOL_LEVEL  # 5: ingest and fanout with MQTT 5 clients (bench.broker5)
     v5_properties: bool = False  # MQTT 5 PUBLISHes carry a content type and a user property
     subscriber_client: str = "loadgen"  # fanout subscribers: "loadgen" (bulk acks), "single" (one send
-    # per PUBACK) or "paho" (bench.paho_sub)
+    # per PUBACK), "nagle" (the same without TCP_NODELAY) or "paho" (bench.paho_sub)
     max_inflight: int | None = None  # both brokers' in-flight window; None = each broker's own default
     _backlog_dir: Path | None = field(default=None, repr=False)
 
@@ -317,7 +317,8 @@ def _fanout_run(broker: BrokerProcess, opts: BrokerBenchOptions, messages: int, 
 
 
 _CLIENT_TEXT = {"loadgen": "loadgen clients, bulk PUBACKs", "paho": "paho-mqtt clients, one PUBACK per message",
-                "single": "raw-socket clients, each PUBACK in a send of its own"}
+                "single": "raw-socket clients, each PUBACK in a send of its own",
+                "nagle": "raw-socket clients, each PUBACK in a send of its own, Nagle's algorithm on"}
 
 
 def scenario_fanout(opts: BrokerBenchOptions, say: Progress) -> dict[str, Any]:

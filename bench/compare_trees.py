@@ -11,7 +11,7 @@ shared machine only ratios within one run mean something (docs/PERFORMANCE.md). 
 overrides the messages per run (ingest 200,000; fanout 20,000 x the 10 subscribers).
 ``PROTOCOL=5`` runs every broker with MQTT 5 load clients (trees that speak MQTT 5 only), and
 ``V5_PROPERTIES=1`` adds a content type and a user property to every PUBLISH (as
-``filemq bench broker --protocol 5 --v5-properties``). ``SUBSCRIBER_CLIENT=single|paho`` and
+``filemq bench broker --protocol 5 --v5-properties``). ``SUBSCRIBER_CLIENT=single|nagle|paho`` and
 ``MAX_INFLIGHT=N`` are the bench's ``--subscriber-client`` and ``--max-inflight`` (the window of
 every broker in the run); ``NO_MOSQUITTO=1`` runs the trees only. The summary also gives
 each broker's median, which on a loaded machine says more than the best run.

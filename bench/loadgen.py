@@ -13,7 +13,9 @@ plain blocking socket with our codec, so the generator is not the bottleneck:
   one ``recv`` brought, built in bulk by :class:`PublishAcker` (strided slices over uniform
   packets; :class:`filemq.mqtt.codec.Decoder` for anything else, and for stamped payloads);
   a ``client="single"`` subscriber sends the same PUBACKs one ``sendall`` each, as a naive
-  raw-socket client answering packet by packet does.
+  raw-socket client answering packet by packet does; ``client="nagle"`` does the same on a
+  socket left as it comes, Nagle's algorithm on (no ``TCP_NODELAY``), as such a client's
+  usually is.  (Every other client here sets ``TCP_NODELAY``.)
 
 :func:`run_null_sink` is a fake broker that acks every PUBLISH the same bulk way; running
 publishers against it measures the generator's own ceiling.
@@ -119,10 +121,13 @@ class RawClient:
 
     @classmethod
     def connect(cls, host: str, port: int, client_id: str, *, clean_session: bool = True,
-                keepalive: int = 600, timeout: float = 10.0, protocol: int = PROTOCOL_LEVEL) -> RawClient:
-        """Open a connection and complete CONNECT/CONNACK; raises :class:`LoadError` on refusal."""
+                keepalive: int = 600, timeout: float = 10.0, protocol: int = PROTOCOL_LEVEL,
+                nodelay: bool = True) -> RawClient:
+        """Open a connection and complete CONNECT/CONNACK; raises :class:`LoadError` on refusal.
+        ``nodelay=False`` leaves Nagle's algorithm on (the socket default)."""
         sock = socket.create_connection((host, port), timeout=timeout)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if nodelay:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         try:
             sock.sendall(connect_packet(client_id, clean_session, keepalive, protocol))
             decoder = Decoder(max_packet_size=1 << 24, server=False, protocol_level=protocol)
@@ -551,7 +556,8 @@ class SubscriberSpec:
     max_seconds: float = 120.0
     protocol: int = PROTOCOL_LEVEL  # 5: MQTT 5 CONNECT (session expiry when persistent) and SUBSCRIBE
     client: str = "loadgen"  # "paho": a paho-mqtt 2.x client, one PUBACK per message (bench.paho_sub);
-    # "single": this generator, but each PUBACK in a send of its own (a naive raw-socket client)
+    # "single": this generator, but each PUBACK in a send of its own (a naive raw-socket client);
+    # "nagle": "single" without TCP_NODELAY (such a client's socket as it usually is)
 
 
 @dataclass
@@ -575,7 +581,7 @@ def subscriber_main(spec: SubscriberSpec, ready: MpEvent, expected: Synchronized
     result = SubscriberResult(spec.client_id)
     try:
         client = RawClient.connect(spec.host, spec.port, spec.client_id, clean_session=spec.clean_session,
-                                   protocol=spec.protocol)
+                                   protocol=spec.protocol, nodelay=spec.client != "nagle")
         codes, early = client.subscribe([(spec.topic_filter, spec.qos)])
         if codes[0] >= 0x80:  # 3.1.1: 0x80 only; MQTT 5: every reason code >= 0x80 (3.9.3)
             raise LoadError(spec.client_id, f"subscription to {spec.topic_filter!r} refused (0x{codes[0]:02X})")
@@ -607,7 +613,7 @@ def _receive(client: RawClient, spec: SubscriberSpec, expected: Synchronized[int
     stamped = spec.stamped
     unpack = _STAMP.unpack_from
     sock.settimeout(0.2)
-    send_acks = sock.sendall if spec.client != "single" else functools.partial(_send_one_by_one, sock)
+    send_acks = sock.sendall if spec.client == "loadgen" else functools.partial(_send_one_by_one, sock)
     deadline = time.monotonic() + spec.max_seconds
     last_data = time.monotonic()
     packets: list[Packet] = early
@@ -736,7 +742,7 @@ def run_load(publishers: Sequence[PublisherSpec], subscribers: Sequence[Subscrib
     Subscribers stop once they received the publishers' total acked count (QoS 1 at
     least once: a duplicate counts as delivered), or after their idle timeout.
     """
-    targets = {"loadgen": subscriber_main, "single": subscriber_main}
+    targets = {"loadgen": subscriber_main, "single": subscriber_main, "nagle": subscriber_main}
     if any(s.client == "paho" for s in subscribers):
         from bench.paho_sub import paho_subscriber_main, require_paho
 

@@ -11,7 +11,7 @@ subscribers), then print the broker's CPU per message (PUBACK or delivery). ``su
 prints the share of samples per thread, per leaf function and per filemq function
 (inclusive) of a raw profile.  ``PROTOCOL=5`` runs the load with MQTT 5 clients and
 ``V5_PROPERTIES=1`` adds a content type and a user property to every PUBLISH (issue 13);
-``SUBSCRIBER_CLIENT=single|paho`` and ``MAX_INFLIGHT=N`` are the bench's ``--subscriber-client``
+``SUBSCRIBER_CLIENT=single|nagle|paho`` and ``MAX_INFLIGHT=N`` are the bench's ``--subscriber-client``
 and ``--max-inflight``.
 """
 

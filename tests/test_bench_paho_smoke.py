@@ -1,4 +1,4 @@
-"""Tiny runs of `filemq bench broker --subscriber-client paho|single` and `--max-inflight N`.
+"""Tiny runs of `filemq bench broker --subscriber-client paho|single|nagle` and `--max-inflight N`.
 
 The fanout scenario with off-the-shelf paho-mqtt 2.x subscribers (one PUBACK per message,
 like the held-out clients of issue 16) and one in-flight window for both brokers.  Checks
@@ -9,7 +9,9 @@ timing threshold.
 from __future__ import annotations
 
 import json
+import socket
 import sys
+import threading
 
 import pytest
 from click.testing import CliRunner
@@ -22,7 +24,7 @@ from bench.broker import (
     scenario_fanout,
     summary_line,
 )
-from bench.loadgen import _send_one_by_one
+from bench.loadgen import RawClient, _send_one_by_one
 from cli import main
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
@@ -34,7 +36,7 @@ MESSAGES = 3000  # a few CPU clock ticks (10 ms) per broker
 
 
 @needs_mosquitto
-@pytest.mark.parametrize("client", ["paho", "single"])
+@pytest.mark.parametrize("client", ["paho", "single", "nagle"])
 def test_fanout_with_ordinary_subscribers_delivers_every_message_through_the_cli(tmp_path, client):
     args = ["bench", "broker", "--scenario", "fanout", "--subscriber-client", client, "--max-inflight", "20",
             "--messages", str(MESSAGES), "--publishers", "2", "--subscribers", "2", "--max-seconds", "10",
@@ -95,6 +97,33 @@ def test_a_single_subscriber_sends_each_puback_on_its_own():
     acks = bytearray(b"\x40\x02\x00\x01\x40\x02\x00\x02\x40\x02\x01\x00")
     _send_one_by_one(Sock(), acks)  # type: ignore[arg-type]
     assert sent == [b"\x40\x02\x00\x01", b"\x40\x02\x00\x02", b"\x40\x02\x01\x00"]
+
+
+@pytest.mark.parametrize("nodelay", [True, False])
+def test_a_nagle_client_leaves_nagles_algorithm_on(nodelay):
+    """``--subscriber-client nagle`` connects with ``nodelay=False``: its socket keeps Nagle's
+    algorithm (TCP_NODELAY 0), every other raw client turns it off."""
+    server = socket.create_server(("127.0.0.1", 0))
+    port = server.getsockname()[1]
+
+    def accept_one() -> None:
+        conn, _ = server.accept()
+        with conn:
+            conn.recv(1024)  # the CONNECT
+            conn.sendall(b"\x20\x02\x00\x00")  # CONNACK, accepted
+            conn.recv(1024)  # until the client closes
+
+    thread = threading.Thread(target=accept_one, daemon=True)
+    thread.start()
+    try:
+        client = RawClient.connect("127.0.0.1", port, "c", nodelay=nodelay)
+        try:
+            assert bool(client.sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)) is nodelay
+        finally:
+            client.sock.close()
+        thread.join(5)
+    finally:
+        server.close()
 
 
 def test_paho_missing_is_a_clear_error(monkeypatch, tmp_path):

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, cast
 from filemq.broker.acl import Acl
 from filemq.broker.auth import PasswordFile
 from filemq.broker.core import SESSION_GROUP_PREFIX, SHARE_GROUP_PREFIX, BrokerCore, PublishHook
+from filemq.broker.pacing import AckPacer
 from filemq.broker.session import AUTHENTICATING, AWAITING_CONNECT, CONNECTED, Connection
 from filemq.broker.sessions import SessionStore
 from filemq.broker.sysinfo import SYS_PREFIX, BrokerStats
@@ -189,11 +190,14 @@ class _MQTTProtocol(asyncio.Protocol):
     """Bytes between one socket and its :class:`Connection`."""
 
     __slots__ = ("core", "conn", "max_packet_size", "max_inflight", "half_open", "transport",
-                 "reading", "identity_as_username", "accepted_at")
+                 "reading", "identity_as_username", "accepted_at", "pacing", "pacer")
 
     def __init__(self, core: BrokerCore, max_packet_size: int, max_inflight: int,
-                 half_open: HalfOpen | None = None, identity_as_username: bool = False) -> None:
+                 half_open: HalfOpen | None = None, identity_as_username: bool = False,
+                 pacing: bool = False) -> None:
         self.core = core
+        self.pacing = pacing  # prompt TCP ACKs after reads of acks (filemq.broker.pacing)
+        self.pacer: AckPacer | None = None
         self.conn: Connection | None = None
         self.max_packet_size = max_packet_size
         self.max_inflight = max_inflight
@@ -232,6 +236,8 @@ class _MQTTProtocol(asyncio.Protocol):
             return
         self.conn = conn
         self.transport = transport
+        if self.pacing:
+            self.pacer = AckPacer.for_transport(transport)
         conn.reading_changed = self._update_reading
         conn.linger_close = self._linger_close
         core.new_connection(conn)
@@ -274,9 +280,18 @@ class _MQTTProtocol(asyncio.Protocol):
         if conn is None:
             return
         self.core.stats.received_bytes(len(data))
+        pacer, state = self.pacer, conn.session
+        if pacer is None or state is None:
+            conn.receive_data(data)
+            self.core.flush()
+            self._update_reading()
+            return
+        before = len(state.inflight)
         conn.receive_data(data)
         self.core.flush()
         self._update_reading()
+        if len(state.inflight) < before and not conn.closed and not pacer.acks_read(conn.client_id):
+            self.pacer = None
 
     def eof_received(self) -> bool | None:
         return None  # close the transport; connection_lost follows
@@ -286,6 +301,7 @@ class _MQTTProtocol(asyncio.Protocol):
         if conn is None:
             return
         conn.transport = None
+        self.pacer = None
         conn.connection_lost("connection lost" + (f" ({exc})" if exc else " (peer closed the socket)"))
         self.core.flush()
 
@@ -434,7 +450,8 @@ class Broker:
         def factory_for(lst: Listener, ctx: ssl.SSLContext | None) -> Callable[[], asyncio.Protocol]:
             def mqtt() -> _MQTTProtocol:
                 return _MQTTProtocol(core, b.max_packet_size, b.max_inflight, half_open,
-                                     identity_as_username=lst.use_identity_as_username)
+                                     identity_as_username=lst.use_identity_as_username,
+                                     pacing=b.ack_pacing)
 
             inner: Callable[[], asyncio.Protocol] = mqtt
             if lst.protocol == "websockets":

@@ -96,9 +96,12 @@ class BrokerSection:
     max_connecting: int = field(default=128, metadata=_spec(_POS))
     max_packet_size: int = field(default=1 * MIB, metadata=_spec(_int(64, 268_435_455, sizes=True)))
     # QoS 1/2 deliveries in flight per subscriber (EMQX's default, 32; mosquitto's is 20): the
-    # window is refilled once three quarters of it are free (DeliveryMixin._refill), so it also
-    # sets how many deliveries share one write.
+    # window is refilled once at most a quarter of it is in flight (DeliveryMixin._refill), so
+    # it also sets how many deliveries share one write.
     max_inflight: int = field(default=DEFAULT_MAX_INFLIGHT, metadata=_spec(_int(1, 65535)))
+    # TCP_QUICKACK after a read of a subscriber's acks that wrote nothing back (Linux;
+    # filemq.broker.pacing): a client with Nagle's algorithm on is not held up by our delayed ACK.
+    ack_pacing: bool = field(default=True, metadata=_spec(_bool))
     # Memory for recent records (the tail cache), so subscribers read them without the disk.
     cache_bytes: int = field(default=16 * MIB, metadata=_spec(_int(64 * KIB, sizes=True)))
     max_topic_length: int = field(default=1024, metadata=_spec(_int(1, 65535)))

@@ -58,6 +58,8 @@ _KEY_HELP: dict[str, tuple[str, str, str]] = {
                                   "the connection, nothing stored or acknowledged", "only max_packet_size"),
     "broker.max_packet_size": ("limits", "A larger packet closes its connection (bytes)", ""),
     "broker.max_inflight": ("limits", "Unacknowledged QoS 1/2 messages per subscriber", ""),
+    "broker.ack_pacing": ("limits", "Linux: TCP_QUICKACK after a read of a subscriber's acks, so "
+                          "clients with Nagle's algorithm on are not held up (docs/BROKER.md)", ""),
     "broker.cache_bytes": ("limits", "Memory for recent records, so subscribers that keep up or "
                            "lag a little read them without the disk (bytes)", ""),
     "broker.max_topic_length": ("limits", "Longest topic or filter in bytes; longer is a protocol error", ""),

@@ -231,6 +231,11 @@ def _split_scenarios(ctx: click.Context, param: click.Parameter, value: tuple[st
                    "PUBACK in a send of its own; those again with Nagle's algorithm on (no TCP_NODELAY, "
                    "a socket's default); or paho-mqtt 2.x clients (one PUBACK per message, like ordinary "
                    "clients; needs pip install paho-mqtt).")
+@click.option("--publisher-client", type=click.Choice(["loadgen", "single", "nagle"]), default="loadgen",
+              show_default=True,
+              help="ingest and fanout publishers: our raw-socket clients sending the PUBLISHes a read of "
+                   "PUBACKs frees in one send; the same sending each PUBLISH in a send of its own; or those "
+                   "with Nagle's algorithm on (no TCP_NODELAY).")
 @click.option("--max-inflight", type=click.IntRange(min=1, max=65535), default=None,
               help="In-flight window of BOTH brokers (filemq --max-inflight, mosquitto max_inflight_messages); "
                    "default: each its own (filemq 32, mosquitto 100).")
@@ -257,7 +262,7 @@ def bench_broker(scenarios: tuple[str, ...], messages: int | None, publishers: i
                  seed: int | None,
                  workdir: str | None, keep: bool, as_json: bool, protocol: str = "3.1.1",
                  v5_properties: bool = False, subscriber_client: str = "loadgen",
-                 max_inflight: int | None = None) -> None:
+                 publisher_client: str = "loadgen", max_inflight: int | None = None) -> None:
     """The broker's acceptance figures vs Debian mosquitto and amqtt, in the same run."""
     import json
     from pathlib import Path
@@ -285,7 +290,7 @@ def bench_broker(scenarios: tuple[str, ...], messages: int | None, publishers: i
         idle_seconds=idle_seconds, max_seconds=max_seconds, repeat=repeat, fsync=fsync, seed=seed,
         workdir=Path(workdir) if workdir else None, keep=keep, baselines=not no_baselines,
         protocol=5 if protocol == "5" else 4, v5_properties=v5_properties,
-        subscriber_client=subscriber_client, max_inflight=max_inflight,
+        subscriber_client=subscriber_client, publisher_client=publisher_client, max_inflight=max_inflight,
     )
     for result in run_broker_bench(list(scenarios), opts, lambda msg: click.echo(msg, err=True)):
         click.echo(json.dumps(result) if as_json else summary_line(result))

@@ -101,6 +101,8 @@ class BrokerBenchOptions:
     v5_properties: bool = False  # MQTT 5 PUBLISHes carry a content type and a user property
     subscriber_client: str = "loadgen"  # fanout subscribers: "loadgen" (bulk acks), "single" (one send
     # per PUBACK), "nagle" (the same without TCP_NODELAY) or "paho" (bench.paho_sub)
+    publisher_client: str = "loadgen"  # ingest/fanout publishers: "loadgen" (the PUBLISHes a read of
+    # PUBACKs frees in one send), "single" (one send per PUBLISH) or "nagle" (that without TCP_NODELAY)
     max_inflight: int | None = None  # both brokers' in-flight window; None = each broker's own default
     _backlog_dir: Path | None = field(default=None, repr=False)
 
@@ -168,7 +170,8 @@ def _ingest_run(broker: BrokerProcess, opts: BrokerBenchOptions, messages: int, 
                 protocol: int = PROTOCOL_LEVEL, properties: Properties | None = None) -> LoadResult:
     per = max(messages // opts.publishers, 1)
     specs = [PublisherSpec(broker.host, broker.port, f"bench-pub-{i}", topic, per, opts.size, opts.inflight,
-                           max_seconds=opts.max_seconds, protocol=protocol, properties=properties)
+                           max_seconds=opts.max_seconds, protocol=protocol, properties=properties,
+                           client=opts.publisher_client)
              for i in range(opts.publishers)]
     return run_load(specs)
 
@@ -181,8 +184,9 @@ def scenario_ingest(opts: BrokerBenchOptions, say: Progress) -> dict[str, Any]:
     messages = opts.messages or 200_000
     out: dict[str, Any] = {"bench": "broker", "scenario": "ingest", "publishers": opts.publishers,
                            "inflight": opts.inflight, "payload_bytes": opts.size, "fsync": opts.fsync,
-                           **windows(opts)}
-    say(f"ingest: {opts.publishers} publishers x {opts.inflight} in flight, QoS 1, {opts.size}-byte payloads, "
+                           "publisher_client": opts.publisher_client, **windows(opts)}
+    say(f"ingest: {opts.publishers} publishers x {opts.inflight} in flight ({_PUB_TEXT[opts.publisher_client]}), "
+        f"QoS 1, {opts.size}-byte payloads, "
         f"up to {messages:,} messages or {opts.max_seconds:.0f} s per broker; {windows_text(opts)}")
     sink = run_null_sink(opts.publishers, max(messages, 400_000), opts.size, opts.inflight, max_seconds=opts.max_seconds)
     out["generator_ceiling_acks_per_s"] = round(sink.ack_rate)
@@ -311,7 +315,8 @@ def _fanout_run(broker: BrokerProcess, opts: BrokerBenchOptions, messages: int, 
             for i in range(opts.subscribers)]
     per = max(messages // opts.publishers, 1)
     pubs = [PublisherSpec(broker.host, broker.port, f"bench-fan-pub-{i}", f"bench/fanout/{i}", per, opts.size,
-                          opts.inflight, max_seconds=opts.max_seconds, protocol=protocol, properties=properties)
+                          opts.inflight, max_seconds=opts.max_seconds, protocol=protocol, properties=properties,
+                          client=opts.publisher_client)
             for i in range(opts.publishers)]
     return run_load(pubs, subs, timeout=opts.max_seconds * 6)
 
@@ -319,6 +324,9 @@ def _fanout_run(broker: BrokerProcess, opts: BrokerBenchOptions, messages: int, 
 _CLIENT_TEXT = {"loadgen": "loadgen clients, bulk PUBACKs", "paho": "paho-mqtt clients, one PUBACK per message",
                 "single": "raw-socket clients, each PUBACK in a send of its own",
                 "nagle": "raw-socket clients, each PUBACK in a send of its own, Nagle's algorithm on"}
+_PUB_TEXT = {"loadgen": "the PUBLISHes a read of PUBACKs frees in one send",
+             "single": "each PUBLISH in a send of its own",
+             "nagle": "each PUBLISH in a send of its own, Nagle's algorithm on"}
 
 
 def scenario_fanout(opts: BrokerBenchOptions, say: Progress) -> dict[str, Any]:
@@ -328,7 +336,8 @@ def scenario_fanout(opts: BrokerBenchOptions, say: Progress) -> dict[str, Any]:
         require_paho()  # before any broker starts
     out: dict[str, Any] = {"bench": "broker", "scenario": "fanout", "subscribers": opts.subscribers,
                            "publishers": opts.publishers, "fsync": opts.fsync,
-                           "subscriber_client": opts.subscriber_client, **windows(opts)}
+                           "subscriber_client": opts.subscriber_client,
+                           "publisher_client": opts.publisher_client, **windows(opts)}
     say(f"fanout: {opts.subscribers} persistent QoS 1 subscribers ({_CLIENT_TEXT[opts.subscriber_client]}), "
         f"{messages:,} messages from {opts.publishers} publishers; {windows_text(opts)}")
 

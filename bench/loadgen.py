@@ -202,6 +202,9 @@ class PublisherSpec:
     max_seconds: float = 60.0
     protocol: int = PROTOCOL_LEVEL  # 5: MQTT 5 CONNECT and PUBLISH
     properties: Properties | None = None  # MQTT 5 message properties on every PUBLISH
+    client: str = "loadgen"  # "loadgen": the PUBLISHes a read of PUBACKs frees in one sendall;
+    # "single": each in a sendall of its own (a naive raw-socket client); "nagle": "single"
+    # without TCP_NODELAY
 
 
 @dataclass
@@ -298,7 +301,8 @@ def publisher_main(spec: PublisherSpec, start: MpEvent | None, ready: Synchroniz
     result = PublisherResult(spec.client_id)
     client: RawClient | None = None
     try:
-        client = RawClient.connect(spec.host, spec.port, spec.client_id, protocol=spec.protocol)
+        client = RawClient.connect(spec.host, spec.port, spec.client_id, protocol=spec.protocol,
+                                   nodelay=spec.client != "nagle")
         run = _paced(client, spec, result) if spec.rate > 0 else _flat_out(client, spec, result)
     except (OSError, LoadError, ValueError) as exc:
         result.error = str(exc)
@@ -331,6 +335,14 @@ def _flat_out(client: RawClient, spec: PublisherSpec, result: PublisherResult) -
     sock = client.sock
     sock.settimeout(30.0)
     counter = _AckCounter(spec.protocol)
+    one_by_one = spec.client != "loadgen"
+
+    def send(first: int, k: int) -> None:
+        if one_by_one:  # "single" / "nagle": a send per PUBLISH
+            for i in range(first, first + k):
+                sock.sendall(packets[i % _MAX_PID])  # (n_pre: every id of the run, or all 65,535)
+        else:
+            sock.sendall(batch(first, k))
 
     def batch(first: int, k: int) -> bytes:
         a = first % _MAX_PID
@@ -347,12 +359,12 @@ def _flat_out(client: RawClient, spec: PublisherSpec, result: PublisherResult) -
             # Nothing to wait for: send in windows, done when the bytes are on the socket.
             while result.sent < limit and time.monotonic() < deadline:
                 k = min(window, limit - result.sent)
-                sock.sendall(batch(result.sent, k))
+                send(result.sent, k)
                 result.sent += k
             result.acked = result.sent
             result.finished = time.monotonic()
             return
-        sock.sendall(batch(0, window))
+        send(0, window)
         sent = window
         acked = 0
         try:
@@ -368,7 +380,7 @@ def _flat_out(client: RawClient, spec: PublisherSpec, result: PublisherResult) -
                     else:
                         k = min(n, limit - sent)
                         if k:
-                            sock.sendall(batch(sent, k))
+                            send(sent, k)
                             sent += k
         finally:
             result.finished = time.monotonic()

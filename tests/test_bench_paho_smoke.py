@@ -1,4 +1,5 @@
-"""Tiny runs of `filemq bench broker --subscriber-client paho|single|nagle` and `--max-inflight N`.
+"""Tiny runs of `filemq bench broker --subscriber-client paho|single|nagle`, `--publisher-client
+single|nagle` and `--max-inflight N`.
 
 The fanout scenario with off-the-shelf paho-mqtt 2.x subscribers (one PUBACK per message,
 like the held-out clients of issue 16) and one in-flight window for both brokers.  Checks
@@ -24,8 +25,9 @@ from bench.broker import (
     scenario_fanout,
     summary_line,
 )
-from bench.loadgen import RawClient, _send_one_by_one
+from bench.loadgen import PublisherResult, PublisherSpec, RawClient, _flat_out, _send_one_by_one
 from cli import main
+from filemq.mqtt.codec import Decoder
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
@@ -124,6 +126,55 @@ def test_a_nagle_client_leaves_nagles_algorithm_on(nodelay):
         thread.join(5)
     finally:
         server.close()
+
+
+@needs_mosquitto
+@pytest.mark.parametrize("client", ["single", "nagle"])
+def test_ingest_with_naive_publishers_acks_every_message_through_the_cli(tmp_path, client):
+    args = ["bench", "broker", "--scenario", "ingest", "--publisher-client", client, "--messages", str(MESSAGES),
+            "--publishers", "2", "--max-seconds", "10", "--repeat", "1", "--workdir", str(tmp_path), "--json"]
+    run = CliRunner().invoke(main, args)
+    assert run.exit_code == 0, run.output
+    (out,) = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+    assert out["scenario"] == "ingest" and out["publisher_client"] == client
+    for name in ("filemq", "mosquitto"):
+        assert out[f"{name}_acked"] == MESSAGES, out
+        assert out[f"{name}_cpu_us_per_msg"] > 0
+    assert "each PUBLISH in a send of its own" in run.stderr
+    assert not list(tmp_path.iterdir()), "the bench left its data directories behind"
+
+
+@pytest.mark.parametrize("client", ["loadgen", "single"])
+def test_a_single_publisher_sends_each_publish_on_its_own(client):
+    """``--publisher-client single``: one sendall per PUBLISH, the window's first ones included;
+    ``loadgen``: the window in one sendall, then what each read of PUBACKs frees."""
+    sent: list[bytes] = []
+
+    class Sock:
+        def __init__(self) -> None:
+            self.unacked: list[int] = []
+
+        def settimeout(self, _t: float) -> None:
+            pass
+
+        def sendall(self, data: bytes) -> None:
+            sent.append(bytes(data))
+            decoder = Decoder(server=True)
+            decoder.feed(data)
+            self.unacked += [p.packet_id for p in decoder.packets()]
+
+        def recv(self, _n: int) -> bytes:
+            acks, self.unacked = self.unacked, []
+            return b"".join(b"\x40\x02" + pid.to_bytes(2, "big") for pid in acks)
+
+    spec = PublisherSpec("127.0.0.1", 1, "p", "t", messages=10, payload_size=16, inflight=4, client=client)
+    result = PublisherResult("p")
+    _flat_out(RawClient(Sock(), "p", False, Decoder(server=False)), spec, result)()  # type: ignore[arg-type]
+    assert result.acked == 10 and result.error is None
+    if client == "single":
+        assert len(sent) == 10  # one PUBLISH per send
+    else:
+        assert len(sent) == 3  # 4, then 4, then 2
 
 
 def test_paho_missing_is_a_clear_error(monkeypatch, tmp_path):

@@ -280,17 +280,14 @@ class _MQTTProtocol(asyncio.Protocol):
         if conn is None:
             return
         self.core.stats.received_bytes(len(data))
-        pacer, state = self.pacer, conn.session
-        if pacer is None or state is None:
-            conn.receive_data(data)
-            self.core.flush()
-            self._update_reading()
-            return
-        before = len(state.inflight)
+        pacer = self.pacer
+        state = conn.session if pacer is not None else None
+        before = len(state.inflight) if state is not None else 0
         conn.receive_data(data)
         self.core.flush()
         self._update_reading()
-        if len(state.inflight) < before and not conn.closed and not pacer.acks_read(conn.client_id):
+        if (pacer is not None and state is not None and len(state.inflight) < before and not conn.closed
+                and not pacer.acks_read(conn.client_id)):
             self.pacer = None
 
     def eof_received(self) -> bool | None:

@@ -13,7 +13,8 @@ overrides the messages per run (ingest 200,000; fanout 20,000 x the 10 subscribe
 ``V5_PROPERTIES=1`` adds a content type and a user property to every PUBLISH (as
 ``filemq bench broker --protocol 5 --v5-properties``). ``SUBSCRIBER_CLIENT=single|nagle|paho``,
 ``PUBLISHER_CLIENT=single|nagle`` and ``MAX_INFLIGHT=N`` are the bench's ``--subscriber-client``,
-``--publisher-client`` and ``--max-inflight`` (the window of every broker in the run); ``NO_MOSQUITTO=1`` runs the trees only. The summary also gives
+``--publisher-client`` and ``--max-inflight`` (the window of every broker in the run),
+``SUBSCRIBERS=N`` and ``PUBLISHERS=N`` the bench's ``--subscribers`` and ``--publishers`` (10 and 4); ``NO_MOSQUITTO=1`` runs the trees only. The summary also gives
 each broker's median, which on a loaded machine says more than the best run.
 """
 
@@ -47,7 +48,9 @@ def _start(tree: Path | None, work: Path, window: int | None) -> BrokerProcess:
 def compare(scenario: str, reps: int, trees: dict[str, Path]) -> list[str]:
     window = int(os.environ["MAX_INFLIGHT"]) if os.environ.get("MAX_INFLIGHT") else None
     opts = BrokerBenchOptions(max_seconds=10, subscriber_client=os.environ.get("SUBSCRIBER_CLIENT", "loadgen"),
-                              publisher_client=os.environ.get("PUBLISHER_CLIENT", "loadgen"), max_inflight=window)
+                              publisher_client=os.environ.get("PUBLISHER_CLIENT", "loadgen"), max_inflight=window,
+                              subscribers=int(os.environ.get("SUBSCRIBERS", "10")),
+                              publishers=int(os.environ.get("PUBLISHERS", "4")))
     messages = int(os.environ.get("MSGS", "0")) or (200_000 if scenario == "ingest" else 20_000)
     protocol = int(os.environ.get("PROTOCOL", "4"))
     props = V5_PROPERTIES if protocol == 5 and os.environ.get("V5_PROPERTIES") == "1" else None

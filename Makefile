@@ -36,7 +36,7 @@ test: $(STAMP) system-deps
 	@# The socket-level broker suites again on uvloop, the loop `filemq broker` takes where
 	@# it is installed (filemq/ops/eventloop.py); its real processes above ran on it already.
 	FILEMQ_TEST_EVENT_LOOP=uvloop $(PY) -m pytest -q -p no:cacheprovider -rs tests/test_broker_server.py tests/test_broker_transport.py \
-	  tests/test_broker_pacing.py
+	  tests/test_broker_pacing.py tests/test_broker_batching.py
 	$(MAKE) --no-print-directory test-compiled
 
 # The optional compiled build (setup.py, docs/PERFORMANCE.md): the hot-path modules compiled

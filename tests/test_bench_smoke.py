@@ -53,7 +53,7 @@ def test_null_sink_acks_every_publish():
 
 
 def test_ingest_json_through_the_cli(tmp_path):
-    args = ["bench", "broker", "--scenario", "ingest", "--scenario", "trie", "--messages", "5000",
+    args = ["bench", "broker", "--scenario", "ingest", "--scenario", "trie", "--messages", "20000",
             "--publishers", "2", "--max-seconds", "5", "--repeat", "1", "--workdir", str(tmp_path), "--json"]
     if not mosquitto_available():
         args.append("--no-baselines")
@@ -63,7 +63,10 @@ def test_ingest_json_through_the_cli(tmp_path):
     assert [r["scenario"] for r in lines] == ["ingest", "trie"]
     ingest, trie = lines
     assert ingest["bench"] == "broker"
-    assert ingest["filemq_acked"] == 5000  # enough for a few CPU clock ticks (10 ms) per broker
+    # Enough for several CPU clock ticks (10 ms) per broker: at 5,000 (~20 ms of CPU) a run's
+    # user ticks came out 0 once (2026-11-27, a full pure pass), the kernel's user/system split
+    # of so short a run being a sample.
+    assert ingest["filemq_acked"] == 20000
     assert ingest["filemq_acks_per_s"] > 0
     assert ingest["filemq_runs_acks_per_s"] == [ingest["filemq_acks_per_s"]]
     assert ingest["generator_ceiling_acks_per_s"] > 0
@@ -79,7 +82,7 @@ def test_ingest_json_through_the_cli(tmp_path):
         assert ingest["cpu_ratio_vs_mosquitto"] == pytest.approx(
             ingest["mosquitto_cpu_us_per_msg"] / ingest["filemq_cpu_us_per_msg"], rel=0.05)
         assert "mosquitto" in summary_line(ingest).split("CPU", 1)[1]
-        assert ingest["mosquitto_acked"] == 5000
+        assert ingest["mosquitto_acked"] == 20000
         assert ingest["ratio_vs_mosquitto"] > 0
         assert ingest["amqtt_acks_per_s"] > 0
         assert ingest["ratio_vs_amqtt"] > 0

@@ -13,11 +13,13 @@ rides on it).  Now, after a read of acks that shrank the window, :class:`AckPace
 ``TCP_QUICKACK`` on the socket, which sends the pending ACK at once: one system call per such
 read, and the client's held PUBACKs come in one segment.
 
-(Tried and not kept, 2026-11-27: ``SO_RCVLOWAT`` set to the bytes of the acks a refill needs,
-to be woken once per refill instead of once per few PUBACKs.  While the broker does not read,
-its kernel ACKs the client's small segments only on its delayed-ACK timer, and a client's
-congestion window, counted in segments (10 on a new connection, again after an idle spell),
-holds the rest of its PUBACKs back until then: stalls of 20-40 ms at every start of a burst.)
+(``SO_RCVLOWAT``, to be woken once per refill instead of once per few PUBACKs, was tried
+with this and not kept at first: with a 20 ms sweep to lower it, a client's congestion window,
+counted in segments, held its PUBACKs back for that long at every start of a burst, since the
+kernel ACKs small segments nobody reads only on its delayed-ACK timer.  It came back later
+the same day in :mod:`filemq.broker.batching`, with a 2 ms sweep, a mark that follows each
+read, and only for clients with small segments: not for Nagle clients, which wait for our
+ACK and so for a read.)
 
 This changes nothing in what is delivered or acknowledged, or when.  ``TCP_QUICKACK`` is a
 Linux socket option; where it is missing (another system) or fails, the connection goes

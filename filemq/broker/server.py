@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, cast
 
 from filemq.broker.acl import Acl
 from filemq.broker.auth import PasswordFile
+from filemq.broker.batching import AckBatcher, AckBatching
 from filemq.broker.core import SESSION_GROUP_PREFIX, SHARE_GROUP_PREFIX, BrokerCore, PublishHook
 from filemq.broker.pacing import AckPacer
 from filemq.broker.session import AUTHENTICATING, AWAITING_CONNECT, CONNECTED, Connection
@@ -190,14 +191,17 @@ class _MQTTProtocol(asyncio.Protocol):
     """Bytes between one socket and its :class:`Connection`."""
 
     __slots__ = ("core", "conn", "max_packet_size", "max_inflight", "half_open", "transport",
-                 "reading", "identity_as_username", "accepted_at", "pacing", "pacer")
+                 "reading", "identity_as_username", "accepted_at", "pacing", "pacer", "batching",
+                 "batcher")
 
     def __init__(self, core: BrokerCore, max_packet_size: int, max_inflight: int,
                  half_open: HalfOpen | None = None, identity_as_username: bool = False,
-                 pacing: bool = False) -> None:
+                 pacing: bool = False, batching: AckBatching | None = None) -> None:
         self.core = core
         self.pacing = pacing  # prompt TCP ACKs after reads of acks (filemq.broker.pacing)
         self.pacer: AckPacer | None = None
+        self.batching = batching  # fewer wake-ups for one-by-one acks (filemq.broker.batching)
+        self.batcher: AckBatcher | None = None
         self.conn: Connection | None = None
         self.max_packet_size = max_packet_size
         self.max_inflight = max_inflight
@@ -238,6 +242,8 @@ class _MQTTProtocol(asyncio.Protocol):
         self.transport = transport
         if self.pacing:
             self.pacer = AckPacer.for_transport(transport)
+        if self.batching is not None:
+            self.batcher = AckBatcher.for_transport(transport, self.batching)
         conn.reading_changed = self._update_reading
         conn.linger_close = self._linger_close
         core.new_connection(conn)
@@ -280,15 +286,22 @@ class _MQTTProtocol(asyncio.Protocol):
         if conn is None:
             return
         self.core.stats.received_bytes(len(data))
-        pacer = self.pacer
-        state = conn.session if pacer is not None else None
+        state = conn.session
         before = len(state.inflight) if state is not None else 0
         conn.receive_data(data)
         self.core.flush()
         self._update_reading()
-        if (pacer is not None and state is not None and len(state.inflight) < before and not conn.closed
-                and not pacer.acks_read(conn.client_id)):
+        if state is None or conn.closed:
+            return
+        inflight = len(state.inflight)
+        pacer = self.pacer
+        if pacer is not None and inflight < before and not pacer.acks_read(conn.client_id):
             self.pacer = None
+        batcher = self.batcher
+        # (not after a publisher's reads: nothing in flight to it, and no mark raised)
+        if batcher is not None and (inflight or batcher.mark != 1) and \
+                not batcher.after_read(inflight, conn.max_inflight, conn.last_rx):
+            self.batcher = None
 
     def eof_received(self) -> bool | None:
         return None  # close the transport; connection_lost follows
@@ -299,6 +312,9 @@ class _MQTTProtocol(asyncio.Protocol):
             return
         conn.transport = None
         self.pacer = None
+        if self.batcher is not None:
+            self.batcher.close()
+            self.batcher = None
         conn.connection_lost("connection lost" + (f" ({exc})" if exc else " (peer closed the socket)"))
         self.core.flush()
 
@@ -394,6 +410,7 @@ class Broker:
         self._servers: list[asyncio.base_events.Server] = []
         self._ticker: asyncio.Task[None] | None = None
         self._stopped = False
+        self.batching: AckBatching | None = None  # (set at start when [broker] ack_batching)
 
     # ---- lifecycle -----------------------------------------------------------------------
 
@@ -443,12 +460,14 @@ class Broker:
         loop = asyncio.get_running_loop()
 
         half_open = HalfOpen(b.max_connecting)
+        batching = AckBatching() if b.ack_batching else None
+        self.batching = batching
 
         def factory_for(lst: Listener, ctx: ssl.SSLContext | None) -> Callable[[], asyncio.Protocol]:
             def mqtt() -> _MQTTProtocol:
                 return _MQTTProtocol(core, b.max_packet_size, b.max_inflight, half_open,
                                      identity_as_username=lst.use_identity_as_username,
-                                     pacing=b.ack_pacing)
+                                     pacing=b.ack_pacing, batching=batching)
 
             inner: Callable[[], asyncio.Protocol] = mqtt
             if lst.protocol == "websockets":
@@ -572,6 +591,8 @@ class Broker:
                     await asyncio.wait_for(asyncio.gather(*pending, return_exceptions=True), 2.0)
                 await asyncio.sleep(0)  # run the batches' done-callbacks (ack release)
             core.close_all("broker shutting down")
+            if self.batching is not None:
+                self.batching.close()  # (its sweep timer)
             await core.stop_persisting()
             core.save_sessions()
         if self.queue is not None:

@@ -102,6 +102,9 @@ class BrokerSection:
     # TCP_QUICKACK after a read of a subscriber's acks that wrote nothing back (Linux;
     # filemq.broker.pacing): a client with Nagle's algorithm on is not held up by our delayed ACK.
     ack_pacing: bool = field(default=True, metadata=_spec(_bool))
+    # SO_RCVLOWAT while a subscriber that acks one by one owes the acks of its next refill
+    # (Linux; filemq.broker.batching): one wake-up per refill, not one per few PUBACKs.
+    ack_batching: bool = field(default=True, metadata=_spec(_bool))
     # Memory for recent records (the tail cache), so subscribers read them without the disk.
     cache_bytes: int = field(default=16 * MIB, metadata=_spec(_int(64 * KIB, sizes=True)))
     max_topic_length: int = field(default=1024, metadata=_spec(_int(1, 65535)))

@@ -60,6 +60,8 @@ _KEY_HELP: dict[str, tuple[str, str, str]] = {
     "broker.max_inflight": ("limits", "Unacknowledged QoS 1/2 messages per subscriber", ""),
     "broker.ack_pacing": ("limits", "Linux: TCP_QUICKACK after a read of a subscriber's acks, so "
                           "clients with Nagle's algorithm on are not held up (docs/BROKER.md)", ""),
+    "broker.ack_batching": ("limits", "Linux: SO_RCVLOWAT while a subscriber that acks one by one owes "
+                            "the acks of its next refill: fewer wake-ups (docs/BROKER.md)", ""),
     "broker.cache_bytes": ("limits", "Memory for recent records, so subscribers that keep up or "
                            "lag a little read them without the disk (bytes)", ""),
     "broker.max_topic_length": ("limits", "Longest topic or filter in bytes; longer is a protocol error", ""),

@@ -14,14 +14,13 @@ import struct
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from filemq.broker.batching import ACK_BYTES, SAMPLE_READS, SWEEP_S, AckBatcher, AckBatching
-from filemq.mqtt.client import MQTTClient
-from filemq.mqtt.codec import Decoder, encode, encode_puback
-from filemq.mqtt.packets import Connack, Connect, Pingresp, Publish
+from filemq.mqtt.codec import Decoder
+from filemq.mqtt.packets import Pingresp, Publish
+from tests.test_broker_pacing import SLOW_RECV_S, FakeTransport, ack_one_by_one, backlog
 
 linux_only = pytest.mark.skipif(
     not sys.platform.startswith("linux") or not hasattr(socket, "SO_RCVLOWAT") or not hasattr(socket, "TCP_INFO"),
@@ -58,16 +57,8 @@ class _Sock:
         self.set.append(value)
 
 
-class _Transport:
-    def __init__(self, sock: Any) -> None:
-        self.sock = sock
-
-    def get_extra_info(self, name: str, default: Any = None) -> Any:
-        return self.sock if name == "socket" else default
-
-
 def _batcher(sock: _Sock, batching: AckBatching | None = None) -> AckBatcher:
-    b = AckBatcher.for_transport(_Transport(sock), batching or AckBatching())  # type: ignore[arg-type]
+    b = AckBatcher.for_transport(FakeTransport(sock), batching or AckBatching())  # type: ignore[arg-type]
     assert b is not None
     return b
 
@@ -169,16 +160,16 @@ def test_the_sweep_sets_back_marks_not_read_for_sweep_s() -> None:
 @linux_only
 def test_only_tcp_sockets_get_a_batcher() -> None:
     batching = AckBatching()
-    assert AckBatcher.for_transport(_Transport(None), batching) is None  # type: ignore[arg-type]
+    assert AckBatcher.for_transport(FakeTransport(None), batching) is None  # type: ignore[arg-type]
     a, b = socket.socketpair(socket.AF_UNIX)
     try:
-        assert AckBatcher.for_transport(_Transport(a), batching) is None  # type: ignore[arg-type]
+        assert AckBatcher.for_transport(FakeTransport(a), batching) is None  # type: ignore[arg-type]
     finally:
         a.close()
         b.close()
     tcp = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     try:
-        assert AckBatcher.for_transport(_Transport(tcp), batching) is not None  # type: ignore[arg-type]
+        assert AckBatcher.for_transport(FakeTransport(tcp), batching) is not None  # type: ignore[arg-type]
     finally:
         tcp.close()
 
@@ -186,7 +177,6 @@ def test_only_tcp_sockets_get_a_batcher() -> None:
 # ---- a real broker on loopback ----------------------------------------------------------------
 
 MESSAGES = 1600  # 50 refills of the default window of 32
-SLOW_RECV_S = 0.03
 
 
 def _one_by_one(port: int, client_id: str, ack_until: int, deadline_s: float) -> tuple[int, int, float | None]:
@@ -197,27 +187,10 @@ def _one_by_one(port: int, client_id: str, ack_until: int, deadline_s: float) ->
     sock = socket.create_connection(("127.0.0.1", port), timeout=5.0)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     decoder = Decoder(server=False)
-    received = slow = 0
     pong: float | None = None
     deadline = time.monotonic() + deadline_s
     try:
-        sock.sendall(encode(Connect(client_id=client_id, clean_session=False, keepalive=60)))
-        while time.monotonic() < deadline and received < ack_until:
-            started = time.monotonic()
-            data = sock.recv(65536)
-            if not data:
-                break
-            if received and time.monotonic() - started > SLOW_RECV_S:
-                slow += 1
-            decoder.feed(data)
-            for packet in decoder.packets():
-                if isinstance(packet, Connack):
-                    assert packet.return_code == 0 and packet.session_present
-                elif isinstance(packet, Publish):
-                    received += 1
-                    assert packet.qos == 1 and packet.packet_id is not None
-                    if received <= ack_until:
-                        sock.sendall(encode_puback(packet.packet_id))
+        received, slow = ack_one_by_one(sock, client_id, ack_until, deadline)
         # Take what is still in flight, unacked (the broker's window is full: nothing else comes).
         sock.settimeout(0.3)
         try:
@@ -244,19 +217,6 @@ def _one_by_one(port: int, client_id: str, ack_until: int, deadline_s: float) ->
     return received, slow, pong
 
 
-async def _backlog(port: int, client_id: str, n: int) -> None:
-    """A persistent QoS 1 subscription of ``client_id`` with ``n`` messages waiting for it."""
-    sub = MQTTClient(client_id, port=port, clean_session=False)
-    await sub.connect()
-    assert await sub.subscribe([("batch/#", 1)]) == [1]
-    await sub.disconnect()
-    pub = MQTTClient("batch-pub", port=port, max_inflight=100)
-    await pub.connect()
-    for start in range(0, n, 100):
-        await asyncio.gather(*(pub.publish("batch/t", b"%06d" % i, qos=1) for i in range(start, min(start + 100, n))))
-    await pub.disconnect()
-
-
 @linux_only
 @pytest.mark.parametrize("ack_batching", [True, False])
 def test_a_one_by_one_acker_gets_everything_and_a_pingreq_waits_at_most_a_sweep(
@@ -280,7 +240,7 @@ def test_a_one_by_one_acker_gets_everything_and_a_pingreq_waits_at_most_a_sweep(
 
     async def main() -> None:
         async with running(make_config(tmp_path / "d", ack_batching=ack_batching)) as b:
-            await _backlog(b.port, "one-by-one", MESSAGES)
+            await backlog(b.port, "one-by-one", MESSAGES, "batch")
             sweeps_before = b.batching.sweeps if b.batching is not None else 0
             received, slow, pong = await asyncio.to_thread(_one_by_one, b.port, "one-by-one", MESSAGES - 200, 60.0)
             # The first MESSAGES - 200 acked, then one more window's worth in flight, unacked.

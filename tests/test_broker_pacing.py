@@ -30,47 +30,56 @@ MESSAGES = 1600  # 50 refills of the default window of 32
 SLOW_RECV_S = 0.03  # a delayed ACK waits 40 ms; a recv that blocks this long waited for one
 
 
+def ack_one_by_one(sock: socket.socket, client_id: str, ack_until: int, deadline: float) -> tuple[int, int]:
+    """CONNECT ``client_id`` (persistent session) on ``sock`` and answer each QoS 1 PUBLISH
+    with a PUBACK in a send of its own, until ``ack_until`` have come (the rest of that read
+    unacked) or the monotonic ``deadline``.  Returns (messages received, recv calls that
+    blocked longer than SLOW_RECV_S)."""
+    decoder = Decoder(server=False)
+    received = slow = 0
+    sock.sendall(encode(Connect(client_id=client_id, clean_session=False, keepalive=60)))
+    while time.monotonic() < deadline and received < ack_until:
+        started = time.monotonic()
+        data = sock.recv(65536)
+        if not data:
+            break
+        if received and time.monotonic() - started > SLOW_RECV_S:
+            slow += 1
+        decoder.feed(data)
+        for packet in decoder.packets():
+            if isinstance(packet, Connack):
+                assert packet.return_code == 0 and packet.session_present
+            elif isinstance(packet, Publish):
+                received += 1
+                assert packet.qos == 1 and packet.packet_id is not None
+                if received <= ack_until:
+                    sock.sendall(encode_puback(packet.packet_id))  # one send per PUBACK
+    return received, slow
+
+
 def _nagle_subscriber(port: int, client_id: str, expect: int, deadline_s: float) -> tuple[int, int]:
     """A raw-socket client with Nagle's algorithm on (no TCP_NODELAY) that answers each QoS 1
     PUBLISH with a PUBACK in a send of its own.  Returns (messages received, recv calls that
     blocked longer than SLOW_RECV_S)."""
     sock = socket.create_connection(("127.0.0.1", port), timeout=5.0)
     assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) == 0
-    decoder = Decoder(server=False)
-    received = slow = 0
-    deadline = time.monotonic() + deadline_s
     try:
-        sock.sendall(encode(Connect(client_id=client_id, clean_session=False, keepalive=60)))
-        while time.monotonic() < deadline and received < expect:
-            started = time.monotonic()
-            data = sock.recv(65536)
-            if not data:
-                break
-            if received and time.monotonic() - started > SLOW_RECV_S:
-                slow += 1
-            decoder.feed(data)
-            for packet in decoder.packets():
-                if isinstance(packet, Connack):
-                    assert packet.return_code == 0 and packet.session_present
-                elif isinstance(packet, Publish):
-                    received += 1
-                    assert packet.qos == 1 and packet.packet_id is not None
-                    sock.sendall(encode_puback(packet.packet_id))  # one send per PUBACK
+        return ack_one_by_one(sock, client_id, expect, time.monotonic() + deadline_s)
     finally:
         sock.close()
-    return received, slow
 
 
-async def _backlog(port: int, client_id: str, n: int) -> None:
-    """A persistent QoS 1 subscription of ``client_id`` with ``n`` messages waiting for it."""
+async def backlog(port: int, client_id: str, n: int, prefix: str = "pace") -> None:
+    """A persistent QoS 1 subscription of ``client_id`` to ``prefix/#`` with ``n`` messages
+    waiting for it."""
     sub = MQTTClient(client_id, port=port, clean_session=False)
     await sub.connect()
-    assert await sub.subscribe([("pace/#", 1)]) == [1]
+    assert await sub.subscribe([(f"{prefix}/#", 1)]) == [1]
     await sub.disconnect()
-    pub = MQTTClient("pace-pub", port=port, max_inflight=100)
+    pub = MQTTClient(f"{prefix}-pub", port=port, max_inflight=100)
     await pub.connect()
     for start in range(0, n, 100):
-        await asyncio.gather(*(pub.publish("pace/t", b"%06d" % i, qos=1) for i in range(start, min(start + 100, n))))
+        await asyncio.gather(*(pub.publish(f"{prefix}/t", b"%06d" % i, qos=1) for i in range(start, min(start + 100, n))))
     await pub.disconnect()
 
 
@@ -84,7 +93,7 @@ def test_a_nagle_subscriber_acking_one_by_one_is_not_held_at_each_refill(tmp_pat
 
     async def main() -> None:
         async with running(make_config(tmp_path / "d")) as b:
-            await _backlog(b.port, "nagle-sub", MESSAGES)
+            await backlog(b.port, "nagle-sub", MESSAGES)
             received, slow = await asyncio.to_thread(_nagle_subscriber, b.port, "nagle-sub", MESSAGES, 60.0)
             assert received == MESSAGES
             # A few slow recvs may come from a busy machine; one per refill means no pacing.
@@ -93,7 +102,7 @@ def test_a_nagle_subscriber_acking_one_by_one_is_not_held_at_each_refill(tmp_pat
     asyncio.run(main())
 
 
-class _Transport:
+class FakeTransport:
     def __init__(self, sock: Any) -> None:
         self.sock = sock
 
@@ -118,26 +127,26 @@ class _RecordingSocket:
 @linux_only
 def test_acks_read_sets_tcp_quickack_and_reports_a_refusal() -> None:
     sock = _RecordingSocket()
-    pacer = AckPacer.for_transport(_Transport(sock))  # type: ignore[arg-type]
+    pacer = AckPacer.for_transport(FakeTransport(sock))  # type: ignore[arg-type]
     assert pacer is not None
     assert pacer.acks_read("c") is True
     assert sock.calls == [(socket.IPPROTO_TCP, socket.TCP_QUICKACK, 1)]
-    refusing = AckPacer.for_transport(_Transport(_RecordingSocket(fail=True)))  # type: ignore[arg-type]
+    refusing = AckPacer.for_transport(FakeTransport(_RecordingSocket(fail=True)))  # type: ignore[arg-type]
     assert refusing is not None and refusing.acks_read("c") is False
 
 
 @linux_only
 def test_only_tcp_sockets_get_a_pacer() -> None:
-    assert AckPacer.for_transport(_Transport(None)) is None  # type: ignore[arg-type]  # a fake transport
+    assert AckPacer.for_transport(FakeTransport(None)) is None  # type: ignore[arg-type]  # a fake transport
     a, b = socket.socketpair(socket.AF_UNIX)
     try:
-        assert AckPacer.for_transport(_Transport(a)) is None  # type: ignore[arg-type]
+        assert AckPacer.for_transport(FakeTransport(a)) is None  # type: ignore[arg-type]
     finally:
         a.close()
         b.close()
     tcp = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     try:
-        pacer = AckPacer.for_transport(_Transport(tcp))  # type: ignore[arg-type]
+        pacer = AckPacer.for_transport(FakeTransport(tcp))  # type: ignore[arg-type]
         assert pacer is not None and pacer.acks_read("c") is True
     finally:
         tcp.close()
@@ -161,7 +170,7 @@ def test_the_ack_is_asked_for_after_reads_of_acks_only(tmp_path: Path, monkeypat
 
     async def main() -> None:
         async with running(make_config(tmp_path / "d", max_inflight=8, ack_pacing=ack_pacing)) as b:
-            await _backlog(b.port, "count-sub", 40)
+            await backlog(b.port, "count-sub", 40)
             received, _ = await asyncio.to_thread(_nagle_subscriber, b.port, "count-sub", 40, 30.0)
             assert received == 40
             pub = MQTTClient("count-pub", port=b.port)

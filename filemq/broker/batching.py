@@ -43,6 +43,9 @@ import struct
 import time
 from typing import Any
 
+from filemq.broker.delivery import refill_mark
+from filemq.broker.pacing import tcp_socket
+
 log = logging.getLogger("filemq.broker")
 
 _RCVLOWAT: int | None = getattr(socket, "SO_RCVLOWAT", None)
@@ -86,11 +89,8 @@ class AckBatcher:
         fake transport) or without SO_RCVLOWAT and TCP_INFO on this system."""
         if _RCVLOWAT is None or _TCP_INFO is None:
             return None
-        sock = transport.get_extra_info("socket")
-        if sock is None or getattr(sock, "type", None) != socket.SOCK_STREAM or \
-                getattr(sock, "family", None) not in (socket.AF_INET, socket.AF_INET6):
-            return None
-        return cls(sock, batching)
+        sock = tcp_socket(transport)
+        return None if sock is None else cls(sock, batching)
 
     def after_read(self, inflight: int, window: int, now: float) -> bool:
         """After a read of the connection's (and the refill it brought, if any): ``inflight``
@@ -101,7 +101,7 @@ class AckBatcher:
         self.reads = reads = self.reads + 1
         if not reads % SAMPLE_READS and not self._sample():
             return False
-        refill_at = window >> 2 or 1  # (DeliveryMixin._refill's mark)
+        refill_at = refill_mark(window)
         want = min(ACK_BYTES * (inflight - refill_at), MAX_MARK) if self.small and inflight > refill_at else 1
         return want == self.mark or self.set_mark(want)
 

@@ -64,6 +64,15 @@ def _same_group_runs(outs: Iterable[Any], group: ConsumerGroup) -> bool:
     return all(type(out) is SentRun and out.group is group for out in outs)
 
 _NO_GROUPS: set[Any] = set()
+
+
+def refill_mark(window: int) -> int:
+    """Messages in flight at or below which a window of ``window`` is refilled: a quarter of
+    it, at least one (:meth:`DeliveryMixin._refill`; filemq.broker.batching waits for the
+    acks that bring a subscriber down to it)."""
+    return window >> 2 or 1
+
+
 _consume: Callable[[Iterable[Any]], Any] = functools.partial(deque, maxlen=0)  # runs an iterator to its end in C
 # Reads with at least this many PUBACKs take on_pubacks' bulk path; below it its sets and
 # lists cost more than the per-id loop (callgrind, WINDOW=20: +8 % Ir per delivery at 5 per
@@ -453,8 +462,7 @@ class DeliveryMixin(CoreBase):
         16 -- 10 % fewer instructions per delivery in bench.callgrind_delivery, 4-10 % less
         CPU with such clients, docs/PERFORMANCE.md -- for the same duplicates after a crash,
         which the window sets.)"""
-        limit = conn.max_inflight
-        if len(inflight) <= (limit >> 2 or 1):  # (at most a quarter, at least one)
+        if len(inflight) <= refill_mark(conn.max_inflight):
             self._to_pump.add(conn)
 
     def on_pubrec(self, conn: Connection, pid: int, reason_code: int = 0) -> None:

@@ -38,6 +38,16 @@ log = logging.getLogger("filemq.broker")
 _QUICKACK: int | None = getattr(socket, "TCP_QUICKACK", None)
 
 
+def tcp_socket(transport: asyncio.BaseTransport) -> Any | None:
+    """The TCP socket under ``transport`` (TLS included: the raw one); None for a Unix
+    socket or a transport without one (a test's fake)."""
+    sock = transport.get_extra_info("socket")
+    if sock is None or getattr(sock, "type", None) != socket.SOCK_STREAM or \
+            getattr(sock, "family", None) not in (socket.AF_INET, socket.AF_INET6):
+        return None
+    return sock
+
+
 class AckPacer:
     """One connection's prompt ACKs (see the module docstring)."""
 
@@ -52,11 +62,8 @@ class AckPacer:
         a test's fake transport) or no TCP_QUICKACK on this system."""
         if _QUICKACK is None:
             return None
-        sock = transport.get_extra_info("socket")
-        if sock is None or getattr(sock, "type", None) != socket.SOCK_STREAM or \
-                getattr(sock, "family", None) not in (socket.AF_INET, socket.AF_INET6):
-            return None
-        return cls(sock)
+        sock = tcp_socket(transport)
+        return None if sock is None else cls(sock)
 
     def acks_read(self, client_id: str) -> bool:
         """A read of acks shrank the window: send the kernel's pending ACK now.  False when

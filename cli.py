@@ -197,7 +197,7 @@ def bench_codec(packets: int, rounds: int, as_json: bool) -> None:
             click.echo(f"{operation:15} filemq/amqtt = {ratio:.1f}x")
 
 
-_BROKER_SCENARIOS = ("ingest", "fanout", "latency", "idle", "startup", "trie", "kill9", "all")
+_BROKER_SCENARIOS = ("ingest", "fanout", "everyday", "latency", "idle", "startup", "trie", "kill9", "all")
 
 
 def _split_scenarios(ctx: click.Context, param: click.Parameter, value: tuple[str, ...]) -> tuple[str, ...]:
@@ -208,6 +208,17 @@ def _split_scenarios(ctx: click.Context, param: click.Parameter, value: tuple[st
         raise click.BadParameter(f"{', '.join(unknown) or 'nothing'}: choose from {', '.join(_BROKER_SCENARIOS)}",
                                  ctx, param)
     return names
+
+
+def _everyday_rates(text: str) -> tuple[float, ...]:
+    try:
+        rates = tuple(float(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise click.BadParameter(f"{text!r}: comma-separated msg/s, e.g. 1000,100,10,0",
+                                 param_hint="--everyday-rates") from None
+    if not rates or any(r < 0 for r in rates):
+        raise click.BadParameter(f"{text!r}: one or more rates >= 0", param_hint="--everyday-rates")
+    return rates
 
 
 @bench.command("broker")
@@ -240,6 +251,14 @@ def _split_scenarios(ctx: click.Context, param: click.Parameter, value: tuple[st
               help="In-flight window of BOTH brokers (filemq --max-inflight, mosquitto max_inflight_messages); "
                    "default: each its own (filemq 32, mosquitto 100).")
 @click.option("--rate", type=click.FloatRange(min=1), default=5000.0, show_default=True, help="latency msg/s.")
+@click.option("--sensors", type=click.IntRange(min=1), default=50, show_default=True,
+              help="everyday: sensor loops (one QoS 1 PUBLISH in a send of its own, waiting for its PUBACK).")
+@click.option("--everyday-rates", default="1000,100,10,0", show_default=True,
+              help="everyday: msg/s over all sensors, comma-separated; 0 = connected and silent (idle).")
+@click.option("--everyday-seconds", type=click.FloatRange(min=1), default=15.0, show_default=True,
+              help="everyday: seconds per run.")
+@click.option("--sensor-size", type=click.IntRange(min=1, max=90), default=40, show_default=True,
+              help="everyday: payload bytes of a reading.")
 @click.option("--kill-rounds", type=click.IntRange(min=1), default=200, show_default=True)
 @click.option("--backlog-mb", type=click.IntRange(min=1), default=1024, show_default=True,
               help="idle/startup log size.")
@@ -262,7 +281,9 @@ def bench_broker(scenarios: tuple[str, ...], messages: int | None, publishers: i
                  seed: int | None,
                  workdir: str | None, keep: bool, as_json: bool, protocol: str = "3.1.1",
                  v5_properties: bool = False, subscriber_client: str = "loadgen",
-                 publisher_client: str = "loadgen", max_inflight: int | None = None) -> None:
+                 publisher_client: str = "loadgen", max_inflight: int | None = None, sensors: int = 50,
+                 everyday_rates: str = "1000,100,10,0", everyday_seconds: float = 15.0,
+                 sensor_size: int = 40) -> None:
     """The broker's acceptance figures vs Debian mosquitto and amqtt, in the same run."""
     import json
     from pathlib import Path
@@ -291,6 +312,8 @@ def bench_broker(scenarios: tuple[str, ...], messages: int | None, publishers: i
         workdir=Path(workdir) if workdir else None, keep=keep, baselines=not no_baselines,
         protocol=5 if protocol == "5" else 4, v5_properties=v5_properties,
         subscriber_client=subscriber_client, publisher_client=publisher_client, max_inflight=max_inflight,
+        sensors=sensors, everyday_rates=_everyday_rates(everyday_rates), everyday_seconds=everyday_seconds,
+        sensor_size=sensor_size,
     )
     for result in run_broker_bench(list(scenarios), opts, lambda msg: click.echo(msg, err=True)):
         click.echo(json.dumps(result) if as_json else summary_line(result))

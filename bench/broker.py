@@ -46,6 +46,8 @@ from bench.baselines import (
     start_amqtt,
     start_mosquitto,
 )
+from bench.everyday import SensorLoad, run_sensors
+from bench.everyday import figures as everyday_figures
 from bench.loadgen import (
     LoadResult,
     PublisherSpec,
@@ -72,7 +74,7 @@ from segments import Log, LogConfig
 Progress = Callable[[str], None]
 CLI_PATH = Path(__file__).resolve().parent.parent / "cli.py"
 LOG_DIR = "log"  # filemq.queue.LOG_DIR: where the broker keeps its log inside the data dir
-SCENARIOS = ("ingest", "fanout", "latency", "idle", "startup", "trie", "kill9")
+SCENARIOS = ("ingest", "fanout", "everyday", "latency", "idle", "startup", "trie", "kill9")
 BACKLOG_TOPIC = "sensors/x"
 
 
@@ -104,6 +106,10 @@ class BrokerBenchOptions:
     publisher_client: str = "loadgen"  # ingest/fanout publishers: "loadgen" (the PUBLISHes a read of
     # PUBACKs frees in one send), "single" (one send per PUBLISH) or "nagle" (that without TCP_NODELAY)
     max_inflight: int | None = None  # both brokers' in-flight window; None = each broker's own default
+    sensors: int = 50  # everyday: sensor loops, one PUBLISH in flight each
+    everyday_rates: tuple[float, ...] = (1000.0, 100.0, 10.0, 0.0)  # everyday: msg/s in all; 0 = idle
+    everyday_seconds: float = 15.0  # everyday: seconds per run
+    sensor_size: int = 40  # everyday: payload bytes (a small JSON reading)
     _backlog_dir: Path | None = field(default=None, repr=False)
 
 
@@ -364,6 +370,72 @@ def scenario_fanout(opts: BrokerBenchOptions, say: Progress) -> dict[str, Any]:
         ratio = out["filemq_deliveries_per_s"] / base
         out.update(ratio_vs_mosquitto=_rnd(ratio, 2), target_vs_mosquitto=0.5, meets_target=ratio >= 0.5)
     return out
+
+
+def scenario_everyday(opts: BrokerBenchOptions, say: Progress) -> dict[str, Any]:
+    """A device's everyday load (:mod:`bench.everyday`): ``opts.sensors`` sensor loops, one QoS 1
+    PUBLISH in a send of its own each, waiting for its PUBACK, at each of ``opts.everyday_rates``
+    msg/s in all; filemq and mosquitto alternately, ``opts.repeat`` runs each, the lowest CPU
+    counts. Rate 0 is the idle case (connected, silent): its figure is the share of a core."""
+    out: dict[str, Any] = {"bench": "broker", "scenario": "everyday", "sensors": opts.sensors,
+                           "payload": opts.sensor_size, "seconds": opts.everyday_seconds, "fsync": opts.fsync,
+                           "rates": []}
+    say(f"everyday: {opts.sensors} sensors, one {opts.sensor_size}-byte QoS 1 PUBLISH per send (TCP_NODELAY), "
+        f"each waiting for its PUBACK; {opts.everyday_seconds:g} s per run at "
+        f"{', '.join(f'{r:g}' for r in opts.everyday_rates)} msg/s")
+    starters: list[tuple[str, Callable[[Path], BrokerProcess]]] = [
+        ("filemq", lambda d: start_filemq(d / "data", fsync=opts.fsync, max_inflight=opts.max_inflight))]
+    if opts.baselines and mosquitto_available():
+        starters.append(("mosquitto", lambda d: start_mosquitto_for(opts, d)))
+    with _workdir(opts, "everyday") as work:
+        for rate in opts.everyday_rates:
+            row: dict[str, Any] = {"rate": rate}
+            for rep in range(opts.repeat):
+                for name, starter in starters:
+                    with starter(work / f"{name}-{rate:g}-{rep}") as broker:
+                        load = SensorLoad(broker.host, broker.port, opts.sensors, rate, opts.everyday_seconds,
+                                          opts.sensor_size, seed=(opts.seed or 0) + rep)
+                        fig = everyday_figures(run_sensors(load, broker))
+                    row.setdefault(f"{name}_runs", []).append(fig)
+                    per_msg = f"{fig['cpu_us_per_msg']} us/msg (user {fig['user_us_per_msg']})" \
+                        if "cpu_us_per_msg" in fig else "no messages"
+                    say(f"  {rate:>6g} msg/s {name:9}: {fig['acked']:,} acked ({fig['rate']:g}/s), CPU {per_msg}, "
+                        f"{fig['cpu_pct']}% of a core, PUBACK p50 {fig['puback_p50_ms']} ms p99 "
+                        f"{fig['puback_p99_ms']} ms" + (f"; errors: {fig['errors'][:2]}" if "errors" in fig else ""))
+            for name, _ in starters:
+                runs = row[f"{name}_runs"]
+                key = "cpu_us_per_msg" if rate > 0 else "cpu_pct"
+                best = min(runs, key=lambda f: f.get(key, float("inf")))
+                for k in ("cpu_us_per_msg", "user_us_per_msg", "cpu_pct", "puback_p50_ms", "puback_p99_ms"):
+                    if k in best:
+                        row[f"{name}_{k}"] = best[k]
+            if rate > 0 and row.get("filemq_cpu_us_per_msg") and row.get("mosquitto_cpu_us_per_msg"):
+                row["cpu_ratio_vs_mosquitto"] = _rnd(row["mosquitto_cpu_us_per_msg"] / row["filemq_cpu_us_per_msg"], 2)
+                row["meets_target"] = row["cpu_ratio_vs_mosquitto"] >= 1.0
+            elif rate == 0 and "mosquitto_cpu_pct" in row:
+                row["idle_excess_pct"] = _rnd(row["filemq_cpu_pct"] - row["mosquitto_cpu_pct"], 2)
+                row["meets_target"] = row["idle_excess_pct"] <= 0.1
+            out["rates"].append(row)
+    verdicts = [r["meets_target"] for r in out["rates"] if "meets_target" in r]
+    out["meets_target"] = all(verdicts) if verdicts else None
+    return out
+
+
+def everyday_summary(result: dict[str, Any]) -> str:
+    lines = [f"everyday {result['sensors']} sensors, one PUBLISH per send, {result['payload']}-byte payloads"]
+    for row in result["rates"]:
+        if row["rate"] > 0:
+            lines.append(f"         {row['rate']:>6g} msg/s: filemq {row.get('filemq_cpu_us_per_msg', '-')} us/msg "
+                         f"({row.get('filemq_cpu_pct', '-')}% of a core, PUBACK p99 "
+                         f"{row.get('filemq_puback_p99_ms', '-')} ms); mosquitto "
+                         f"{row.get('mosquitto_cpu_us_per_msg', '-')} us/msg ({row.get('mosquitto_cpu_pct', '-')}%, "
+                         f"p99 {row.get('mosquitto_puback_p99_ms', '-')} ms); ratio "
+                         f"{row.get('cpu_ratio_vs_mosquitto', '-')}x (>= 1.0)")
+        else:
+            lines.append(f"         idle: filemq {row.get('filemq_cpu_pct', '-')}% of a core, mosquitto "
+                         f"{row.get('mosquitto_cpu_pct', '-')}%; excess {row.get('idle_excess_pct', '-')} (<= 0.1)")
+    ok = {True: "meets target", False: "MISSES target", None: "no baseline"}[result.get("meets_target")]
+    return "\n".join(lines) + f"  [{ok}]"
 
 
 def _percentile(sorted_values: list[int], q: float) -> float:
@@ -917,6 +989,8 @@ def run_broker_bench(scenarios: list[str], opts: BrokerBenchOptions, say: Progre
                 yield scenario_ingest(opts, say)
             elif name == "fanout":
                 yield scenario_fanout(opts, say)
+            elif name == "everyday":
+                yield scenario_everyday(opts, say)
             elif name == "latency":
                 yield scenario_latency(opts, say)
             elif name == "idle":
@@ -957,6 +1031,8 @@ def summary_line(result: dict[str, Any]) -> str:
         return (f"fanout   filemq {result['filemq_deliveries_per_s']:,} deliveries/s; "
                 f"vs mosquitto {result.get('ratio_vs_mosquitto', '-')}x (>= 0.5)  [{ok}]\n"
                 f"         {_cpu_text(result, ('mosquitto',))} per delivery{_fanout_setup(result)}")
+    if s == "everyday":
+        return everyday_summary(result)
     if s == "latency":
         ref = (f"; mosquitto p99 {result['mosquitto_p99_ms']} ms" if "mosquitto_p99_ms" in result else "")
         return (f"latency  filemq p50 {result['filemq_p50_ms']} ms, p99 {result['filemq_p99_ms']} ms, "

@@ -46,6 +46,10 @@ from segments.segment import NO_TIMESTAMP, Segment, parse_segment_name
 log = logging.getLogger(__name__)
 
 _TOPIC_CACHE_MAX = 4096
+# Free space is read again (statfs) at least this often, and at every commit once the estimate
+# (the last reading less what this log wrote since) comes within FREE_SLACK of min_free_bytes.
+FREE_RECHECK_S = 1.0
+FREE_SLACK = 64 * 1024 * 1024
 
 
 @dataclass
@@ -59,6 +63,9 @@ class LogConfig:
     retention_bytes: int | None = None
     retention_ms: int | None = None
     min_free_bytes: int = 0
+    # Group commits run on the event loop while fdatasync takes at most this long (ms), else on
+    # a thread (segments.commit.GroupCommitter); 0 = always on the thread.
+    commit_on_loop_max_ms: float = 20.0
     # Sealed segments whose sparse index stays in memory after a read (least recently read
     # dropped first); the active segment's is always kept.  Memory stays flat with log size.
     index_cache_segments: int = 4
@@ -74,6 +81,8 @@ class LogConfig:
             raise ValueError("fsync_interval_ms must be positive")
         if self.min_free_bytes < 0:
             raise ValueError("min_free_bytes must be >= 0")
+        if self.commit_on_loop_max_ms < 0:
+            raise ValueError(f"commit_on_loop_max_ms must be >= 0, not {self.commit_on_loop_max_ms}")
         if self.index_cache_segments < 1:
             raise ValueError(f"index_cache_segments must be >= 1, not {self.index_cache_segments}")
 
@@ -215,6 +224,10 @@ class Log:
         self._tail_last_index_pos = 0
         self._pending_bytes = 0
         self._free_budget = 0
+        # The last free-space reading (statfs) and what this log wrote since: see _free_now.
+        self._free_seen = 0
+        self._free_seen_at = -FREE_RECHECK_S
+        self._written_since = 0
         self._dirty = False
         self._closed = False
         self._broken: str | None = None
@@ -478,7 +491,7 @@ class Log:
         floor = self.config.min_free_bytes
         if not floor:
             return
-        free = self.fileio.free_bytes(self.directory)
+        free = self._free_now(self._pending_bytes + wanted, force=True)
         self._free_budget = free - floor - self._pending_bytes - wanted
         if self._free_budget < 0:
             self._free_budget = 0
@@ -486,6 +499,22 @@ class Log:
                 self.directory,
                 f"{free} bytes free, floor is {floor}, {self._pending_bytes + wanted} bytes waiting",
             )
+
+    def _free_now(self, need: int, *, force: bool = False) -> int:
+        """Free bytes on the log's file system, without a statfs per commit: the last reading
+        less what this log wrote since, read again when ``force``, when the last reading is
+        FREE_RECHECK_S old, or when the estimate less ``need`` comes within FREE_SLACK of the
+        floor (near the floor every commit reads it). The estimate only errs low for this log's
+        own writes (space freed by retention shows at the next reading); another process filling
+        the disk shows within FREE_RECHECK_S, and a write that meets a full disk fails anyway
+        (ENOSPC: the batch is not acknowledged)."""
+        now = time.monotonic()
+        free = self._free_seen - self._written_since
+        if force or now - self._free_seen_at >= FREE_RECHECK_S or \
+                free - need - self.config.min_free_bytes < FREE_SLACK:
+            free = self._free_seen = self.fileio.free_bytes(self.directory)
+            self._free_seen_at, self._written_since = now, 0
+        return free
 
     # -- writing -------------------------------------------------------------------------
 
@@ -514,7 +543,8 @@ class Log:
                 raise SegmentError(str(self.directory), self._broken)
             floor = self.config.min_free_bytes
             if floor:
-                free = self.fileio.free_bytes(self.directory)
+                with self._lock:
+                    free = self._free_now(batch.nbytes)
                 if free - batch.nbytes < floor:
                     raise DiskFull(self.directory, f"{free} bytes free, floor is {floor}, batch is {batch.nbytes}")
             original = self._segments[-1]
@@ -556,7 +586,8 @@ class Log:
             self.stats.appended += batch.end_offset - batch.first_offset
             if floor:
                 with self._lock:
-                    self._free_budget = self.fileio.free_bytes(self.directory) - floor - self._pending_bytes
+                    self._written_since += batch.nbytes
+                    self._free_budget = free - batch.nbytes - floor - self._pending_bytes
 
     def _undo_write(self, original: Segment, undo: tuple[int, int, int, int], created: list[Segment]) -> None:
         log.error("%s: write failed; removing the partial batch (offsets from %d)", self.directory, undo[1])

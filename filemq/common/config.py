@@ -78,6 +78,9 @@ class LogSection:
     retention_bytes: int | None = field(default=None, metadata=_spec(_SIZE))
     retention_ms: int | None = field(default=None, metadata=_spec(_POS))
     min_free_bytes: int = field(default=64 * MIB, metadata=_spec(_int(0, sizes=True)))
+    # Group commits run on the event loop while an fdatasync takes at most this long, else on a
+    # thread until syncs are quick again (segments.commit); 0 = always on the thread.
+    commit_on_loop_max_ms: int = field(default=20, metadata=_spec(_int(0, 10_000)))
 
 
 @dataclass(frozen=True)

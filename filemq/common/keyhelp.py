@@ -43,6 +43,8 @@ _KEY_HELP: dict[str, tuple[str, str, str]] = {
     "log.retention_ms": ("log", "Delete whole segments whose newest record is older than this (ms)",
                          "no age cap"),
     "log.min_free_bytes": ("log", "Refuse appends (no ack) when the file system has less free space", ""),
+    "log.commit_on_loop_max_ms": ("log", "Run group commits on the event loop while an fdatasync takes at "
+                                  "most this long (ms), else on a thread; 0: always on the thread", ""),
     "broker.host": ("listener", "Address the broker listens on; off loopback it needs a password "
                     "file or allow_anonymous", ""),
     "broker.port": ("listener", "Plain MQTT port", ""),

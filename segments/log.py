@@ -587,7 +587,9 @@ class Log:
             if floor:
                 with self._lock:
                     self._written_since += batch.nbytes
-                    self._free_budget = free - batch.nbytes - floor - self._pending_bytes
+                    # Read again near the floor: the file system spends more than nbytes (blocks,
+                    # index entries, new segment files), which only a reading shows.
+                    self._free_budget = self._free_now(0) - floor - self._pending_bytes
 
     def _undo_write(self, original: Segment, undo: tuple[int, int, int, int], created: list[Segment]) -> None:
         log.error("%s: write failed; removing the partial batch (offsets from %d)", self.directory, undo[1])

@@ -2,6 +2,7 @@
 
     PYTHONPATH=$PWD python -m bench.compare_trees fanout 4 before=/tmp/old-tree after=$PWD
     MSGS=40000 PYTHONPATH=$PWD python -m bench.compare_trees ingest 3 a=/tree/a b=/tree/b
+    RATE=1000 PYTHONPATH=$PWD python -m bench.compare_trees everyday 4 before=/tmp/old-tree after=$PWD
 
 Each tree's ``cli.py broker`` (``fsync = "always"``, fresh data dir, ``PYTHONPATH`` = the tree)
 and mosquitto run the `filemq bench broker` ingest or fanout load in alternation, ``reps``
@@ -14,7 +15,9 @@ overrides the messages per run (ingest 200,000; fanout 20,000 x the 10 subscribe
 ``filemq bench broker --protocol 5 --v5-properties``). ``SUBSCRIBER_CLIENT=single|nagle|paho``,
 ``PUBLISHER_CLIENT=single|nagle`` and ``MAX_INFLIGHT=N`` are the bench's ``--subscriber-client``,
 ``--publisher-client`` and ``--max-inflight`` (the window of every broker in the run),
-``SUBSCRIBERS=N`` and ``PUBLISHERS=N`` the bench's ``--subscribers`` and ``--publishers`` (10 and 4); ``NO_MOSQUITTO=1`` runs the trees only. The summary also gives
+``SUBSCRIBERS=N`` and ``PUBLISHERS=N`` the bench's ``--subscribers`` and ``--publishers`` (10 and 4); ``NO_MOSQUITTO=1`` runs the trees only.
+``everyday`` is ``--scenario everyday`` at one rate: ``RATE`` msg/s over ``SENSORS`` sensors (1000, 50)
+for ``SECONDS`` (15); its lines add the PUBACK p50/p99. The summary also gives
 each broker's median, which on a loaded machine says more than the best run.
 """
 
@@ -29,6 +32,8 @@ from pathlib import Path
 from bench.baselines import LOOPBACK, BrokerProcess, free_port, spawn, start_mosquitto
 from bench.broker import BrokerBenchOptions, _fanout_run, _ingest_run
 from bench.broker5 import V5_PROPERTIES
+from bench.everyday import SensorLoad, run_sensors
+from bench.everyday import figures as everyday_figures
 
 
 def _start(tree: Path | None, work: Path, window: int | None) -> BrokerProcess:
@@ -63,19 +68,29 @@ def compare(scenario: str, reps: int, trees: dict[str, Path]) -> list[str]:
             for name, tree in named.items():
                 work = Path(d) / f"{name}-{rep}"
                 work.mkdir()
+                extra = ""
                 with _start(tree, work, window) as broker:
                     cpu0 = broker.cpu_seconds()
-                    if scenario == "ingest":
+                    if scenario == "everyday":
+                        load = SensorLoad(broker.host, broker.port, int(os.environ.get("SENSORS", "50")),
+                                          float(os.environ.get("RATE", "1000")),
+                                          float(os.environ.get("SECONDS", "15")))
+                        ed = run_sensors(load, broker)
+                        fig = everyday_figures(ed)
+                        n, rate, errors = ed.acked, fig["rate"], ed.errors
+                        extra = f" PUBACK p50 {fig['puback_p50_ms']} p99 {fig['puback_p99_ms']} ms"
+                        cpu0 = broker.cpu_seconds() - ed.broker_cpu_seconds  # the sensors' run only
+                    elif scenario == "ingest":
                         result = _ingest_run(broker, opts, messages, "bench/ingest", protocol=protocol,
                                              properties=props)
-                        n, rate = result.acked, result.ack_rate
+                        n, rate, errors = result.acked, result.ack_rate, result.errors
                     else:
                         result = _fanout_run(broker, opts, messages, protocol=protocol, properties=props)
-                        n, rate = result.delivered, result.delivery_rate
+                        n, rate, errors = result.delivered, result.delivery_rate, result.errors
                     cpu = broker.cpu_seconds() - cpu0
                 us = 1e6 * cpu / max(n, 1)
                 runs.setdefault(name, []).append((us, rate))
-                line = f"{scenario} {name:10} run {rep}: {rate:9,.0f}/s {us:6.2f} us/msg {result.errors[:1]}"
+                line = f"{scenario} {name:10} run {rep}: {rate:9,.0f}/s {us:6.2f} us/msg{extra} {errors[:1]}"
                 lines.append(line)
                 sys.stdout.write(line + "\n")
     base = runs.get("mosquitto")
@@ -90,7 +105,7 @@ def compare(scenario: str, reps: int, trees: dict[str, Path]) -> list[str]:
 
 
 def main(argv: list[str]) -> None:
-    if len(argv) < 3 or argv[0] not in ("ingest", "fanout"):
+    if len(argv) < 3 or argv[0] not in ("ingest", "fanout", "everyday"):
         sys.exit(__doc__)
     trees = {name: Path(path).resolve() for name, path in (a.split("=", 1) for a in argv[2:])}
     extra = 0 if os.environ.get("NO_MOSQUITTO") == "1" else 1

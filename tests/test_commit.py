@@ -3,16 +3,133 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from segments import DiskFull, GroupCommitter, Log, LogConfig
+from segments.commit import ON_LOOP_MAX_RECORDS
+from segments.fileio import FileHandle
 from tests.test_log import InjectingFileIO
 
 
 def run(coro):  # type: ignore[no-untyped-def]
     return asyncio.run(asyncio.wait_for(coro, 30))
+
+
+@pytest.fixture(autouse=True, params=["on_loop", "thread"])
+def commit_mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every test here twice: with commits on the event loop (the default while syncs are
+    quick and batches small) and with every commit on the commit thread (on_loop_max_ms=0,
+    where a slow sync or a big batch sends it)."""
+    if request.param == "thread":
+        original = GroupCommitter.__init__
+
+        def init(self: GroupCommitter, log: Log, **kw: Any) -> None:
+            kw.setdefault("on_loop_max_ms", 0)
+            original(self, log, **kw)
+
+        monkeypatch.setattr(GroupCommitter, "__init__", init)
+    return str(request.param)
+
+
+class SlowSyncIO(InjectingFileIO):
+    """Syncs that take ``delay`` seconds (a slow SD card) while ``delay`` is set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.delay = 0.0
+
+    def open(self, path: str | os.PathLike[str], *, create: bool = False) -> FileHandle:
+        handle = super().open(path, create=create)
+        inner_sync = handle.datasync
+
+        def datasync() -> None:
+            if self.delay:
+                time.sleep(self.delay)
+            inner_sync()
+
+        handle.datasync = datasync  # type: ignore[method-assign]
+        return handle
+
+
+def test_small_batches_commit_on_the_loop_big_ones_on_the_thread(tmp_path: Path, commit_mode: str) -> None:
+    """Everyday load (a record or a few per loop pass) commits on the event loop, no thread
+    hand-off; a pass that appended more than ON_LOOP_MAX_RECORDS goes to the thread (load:
+    the loop reads on while it writes). Either way each future resolves after its fdatasync."""
+    io = InjectingFileIO()
+    log = Log.open(tmp_path, LogConfig(fsync="always"), fileio=io)
+
+    async def main() -> tuple[int, int, int]:
+        committer = GroupCommitter(log)
+        await committer.start()
+        for i in range(20):
+            offset, future = committer.append_nowait("t", b"x" * 10)
+            await future
+            assert log.committed_offset == offset + 1 and io.synced_sizes, "resolved before its sync"
+        small = committer.commits_on_loop
+        pairs = [committer.append_nowait("t", b"y") for _ in range(ON_LOOP_MAX_RECORDS + 1)]
+        await pairs[-1][1]
+        big = committer.commits_on_loop - small
+        await committer.close()
+        return small, big, committer.commits
+
+    small, big, commits = run(main())
+    assert small == (20 if commit_mode == "on_loop" else 0)
+    assert big == 0
+    assert commits >= 21 and log.stats.fsyncs >= 21
+    log.close()
+    reopened = Log.open(tmp_path, LogConfig())
+    assert reopened.next_offset == 20 + ON_LOOP_MAX_RECORDS + 1
+    reopened.close()
+
+
+def test_a_slow_sync_moves_commits_to_the_thread_until_syncs_are_quick_again(
+        tmp_path: Path, commit_mode: str, caplog: pytest.LogCaptureFixture) -> None:
+    """A sync slower than commit_on_loop_max_ms holds the loop once: the next commits run on
+    the thread (the loop keeps running meanwhile: a timer fires during the slow sync), and come
+    back to the loop once a sync there takes at most half the bound."""
+    if commit_mode == "thread":
+        pytest.skip("the move is from the loop to the thread; the thread mode has no loop commits to move")
+    io = SlowSyncIO()
+    log = Log.open(tmp_path, LogConfig(fsync="always", commit_on_loop_max_ms=20), fileio=io)
+
+    async def main() -> None:
+        committer = GroupCommitter(log)
+        await committer.start()
+        await committer.append_nowait("t", b"quick")[1]
+        assert committer.commits_on_loop == 1 and committer.moves_to_thread == 0
+        io.delay = 0.06
+        await committer.append_nowait("t", b"slow on the loop")[1]
+        assert committer.commits_on_loop == 2 and committer.moves_to_thread == 1
+        ticks = 0
+
+        def tick() -> None:
+            nonlocal ticks
+            ticks += 1
+
+        handles = [asyncio.get_running_loop().call_later(0.01 * k, tick) for k in range(1, 4)]
+        await committer.append_nowait("t", b"slow on the thread")[1]
+        assert committer.commits_on_loop == 2, "a commit ran on the loop after a slow sync"
+        assert ticks >= 2, "the loop was held during a sync on the thread"
+        for h in handles:
+            h.cancel()
+        io.delay = 0.0
+        await committer.append_nowait("t", b"quick on the thread")[1]  # quick: back to the loop
+        await committer.append_nowait("t", b"quick on the loop")[1]
+        assert committer.commits_on_loop == 3
+        await committer.close()
+
+    run(main())
+    assert any("commits move to the commit thread" in r.getMessage() for r in caplog.records)
+    log.close()
+    reopened = Log.open(tmp_path, LogConfig())
+    assert [r.payload for r in reopened.read(0)] == [b"quick", b"slow on the loop", b"slow on the thread",
+                                                     b"quick on the thread", b"quick on the loop"]
+    reopened.close()
 
 
 def test_futures_resolve_only_after_datasync(tmp_path: Path) -> None:

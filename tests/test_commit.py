@@ -66,7 +66,7 @@ def test_small_batches_commit_on_the_loop_big_ones_on_the_thread(tmp_path: Path,
     async def main() -> tuple[int, int, int]:
         committer = GroupCommitter(log)
         await committer.start()
-        for i in range(20):
+        for _ in range(20):
             offset, future = committer.append_nowait("t", b"x" * 10)
             await future
             assert log.committed_offset == offset + 1 and io.synced_sizes, "resolved before its sync"

@@ -330,10 +330,10 @@ class GroupCommitter:
                 if batch is not None:
                     took = await loop.run_in_executor(executor, self._write_timed, batch, sync)
             except Exception as exc:  # every failure goes to the waiters, the task keeps running
+                self._thread_busy = False
                 self._fail(batches, exc)
                 continue
-            finally:
-                self._thread_busy = False
+            self._thread_busy = False  # (not in a finally: mypyc cannot compile continue in one)
             self.commits += 1
             if self.on_loop_max is not None and not self._on_loop and took <= self.on_loop_max / 2:
                 self._on_loop = True  # quick again: back to the loop

@@ -344,3 +344,46 @@ def test_null_sink_acks_every_v5_publish():
                            properties=V5_PROPERTIES)
     assert result.errors == []
     assert result.acked == 4000
+
+
+def test_everyday_sensors_each_keep_one_publish_in_flight_and_get_every_puback(tmp_path):
+    """issue 29 item 1: the sensors' load generator against a real broker: every PUBLISH sent
+    is acknowledged, at the paced rate, with one in flight per sensor (so acked never exceeds
+    sent), and the figures carry the PUBACK latencies and the broker's CPU."""
+    from bench.broker import start_filemq
+    from bench.everyday import SensorLoad, figures, run_sensors
+
+    with start_filemq(tmp_path / "data") as broker:
+        result = run_sensors(SensorLoad(broker.host, broker.port, sensors=10, rate=200, seconds=2.0), broker)
+    assert not result.errors
+    assert result.acked == result.sent == len(result.latencies_us)
+    assert 300 <= result.sent <= 440, "10 sensors x 20 msg/s for 2 s, a phase apart"
+    fig = figures(result)
+    assert 0 < fig["puback_p50_ms"] <= fig["puback_p99_ms"]
+    assert fig["cpu_us_per_msg"] >= 0 and fig["rate"] > 0
+
+
+def test_everyday_json_through_the_cli(tmp_path):
+    args = ["bench", "broker", "--scenario", "everyday", "--sensors", "5", "--everyday-rates", "50,0",
+            "--everyday-seconds", "1.5", "--repeat", "1", "--workdir", str(tmp_path), "--json"]
+    if not mosquitto_available():
+        args.append("--no-baselines")
+    run = CliRunner().invoke(main, args)
+    assert run.exit_code == 0, run.output
+    (result,) = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+    assert result["scenario"] == "everyday" and result["sensors"] == 5
+    busy, idle = result["rates"]
+    assert busy["rate"] == 50 and idle["rate"] == 0
+    assert busy["filemq_puback_p99_ms"] >= busy["filemq_puback_p50_ms"] > 0
+    assert "filemq_cpu_us_per_msg" in busy and "filemq_cpu_pct" in idle
+    assert "filemq_cpu_us_per_msg" not in idle  # nothing published: a share of a core, not per message
+    if mosquitto_available():
+        if busy["filemq_cpu_us_per_msg"] and busy["mosquitto_cpu_us_per_msg"]:
+            assert busy["cpu_ratio_vs_mosquitto"] == pytest.approx(
+                busy["mosquitto_cpu_us_per_msg"] / busy["filemq_cpu_us_per_msg"], abs=0.01)
+        else:  # a run shorter than a clock tick of CPU has no ratio, rather than a wrong one
+            assert "cpu_ratio_vs_mosquitto" not in busy
+        assert "idle_excess_pct" in idle and isinstance(result["meets_target"], bool)
+    with pytest.raises(SystemExit):
+        main(["bench", "broker", "--scenario", "everyday", "--everyday-rates", "fast"], standalone_mode=True)
+    assert not list(tmp_path.iterdir()), "the bench left its data directories behind"

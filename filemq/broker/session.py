@@ -455,7 +455,9 @@ class Connection:
                     core.on_puback(self, packet.packet_id)
                 elif type(packet) is Connect:
                     if self.state != AWAITING_CONNECT:
-                        raise ProtocolError("second CONNECT on one connection")
+                        # It parses: a Protocol Error, 0x82 on MQTT 5 (MQTT-3.1.0-2).
+                        raise ProtocolError("second CONNECT on one connection (MQTT-3.1.0-2)", "CONNECT",
+                                            RC_PROTOCOL_ERROR)
                     if self._server_full(packet.client_id, packet.protocol_level):
                         return
                     core.on_connect(self, packet)

@@ -341,8 +341,8 @@ def _decode_publish5(buf: bytes | bytearray, pos: int, end: int, flags: int, ser
         if end - pos < 2:
             raise ProtocolError("PUBLISH truncated before the packet id", name)
         packet_id = (buf[pos] << 8) | buf[pos + 1]
-        if packet_id == 0:
-            raise ProtocolError("PUBLISH QoS>0 with packet id 0", name)
+        if packet_id == 0:  # it parses: a Protocol Error, not Malformed (MQTT-2.2.1-3)
+            raise _protocol_error("PUBLISH QoS>0 with packet id 0 (MQTT-2.2.1-3)", name)
         pos += 2
     props, pos = _decode_properties(buf, pos, end, name)
     if props is not None:
@@ -373,7 +373,7 @@ def _decode_ack5(ptype: int, buf: bytes | bytearray, pos: int, end: int) -> Puba
         raise ProtocolError(f"{name} remaining length {end - pos}, expected at least 2", name)
     pid = (buf[pos] << 8) | buf[pos + 1]
     if pid == 0:
-        raise ProtocolError(f"{name} with packet id 0", name)
+        raise _protocol_error(f"{name} with packet id 0 (MQTT-2.2.1-3)", name)
     if end - pos == 2:  # spec 3.4.2.1: no reason code means 0x00
         return cls(pid)
     code = _check_reason_code(buf[pos + 2], codes, name)

@@ -146,8 +146,8 @@ def _decode_header_packet_id(buf: bytes | bytearray, pos: int, end: int, name: s
     if end - pos < 2:
         raise ProtocolError(f"{name} truncated before the packet id", name)
     pid = (buf[pos] << 8) | buf[pos + 1]
-    if pid == 0:
-        raise ProtocolError(f"{name} with packet id 0", name)
+    if pid == 0:  # it parses: a Protocol Error on MQTT 5, not Malformed (MQTT-2.2.1-3)
+        raise _protocol_error(f"{name} with packet id 0 (MQTT-2.2.1-3)", name)
     return pid
 
 

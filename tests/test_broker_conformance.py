@@ -7,15 +7,23 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
+from filemq.mqtt.codec import Decoder, ProtocolError, encode, encode5
 from filemq.mqtt.packets import (
+    Connack,
     Connect,
     Disconnect,
+    Properties,
+    Puback,
     Publish,
 )
+from filemq.mqtt.properties import _read_vbi, _vbi
 from tests.test_broker_mqtt5 import client5
 from tests.test_broker_session import Harness, run
 
+MALFORMED = 0x81
 PROTOCOL_ERROR = 0x82
 
 
@@ -58,4 +66,108 @@ def test_packet_id_0_gets_disconnect_0x82_mqtt_2_2_1_3(tmp_path: Path, wire: byt
         c.send_bytes(wire)
         assert c.received() == [Disconnect(PROTOCOL_ERROR)]
         assert c.conn.closed and "packet id 0" in c.conn.close_reason
+    run(main())
+
+
+# ---- MQTT-1.5.5-1: a variable byte integer takes the fewest bytes its value needs ----------
+
+
+def _non_minimal(value: int, extra: int) -> bytes:
+    """``value`` as a variable byte integer padded with ``extra`` needless bytes (a
+    continuation bit on what would be the last byte, then ``80`` ... ``00``)."""
+    out = bytearray(_vbi(value))
+    out[-1] |= 0x80
+    out += b"\x80" * (extra - 1) + b"\x00"
+    return bytes(out)
+
+
+def _with_length(packet: bytes, extra: int) -> bytes:
+    """``packet`` (minimally encoded) with its remaining length padded by ``extra`` bytes."""
+    remaining, at = _read_vbi(packet, 1, len(packet), "remaining length", "test")
+    return packet[:1] + _non_minimal(remaining, extra) + packet[at:]
+
+
+@given(st.integers(0, 2_097_151), st.integers(1, 3), st.data())
+def test_non_minimal_variable_byte_integers_are_malformed_mqtt_1_5_5_1(value: int, extra: int,
+                                                                        data: st.DataObject) -> None:
+    """MQTT-1.5.5-1: "The encoded value MUST use the minimum number of bytes necessary to
+    represent the value"; any longer encoding (within the 4-byte cap) is a Malformed Packet,
+    0x81, wherever a variable byte integer is read: remaining length, property length,
+    subscription identifier."""
+    padded = _non_minimal(value, extra)
+    if len(padded) > 4:
+        return  # over 4 bytes: already refused by the length cap
+    with pytest.raises(ProtocolError, match="MQTT-1.5.5-1") as info:
+        _read_vbi(padded + b"rest", 0, len(padded) + 4, "length", "TEST")
+    assert info.value.reason_code == MALFORMED
+    # The minimal encoding of the same value reads back.
+    assert _read_vbi(_vbi(value) + b"rest", 0, len(_vbi(value)) + 4, "length", "TEST") == (value, len(_vbi(value)))
+    # The fixed header: the decoder refuses it before any body byte is there.
+    decoder = Decoder(1 << 22, protocol_level=data.draw(st.sampled_from([4, 5])))
+    with pytest.raises(ProtocolError, match="MQTT-1.5.5-1") as info:
+        decoder.feed(b"\x30" + padded)
+        decoder.packets()
+    assert info.value.reason_code == MALFORMED
+
+
+def _publishes(level: int, n: int, qos: int = 1, props: bool = False) -> list[bytes]:
+    enc = encode5 if level == 5 else encode
+    properties = Properties(content_type="c") if props else None
+    return [enc(Publish("t/x", b"p" * 10, qos, packet_id=i + 1, properties=properties)) for i in range(n)]
+
+
+@pytest.mark.parametrize("level", [4, 5])
+@pytest.mark.parametrize("shape", ["first of its topic", "topic cached", "a run of them", "QoS 0", "properties"])
+def test_publish_with_a_non_minimal_remaining_length_is_refused_mqtt_1_5_5_1(tmp_path: Path, level: int,
+                                                                             shape: str) -> None:
+    """MQTT-1.5.5-1 on PUBLISH through every decoder path: the general one (the first PUBLISH
+    of a topic, one with properties), the per-packet fast path (topic cached; a remaining
+    length of 1 byte sent as 2, "9a 00") and the run path (a read of equal-shaped padded
+    PUBLISHes).  Nothing of the padded packets is stored or acknowledged; what came before
+    is; the MQTT 5 client gets DISCONNECT 0x81 Malformed Packet (4.13.2), the 3.1.1 one is
+    closed."""
+    async def main() -> None:
+        h = Harness(tmp_path)
+        c = client5(h) if level == 5 else h.client()
+        assert c.connect("nm").return_code == 0
+        qos = 0 if shape == "QoS 0" else 1
+        good = _publishes(level, 6, qos, shape == "properties")
+        before = 0 if shape in ("first of its topic", "properties") else 1
+        if before:
+            c.send_bytes(good[0])
+            await h.commit()
+            assert c.received() == ([Puback(1)] if qos else [])
+        bad = [_with_length(p, 1) for p in good[before:]]
+        c.send_bytes(b"".join(bad) if shape == "a run of them" else bad[0])
+        await h.commit()
+        assert len(h.queue.log.records) == before
+        assert c.received() == ([Disconnect(MALFORMED)] if level == 5 else [])
+        assert c.conn.closed and "MQTT-1.5.5-1" in c.conn.close_reason
+    run(main())
+
+
+@pytest.mark.parametrize("where", ["remaining length", "property length", "will property length"])
+def test_connect_with_a_non_minimal_length_is_refused_mqtt_1_5_5_1(tmp_path: Path, where: str) -> None:
+    """MQTT-1.5.5-1 on CONNECT: a padded remaining length or (will) property length is a
+    Malformed Packet: closed without a session (4.13.1)."""
+    async def main() -> None:
+        h = Harness(tmp_path)
+        c = client5(h)
+        connect = Connect(client_id="nm", protocol_level=5, properties=Properties(session_expiry_interval=5),
+                          will_topic="w", will_payload=b"x", will_properties=Properties(content_type="c"))
+        wire = encode5(connect)
+        if where == "remaining length":
+            wire = _with_length(wire, 1)
+        else:
+            # The CONNECT's (or the will's) property section: property length 5 (or 4) ->
+            # "85 00" (or "84 00"), one byte longer, with the remaining length one larger.
+            mark = b"\x05\x11" if where == "property length" else b"\x04\x03"
+            at = wire.index(mark)
+            body = wire[2:at] + bytes((wire[at] | 0x80, 0)) + wire[at + 1:]
+            wire = bytes((0x10, len(body))) + body
+        c.send_bytes(wire)
+        got = c.received()
+        assert got == []
+        assert c.conn.closed and "MQTT-1.5.5-1" in c.conn.close_reason
+        assert "nm" not in h.core.connections
     run(main())

@@ -191,7 +191,7 @@ def _publish_run(buf: bytes, pos: int, n: int, maxsize: int, cache: dict[bytes, 
     if second < 0x80:
         head = 2
         remaining = second
-    elif n - pos >= 3 and buf[pos + 2] < 0x80:
+    elif n - pos >= 3 and 0 < buf[pos + 2] < 0x80:  # (0: not minimal, MQTT-1.5.5-1)
         head = 3
         remaining = (second & 0x7F) | (buf[pos + 2] << 7)
     else:
@@ -441,6 +441,8 @@ class Decoder:
             i += 1
             remaining |= (byte & 0x7F) << shift
             if not byte & 0x80:
+                if not byte and shift:  # e.g. "80 00": a shorter encoding exists (MQTT-1.5.5-1)
+                    raise ProtocolError("remaining length is not in its minimal encoding (MQTT-1.5.5-1)", name)
                 break
             shift += 7
             if shift >= 28:
@@ -486,7 +488,7 @@ class Decoder:
                     if second < 0x80:
                         start = pos + 2
                         end = start + second
-                    elif n - pos >= 3 and buf[pos + 2] < 0x80:
+                    elif n - pos >= 3 and 0 < buf[pos + 2] < 0x80:  # (0: not minimal, MQTT-1.5.5-1)
                         start = pos + 3
                         end = start + ((second & 0x7F) | (buf[pos + 2] << 7))
                     else:
@@ -576,7 +578,7 @@ class Decoder:
                     if second < 0x80:
                         start = pos + 2
                         end = start + second
-                    elif n - pos >= 3 and buf[pos + 2] < 0x80:
+                    elif n - pos >= 3 and 0 < buf[pos + 2] < 0x80:  # (0: not minimal, MQTT-1.5.5-1)
                         start = pos + 3
                         end = start + ((second & 0x7F) | (buf[pos + 2] << 7))
                     else:

@@ -171,3 +171,48 @@ def test_connect_with_a_non_minimal_length_is_refused_mqtt_1_5_5_1(tmp_path: Pat
         assert c.conn.closed and "MQTT-1.5.5-1" in c.conn.close_reason
         assert "nm" not in h.core.connections
     run(main())
+
+
+# ---- MQTT-3.1.2-2: a protocol level filemq does not speak is answered, then closed ----------
+
+
+def _at_level(wire: bytes, level: int) -> bytes:
+    """A CONNECT's bytes with its protocol level byte replaced (after "00 04 MQTT")."""
+    at = wire.index(b"\x00\x04MQTT") + 6
+    return wire[:at] + bytes((level,)) + wire[at + 1:]
+
+
+@pytest.mark.parametrize("level", [6, 7, 255, 0])
+@pytest.mark.parametrize("shape", [4, 5])
+def test_unknown_protocol_level_gets_connack_in_the_clients_shape_mqtt_3_1_2_2(tmp_path: Path, level: int,
+                                                                              shape: int) -> None:
+    """MQTT-3.1.2-2 (5.0): a CONNECT whose level the server does not speak MAY get CONNACK
+    0x84 Unsupported Protocol Version, then MUST be closed; MQTT-3.1.2-2 (3.1.1): CONNACK 0x01.
+    A level-6 CONNECT in the MQTT 5 shape (properties after the keep alive) gets the MQTT 5
+    CONNACK ``20 03 00 84 00``; one in the 3.1.1 shape the 3.1.1 CONNACK ``20 02 00 01``
+    (what a 3.1.1 client can read).  Before, both were closed without a word."""
+    async def main() -> None:
+        h = Harness(tmp_path)
+        c = h.client()
+        props = Properties(session_expiry_interval=30, user_properties=[("k", "v")]) if shape == 5 else None
+        connect = Connect(client_id="future", protocol_level=shape, properties=props, will_topic="w",
+                          will_payload=b"bye", username="u", password=b"p",
+                          will_properties=Properties(content_type="c") if shape == 5 else None)
+        c.send_bytes(_at_level(encode5(connect), level))
+        assert bytes(c.transport.data) == (b"\x20\x03\x00\x84\x00" if shape == 5 else b"\x20\x02\x00\x01")
+        assert c.conn.closed and c.transport.closed and f"protocol level {level}" in c.conn.close_reason
+        assert "future" not in h.core.connections
+    run(main())
+
+
+def test_connect_of_an_unknown_level_after_connack_is_disconnect_0x82_mqtt_3_1_0_2(tmp_path: Path) -> None:
+    """A second CONNECT is a Protocol Error whatever its level (MQTT-3.1.0-2): DISCONNECT 0x82
+    (0x84 is no DISCONNECT reason code, 3.14.2.1)."""
+    async def main() -> None:
+        h = Harness(tmp_path)
+        c = client5(h)
+        assert c.connect("twice").return_code == 0
+        c.send_bytes(_at_level(encode5(Connect(client_id="twice", protocol_level=5)), 6))
+        assert c.received() == [Disconnect(PROTOCOL_ERROR)]
+        assert c.conn.closed
+    run(main())

@@ -34,13 +34,23 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 from filemq.common.config import DEFAULT_MAX_INFLIGHT
-from filemq.mqtt.codec import Decoder, ProtocolError, encode, encode5, publish_bytes, publish_bytes5
+from filemq.mqtt.codec import (
+    Decoder,
+    ProtocolError,
+    UnsupportedProtocolLevel,
+    encode,
+    encode5,
+    publish_bytes,
+    publish_bytes5,
+)
 from filemq.mqtt.packets import (
     CONNACK_REASON_CODES,
     CONNACK_SERVER_UNAVAILABLE,
+    CONNACK_UNACCEPTABLE_PROTOCOL_VERSION,
     PROTOCOL_LEVEL_5,
     RC_PROTOCOL_ERROR,
     RC_TOPIC_ALIAS_INVALID,
+    RC_UNSUPPORTED_PROTOCOL_VERSION,
     Auth,
     Connack,
     Connect,
@@ -315,7 +325,14 @@ class Connection:
                     break
                 self.handle_packets((packet,))
         except ProtocolError as exc:
-            if self.protocol_level == PROTOCOL_LEVEL_5 and self.state == AWAITING_CONNECT:
+            if type(exc) is UnsupportedProtocolLevel and self.state == AWAITING_CONNECT:
+                # MQTT-3.1.2-2 (3.1.1 and 5.0): answered in the shape the client speaks.
+                if exc.shape == PROTOCOL_LEVEL_5:
+                    self.encode_packet = encode5
+                    self.send_packet(Connack(False, RC_UNSUPPORTED_PROTOCOL_VERSION))
+                else:
+                    self.send_packet(Connack(False, CONNACK_UNACCEPTABLE_PROTOCOL_VERSION))
+            elif self.protocol_level == PROTOCOL_LEVEL_5 and self.state == AWAITING_CONNECT:
                 # An MQTT 5 CONNECT refused for a malformed or invalid field: CONNACK with the
                 # reason code, then close (4.13.1, MQTT-3.2.2-7).
                 code = exc.reason_code if exc.reason_code in CONNACK_REASON_CODES else RC_PROTOCOL_ERROR

@@ -62,6 +62,7 @@ from filemq.mqtt.properties import PROPERTY_TYPES as PROPERTY_TYPES
 from filemq.mqtt.properties import _vbi
 from filemq.mqtt.wire import MAX_REMAINING_LENGTH as MAX_REMAINING_LENGTH
 from filemq.mqtt.wire import ProtocolError as ProtocolError
+from filemq.mqtt.wire import UnsupportedProtocolLevel as UnsupportedProtocolLevel
 from filemq.mqtt.wire import (
     _fixed_header,
     _pack_BBH,

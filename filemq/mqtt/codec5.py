@@ -60,6 +60,7 @@ from filemq.mqtt.wire import (
     _PINGREQ,
     _PINGRESP,
     ProtocolError,
+    UnsupportedProtocolLevel,
     _bin,
     _check_packet_id,
     _decode_connack,
@@ -120,6 +121,25 @@ def _decode_connect(buf: bytes | bytearray, pos: int, end: int) -> Connect:
         raise ProtocolError("CONNECT truncated in the variable header", name)
     level, flags, keepalive = struct.unpack_from("!BBH", buf, pos)
     pos += 4
+    if level not in (3, 4, PROTOCOL_LEVEL_5):
+        raise UnsupportedProtocolLevel(level, _connect_shape(buf, pos, end, flags))
+    return _decode_connect_rest(buf, pos, end, protocol_name, level, flags, keepalive)
+
+
+def _connect_shape(buf: bytes | bytearray, pos: int, end: int, flags: int) -> int:
+    """5 if the CONNECT from its properties on (at ``pos``) parses as an MQTT 5.0 one, else 4."""
+    try:
+        _decode_connect_rest(buf, pos, end, "MQTT", PROTOCOL_LEVEL_5, flags, 0)
+    except ProtocolError:
+        return 4
+    return PROTOCOL_LEVEL_5
+
+
+def _decode_connect_rest(buf: bytes | bytearray, pos: int, end: int, protocol_name: str, level: int, flags: int,
+                         keepalive: int) -> Connect:
+    """A CONNECT after its keep alive (at ``pos``): flags checked, then properties (level 5),
+    client id, will, username and password."""
+    name = "CONNECT"
     v5 = level == PROTOCOL_LEVEL_5
     if flags & 0x01:
         raise ProtocolError("CONNECT reserved flag (bit 0) is set", name)

@@ -45,6 +45,21 @@ class ProtocolError(ValueError):
         self.reason_code = reason_code
 
 
+class UnsupportedProtocolLevel(ProtocolError):
+    """A CONNECT of a protocol level filemq does not speak (not 3, 4 or 5): ``level`` is it,
+    ``shape`` 5 when the rest of the CONNECT parses as an MQTT 5.0 one (properties after the
+    keep alive), else 4.  The server answers it before closing (3.1.2.2, MQTT-3.1.2-2 of 3.1.1
+    and of 5.0): CONNACK 0x84 Unsupported Protocol Version in the MQTT 5 shape, or 0x01
+    unacceptable protocol version in the 3.1.1 one.  ``reason_code`` is 0x82: on a connection
+    past CONNACK a CONNECT of any level is a Protocol Error (MQTT-3.1.0-2)."""
+
+    def __init__(self, level: int, shape: int) -> None:
+        super().__init__(f"CONNECT protocol level {level} (in the MQTT {'5.0' if shape == 5 else '3.1.1'} shape); "
+                         "only 4 (MQTT 3.1.1) and 5 (MQTT 5.0) are spoken", "CONNECT", RC_PROTOCOL_ERROR)
+        self.level = level
+        self.shape = shape
+
+
 _pack_BB = struct.Struct("!BB").pack
 _pack_BBB = struct.Struct("!BBB").pack
 _pack_BBH = struct.Struct("!BBH").pack

@@ -149,7 +149,8 @@ def test_publish_with_a_non_minimal_remaining_length_is_refused_mqtt_1_5_5_1(tmp
 @pytest.mark.parametrize("where", ["remaining length", "property length", "will property length"])
 def test_connect_with_a_non_minimal_length_is_refused_mqtt_1_5_5_1(tmp_path: Path, where: str) -> None:
     """MQTT-1.5.5-1 on CONNECT: a padded remaining length or (will) property length is a
-    Malformed Packet: closed without a session (4.13.1)."""
+    Malformed Packet: closed without a session; CONNACK 0x81 first once the level byte said 5
+    (4.13.1, MQTT-3.1.4-1), none when the fixed header is at fault (the level is unknown)."""
     async def main() -> None:
         h = Harness(tmp_path)
         c = client5(h)
@@ -167,7 +168,8 @@ def test_connect_with_a_non_minimal_length_is_refused_mqtt_1_5_5_1(tmp_path: Pat
             wire = bytes((0x10, len(body))) + body
         c.send_bytes(wire)
         got = c.received()
-        assert got == []
+        # (a padded property length: the level byte was read, so CONNACK 0x81 comes first)
+        assert got == ([] if where == "remaining length" else [Connack(False, MALFORMED)])
         assert c.conn.closed and "MQTT-1.5.5-1" in c.conn.close_reason
         assert "nm" not in h.core.connections
     run(main())
@@ -215,4 +217,69 @@ def test_connect_of_an_unknown_level_after_connack_is_disconnect_0x82_mqtt_3_1_0
         c.send_bytes(_at_level(encode5(Connect(client_id="twice", protocol_level=5)), 6))
         assert c.received() == [Disconnect(PROTOCOL_ERROR)]
         assert c.conn.closed
+    run(main())
+
+
+# ---- MQTT-3.1.4-1 / 4.13.1: an MQTT 5 CONNECT refused as malformed gets CONNACK 0x81 / 0x82 ---
+
+
+def _connect5(props: bytes, will_props: bytes | None = None) -> bytes:
+    """A level-5 CONNECT with hand-made property sections (client id "bad", Clean Start)."""
+    body = b"\x00\x04MQTT\x05" + bytes((0x02 | (0x04 if will_props is not None else 0),)) + b"\x00\x3c"
+    body += _vbi(len(props)) + props + b"\x00\x03bad"
+    if will_props is not None:
+        body += _vbi(len(will_props)) + will_props + b"\x00\x01w\x00\x03bye"
+    return b"\x10" + _vbi(len(body)) + body
+
+
+_EXPIRY = b"\x11\x00\x00\x00\x3c"  # session expiry interval 60
+
+
+@pytest.mark.parametrize(
+    ("wire", "code"),
+    [
+        pytest.param(_connect5(_EXPIRY + _EXPIRY), PROTOCOL_ERROR, id="session expiry twice (3.1.2.11.2)"),
+        pytest.param(_connect5(b"\x7f\x00"), MALFORMED, id="unknown property 0x7F (2.2.2.2)"),
+        pytest.param(_connect5(b"\x01\x00"), MALFORMED, id="payload format indicator on CONNECT (2.2.2.2)"),
+        pytest.param(_connect5(b"\x21\x00\x00"), PROTOCOL_ERROR, id="receive maximum 0 (3.1.2.11.3)"),
+        pytest.param(_connect5(b"\x27\x00\x00\x00\x00"), PROTOCOL_ERROR, id="maximum packet size 0 (3.1.2.11.4)"),
+        pytest.param(_connect5(b"\x26\x00\x01\xff\x00\x01v"), MALFORMED,
+                     id="ill-formed UTF-8 in a user property (MQTT-1.5.4-1)"),
+        pytest.param(_connect5(b"\x16\x00\x01x"), PROTOCOL_ERROR, id="authentication data without method (3.1.2.11.10)"),
+        pytest.param(_connect5(b"\x17\x02"), PROTOCOL_ERROR, id="request problem information 2 (3.1.2.11.7)"),
+        pytest.param(_connect5(b"", _EXPIRY), MALFORMED, id="session expiry in the will properties (3.1.3.2)"),
+        pytest.param(_connect5(b"", b"\x18\x00\x00\x00\x01" * 2), PROTOCOL_ERROR, id="will delay twice (3.1.3.2.2)"),
+        pytest.param(_connect5(b"", b"\x01\x02"), PROTOCOL_ERROR, id="will payload format indicator 2 (3.1.3.2.3)"),
+        pytest.param(_connect5(b"", b"\x03\x00\x02\xc0\x80"), MALFORMED, id="will content type not UTF-8 (MQTT-1.5.4-1)"),
+        pytest.param(_connect5(b"\x05"), MALFORMED, id="property length past the packet (2.2.2.1)"),
+    ],
+)
+def test_mqtt5_connect_property_errors_get_connack_0x81_or_0x82_mqtt_3_1_4_1(tmp_path: Path, wire: bytes,
+                                                                              code: int) -> None:
+    """MQTT-3.1.4-1: the server validates the CONNECT and closes the connection if it does not
+    match 3.1; it MAY send a CONNACK with a reason code of 0x80 or greater first (4.13.1).
+    filemq does, as docs/MQTT5.md says: 0x81 Malformed Packet for a packet that does not parse
+    (an unknown or misplaced property, a value not of its type), 0x82 Protocol Error for one
+    that parses but breaks a rule (a repeated property, a value out of its range).  Then it
+    closes; no session, no will."""
+    async def main() -> None:
+        h = Harness(tmp_path)
+        c = client5(h)
+        c.send_bytes(wire)
+        assert c.received() == [Connack(False, code)]
+        assert c.conn.closed and c.transport.closed
+        assert "bad" not in h.core.connections and not h.queue.log.records
+    run(main())
+
+
+def test_3_1_1_connect_errors_are_still_closed_without_connack(tmp_path: Path) -> None:
+    """3.1.1 has no CONNACK code for a malformed CONNECT (its 3.1.4: the server closes the
+    connection): a CONNECT with a reserved flag set is closed without an answer."""
+    async def main() -> None:
+        h = Harness(tmp_path)
+        c = h.client()
+        wire = bytearray(encode(Connect(client_id="old")))
+        wire[9] |= 0x01  # the reserved flag (MQTT-3.1.2-3)
+        c.send_bytes(bytes(wire))
+        assert c.received() == [] and c.conn.closed
     run(main())

@@ -123,7 +123,11 @@ def _decode_connect(buf: bytes | bytearray, pos: int, end: int) -> Connect:
     pos += 4
     if level not in (3, 4, PROTOCOL_LEVEL_5):
         raise UnsupportedProtocolLevel(level, _connect_shape(buf, pos, end, flags))
-    return _decode_connect_rest(buf, pos, end, protocol_name, level, flags, keepalive)
+    try:
+        return _decode_connect_rest(buf, pos, end, protocol_name, level, flags, keepalive)
+    except ProtocolError as exc:
+        exc.connect_level = level  # (a level-5 one is answered with CONNACK 0x81 / 0x82)
+        raise
 
 
 def _connect_shape(buf: bytes | bytearray, pos: int, end: int, flags: int) -> int:

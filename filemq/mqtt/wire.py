@@ -35,7 +35,9 @@ class ProtocolError(ValueError):
     ``reason_code`` the MQTT 5 reason code to put on the CONNACK or DISCONNECT that closes an
     MQTT 5 connection (spec 4.13): 0x81 Malformed Packet unless the spec names another
     (0x82 Protocol Error, 0x94 Topic Alias invalid, 0x95 Packet too large).  A 3.1.1
-    connection has no way to send it and just closes.
+    connection has no way to send it and just closes.  ``connect_level`` is the protocol level
+    of the CONNECT the fault is in, once its level byte was read (else None): a server answers
+    a level-5 one with a CONNACK carrying ``reason_code`` (MQTT-3.1.4-1, 4.13.1).
     """
 
     def __init__(self, reason: str, packet_type: str | None = None, reason_code: int = RC_MALFORMED_PACKET) -> None:
@@ -43,6 +45,7 @@ class ProtocolError(ValueError):
         self.reason = reason
         self.packet_type = packet_type
         self.reason_code = reason_code
+        self.connect_level: int | None = None
 
 
 class UnsupportedProtocolLevel(ProtocolError):

@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from filemq.broker.core import HookResult
 from filemq.mqtt.codec import Decoder, ProtocolError, encode, encode5
 from filemq.mqtt.packets import (
     Connack,
@@ -282,4 +283,73 @@ def test_3_1_1_connect_errors_are_still_closed_without_connack(tmp_path: Path) -
         wire[9] |= 0x01  # the reserved flag (MQTT-3.1.2-3)
         c.send_bytes(bytes(wire))
         assert c.received() == [] and c.conn.closed
+    run(main())
+
+
+# ---- issue 33 item 5: MQTT 5 refusals carry a reason code; an MQTT 5 CONNECT may be large ----
+
+
+def test_publish_hook_reject_sends_disconnect_0x83_to_an_mqtt5_client(tmp_path: Path) -> None:
+    """A publish hook's ``HookResult.reject`` closes the connection unacknowledged; an MQTT 5
+    client is told why first: DISCONNECT 0x83 Implementation specific error ("the packet
+    received is valid but cannot be processed by this implementation", 3.14.2.1; MQTT-4.13.2-1:
+    a server closing because of an error sends DISCONNECT with a reason code first).  A 3.1.1
+    client is closed as before (it has no DISCONNECT from the server)."""
+    async def main() -> None:
+        h = Harness(tmp_path)
+        h.hook = lambda _client, p: HookResult.reject("no") if p.topic == "bad" else HookResult.store()
+        h.core = h.make_core()
+        c = client5(h)
+        assert c.connect("hooked").return_code == 0
+        c.send(Publish("bad", b"x", 1, packet_id=1))
+        await h.commit()
+        assert c.received() == [Disconnect(0x83)]
+        assert c.conn.closed and "rejected: no" in c.conn.close_reason and not h.queue.log.records
+        old = h.client()
+        assert old.connect("hooked311").return_code == 0
+        old.send(Publish("bad", b"x", 1, packet_id=1))
+        await h.commit()
+        assert old.received() == [] and old.conn.closed
+    run(main())
+
+
+def _big_connect5(size: int) -> bytes:
+    """An MQTT 5 CONNECT of about ``size`` bytes: user properties of 60,000-byte values."""
+    n, rest = divmod(size, 60_010)
+    pairs = [(f"k{i}", "v" * 60_000) for i in range(n)] + [("rest", "r" * max(0, rest - 20))]
+    return encode5(Connect(client_id="big", protocol_level=5, properties=Properties(user_properties=pairs)))
+
+
+def test_mqtt5_connect_larger_than_the_largest_311_connect_is_accepted(tmp_path: Path) -> None:
+    """MQTT 5 has no largest CONNECT (its user properties are unbounded, 3.1.2.11.8); the
+    server's Maximum Packet Size is the only limit (3.2.2.3.6).  A 500 KB level-5 CONNECT
+    under max_packet_size 1 MiB is accepted, also sent in small reads (the pre-CONNECT cap of
+    MAX_CONNECT_PACKET, 3.1.1's largest CONNECT, applies until its level byte says 5); one
+    over max_packet_size gets CONNACK 0x95 Packet too large (4.13.1) and is closed; a 3.1.1
+    CONNECT announcing as much is still closed as soon as its level byte is in."""
+    from filemq.broker.session import MAX_CONNECT_PACKET
+
+    async def main() -> None:
+        h = Harness(tmp_path, max_packet_size=1 << 20)
+        wire = _big_connect5(500_000)
+        assert MAX_CONNECT_PACKET < len(wire) < 1 << 20
+        for step in (len(wire), 4, 1460):
+            c = client5(h)
+            for k in range(0, len(wire), step):
+                c.conn.receive_data(wire[k:k + step])
+            h.core.flush()
+            ack = c.received()
+            assert [type(p) for p in ack] == [Connack] and ack[0].return_code == 0, step
+            assert not c.conn.closed
+            c.send(Disconnect())
+        over = client5(h)
+        over.send_bytes(_big_connect5((1 << 20) + 1000)[:200_000])
+        assert over.received() == [Connack(False, 0x95)] and over.conn.closed
+        old = h.client()
+        size = len(wire) - 4
+        old.send_bytes(bytes((0x10, 0x80 | (size & 0x7F), 0x80 | ((size >> 7) & 0x7F), size >> 14)))
+        assert not old.conn.closed  # (its level byte is not in yet)
+        old.send_bytes(b"\x00\x04MQTT\x04\x02\x00\x3c")
+        assert old.received() == [] and old.conn.closed
+        assert "exceeds max_packet_size" in old.conn.close_reason
     run(main())

@@ -11,8 +11,9 @@ What a caller may rely on:
 
 * The first packet must be CONNECT and a second CONNECT is a protocol violation; either
   closes the connection.  Before CONNACK no packet may be larger than
-  :data:`MAX_CONNECT_PACKET` (nor ``max_packet_size``), and at most that many bytes are held
-  for the connection; the CONNECT must be complete ``connect_timeout`` after the accept,
+  :data:`MAX_CONNECT_PACKET` (nor ``max_packet_size``) but a level-5 CONNECT, which may be
+  ``max_packet_size``, and at most that many bytes are held for the connection (once the
+  CONNECT's level byte is in); the CONNECT must be complete ``connect_timeout`` after the accept,
   however slowly its bytes arrive.  Any :class:`~filemq.mqtt.ProtocolError` closes it too, with the
   reason logged with client id and peer.  :meth:`receive_data` never raises.
 * A QoS 1 PUBACK / QoS 2 PUBREC is queued only after the record's group-commit future has
@@ -203,7 +204,10 @@ class Connection:
         self.peer = peer
         self.transport = transport
         self.max_packet_size = max_packet_size  # after CONNACK; less before (MAX_CONNECT_PACKET)
-        self.decoder = Decoder(min(max_packet_size, MAX_CONNECT_PACKET), server=True, runs=True)
+        # Before CONNACK: MQTT 3.1.1's largest CONNECT, unless the CONNECT's level byte says 5
+        # (its properties have no such bound: max_packet_size then, issue 33 item 5).
+        self.decoder = Decoder(min(max_packet_size, MAX_CONNECT_PACKET), server=True, runs=True,
+                               max_connect5=max_packet_size)
         self.state = AWAITING_CONNECT
         self.out = bytearray()
         self.client_id = ""
@@ -293,6 +297,8 @@ class Connection:
         try:
             self.decoder.feed(data)
         except ProtocolError as exc:
+            if self.state == AWAITING_CONNECT:
+                self._answer_bad_connect(exc)
             self.close(f"protocol error: {exc.reason}", will=True, level=logging.WARNING,
                        reason_code=exc.reason_code)
             return
@@ -338,7 +344,7 @@ class Connection:
         if self.state == CONNECTED:
             self.decoder.max_packet_size = self.max_packet_size
             self._handle_buffered()
-        elif self.decoder.buffered > MAX_CONNECT_PACKET:
+        elif self.decoder.buffered > max(MAX_CONNECT_PACKET, self.decoder.max_packet_size):
             self.close(f"more than {MAX_CONNECT_PACKET} bytes sent before CONNACK", will=False,
                        level=logging.WARNING)
 

@@ -28,7 +28,7 @@ from itertools import repeat
 from operator import eq
 from typing import Any
 
-from filemq.mqtt.codec5 import _ENCODERS5, _decode_body5
+from filemq.mqtt.codec5 import _ENCODERS5, _connect_level, _decode_body5
 from filemq.mqtt.codec311 import _ENCODERS, _decode_body
 from filemq.mqtt.packets import (
     AUTH,
@@ -305,12 +305,16 @@ class Decoder:
     because a byte stream cannot be resynchronised after a framing error.
     """
 
-    __slots__ = ("_allowed", "_buf", "_error", "_max", "_names", "_pos", "_runs", "_server", "_topics", "_v5")
+    __slots__ = ("_allowed", "_buf", "_error", "_max", "_max_connect5", "_names", "_pos", "_runs", "_server",
+                 "_topics", "_v5")
 
     def __init__(self, max_packet_size: int = DEFAULT_MAX_PACKET_SIZE, *, server: bool = True,
-                 protocol_level: int = PROTOCOL_LEVEL, runs: bool = False) -> None:
+                 protocol_level: int = PROTOCOL_LEVEL, runs: bool = False, max_connect5: int = 0) -> None:
         if max_packet_size < 2:
             raise ValueError(f"max_packet_size must be at least 2 bytes, got {max_packet_size}")
+        # A level-5 CONNECT may be up to this size although max_packet_size is lower (a
+        # server's pre-CONNECT cap, MQTT 3.1.1's largest CONNECT); its arrival lifts the cap.
+        self._max_connect5 = max_connect5
         # packets(): a run of equal-shaped PUBLISHes comes as one PublishRun (MQTT 5: QoS 1 ones
         # without properties).
         self._runs = runs
@@ -450,9 +454,16 @@ class Decoder:
                 raise ProtocolError("remaining length exceeds 4 bytes", name)
         total = i - pos + remaining
         if total > self._max:
-            raise ProtocolError(
-                f"packet of {total} bytes exceeds max_packet_size {self._max}", name, RC_PACKET_TOO_LARGE
-            )
+            level = _connect_level(buf, i, n) if ptype == CONNECT else None
+            if level == PROTOCOL_LEVEL_5 and total <= self._max_connect5:
+                self._max = self._max_connect5
+            elif level is None and ptype == CONNECT and total <= self._max_connect5:
+                return None  # its level byte decides, a few bytes on
+            else:
+                exc = ProtocolError(f"packet of {total} bytes exceeds max_packet_size {self._max}", name,
+                                    RC_PACKET_TOO_LARGE)
+                exc.connect_level = level  # (a level-5 CONNECT gets CONNACK 0x95)
+                raise exc
         return ptype, flags, i - pos, remaining
 
     def _decode(self, limit: int) -> list[Packet]:

@@ -130,6 +130,15 @@ def _decode_connect(buf: bytes | bytearray, pos: int, end: int) -> Connect:
         raise
 
 
+def _connect_level(buf: bytes | bytearray, pos: int, n: int) -> int | None:
+    """The protocol level byte of a CONNECT whose variable header starts at ``pos`` (the
+    protocol name's length), or None while it has not arrived (``buf[:n]`` is what has)."""
+    if pos + 2 > n:
+        return None
+    at = pos + 2 + ((buf[pos] << 8) | buf[pos + 1])
+    return buf[at] if at < n else None
+
+
 def _connect_shape(buf: bytes | bytearray, pos: int, end: int, flags: int) -> int:
     """5 if the CONNECT from its properties on (at ``pos``) parses as an MQTT 5.0 one, else 4."""
     try:

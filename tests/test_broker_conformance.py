@@ -353,3 +353,45 @@ def test_mqtt5_connect_larger_than_the_largest_311_connect_is_accepted(tmp_path:
         assert old.received() == [] and old.conn.closed
         assert "exceeds max_packet_size" in old.conn.close_reason
     run(main())
+
+
+# ---- takeover and the will (Mosquitto's 07-will-takeover, MQTT-3.1.2-8 of 5.0) ---------------
+
+
+def _wills(h: Harness) -> list[str]:
+    return [r.topic for r in h.queue.log.records if r.topic.startswith("will/")]
+
+
+@pytest.mark.parametrize(
+    ("level", "expiry", "new_clean", "published"),
+    [
+        pytest.param(5, 60, False, False, id="5: the new connection resumes the session: no will"),
+        pytest.param(5, 60, True, True, id="5: Clean Start 1 ends the session: will"),
+        pytest.param(5, 0, False, True, id="5: session expiry 0 ended with the old connection: will"),
+        pytest.param(4, None, False, True, id="3.1.1: a take-over publishes the will (3.1.2.5 of 3.1.1)"),
+    ],
+)
+def test_takeover_publishes_the_will_only_when_the_session_ends_mqtt_3_1_2_8(
+        tmp_path: Path, level: int, expiry: int | None, new_clean: bool, published: bool) -> None:
+    """MQTT 5.0, MQTT-3.1.2-8: the will is published after the network connection closes and
+    the will delay has elapsed or the session ended, *unless* a new network connection for
+    the client id opened before the delay elapsed.  A take-over by a connection that resumes
+    the session (Clean Start 0, the session outlives the old connection) is such a new
+    connection, also with a will delay of 0: no will (as Mosquitto does, test
+    07-will-takeover).  When the take-over ends the session (Clean Start 1, or the old
+    connection's session expiry 0) the will is published.  MQTT 3.1.1 keeps its rule: the
+    old connection did not send DISCONNECT, so its will is published."""
+    async def main() -> None:
+        h = Harness(tmp_path)
+        old = client5(h) if level == 5 else h.client()
+        new = client5(h) if level == 5 else h.client()
+        props = None if expiry is None else Properties(session_expiry_interval=expiry)
+        assert old.connect("dev", False, properties=props, will_topic="will/dev", will_payload=b"gone",
+                           will_qos=1).return_code == 0
+        assert new.connect("dev", new_clean, properties=props).return_code == 0
+        await h.commit()
+        assert old.conn.closed
+        assert old.received() == ([Disconnect(0x8E)] if level == 5 else [])  # MQTT-3.1.4-3
+        assert _wills(h) == (["will/dev"] if published else [])
+        assert h.core.connections["dev"] is new.conn
+    run(main())

@@ -209,6 +209,23 @@ class ConnectMixin(CoreBase):
             self._refuse(conn, CONNACK_BAD_USERNAME_OR_PASSWORD, f"wrong password for user {p.username!r}")
         self.flush()
 
+    @staticmethod
+    def _take_over(old: Connection, conn: Connection, p: Connect) -> None:
+        """Close ``old``, whose client id ``conn`` (CONNECT ``p``) takes (3.1.4-2; MQTT 5:
+        DISCONNECT 0x8E first, MQTT-3.1.4-3).  Its will: MQTT 3.1.1 publishes it (the client
+        sent no DISCONNECT, 3.1.2.5).  MQTT 5 publishes it only if the session ends with the
+        take-over (Clean Start 1, or the old connection's session expiry 0): a new connection
+        that resumes the session is one "opened before the Will Delay Interval has elapsed",
+        so the will is not sent, whatever its delay (MQTT-3.1.2-8 of 5.0; Mosquitto alike)."""
+        will = True
+        if old.protocol_level == PROTOCOL_LEVEL_5:
+            state = old.session
+            will = p.clean_session or state is None or not state.persistent or state.expiry == 0
+        if not will:
+            log.info("client %r: its session is resumed by a new connection from %s: its will is not sent "
+                     "(MQTT-3.1.2-8)", old.client_id, conn.peer)
+        old.close(f"session taken over by a new connection from {conn.peer}", will=will, reason_code=0x8E)
+
     def _not_owner(self, conn: Connection, mem: SessionState | None,
                    stored: StoredSession | None) -> str | None:
         """Why ``conn``'s user may not take its client id (another user's session), or None."""
@@ -252,8 +269,8 @@ class ConnectMixin(CoreBase):
         old = self.connections.get(cid)
         if old is not None and old is not conn:
             # 3.1.4-2: the existing client is disconnected (MQTT 5: DISCONNECT 0x8E, session
-            # taken over, MQTT-3.1.4-3); it did not send DISCONNECT, so its will is published.
-            old.close(f"session taken over by a new connection from {conn.peer}", will=True, reason_code=0x8E)
+            # taken over, MQTT-3.1.4-3); it did not send DISCONNECT: see _take_over.
+            self._take_over(old, conn, p)
             if mem is not None and self.sessions.get(cid) is not mem:
                 mem = stored = None  # its session ended with it (MQTT 5 session expiry 0)
         present = adopted = False
@@ -337,7 +354,7 @@ class ConnectMixin(CoreBase):
         else:
             old = self.connections.get(conn.client_id)
             if old is not None and old is not conn:
-                old.close(f"session taken over by a new connection from {conn.peer}", will=True)
+                self._take_over(old, conn, p)
             conn.state = AWAITING_CONNECT
             self._connected(conn, state, p, present)
             conn.resume_after_auth()

@@ -4,6 +4,7 @@ OASIS rule it checks (MQTT 5.0 of 7 March 2019 unless it says 3.1.1)."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import pytest
@@ -394,4 +395,49 @@ def test_takeover_publishes_the_will_only_when_the_session_ends_mqtt_3_1_2_8(
         assert old.received() == ([Disconnect(0x8E)] if level == 5 else [])  # MQTT-3.1.4-3
         assert _wills(h) == (["will/dev"] if published else [])
         assert h.core.connections["dev"] is new.conn
+    run(main())
+
+
+# ---- security: empty passwords (as Mosquitto) ---------------------------------------------
+
+
+@pytest.mark.parametrize("level", [4, 5])
+def test_empty_password_is_refused_even_when_the_file_hashes_it(tmp_path: Path, level: int,
+                                                              caplog: pytest.LogCaptureFixture) -> None:
+    """A password-file line that is the hash of the empty password does not let its user in
+    with an empty password: CONNACK 0x04 (3.1.1) / 0x86 bad user name or password (MQTT 5,
+    3.2.2.2), as Mosquitto refuses empty passwords.  The line is named in one WARNING, not one
+    per attempt; the user's real logins and other users are untouched."""
+    import asyncio
+
+    from filemq.broker.auth import PasswordFile, PasswordHash
+
+    pw_file = tmp_path / "pw"
+    pw_file.write_text(f"empty:{PasswordHash.create(b'', 1000).encode()}\n"
+                       f"alice:{PasswordHash.create(b'secret', 1000).encode()}\n")
+
+    async def login(h: Harness, user: str, password: bytes) -> int:
+        c = client5(h) if level == 5 else h.client()
+        c.send(Connect(client_id=f"{user}-{len(c.h.core.connections)}", username=user, password=password,
+                       protocol_level=level))
+        for _ in range(300):
+            if c.conn.closed or c.conn.state == "connected":
+                break
+            await asyncio.sleep(0.01)
+        got = c.received()
+        assert len(got) == 1 and type(got[0]) is Connack, got
+        return got[0].return_code
+
+    async def main() -> None:
+        h = Harness(tmp_path)
+        h.core.passwords = PasswordFile.load(pw_file)
+        h.core.anonymous_allowed = False
+        refused = 0x86 if level == 5 else 0x04
+        with caplog.at_level(logging.WARNING, "filemq.broker.auth"):
+            assert await login(h, "empty", b"") == refused
+            assert await login(h, "empty", b"") == refused
+            assert await login(h, "alice", b"") == refused
+        assert await login(h, "alice", b"secret") == 0
+        named = [r for r in caplog.records if r.name == "filemq.broker.auth" and "empty password" in r.message]
+        assert len(named) == 1 and "'empty'" in named[0].message
     run(main())

@@ -26,6 +26,9 @@ What a caller may rely on:
   for any malformed line or duplicate user; a loaded file never changes (reload = load again).
 * :meth:`PasswordFile.check` takes about as long for an unknown user as for a wrong password
   (it derives a hash against a dummy entry), so timing does not reveal which users exist.
+  An empty password never logs in, whatever the file holds (as Mosquitto refuses them): a
+  line that is the hash of the empty password is logged once (WARNING, per file and user)
+  when it is first tried, with the command that sets a password.
   A miss costs one PBKDF2 (~80 ms at 210,000 iterations on a small core): call it from an
   executor, not the event loop.  It is thread-safe.
 * Login cache: a successful ``(user, password)`` pair is remembered (bounded LRU, default
@@ -75,6 +78,7 @@ MAX_ITERATIONS = 2_000_000
 long -- about 10 s at this cap on a small core, hours for a ``$7$2000000000$`` line."""
 
 _warned_weak: set[tuple[str, str, str]] = set()  # (file, user, hash) already logged as weak
+_warned_empty: set[tuple[str, str]] = set()  # (file, user) whose entry is the empty password, logged
 
 log = logging.getLogger(__name__)
 
@@ -266,6 +270,14 @@ class PasswordFile:
             return True
         entry = self._entries.get(user)
         ok = (entry or self._dummy).verify(pw) and entry is not None
+        if ok and not pw:
+            # The same cost as a wrong password, and refused: an entry hashing "" is a mistake.
+            if (self.path, user) not in _warned_empty:
+                _warned_empty.add((self.path, user))
+                log.warning("password file %s: the entry of user %r is the empty password; empty passwords "
+                            "are refused (as Mosquitto does): set one with `filemq passwd %s %s`",
+                            self.path, user, self.path, user)
+            return False
         if ok and self._cache_size > 0:
             token = self._cache_token(user, pw)
             with self._lock:

@@ -206,7 +206,8 @@ class ConnectMixin(CoreBase):
             self._accept(conn, p)
             conn.resume_after_auth()
         else:
-            self._refuse(conn, CONNACK_BAD_USERNAME_OR_PASSWORD, f"wrong password for user {p.username!r}")
+            what = "an empty password (refused)" if not p.password else "wrong password"
+            self._refuse(conn, CONNACK_BAD_USERNAME_OR_PASSWORD, f"{what} for user {p.username!r}")
         self.flush()
 
     @staticmethod

@@ -39,6 +39,9 @@ What a caller may rely on:
   passwords arriving in CONNECT packets, so nothing is lost that was not already exposed.
   Failed checks are never cached (a guessing attacker pays full PBKDF2 every time), and the
   cache dies with the object, so reloading the file drops it.
+* :class:`LoginThrottle` keeps failed password checks per source address: after a number of
+  them in a row, that address's checks start at most one per delay (a flood of wrong
+  passwords from one address cannot hold every PBKDF2 thread).
 * :func:`add_or_update` rewrites the file with :func:`segments.fileio.atomic_write`; a new
   file is created with mode 0600, an existing one keeps its mode.
 """
@@ -285,6 +288,59 @@ class PasswordFile:
                 if len(self._cache) > self._cache_size:
                     self._cache.popitem(last=False)
         return ok
+
+
+class LoginThrottle:
+    """Failed password checks per source address (sans-I/O: the caller passes the clock).
+
+    After ``after`` failed checks in a row from one address (0: never), each further check
+    from it starts ``delay`` seconds after the one before it started, so one address costs at
+    most one PBKDF2 per ``delay`` whatever it sends; a success resets the address.  At most
+    ``max_sources`` addresses are kept (least recently failed dropped first), so a flood of
+    addresses costs bounded memory.
+    """
+
+    def __init__(self, after: int, delay: float, max_sources: int = 4096) -> None:
+        self.after = after
+        self.delay = delay
+        self.max_sources = max_sources
+        # address -> [failures in a row, monotonic time its next check may start]
+        self._sources: OrderedDict[str, list[float]] = OrderedDict()
+
+    def wait(self, source: str, now: float, horizon: float) -> float | None:
+        """Seconds the next password check from ``source`` must wait (0.0: none), reserving
+        its start; None when that start is more than ``horizon`` seconds away (refuse it
+        without a check: the queue of that address is full)."""
+        entry = self._sources.get(source)
+        if entry is None or not self.after or entry[0] < self.after:
+            return 0.0
+        start = max(now, entry[1])
+        if start - now > horizon:
+            return None
+        entry[1] = start + self.delay
+        return start - now
+
+    def failed(self, source: str, now: float) -> bool:
+        """Count a failed check from ``source``; True exactly when this one starts its delays
+        (the caller logs that once)."""
+        entry = self._sources.get(source)
+        if entry is None:
+            entry = self._sources[source] = [0, now]
+            if len(self._sources) > self.max_sources:
+                self._sources.popitem(last=False)
+        else:
+            self._sources.move_to_end(source)
+        entry[0] += 1
+        return bool(self.after) and entry[0] == self.after
+
+    def succeeded(self, source: str) -> None:
+        """A check from ``source`` succeeded: its failures in a row are over."""
+        self._sources.pop(source, None)
+
+    def failures(self, source: str) -> int:
+        """Failed checks in a row from ``source``."""
+        entry = self._sources.get(source)
+        return 0 if entry is None else int(entry[0])
 
 
 def add_or_update(

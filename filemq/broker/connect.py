@@ -85,6 +85,11 @@ def session_expiry(p: Connect) -> int | None:
     return props.session_expiry_interval
 
 
+def _source(conn: Connection) -> str:
+    """The address a connection comes from, without its port (the login throttle's key)."""
+    return conn.peer.rsplit(":", 1)[0]
+
+
 def _check_password(conn: Connection, passwords: PasswordFile, user: str, password: bytes) -> bool:
     """The password check of a CONNECT, in an auth worker thread; a connection that went
     away while it waited for a thread costs no PBKDF2."""
@@ -187,14 +192,30 @@ class ConnectMixin(CoreBase):
             self._refuse(conn, CONNACK_BAD_USERNAME_OR_PASSWORD, f"user {p.username!r} sent no password")
             return
         if passwords.cached(p.username, p.password):
-            self._accept(conn, p)
+            self._accept(conn, p)  # (no PBKDF2: never delayed by the login throttle)
             return
-        # PBKDF2 takes ~100 ms: run it off the loop; packets arriving meanwhile wait.
-        conn.state = AUTHENTICATING
+        # An address past its failed logins in a row waits its turn (filemq.broker.auth.
+        # LoginThrottle): one PBKDF2 per login_failure_delay_ms from it, whatever it sends.
+        wait = self._login_throttle.wait(_source(conn), time.monotonic(), self.connect_timeout)
+        if wait is None:
+            self._refuse(conn, CONNACK_SERVER_UNAVAILABLE,
+                         f"too many failed logins in a row from {_source(conn)}; not checked (try later)")
+            return
+        conn.state = AUTHENTICATING  # packets arriving meanwhile wait (and while delayed)
+        if wait:
+            asyncio.get_running_loop().call_later(wait, self._check_password, conn, p)
+        else:
+            self._check_password(conn, p)
+
+    def _check_password(self, conn: Connection, p: Connect) -> None:
+        """PBKDF2 takes ~100 ms: run it off the loop (:data:`AUTH_THREADS` threads)."""
+        if conn.closed:
+            return
+        assert self.passwords is not None and p.username is not None and p.password is not None
         loop = asyncio.get_running_loop()
         if self._auth_pool is None:
             self._auth_pool = ThreadPoolExecutor(AUTH_THREADS, thread_name_prefix="filemq-auth")
-        fut = loop.run_in_executor(self._auth_pool, _check_password, conn, passwords, p.username, p.password)
+        fut = loop.run_in_executor(self._auth_pool, _check_password, conn, self.passwords, p.username, p.password)
         fut.add_done_callback(lambda f: self._auth_done(conn, p, f))
 
     def _auth_done(self, conn: Connection, p: Connect, fut: asyncio.Future[bool]) -> None:
@@ -202,10 +223,17 @@ class ConnectMixin(CoreBase):
             return
         ok = not fut.cancelled() and fut.exception() is None and fut.result()
         conn.state = AWAITING_CONNECT
+        source = _source(conn)
         if ok:
+            self._login_throttle.succeeded(source)
             self._accept(conn, p)
             conn.resume_after_auth()
         else:
+            throttle = self._login_throttle
+            if throttle.failed(source, time.monotonic()):
+                log.warning("%d failed logins in a row from %s: its next password checks start at most one "
+                            "per %d ms until one succeeds (broker.login_failures_before_delay, "
+                            "login_failure_delay_ms)", throttle.after, source, round(throttle.delay * 1000))
             what = "an empty password (refused)" if not p.password else "wrong password"
             self._refuse(conn, CONNACK_BAD_USERNAME_OR_PASSWORD, f"{what} for user {p.username!r}")
         self.flush()

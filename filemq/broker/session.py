@@ -344,9 +344,8 @@ class Connection:
         if self.state == CONNECTED:
             self.decoder.max_packet_size = self.max_packet_size
             self._handle_buffered()
-        elif self.decoder.buffered > max(MAX_CONNECT_PACKET, self.decoder.max_packet_size):
-            self.close(f"more than {MAX_CONNECT_PACKET} bytes sent before CONNACK", will=False,
-                       level=logging.WARNING)
+        elif self.decoder.buffered > (held := max(MAX_CONNECT_PACKET, self.decoder.max_packet_size)):
+            self.close(f"more than {held} bytes sent before CONNACK", will=False, level=logging.WARNING)
 
     def _answer_bad_connect(self, exc: ProtocolError) -> None:
         """The CONNACK for a CONNECT refused as malformed or invalid, in the shape the client

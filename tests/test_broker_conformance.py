@@ -328,7 +328,7 @@ def test_mqtt5_connect_larger_than_the_largest_311_connect_is_accepted(tmp_path:
     MAX_CONNECT_PACKET, 3.1.1's largest CONNECT, applies until its level byte says 5); one
     over max_packet_size gets CONNACK 0x95 Packet too large (4.13.1) and is closed; a 3.1.1
     CONNECT announcing as much is still closed as soon as its level byte is in."""
-    from filemq.broker.session import MAX_CONNECT_PACKET
+    from filemq.broker.session import MAX_CONNECT5_PACKET, MAX_CONNECT_PACKET
 
     async def main() -> None:
         h = Harness(tmp_path, max_packet_size=1 << 20)
@@ -353,6 +353,13 @@ def test_mqtt5_connect_larger_than_the_largest_311_connect_is_accepted(tmp_path:
         old.send_bytes(b"\x00\x04MQTT\x04\x02\x00\x3c")
         assert old.received() == [] and old.conn.closed
         assert "exceeds max_packet_size" in old.conn.close_reason
+        # Where max_packet_size is large (a collector's: 64 MiB for batches) a half-open
+        # socket may still make the broker hold no more than MAX_CONNECT5_PACKET.
+        (tmp_path / "big").mkdir()
+        big = Harness(tmp_path / "big", max_packet_size=64 << 20)
+        huge = client5(big)
+        huge.send_bytes(_big_connect5(MAX_CONNECT5_PACKET + 70_000)[:100_000])
+        assert huge.received() == [Connack(False, 0x95)] and huge.conn.closed
     run(main())
 
 

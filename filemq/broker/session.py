@@ -12,7 +12,7 @@ What a caller may rely on:
 * The first packet must be CONNECT and a second CONNECT is a protocol violation; either
   closes the connection.  Before CONNACK no packet may be larger than
   :data:`MAX_CONNECT_PACKET` (nor ``max_packet_size``) but a level-5 CONNECT, which may be
-  ``max_packet_size``, and at most that many bytes are held for the connection (once the
+  ``max_packet_size`` up to :data:`MAX_CONNECT5_PACKET`, and at most that many bytes are held for the connection (once the
   CONNECT's level byte is in); the CONNECT must be complete ``connect_timeout`` after the accept,
   however slowly its bytes arrive.  Any :class:`~filemq.mqtt.ProtocolError` closes it too, with the
   reason logged with client id and peer.  :meth:`receive_data` never raises.
@@ -93,6 +93,11 @@ PINGRESP = b"\xd0\x00"
 # this are buffered for a connection: an unauthenticated socket cannot make the broker hold
 # a 1 MiB "CONNECT" (issue 10 item 9).
 MAX_CONNECT_PACKET = 5 + 10 + 5 * (2 + 65535)
+# An MQTT 5 CONNECT has no largest size (its user properties); it may be up to
+# max_packet_size, but never more than this before CONNACK, so what a half-open socket can
+# make the broker hold stays bounded also where max_packet_size is large (a collector's is
+# 64 MiB, for batches): max_connecting x 1 MiB at most.
+MAX_CONNECT5_PACKET = 1 << 20
 
 RC_RECEIVE_MAXIMUM_EXCEEDED = 0x93
 RC_QUOTA_EXCEEDED = 0x97
@@ -205,9 +210,9 @@ class Connection:
         self.transport = transport
         self.max_packet_size = max_packet_size  # after CONNACK; less before (MAX_CONNECT_PACKET)
         # Before CONNACK: MQTT 3.1.1's largest CONNECT, unless the CONNECT's level byte says 5
-        # (its properties have no such bound: max_packet_size then, issue 33 item 5).
+        # (its properties have no such bound: max_packet_size then, capped; issue 33 item 5).
         self.decoder = Decoder(min(max_packet_size, MAX_CONNECT_PACKET), server=True, runs=True,
-                               max_connect5=max_packet_size)
+                               max_connect5=min(max_packet_size, MAX_CONNECT5_PACKET))
         self.state = AWAITING_CONNECT
         self.out = bytearray()
         self.client_id = ""

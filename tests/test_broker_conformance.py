@@ -148,6 +148,37 @@ def test_publish_with_a_non_minimal_remaining_length_is_refused_mqtt_1_5_5_1(tmp
     run(main())
 
 
+@pytest.mark.parametrize(
+    ("props", "padded"),
+    [
+        pytest.param(b"", True, id="no properties"),
+        pytest.param(b"\x03\x00\x01c", True, id="content type"),
+        pytest.param(b"\x26\x00\x01k\x00\x01v", True, id="user property"),
+        pytest.param(b"\x0b\x81\x00", False, id="subscription identifier 1 in two bytes"),
+    ],
+)
+def test_publish_with_a_non_minimal_property_length_is_refused_mqtt_1_5_5_1(tmp_path: Path, props: bytes,
+                                                                            padded: bool) -> None:
+    """MQTT-1.5.5-1 inside an MQTT 5 PUBLISH: its property length padded by one byte (none,
+    a content type, a user property), or a padded subscription identifier (not allowed from
+    a client either way): DISCONNECT 0x81, nothing stored -- whichever decoder reads PUBLISH
+    properties (the fast path takes only a property length of a single 00)."""
+    async def main() -> None:
+        h = Harness(tmp_path)
+        c = client5(h)
+        assert c.connect("nm").return_code == 0
+        c.send(Publish("t/x", b"ok", 1, packet_id=1))  # the topic cached: the fast path is tried
+        await h.commit()
+        assert c.received() == [Puback(1)]
+        plen = bytes((len(props) | 0x80, 0)) if padded else bytes((len(props),))
+        body = b"\x00\x03t/x\x00\x02" + plen + props + b"payload"
+        c.send_bytes(bytes((0x32, len(body))) + body)
+        await h.commit()
+        assert c.received() == [Disconnect(MALFORMED)]
+        assert len(h.queue.log.records) == 1 and "MQTT-1.5.5-1" in c.conn.close_reason
+    run(main())
+
+
 @pytest.mark.parametrize("where", ["remaining length", "property length", "will property length"])
 def test_connect_with_a_non_minimal_length_is_refused_mqtt_1_5_5_1(tmp_path: Path, where: str) -> None:
     """MQTT-1.5.5-1 on CONNECT: a padded remaining length or (will) property length is a

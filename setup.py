@@ -28,6 +28,7 @@ from setuptools import setup
 # a native class does not allow).
 HOT_PATH = [
     "filemq/mqtt/codec.py",
+    "filemq/mqtt/codec311.py",
     "filemq/mqtt/codec5.py",
     "filemq/mqtt/runcodec.py",
     "filemq/mqtt/packets.py",

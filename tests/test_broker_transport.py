@@ -193,7 +193,10 @@ def test_pre_connect_packet_size_is_capped(tmp_path: Path, caplog: pytest.LogCap
 
 def test_pre_connect_buffer_is_bounded(tmp_path: Path) -> None:
     """Whatever a connection sends before its CONNECT is complete, the broker holds at most
-    MAX_CONNECT_PACKET + one read of it (a partial CONNECT of the largest size is kept)."""
+    MAX_CONNECT_PACKET + one read of it (a partial CONNECT of the largest size is kept); a
+    larger one is refused once its level byte is in and says it is no MQTT 5 CONNECT (which
+    may be max_packet_size, tests/test_broker_conformance.py::
+    test_mqtt5_connect_larger_than_the_largest_311_connect_is_accepted)."""
 
     async def main() -> None:
         h = Harness(tmp_path)
@@ -206,6 +209,7 @@ def test_pre_connect_buffer_is_bounded(tmp_path: Path) -> None:
         c2 = h.client()
         size += 5
         c2.send_bytes(bytes([0x10, 0x80 | (size & 0x7F), 0x80 | ((size >> 7) & 0x7F), size >> 14]))
+        c2.send_bytes(b"\x00\x04MQTT\x04")
         assert c2.conn.closed
 
     asyncio.run(main())

@@ -599,7 +599,7 @@ def test_v5_repeated_topic_stream_any_split(packets: list[Publish], data: st.Dat
     ("wire", "code", "fragment"),
     [
         (b"\x36\x06\x00\x01t\x00\x01\x00", MALFORMED, "QoS 3 in PUBLISH"),
-        (b"\x32\x06\x00\x01t\x00\x00\x00", MALFORMED, "PUBLISH QoS>0 with packet id 0"),
+        (b"\x32\x06\x00\x01t\x00\x00\x00", PROTOCOL, "PUBLISH QoS>0 with packet id 0"),  # MQTT-2.2.1-3
         (b"\x32\x05\x00\x01t\x00\x01", MALFORMED, "PUBLISH property length runs past the end"),
         (b"\x30\x04\x00\x01t\x03", MALFORMED, "property length 3 runs past the end"),
         (b"\x30\x06\x00\x01t\x02\x23\x00", MALFORMED, "topic alias runs past the property length"),

@@ -26,6 +26,9 @@ What a caller may rely on:
   for any malformed line or duplicate user; a loaded file never changes (reload = load again).
 * :meth:`PasswordFile.check` takes about as long for an unknown user as for a wrong password
   (it derives a hash against a dummy entry), so timing does not reveal which users exist.
+  An empty password never logs in, whatever the file holds (as Mosquitto refuses them): a
+  line that is the hash of the empty password is logged once (WARNING, per file and user)
+  when it is first tried, with the command that sets a password.
   A miss costs one PBKDF2 (~80 ms at 210,000 iterations on a small core): call it from an
   executor, not the event loop.  It is thread-safe.
 * Login cache: a successful ``(user, password)`` pair is remembered (bounded LRU, default
@@ -36,6 +39,9 @@ What a caller may rely on:
   passwords arriving in CONNECT packets, so nothing is lost that was not already exposed.
   Failed checks are never cached (a guessing attacker pays full PBKDF2 every time), and the
   cache dies with the object, so reloading the file drops it.
+* :class:`LoginThrottle` keeps failed password checks per source address: after a number of
+  them in a row, that address's checks start at most one per delay (a flood of wrong
+  passwords from one address cannot hold every PBKDF2 thread).
 * :func:`add_or_update` rewrites the file with :func:`segments.fileio.atomic_write`; a new
   file is created with mode 0600, an existing one keeps its mode.
 """
@@ -75,6 +81,7 @@ MAX_ITERATIONS = 2_000_000
 long -- about 10 s at this cap on a small core, hours for a ``$7$2000000000$`` line."""
 
 _warned_weak: set[tuple[str, str, str]] = set()  # (file, user, hash) already logged as weak
+_warned_empty: set[tuple[str, str]] = set()  # (file, user) whose entry is the empty password, logged
 
 log = logging.getLogger(__name__)
 
@@ -266,6 +273,14 @@ class PasswordFile:
             return True
         entry = self._entries.get(user)
         ok = (entry or self._dummy).verify(pw) and entry is not None
+        if ok and not pw:
+            # The same cost as a wrong password, and refused: an entry hashing "" is a mistake.
+            if (self.path, user) not in _warned_empty:
+                _warned_empty.add((self.path, user))
+                log.warning("password file %s: the entry of user %r is the empty password; empty passwords "
+                            "are refused (as Mosquitto does): set one with `filemq passwd %s %s`",
+                            self.path, user, self.path, user)
+            return False
         if ok and self._cache_size > 0:
             token = self._cache_token(user, pw)
             with self._lock:
@@ -273,6 +288,59 @@ class PasswordFile:
                 if len(self._cache) > self._cache_size:
                     self._cache.popitem(last=False)
         return ok
+
+
+class LoginThrottle:
+    """Failed password checks per source address (sans-I/O: the caller passes the clock).
+
+    After ``after`` failed checks in a row from one address (0: never), each further check
+    from it starts ``delay`` seconds after the one before it started, so one address costs at
+    most one PBKDF2 per ``delay`` whatever it sends; a success resets the address.  At most
+    ``max_sources`` addresses are kept (least recently failed dropped first), so a flood of
+    addresses costs bounded memory.
+    """
+
+    def __init__(self, after: int, delay: float, max_sources: int = 4096) -> None:
+        self.after = after
+        self.delay = delay
+        self.max_sources = max_sources
+        # address -> [failures in a row, monotonic time its next check may start]
+        self._sources: OrderedDict[str, list[float]] = OrderedDict()
+
+    def wait(self, source: str, now: float, horizon: float) -> float | None:
+        """Seconds the next password check from ``source`` must wait (0.0: none), reserving
+        its start; None when that start is more than ``horizon`` seconds away (refuse it
+        without a check: the queue of that address is full)."""
+        entry = self._sources.get(source)
+        if entry is None or not self.after or entry[0] < self.after:
+            return 0.0
+        start = max(now, entry[1])
+        if start - now > horizon:
+            return None
+        entry[1] = start + self.delay
+        return start - now
+
+    def failed(self, source: str, now: float) -> bool:
+        """Count a failed check from ``source``; True exactly when this one starts its delays
+        (the caller logs that once)."""
+        entry = self._sources.get(source)
+        if entry is None:
+            entry = self._sources[source] = [0, now]
+            if len(self._sources) > self.max_sources:
+                self._sources.popitem(last=False)
+        else:
+            self._sources.move_to_end(source)
+        entry[0] += 1
+        return bool(self.after) and entry[0] == self.after
+
+    def succeeded(self, source: str) -> None:
+        """A check from ``source`` succeeded: its failures in a row are over."""
+        self._sources.pop(source, None)
+
+    def failures(self, source: str) -> int:
+        """Failed checks in a row from ``source``."""
+        entry = self._sources.get(source)
+        return 0 if entry is None else int(entry[0])
 
 
 def add_or_update(

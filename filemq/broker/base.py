@@ -13,6 +13,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
+from filemq.broker.auth import LoginThrottle
 from filemq.broker.session import CONNECTED, Connection
 from filemq.broker.sessions import SessionSnapshot, SessionStore
 from filemq.broker.state import (
@@ -100,6 +101,7 @@ class CoreBase:
             lambda n, f, d: queue.group(n, f, durable=d, start=self._routed))
         self.connect_timeout = CONNECT_TIMEOUT
         self._auth_pool: ThreadPoolExecutor | None = None  # created at the first password check
+        self._login_throttle = LoginThrottle(config.login_failures_before_delay, config.login_failure_delay_ms / 1000)
         self.conns: set[Connection] = set()
         self.connections: dict[str, Connection] = {}  # client id -> live connection
         self.sessions: dict[str, SessionState] = {}  # persistent sessions known in memory

@@ -85,6 +85,11 @@ def session_expiry(p: Connect) -> int | None:
     return props.session_expiry_interval
 
 
+def _source(conn: Connection) -> str:
+    """The address a connection comes from, without its port (the login throttle's key)."""
+    return conn.peer.rsplit(":", 1)[0]
+
+
 def _check_password(conn: Connection, passwords: PasswordFile, user: str, password: bytes) -> bool:
     """The password check of a CONNECT, in an auth worker thread; a connection that went
     away while it waited for a thread costs no PBKDF2."""
@@ -187,14 +192,30 @@ class ConnectMixin(CoreBase):
             self._refuse(conn, CONNACK_BAD_USERNAME_OR_PASSWORD, f"user {p.username!r} sent no password")
             return
         if passwords.cached(p.username, p.password):
-            self._accept(conn, p)
+            self._accept(conn, p)  # (no PBKDF2: never delayed by the login throttle)
             return
-        # PBKDF2 takes ~100 ms: run it off the loop; packets arriving meanwhile wait.
-        conn.state = AUTHENTICATING
+        # An address past its failed logins in a row waits its turn (filemq.broker.auth.
+        # LoginThrottle): one PBKDF2 per login_failure_delay_ms from it, whatever it sends.
+        wait = self._login_throttle.wait(_source(conn), time.monotonic(), self.connect_timeout)
+        if wait is None:
+            self._refuse(conn, CONNACK_SERVER_UNAVAILABLE,
+                         f"too many failed logins in a row from {_source(conn)}; not checked (try later)")
+            return
+        conn.state = AUTHENTICATING  # packets arriving meanwhile wait (and while delayed)
+        if wait:
+            asyncio.get_running_loop().call_later(wait, self._check_password, conn, p)
+        else:
+            self._check_password(conn, p)
+
+    def _check_password(self, conn: Connection, p: Connect) -> None:
+        """PBKDF2 takes ~100 ms: run it off the loop (:data:`AUTH_THREADS` threads)."""
+        if conn.closed:
+            return
+        assert self.passwords is not None and p.username is not None and p.password is not None
         loop = asyncio.get_running_loop()
         if self._auth_pool is None:
             self._auth_pool = ThreadPoolExecutor(AUTH_THREADS, thread_name_prefix="filemq-auth")
-        fut = loop.run_in_executor(self._auth_pool, _check_password, conn, passwords, p.username, p.password)
+        fut = loop.run_in_executor(self._auth_pool, _check_password, conn, self.passwords, p.username, p.password)
         fut.add_done_callback(lambda f: self._auth_done(conn, p, f))
 
     def _auth_done(self, conn: Connection, p: Connect, fut: asyncio.Future[bool]) -> None:
@@ -202,12 +223,37 @@ class ConnectMixin(CoreBase):
             return
         ok = not fut.cancelled() and fut.exception() is None and fut.result()
         conn.state = AWAITING_CONNECT
+        source = _source(conn)
         if ok:
+            self._login_throttle.succeeded(source)
             self._accept(conn, p)
             conn.resume_after_auth()
         else:
-            self._refuse(conn, CONNACK_BAD_USERNAME_OR_PASSWORD, f"wrong password for user {p.username!r}")
+            throttle = self._login_throttle
+            if throttle.failed(source, time.monotonic()):
+                log.warning("%d failed logins in a row from %s: its next password checks start at most one "
+                            "per %d ms until one succeeds (broker.login_failures_before_delay, "
+                            "login_failure_delay_ms)", throttle.after, source, round(throttle.delay * 1000))
+            what = "an empty password (refused)" if not p.password else "wrong password"
+            self._refuse(conn, CONNACK_BAD_USERNAME_OR_PASSWORD, f"{what} for user {p.username!r}")
         self.flush()
+
+    @staticmethod
+    def _take_over(old: Connection, conn: Connection, p: Connect) -> None:
+        """Close ``old``, whose client id ``conn`` (CONNECT ``p``) takes (3.1.4-2; MQTT 5:
+        DISCONNECT 0x8E first, MQTT-3.1.4-3).  Its will: MQTT 3.1.1 publishes it (the client
+        sent no DISCONNECT, 3.1.2.5).  MQTT 5 publishes it only if the session ends with the
+        take-over (Clean Start 1, or the old connection's session expiry 0): a new connection
+        that resumes the session is one "opened before the Will Delay Interval has elapsed",
+        so the will is not sent, whatever its delay (MQTT-3.1.2-8 of 5.0; Mosquitto alike)."""
+        will = True
+        if old.protocol_level == PROTOCOL_LEVEL_5:
+            state = old.session
+            will = p.clean_session or state is None or not state.persistent or state.expiry == 0
+        if not will:
+            log.info("client %r: its session is resumed by a new connection from %s: its will is not sent "
+                     "(MQTT-3.1.2-8)", old.client_id, conn.peer)
+        old.close(f"session taken over by a new connection from {conn.peer}", will=will, reason_code=0x8E)
 
     def _not_owner(self, conn: Connection, mem: SessionState | None,
                    stored: StoredSession | None) -> str | None:
@@ -252,8 +298,8 @@ class ConnectMixin(CoreBase):
         old = self.connections.get(cid)
         if old is not None and old is not conn:
             # 3.1.4-2: the existing client is disconnected (MQTT 5: DISCONNECT 0x8E, session
-            # taken over, MQTT-3.1.4-3); it did not send DISCONNECT, so its will is published.
-            old.close(f"session taken over by a new connection from {conn.peer}", will=True, reason_code=0x8E)
+            # taken over, MQTT-3.1.4-3); it did not send DISCONNECT: see _take_over.
+            self._take_over(old, conn, p)
             if mem is not None and self.sessions.get(cid) is not mem:
                 mem = stored = None  # its session ended with it (MQTT 5 session expiry 0)
         present = adopted = False
@@ -337,7 +383,7 @@ class ConnectMixin(CoreBase):
         else:
             old = self.connections.get(conn.client_id)
             if old is not None and old is not conn:
-                old.close(f"session taken over by a new connection from {conn.peer}", will=True)
+                self._take_over(old, conn, p)
             conn.state = AWAITING_CONNECT
             self._connected(conn, state, p, present)
             conn.resume_after_auth()

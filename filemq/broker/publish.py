@@ -34,7 +34,13 @@ from filemq.broker.state import (
 from filemq.common.native import mypyc_attr
 from filemq.common.topics import InvalidTopic, validate_topic_name
 from filemq.mqtt.codec import ProtocolError, encode_puback
-from filemq.mqtt.packets import PROTOCOL_LEVEL_5, RC_PROTOCOL_ERROR, Publish, PublishRun
+from filemq.mqtt.packets import (
+    PROTOCOL_LEVEL_5,
+    RC_IMPLEMENTATION_SPECIFIC_ERROR,
+    RC_PROTOCOL_ERROR,
+    Publish,
+    PublishRun,
+)
 from filemq.mqtt.properties import encode_message_headers
 from filemq.mqtt.runcodec import puback_run
 from segments.record import Record
@@ -147,7 +153,9 @@ class PublishMixin(CoreBase):
         if hook is not None:
             result = hook(ClientInfo(conn.client_id, conn.username, conn.peer), p)
             if result.action == "reject":
-                conn.close(f"PUBLISH to {topic!r} rejected: {result.reason}", will=True, level=logging.WARNING)
+                # MQTT 5: DISCONNECT 0x83 first (valid but not processed, MQTT-4.13.2-1).
+                conn.close(f"PUBLISH to {topic!r} rejected: {result.reason}", will=True, level=logging.WARNING,
+                           reason_code=RC_IMPLEMENTATION_SPECIFIC_ERROR)
                 return
             if result.action == "ack_drop":
                 stats.publish_denied()

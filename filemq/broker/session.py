@@ -11,8 +11,9 @@ What a caller may rely on:
 
 * The first packet must be CONNECT and a second CONNECT is a protocol violation; either
   closes the connection.  Before CONNACK no packet may be larger than
-  :data:`MAX_CONNECT_PACKET` (nor ``max_packet_size``), and at most that many bytes are held
-  for the connection; the CONNECT must be complete ``connect_timeout`` after the accept,
+  :data:`MAX_CONNECT_PACKET` (nor ``max_packet_size``) but a level-5 CONNECT, which may be
+  ``max_packet_size`` up to :data:`MAX_CONNECT5_PACKET`, and at most that many bytes are held for the connection (once the
+  CONNECT's level byte is in); the CONNECT must be complete ``connect_timeout`` after the accept,
   however slowly its bytes arrive.  Any :class:`~filemq.mqtt.ProtocolError` closes it too, with the
   reason logged with client id and peer.  :meth:`receive_data` never raises.
 * A QoS 1 PUBACK / QoS 2 PUBREC is queued only after the record's group-commit future has
@@ -34,13 +35,23 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 from filemq.common.config import DEFAULT_MAX_INFLIGHT
-from filemq.mqtt.codec import Decoder, ProtocolError, encode, encode5, publish_bytes, publish_bytes5
+from filemq.mqtt.codec import (
+    Decoder,
+    ProtocolError,
+    UnsupportedProtocolLevel,
+    encode,
+    encode5,
+    publish_bytes,
+    publish_bytes5,
+)
 from filemq.mqtt.packets import (
     CONNACK_REASON_CODES,
     CONNACK_SERVER_UNAVAILABLE,
+    CONNACK_UNACCEPTABLE_PROTOCOL_VERSION,
     PROTOCOL_LEVEL_5,
     RC_PROTOCOL_ERROR,
     RC_TOPIC_ALIAS_INVALID,
+    RC_UNSUPPORTED_PROTOCOL_VERSION,
     Auth,
     Connack,
     Connect,
@@ -82,6 +93,11 @@ PINGRESP = b"\xd0\x00"
 # this are buffered for a connection: an unauthenticated socket cannot make the broker hold
 # a 1 MiB "CONNECT" (issue 10 item 9).
 MAX_CONNECT_PACKET = 5 + 10 + 5 * (2 + 65535)
+# An MQTT 5 CONNECT has no largest size (its user properties); it may be up to
+# max_packet_size, but never more than this before CONNACK, so what a half-open socket can
+# make the broker hold stays bounded also where max_packet_size is large (a collector's is
+# 64 MiB, for batches): max_connecting x 1 MiB at most.
+MAX_CONNECT5_PACKET = 1 << 20
 
 RC_RECEIVE_MAXIMUM_EXCEEDED = 0x93
 RC_QUOTA_EXCEEDED = 0x97
@@ -193,7 +209,10 @@ class Connection:
         self.peer = peer
         self.transport = transport
         self.max_packet_size = max_packet_size  # after CONNACK; less before (MAX_CONNECT_PACKET)
-        self.decoder = Decoder(min(max_packet_size, MAX_CONNECT_PACKET), server=True, runs=True)
+        # Before CONNACK: MQTT 3.1.1's largest CONNECT, unless the CONNECT's level byte says 5
+        # (its properties have no such bound: max_packet_size then, capped; issue 33 item 5).
+        self.decoder = Decoder(min(max_packet_size, MAX_CONNECT_PACKET), server=True, runs=True,
+                               max_connect5=min(max_packet_size, MAX_CONNECT5_PACKET))
         self.state = AWAITING_CONNECT
         self.out = bytearray()
         self.client_id = ""
@@ -283,6 +302,8 @@ class Connection:
         try:
             self.decoder.feed(data)
         except ProtocolError as exc:
+            if self.state == AWAITING_CONNECT:
+                self._answer_bad_connect(exc)
             self.close(f"protocol error: {exc.reason}", will=True, level=logging.WARNING,
                        reason_code=exc.reason_code)
             return
@@ -315,11 +336,8 @@ class Connection:
                     break
                 self.handle_packets((packet,))
         except ProtocolError as exc:
-            if self.protocol_level == PROTOCOL_LEVEL_5 and self.state == AWAITING_CONNECT:
-                # An MQTT 5 CONNECT refused for a malformed or invalid field: CONNACK with the
-                # reason code, then close (4.13.1, MQTT-3.2.2-7).
-                code = exc.reason_code if exc.reason_code in CONNACK_REASON_CODES else RC_PROTOCOL_ERROR
-                self.send_packet(Connack(False, code))
+            if self.state == AWAITING_CONNECT:
+                self._answer_bad_connect(exc)
             self.close(f"protocol error: {exc.reason}", will=False, level=logging.WARNING)
             return
         except Exception as err:  # not "exc": mypyc gives a name one type per function
@@ -331,9 +349,26 @@ class Connection:
         if self.state == CONNECTED:
             self.decoder.max_packet_size = self.max_packet_size
             self._handle_buffered()
-        elif self.decoder.buffered > MAX_CONNECT_PACKET:
-            self.close(f"more than {MAX_CONNECT_PACKET} bytes sent before CONNACK", will=False,
-                       level=logging.WARNING)
+        elif self.decoder.buffered > (held := max(MAX_CONNECT_PACKET, self.decoder.max_packet_size)):
+            self.close(f"more than {held} bytes sent before CONNACK", will=False, level=logging.WARNING)
+
+    def _answer_bad_connect(self, exc: ProtocolError) -> None:
+        """The CONNACK for a CONNECT refused as malformed or invalid, in the shape the client
+        speaks, before the close.  MQTT 5 (its level byte read, or the core found the fault):
+        the reason code, 0x81 Malformed Packet or 0x82 Protocol Error (MQTT-3.1.4-1 allows it,
+        4.13.1, MQTT-3.2.2-7).  A level filemq does not speak: 0x84 in the MQTT 5 shape, 0x01
+        in the 3.1.1 one (MQTT-3.1.2-2 of both).  A 3.1.1 CONNECT (or one whose level is not
+        known) gets none: 3.1.1 has no code for it."""
+        if type(exc) is UnsupportedProtocolLevel:
+            if exc.shape == PROTOCOL_LEVEL_5:
+                self.encode_packet = encode5
+                self.send_packet(Connack(False, RC_UNSUPPORTED_PROTOCOL_VERSION))
+            else:
+                self.send_packet(Connack(False, CONNACK_UNACCEPTABLE_PROTOCOL_VERSION))
+        elif self.protocol_level == PROTOCOL_LEVEL_5 or exc.connect_level == PROTOCOL_LEVEL_5:
+            self.encode_packet = encode5
+            code = exc.reason_code if exc.reason_code in CONNACK_REASON_CODES else RC_PROTOCOL_ERROR
+            self.send_packet(Connack(False, code))
 
     def handle_packets(self, packets: Sequence[object]) -> None:
         if len(packets) > 1 and self.state == CONNECTED:
@@ -455,7 +490,9 @@ class Connection:
                     core.on_puback(self, packet.packet_id)
                 elif type(packet) is Connect:
                     if self.state != AWAITING_CONNECT:
-                        raise ProtocolError("second CONNECT on one connection")
+                        # It parses: a Protocol Error, 0x82 on MQTT 5 (MQTT-3.1.0-2).
+                        raise ProtocolError("second CONNECT on one connection (MQTT-3.1.0-2)", "CONNECT",
+                                            RC_PROTOCOL_ERROR)
                     if self._server_full(packet.client_id, packet.protocol_level):
                         return
                     core.on_connect(self, packet)

@@ -6,7 +6,11 @@ messages, in which a packet may span messages -- goes to the same per-connection
 TCP listener's (:class:`filemq.broker.server._MQTTProtocol`), through a transport that wraps
 every write into one binary message.  The connection exists (is counted half-open, its
 CONNECT deadline runs) from the accept, so a slow upgrade is cut off like a slow CONNECT;
-h11 bounds the upgrade request (16 KiB) and wsproto hands frame data on as it arrives.
+the upgrade request is bounded here (:data:`MAX_UPGRADE_REQUEST`, however it is split: h11's
+own 16 KiB bound holds only for a request still incomplete) and wsproto hands frame data on
+as it arrives.  A frame that breaks RFC 6455 (unmasked, reserved bits, a control frame too
+long, ...) fails the connection with a close frame carrying the status code wsproto names
+(1002 protocol error; 1007, 1009), RFC 6455 §7.1.7.
 
 ``wsproto`` is imported lazily: it is the ``websockets`` extra (``pip install
 filemq[websockets]``), needed only when such a listener is configured.
@@ -35,6 +39,10 @@ from wsproto.utilities import LocalProtocolError, RemoteProtocolError
 log = logging.getLogger("filemq.broker")
 
 SUBPROTOCOL = "mqtt"
+MAX_UPGRADE_REQUEST = 16 * 1024
+"""The most bytes the HTTP upgrade request may take (h11's default bound on an incomplete one)."""
+_TOO_LARGE = (b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-length: 0\r\n"
+              b"connection: close\r\n\r\n")
 
 
 class _WSTransport(asyncio.Transport):
@@ -93,6 +101,7 @@ class WebSocketProtocol(asyncio.Protocol):
         self.ws = WSConnection(ConnectionType.SERVER)
         self.raw: asyncio.Transport | None = None
         self.peer = "?"
+        self.upgrade_bytes = 0  # received before the handshake ended
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         transport = cast(asyncio.Transport, transport)  # (uvloop transports do not subclass it)
@@ -118,11 +127,22 @@ class WebSocketProtocol(asyncio.Protocol):
             self.raw.close()
 
     def data_received(self, data: bytes) -> None:
+        if self.ws.state is ConnectionState.CONNECTING:
+            self.upgrade_bytes += len(data)
+            if self.upgrade_bytes > MAX_UPGRADE_REQUEST:
+                log.warning("refusing WebSocket connection from %s: an upgrade request over %d bytes",
+                            self.peer, MAX_UPGRADE_REQUEST)
+                self._write(_TOO_LARGE)
+                self.close(1002)
+                return
         try:
             self.ws.receive_data(data)
             events = list(self.ws.events())
         except RemoteProtocolError as exc:
             log.warning("closing WebSocket connection from %s: %s", self.peer, exc)
+            if self.ws.state is ConnectionState.CONNECTING and exc.event_hint is not None:
+                with contextlib.suppress(LocalProtocolError):
+                    self._write(self.ws.send(exc.event_hint))  # (an HTTP 400 for a bad request)
             self.close(1002)
             return
         for event in events:
@@ -148,6 +168,13 @@ class WebSocketProtocol(asyncio.Protocol):
             elif isinstance(event, Ping):
                 self._write(self.ws.send(event.response()))
             elif isinstance(event, CloseConnection):
+                if self.ws.state is ConnectionState.OPEN:
+                    # Not the peer's close: wsproto failed a frame (its state stays OPEN) and
+                    # names the status code; the connection fails with it (RFC 6455 §7.1.7).
+                    log.warning("closing WebSocket connection from %s: %s (%d)", self.peer, event.reason,
+                                event.code)
+                    self.close(event.code)
+                    return
                 if self.ws.state is ConnectionState.REMOTE_CLOSING:
                     self._write(self.ws.send(event.response()))
                 self.raw.close()

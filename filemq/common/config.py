@@ -97,6 +97,10 @@ class BrokerSection:
     max_connections: int = field(default=1000, metadata=_spec(_POS))
     # Sockets accepted but not yet CONNECTed, counted apart from max_connections.
     max_connecting: int = field(default=128, metadata=_spec(_POS))
+    # Failed password checks in a row from one source address (0 = never) after which that
+    # address's checks start at most one per login_failure_delay_ms (filemq.broker.auth.LoginThrottle).
+    login_failures_before_delay: int = field(default=5, metadata=_spec(_NONNEG))
+    login_failure_delay_ms: int = field(default=1000, metadata=_spec(_int(1, 3_600_000)))
     max_packet_size: int = field(default=1 * MIB, metadata=_spec(_int(64, 268_435_455, sizes=True)))
     # QoS 1/2 deliveries in flight per subscriber (EMQX's default, 32; mosquitto's is 20): the
     # window is refilled once at most a quarter of it is in flight (DeliveryMixin._refill), so

@@ -53,6 +53,10 @@ _KEY_HELP: dict[str, tuple[str, str, str]] = {
     "broker.acl_file": ("security", "ACL file in Mosquitto's format", "everything allowed"),
     "broker.allow_anonymous": ("security", "Let clients without a username in, also beside a "
                                "password file", "only when there is no password file"),
+    "broker.login_failures_before_delay": ("security", "Failed logins in a row from one address after "
+                                           "which its password checks are spaced out (0 = never)", ""),
+    "broker.login_failure_delay_ms": ("security", "Milliseconds between two password checks of an "
+                                      "address past login_failures_before_delay", ""),
     "broker.max_connections": ("limits", "Connected clients at most; a CONNECT beyond gets CONNACK 3", ""),
     "broker.max_connecting": ("limits", "Sockets still in their CONNECT at most (counted apart); at "
                               "the limit the oldest one is closed", ""),

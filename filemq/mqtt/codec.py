@@ -11,11 +11,12 @@ picks one) and ``Decoder(protocol_level=...)``; a server-side decoder switches t
 decodes a level-5 CONNECT, so packets pipelined behind the CONNECT decode right.  The 3.1.1
 paths are unchanged.  The MQTT 5 packet and property tables are in ``docs/MQTT5.md``.
 
-This module holds the 3.1.1 packet bodies, the entry points (:func:`encode`, :func:`encode5`,
-:func:`encoder`, :func:`encode_puback`, :func:`publish_bytes`) and :class:`Decoder`.  Below it,
-each importing only the ones under it: :mod:`.codec5` (the MQTT 5.0 bodies, and CONNECT at
-either level), :mod:`.properties` (MQTT 5.0 properties), :mod:`.wire` (:class:`ProtocolError`
-and the primitives both levels share).  ``ProtocolError`` and the public constants and property
+This module holds the entry points (:func:`encode`, :func:`encode5`, :func:`encoder`,
+:func:`encode_puback`, :func:`publish_bytes`), :class:`Decoder` with its PUBLISH fast paths and
+the run decoder.  Below it, each importing only the ones under it: :mod:`.codec311` (the MQTT
+3.1.1 bodies), :mod:`.codec5` (the MQTT 5.0 bodies, and CONNECT at either level),
+:mod:`.properties` (MQTT 5.0 properties), :mod:`.wire` (:class:`ProtocolError` and the
+primitives both levels share).  ``ProtocolError`` and the public constants and property
 tables are re-exported here, so ``from filemq.mqtt.codec import ...`` keeps working.
 """
 
@@ -27,7 +28,8 @@ from itertools import repeat
 from operator import eq
 from typing import Any
 
-from filemq.mqtt.codec5 import _ENCODERS5, _decode_body5, _decode_connect, _encode_connect
+from filemq.mqtt.codec5 import _ENCODERS5, _connect_level, _decode_body5
+from filemq.mqtt.codec311 import _ENCODERS, _decode_body
 from filemq.mqtt.packets import (
     AUTH,
     CONNACK,
@@ -47,50 +49,25 @@ from filemq.mqtt.packets import (
     RC_PACKET_TOO_LARGE,
     RC_PROTOCOL_ERROR,
     SUBACK,
-    SUBACK_FAILURE,
     SUBSCRIBE,
     UNSUBACK,
     UNSUBSCRIBE,
-    Auth,
-    Connack,
-    Connect,
-    Disconnect,
     Packet,
-    Pingreq,
-    Pingresp,
-    Puback,
-    Pubcomp,
     Publish,
     PublishRun,
-    Pubrec,
-    Pubrel,
-    Suback,
-    Subscribe,
-    Unsuback,
-    Unsubscribe,
 )
 from filemq.mqtt.properties import ALLOWED_PROPERTIES as ALLOWED_PROPERTIES
 from filemq.mqtt.properties import PROPERTY_NAMES as PROPERTY_NAMES
 from filemq.mqtt.properties import PROPERTY_TYPES as PROPERTY_TYPES
 from filemq.mqtt.properties import _vbi
-from filemq.mqtt.wire import (
-    _DISCONNECT,
-    _PINGREQ,
-    _PINGRESP,
-    _check_packet_id,
-    _decode_connack,
-    _decode_empty,
-    _decode_header_packet_id,
-    _fixed_header,
-    _pack_BBBH,
-    _pack_BBH,
-    _pack_H,
-    _read_str,
-    _str,
-    _unpack_H,
-)
 from filemq.mqtt.wire import MAX_REMAINING_LENGTH as MAX_REMAINING_LENGTH
 from filemq.mqtt.wire import ProtocolError as ProtocolError
+from filemq.mqtt.wire import UnsupportedProtocolLevel as UnsupportedProtocolLevel
+from filemq.mqtt.wire import (
+    _fixed_header,
+    _pack_BBH,
+    _pack_H,
+)
 
 DEFAULT_MAX_PACKET_SIZE = 1 << 20
 _TOPIC_CACHE_SIZE = 1024
@@ -110,120 +87,6 @@ _REQUIRED_FLAGS = {t: (0b0010 if t in (PUBREL, SUBSCRIBE, UNSUBSCRIBE) else 0) f
 
 
 # --------------------------------------------------------------------------- encoding
-
-
-def _encode_publish(p: Publish) -> bytes:
-    topic = p.topic.encode("utf-8")
-    tlen = len(topic)
-    payload = p.payload
-    qos = p.qos
-    first = 0x30 | (qos << 1) | (0x08 if p.dup else 0) | (0x01 if p.retain else 0)
-    if tlen > 0xFFFF:
-        raise ValueError(f"PUBLISH topic of {tlen} bytes exceeds 65535")
-    if qos == 0:
-        remaining = 2 + tlen + len(payload)
-        if remaining < 0x80:
-            return b"".join((_pack_BBH(first, remaining, tlen), topic, payload))
-        return b"".join((_fixed_header(first, remaining), _pack_H(tlen), topic, payload))
-    if qos > 2 or qos < 0:
-        raise ValueError(f"PUBLISH QoS must be 0, 1 or 2, got {qos}")
-    pid = p.packet_id
-    if pid is None or not 0 < pid <= 0xFFFF:
-        raise ValueError(f"PUBLISH QoS {qos} needs a packet id 1..65535, got {pid!r}")
-    remaining = 4 + tlen + len(payload)
-    if remaining < 0x80:
-        return b"".join((_pack_BBH(first, remaining, tlen), topic, _pack_H(pid), payload))
-    if remaining < 0x4000:
-        head = _pack_BBBH(first, (remaining & 0x7F) | 0x80, remaining >> 7, tlen)
-        return b"".join((head, topic, _pack_H(pid), payload))
-    return b"".join((_fixed_header(first, remaining), _pack_H(tlen), topic, _pack_H(pid), payload))
-
-
-def _encode_ack(first: int, name: str) -> Callable[[Puback | Pubrec | Pubrel | Pubcomp], bytes]:
-    def encode_ack(p: Puback | Pubrec | Pubrel | Pubcomp) -> bytes:
-        pid = p.packet_id
-        # One test for both faults on this hot path; struct refuses a pid outside 0..65535.
-        if not pid or p.reason_code:
-            if pid:  # 3.1.1 has no way to say it: never send a refusal as a success
-                raise ValueError(f"{name} reason code 0x{p.reason_code:02x} needs MQTT 5 (protocol level 5)")
-            raise ValueError(f"{name} packet id must be 1..65535, got {pid!r}")
-        try:
-            return _pack_BBH(first, 2, pid)
-        except struct.error:
-            raise ValueError(f"{name} packet id must be 1..65535, got {pid!r}") from None
-
-    return encode_ack
-
-
-def _encode_unsuback(p: Unsuback) -> bytes:
-    if not 0 < p.packet_id <= 0xFFFF:
-        raise ValueError(f"UNSUBACK packet id must be 1..65535, got {p.packet_id!r}")
-    if any(p.reason_codes):
-        raise ValueError(f"UNSUBACK reason codes {p.reason_codes!r} need MQTT 5 (protocol level 5)")
-    return _pack_BBH(0xB0, 2, p.packet_id)
-
-
-def _encode_auth_311(p: Auth) -> bytes:
-    raise ValueError("AUTH cannot be encoded at protocol level 3 or 4 (it is MQTT 5 only)")
-
-
-def _encode_disconnect(p: Disconnect) -> bytes:
-    if p.reason_code:
-        raise ValueError(f"DISCONNECT reason code 0x{p.reason_code:02x} needs MQTT 5 (protocol level 5)")
-    return _DISCONNECT
-
-
-def _encode_connack(p: Connack) -> bytes:
-    if not 0 <= p.return_code <= 0xFF:
-        raise ValueError(f"CONNACK return code must be 0..255, got {p.return_code}")
-    return struct.pack("!BBBB", 0x20, 2, 1 if p.session_present else 0, p.return_code)
-
-
-def _encode_subscribe(p: Subscribe) -> bytes:
-    if not p.topics:
-        raise ValueError("SUBSCRIBE needs at least one topic filter")
-    body = bytearray(_pack_H(_check_packet_id(p.packet_id, "SUBSCRIBE")))
-    for topic_filter, qos in p.topics:
-        if not 0 <= qos <= 2:
-            raise ValueError(f"SUBSCRIBE QoS must be 0, 1 or 2, got {qos}")
-        body += _str(topic_filter, "topic filter")
-        body.append(qos)
-    return _fixed_header(0x82, len(body)) + body
-
-
-def _encode_suback(p: Suback) -> bytes:
-    if not p.return_codes or any(c not in (0, 1, 2, SUBACK_FAILURE) for c in p.return_codes):
-        raise ValueError(f"SUBACK needs return codes from 0, 1, 2, 0x80, got {p.return_codes!r}")
-    body = _pack_H(_check_packet_id(p.packet_id, "SUBACK")) + bytes(p.return_codes)
-    return _fixed_header(0x90, len(body)) + body
-
-
-def _encode_unsubscribe(p: Unsubscribe) -> bytes:
-    if not p.topics:
-        raise ValueError("UNSUBSCRIBE needs at least one topic filter")
-    body = _pack_H(_check_packet_id(p.packet_id, "UNSUBSCRIBE")) + b"".join(
-        _str(t, "topic filter") for t in p.topics
-    )
-    return _fixed_header(0xA2, len(body)) + body
-
-
-_ENCODERS: dict[type, Callable[[object], bytes]] = {
-    Publish: _encode_publish,  # type: ignore[dict-item]
-    Puback: _encode_ack(0x40, "PUBACK"),  # type: ignore[dict-item]
-    Pubrec: _encode_ack(0x50, "PUBREC"),  # type: ignore[dict-item]
-    Pubrel: _encode_ack(0x62, "PUBREL"),  # type: ignore[dict-item]
-    Pubcomp: _encode_ack(0x70, "PUBCOMP"),  # type: ignore[dict-item]
-    Unsuback: _encode_unsuback,  # type: ignore[dict-item]
-    Connect: _encode_connect,  # type: ignore[dict-item]
-    Connack: _encode_connack,  # type: ignore[dict-item]
-    Subscribe: _encode_subscribe,  # type: ignore[dict-item]
-    Suback: _encode_suback,  # type: ignore[dict-item]
-    Unsubscribe: _encode_unsubscribe,  # type: ignore[dict-item]
-    Pingreq: lambda _p: _PINGREQ,
-    Pingresp: lambda _p: _PINGRESP,
-    Disconnect: _encode_disconnect,  # type: ignore[dict-item]
-    Auth: _encode_auth_311,  # type: ignore[dict-item]
-}
 
 
 def encode(packet: Packet) -> bytes:
@@ -311,128 +174,6 @@ def publish_bytes5(topic: str, payload: bytes, qos: int, dup: bool, packet_id: i
 # --------------------------------------------------------------------------- decoding
 
 
-def _decode_publish(buf: bytes | bytearray, pos: int, end: int, flags: int) -> Publish:
-    qos = (flags >> 1) & 0x03
-    if qos == 3:
-        raise ProtocolError("QoS 3 in PUBLISH", "PUBLISH")
-    if end - pos < 2:
-        raise ProtocolError("PUBLISH truncated before the topic length", "PUBLISH")
-    (tlen,) = _unpack_H(buf, pos)
-    tstart = pos + 2
-    pos = tstart + tlen
-    if qos:
-        if end - pos < 2:
-            raise ProtocolError(
-                f"PUBLISH topic of {tlen} bytes and packet id run past the end of the packet", "PUBLISH"
-            )
-        pid = (buf[pos] << 8) | buf[pos + 1]
-        if pid == 0:
-            raise ProtocolError("PUBLISH QoS>0 with packet id 0", "PUBLISH")
-        packet_id: int | None = pid
-        pstart = pos + 2
-    else:
-        if pos > end:
-            raise ProtocolError(f"PUBLISH topic of {tlen} bytes runs past the end of the packet", "PUBLISH")
-        packet_id = None
-        pstart = pos
-    if tlen == 0:
-        raise ProtocolError("PUBLISH with an empty topic name", "PUBLISH")
-    try:
-        topic = buf[tstart:pos].decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise ProtocolError(f"invalid UTF-8 in topic at byte {exc.start}", "PUBLISH") from None
-    # Cheap checks only; the full topic grammar lives in filemq.common.topics.
-    if "\x00" in topic:
-        raise ProtocolError("U+0000 in topic", "PUBLISH")
-    if "+" in topic or "#" in topic:
-        raise ProtocolError(f"wildcard in PUBLISH topic name {topic!r}", "PUBLISH")
-    return Publish(topic, bytes(buf[pstart:end]), qos, bool(flags & 1), bool(flags & 8), packet_id)
-
-
-def _decode_packet_id(buf: bytes | bytearray, pos: int, end: int, name: str) -> int:
-    if end - pos != 2:
-        raise ProtocolError(f"{name} remaining length {end - pos}, expected 2", name)
-    pid = (buf[pos] << 8) | buf[pos + 1]
-    if pid == 0:
-        raise ProtocolError(f"{name} with packet id 0", name)
-    return pid
-
-
-def _decode_subscribe(buf: bytes | bytearray, pos: int, end: int) -> Subscribe:
-    name = "SUBSCRIBE"
-    pid = _decode_header_packet_id(buf, pos, end, name)
-    pos += 2
-    topics: list[tuple[str, int]] = []
-    while pos < end:
-        topic_filter, pos = _read_str(buf, pos, end, "topic filter", name)
-        if not topic_filter:
-            raise ProtocolError("SUBSCRIBE with an empty topic filter", name)
-        if pos >= end:
-            raise ProtocolError(f"SUBSCRIBE filter {topic_filter!r} has no QoS byte", name)
-        qos = buf[pos]
-        pos += 1
-        if qos & 0xFC:
-            raise ProtocolError(f"SUBSCRIBE requested QoS byte 0x{qos:02x} for {topic_filter!r}", name)
-        if qos == 3:
-            raise ProtocolError(f"QoS 3 in SUBSCRIBE for {topic_filter!r}", name)
-        topics.append((topic_filter, qos))
-    if not topics:
-        raise ProtocolError("SUBSCRIBE with no topic filters", name)
-    return Subscribe(pid, topics)
-
-
-def _decode_suback(buf: bytes | bytearray, pos: int, end: int) -> Suback:
-    pid = _decode_header_packet_id(buf, pos, end, "SUBACK")
-    codes = list(buf[pos + 2 : end])
-    if not codes:
-        raise ProtocolError("SUBACK with no return codes", "SUBACK")
-    for code in codes:
-        if code > 2 and code != SUBACK_FAILURE:
-            raise ProtocolError(f"SUBACK return code 0x{code:02x} is not 0, 1, 2 or 0x80", "SUBACK")
-    return Suback(pid, codes)
-
-
-def _decode_unsubscribe(buf: bytes | bytearray, pos: int, end: int) -> Unsubscribe:
-    name = "UNSUBSCRIBE"
-    pid = _decode_header_packet_id(buf, pos, end, name)
-    pos += 2
-    topics: list[str] = []
-    while pos < end:
-        topic_filter, pos = _read_str(buf, pos, end, "topic filter", name)
-        if not topic_filter:
-            raise ProtocolError("UNSUBSCRIBE with an empty topic filter", name)
-        topics.append(topic_filter)
-    if not topics:
-        raise ProtocolError("UNSUBSCRIBE with no topic filters", name)
-    return Unsubscribe(pid, topics)
-
-
-def _decode_body(ptype: int, flags: int, buf: bytes | bytearray, pos: int, end: int) -> Packet:
-    if ptype == PUBLISH:
-        return _decode_publish(buf, pos, end, flags)
-    if ptype == PUBACK:
-        return Puback(_decode_packet_id(buf, pos, end, "PUBACK"))
-    if ptype == PUBREC:
-        return Pubrec(_decode_packet_id(buf, pos, end, "PUBREC"))
-    if ptype == PUBREL:
-        return Pubrel(_decode_packet_id(buf, pos, end, "PUBREL"))
-    if ptype == PUBCOMP:
-        return Pubcomp(_decode_packet_id(buf, pos, end, "PUBCOMP"))
-    if ptype == UNSUBACK:
-        return Unsuback(_decode_packet_id(buf, pos, end, "UNSUBACK"))
-    if ptype == CONNECT:
-        return _decode_connect(buf, pos, end)
-    if ptype == CONNACK:
-        return _decode_connack(buf, pos, end)
-    if ptype == SUBSCRIBE:
-        return _decode_subscribe(buf, pos, end)
-    if ptype == SUBACK:
-        return _decode_suback(buf, pos, end)
-    if ptype == UNSUBSCRIBE:
-        return _decode_unsubscribe(buf, pos, end)
-    return _decode_empty(ptype, end - pos)
-
-
 _RUN_MIN = 4  # the fewest packets worth the run check of _publish_run
 _UNCACHED = False  # _publish_run's answer when the topic is not in the cache yet
 
@@ -451,7 +192,7 @@ def _publish_run(buf: bytes, pos: int, n: int, maxsize: int, cache: dict[bytes, 
     if second < 0x80:
         head = 2
         remaining = second
-    elif n - pos >= 3 and buf[pos + 2] < 0x80:
+    elif n - pos >= 3 and 0 < buf[pos + 2] < 0x80:  # (0: not minimal, MQTT-1.5.5-1)
         head = 3
         remaining = (second & 0x7F) | (buf[pos + 2] << 7)
     else:
@@ -564,12 +305,16 @@ class Decoder:
     because a byte stream cannot be resynchronised after a framing error.
     """
 
-    __slots__ = ("_allowed", "_buf", "_error", "_max", "_names", "_pos", "_runs", "_server", "_topics", "_v5")
+    __slots__ = ("_allowed", "_buf", "_error", "_max", "_max_connect5", "_names", "_pos", "_runs", "_server",
+                 "_topics", "_v5")
 
     def __init__(self, max_packet_size: int = DEFAULT_MAX_PACKET_SIZE, *, server: bool = True,
-                 protocol_level: int = PROTOCOL_LEVEL, runs: bool = False) -> None:
+                 protocol_level: int = PROTOCOL_LEVEL, runs: bool = False, max_connect5: int = 0) -> None:
         if max_packet_size < 2:
             raise ValueError(f"max_packet_size must be at least 2 bytes, got {max_packet_size}")
+        # A level-5 CONNECT may be up to this size although max_packet_size is lower (a
+        # server's pre-CONNECT cap, MQTT 3.1.1's largest CONNECT); its arrival lifts the cap.
+        self._max_connect5 = max_connect5
         # packets(): a run of equal-shaped PUBLISHes comes as one PublishRun (MQTT 5: QoS 1 ones
         # without properties).
         self._runs = runs
@@ -701,15 +446,24 @@ class Decoder:
             i += 1
             remaining |= (byte & 0x7F) << shift
             if not byte & 0x80:
+                if not byte and shift:  # e.g. "80 00": a shorter encoding exists (MQTT-1.5.5-1)
+                    raise ProtocolError("remaining length is not in its minimal encoding (MQTT-1.5.5-1)", name)
                 break
             shift += 7
             if shift >= 28:
                 raise ProtocolError("remaining length exceeds 4 bytes", name)
         total = i - pos + remaining
         if total > self._max:
-            raise ProtocolError(
-                f"packet of {total} bytes exceeds max_packet_size {self._max}", name, RC_PACKET_TOO_LARGE
-            )
+            level = _connect_level(buf, i, n) if ptype == CONNECT else None
+            if level == PROTOCOL_LEVEL_5 and total <= self._max_connect5:
+                self._max = self._max_connect5
+            elif level is None and ptype == CONNECT and total <= self._max_connect5:
+                return None  # its level byte decides, a few bytes on
+            else:
+                exc = ProtocolError(f"packet of {total} bytes exceeds max_packet_size {self._max}", name,
+                                    RC_PACKET_TOO_LARGE)
+                exc.connect_level = level  # (a level-5 CONNECT gets CONNACK 0x95)
+                raise exc
         return ptype, flags, i - pos, remaining
 
     def _decode(self, limit: int) -> list[Packet]:
@@ -746,7 +500,7 @@ class Decoder:
                     if second < 0x80:
                         start = pos + 2
                         end = start + second
-                    elif n - pos >= 3 and buf[pos + 2] < 0x80:
+                    elif n - pos >= 3 and 0 < buf[pos + 2] < 0x80:  # (0: not minimal, MQTT-1.5.5-1)
                         start = pos + 3
                         end = start + ((second & 0x7F) | (buf[pos + 2] << 7))
                     else:
@@ -836,7 +590,7 @@ class Decoder:
                     if second < 0x80:
                         start = pos + 2
                         end = start + second
-                    elif n - pos >= 3 and buf[pos + 2] < 0x80:
+                    elif n - pos >= 3 and 0 < buf[pos + 2] < 0x80:  # (0: not minimal, MQTT-1.5.5-1)
                         start = pos + 3
                         end = start + ((second & 0x7F) | (buf[pos + 2] << 7))
                     else:

@@ -60,6 +60,7 @@ from filemq.mqtt.wire import (
     _PINGREQ,
     _PINGRESP,
     ProtocolError,
+    UnsupportedProtocolLevel,
     _bin,
     _check_packet_id,
     _decode_connack,
@@ -120,6 +121,38 @@ def _decode_connect(buf: bytes | bytearray, pos: int, end: int) -> Connect:
         raise ProtocolError("CONNECT truncated in the variable header", name)
     level, flags, keepalive = struct.unpack_from("!BBH", buf, pos)
     pos += 4
+    if level not in (3, 4, PROTOCOL_LEVEL_5):
+        raise UnsupportedProtocolLevel(level, _connect_shape(buf, pos, end, flags))
+    try:
+        return _decode_connect_rest(buf, pos, end, protocol_name, level, flags, keepalive)
+    except ProtocolError as exc:
+        exc.connect_level = level  # (a level-5 one is answered with CONNACK 0x81 / 0x82)
+        raise
+
+
+def _connect_level(buf: bytes | bytearray, pos: int, n: int) -> int | None:
+    """The protocol level byte of a CONNECT whose variable header starts at ``pos`` (the
+    protocol name's length), or None while it has not arrived (``buf[:n]`` is what has)."""
+    if pos + 2 > n:
+        return None
+    at = pos + 2 + ((buf[pos] << 8) | buf[pos + 1])
+    return buf[at] if at < n else None
+
+
+def _connect_shape(buf: bytes | bytearray, pos: int, end: int, flags: int) -> int:
+    """5 if the CONNECT from its properties on (at ``pos``) parses as an MQTT 5.0 one, else 4."""
+    try:
+        _decode_connect_rest(buf, pos, end, "MQTT", PROTOCOL_LEVEL_5, flags, 0)
+    except ProtocolError:
+        return 4
+    return PROTOCOL_LEVEL_5
+
+
+def _decode_connect_rest(buf: bytes | bytearray, pos: int, end: int, protocol_name: str, level: int, flags: int,
+                         keepalive: int) -> Connect:
+    """A CONNECT after its keep alive (at ``pos``): flags checked, then properties (level 5),
+    client id, will, username and password."""
+    name = "CONNECT"
     v5 = level == PROTOCOL_LEVEL_5
     if flags & 0x01:
         raise ProtocolError("CONNECT reserved flag (bit 0) is set", name)
@@ -341,8 +374,8 @@ def _decode_publish5(buf: bytes | bytearray, pos: int, end: int, flags: int, ser
         if end - pos < 2:
             raise ProtocolError("PUBLISH truncated before the packet id", name)
         packet_id = (buf[pos] << 8) | buf[pos + 1]
-        if packet_id == 0:
-            raise ProtocolError("PUBLISH QoS>0 with packet id 0", name)
+        if packet_id == 0:  # it parses: a Protocol Error, not Malformed (MQTT-2.2.1-3)
+            raise _protocol_error("PUBLISH QoS>0 with packet id 0 (MQTT-2.2.1-3)", name)
         pos += 2
     props, pos = _decode_properties(buf, pos, end, name)
     if props is not None:
@@ -373,7 +406,7 @@ def _decode_ack5(ptype: int, buf: bytes | bytearray, pos: int, end: int) -> Puba
         raise ProtocolError(f"{name} remaining length {end - pos}, expected at least 2", name)
     pid = (buf[pos] << 8) | buf[pos + 1]
     if pid == 0:
-        raise ProtocolError(f"{name} with packet id 0", name)
+        raise _protocol_error(f"{name} with packet id 0 (MQTT-2.2.1-3)", name)
     if end - pos == 2:  # spec 3.4.2.1: no reason code means 0x00
         return cls(pid)
     code = _check_reason_code(buf[pos + 2], codes, name)

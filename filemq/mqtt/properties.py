@@ -174,8 +174,8 @@ def _encode_properties(props: Properties | None, name: str) -> bytes:
 
 
 def _read_vbi(buf: bytes | bytearray, pos: int, end: int, what: str, name: str) -> tuple[int, int]:
-    """A variable byte integer (spec 1.5.5); more than 4 bytes or running past ``end`` is a
-    Malformed Packet."""
+    """A variable byte integer (spec 1.5.5); more than 4 bytes, running past ``end`` or more
+    bytes than the value needs (MQTT-1.5.5-1) is a Malformed Packet."""
     value = 0
     shift = 0
     while True:
@@ -185,6 +185,9 @@ def _read_vbi(buf: bytes | bytearray, pos: int, end: int, what: str, name: str) 
         pos += 1
         value |= (byte & 0x7F) << shift
         if not byte & 0x80:
+            if not byte and shift:  # e.g. "80 00": a shorter encoding exists
+                raise ProtocolError(f"{name} {what}: variable byte integer not in its minimal encoding "
+                                    "(MQTT-1.5.5-1)", name)
             return value, pos
         shift += 7
         if shift >= 28:

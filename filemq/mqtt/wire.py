@@ -35,7 +35,9 @@ class ProtocolError(ValueError):
     ``reason_code`` the MQTT 5 reason code to put on the CONNACK or DISCONNECT that closes an
     MQTT 5 connection (spec 4.13): 0x81 Malformed Packet unless the spec names another
     (0x82 Protocol Error, 0x94 Topic Alias invalid, 0x95 Packet too large).  A 3.1.1
-    connection has no way to send it and just closes.
+    connection has no way to send it and just closes.  ``connect_level`` is the protocol level
+    of the CONNECT the fault is in, once its level byte was read (else None): a server answers
+    a level-5 one with a CONNACK carrying ``reason_code`` (MQTT-3.1.4-1, 4.13.1).
     """
 
     def __init__(self, reason: str, packet_type: str | None = None, reason_code: int = RC_MALFORMED_PACKET) -> None:
@@ -43,6 +45,22 @@ class ProtocolError(ValueError):
         self.reason = reason
         self.packet_type = packet_type
         self.reason_code = reason_code
+        self.connect_level: int | None = None
+
+
+class UnsupportedProtocolLevel(ProtocolError):
+    """A CONNECT of a protocol level filemq does not speak (not 3, 4 or 5): ``level`` is it,
+    ``shape`` 5 when the rest of the CONNECT parses as an MQTT 5.0 one (properties after the
+    keep alive), else 4.  The server answers it before closing (3.1.2.2, MQTT-3.1.2-2 of 3.1.1
+    and of 5.0): CONNACK 0x84 Unsupported Protocol Version in the MQTT 5 shape, or 0x01
+    unacceptable protocol version in the 3.1.1 one.  ``reason_code`` is 0x82: on a connection
+    past CONNACK a CONNECT of any level is a Protocol Error (MQTT-3.1.0-2)."""
+
+    def __init__(self, level: int, shape: int) -> None:
+        super().__init__(f"CONNECT protocol level {level} (in the MQTT {'5.0' if shape == 5 else '3.1.1'} shape); "
+                         "only 4 (MQTT 3.1.1) and 5 (MQTT 5.0) are spoken", "CONNECT", RC_PROTOCOL_ERROR)
+        self.level = level
+        self.shape = shape
 
 
 _pack_BB = struct.Struct("!BB").pack
@@ -146,8 +164,8 @@ def _decode_header_packet_id(buf: bytes | bytearray, pos: int, end: int, name: s
     if end - pos < 2:
         raise ProtocolError(f"{name} truncated before the packet id", name)
     pid = (buf[pos] << 8) | buf[pos + 1]
-    if pid == 0:
-        raise ProtocolError(f"{name} with packet id 0", name)
+    if pid == 0:  # it parses: a Protocol Error on MQTT 5, not Malformed (MQTT-2.2.1-3)
+        raise _protocol_error(f"{name} with packet id 0 (MQTT-2.2.1-3)", name)
     return pid
 
 

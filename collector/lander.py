@@ -30,6 +30,7 @@ import contextlib
 import logging
 import time
 from array import array
+from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import accumulate
 from typing import TYPE_CHECKING
@@ -120,8 +121,12 @@ class Lander:
         roll_bytes: int = 64 << 20,
         roll_seconds: float = 60.0,
         retry_seconds: float = 1.0,
+        on_landed: Callable[[dict[tuple[str, str], int]], None] | None = None,
     ) -> None:
         self.queue = queue
+        # Told the rows of each roll per (device, stream), once the file is landed (the fleet registry).
+        self.on_landed = on_landed
+        self._landing_counts: dict[tuple[str, str], int] = {}
         self.writer = writer
         self.marks = marks
         self.roll_bytes = roll_bytes
@@ -284,6 +289,8 @@ class Lander:
         else:  # exactly the offsets the batch carries, never the gaps between them
             self.marks.add_ranges(device, stream, offset_runs(first, batch.offset_deltas))
         if rows.num_rows:
+            counts = self._landing_counts
+            counts[(device, stream)] = counts.get((device, stream), 0) + rows.num_rows
             self._buffer.append(rows)
             self._buffer_bytes += batch.header.body_length
             self.stats.buffered_rows += rows.num_rows
@@ -319,6 +326,12 @@ class Lander:
             self.stats.files_landed += 1
             self.stats.rows_landed += rows
             log.info("lander: landed %d rows in %s", rows, path)
+        counts, self._landing_counts = self._landing_counts, {}
+        if counts and self.on_landed is not None:
+            try:
+                self.on_landed(counts)
+            except Exception:
+                log.exception("lander: reporting landed rows failed; landing goes on")
         self._buffer.clear()
         self._buffer_bytes = 0
         self.stats.buffered_rows = 0

@@ -28,6 +28,7 @@ import dataclasses
 import logging
 import socket
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -35,6 +36,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from collector.dedup import SNAPSHOT_FILE, HighWaterMarks, batch_ranges
+from collector.fleet import FLEET_FILE, SAVE_INTERVAL_S, FleetRegistry, Thresholds, iso
 from collector.headers import check_headers
 from collector.lander import Lander
 from collector.landing import LandingWriter
@@ -52,6 +54,12 @@ from filemq.upstream.batch import (
     parse_batch_topic,
     peek_header,
 )
+from filemq.upstream.health import (
+    HealthCrcError,
+    MalformedHealth,
+    decode_health,
+    parse_health_topic,
+)
 from segments.fileio import OS_FILE_IO, FileIO, atomic_write
 
 if TYPE_CHECKING:
@@ -62,6 +70,7 @@ log = logging.getLogger(__name__)
 QUARANTINE_DIR = "quarantine"
 MIN_PACKET_SIZE = 64 << 20  # batches are up to batch_bytes (1 MiB default) plus a header
 DEFAULT_WAL_RETENTION_MS = 3_600_000  # landed WAL segments are kept an hour, then deleted
+LANDING_SAMPLE_S = 10
 
 
 
@@ -79,6 +88,9 @@ class DoorStats:
     quarantined: int = 0
     crc_rejected: int = 0
     topic_rejected: int = 0  # a valid batch on a topic that disagrees with its header
+    health_reports: int = 0  # health reports received (stored in the WAL)
+    health_rejected: int = 0  # CRC mismatch or a device id that disagrees with the topic (connection closed)
+    health_malformed: int = 0  # CRC fine, content not a report: dropped, logged
 
 
 def broker_config(config: Config) -> Config:
@@ -146,6 +158,14 @@ class Collector:
         self._fileio = fileio
         self._clock = clock
         self._quarantine_seq = 0
+        self.fleet = FleetRegistry(
+            self.data_dir / FLEET_FILE,
+            Thresholds(behind_records=c.fleet_behind_records, behind_age_s=c.fleet_behind_age_s,
+                       disk_low_bytes=c.fleet_disk_low_bytes, stale_intervals=c.fleet_stale_intervals),
+            max_devices=c.fleet_max_devices, clock=clock)
+        self._fleet_task: asyncio.Task[None] | None = None
+        # (unix time, rows landed so far) every LANDING_SAMPLE_S for the last hour: /api/fleet's rate plot.
+        self._landing_samples: deque[tuple[float, int]] = deque(maxlen=3600 // LANDING_SAMPLE_S + 1)
 
     @property
     def port(self) -> int:
@@ -158,8 +178,11 @@ class Collector:
         await self.broker.start()
         assert self.broker.queue is not None
         c = self.config.collector
+        loaded = self.fleet.load()
+        if loaded:
+            log.info("collector %s: fleet registry holds %d devices", self.collector_id, loaded)
         lander = Lander(self.broker.queue, writer, self.marks, roll_bytes=c.roll_bytes,
-                        roll_seconds=c.roll_seconds)
+                        roll_seconds=c.roll_seconds, on_landed=self.fleet.landed)
         lander.recover()
         for (device, stream), ranges in self.marks.items():
             for first, last in ranges:
@@ -168,6 +191,7 @@ class Collector:
         lander.start()
         self.lander = lander
         self._tail_task = asyncio.create_task(self._tail_wal(), name="filemq-collector-wal-tail")
+        self._fleet_task = asyncio.create_task(self._watch_fleet(), name="filemq-collector-fleet")
         log.info("collector %s listening on %s, landing in %s, WAL backlog %d batches",
                  self.collector_id, self.broker.listening, self.landing_dir, lander.lag)
         soft, hard = raise_nofile_limit()  # as broker_config left it (already raised)
@@ -179,9 +203,58 @@ class Collector:
         """Land what is buffered (bounded wait), then stop the broker (persists everything)."""
         if self._tail_task is not None:
             await cancel_and_wait(self._tail_task)
+        if self._fleet_task is not None:
+            await cancel_and_wait(self._fleet_task)
         if self.lander is not None:
             await self.lander.stop()
         await self.broker.stop()
+        self._sweep_fleet()  # every connection is closed now: record it
+        self._save_fleet()
+
+    # -- the fleet registry ---------------------------------------------------------------------
+
+    def _sweep_fleet(self) -> None:
+        core = self.broker.core
+        self.fleet.sweep(core.connections if core is not None else {})
+
+    def _save_fleet(self) -> None:
+        try:
+            self.fleet.save(lambda path, data: atomic_write(path, data, self._fileio))
+        except OSError as exc:
+            self.fleet.dirty = True  # try again next time
+            log.warning("collector %s: saving the fleet registry failed: %s", self.collector_id, exc)
+
+    def landing_rate(self) -> list[dict[str, object]]:
+        """Rows landed per second over the last hour, one point per sample interval."""
+        samples = list(self._landing_samples)
+        return [{"t": iso(t1), "rows_per_s": round((n1 - n0) / (t1 - t0), 3) if t1 > t0 else 0.0}
+                for (t0, n0), (t1, n1) in zip(samples, samples[1:], strict=False)]
+
+    async def _watch_fleet(self) -> None:
+        """Sweep the registry every second (closed connections show within a second) and save
+        it every SAVE_INTERVAL_S when it changed (encoded on the loop, written off it)."""
+        last_save = time.monotonic()
+        last_sample = 0.0
+        while True:
+            await asyncio.sleep(1.0)
+            try:
+                self._sweep_fleet()
+                if time.monotonic() - last_sample >= LANDING_SAMPLE_S:
+                    last_sample = time.monotonic()
+                    self._landing_samples.append((self._clock(), self.lander.stats.rows_landed if self.lander else 0))
+                if self.fleet.dirty and time.monotonic() - last_save >= SAVE_INTERVAL_S:
+                    last_save = time.monotonic()
+                    data = self.fleet.encode()
+                    self.fleet.dirty = False
+                    path = self.fleet.path
+                    assert path is not None
+                    try:
+                        await asyncio.to_thread(atomic_write, path, data, self._fileio)
+                    except OSError as exc:
+                        self.fleet.dirty = True
+                        log.warning("collector %s: saving the fleet registry failed: %s", self.collector_id, exc)
+            except Exception:
+                log.exception("collector %s: fleet bookkeeping failed; continuing", self.collector_id)
 
     def reload(self) -> bool:
         """SIGHUP: re-read the device password file and the ACL file (:meth:`Broker.reload`)."""
@@ -232,6 +305,9 @@ class Collector:
         stats = self.stats
         payload = packet.payload
         foreign = None
+        topic_device = parse_health_topic(packet.topic)
+        if topic_device is not None:
+            return self._health_report(client, packet, topic_device)
         if parse_batch_topic(packet.topic) is None:
             foreign = f"topic {packet.topic!r} is not filemq/v1/<device_id>/<stream>"
         try:
@@ -258,6 +334,7 @@ class Collector:
         if held:
             stats.duplicate_batches += 1
             stats.duplicate_records += header.count
+            self._seen(client, header.device_id)
             return HookResult.ack_drop(f"duplicate batch {header.first_offset}..{header.last_offset}")
         try:
             # Version 2 headers must be MQTT 5.0 message properties: the CRC matched, so
@@ -270,18 +347,52 @@ class Collector:
             if not keep:
                 stats.duplicate_batches += 1
                 stats.duplicate_records += header.count
+                self._seen(client, header.device_id)
                 return HookResult.ack_drop(f"duplicate batch {header.first_offset}..{header.last_offset}")
             stats.batches_received += 1
             stats.bytes_received += len(payload)
             stats.trimmed_batches += 1
             stats.trimmed_records += header.count - len(keep)
             stats.records_received += len(keep)
+            self._seen(client, header.device_id, header.stream, len(keep))
             return HookResult.store(
                 encode_batch(header.device_id, header.stream, keep, compression=header.compression)
             )
         stats.batches_received += 1
         stats.bytes_received += len(payload)
         stats.records_received += header.count
+        self._seen(client, header.device_id, header.stream, header.count)
+        return HookResult.store()
+
+    def _seen(self, client: ClientInfo, device_id: str, stream: str | None = None, records: int = 0) -> None:
+        core = self.broker.core
+        conn = core.connections.get(client.client_id) if core is not None else None
+        self.fleet.seen(device_id, client.client_id, client.peer, conn, stream, records)
+
+    def _health_report(self, client: ClientInfo, packet: Publish, topic_device: str) -> HookResult:
+        """A health report (:mod:`filemq.upstream.health`): into the fleet registry, and stored
+        in the WAL like a batch. A CRC mismatch closes the connection as for a batch (the link
+        damages bytes); a report that is not one is dropped and counted, never quarantined."""
+        stats = self.stats
+        try:
+            report = decode_health(packet.payload)
+        except HealthCrcError as exc:
+            stats.health_rejected += 1
+            log.warning("client %r: health report on %r: %s", client.client_id, packet.topic, exc)
+            return HookResult.reject(str(exc))
+        except MalformedHealth as exc:
+            stats.health_malformed += 1
+            self.fleet.malformed_reports += 1
+            log.warning("client %r: malformed health report on %r dropped: %s", client.client_id, packet.topic, exc)
+            return HookResult.ack_drop(f"malformed health report: {exc}")
+        if report.device_id != topic_device:
+            stats.health_rejected += 1
+            reason = (f"topic {packet.topic!r} does not match the health report's device {report.device_id!r}")
+            log.warning("client %r: %s; connection closed", client.client_id, reason)
+            return HookResult.reject(reason)
+        stats.health_reports += 1
+        self._seen(client, report.device_id)
+        self.fleet.health(report.device_id, report.body, report.sent_at_us, report.sequence)
         return HookResult.store()
 
     def _quarantine(self, client: ClientInfo, packet: Publish, reason: str) -> HookResult:

@@ -478,6 +478,61 @@ def verify(directory: str, repair: bool, as_json: bool) -> None:
 
 
 @main.command()
+@click.option("--url", default=None, metavar="URL",
+              help="The collector's operations port, e.g. http://127.0.0.1:9100 (https:// when it has TLS).")
+@click.option("--config", "config_file", type=click.Path(dir_okay=False), default=None,
+              help="A collector config file: the URL from its ops_host and metrics_port (and TLS).")
+@click.option("--username", default=None, help="Login, when the collector has a password file.")
+@click.option("--password-file", type=click.Path(dir_okay=False), default=None,
+              help="File whose first line is the password (or FILEMQ_OPS_PASSWORD).")
+@click.option("--tls-ca", type=click.Path(dir_okay=False), default=None, help="CA bundle for https://.")
+@click.option("--state", "states", multiple=True,
+              type=click.Choice(["online", "behind", "disk_low", "stale", "offline"]),
+              help="Only devices in this state (repeatable).")
+@click.option("--json", "as_json", is_flag=True, help="The /api/fleet object as one JSON line.")
+def fleet(url: str | None, config_file: str | None, username: str | None, password_file: str | None,
+          tls_ca: str | None, states: tuple[str, ...], as_json: bool) -> None:
+    """Every device a collector serves: state, connected, last seen, lag (its /api/fleet)."""
+    import json
+    import os
+
+    from collector.fleet import FleetUnavailable, fetch_fleet, fleet_table
+
+    if url is None:
+        if config_file is None:
+            click.echo("filemq fleet: give --url or --config (a collector config with metrics_port)", err=True)
+            sys.exit(2)
+        from filemq.common.config import ConfigError, load_config
+
+        try:
+            c = load_config(config_file, {})
+        except ConfigError as exc:
+            click.echo(f"filemq fleet: {exc}", err=True)
+            sys.exit(2)
+        if c.collector.metrics_port is None:
+            click.echo(f"filemq fleet: {config_file} sets no collector.metrics_port", err=True)
+            sys.exit(2)
+        scheme = "https" if c.broker.tls_cert else "http"
+        url = f"{scheme}://{c.collector.ops_host}:{c.collector.metrics_port}"
+    password = os.environ.get("FILEMQ_OPS_PASSWORD")
+    if password_file is not None:
+        with open(password_file, encoding="utf-8") as f:
+            password = (f.readline() or "").rstrip("\r\n")
+    try:
+        body = fetch_fleet(url, username=username, password=password, cafile=tls_ca)
+    except FleetUnavailable as exc:
+        click.echo(f"filemq fleet: {exc}", err=True)
+        sys.exit(1)
+    if states:
+        body["devices"] = [d for d in body["devices"] if d.get("state") in states]
+    if as_json:
+        click.echo(json.dumps(body))
+        return
+    for line in fleet_table(body):
+        click.echo(line)
+
+
+@main.command()
 @click.argument("directory", type=click.Path(file_okay=False))
 @click.option("--json", "as_json", is_flag=True, help="One JSON object on stdout.")
 def status(directory: str, as_json: bool) -> None:

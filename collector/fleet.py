@@ -418,6 +418,37 @@ def _device_from(row: Mapping[str, Any]) -> tuple[Device, bool]:
 # -- the terminal table (filemq fleet) -------------------------------------------------------------
 
 
+class FleetUnavailable(Exception):
+    """The operations port could not be read (the message says why and where)."""
+
+
+def fetch_fleet(url: str, *, username: str | None = None, password: str | None = None,
+                cafile: str | None = None, timeout: float = 10.0) -> dict[str, Any]:
+    """GET ``<url>/api/fleet`` (``url`` the ops port's base, e.g. ``http://127.0.0.1:9100``)."""
+    import base64
+    import ssl
+    import urllib.error
+    import urllib.request
+
+    target = url.rstrip("/") + "/api/fleet"
+    req = urllib.request.Request(target, headers={"Accept": "application/json"})
+    if username is not None:
+        token = base64.b64encode(f"{username}:{password or ''}".encode()).decode()
+        req.add_header("Authorization", f"Basic {token}")
+    context = ssl.create_default_context(cafile=cafile) if target.startswith("https:") else None
+    try:
+        with urllib.request.urlopen(req, timeout=timeout, context=context) as resp:
+            body = json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        hint = " (give --username and --password-file)" if exc.code == 401 else ""
+        raise FleetUnavailable(f"{target}: HTTP {exc.code} {exc.reason}{hint}") from None
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        raise FleetUnavailable(f"{target}: {getattr(exc, 'reason', exc)}") from None
+    if not isinstance(body, dict) or not isinstance(body.get("devices"), list):
+        raise FleetUnavailable(f"{target}: not a fleet answer")
+    return body
+
+
 def _age(seconds: float | None) -> str:
     if seconds is None or not math.isfinite(seconds):
         return "-"
@@ -450,7 +481,7 @@ def fleet_table(fleet: Mapping[str, Any], now: float | None = None) -> list[str]
     lines = [f"{counts.get('total', 0)} devices: {head}"]
     rows: list[tuple[str, ...]] = [("DEVICE", "STATE", "CONNECTED", "LAST SEEN", "LAG", "OLDEST", "DISK FREE",
                                     "REMOTE")]
-    for d in fleet.get("devices") or []:
+    for d in sorted_devices(fleet.get("devices") or []):
         last = d.get("last_seen")
         ago = now - datetime.fromisoformat(last.replace("Z", "+00:00")).timestamp() if last else None
         lag = d.get("lag_records")

@@ -98,6 +98,8 @@ class Device:
     history: deque[tuple[float, int]] = field(default_factory=lambda: deque(maxlen=HISTORY_POINTS))
     events: deque[tuple[float, str, str]] = field(default_factory=lambda: deque(maxlen=EVENTS_KEPT))
     conn: Conn | None = None  # the live connection (not saved)
+    # A disconnect the event sink could not record yet (the WAL was closed): recorded at next start.
+    pending_disconnect: tuple[float, str] | None = None
 
     def lag_records(self) -> int | None:
         exports = (self.health or {}).get("exports") or []
@@ -139,7 +141,8 @@ def iso(ts: float | None) -> str | None:
 
 
 EventSink = Callable[[str, str, float, Mapping[str, Any]], None]
-"""``(device_id, kind, unix_time, details)``: a connect, disconnect or health event."""
+"""``(device_id, kind, unix_time, details)``: a connect, disconnect or health event; raises if
+it could not record it (a disconnect is then kept and offered again by :meth:`FleetRegistry.flush_pending`)."""
 
 
 class FleetRegistry:
@@ -157,6 +160,7 @@ class FleetRegistry:
         self.on_event: EventSink | None = None
         self.evicted = 0
         self.malformed_reports = 0
+        self.frozen = False  # set by disconnect_all at shutdown: nothing changes afterwards
 
     def now(self) -> float:
         """The registry's clock (Unix seconds)."""
@@ -191,6 +195,8 @@ class FleetRegistry:
         """A PUBLISH of ``device_id`` arrived on ``conn``; ``records`` were stored for ``stream``."""
         now = self._clock()
         d = self._device(device_id, now)
+        if self.frozen:
+            return d
         d.last_seen = now
         if conn is not None and (d.conn is not conn or not d.connected):
             if d.connected and d.conn is not None and d.conn is not conn:
@@ -206,6 +212,8 @@ class FleetRegistry:
 
     def health(self, device_id: str, body: dict[str, Any], sent_at_us: int, sequence: int) -> None:
         """A decoded health report of ``device_id`` (call :meth:`seen` first)."""
+        if self.frozen:
+            return
         now = self._clock()
         d = self._device(device_id, now)
         d.health = body
@@ -234,6 +242,8 @@ class FleetRegistry:
     def sweep(self, connections: Mapping[str, Conn]) -> None:
         """Once a second: mark devices whose connection closed as disconnected (with its reason),
         and known devices whose client id has a live connection as connected."""
+        if self.frozen:
+            return
         now = self._clock()
         for d in self.devices.values():
             if d.connected:
@@ -268,15 +278,45 @@ class FleetRegistry:
         d.events.append((now, "disconnect", reason))
         self.dirty = True
         log.info("fleet: device %r disconnected: %s", d.device_id, reason)
-        self._emit(d.device_id, "disconnect", now, {"reason": reason, "remote": d.remote})
+        if not self._emit(d.device_id, "disconnect", now, {"reason": reason, "remote": d.remote}):
+            d.pending_disconnect = (now, reason)
 
-    def _emit(self, device_id: str, kind: str, now: float, details: Mapping[str, Any]) -> None:
+    def _emit(self, device_id: str, kind: str, now: float, details: Mapping[str, Any]) -> bool:
+        """Hand an event to the sink; False if the sink could not record it."""
         sink = self.on_event
         if sink is not None:
             try:
                 sink(device_id, kind, now, details)
-            except Exception:
-                log.exception("fleet: recording a %s event of %r failed", kind, device_id)
+            except Exception as exc:
+                log.warning("fleet: recording a %s event of %r failed: %s", kind, device_id, exc)
+                return False
+        return True
+
+    def disconnect_all(self, reason: str) -> int:
+        """Shutdown: every connected device disconnected now with ``reason`` (events recorded
+        while the WAL is still open); the registry changes no more afterwards. Returns how many."""
+        now = self._clock()
+        gone = [d for d in self.devices.values() if d.connected]
+        for d in gone:
+            self._disconnected(d, now, reason)
+        self.frozen = True
+        return len(gone)
+
+    def flush_pending(self) -> int:
+        """Record the disconnects the sink could not take before (at start, once the WAL is
+        open): a collector killed while devices were connected records them now, with the time
+        of its last save. Returns how many were recorded."""
+        done = 0
+        for d in self.devices.values():
+            pending = d.pending_disconnect
+            if pending is None or d.connected:
+                continue
+            when, reason = pending
+            if self._emit(d.device_id, "disconnect", when, {"reason": reason, "remote": d.remote}):
+                d.pending_disconnect = None
+                done += 1
+                self.dirty = True
+        return done
 
     # -- views -----------------------------------------------------------------------------------
 
@@ -354,7 +394,7 @@ class FleetRegistry:
                 "streams": {k: dict(v) for k, v in d.streams.items()}, "health": d.health,
                 "health_at": d.health_at, "health_sent_at": d.health_sent_at,
                 "health_sequence": d.health_sequence, "reports": d.reports,
-                "connected": d.connected,
+                "connected": d.connected, "pending_disconnect": d.pending_disconnect,
             })
         return json.dumps({"version": FILE_VERSION, "saved_at": self._clock(), "devices": rows},
                           separators=(",", ":")).encode() + b"\n"
@@ -388,8 +428,10 @@ class FleetRegistry:
         saved_at = float(body.get("saved_at") or self._clock())
         for d, was_connected in devices[: self.max_devices]:
             if was_connected:
+                # Killed while this device was connected: its disconnect is recorded at start.
                 d.disconnected_at = saved_at
                 d.disconnect_reason = "collector restarted"
+                d.pending_disconnect = (saved_at, "collector restarted")
             self.devices[d.device_id] = d
             if d.client_id is not None:
                 self._by_client[d.client_id] = d.device_id
@@ -412,6 +454,9 @@ def _device_from(row: Mapping[str, Any]) -> tuple[Device, bool]:
     d.health_sent_at = row.get("health_sent_at")
     d.health_sequence = int(row.get("health_sequence") or 0)
     d.reports = int(row.get("reports") or 0)
+    pending = row.get("pending_disconnect")
+    if pending is not None:
+        d.pending_disconnect = (float(pending[0]), str(pending[1]))
     return d, bool(row.get("connected"))
 
 

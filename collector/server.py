@@ -24,19 +24,22 @@ its own id: ``pattern write filemq/v1/%u/#`` (see docs/FORWARDING.md).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import socket
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from collector.dedup import SNAPSHOT_FILE, HighWaterMarks, batch_ranges
 from collector.fleet import FLEET_FILE, SAVE_INTERVAL_S, FleetRegistry, Thresholds, iso
+from collector.fleet_events import LANDING_SUBDIR as EVENTS_LANDING_SUBDIR
+from collector.fleet_events import event_payload, event_topic
 from collector.headers import check_headers
 from collector.lander import Lander
 from collector.landing import LandingWriter
@@ -164,6 +167,7 @@ class Collector:
                        disk_low_bytes=c.fleet_disk_low_bytes, stale_intervals=c.fleet_stale_intervals),
             max_devices=c.fleet_max_devices, clock=clock)
         self._fleet_task: asyncio.Task[None] | None = None
+        self._event_commits: list[asyncio.Future[None]] = []
         # (unix time, rows landed so far) every LANDING_SAMPLE_S for the last hour: /api/fleet's rate plot.
         self._landing_samples: deque[tuple[float, int]] = deque(maxlen=3600 // LANDING_SAMPLE_S + 1)
 
@@ -175,6 +179,8 @@ class Collector:
         """Recover (WAL, landing staging, high-water marks), listen, start landing."""
         self.data_dir.mkdir(parents=True, exist_ok=True)
         writer = LandingWriter(self.landing_dir, self.collector_id, self._fileio)
+        events_writer = LandingWriter(self.landing_dir / EVENTS_LANDING_SUBDIR, self.collector_id, self._fileio)
+        events_writer.recover_staging()
         await self.broker.start()
         assert self.broker.queue is not None
         c = self.config.collector
@@ -182,7 +188,12 @@ class Collector:
         if loaded:
             log.info("collector %s: fleet registry holds %d devices", self.collector_id, loaded)
         lander = Lander(self.broker.queue, writer, self.marks, roll_bytes=c.roll_bytes,
-                        roll_seconds=c.roll_seconds, on_landed=self.fleet.landed)
+                        roll_seconds=c.roll_seconds, on_landed=self.fleet.landed, events_writer=events_writer)
+        self.fleet.on_event = self._record_event
+        recorded = self.fleet.flush_pending()
+        if recorded:
+            log.info("collector %s: recorded %d disconnects of devices connected when it last stopped",
+                     self.collector_id, recorded)
         lander.recover()
         for (device, stream), ranges in self.marks.items():
             for first, last in ranges:
@@ -205,13 +216,39 @@ class Collector:
             await cancel_and_wait(self._tail_task)
         if self._fleet_task is not None:
             await cancel_and_wait(self._fleet_task)
+        if self.broker.queue is not None:
+            # Every device's disconnect into the WAL while it is open, committed before the
+            # lander's last roll lands it; the registry changes no more after this.
+            self._sweep_fleet()
+            self.fleet.disconnect_all("collector stopping")
+            if self._event_commits:
+                with contextlib.suppress(TimeoutError, OSError):
+                    await asyncio.wait_for(asyncio.gather(*self._event_commits, return_exceptions=True), 5.0)
         if self.lander is not None:
             await self.lander.stop()
         await self.broker.stop()
-        self._sweep_fleet()  # every connection is closed now: record it
         self._save_fleet()
 
     # -- the fleet registry ---------------------------------------------------------------------
+
+    def _record_event(self, device_id: str, kind: str, when: float, details: Mapping[str, Any]) -> None:
+        """The registry's event sink: a connect or disconnect into the WAL (the lander lands it
+        as a fleet event); health reports are in the WAL already. Raises if the WAL refuses."""
+        if kind not in ("connect", "disconnect"):
+            return
+        queue = self.broker.queue
+        if queue is None:
+            raise RuntimeError("the WAL is not open")
+        payload = event_payload(kind, {**details, "collector_id": self.collector_id})
+        _, commit = queue.publish_nowait(event_topic(device_id, kind), payload, 0, timestamp_us=int(when * 1e6))
+        commit.add_done_callback(self._event_committed)
+        self._event_commits = [f for f in self._event_commits if not f.done()]
+        self._event_commits.append(commit)
+
+    def _event_committed(self, commit: asyncio.Future[None]) -> None:
+        if not commit.cancelled() and commit.exception() is not None:
+            log.error("collector %s: a fleet event was not committed to the WAL: %s", self.collector_id,
+                      commit.exception())
 
     def _sweep_fleet(self) -> None:
         core = self.broker.core

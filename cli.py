@@ -724,7 +724,12 @@ def ingest(config_file: str | None, once: bool, as_json: bool, **flags: object) 
         raise click.UsageError("--payload json needs --payload-schema")
     if payload == "raw" and payload_schema:
         raise click.UsageError("--payload-schema needs --payload json")
-    from spark_ingest.job import IngestConfig, IngestError, build_session, run_ingest
+    from spark_ingest.fleet_events import (
+        fleet_events_config,
+        has_fleet_events,
+        run_with_fleet_events,
+    )
+    from spark_ingest.job import IngestConfig, IngestError, build_session
     from spark_ingest.schema import PayloadSchemaError
 
     if not as_json and logging.getLogger().getEffectiveLevel() > logging.INFO:
@@ -732,10 +737,16 @@ def ingest(config_file: str | None, once: bool, as_json: bool, **flags: object) 
     config = IngestConfig(landing=Path(landing), table=Path(table), checkpoint=Path(checkpoint),
                           payload_schema=payload_schema, archive=Path(archive) if archive else None,
                           max_files_per_batch=settings.max_files_per_batch)
+    events = None
+    if has_fleet_events(config):  # the second table, fleet_events (docs/INGEST.md)
+        events = fleet_events_config(
+            config, table=Path(settings.fleet_events_table) if settings.fleet_events_table else None,
+            checkpoint=Path(settings.fleet_events_checkpoint) if settings.fleet_events_checkpoint else None)
     spark = build_session(master=settings.spark_master)
     try:
-        summary = run_ingest(spark, config, once=every is None, every=float(every) if every else None,
-                             on_batch=(lambda r: click.echo(json.dumps(r.as_dict()))) if as_json else None)
+        summary, events_summary = run_with_fleet_events(
+            spark, config, events, once=every is None, every=float(every) if every else None,
+            on_batch=(lambda table, r: click.echo(json.dumps({**r.as_dict(), "table": table}))) if as_json else None)
     except (IngestError, PayloadSchemaError) as exc:
         raise click.ClickException(str(exc)) from exc
     except KeyboardInterrupt:
@@ -744,10 +755,15 @@ def ingest(config_file: str | None, once: bool, as_json: bool, **flags: object) 
         spark.stop()
     if as_json:
         click.echo(json.dumps(summary.as_dict()))
+        if events_summary is not None:
+            click.echo(json.dumps({**events_summary.as_dict(), "table": "fleet_events"}))
     else:
         click.echo(f"{summary.batches} batches, {summary.files} files, {summary.rows_in:,} rows in, "
                    f"{summary.rows_written:,} written, {summary.duplicates_removed:,} duplicates removed, "
                    f"{len(summary.quarantined)} quarantined, {summary.seconds:.1f}s", err=True)
+        if events_summary is not None:
+            click.echo(f"fleet_events: {events_summary.rows_in:,} events in, {events_summary.rows_written:,} "
+                       f"written, {events_summary.duplicates_removed:,} duplicates removed", err=True)
 
 
 @bench.command("ingest")

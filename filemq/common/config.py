@@ -224,6 +224,10 @@ class IngestSection:
     archive: str | None = field(default=None, metadata=_spec(_str))
     every_s: int | None = field(default=None, metadata=_spec(_POS))
     max_files_per_batch: int = field(default=1000, metadata=_spec(_POS))
+    # The second curated table (spark_ingest/fleet_events.py); None: fleet_events beside `table`,
+    # `<checkpoint>_fleet_events`.
+    fleet_events_table: str | None = field(default=None, metadata=_spec(_str))
+    fleet_events_checkpoint: str | None = field(default=None, metadata=_spec(_str))
 
 
 _OPT_POS = _int(1)

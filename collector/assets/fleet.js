@@ -48,6 +48,7 @@
 
   function render() {
     if (!fleet) return;
+    const started = performance.now();
     const want = $("state").value;
     const q = $("search").value.trim().toLowerCase();
     const rows = fleet.devices.filter((d) => (!want || d.state === want) &&
@@ -72,6 +73,7 @@
     $("collector").textContent = fleet.collector_id ? "· " + fleet.collector_id : "";
     $("updated").textContent = "updated " + new Date(fleet.generated_at).toLocaleTimeString();
     document.body.dataset.devices = String(fleet.devices.length);
+    document.body.dataset.renderMs = (performance.now() - started).toFixed(1);
   }
 
   async function refresh() {

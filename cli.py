@@ -594,7 +594,9 @@ def bench_forward(records: int, size: int, devices: int, ingest_records: int, sk
 @click.option("--devices", type=click.IntRange(min=2), default=5000, show_default=True,
               help="Simulated devices (MQTT connections) feeding one collector.")
 @click.option("--records", type=click.IntRange(min=1000), default=1_000_000, show_default=True,
-              help="Records sent in each run (batches of 1,000).")
+              help="Records sent in each run (at least one batch per device).")
+@click.option("--batch-records", type=click.IntRange(min=1), default=200, show_default=True,
+              help="Records per batch.")
 @click.option("--size", type=click.IntRange(min=16), default=100, show_default=True, help="Payload bytes.")
 @click.option("--health-interval-s", type=click.FloatRange(min=0.1), default=5.0, show_default=True,
               help="Seconds between a device's health reports in the runs with reports.")
@@ -604,12 +606,13 @@ def bench_forward(records: int, size: int, devices: int, ingest_records: int, sk
               help="GET /api/fleet this many times after each run with reports.")
 @click.option("--work-dir", type=click.Path(file_okay=False), default=None, help="Where to put the data.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per line on stdout.")
-def bench_fleet(devices: int, records: int, size: int, health_interval_s: float, repeat: int, api_samples: int,
-                work_dir: str | None, as_json: bool) -> None:
+def bench_fleet(devices: int, records: int, batch_records: int, size: int, health_interval_s: float, repeat: int,
+                api_samples: int, work_dir: str | None, as_json: bool) -> None:
     """Collector CPU per landed row with and without health reports; /api/fleet time at N devices."""
     from bench.fleet import run_fleet_bench
 
-    run_fleet_bench(devices=devices, records=records, size=size, health_interval_s=health_interval_s,
+    run_fleet_bench(devices=devices, records=records, batch_records=batch_records, size=size,
+                    health_interval_s=health_interval_s,
                     repeat=repeat, api_samples=api_samples, work_dir=work_dir, as_json=as_json)
 
 

@@ -18,7 +18,7 @@ What a caller may rely on:
 
 * **Durable and bounded.** :meth:`~FleetRegistry.save` writes one file, ``<data_dir>/fleet.json``,
   atomically (temporary name, fsync, rename, directory fsync, as the offset files); the
-  collector saves it every :data:`SAVE_INTERVAL_S` when something changed and at stop, and
+  collector saves it every :data:`SAVE_INTERVAL_S` (30 s) when something changed and at stop, and
   :meth:`~FleetRegistry.load` reads it back at start (a damaged file is logged and set aside,
   never fatal). Counters and the latest health survive a restart; history since the last
   save may not. At most ``fleet_max_devices`` devices are kept (the longest offline go first),
@@ -40,7 +40,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import datetime
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -48,7 +48,7 @@ log = logging.getLogger(__name__)
 
 FLEET_FILE = "fleet.json"
 FILE_VERSION = 1
-SAVE_INTERVAL_S = 10.0
+SAVE_INTERVAL_S = 30.0
 HISTORY_POINTS = 120  # lag samples per device (one per health report: an hour at 30 s)
 EVENTS_KEPT = 50  # connects/disconnects per device
 STATES = ("online", "behind", "disk_low", "stale", "offline")
@@ -91,6 +91,7 @@ class Device:
     connects: int = 0
     streams: dict[str, dict[str, int]] = field(default_factory=dict)
     health: dict[str, Any] | None = None
+    health_json: bytes | None = None  # the report body's JSON text, when known
     health_at: float | None = None  # collector clock when the latest report arrived
     health_sent_at: float | None = None  # the device's clock when it sent it
     health_sequence: int = 0
@@ -98,6 +99,8 @@ class Device:
     history: deque[tuple[float, int]] = field(default_factory=lambda: deque(maxlen=HISTORY_POINTS))
     events: deque[tuple[float, str, str]] = field(default_factory=lambda: deque(maxlen=EVENTS_KEPT))
     conn: Conn | None = None  # the live connection (not saved)
+    version: int = 0  # counts changes: the /api/fleet fragment below is re-encoded only after one
+    fragment: tuple[int, bytes] | None = None
     # A disconnect the event sink could not record yet (the WAL was closed): recorded at next start.
     pending_disconnect: tuple[float, str] | None = None
 
@@ -133,11 +136,20 @@ def device_state(d: Device, now: float, t: Thresholds) -> str:
     return "online"
 
 
+_ISO_SECONDS: dict[int, str] = {}
+
+
 def iso(ts: float | None) -> str | None:
-    """ISO 8601 UTC with milliseconds, or None."""
+    """ISO 8601 UTC with milliseconds (``2026-11-27T21:24:00.123Z``), or None."""
     if ts is None:
         return None
-    return datetime.fromtimestamp(ts, UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+    second = math.floor(ts)
+    prefix = _ISO_SECONDS.get(second)
+    if prefix is None:  # a fleet's timestamps share few seconds: format each second once
+        if len(_ISO_SECONDS) >= 65536:
+            _ISO_SECONDS.clear()
+        prefix = _ISO_SECONDS[second] = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(second))
+    return f"{prefix}.{min(int((ts - second) * 1000), 999):03d}Z"
 
 
 EventSink = Callable[[str, str, float, Mapping[str, Any]], None]
@@ -161,6 +173,10 @@ class FleetRegistry:
         self.evicted = 0
         self.malformed_reports = 0
         self.frozen = False  # set by disconnect_all at shutdown: nothing changes afterwards
+
+    def _changed(self, d: Device) -> None:
+        d.version += 1
+        self.dirty = True
 
     def now(self) -> float:
         """The registry's clock (Unix seconds)."""
@@ -207,16 +223,19 @@ class FleetRegistry:
             if counts is None:
                 counts = d.streams[stream] = {"records_received": 0, "records_landed": 0}
             counts["records_received"] += records
-        self.dirty = True
+        self._changed(d)
         return d
 
-    def health(self, device_id: str, body: dict[str, Any], sent_at_us: int, sequence: int) -> None:
-        """A decoded health report of ``device_id`` (call :meth:`seen` first)."""
+    def health(self, device_id: str, body: dict[str, Any], sent_at_us: int, sequence: int,
+               body_json: bytes | None = None) -> None:
+        """A decoded health report of ``device_id`` (call :meth:`seen` first); ``body_json`` is
+        the body's JSON text as received (kept for the snapshot, so it is not encoded again)."""
         if self.frozen:
             return
         now = self._clock()
         d = self._device(device_id, now)
         d.health = body
+        d.health_json = body_json
         d.health_at = now
         d.health_sent_at = sent_at_us / 1e6
         d.health_sequence = sequence
@@ -224,7 +243,7 @@ class FleetRegistry:
         lag = d.lag_records()
         if lag is not None:
             d.history.append((now, lag))
-        self.dirty = True
+        self._changed(d)
         self._emit(device_id, "health", now, {"sequence": sequence})
 
     def landed(self, counts: Mapping[tuple[str, str], int]) -> None:
@@ -236,8 +255,7 @@ class FleetRegistry:
             if c is None:
                 c = d.streams[stream] = {"records_received": 0, "records_landed": 0}
             c["records_landed"] += rows
-        if counts:
-            self.dirty = True
+            self._changed(d)
 
     def sweep(self, connections: Mapping[str, Conn]) -> None:
         """Once a second: mark devices whose connection closed as disconnected (with its reason),
@@ -266,7 +284,7 @@ class FleetRegistry:
         d.last_seen = now
         self._by_client[client_id] = d.device_id
         d.events.append((now, "connect", peer))
-        self.dirty = True
+        self._changed(d)
         log.info("fleet: device %r connected from %s", d.device_id, peer)
         self._emit(d.device_id, "connect", now, {"remote": peer, "client_id": client_id})
 
@@ -276,7 +294,7 @@ class FleetRegistry:
         d.disconnect_reason = reason
         d.last_seen = now
         d.events.append((now, "disconnect", reason))
-        self.dirty = True
+        self._changed(d)
         log.info("fleet: device %r disconnected: %s", d.device_id, reason)
         if not self._emit(d.device_id, "disconnect", now, {"reason": reason, "remote": d.remote}):
             d.pending_disconnect = (now, reason)
@@ -361,6 +379,28 @@ class FleetRegistry:
         counts["total"] = len(devices)
         return {"generated_at": iso(now), "counts": counts, "devices": devices}
 
+    def fleet_json(self, extra: Mapping[str, Any]) -> bytes:
+        """:meth:`fleet` plus ``extra`` as JSON bytes, for ``/api/fleet`` at thousands of
+        devices: each device's object is encoded again only after it changed (its state, which
+        depends on the time, is put in front of the kept encoding)."""
+        now = self._clock()
+        t = self.thresholds
+        counts = dict.fromkeys(STATES, 0)
+        parts: list[bytes] = []
+        for d in self.devices.values():
+            state = device_state(d, now, t)
+            counts[state] += 1
+            cached = d.fragment
+            if cached is None or cached[0] != d.version:
+                body = self.summary(d, now)
+                del body["state"]
+                cached = d.fragment = (d.version, json.dumps(body, separators=(",", ":")).encode()[1:])
+            parts.append(b'{"state":"' + state.encode() + b'",' + cached[1])
+        counts["total"] = len(self.devices)
+        head = {"generated_at": iso(now), "counts": counts, **extra}
+        return (json.dumps(head, separators=(",", ":")).encode()[:-1] + b',"devices":[' + b",".join(parts)
+                + b"]}")
+
     def detail(self, device_id: str) -> dict[str, Any] | None:
         """The ``/api/fleet/<device>`` object: the summary, streams, latest report, history."""
         d = self.devices.get(device_id)
@@ -384,20 +424,27 @@ class FleetRegistry:
     # -- durability ------------------------------------------------------------------------------
 
     def encode(self) -> bytes:
-        """The snapshot bytes (history and connections are not kept)."""
-        rows = []
+        """The snapshot bytes (history and connections are not kept). A device's latest health
+        report is written as the JSON text it arrived in: a snapshot of thousands of devices
+        encodes only their small bookkeeping."""
+        parts: list[bytes] = []
         for d in self.devices.values():
-            rows.append({
+            row = json.dumps({
                 "device_id": d.device_id, "first_seen": d.first_seen, "last_seen": d.last_seen,
                 "client_id": d.client_id, "remote": d.remote, "disconnected_at": d.disconnected_at,
                 "disconnect_reason": d.disconnect_reason, "connects": d.connects,
-                "streams": {k: dict(v) for k, v in d.streams.items()}, "health": d.health,
-                "health_at": d.health_at, "health_sent_at": d.health_sent_at,
+                "streams": d.streams, "health_at": d.health_at, "health_sent_at": d.health_sent_at,
                 "health_sequence": d.health_sequence, "reports": d.reports,
                 "connected": d.connected, "pending_disconnect": d.pending_disconnect,
-            })
-        return json.dumps({"version": FILE_VERSION, "saved_at": self._clock(), "devices": rows},
-                          separators=(",", ":")).encode() + b"\n"
+            }, separators=(",", ":")).encode()
+            health = d.health_json
+            if health is None:
+                health = json.dumps(d.health, separators=(",", ":")).encode()
+                if d.health is not None:
+                    d.health_json = health
+            parts.append(row[:-1] + b',"health":' + health + b"}")
+        head = json.dumps({"version": FILE_VERSION, "saved_at": self._clock()}, separators=(",", ":")).encode()
+        return head[:-1] + b',"devices":[' + b",".join(parts) + b"]}\n"
 
     def save(self, write: Callable[[Path, bytes], None]) -> None:
         """Write the snapshot with ``write`` (``segments.fileio.atomic_write``)."""

@@ -2,7 +2,9 @@
 
 The collector writes a connect or disconnect of a device to its WAL as a record on
 ``filemq/fleet/v1/<device_id>/<event>`` (:func:`event_topic`, a JSON payload: :func:`event_payload`);
-health reports are in the WAL already (the door stores them, :mod:`filemq.upstream.health`).
+a health report (:mod:`filemq.upstream.health`) is stored by the door on its own topic with the
+event payload in place of the report's bytes (:func:`health_event`: its CRC was checked at the
+door, the WAL record's CRC covers it from there; the lander parses nothing).
 The lander turns each such WAL record into one row of the landing schema
 (:func:`event_row`), landed in ``<landing>/fleet_events/`` beside the messages, and
 ``filemq ingest`` writes those into the curated table ``fleet_events`` (docs/INGEST.md).
@@ -24,7 +26,7 @@ from typing import Any
 import pyarrow as pa
 
 from collector.landing import LANDING_SCHEMA, PROPERTY_FIELDS, SCHEMA_VERSION
-from filemq.upstream.health import HealthError, decode_health, parse_health_topic
+from filemq.upstream.health import parse_health_topic
 
 EVENT_PREFIX = "filemq/fleet/v1/"  # not a $-topic: a consumer group's "#" would skip it
 EVENTS = ("connect", "disconnect")
@@ -52,30 +54,36 @@ def event_payload(event: str, details: Mapping[str, Any]) -> bytes:
     return json.dumps({"event": event, **details}, separators=(",", ":"), sort_keys=True).encode()
 
 
-def health_payload(body: Mapping[str, Any], sequence: int, sent_at_us: int) -> bytes:
-    """A health report as a fleet event payload: its body plus the aggregates the table types."""
+def health_event(body: Mapping[str, Any], body_json: bytes, sequence: int, sent_at_us: int) -> bytes:
+    """A health report as a fleet event payload: ``event``, ``sequence``, ``sent_at_us`` and the
+    aggregates the table types (``lag_records`` summed over the exports, ``oldest_unacked_age_s``
+    their largest), then the report's body, its JSON text passed on as sent (``body_json``,
+    whose fields :func:`filemq.upstream.health.check_body` checked) rather than encoded again."""
     exports = body.get("exports") or []
-    lags = [e.get("lag_records") for e in exports if isinstance(e.get("lag_records"), int)]
-    ages = [e.get("oldest_unacked_age_s") for e in exports if isinstance(e.get("oldest_unacked_age_s"), int | float)]
-    out = {**body, "event": "health", "sequence": sequence, "sent_at_us": sent_at_us,
-           "lag_records": sum(lags) if lags else None, "oldest_unacked_age_s": max(ages) if ages else None}
-    return json.dumps(out, separators=(",", ":"), sort_keys=True).encode()
+    lags = [e["lag_records"] for e in exports if type(e.get("lag_records")) is int]
+    ages = [e["oldest_unacked_age_s"] for e in exports if isinstance(e.get("oldest_unacked_age_s"), int | float)]
+    head = json.dumps({"event": "health", "sequence": sequence, "sent_at_us": sent_at_us,
+                       "lag_records": sum(lags) if lags else None,
+                       "oldest_unacked_age_s": max(ages) if ages else None}, separators=(",", ":")).encode()
+    rest = body_json.strip()[1:]  # the body object without its "{"
+    if rest.lstrip().startswith(b"}"):
+        return head
+    return head[:-1] + b"," + rest
 
 
 def fleet_record(topic: str, payload: bytes) -> tuple[str, str, bytes] | None:
     """``(device_id, event, row payload)`` of a WAL record that is a fleet event, else None.
-    A health report that does not decode (the door checked it) gives None."""
+
+    A health report's WAL record holds the fleet event payload already (the door wrote
+    :func:`health_event`), a JSON object: it is taken as it is.
+    """
     found = parse_event_topic(topic)
     if found is not None:
         return found[0], found[1], payload
     device = parse_health_topic(topic)
-    if device is None:
+    if device is None or not payload.startswith(b"{"):
         return None
-    try:
-        report = decode_health(payload)
-    except HealthError:
-        return None
-    return report.device_id, "health", health_payload(report.body, report.sequence, report.sent_at_us)
+    return device, "health", payload
 
 
 def event_rows(rows: list[tuple[str, str, bytes, int, int]], collector_id: str) -> pa.RecordBatch:

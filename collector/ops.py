@@ -39,7 +39,7 @@ import ssl
 import threading
 import urllib.parse
 from importlib import resources
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from collector.metrics import CollectorMetrics
 from filemq.broker.auth import PasswordFile
@@ -95,12 +95,10 @@ class _Logins:
             return False
 
 
-def fleet_json(collector: Collector) -> dict[str, Any]:
-    """The ``/api/fleet`` object (call on the collector's loop)."""
-    body = collector.fleet.fleet()
-    body["collector_id"] = collector.collector_id
-    body["landing_rate"] = collector.landing_rate()
-    return body
+def fleet_json(collector: Collector) -> bytes:
+    """The ``/api/fleet`` body (call on the collector's loop)."""
+    return collector.fleet.fleet_json({"collector_id": collector.collector_id,
+                                       "landing_rate": collector.landing_rate()})
 
 
 def start_ops_server(collector: Collector, port: int, addr: str = "127.0.0.1") -> MetricsServer:
@@ -119,6 +117,7 @@ def start_ops_server(collector: Collector, port: int, addr: str = "127.0.0.1") -
 
     class Handler(http.server.BaseHTTPRequestHandler):
         server_version = "filemq-collector"
+        timeout = 30  # a socket idle this long (mid-handshake or mid-request) is closed
 
         def _send(self, code: int, body: bytes, content_type: str, extra: dict[str, str] | None = None) -> None:
             self.send_response(code)
@@ -144,7 +143,7 @@ def start_ops_server(collector: Collector, port: int, addr: str = "127.0.0.1") -
                 if path == "/metrics":
                     self._send(200, generate_latest(registry), CONTENT_TYPE)
                 elif path == "/api/fleet":
-                    self._json(on_loop(loop, lambda: fleet_json(collector), LOOP_TIMEOUT_S))
+                    self._send(200, on_loop(loop, lambda: fleet_json(collector), LOOP_TIMEOUT_S), "application/json")
                 elif path.startswith("/api/fleet/"):
                     device = urllib.parse.unquote(path[len("/api/fleet/"):])
                     found = on_loop(loop, lambda: collector.fleet.detail(device), LOOP_TIMEOUT_S)
@@ -174,7 +173,9 @@ def start_ops_server(collector: Collector, port: int, addr: str = "127.0.0.1") -
         ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
         ctx.minimum_version = ssl.TLSVersion.TLSv1_2
         ctx.load_cert_chain(b.tls_cert, b.tls_key)
-        server.socket = ctx.wrap_socket(server.socket, server_side=True)
+        # The handshake on the first read, in the request's own thread: a client that never
+        # finishes it must not hold up the accepting thread and with it every other client.
+        server.socket = ctx.wrap_socket(server.socket, server_side=True, do_handshake_on_connect=False)
     thread = threading.Thread(target=server.serve_forever, name="filemq-collector-ops", daemon=True)
     thread.start()
     log.info("collector %s: operations port on %s://%s:%d (/metrics, /api/fleet, /fleet)%s", collector.collector_id,

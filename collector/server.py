@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 from collector.dedup import SNAPSHOT_FILE, HighWaterMarks, batch_ranges
 from collector.fleet import FLEET_FILE, SAVE_INTERVAL_S, FleetRegistry, Thresholds, iso
 from collector.fleet_events import LANDING_SUBDIR as EVENTS_LANDING_SUBDIR
-from collector.fleet_events import event_payload, event_topic
+from collector.fleet_events import event_payload, event_topic, health_event
 from collector.headers import check_headers
 from collector.lander import Lander
 from collector.landing import LandingWriter
@@ -407,8 +407,8 @@ class Collector:
         self.fleet.seen(device_id, client.client_id, client.peer, conn, stream, records)
 
     def _health_report(self, client: ClientInfo, packet: Publish, topic_device: str) -> HookResult:
-        """A health report (:mod:`filemq.upstream.health`): into the fleet registry, and stored
-        in the WAL like a batch. A CRC mismatch closes the connection as for a batch (the link
+        """A health report (:mod:`filemq.upstream.health`): into the fleet registry, and into the
+        WAL as a fleet event. A CRC mismatch closes the connection as for a batch (the link
         damages bytes); a report that is not one is dropped and counted, never quarantined."""
         stats = self.stats
         try:
@@ -429,8 +429,9 @@ class Collector:
             return HookResult.reject(reason)
         stats.health_reports += 1
         self._seen(client, report.device_id)
-        self.fleet.health(report.device_id, report.body, report.sent_at_us, report.sequence)
-        return HookResult.store()
+        self.fleet.health(report.device_id, report.body, report.sent_at_us, report.sequence, report.body_json)
+        # Into the WAL as the fleet event the lander lands as it is (collector.fleet_events).
+        return HookResult.store(health_event(report.body, report.body_json, report.sequence, report.sent_at_us))
 
     def _quarantine(self, client: ClientInfo, packet: Publish, reason: str) -> HookResult:
         """Write the PUBLISH payload and the reason under ``quarantine/``, then ack it."""

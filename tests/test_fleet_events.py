@@ -14,11 +14,11 @@ import pyarrow.parquet as pq
 import pytest
 
 from collector.fleet import FLEET_FILE, FleetRegistry
-from collector.fleet_events import event_topic, fleet_record, parse_event_topic
+from collector.fleet_events import event_topic, fleet_record, health_event, parse_event_topic
 from collector.landing import LANDING_SCHEMA
 from collector.server import Collector
 from filemq.mqtt.client import MQTTClient
-from filemq.upstream.health import encode_health, health_topic
+from filemq.upstream.health import decode_health, encode_health, health_topic
 from segments.fileio import atomic_write
 from tests.test_collector import config, run, until
 from tests.test_fleet_registry import Conn, batch, health
@@ -39,11 +39,15 @@ def test_event_topics_and_records() -> None:
     assert parse_event_topic(event_topic("dev-1", "connect")) == ("dev-1", "connect")
     assert parse_event_topic("filemq/fleet/v1/dev-1/reboot") is None
     assert parse_event_topic("filemq/v1/dev-1/main") is None
-    found = fleet_record(health_topic("d"), encode_health("d", 5, 2, health(lag=4)))
-    assert found is not None and found[:2] == ("d", "health")
-    body = json.loads(found[2])
-    assert body["sequence"] == 2 and body["lag_records"] == 4 and body["sent_at_us"] == 5
-    assert fleet_record(health_topic("d"), b"FMQH" + bytes(40)) is None  # damaged: never a row
+    report = decode_health(encode_health("d", 5, 2, {**health(lag=4), "extra": [1, {"a": None}]}))
+    payload = health_event(report.body, report.body_json, report.sequence, report.sent_at_us)
+    assert json.loads(payload) == {**health(lag=4), "extra": [1, {"a": None}], "event": "health", "sequence": 2,
+                                   "sent_at_us": 5, "lag_records": 4, "oldest_unacked_age_s": 1.0}
+    empty = decode_health(encode_health("d", 5, 3, {}))
+    assert json.loads(health_event(empty.body, empty.body_json, 3, 5)) == {
+        "event": "health", "sequence": 3, "sent_at_us": 5, "lag_records": None, "oldest_unacked_age_s": None}
+    assert fleet_record(health_topic("d"), payload) == ("d", "health", payload)
+    assert fleet_record(health_topic("d"), b"FMQH" + bytes(40)) is None  # not what the door stores
 
 
 def test_connects_disconnects_and_health_land_once(tmp_path: Path) -> None:

@@ -5,6 +5,7 @@ as QoS 0, never taking a data batch's place."""
 from __future__ import annotations
 
 import asyncio
+import json
 import struct
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,7 @@ from filemq.queue.groups import ConsumerGroup
 from filemq.upstream.batch import decode_batch, parse_batch_topic
 from filemq.upstream.health import (
     MAX_REPORT_BYTES,
+    RESERVED_FIELDS,
     HealthCrcError,
     MalformedHealth,
     decode_health,
@@ -58,13 +60,15 @@ def test_golden_layout() -> None:
 
 @settings(max_examples=200, deadline=None)
 @given(device=names, sent=st.integers(-2**63, 2**63 - 1), seq=st.integers(0, 2**64 - 1),
-       extra=st.dictionaries(st.text(min_size=1, max_size=10).filter(lambda k: k not in BODY), json_values,
+       extra=st.dictionaries(st.text(min_size=1, max_size=10).filter(lambda k: k not in BODY and k not in RESERVED_FIELDS),
+                             json_values,
                              max_size=5))
 def test_roundtrip(device: str, sent: int, seq: int, extra: dict[str, Any]) -> None:
     body = {**BODY, **extra}
     report = decode_health(encode_health(device, sent, seq, body))
     assert (report.device_id, report.sent_at_us, report.sequence, report.body) == (device, sent, seq, body)
     assert report.exports == BODY["exports"]
+    assert json.loads(report.body_json) == body
 
 
 @settings(max_examples=200, deadline=None)
@@ -110,6 +114,8 @@ def test_a_batch_is_not_a_health_report_and_sizes_are_bounded() -> None:
         encode_health("d", 0, 1, {"notes": "x" * MAX_REPORT_BYTES})
     with pytest.raises(ValueError, match="integer"):
         encode_health("d", 0, 1, {"clients_connected": 1.5})
+    with pytest.raises(ValueError, match="reserved"):
+        encode_health("d", 0, 1, {"sequence": 3})
 
 
 @given(device=names)

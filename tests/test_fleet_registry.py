@@ -300,3 +300,37 @@ def test_damaged_and_malformed_reports_at_the_door(tmp_path: Path) -> None:
 def test_device_state_without_health_reports_is_online_while_connected() -> None:
     d = Device("x", 0.0, 0.0, connected=True)
     assert device_state(d, 10**9, Thresholds()) == "online"
+
+
+def test_fleet_json_is_fleet_and_follows_every_change() -> None:
+    clock = Clock()
+    reg = FleetRegistry(None, clock=clock)
+    conns = {name: Conn() for name in ("a", "b")}
+    for name, conn in conns.items():
+        reg.seen(name, name, "h:1", conn, "main", 3)
+
+    def same() -> None:
+        decoded = json.loads(reg.fleet_json({"collector_id": "c9"}))
+        assert decoded.pop("collector_id") == "c9"
+        assert decoded == reg.fleet()
+
+    same()
+    reg.health("a", health(lag=7), 0, 1)  # a change after the fragment was kept
+    same()
+    clock.t += 1000  # time alone changes a's state (stale) without a change to the device
+    assert json.loads(reg.fleet_json({}))["devices"][0]["state"] == "stale"
+    same()
+    conns["b"].closed = True
+    reg.sweep({})
+    reg.landed({("b", "main"): 3})
+    same()
+
+
+def test_iso_matches_datetime() -> None:
+    from datetime import UTC, datetime
+
+    from collector.fleet import iso
+
+    for ts in (0.0, 1.9995, 1_700_000_000.123456, 1_764_277_440.999999):
+        want = datetime.fromtimestamp(ts, UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+        assert iso(ts) == want

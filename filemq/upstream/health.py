@@ -66,6 +66,9 @@ EXPORT_INT_FIELDS = frozenset({"lag_records", "lag_bytes", "records_acked", "los
                                "oversized_skipped"})
 EXPORT_FLOAT_FIELDS = frozenset({"oldest_unacked_age_s"})
 EXPORT_STR_FIELDS = frozenset({"name", "kind", "state"})
+# Top-level names the collector adds when it lands a report (collector/fleet_events.py): a body
+# may not use them.
+RESERVED_FIELDS = frozenset({"event", "sequence", "sent_at_us", "lag_records", "oldest_unacked_age_s"})
 
 
 class HealthError(ValueError):
@@ -83,12 +86,14 @@ class MalformedHealth(HealthError):
 @dataclass(frozen=True, slots=True)
 class HealthReport:
     """A decoded report: the device's id, its clock when sent, its sequence number (1 for the
-    first report of an agent process, then counting up) and the checked JSON body."""
+    first report of an agent process, then counting up) and the checked JSON body, parsed and
+    as its bytes (``body_json``: a JSON object's text, for passing on without encoding it again)."""
 
     device_id: str
     sent_at_us: int
     sequence: int
     body: dict[str, Any]
+    body_json: bytes = b"{}"
 
     @property
     def exports(self) -> list[dict[str, Any]]:
@@ -180,7 +185,7 @@ def decode_health(data: bytes | bytearray | memoryview) -> HealthReport:
         check_body(body)
     except ValueError as exc:
         raise MalformedHealth(str(exc)) from None
-    return HealthReport(device_id, sent_at_us, sequence, body)
+    return HealthReport(device_id, sent_at_us, sequence, body, bytes(view[pos:]))
 
 
 def _check_fields(where: str, obj: dict[str, Any], ints: frozenset[str], floats: frozenset[str],
@@ -202,7 +207,11 @@ def _check_fields(where: str, obj: dict[str, Any], ints: frozenset[str], floats:
 
 
 def check_body(body: dict[str, Any]) -> dict[str, Any]:
-    """``body`` if its known fields have the right types (unknown fields pass); else ValueError."""
+    """``body`` if its known fields have the right types (unknown fields pass, reserved ones do
+    not); else ValueError."""
+    reserved = RESERVED_FIELDS.intersection(body)
+    if reserved:
+        raise ValueError(f"field(s) {', '.join(sorted(reserved))} are reserved (the collector adds them)")
     _check_fields("", body, INT_FIELDS, FLOAT_FIELDS, STR_FIELDS)
     exports = body.get("exports")
     if exports is None:

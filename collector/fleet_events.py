@@ -51,7 +51,7 @@ def parse_event_topic(topic: str) -> tuple[str, str] | None:
 
 
 def event_payload(event: str, details: Mapping[str, Any]) -> bytes:
-    return json.dumps({"event": event, **details}, separators=(",", ":"), sort_keys=True).encode()
+    return json.dumps({"event": event, **details}, separators=(",", ":")).encode()
 
 
 def health_event(body: Mapping[str, Any], body_json: bytes, sequence: int, sent_at_us: int) -> bytes:

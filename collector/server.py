@@ -167,7 +167,7 @@ class Collector:
                        disk_low_bytes=c.fleet_disk_low_bytes, stale_intervals=c.fleet_stale_intervals),
             max_devices=c.fleet_max_devices, clock=clock)
         self._fleet_task: asyncio.Task[None] | None = None
-        self._event_commits: list[asyncio.Future[None]] = []
+        self._event_commits: set[asyncio.Future[None]] = set()  # fleet events not yet committed
         # (unix time, rows landed so far) every LANDING_SAMPLE_S for the last hour: /api/fleet's rate plot.
         self._landing_samples: deque[tuple[float, int]] = deque(maxlen=3600 // LANDING_SAMPLE_S + 1)
 
@@ -241,11 +241,12 @@ class Collector:
             raise RuntimeError("the WAL is not open")
         payload = event_payload(kind, {**details, "collector_id": self.collector_id})
         _, commit = queue.publish_nowait(event_topic(device_id, kind), payload, 0, timestamp_us=int(when * 1e6))
-        commit.add_done_callback(self._event_committed)
-        self._event_commits = [f for f in self._event_commits if not f.done()]
-        self._event_commits.append(commit)
+        if commit not in self._event_commits:  # one commit future covers a whole group commit
+            self._event_commits.add(commit)
+            commit.add_done_callback(self._event_committed)
 
     def _event_committed(self, commit: asyncio.Future[None]) -> None:
+        self._event_commits.discard(commit)
         if not commit.cancelled() and commit.exception() is not None:
             log.error("collector %s: a fleet event was not committed to the WAL: %s", self.collector_id,
                       commit.exception())

@@ -132,8 +132,16 @@ def test_prometheus_evaluates_every_rule_and_dashboard_expression(tmp_path: Path
                                                              "collector.roll_seconds": 1}))
         await collector.start()
         ops = start_ops_server(collector, 0)
-        agent = Agent(agent_config(tmp_path, **{"agent.collector": f"127.0.0.1:{collector.port}",
-                                                "agent.health_interval_s": 1, "log.fsync": "always"}))
+        dead = free_port()  # an export with a backlog: the oldest unacknowledged ages exist
+        agent = Agent(agent_config(tmp_path, f"""
+[agent]
+collector = "127.0.0.1:{collector.port}"
+health_interval_s = 1
+
+[[export]]
+name = "dead"
+url = "filemq://127.0.0.1:{dead}"
+""", **{"log.fsync": "always"}))
         await agent.start()
         metrics = start_metrics_server(agent, 0)
         web = free_port()

@@ -63,6 +63,9 @@ class Conn(Protocol):
     @property
     def close_reason(self) -> str: ...
 
+    @property
+    def peer(self) -> str: ...
+
 
 @dataclass(frozen=True)
 class Thresholds:
@@ -272,7 +275,7 @@ class FleetRegistry:
             elif d.client_id is not None:
                 live = connections.get(d.client_id)
                 if live is not None and not live.closed and live is not d.conn:
-                    self._connected(d, now, d.client_id, d.remote or "", live)
+                    self._connected(d, now, d.client_id, live.peer, live)
 
     def _connected(self, d: Device, now: float, client_id: str, peer: str, conn: Conn) -> None:
         d.connected = True

@@ -28,9 +28,10 @@ pytestmark = pytest.mark.timeout(90)
 
 
 class Conn:
-    def __init__(self) -> None:
+    def __init__(self, peer: str = "10.9.9.9:1") -> None:
         self.closed = False
         self.close_reason = ""
+        self.peer = peer
 
 
 class Clock:
@@ -86,10 +87,10 @@ def test_sweep_tracks_connects_disconnects_and_takeovers() -> None:
     reg.seen("d", "cid", "a:2", second, "main", 5)
     second.closed, second.close_reason = True, "connection lost"
     reg.sweep({})
-    third = Conn()
+    third = Conn("a:3")
     reg.sweep({"cid": third})  # a known client id connected again before publishing anything
     d = reg.devices["d"]
-    assert d.connected and d.conn is third and d.connects == 3
+    assert d.connected and d.conn is third and d.connects == 3 and d.remote == "a:3"
     assert [(k, det.get("reason")) for _, k, det in events] == [
         ("connect", None), ("disconnect", "session taken over"), ("connect", None),
         ("disconnect", "connection lost"), ("connect", None)]

@@ -11,7 +11,13 @@ write-ahead log, with the durable group commit before every PUBACK) plus:
   counted; a version 2 batch whose record headers are not MQTT 5.0 message properties is one); acknowledges and drops a duplicate (its offsets are all held: committed to the
   WAL, as a WAL tail reader tracks, or landed); stores an overlapping one with the held
   records trimmed off (:mod:`collector.dedup`);
-* a :class:`collector.lander.Lander` that rolls the WAL into landing files.
+* a :class:`collector.lander.Lander` that rolls the WAL into landing files;
+* a :class:`collector.fleet.FleetRegistry` of the devices it serves: fed by every PUBLISH at
+  the door (a health report on ``filemq/v1/<device>/$fleet/health`` is checked, filed and
+  stored in the WAL as a fleet event, never quarantined), swept every second for closed
+  connections, saved to ``<data_dir>/fleet.json``; its connects and disconnects go into the WAL
+  too, and the lander lands them with the health reports under ``<landing>/fleet_events/``
+  (:mod:`collector.fleet_events`).
 
 What a caller may rely on: a batch is acknowledged only when it is durable in the WAL (or is
 a duplicate of records that are, or is malformed and durably quarantined). The collector's

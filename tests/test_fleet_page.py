@@ -97,6 +97,8 @@ def test_page_shows_three_agents_one_killed(tmp_path: Path) -> None:
             assert time.monotonic() < deadline + 15, body
             await asyncio.sleep(0.2)
         results["dom"] = await asyncio.to_thread(browse, url + "/fleet", tmp_path / "profile-dom", "--dump-dom")
+        results["detail"] = await asyncio.to_thread(browse, url + "/fleet#device=dev-a", tmp_path / "profile-detail",
+                                                    "--dump-dom")
         ARTIFACTS.mkdir(parents=True, exist_ok=True)
         for name, size in SIZES.items():
             shot = ARTIFACTS / f"fleet-{name}.png"
@@ -124,6 +126,11 @@ def test_page_shows_three_agents_one_killed(tmp_path: Path) -> None:
     assert re.search(r'data-device="dev-b" class="offline"><td>dev-b</td><td class="state state-offline">offline', dom)
     assert dom.count('class="state state-online">online') == 2
     assert '<span class="state-offline">1 offline</span>' in dom and 'data-devices="3"' in dom
+    # One device's details: its lag over time (a line once it has two reports) and its connects.
+    detail = results["detail"].stdout
+    assert '<section id="detail">' in detail and "dev-a — online — export lag over time" in detail, detail[-3000:]
+    assert re.search(r'<svg id="detail-plot"[^>]*><polyline points="[0-9., ]+">', detail)
+    assert "connect 127.0.0.1:" in detail
     for name in SIZES:
         done, shot = results[name]
         assert done.returncode == 0 and shot.exists() and shot.stat().st_size > 5000, done.stderr[-2000:]

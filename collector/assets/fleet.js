@@ -95,6 +95,7 @@
     if (!r.ok) { $("detail").hidden = true; return; }
     const d = await r.json();
     $("detail").hidden = false;
+    history.replaceState(null, "", "#device=" + encodeURIComponent(device));
     $("detail-title").textContent = d.device_id + " — " + d.state + (d.connected ? "" : " (last known state)") +
       " — export lag over time";
     plot($("detail-plot"), (d.history || []).map((p) => p.lag_records));
@@ -118,6 +119,9 @@
     const tr = e.target.closest("tr");
     if (tr) showDetail(tr.dataset.device);
   });
+  // /fleet#device=ID opens that device's details (a link a person can share).
+  const linked = /^#device=(.+)$/.exec(location.hash);
+  if (linked) selected = decodeURIComponent(linked[1]);
   refresh();
   setInterval(refresh, POLL_MS);
 })();

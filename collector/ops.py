@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING
 
 from collector.metrics import CollectorMetrics
 from filemq.broker.auth import PasswordFile
+from filemq.common.config import is_loopback
 from filemq.ops.metrics_http import CONTENT_TYPE, MetricsServer, on_loop
 
 if TYPE_CHECKING:
@@ -176,6 +177,11 @@ def start_ops_server(collector: Collector, port: int, addr: str = "127.0.0.1") -
         # The handshake on the first read, in the request's own thread: a client that never
         # finishes it must not hold up the accepting thread and with it every other client.
         server.socket = ctx.wrap_socket(server.socket, server_side=True, do_handshake_on_connect=False)
+    if not is_loopback(addr) and (c.password_file is None or b.tls_cert is None):
+        log.warning("collector %s: the operations port on %s:%d is reachable off this host %s: anyone who can"
+                    " reach it reads the fleet; set collector.password_file and broker.tls_cert", collector.collector_id,
+                    addr, server.server_address[1],
+                    "without logins" if c.password_file is None else "with logins in clear text (no TLS)")
     thread = threading.Thread(target=server.serve_forever, name="filemq-collector-ops", daemon=True)
     thread.start()
     log.info("collector %s: operations port on %s://%s:%d (/metrics, /api/fleet, /fleet)%s", collector.collector_id,

@@ -150,3 +150,21 @@ def test_ops_port_over_tls_with_logins_and_filemq_fleet(tmp_path: Path) -> None:
     code, stdout, stderr = out["cli"]
     assert code == 0, stderr
     assert json.loads(stdout)["counts"]["total"] == 0
+
+
+def test_ops_port_off_loopback_without_logins_is_warned_about(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    async def scenario() -> None:
+        collector = Collector(collector_config(tmp_path))
+        await collector.start()
+        try:
+            with caplog.at_level("WARNING", logger="collector.ops"):
+                server = start_ops_server(collector, 0, "0.0.0.0")
+                server.shutdown()
+                quiet = start_ops_server(collector, 0, "127.0.0.1")
+                quiet.shutdown()
+        finally:
+            await collector.stop()
+
+    run(scenario())
+    warnings = [r.getMessage() for r in caplog.records if r.name == "collector.ops" and r.levelname == "WARNING"]
+    assert len(warnings) == 1 and "without logins" in warnings[0] and "0.0.0.0" in warnings[0]

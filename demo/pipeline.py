@@ -268,10 +268,11 @@ def format_summary(result: DemoResult) -> list[str]:
     if result.lost_sample:
         lines.append("  missing ids (first ones): " + ", ".join(result.lost_sample))
     if result.fleet_events_in_table is not None:
+        later = (result.fleet_events_landed or 0) - result.fleet_events_in_table
         lines.append(f"  {'fleet_events':<22}{num(result.fleet_events_in_table):>10}   "
                      f"{num(result.fleet_connects)} connects, {num(result.fleet_disconnects)} disconnects, "
-                     f"{num(result.fleet_health_reports)} health reports, each once "
-                     f"({num(result.fleet_events_landed)} landed)")
+                     f"{num(result.fleet_health_reports)} health reports, each once"
+                     + (f" ({later:,} more reports landed after the ingest began)" if later > 0 else ""))
     if result.fleet:
         lines.append("  the fleet (filemq fleet):")
         lines.extend(f"    {line}" for line in result.fleet)

@@ -47,7 +47,9 @@ def test_three_agents_one_killed(tmp_path: Path) -> None:
         collector_port = free_port()
         await start_process(["collector", "--data-dir", str(tmp_path / "collector"), "--landing",
                              str(tmp_path / "landing"), "--port", str(collector_port), "--collector-id", "c1",
-                             "--roll-seconds", "1", "--metrics-port", str(ops_port)], "filemq collector", started)
+                             "--roll-seconds", "1", "--metrics-port", str(ops_port),
+                             # 1 s reports on a loaded test machine: no "stale" from a late one
+                             "--fleet-stale-intervals", "30"], "filemq collector", started)
         agents: dict[str, asyncio.subprocess.Process] = {}
         ports: dict[str, int] = {}
         for device in DEVICES:

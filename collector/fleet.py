@@ -170,6 +170,7 @@ class FleetRegistry:
         self.max_devices = max_devices
         self.devices: dict[str, Device] = {}
         self._by_client: dict[str, str] = {}  # client id -> device id (for the sweep)
+        self._live: dict[str, Device] = {}  # the connected devices
         self._clock = clock
         self.dirty = False
         self.on_event: EventSink | None = None
@@ -266,19 +267,21 @@ class FleetRegistry:
         if self.frozen:
             return
         now = self._clock()
-        for d in self.devices.values():
-            if d.connected:
-                conn = d.conn
-                if conn is None or conn.closed:
-                    reason = (conn.close_reason if conn is not None else "") or "connection closed"
-                    self._disconnected(d, now, reason)
-            elif d.client_id is not None:
-                live = connections.get(d.client_id)
-                if live is not None and not live.closed and live is not d.conn:
-                    self._connected(d, now, d.client_id, live.peer, live)
+        # Work in proportion to the connections, not to every device ever seen.
+        for d in list(self._live.values()):
+            conn = d.conn
+            if conn is None or conn.closed:
+                reason = (conn.close_reason if conn is not None else "") or "connection closed"
+                self._disconnected(d, now, reason)
+        for client_id, live in connections.items():
+            device_id = self._by_client.get(client_id)
+            known = self.devices.get(device_id) if device_id is not None else None
+            if known is not None and not known.connected and not live.closed and live is not known.conn:
+                self._connected(known, now, client_id, live.peer, live)
 
     def _connected(self, d: Device, now: float, client_id: str, peer: str, conn: Conn) -> None:
         d.connected = True
+        self._live[d.device_id] = d
         d.conn = conn
         d.client_id = client_id
         d.remote = peer or d.remote
@@ -293,6 +296,7 @@ class FleetRegistry:
 
     def _disconnected(self, d: Device, now: float, reason: str) -> None:
         d.connected = False
+        self._live.pop(d.device_id, None)
         d.disconnected_at = now
         d.disconnect_reason = reason
         d.last_seen = now
@@ -317,7 +321,7 @@ class FleetRegistry:
         """Shutdown: every connected device disconnected now with ``reason`` (events recorded
         while the WAL is still open); the registry changes no more afterwards. Returns how many."""
         now = self._clock()
-        gone = [d for d in self.devices.values() if d.connected]
+        gone = list(self._live.values())
         for d in gone:
             self._disconnected(d, now, reason)
         self.frozen = True
@@ -421,7 +425,7 @@ class FleetRegistry:
 
     def oldest_backlog_age_s(self) -> float:
         """The largest oldest-unacknowledged age over the connected devices (0 when none)."""
-        ages = [a for d in self.devices.values() if d.connected for a in [d.oldest_unacked_age_s()] if a is not None]
+        ages = [a for d in self._live.values() for a in [d.oldest_unacked_age_s()] if a is not None]
         return max(ages, default=0.0)
 
     # -- durability ------------------------------------------------------------------------------

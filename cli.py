@@ -496,7 +496,7 @@ def fleet(url: str | None, config_file: str | None, username: str | None, passwo
     import json
     import os
 
-    from collector.fleet import FleetUnavailable, fetch_fleet, fleet_table
+    from collector.fleet_view import FleetUnavailable, fetch_fleet, fleet_table
 
     if url is None:
         if config_file is None:

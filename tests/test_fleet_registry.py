@@ -14,7 +14,8 @@ from typing import Any
 
 import pytest
 
-from collector.fleet import FLEET_FILE, Device, FleetRegistry, Thresholds, device_state, fleet_table
+from collector.fleet import FLEET_FILE, Device, FleetRegistry, Thresholds, device_state
+from collector.fleet_view import fleet_table
 from collector.ops import start_ops_server
 from collector.server import Collector
 from filemq.broker.auth import add_or_update

@@ -6,7 +6,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: test demo venv lint layers typecheck clean system-deps compiled test-compiled
+.PHONY: test demo venv lint layers typecheck clean system-deps browser-deps compiled test-compiled
 
 # The venv is refreshed only when the package metadata changes (idempotent).
 $(STAMP): setup.cfg pyproject.toml
@@ -26,6 +26,24 @@ system-deps:
 	      && systemctl disable --now mosquitto >/dev/null 2>&1; true) \
 	      || echo "note: could not install mosquitto; interop tests will be skipped"; \
 	  else echo "note: mosquitto not installed and no root/apt; interop tests will be skipped"; fi; \
+	fi
+	@# Debian's prometheus for promtool: tests/test_fleet_prometheus.py checks the shipped rules.
+	@if ! command -v promtool >/dev/null 2>&1; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    (DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null \
+	      && systemctl disable --now prometheus >/dev/null 2>&1; true) \
+	      || echo "note: could not install prometheus; promtool tests will be skipped"; \
+	  else echo "note: promtool not installed and no root/apt; promtool tests will be skipped"; fi; \
+	fi
+
+# Debian's chromium for the headless test of the collector's /fleet page (tests/test_fleet_page.py;
+# skipped with a reason without it). Apart from system-deps: it is a ~300 MB install.
+browser-deps:
+	@if ! command -v chromium >/dev/null 2>&1; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium >/dev/null) \
+	      || echo "note: could not install chromium; the /fleet page test will be skipped"; \
+	  else echo "note: chromium not installed and no root/apt; the /fleet page test will be skipped"; fi; \
 	fi
 
 test: $(STAMP) system-deps

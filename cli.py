@@ -501,6 +501,61 @@ def verify(directory: str, repair: bool, as_json: bool) -> None:
 
 
 @main.command()
+@click.option("--url", default=None, metavar="URL",
+              help="The collector's operations port, e.g. http://127.0.0.1:9100 (https:// when it has TLS).")
+@click.option("--config", "config_file", type=click.Path(dir_okay=False), default=None,
+              help="A collector config file: the URL from its ops_host and metrics_port (and TLS).")
+@click.option("--username", default=None, help="Login, when the collector has a password file.")
+@click.option("--password-file", type=click.Path(dir_okay=False), default=None,
+              help="File whose first line is the password (or FILEMQ_OPS_PASSWORD).")
+@click.option("--tls-ca", type=click.Path(dir_okay=False), default=None, help="CA bundle for https://.")
+@click.option("--state", "states", multiple=True,
+              type=click.Choice(["online", "behind", "disk_low", "stale", "offline"]),
+              help="Only devices in this state (repeatable).")
+@click.option("--json", "as_json", is_flag=True, help="The /api/fleet object as one JSON line.")
+def fleet(url: str | None, config_file: str | None, username: str | None, password_file: str | None,
+          tls_ca: str | None, states: tuple[str, ...], as_json: bool) -> None:
+    """Every device a collector serves: state, connected, last seen, lag (its /api/fleet)."""
+    import json
+    import os
+
+    from collector.fleet_view import FleetUnavailable, fetch_fleet, fleet_table
+
+    if url is None:
+        if config_file is None:
+            click.echo("filemq fleet: give --url or --config (a collector config with metrics_port)", err=True)
+            sys.exit(2)
+        from filemq.common.config import ConfigError, load_config
+
+        try:
+            c = load_config(config_file, {})
+        except ConfigError as exc:
+            click.echo(f"filemq fleet: {exc}", err=True)
+            sys.exit(2)
+        if c.collector.metrics_port is None:
+            click.echo(f"filemq fleet: {config_file} sets no collector.metrics_port", err=True)
+            sys.exit(2)
+        scheme = "https" if c.broker.tls_cert else "http"
+        url = f"{scheme}://{c.collector.ops_host}:{c.collector.metrics_port}"
+    password = os.environ.get("FILEMQ_OPS_PASSWORD")
+    if password_file is not None:
+        with open(password_file, encoding="utf-8") as f:
+            password = (f.readline() or "").rstrip("\r\n")
+    try:
+        body = fetch_fleet(url, username=username, password=password, cafile=tls_ca)
+    except FleetUnavailable as exc:
+        click.echo(f"filemq fleet: {exc}", err=True)
+        sys.exit(1)
+    if states:
+        body["devices"] = [d for d in body["devices"] if d.get("state") in states]
+    if as_json:
+        click.echo(json.dumps(body))
+        return
+    for line in fleet_table(body):
+        click.echo(line)
+
+
+@main.command()
 @click.argument("directory", type=click.Path(file_okay=False))
 @click.option("--json", "as_json", is_flag=True, help="One JSON object on stdout.")
 def status(directory: str, as_json: bool) -> None:
@@ -556,6 +611,32 @@ def bench_forward(records: int, size: int, devices: int, ingest_records: int, sk
                       as_json=as_json, skip_bridge=skip_bridge, ingest_records=ingest_records, only=only,
                       mosquitto_max_inflight=mosquitto_max_inflight, oracle=oracle, oracle_qos=oracle_qos,
                       repeat=repeat)
+
+
+@bench.command("fleet")
+@click.option("--devices", type=click.IntRange(min=2), default=5000, show_default=True,
+              help="Simulated devices (MQTT connections) feeding one collector.")
+@click.option("--records", type=click.IntRange(min=1000), default=1_000_000, show_default=True,
+              help="Records sent in each run (at least one batch per device).")
+@click.option("--batch-records", type=click.IntRange(min=1), default=200, show_default=True,
+              help="Records per batch.")
+@click.option("--size", type=click.IntRange(min=16), default=100, show_default=True, help="Payload bytes.")
+@click.option("--health-interval-s", type=click.FloatRange(min=0.1), default=5.0, show_default=True,
+              help="Seconds between a device's health reports in the runs with reports.")
+@click.option("--repeat", type=click.IntRange(min=1), default=2, show_default=True,
+              help="Runs without and with reports, alternating; the summary gives medians.")
+@click.option("--api-samples", type=click.IntRange(min=1), default=10, show_default=True,
+              help="GET /api/fleet this many times after each run with reports.")
+@click.option("--work-dir", type=click.Path(file_okay=False), default=None, help="Where to put the data.")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per line on stdout.")
+def bench_fleet(devices: int, records: int, batch_records: int, size: int, health_interval_s: float, repeat: int,
+                api_samples: int, work_dir: str | None, as_json: bool) -> None:
+    """Collector CPU per landed row with and without health reports; /api/fleet time at N devices."""
+    from bench.fleet import run_fleet_bench
+
+    run_fleet_bench(devices=devices, records=records, batch_records=batch_records, size=size,
+                    health_interval_s=health_interval_s,
+                    repeat=repeat, api_samples=api_samples, work_dir=work_dir, as_json=as_json)
 
 
 @bench.command("consume")
@@ -692,7 +773,12 @@ def ingest(config_file: str | None, once: bool, as_json: bool, **flags: object) 
         raise click.UsageError("--payload json needs --payload-schema")
     if payload == "raw" and payload_schema:
         raise click.UsageError("--payload-schema needs --payload json")
-    from spark_ingest.job import IngestConfig, IngestError, build_session, run_ingest
+    from spark_ingest.fleet_events import (
+        fleet_events_config,
+        has_fleet_events,
+        run_with_fleet_events,
+    )
+    from spark_ingest.job import IngestConfig, IngestError, build_session
     from spark_ingest.schema import PayloadSchemaError
 
     if not as_json and logging.getLogger().getEffectiveLevel() > logging.INFO:
@@ -700,10 +786,16 @@ def ingest(config_file: str | None, once: bool, as_json: bool, **flags: object) 
     config = IngestConfig(landing=Path(landing), table=Path(table), checkpoint=Path(checkpoint),
                           payload_schema=payload_schema, archive=Path(archive) if archive else None,
                           max_files_per_batch=settings.max_files_per_batch)
+    events = None
+    if has_fleet_events(config):  # the second table, fleet_events (docs/INGEST.md)
+        events = fleet_events_config(
+            config, table=Path(settings.fleet_events_table) if settings.fleet_events_table else None,
+            checkpoint=Path(settings.fleet_events_checkpoint) if settings.fleet_events_checkpoint else None)
     spark = build_session(master=settings.spark_master)
     try:
-        summary = run_ingest(spark, config, once=every is None, every=float(every) if every else None,
-                             on_batch=(lambda r: click.echo(json.dumps(r.as_dict()))) if as_json else None)
+        summary, events_summary = run_with_fleet_events(
+            spark, config, events, once=every is None, every=float(every) if every else None,
+            on_batch=(lambda table, r: click.echo(json.dumps({**r.as_dict(), "table": table}))) if as_json else None)
     except (IngestError, PayloadSchemaError) as exc:
         raise click.ClickException(str(exc)) from exc
     except KeyboardInterrupt:
@@ -712,10 +804,15 @@ def ingest(config_file: str | None, once: bool, as_json: bool, **flags: object) 
         spark.stop()
     if as_json:
         click.echo(json.dumps(summary.as_dict()))
+        if events_summary is not None:
+            click.echo(json.dumps({**events_summary.as_dict(), "table": "fleet_events"}))
     else:
         click.echo(f"{summary.batches} batches, {summary.files} files, {summary.rows_in:,} rows in, "
                    f"{summary.rows_written:,} written, {summary.duplicates_removed:,} duplicates removed, "
                    f"{len(summary.quarantined)} quarantined, {summary.seconds:.1f}s", err=True)
+        if events_summary is not None:
+            click.echo(f"fleet_events: {events_summary.rows_in:,} events in, {events_summary.rows_written:,} "
+                       f"written, {events_summary.duplicates_removed:,} duplicates removed", err=True)
 
 
 @bench.command("ingest")

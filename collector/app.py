@@ -1,5 +1,6 @@
 """The ``filemq collector`` process: a :class:`~collector.server.Collector` run until
-SIGTERM/SIGINT (SIGHUP reloads), with its Prometheus endpoint when ``metrics_port`` is set.
+SIGTERM/SIGINT (SIGHUP reloads), with its operations HTTP port (/metrics, /api/fleet, /fleet,
+:mod:`collector.ops`) when ``metrics_port`` is set.
 
 Kept apart from :mod:`collector.server` so that the metrics module, which reads a collector's
 counters, and the server never import each other.
@@ -30,9 +31,9 @@ async def serve_collector(
         c = config.collector
         if c.metrics_port is None:
             return None
-        from collector.metrics import start_metrics_server
+        from collector.ops import start_ops_server
 
-        return start_metrics_server(collector, c.metrics_port, c.host)
+        return start_ops_server(collector, c.metrics_port, c.ops_host)
 
     c = config.collector
     return await serve_until_signalled(

@@ -30,6 +30,7 @@ import contextlib
 import logging
 import time
 from array import array
+from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import accumulate
 from typing import TYPE_CHECKING
@@ -38,6 +39,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from collector.dedup import HighWaterMarks, batch_ranges, offset_runs
+from collector.fleet_events import event_rows, fleet_record
 from collector.headers import property_columns
 from collector.landing import LANDING_SCHEMA, SCHEMA_VERSION, LandingWriter
 from filemq.upstream.batch import Batch, BatchError, decode_batch, parse_batch_topic, peek_header
@@ -68,6 +70,8 @@ class LanderStats:
     land_failures: int = 0
     buffered_rows: int = 0
     last_land_seconds: float = 0.0
+    events_landed: int = 0  # fleet events (connects, disconnects, health reports)
+    buffered_events: int = 0
 
 
 def batch_to_arrow(batch: Batch, received_at_us: int, collector_id: str) -> pa.RecordBatch:
@@ -120,8 +124,16 @@ class Lander:
         roll_bytes: int = 64 << 20,
         roll_seconds: float = 60.0,
         retry_seconds: float = 1.0,
+        on_landed: Callable[[dict[tuple[str, str], int]], None] | None = None,
+        events_writer: LandingWriter | None = None,
     ) -> None:
         self.queue = queue
+        # Told the rows of each roll per (device, stream), once the file is landed (the fleet registry).
+        self.on_landed = on_landed
+        self._landing_counts: dict[tuple[str, str], int] = {}
+        # Fleet events (collector.fleet_events): landed by their own writer in the same roll.
+        self.events_writer = events_writer
+        self._events: list[tuple[str, str, bytes, int, int]] = []
         self.writer = writer
         self.marks = marks
         self.roll_bytes = roll_bytes
@@ -254,7 +266,12 @@ class Lander:
         self._taken.append(record.offset)
         key = parse_batch_topic(record.topic)
         if key is None:
-            self.stats.non_batch_records += 1
+            event = fleet_record(record.topic, record.payload) if self.events_writer is not None else None
+            if event is None:
+                self.stats.non_batch_records += 1
+            else:
+                self._events.append((*event, record.offset, record.timestamp_us))
+                self.stats.buffered_events += 1
             return
         try:
             batch = decode_batch(record.payload)
@@ -284,6 +301,8 @@ class Lander:
         else:  # exactly the offsets the batch carries, never the gaps between them
             self.marks.add_ranges(device, stream, offset_runs(first, batch.offset_deltas))
         if rows.num_rows:
+            counts = self._landing_counts
+            counts[(device, stream)] = counts.get((device, stream), 0) + rows.num_rows
             self._buffer.append(rows)
             self._buffer_bytes += batch.header.body_length
             self.stats.buffered_rows += rows.num_rows
@@ -319,6 +338,25 @@ class Lander:
             self.stats.files_landed += 1
             self.stats.rows_landed += rows
             log.info("lander: landed %d rows in %s", rows, path)
+            # Emptied once landed, before the events' file: a retry after a failure there
+            # must not land these rows again.
+            self._buffer.clear()
+            self._buffer_bytes = 0
+            self.stats.buffered_rows = 0
+        if self._events:
+            assert self.events_writer is not None
+            events = event_rows(self._events, self.events_writer.collector_id)
+            path = await asyncio.to_thread(self.events_writer.write, pa.Table.from_batches([events]))
+            self.stats.events_landed += len(self._events)
+            log.info("lander: landed %d fleet events in %s", len(self._events), path)
+            self._events = []  # emptied once landed: a retry after a failed offset write skips them
+            self.stats.buffered_events = 0
+        counts, self._landing_counts = self._landing_counts, {}
+        if counts and self.on_landed is not None:
+            try:
+                self.on_landed(counts)
+            except Exception:
+                log.exception("lander: reporting landed rows failed; landing goes on")
         self._buffer.clear()
         self._buffer_bytes = 0
         self.stats.buffered_rows = 0

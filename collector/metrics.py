@@ -10,29 +10,113 @@ private registry), so the hot path never touches prometheus-client. Metric names
 ``filemq_collector_files_landed_total``, ``filemq_collector_land_failures_total``,
 ``filemq_collector_lag_batches`` (WAL batches not yet landed),
 ``filemq_collector_buffered_rows``, ``filemq_collector_land_seconds`` (last roll).
+
+The fleet (:mod:`collector.fleet`), as aggregates without a label per device:
+``filemq_collector_fleet_devices{state="online|behind|disk_low|stale|offline"}``,
+``filemq_collector_fleet_devices_connected``, ``filemq_collector_fleet_max_lag_records``,
+``filemq_collector_fleet_oldest_unacked_age_seconds`` (the worst connected device),
+``filemq_collector_health_reports_total``, ``filemq_collector_health_rejected_total``,
+``filemq_collector_health_malformed_total``. With ``collector.fleet_device_labels = true``
+also, labelled ``device``: ``filemq_collector_device_connected``, ``filemq_collector_device_lag_records``,
+``filemq_collector_device_oldest_unacked_age_seconds``, ``filemq_collector_device_disk_free_bytes``,
+``filemq_collector_device_last_seen_timestamp_seconds``.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector as PromCollector
 
-from filemq.ops.metrics_http import MetricsServer, serve_metrics
+from collector.fleet import STATES, device_state
+from filemq.ops.metrics_http import on_loop
 
 if TYPE_CHECKING:
     from collector.server import Collector
+
+log = logging.getLogger(__name__)
+
+SCRAPE_TIMEOUT_S = 5.0
 
 
 class CollectorMetrics(PromCollector):
     """Exposes one :class:`collector.server.Collector`'s counters."""
 
-    def __init__(self, collector: Collector) -> None:
+    def __init__(self, collector: Collector, loop: asyncio.AbstractEventLoop | None = None) -> None:
         self.collector = collector
+        self.loop = loop  # the collector's loop: the fleet registry is read there
 
     def collect(self) -> Iterator[Metric]:
+        yield from self._door_and_lander()
+        try:
+            fleet = on_loop(self.loop, self._fleet_figures, SCRAPE_TIMEOUT_S) if self.loop is not None \
+                else self._fleet_figures()
+        except Exception as exc:
+            log.warning("fleet metrics not read: %r", exc)
+            return
+        yield from self._fleet(fleet)
+
+    def _fleet_figures(self) -> dict[str, Any]:
+        """Read on the collector's loop: counts by state and, when asked for, per device values."""
+        fleet = self.collector.fleet
+        now = fleet.now()
+        counts = dict.fromkeys(STATES, 0)
+        lags = []
+        devices = []
+        per_device = self.collector.config.collector.fleet_device_labels
+        for d in fleet.devices.values():
+            counts[device_state(d, now, fleet.thresholds)] += 1
+            lag = d.lag_records() if d.connected else None
+            if lag is not None:
+                lags.append(lag)
+            if per_device:
+                devices.append((d.device_id, d.connected, d.lag_records(), d.oldest_unacked_age_s(),
+                                (d.health or {}).get("disk_free_bytes"), d.last_seen))
+        return {"counts": counts, "connected": sum(1 for d in fleet.devices.values() if d.connected),
+                "max_lag": max(lags, default=0), "oldest": fleet.oldest_backlog_age_s(), "devices": devices}
+
+    def _fleet(self, f: dict[str, Any]) -> Iterator[Metric]:
+        p = "filemq_collector_"
+        door = self.collector.stats
+        for name, doc, value in (
+            ("health_reports", "Health reports received from devices", door.health_reports),
+            ("health_rejected", "Health reports refused (CRC mismatch or wrong device; connection closed)",
+             door.health_rejected),
+            ("health_malformed", "Health reports dropped as malformed", door.health_malformed),
+        ):
+            yield CounterMetricFamily(p + name, doc, value=value)
+        by_state = GaugeMetricFamily(p + "fleet_devices", "Devices in the fleet registry by state", labels=["state"])
+        for state, n in f["counts"].items():
+            by_state.add_metric([state], float(n))
+        yield by_state
+        yield GaugeMetricFamily(p + "fleet_devices_connected", "Devices connected now", value=f["connected"])
+        yield GaugeMetricFamily(p + "fleet_max_lag_records", "Largest export lag (records) a connected device"
+                                " reported", value=f["max_lag"])
+        yield GaugeMetricFamily(p + "fleet_oldest_unacked_age_seconds", "Oldest unacknowledged record age any"
+                                " connected device reported", value=f["oldest"])
+        if not self.collector.config.collector.fleet_device_labels:
+            return
+        families = [
+            (GaugeMetricFamily(p + "device_connected", "1 while the device is connected", labels=["device"]), 1),
+            (GaugeMetricFamily(p + "device_lag_records", "Device export lag (records)", labels=["device"]), 2),
+            (GaugeMetricFamily(p + "device_oldest_unacked_age_seconds", "Device oldest unacknowledged age",
+                               labels=["device"]), 3),
+            (GaugeMetricFamily(p + "device_disk_free_bytes", "Device free disk", labels=["device"]), 4),
+            (GaugeMetricFamily(p + "device_last_seen_timestamp_seconds", "Unix time the device was last seen",
+                               labels=["device"]), 5),
+        ]
+        for row in f["devices"]:
+            for family, i in families:
+                if row[i] is not None:
+                    family.add_metric([row[0]], float(row[i]))
+        for family, _ in families:
+            yield family
+
+    def _door_and_lander(self) -> Iterator[Metric]:
         door = self.collector.stats
         lander = self.collector.lander
         p = "filemq_collector_"
@@ -62,8 +146,3 @@ class CollectorMetrics(PromCollector):
         ]
         for name, doc, level in gauges:
             yield GaugeMetricFamily(p + name, doc, value=level)
-
-
-def start_metrics_server(collector: Collector, port: int, addr: str = "127.0.0.1") -> MetricsServer:
-    """Serve ``/metrics`` for ``collector`` on ``addr:port`` (0 = any free port)."""
-    return serve_metrics(CollectorMetrics(collector), port, addr)

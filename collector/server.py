@@ -11,7 +11,13 @@ write-ahead log, with the durable group commit before every PUBACK) plus:
   counted; a version 2 batch whose record headers are not MQTT 5.0 message properties is one); acknowledges and drops a duplicate (its offsets are all held: committed to the
   WAL, as a WAL tail reader tracks, or landed); stores an overlapping one with the held
   records trimmed off (:mod:`collector.dedup`);
-* a :class:`collector.lander.Lander` that rolls the WAL into landing files.
+* a :class:`collector.lander.Lander` that rolls the WAL into landing files;
+* a :class:`collector.fleet.FleetRegistry` of the devices it serves: fed by every PUBLISH at
+  the door (a health report on ``filemq/v1/<device>/$fleet/health`` is checked, filed and
+  stored in the WAL as a fleet event, never quarantined), swept every second for closed
+  connections, saved to ``<data_dir>/fleet.json``; its connects and disconnects go into the WAL
+  too, and the lander lands them with the health reports under ``<landing>/fleet_events/``
+  (:mod:`collector.fleet_events`).
 
 What a caller may rely on: a batch is acknowledged only when it is durable in the WAL (or is
 a duplicate of records that are, or is malformed and durably quarantined). The collector's
@@ -24,17 +30,22 @@ its own id: ``pattern write filemq/v1/%u/#`` (see docs/FORWARDING.md).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import socket
 import time
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from collector.dedup import SNAPSHOT_FILE, HighWaterMarks, batch_ranges
+from collector.fleet import FLEET_FILE, SAVE_INTERVAL_S, FleetRegistry, Thresholds, iso
+from collector.fleet_events import LANDING_SUBDIR as EVENTS_LANDING_SUBDIR
+from collector.fleet_events import event_payload, event_topic, health_event
 from collector.headers import FULL_CHECKS_PER_BATCH, HeaderCheck
 from collector.lander import Lander
 from collector.landing import LandingWriter
@@ -52,6 +63,12 @@ from filemq.upstream.batch import (
     parse_batch_topic,
     peek_header,
 )
+from filemq.upstream.health import (
+    HealthCrcError,
+    MalformedHealth,
+    decode_health,
+    parse_health_topic,
+)
 from segments.fileio import OS_FILE_IO, FileIO, atomic_write
 
 if TYPE_CHECKING:
@@ -62,6 +79,7 @@ log = logging.getLogger(__name__)
 QUARANTINE_DIR = "quarantine"
 MIN_PACKET_SIZE = 64 << 20  # batches are up to batch_bytes (1 MiB default) plus a header
 DEFAULT_WAL_RETENTION_MS = 3_600_000  # landed WAL segments are kept an hour, then deleted
+LANDING_SAMPLE_S = 10
 
 
 
@@ -79,6 +97,9 @@ class DoorStats:
     quarantined: int = 0
     crc_rejected: int = 0
     topic_rejected: int = 0  # a valid batch on a topic that disagrees with its header
+    health_reports: int = 0  # health reports received (stored in the WAL)
+    health_rejected: int = 0  # CRC mismatch or a device id that disagrees with the topic (connection closed)
+    health_malformed: int = 0  # CRC fine, content not a report: dropped, logged
 
 
 def broker_config(config: Config) -> Config:
@@ -146,6 +167,15 @@ class Collector:
         self._fileio = fileio
         self._clock = clock
         self._quarantine_seq = 0
+        self.fleet = FleetRegistry(
+            self.data_dir / FLEET_FILE,
+            Thresholds(behind_records=c.fleet_behind_records, behind_age_s=c.fleet_behind_age_s,
+                       disk_low_bytes=c.fleet_disk_low_bytes, stale_intervals=c.fleet_stale_intervals),
+            max_devices=c.fleet_max_devices, clock=clock)
+        self._fleet_task: asyncio.Task[None] | None = None
+        self._event_commits: set[asyncio.Future[None]] = set()  # fleet events not yet committed
+        # (unix time, rows landed so far) every LANDING_SAMPLE_S for the last hour: /api/fleet's rate plot.
+        self._landing_samples: deque[tuple[float, int]] = deque(maxlen=3600 // LANDING_SAMPLE_S + 1)
 
     @property
     def port(self) -> int:
@@ -155,11 +185,21 @@ class Collector:
         """Recover (WAL, landing staging, high-water marks), listen, start landing."""
         self.data_dir.mkdir(parents=True, exist_ok=True)
         writer = LandingWriter(self.landing_dir, self.collector_id, self._fileio)
+        events_writer = LandingWriter(self.landing_dir / EVENTS_LANDING_SUBDIR, self.collector_id, self._fileio)
+        events_writer.recover_staging()
         await self.broker.start()
         assert self.broker.queue is not None
         c = self.config.collector
+        loaded = self.fleet.load()
+        if loaded:
+            log.info("collector %s: fleet registry holds %d devices", self.collector_id, loaded)
         lander = Lander(self.broker.queue, writer, self.marks, roll_bytes=c.roll_bytes,
-                        roll_seconds=c.roll_seconds)
+                        roll_seconds=c.roll_seconds, on_landed=self.fleet.landed, events_writer=events_writer)
+        self.fleet.on_event = self._record_event
+        recorded = self.fleet.flush_pending()
+        if recorded:
+            log.info("collector %s: recorded %d disconnects of devices connected when it last stopped",
+                     self.collector_id, recorded)
         lander.recover()
         for (device, stream), ranges in self.marks.items():
             for first, last in ranges:
@@ -168,6 +208,7 @@ class Collector:
         lander.start()
         self.lander = lander
         self._tail_task = asyncio.create_task(self._tail_wal(), name="filemq-collector-wal-tail")
+        self._fleet_task = asyncio.create_task(self._watch_fleet(), name="filemq-collector-fleet")
         log.info("collector %s listening on %s, landing in %s, WAL backlog %d batches",
                  self.collector_id, self.broker.listening, self.landing_dir, lander.lag)
         soft, hard = raise_nofile_limit()  # as broker_config left it (already raised)
@@ -179,9 +220,85 @@ class Collector:
         """Land what is buffered (bounded wait), then stop the broker (persists everything)."""
         if self._tail_task is not None:
             await cancel_and_wait(self._tail_task)
+        if self._fleet_task is not None:
+            await cancel_and_wait(self._fleet_task)
+        if self.broker.queue is not None:
+            # Every device's disconnect into the WAL while it is open, committed before the
+            # lander's last roll lands it; the registry changes no more after this.
+            self._sweep_fleet()
+            self.fleet.disconnect_all("collector stopping")
+            if self._event_commits:
+                with contextlib.suppress(TimeoutError, OSError):
+                    await asyncio.wait_for(asyncio.gather(*self._event_commits, return_exceptions=True), 5.0)
         if self.lander is not None:
             await self.lander.stop()
         await self.broker.stop()
+        self._save_fleet()
+
+    # -- the fleet registry ---------------------------------------------------------------------
+
+    def _record_event(self, device_id: str, kind: str, when: float, details: Mapping[str, Any]) -> None:
+        """The registry's event sink: a connect or disconnect into the WAL (the lander lands it
+        as a fleet event); health reports are in the WAL already. Raises if the WAL refuses."""
+        if kind not in ("connect", "disconnect"):
+            return
+        queue = self.broker.queue
+        if queue is None:
+            raise RuntimeError("the WAL is not open")
+        payload = event_payload(kind, {**details, "collector_id": self.collector_id})
+        _, commit = queue.publish_nowait(event_topic(device_id, kind), payload, 0, timestamp_us=int(when * 1e6))
+        if commit not in self._event_commits:  # one commit future covers a whole group commit
+            self._event_commits.add(commit)
+            commit.add_done_callback(self._event_committed)
+
+    def _event_committed(self, commit: asyncio.Future[None]) -> None:
+        self._event_commits.discard(commit)
+        if not commit.cancelled() and commit.exception() is not None:
+            log.error("collector %s: a fleet event was not committed to the WAL: %s", self.collector_id,
+                      commit.exception())
+
+    def _sweep_fleet(self) -> None:
+        core = self.broker.core
+        self.fleet.sweep(core.connections if core is not None else {})
+
+    def _save_fleet(self) -> None:
+        try:
+            self.fleet.save(lambda path, data: atomic_write(path, data, self._fileio))
+        except OSError as exc:
+            self.fleet.dirty = True  # try again next time
+            log.warning("collector %s: saving the fleet registry failed: %s", self.collector_id, exc)
+
+    def landing_rate(self) -> list[dict[str, object]]:
+        """Rows landed per second over the last hour, one point per sample interval."""
+        samples = list(self._landing_samples)
+        return [{"t": iso(t1), "rows_per_s": round((n1 - n0) / (t1 - t0), 3) if t1 > t0 else 0.0}
+                for (t0, n0), (t1, n1) in zip(samples, samples[1:], strict=False)]
+
+    async def _watch_fleet(self) -> None:
+        """Sweep the registry every second (closed connections show within a second) and save
+        it every SAVE_INTERVAL_S when it changed (encoded on the loop, written off it)."""
+        last_save = time.monotonic()
+        last_sample = 0.0
+        while True:
+            await asyncio.sleep(1.0)
+            try:
+                self._sweep_fleet()
+                if time.monotonic() - last_sample >= LANDING_SAMPLE_S:
+                    last_sample = time.monotonic()
+                    self._landing_samples.append((self._clock(), self.lander.stats.rows_landed if self.lander else 0))
+                if self.fleet.dirty and time.monotonic() - last_save >= SAVE_INTERVAL_S:
+                    last_save = time.monotonic()
+                    data = self.fleet.encode()
+                    self.fleet.dirty = False
+                    path = self.fleet.path
+                    assert path is not None
+                    try:
+                        await asyncio.to_thread(atomic_write, path, data, self._fileio)
+                    except OSError as exc:
+                        self.fleet.dirty = True
+                        log.warning("collector %s: saving the fleet registry failed: %s", self.collector_id, exc)
+            except Exception:
+                log.exception("collector %s: fleet bookkeeping failed; continuing", self.collector_id)
 
     def reload(self) -> bool:
         """SIGHUP: re-read the device password file and the ACL file (:meth:`Broker.reload`)."""
@@ -232,6 +349,9 @@ class Collector:
         stats = self.stats
         payload = packet.payload
         foreign = None
+        topic_device = parse_health_topic(packet.topic)
+        if topic_device is not None:
+            return self._health_report(client, packet, topic_device)
         if parse_batch_topic(packet.topic) is None:
             foreign = f"topic {packet.topic!r} is not filemq/v1/<device_id>/<stream>"
         try:
@@ -258,6 +378,7 @@ class Collector:
         if held:
             stats.duplicate_batches += 1
             stats.duplicate_records += header.count
+            self._seen(client, header.device_id)
             return HookResult.ack_drop(f"duplicate batch {header.first_offset}..{header.last_offset}")
         try:
             # Version 2 headers must be MQTT 5.0 message properties: the CRC matched, so
@@ -276,19 +397,54 @@ class Collector:
             if not keep:
                 stats.duplicate_batches += 1
                 stats.duplicate_records += header.count
+                self._seen(client, header.device_id)
                 return HookResult.ack_drop(f"duplicate batch {header.first_offset}..{header.last_offset}")
             stats.batches_received += 1
             stats.bytes_received += len(payload)
             stats.trimmed_batches += 1
             stats.trimmed_records += header.count - len(keep)
             stats.records_received += len(keep)
+            self._seen(client, header.device_id, header.stream, len(keep))
             return HookResult.store(
                 encode_batch(header.device_id, header.stream, keep, compression=header.compression)
             )
         stats.batches_received += 1
         stats.bytes_received += len(payload)
         stats.records_received += header.count
+        self._seen(client, header.device_id, header.stream, header.count)
         return HookResult.store()
+
+    def _seen(self, client: ClientInfo, device_id: str, stream: str | None = None, records: int = 0) -> None:
+        core = self.broker.core
+        conn = core.connections.get(client.client_id) if core is not None else None
+        self.fleet.seen(device_id, client.client_id, client.peer, conn, stream, records)
+
+    def _health_report(self, client: ClientInfo, packet: Publish, topic_device: str) -> HookResult:
+        """A health report (:mod:`filemq.upstream.health`): into the fleet registry, and into the
+        WAL as a fleet event. A CRC mismatch closes the connection as for a batch (the link
+        damages bytes); a report that is not one is dropped and counted, never quarantined."""
+        stats = self.stats
+        try:
+            report = decode_health(packet.payload)
+        except HealthCrcError as exc:
+            stats.health_rejected += 1
+            log.warning("client %r: health report on %r: %s", client.client_id, packet.topic, exc)
+            return HookResult.reject(str(exc))
+        except MalformedHealth as exc:
+            stats.health_malformed += 1
+            self.fleet.malformed_reports += 1
+            log.warning("client %r: malformed health report on %r dropped: %s", client.client_id, packet.topic, exc)
+            return HookResult.ack_drop(f"malformed health report: {exc}")
+        if report.device_id != topic_device:
+            stats.health_rejected += 1
+            reason = (f"topic {packet.topic!r} does not match the health report's device {report.device_id!r}")
+            log.warning("client %r: %s; connection closed", client.client_id, reason)
+            return HookResult.reject(reason)
+        stats.health_reports += 1
+        self._seen(client, report.device_id)
+        self.fleet.health(report.device_id, report.body, report.sent_at_us, report.sequence, report.body_json)
+        # Into the WAL as the fleet event the lander lands as it is (collector.fleet_events).
+        return HookResult.store(health_event(report.body, report.body_json, report.sequence, report.sent_at_us))
 
     def _quarantine(self, client: ClientInfo, packet: Publish, reason: str) -> HookResult:
         """Write the PUBLISH payload and the reason under ``quarantine/``, then ack it."""

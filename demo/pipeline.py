@@ -15,7 +15,9 @@ What a caller may rely on:
   where to look; the work directory is kept whenever the demo did not succeed.
 * Every wait is bounded (:class:`DemoOptions` timeouts); every process the demo started is
   stopped before it returns (SIGTERM, then SIGKILL of that process group).
-* Other parts are driven only through their command lines. A ``filemq`` command that does
+* Other parts are driven only through their command lines. At the end it prints the fleet
+  (``filemq fleet``) and checks that the ``fleet_events`` table holds every connect and
+  disconnect the collector landed exactly once, in the order of the demo's cuts. A ``filemq`` command that does
   not exist yet is reported as ``not yet available: filemq <command>`` and the demo runs
   whatever it can without it (``DemoResult.missing``).
 * Progress goes to the ``progress`` callback (never printed here): ``kind="phase"`` for a
@@ -150,6 +152,14 @@ class DemoResult:
     lost: int | None = None
     lost_sample: list[str] = field(default_factory=list)
     ingest_summary: dict[str, Any] | None = None
+    # The fleet (collector/fleet.py): the collector's /api/fleet table at the end, and the
+    # fleet_events table against the fleet events the collector landed.
+    fleet: list[str] = field(default_factory=list)
+    fleet_connects: int | None = None
+    fleet_disconnects: int | None = None
+    fleet_health_reports: int | None = None
+    fleet_events_landed: int | None = None
+    fleet_events_in_table: int | None = None
     phases: list[PhaseResult] = field(default_factory=list)
     missing: list[str] = field(default_factory=list)
     failed_phase: str | None = None
@@ -257,6 +267,15 @@ def format_summary(result: DemoResult) -> list[str]:
         lines.append("  (no curated table: lost is checked against the landed files)")
     if result.lost_sample:
         lines.append("  missing ids (first ones): " + ", ".join(result.lost_sample))
+    if result.fleet_events_in_table is not None:
+        later = (result.fleet_events_landed or 0) - result.fleet_events_in_table
+        lines.append(f"  {'fleet_events':<22}{num(result.fleet_events_in_table):>10}   "
+                     f"{num(result.fleet_connects)} connects, {num(result.fleet_disconnects)} disconnects, "
+                     f"{num(result.fleet_health_reports)} health reports, each once"
+                     + (f" ({later:,} more reports landed after the ingest began)" if later > 0 else ""))
+    if result.fleet:
+        lines.append("  the fleet (filemq fleet):")
+        lines.extend(f"    {line}" for line in result.fleet)
     lines.append("  phases: " + ", ".join(_phase_text(p) for p in result.phases))
     kept = "" if result.work_dir_kept else " (removed; --keep keeps it)"
     lines.append(f"  total {result.seconds:.1f} s, work dir {result.work_dir}{kept}")
@@ -627,7 +646,7 @@ class _Demo:
             [*self.filemq, "agent", "--data-dir", str(d / "agent"), "--device-id", DEVICE_ID,
              "--collector", f"127.0.0.1:{collector_port}", "--host", "127.0.0.1", "--port", str(agent_port),
              "--config", str(agent_config), "--batch-records", str(opts.batch_records),
-             "--rate-limit-bytes-per-s", str(uplink_rate)],
+             "--rate-limit-bytes-per-s", str(uplink_rate), "--health-interval-s", "2"],
             self.logs / "agent.log", agent_port,
         )
         self.services = [agent, collector]
@@ -695,6 +714,7 @@ class _Demo:
             with self._phase("drain", "wait for forwarder lag 0 and everything landed"):
                 await self._wait_drained(agent, collector)
                 await self._count_collector_drops()
+                await self._fleet_table()
 
         java = java_available()
         if "ingest" in missing:
@@ -766,6 +786,20 @@ class _Demo:
             self.result.dropped_at_collector = None
             return
         self.result.dropped_at_collector = (self.result.dropped_at_collector or 0) + int(value)
+
+    async def _fleet_table(self) -> None:
+        """The collector's fleet from ``filemq fleet`` (informative: a failed read leaves it out
+        of the summary, it does not fail the demo)."""
+        argv = [*self.filemq, "fleet", "--url", f"http://127.0.0.1:{self.metrics_port}"]
+        try:
+            code, out, err = await _run_command(argv, 60.0)
+        except (OSError, TimeoutError) as exc:
+            log.info("filemq fleet: %s", exc)
+            return
+        if code != 0:
+            log.info("filemq fleet exited %d: %s", code, err.strip())
+            return
+        self.result.fleet = out.rstrip("\n").splitlines()
 
     async def _wait_drained(self, agent: _Service, collector: _Service) -> None:
         deadline = time.monotonic() + self.options.drain_timeout_s
@@ -869,12 +903,57 @@ class _Demo:
         if self.result.duplicate_keys_in_table:
             raise DemoError("verify", f"{self.result.duplicate_keys_in_table:,} duplicate (device_id, stream, "
                                       "offset) keys in the curated table", self.logs / "ingest.log")
+        if ingest_ran:
+            self._verify_fleet_events(ds)
+
+    def _verify_fleet_events(self, ds: Any) -> None:
+        """fleet_events holds every connect, disconnect and health report the collector landed,
+        each once, and the device's connects and disconnects alternate, starting with a connect."""
+        landing = self.dir / "landing" / "fleet_events" / "incoming"
+        if not landing.exists():
+            return
+        columns = ["device_id", "stream", "offset", "topic"]
+        landed = _keyed(ds.dataset(str(landing), format="parquet", partitioning="hive").to_table(columns=columns))
+        table_dir = self.dir / "fleet_events"
+        if not table_dir.exists():
+            raise DemoError("verify", f"the ingest wrote no fleet_events table at {table_dir}",
+                            self.logs / "ingest.log")
+        rows = _keyed(ds.dataset(str(table_dir), format="parquet", partitioning="hive").to_table(columns=columns))
+        keys = Counter(r[:3] for r in rows)
+        unique_landed = {r[:3]: r[3] for r in landed}
+        self.result.fleet_events_landed = len(landed)
+        self.result.fleet_events_in_table = len(rows)
+        events = [r[3] for r in sorted(rows, key=lambda r: r[2]) if r[0] == DEVICE_ID]
+        lifecycle = [e for e in events if e in ("connect", "disconnect")]
+        self.result.fleet_connects = lifecycle.count("connect")
+        self.result.fleet_disconnects = lifecycle.count("disconnect")
+        self.result.fleet_health_reports = events.count("health")
+        twice = sum(n - 1 for n in keys.values() if n > 1)
+        in_table = {r[:3]: r[3] for r in rows}
+        # Health reports keep landing while the ingest runs (the agent is still connected): the
+        # table holds what had landed when it started; every connect and disconnect had.
+        unknown = [k for k, event in in_table.items() if unique_landed.get(k) != event]
+        absent = [k for k, event in unique_landed.items() if event != "health" and k not in in_table]
+        if twice or unknown or absent:
+            raise DemoError("verify", f"fleet_events does not hold each landed event once ({twice} twice, "
+                                      f"{len(unknown)} never landed, {len(absent)} connects/disconnects missing)",
+                            self.logs / "ingest.log")
+        expected = ["connect", "disconnect"] * (len(lifecycle) // 2) + ["connect"] * (len(lifecycle) % 2)
+        # Online, cut (collector stopped), back, flicker (agent killed), back again: at least so many.
+        if lifecycle != expected or self.result.fleet_connects < 3 or self.result.fleet_disconnects < 2:
+            raise DemoError("verify", f"fleet_events of {DEVICE_ID}: connects and disconnects {lifecycle} "
+                                      "do not follow the demo's cuts", self.logs / "collector.log")
 
 
 def _rows(table: Any) -> list[tuple[str, str, int, bytes]]:
     if table is None:
         return []
     columns = [table.column(name).to_pylist() for name in ("device_id", "stream", "offset", "payload")]
+    return list(zip(*columns, strict=True))
+
+
+def _keyed(table: Any) -> list[tuple[str, str, int, str]]:
+    columns = [table.column(name).to_pylist() for name in ("device_id", "stream", "offset", "topic")]
     return list(zip(*columns, strict=True))
 
 

@@ -18,7 +18,7 @@ from collector.dedup import HighWaterMarks, batch_ranges, offset_runs
 from collector.headers import check_headers, property_columns
 from collector.lander import Lander
 from collector.landing import LANDING_SCHEMA, PROPERTY_COLUMNS, SCHEMA_VERSION, LandingWriter
-from collector.metrics import start_metrics_server
+from collector.ops import start_metrics_server
 from collector.server import Collector
 from filemq.broker import ClientInfo
 from filemq.common.config import load_config

@@ -28,6 +28,7 @@ from filemq.ops.service import Sidecar, run_until_signalled, serve_until_signall
 from worker_agent.exports import Exports
 from worker_agent.exports import describe as describe_exports
 from worker_agent.forwarder import Forwarder, ForwarderConfig, Upstream
+from worker_agent.health import HealthReporter
 
 log = logging.getLogger("filemq.agent")
 
@@ -72,13 +73,18 @@ class Agent:
         self.broker = Broker(config)
         # The first collector export's forwarder (legacy $SYS/broker/forwarder/..., metrics).
         self.forwarder: Forwarder | None = None
+        self.health: HealthReporter | None = None  # (set at start unless agent.health_interval_s = 0)
         self._sys_task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
         await self.broker.start()
         queue = self.broker.queue
         assert queue is not None
-        self.exports.start(queue)
+        a = self.config.agent
+        if a.health_interval_s > 0:
+            self.health = HealthReporter(self.forwarder_config.device_id, self.forwarder_config.stream, self.broker,
+                                         self.exports, a.health_interval_s)
+        self.exports.start(queue, health=self.health.report if self.health is not None else None)
         self.forwarder = self.exports.forwarder
         if self.config.broker.sys_interval_s > 0:
             self._sys_task = asyncio.create_task(self._publish_sys(), name="filemq-agent-sys")

@@ -226,7 +226,9 @@ class Exports:
 
     # -- lifecycle ------------------------------------------------------------------------------
 
-    def start(self, queue: Queue) -> None:
+    def start(self, queue: Queue, *, health: Callable[[], bytes] | None = None) -> None:
+        """Start every enabled export on ``queue``; collector exports send ``health()`` reports
+        (:mod:`worker_agent.health`) every ``agent.health_interval_s`` when it is given."""
         self._queue = queue
         self._migrate_legacy_group(queue)
         a = self.config.agent
@@ -252,7 +254,8 @@ class Exports:
                     return _Watched(inner(), stats)
 
                 export.runner = Forwarder(group, queue.wait_for_records, watched,
-                                          collector_settings(self.config, spec), limiter=limiter)
+                                          collector_settings(self.config, spec), limiter=limiter,
+                                          health=health, health_interval_s=a.health_interval_s)
             else:
                 settings = MqttExportSettings.from_section(spec, self.device_id, a.backoff_initial_ms / 1000,
                                                            a.backoff_max_ms / 1000)

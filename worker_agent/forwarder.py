@@ -54,6 +54,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from filemq.common.aio import cancel_and_wait
 from filemq.upstream.batch import DEFAULT_STREAM, batch_topic, check_name, encode_batch
+from filemq.upstream.health import health_topic
 
 if TYPE_CHECKING:
     from segments import Record
@@ -171,6 +172,7 @@ class ForwarderStats:
     oversized_records: int = 0  # records too large for the collector: skipped (a counted loss)
     oversized_bytes: int = 0
     inflight_batches: int = 0
+    health_reports_sent: int = 0
     acked_offset: int = -1  # highest offset acked by the collector (in order)
     last_ack_unix: float | None = None
     latency_sum_s: float = 0.0
@@ -252,6 +254,8 @@ class Forwarder:
         *,
         rng: random.Random | None = None,
         limiter: RateLimiter | None = None,
+        health: Callable[[], bytes] | None = None,
+        health_interval_s: float = 30.0,
     ) -> None:
         self.group = group
         self.config = config
@@ -273,6 +277,13 @@ class Forwarder:
         self._task: asyncio.Task[None] | None = None
         self._stopping = asyncio.Event()
         self._attempt = 0
+        # Health reports (worker_agent.health): sent at each connect and every interval; None:
+        # never. Built when sent, so a report carries the figures of its moment.
+        self._health = health
+        if health is not None and health_interval_s <= 0:
+            raise ValueError("health_interval_s must be positive (pass health=None to send no reports)")
+        self._health_interval_s = health_interval_s
+        self._health_topic = health_topic(config.device_id)
 
     # -- lifecycle -----------------------------------------------------------------------
 
@@ -363,6 +374,8 @@ class Forwarder:
         acker = asyncio.create_task(self._ack_loop(window, wake), name="forwarder-ack")
         closed = asyncio.create_task(upstream.closed.wait(), name="forwarder-closed")
         tasks = {sender, acker, closed}
+        if self._health is not None:
+            tasks.add(asyncio.create_task(self._health_loop(upstream), name="forwarder-health"))
         try:
             done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
         finally:
@@ -402,6 +415,28 @@ class Forwarder:
         self._inflight.clear()
         self.stats.inflight_batches = 0
         self.stats.resent_records += resent
+
+    # -- health reports ----------------------------------------------------------------------
+
+    async def _health_loop(self, upstream: Upstream) -> None:
+        """One report right after the connect, then one every interval, QoS 0 (no in-flight
+        slot, no PUBACK to wait for: the batches are neither delayed nor reordered). A report
+        that cannot be built or sent is logged and skipped; it never ends the connection."""
+        health = self._health
+        assert health is not None
+        while True:
+            try:
+                payload = health()
+                sent = upstream.publish_nowait(self._health_topic, payload, qos=0)
+                failed = sent.exception() if sent.done() and not sent.cancelled() else None
+                if failed is not None:
+                    raise failed
+                self.stats.health_reports_sent += 1
+            except (OSError, ConnectionError, ValueError) as exc:
+                log.warning("forwarder: health report not sent: %s", exc)
+            except Exception:
+                log.exception("forwarder: health report not sent")
+            await asyncio.sleep(self._health_interval_s)
 
     # -- sending ---------------------------------------------------------------------------
 

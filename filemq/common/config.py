@@ -174,6 +174,8 @@ class AgentSection:
     export: tuple[str, ...] = field(default=(), metadata=_spec(_export_flags))
     # The collector's packet limit (at least 64 MiB): a record too large for it is set aside.
     upstream_max_packet_size: int = field(default=64 * MIB, metadata=_spec(_int(1024, 268_435_455, sizes=True)))
+    # Seconds between health reports to each collector export (and one at every connect); 0: none.
+    health_interval_s: int = field(default=30, metadata=_spec(_int(0, 86_400)))
 
 
 @dataclass(frozen=True)
@@ -199,6 +201,15 @@ class CollectorSection:
     metrics_port: int | None = field(default=None, metadata=_spec(_PORT))
     # None: sized from the file-descriptor limit (filemq.ops.fdlimit), not broker.max_connections.
     max_connections: int | None = field(default=None, metadata=_spec(_POS))
+    # The operations HTTP port (metrics_port) binds here: loopback unless opened on purpose.
+    ops_host: str = field(default="127.0.0.1", metadata=_spec(_str))
+    # Fleet registry states (collector/fleet.py, docs/DEPLOYMENT.md "The fleet").
+    fleet_behind_records: int = field(default=100_000, metadata=_spec(_POS))
+    fleet_behind_age_s: int = field(default=3600, metadata=_spec(_POS))
+    fleet_disk_low_bytes: int = field(default=256 * MIB, metadata=_spec(_int(0, sizes=True)))
+    fleet_stale_intervals: int = field(default=3, metadata=_spec(_int(1, 1000)))
+    fleet_device_labels: bool = field(default=False, metadata=_spec(_bool))
+    fleet_max_devices: int = field(default=100_000, metadata=_spec(_int(1, 10_000_000)))
 
     def anonymous_allowed(self) -> bool:
         """Whether devices without a username may connect (same rule as the broker)."""
@@ -220,6 +231,10 @@ class IngestSection:
     archive: str | None = field(default=None, metadata=_spec(_str))
     every_s: int | None = field(default=None, metadata=_spec(_POS))
     max_files_per_batch: int = field(default=1000, metadata=_spec(_POS))
+    # The second curated table (spark_ingest/fleet_events.py); None: fleet_events beside `table`,
+    # `<checkpoint>_fleet_events`.
+    fleet_events_table: str | None = field(default=None, metadata=_spec(_str))
+    fleet_events_checkpoint: str | None = field(default=None, metadata=_spec(_str))
 
 
 _OPT_POS = _int(1)

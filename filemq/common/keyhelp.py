@@ -108,6 +108,8 @@ _KEY_HELP: dict[str, tuple[str, str, str]] = {
     "agent.stream": ("upstream", "Stream name in the batch topic and the idempotency key", ""),
     "agent.ack_timeout_ms": ("upstream", "Reconnect and resend when a batch is not acknowledged "
                              "within this time (ms)", ""),
+    "agent.health_interval_s": ("upstream", "Seconds between health reports to each collector (one also "
+                                "at every connect); 0 sends none", ""),
     "agent.export": ("upstream", "An export NAME=URL (repeatable): filemq[s]://HOST:PORT (collector) or "
                      "mqtt[s]://HOST[:PORT] (any MQTT broker); more keys in [[export]] tables", "none"),
     "uplink.rate_limit_bytes_per_s": ("upstream", "Bytes per second for all exports together, "
@@ -126,13 +128,30 @@ _KEY_HELP: dict[str, tuple[str, str, str]] = {
     "collector.landing": ("landing", "Landing directory (_staging/, incoming/dt=.../)", "required"),
     "collector.roll_bytes": ("landing", "Roll the Parquet file at this size", ""),
     "collector.roll_seconds": ("landing", "Roll the Parquet file at this age (seconds)", ""),
-    "collector.metrics_port": ("listener", "Serve Prometheus metrics on HOST:PORT", "off"),
+    "collector.metrics_port": ("listener", "The operations HTTP port: /metrics, /api/fleet, /fleet "
+                               "on ops_host:PORT", "off"),
+    "collector.ops_host": ("listener", "Address of the operations HTTP port (loopback unless set)", ""),
+    "collector.fleet_behind_records": ("general", "A device whose export lag exceeds this many records "
+                                       "is 'behind'", ""),
+    "collector.fleet_behind_age_s": ("general", "A device whose oldest unacknowledged record is older "
+                                     "than this (s) is 'behind'", ""),
+    "collector.fleet_disk_low_bytes": ("general", "A device with less free disk than this is 'disk_low'", ""),
+    "collector.fleet_stale_intervals": ("general", "A connected device silent for this many health "
+                                        "intervals is 'stale'", ""),
+    "collector.fleet_device_labels": ("general", "Fleet metrics with one label per device (cardinality!)",
+                                      ""),
+    "collector.fleet_max_devices": ("limits", "Devices the fleet registry keeps at most (the longest "
+                                    "offline go first)", ""),
     "ingest.landing": ("general", "Landing directory to read", "required"),
     "ingest.table": ("general", "Curated table directory (Parquet, partitioned by dt)", "required"),
     "ingest.checkpoint": ("general", "Streaming checkpoint directory, one per table", "required"),
     "ingest.spark_master": ("general", "Spark master URL", ""),
     "ingest.payload": ("general", "json parses payloads into the --payload-schema columns", ""),
     "ingest.payload_schema": ("general", "Spark DDL of the JSON payload", "none"),
+    "ingest.fleet_events_table": ("general", "The fleet_events table (connects, disconnects, health)",
+                                  "fleet_events beside the table"),
+    "ingest.fleet_events_checkpoint": ("general", "Checkpoint of the fleet_events table",
+                                       "<checkpoint>_fleet_events"),
     "ingest.archive": ("general", "Move ingested landing files here after their batch commits", "none"),
     "ingest.every_s": ("general", "Keep running: a micro-batch every N seconds", "run once"),
     "ingest.max_files_per_batch": ("general", "Landing files per micro-batch at most", ""),

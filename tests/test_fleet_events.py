@@ -1,0 +1,113 @@
+"""Fleet events landed like data (collector/fleet_events.py): connects, disconnects with their
+reason and health reports become rows under <landing>/fleet_events/, keyed by
+(device, fleet@<collector>, WAL offset), each once; disconnects the collector could not record
+(stopped or killed while devices were connected) are recorded at its next start."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+from typing import Any
+
+import pyarrow.parquet as pq
+import pytest
+
+from collector.fleet import FLEET_FILE, FleetRegistry
+from collector.fleet_events import event_topic, fleet_record, health_event, parse_event_topic
+from collector.landing import LANDING_SCHEMA
+from collector.server import Collector
+from filemq.mqtt.client import MQTTClient
+from filemq.upstream.health import decode_health, encode_health, health_topic
+from segments.fileio import atomic_write
+from tests.test_collector import config, run, until
+from tests.test_fleet_registry import Conn, batch, health
+
+pytestmark = pytest.mark.timeout(90)
+
+
+def events(landing: Path) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
+    for f in sorted((landing / "fleet_events" / "incoming").rglob("*.parquet")):
+        table = pq.read_table(f, partitioning=None)
+        assert table.schema.equals(LANDING_SCHEMA)
+        rows.extend(table.to_pylist())
+    return sorted(rows, key=lambda r: r["offset"])
+
+
+def test_event_topics_and_records() -> None:
+    assert parse_event_topic(event_topic("dev-1", "connect")) == ("dev-1", "connect")
+    assert parse_event_topic("filemq/fleet/v1/dev-1/reboot") is None
+    assert parse_event_topic("filemq/v1/dev-1/main") is None
+    report = decode_health(encode_health("d", 5, 2, {**health(lag=4), "extra": [1, {"a": None}]}))
+    payload = health_event(report.body, report.body_json, report.sequence, report.sent_at_us)
+    assert json.loads(payload) == {**health(lag=4), "extra": [1, {"a": None}], "event": "health", "sequence": 2,
+                                   "sent_at_us": 5, "lag_records": 4, "oldest_unacked_age_s": 1.0}
+    empty = decode_health(encode_health("d", 5, 3, {}))
+    assert json.loads(health_event(empty.body, empty.body_json, 3, 5)) == {
+        "event": "health", "sequence": 3, "sent_at_us": 5, "lag_records": None, "oldest_unacked_age_s": None}
+    assert fleet_record(health_topic("d"), payload) == ("d", "health", payload)
+    assert fleet_record(health_topic("d"), b"FMQH" + bytes(40)) is None  # not what the door stores
+
+
+def test_connects_disconnects_and_health_land_once(tmp_path: Path) -> None:
+    out: dict[str, Any] = {}
+
+    async def scenario() -> None:
+        collector = Collector(config(tmp_path, **{"collector.roll_seconds": 1}))
+        await collector.start()
+        client = MQTTClient("dev-1", port=collector.port)
+        await client.connect()
+        await client.publish(health_topic("dev-1"), encode_health("dev-1", 0, 1, health(lag=9)), qos=0)
+        await client.publish("filemq/v1/dev-1/main", batch(0, 3), qos=1, timeout=5)
+        assert client._writer is not None
+        client._writer.transport.abort()  # the agent dies
+        await until(lambda: not collector.fleet.devices["dev-1"].connected)
+        await client.disconnect()
+        client = MQTTClient("dev-1", port=collector.port)
+        await client.connect()
+        await client.publish("filemq/v1/dev-1/main", batch(3, 2), qos=1, timeout=5)
+        await collector.stop()  # dev-1 still connected: "collector stopping"
+        await client.disconnect()
+        out["first"] = events(tmp_path / "landing")
+        again = Collector(config(tmp_path, **{"collector.roll_seconds": 1}))
+        await again.start()  # no disconnect pending; what the last roll did not take lands now
+        await until(lambda: again.lander is not None and again.lander.lag == 0)
+        await asyncio.sleep(0.2)
+        await again.stop()
+        out["second"] = events(tmp_path / "landing")
+
+    run(scenario(), timeout=60)
+    rows = out["second"]
+    assert rows[: len(out["first"])] == out["first"]  # landed once: before the restart or after it
+    assert [(r["device_id"], r["topic"]) for r in rows] == [
+        ("dev-1", "connect"), ("dev-1", "health"), ("dev-1", "disconnect"), ("dev-1", "connect"),
+        ("dev-1", "disconnect")]
+    payloads = [json.loads(r["payload"]) for r in rows]
+    assert payloads[2]["reason"] and payloads[4]["reason"] == "collector stopping"
+    assert payloads[1]["lag_records"] == 9 and payloads[1]["event"] == "health"
+    assert all(r["stream"] == "fleet@c1" and r["collector_id"] == "c1" for r in rows)
+    assert len({(r["device_id"], r["stream"], r["offset"]) for r in rows}) == len(rows)
+
+
+def test_a_killed_collector_records_the_disconnects_at_its_next_start(tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    data.mkdir(parents=True)
+    # The registry as a collector killed with dev-k connected left it.
+    reg = FleetRegistry(data / FLEET_FILE)
+    reg.seen("dev-k", "dev-k", "10.0.0.9:1", Conn())
+    reg.save(atomic_write)
+    out: dict[str, Any] = {}
+
+    async def scenario() -> None:
+        collector = Collector(config(tmp_path, **{"collector.roll_seconds": 1}))
+        await collector.start()
+        await collector.stop()
+        out["rows"] = events(tmp_path / "landing")
+        out["pending"] = collector.fleet.devices["dev-k"].pending_disconnect
+
+    run(scenario(), timeout=60)
+    (row,) = out["rows"]
+    assert row["device_id"] == "dev-k" and row["topic"] == "disconnect"
+    assert json.loads(row["payload"])["reason"] == "collector restarted"
+    assert out["pending"] is None

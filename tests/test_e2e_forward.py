@@ -34,6 +34,7 @@ from filemq.mqtt.properties import encode_message_headers
 from filemq.queue.groups import ConsumerGroup
 from filemq.upstream.batch import BatchRecord, encode_batch
 from segments import GroupCommitter, Log, LogConfig
+from segments.log import FREE_RECHECK_S
 from tests.tcpproxy import TcpProxy
 from worker_agent.app import Agent
 from worker_agent.forwarder import Forwarder, ForwarderConfig
@@ -278,6 +279,9 @@ def test_full_disk_at_collector_and_old_device_clock(tmp_path: Path) -> None:
         wal = queue.log
         full = {"on": True}
         wal.fileio = FullDisk(wal.fileio, full)  # type: ignore[assignment]
+        # The log reads free space again at most FREE_RECHECK_S apart (no statfs per commit):
+        # from then on the full disk shows at every commit.
+        await asyncio.sleep(FREE_RECHECK_S)
         agent = Agent(agent_config(tmp_path, collector.port))
         await agent.start()
         device_queue = agent.broker.queue

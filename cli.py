@@ -122,17 +122,21 @@ def bench() -> None:
               help="Appends each producer keeps in flight.")
 @click.option("--fsync", type=click.Choice(["always", "interval", "never"]), default="always", show_default=True)
 @click.option("--baseline-seconds", type=click.FloatRange(min=0.1), default=2.0, show_default=True)
+@click.option("--commit-on-loop-max-ms", type=click.FloatRange(min=0), default=None,
+              help="[log] commit_on_loop_max_ms for the filemq run (default: the key's default; 0 = commit thread).")
 @click.option("--keep", is_flag=True, help="Keep the data directory.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per line on stdout.")
 def bench_append(data_dir: str | None, records: int, size: int, producers: int, inflight: int,
-                 fsync: str, baseline_seconds: float, keep: bool, as_json: bool) -> None:
+                 fsync: str, baseline_seconds: float, commit_on_loop_max_ms: float | None, keep: bool,
+                 as_json: bool) -> None:
     """Group-commit append rate vs fdatasync-per-record and persist-queue's SQLiteAckQueue."""
     import json
 
     from bench.append import run_append_bench
 
     results, ratios = run_append_bench(data_dir, records, size, producers, inflight, fsync, keep,
-                                       lambda msg: click.echo(msg, err=True), baseline_seconds)
+                                       lambda msg: click.echo(msg, err=True), baseline_seconds,
+                                       commit_on_loop_max_ms)
     for result in results:
         if as_json:
             click.echo(json.dumps(result.as_dict()))

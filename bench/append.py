@@ -64,8 +64,12 @@ async def _produce(committer: GroupCommitter, count: int, payload: bytes, inflig
         await future
 
 
-async def _filemq(directory: Path, records: int, size: int, producers: int, inflight: int, fsync: str) -> AppendResult:
-    log = Log.open(directory, LogConfig(fsync=fsync))  # type: ignore[arg-type]
+async def _filemq(directory: Path, records: int, size: int, producers: int, inflight: int, fsync: str,
+                  on_loop_max_ms: float | None = None) -> AppendResult:
+    config = LogConfig(fsync=fsync)  # type: ignore[arg-type]
+    if on_loop_max_ms is not None:
+        config.commit_on_loop_max_ms = on_loop_max_ms
+    log = Log.open(directory, config)
     committer = GroupCommitter(log)
     await committer.start()
     payload = os.urandom(size)
@@ -112,12 +116,13 @@ def _baseline_sqlite_ack_queue(directory: Path, size: int, max_records: int, sec
 
 def run_append_bench(
     data_dir: str | None, records: int, size: int, producers: int, inflight: int, fsync: str,
-    keep: bool, progress: Progress, baseline_seconds: float = 2.0,
+    keep: bool, progress: Progress, baseline_seconds: float = 2.0, on_loop_max_ms: float | None = None,
 ) -> tuple[list[AppendResult], dict[str, float]]:
-    """Run filemq and both baselines; returns the results and filemq's ratios to each baseline."""
+    """Run filemq and both baselines; returns the results and filemq's ratios to each baseline.
+    ``on_loop_max_ms``: the log's ``commit_on_loop_max_ms`` (None: its default; 0: the commit thread)."""
     with bench_workdir(data_dir, "append", keep, progress) as work:
         progress(f"filemq: {records:,} records of {size} B, {producers} producers x {inflight} in flight, fsync={fsync}")
-        ours = asyncio.run(_filemq(work / "log", records, size, producers, inflight, fsync))
+        ours = asyncio.run(_filemq(work / "log", records, size, producers, inflight, fsync, on_loop_max_ms))
         progress(f"  {ours.rate:,.0f} records/s, {ours.fsyncs} fsyncs")
         progress(f"baseline A: write+fdatasync per record for {baseline_seconds:.0f} s")
         base_a = _baseline_fsync_per_record(work, size, baseline_seconds)

@@ -135,8 +135,7 @@ class GroupCommitter:
         """
         if self._task is None or self._closing:
             raise RuntimeError("GroupCommitter is not running")
-        offset = self.log.append(topic, payload, qos=qos, retain=retain, timestamp_us=timestamp_us,
-                                 headers=headers)
+        offset = self.log.append_positional(topic, payload, qos, retain, timestamp_us, headers)
         future = self._open
         if future is None:
             future = self._open_batch()

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, cast
 
 from filemq.broker.acl import Acl
+from filemq.broker.admission import Acceptor, Admission, bind_listening_sockets
 from filemq.broker.auth import PasswordFile
 from filemq.broker.batching import AckBatcher, AckBatching
 from filemq.broker.core import SESSION_GROUP_PREFIX, SHARE_GROUP_PREFIX, BrokerCore, PublishHook
@@ -56,56 +57,22 @@ RETAINED_IDLE_SNAPSHOT_S = 60.0  # otherwise, to keep the replay at start short
 WRITE_BUFFER_HIGH = 256 * 1024
 
 
-class HalfOpen:
-    """Connections accepted but not yet CONNECTed (or still authenticating), oldest first.
-
-    At most ``limit`` (``max_connecting``) of them: a new socket at the limit closes the
-    oldest one still waiting for its CONNECT, so sockets that never finish a CONNECT cannot
-    lock real clients out (issue 10 item 9); when every one is authenticating, the oldest of
-    those gives way (its check, if not started, is skipped): wrong-password floods cannot
-    hold every slot either.  Connected clients are counted apart (``max_connections``).
-    """
-
-    __slots__ = ("limit", "conns")
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self.conns: dict[Connection, None] = {}  # insertion order = accept order
-
-    def _prune(self) -> None:
-        for conn in [c for c in self.conns if c.closed or c.state == CONNECTED]:
-            del self.conns[conn]
-
-    def admit(self, conn: Connection) -> bool:
-        """Register ``conn``, closing the oldest half-open one at the limit; always True."""
-        if len(self.conns) >= self.limit:
-            self._prune()
-        while len(self.conns) >= self.limit:
-            oldest = next((c for c in self.conns if c.state == AWAITING_CONNECT), None)
-            if oldest is None:
-                oldest = next(iter(self.conns))  # all authenticating: the oldest gives way
-            del self.conns[oldest]
-            oldest.close(f"max_connecting ({self.limit}) half-open connections reached; the oldest "
-                         f"makes room for a new one", will=False, level=logging.INFO)
-        self.conns[conn] = None
-        return True
-
-
 LINGER_S = 2.0
 """Seconds a closed connection keeps reading (and discarding) after its last packet."""
 
 
 class _Handshaking:
-    """A TLS socket in its handshake, counted in :class:`HalfOpen` like a socket that has not
-    sent its CONNECT yet: at ``max_connecting`` the oldest is closed, so sockets that never
-    finish a handshake cannot pile up until the deadline."""
+    """A TLS socket in its handshake, counted in :class:`Admission` like a socket that has
+    not sent its CONNECT yet: silent, it may give way at ``max_connecting``, so sockets that
+    never finish a handshake cannot pile up until the deadline."""
 
-    __slots__ = ("raw", "closed")
+    __slots__ = ("raw", "closed", "last_rx", "connected_at")
     state = AWAITING_CONNECT
 
-    def __init__(self, raw: asyncio.Transport) -> None:
+    def __init__(self, raw: asyncio.Transport, accepted_at: float) -> None:
         self.raw = raw
         self.closed = False
+        self.last_rx = self.connected_at = accepted_at
 
     def close(self, reason: str, will: bool = False, level: int = logging.INFO) -> None:
         if not self.closed:
@@ -122,11 +89,12 @@ class _TlsGate(asyncio.Protocol):
     passes everything on: what arrives between the handshake's end and ``inner``'s
     ``connection_made`` (a client sends its CONNECT at once) is held and passed on then."""
 
-    __slots__ = ("inner", "ctx", "half_open", "timeout", "pending", "held", "ready", "task")
+    __slots__ = ("inner", "ctx", "half_open", "timeout", "pending", "held", "ready", "task", "accepted_at")
 
-    def __init__(self, inner: asyncio.Protocol, ctx: ssl.SSLContext, half_open: HalfOpen,
-                 timeout: float) -> None:
+    def __init__(self, inner: asyncio.Protocol, ctx: ssl.SSLContext, half_open: Admission,
+                 timeout: float, accepted_at: float) -> None:
         self.inner = inner
+        self.accepted_at = accepted_at
         self.ctx = ctx
         self.half_open = half_open
         self.timeout = timeout
@@ -138,8 +106,8 @@ class _TlsGate(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         transport = cast(asyncio.Transport, transport)  # (uvloop transports do not subclass it)
         transport.pause_reading()  # the ClientHello is for the TLS layer start_tls puts in
-        self.pending = _Handshaking(transport)
-        self.half_open.admit(self.pending)  # type: ignore[arg-type]
+        self.pending = _Handshaking(transport, self.accepted_at)
+        self.half_open.admit(self.pending)
         self.task = asyncio.get_running_loop().create_task(self._handshake(transport, self.pending))
 
     async def _handshake(self, raw: asyncio.Transport, pending: _Handshaking) -> None:
@@ -195,8 +163,9 @@ class _MQTTProtocol(asyncio.Protocol):
                  "batcher")
 
     def __init__(self, core: BrokerCore, max_packet_size: int, max_inflight: int,
-                 half_open: HalfOpen | None = None, identity_as_username: bool = False,
-                 pacing: bool = False, batching: AckBatching | None = None) -> None:
+                 half_open: Admission | None = None, identity_as_username: bool = False,
+                 pacing: bool = False, batching: AckBatching | None = None,
+                 accepted_at: float | None = None) -> None:
         self.core = core
         self.pacing = pacing  # prompt TCP ACKs after reads of acks (filemq.broker.pacing)
         self.pacer: AckPacer | None = None
@@ -209,7 +178,8 @@ class _MQTTProtocol(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.reading = True
         self.identity_as_username = identity_as_username
-        self.accepted_at = time.monotonic()  # made at the accept, before any TLS handshake
+        # The accept (before any TLS handshake); for a socket silent since its handshake, that.
+        self.accepted_at = time.monotonic() if accepted_at is None else accepted_at
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         transport = cast(asyncio.Transport, transport)  # (uvloop transports do not subclass it)
@@ -233,11 +203,8 @@ class _MQTTProtocol(asyncio.Protocol):
                             "(use_identity_as_username)", peer)
                 transport.close()
                 return
-        if self.half_open is not None and not self.half_open.admit(conn):
-            log.warning("refusing connection from %s: max_connecting (%d) connections are "
-                        "authenticating", peer, self.half_open.limit)
-            transport.close()
-            return
+        if self.half_open is not None:
+            self.half_open.admit(conn)
         self.conn = conn
         self.transport = transport
         if self.pacing:
@@ -407,7 +374,8 @@ class Broker:
         self.stats = BrokerStats(started_at=time.monotonic())
         self.retained = RetainedStore(self.data_dir)
         self.recovery_seconds = 0.0
-        self._servers: list[asyncio.base_events.Server] = []
+        self._servers: list[Acceptor] = []
+        self.admission: Admission | None = None
         self._ticker: asyncio.Task[None] | None = None
         self._stopped = False
         self.batching: AckBatching | None = None  # (set at start when [broker] ack_batching)
@@ -459,32 +427,35 @@ class Broker:
         self.recovery_seconds = time.perf_counter() - started
         loop = asyncio.get_running_loop()
 
-        half_open = HalfOpen(b.max_connecting)
+        half_open = Admission(b.max_connecting)
+        self.admission = half_open
         batching = AckBatching() if b.ack_batching else None
         self.batching = batching
 
-        def factory_for(lst: Listener, ctx: ssl.SSLContext | None) -> Callable[[], asyncio.Protocol]:
-            def mqtt() -> _MQTTProtocol:
+        def factory_for(lst: Listener, ctx: ssl.SSLContext | None) -> Callable[[float], asyncio.Protocol]:
+            def mqtt(at: float) -> _MQTTProtocol:
                 return _MQTTProtocol(core, b.max_packet_size, b.max_inflight, half_open,
                                      identity_as_username=lst.use_identity_as_username,
-                                     pacing=b.ack_pacing, batching=batching)
+                                     pacing=b.ack_pacing, batching=batching, accepted_at=at)
 
-            inner: Callable[[], asyncio.Protocol] = mqtt
+            inner: Callable[[float], asyncio.Protocol] = mqtt
             if lst.protocol == "websockets":
                 from filemq.broker.websocket import WebSocketProtocol
 
                 origins = lst.allowed_origins
-                inner = lambda: WebSocketProtocol(mqtt(), origins)  # noqa: E731
+                inner = lambda at: WebSocketProtocol(mqtt(at), origins)  # noqa: E731
             if ctx is None:
                 return inner
-            return lambda: _TlsGate(inner(), ctx, half_open, core.connect_timeout)
+            return lambda at: _TlsGate(inner(at), ctx, half_open, core.connect_timeout, at)
 
         try:
             for lst, ctx in zip(self.listeners, contexts, strict=True):
                 # TLS: _TlsGate runs the handshake, counted among the half-open sockets and
                 # bounded by the same deadline as the CONNECT (which counts from the accept).
-                server = await loop.create_server(
-                    factory_for(lst, ctx), lst.host, lst.port, reuse_address=True, backlog=1024)
+                # Admission (filemq.broker.admission) accepts: it stops while max_connecting
+                # sockets are half-open, and the listen backlog holds a burst meanwhile.
+                server = Acceptor(bind_listening_sockets(lst.host, lst.port, b.listen_backlog),
+                                  factory_for(lst, ctx), half_open)
                 self._servers.append(server)
                 port = server.sockets[0].getsockname()[1]
                 self.ports.append(port)
@@ -494,6 +465,8 @@ class Broker:
                         self.tls_port = port
             plain = [p for lst, p in zip(self.listeners, self.ports, strict=True) if not lst.tls]
             self.port = plain[0] if plain else self.ports[0]
+            for server in self._servers:
+                server.start_reading()
         except OSError:
             for s in self._servers:
                 s.close()
@@ -577,6 +550,8 @@ class Broker:
         if self._stopped:
             return
         self._stopped = True
+        if self.admission is not None:
+            self.admission.close()  # (its re-check timer, and every listening socket)
         for server in self._servers:
             server.close()
         if self._ticker is not None:
@@ -605,9 +580,6 @@ class Broker:
                     log.error("writing the retained snapshot failed: %s (the log is replayed at next start)", exc)
             else:
                 log.warning("stopped before retained messages were rebuilt; the old snapshot is kept")
-        for server in self._servers:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(server.wait_closed(), 2.0)
         log.info("broker stopped")
 
     def reload(self) -> bool:

@@ -94,6 +94,9 @@ class BrokerSection:
     max_connections: int = field(default=1000, metadata=_spec(_POS))
     # Sockets accepted but not yet CONNECTed, counted apart from max_connections.
     max_connecting: int = field(default=128, metadata=_spec(_POS))
+    # Connections the kernel holds (handshake done) while max_connecting are half-open
+    # (filemq.broker.admission); capped by net.core.somaxconn.
+    listen_backlog: int = field(default=4096, metadata=_spec(_int(1, 65535)))
     max_packet_size: int = field(default=1 * MIB, metadata=_spec(_int(64, 268_435_455, sizes=True)))
     # QoS 1/2 deliveries in flight per subscriber (EMQX's default, 32; mosquitto's is 20): the
     # window is refilled once at most a quarter of it is in flight (DeliveryMixin._refill), so

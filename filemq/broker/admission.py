@@ -41,8 +41,9 @@ from filemq.broker.session import AUTHENTICATING, AWAITING_CONNECT
 
 log = logging.getLogger("filemq.broker")
 
-SILENT_GRACE_S = 0.5
-"""A half-open socket that sent nothing for this long may be closed to make room."""
+SILENT_GRACE_S = 1.0
+"""A half-open socket that sent nothing for this long may be closed to make room (a device
+sends its CONNECT right after its handshake; a loaded client a little later)."""
 
 ACCEPT_PER_PASS = 64
 """Sockets accepted per readiness event of a listening socket (then the loop reads)."""

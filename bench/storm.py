@@ -1,0 +1,249 @@
+"""``filemq bench forward --only storm``: a fleet that connects at once, and again after its
+collector is killed (issue 30 item 2).
+
+N devices (default 5,000; two load processes) connect together to one ``filemq collector``
+started with default settings, each retrying as the agent does (connect timeout 10 s,
+full-jitter exponential backoff from 0.5 s, :func:`worker_agent.forwarder.backoff_delay`,
+reset once a batch is acknowledged), and each sends one batch and waits for its PUBACK.
+Then the collector is killed (SIGKILL) and started again on the same data directory and
+port; every device notices, backs off, reconnects and sends a second batch.  Measured:
+
+* seconds from the start until the last device is in (first connect), and from the new
+  collector's "listening" line (and from the kill) until the last one is back;
+* connection attempts per device, each time (1 = in at the first try);
+* records lost: every record of both batches of every device must be in the landed Parquet
+  files (``device_id``, ``offset``), counted once the lander has landed them: must be 0.
+
+Progress goes to stderr; ``--json`` prints one JSON object per line on stdout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import multiprocessing
+import os
+import random
+import shutil
+import signal
+import statistics
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from bench.forward import _filemq, _say, _stop, free_port
+
+CONNECT_TIMEOUT_S = 10.0  # worker_agent.forwarder.ForwarderConfig.connect_timeout_s
+BACKOFF_INITIAL_S = 0.5  # [agent] backoff_initial_ms
+BACKOFF_MAX_S = 60.0  # [agent] backoff_max_ms
+BATCH_RECORDS = 10
+
+
+@dataclass
+class StormResult:
+    """One storm run."""
+
+    name: str
+    devices: int
+    first_connect_s: float  # from the start until the last device is in
+    first_attempts_mean: float
+    first_attempts_max: int
+    back_after_ready_s: float  # from the new collector's listening line until the last is back
+    back_after_kill_s: float
+    restart_s: float  # kill -> the new collector listens
+    second_attempts_mean: float
+    second_attempts_max: int
+    records_sent: int
+    records_lost: int
+    note: str = ""
+
+
+def _device_fleet(port: int, devices: range, size: int, ready: Any, go: Any, first_done: Any,
+                  out: Any) -> None:
+    """One load process: each device connects (agent's retry rule), sends batch 0, waits for
+    its connection to drop, reconnects, sends batch 1.  Puts one tuple per device in ``out``:
+    (device, first_in, first_attempts, back, second_attempts), wall-clock times; or a string
+    (why this process failed)."""
+    from filemq.mqtt.client import MQTTClient
+    from filemq.ops.fdlimit import raise_nofile_limit
+    from filemq.upstream.batch import BatchRecord, encode_batch
+    from worker_agent.forwarder import backoff_delay
+
+    soft, _ = raise_nofile_limit()
+    if 0 <= soft < len(devices) + 64:
+        out.put(f"this load process may open only {soft} files (ulimit -n) for {len(devices)} devices")
+        return
+    payload = os.urandom(size)
+    now = time.time_ns() // 1000
+
+    def batch(d: int, n: int) -> bytes:
+        return encode_batch(f"dev-{d}", "main", [
+            BatchRecord(n * BATCH_RECORDS + i, now + i, "sensors/storm", payload, 1) for i in range(BATCH_RECORDS)])
+
+    batches = {d: (batch(d, 0), batch(d, 1)) for d in devices}
+
+    async def connected(d: int, rng: random.Random, attempt: int) -> tuple[MQTTClient, int]:
+        """Connect as the forwarder does; returns the client and the attempts it took."""
+        tries = 0
+        while True:
+            tries += 1
+            client = MQTTClient(f"dev-{d}", port=port, max_inflight=4, keepalive=60)
+            try:
+                await client.connect(timeout=CONNECT_TIMEOUT_S)
+                return client, tries
+            except Exception:  # noqa: BLE001 - any failed attempt backs off, as the agent's
+                await asyncio.sleep(backoff_delay(attempt, BACKOFF_INITIAL_S, BACKOFF_MAX_S, rng))
+                attempt += 1
+
+    async def send(client: MQTTClient, payload: bytes, d: int, rng: random.Random,
+                   attempt: int) -> tuple[MQTTClient, int]:
+        """Send until acknowledged (a lost connection: back off, reconnect, send again)."""
+        extra = 0
+        while True:
+            try:
+                await asyncio.wait_for(client.publish(f"filemq/v1/dev-{d}/main", payload, qos=1), 30)
+                return client, extra
+            except Exception:  # noqa: BLE001
+                await asyncio.sleep(backoff_delay(attempt, BACKOFF_INITIAL_S, BACKOFF_MAX_S, rng))
+                client, tries = await connected(d, rng, attempt + 1)
+                extra += tries
+
+    async def device(d: int) -> tuple[int, float, int, float, int]:
+        rng = random.Random(d)
+        client, first_attempts = await connected(d, rng, 0)
+        first_in = time.time()
+        client, extra = await send(client, batches[d][0], d, rng, 0)
+        first_attempts += extra
+        fleet_in.append(d)
+        if len(fleet_in) == len(devices):
+            first_done.set()
+        await client.closed.wait()  # the collector is killed
+        await asyncio.sleep(backoff_delay(0, BACKOFF_INITIAL_S, BACKOFF_MAX_S, rng))  # acked: attempt 0
+        client, second_attempts = await connected(d, rng, 1)
+        back = time.time()
+        client, extra = await send(client, batches[d][1], d, rng, 0)
+        await client.disconnect()
+        return d, first_in, first_attempts, back, second_attempts + extra
+
+    fleet_in: list[int] = []
+
+    async def main() -> None:
+        ready.set()
+        await asyncio.get_running_loop().run_in_executor(None, go.wait)
+        results = await asyncio.gather(*(device(d) for d in devices), return_exceptions=True)
+        failed = [r for r in results if isinstance(r, BaseException)]
+        if failed:
+            out.put(f"{len(failed)} of {len(devices)} devices failed, e.g. {failed[0]!r}")
+            return
+        out.put([r for r in results if not isinstance(r, BaseException)])
+
+    asyncio.run(main())
+
+
+def landed_keys(landing: Path) -> set[tuple[str, int]]:
+    """(device_id, offset) of every landed row."""
+    import pyarrow.parquet as pq
+
+    keys: set[tuple[str, int]] = set()
+    for path in (landing / "incoming").rglob("*.parquet"):
+        table = pq.read_table(path, columns=["device_id", "offset"])
+        keys.update(zip(table.column("device_id").to_pylist(), table.column("offset").to_pylist(), strict=True))
+    return keys
+
+
+def run_storm(work: Path, devices: int, size: int = 100, timeout: float = 300) -> StormResult:
+    """One storm against a collector with default settings (see the module docstring)."""
+    landing, data = work / "landing", work / "collector"
+    port = free_port()
+    args = ("collector", "--data-dir", str(data), "--landing", str(landing), "--port", str(port),
+            "--collector-id", "storm", "--roll-seconds", "1")
+    collector = _filemq(*args, log_path=work / "collector.log")
+    ctx = multiprocessing.get_context("spawn")
+    go, out = ctx.Event(), ctx.Queue()
+    procs, events = [], []
+    parts = [range(0, devices // 2), range(devices // 2, devices)]
+    try:
+        for part in parts:
+            ready, first_done = ctx.Event(), ctx.Event()
+            events.append((ready, first_done))
+            p = ctx.Process(target=_device_fleet, args=(port, part, size, ready, go, first_done, out))
+            p.start()
+            procs.append(p)
+        deadline = time.monotonic() + timeout
+        for ready, _ in events:
+            while not ready.wait(0.2):
+                if time.monotonic() > deadline or not all(p.is_alive() for p in procs):
+                    raise RuntimeError("load processes did not start")
+        _say(f"[storm] {devices} devices connect together to a collector (default settings)")
+        started = time.time()
+        go.set()
+        for _, first_done in events:
+            while not first_done.wait(0.5):
+                if time.monotonic() > deadline:
+                    raise TimeoutError("not every device got its first batch acknowledged")
+                if not out.empty():
+                    raise RuntimeError(str(out.get()))
+        _say(f"[storm] all {devices} in, batch 0 acknowledged after {time.time() - started:.2f} s; kill -9 the collector")
+        killed = time.time()
+        os.kill(collector.pid, signal.SIGKILL)
+        collector.wait(10)
+        collector = _filemq(*args, log_path=work / "collector.log")
+        listening = time.time()
+        _say(f"[storm] collector listening again {listening - killed:.2f} s after the kill")
+        rows: list[tuple[int, float, int, float, int]] = []
+        for _ in procs:
+            got = out.get(timeout=max(1.0, deadline - time.monotonic()))
+            if isinstance(got, str):
+                raise RuntimeError(got)
+            rows.extend(got)
+        expected = {(f"dev-{d}", o) for d in range(devices) for o in range(2 * BATCH_RECORDS)}
+        while True:
+            keys = landed_keys(landing)
+            if expected <= keys or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        lost = len(expected - keys)
+    finally:
+        go.set()
+        for p in procs:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+        _stop(collector)
+    first = [r[2] for r in rows]
+    second = [r[4] for r in rows]
+    last_in = max(r[1] for r in rows)
+    last_back = max(r[3] for r in rows)
+    return StormResult(
+        name=f"storm_{devices}", devices=devices,
+        first_connect_s=round(last_in - started, 2),
+        first_attempts_mean=round(statistics.mean(first), 2), first_attempts_max=max(first),
+        back_after_ready_s=round(last_back - listening, 2), back_after_kill_s=round(last_back - killed, 2),
+        restart_s=round(listening - killed, 2),
+        second_attempts_mean=round(statistics.mean(second), 2), second_attempts_max=max(second),
+        records_sent=len(expected), records_lost=lost,
+        note="agent backoff (0.5 s full jitter, x2), connect timeout 10 s, collector default settings")
+
+
+def run_storm_bench(*, devices: tuple[int, ...], size: int, work_dir: str | None, keep: bool, as_json: bool,
+                    timeout: float = 300) -> list[StormResult]:
+    """One storm per fleet size in ``devices``; prints one line (or JSON object) each."""
+    base = Path(work_dir) if work_dir else Path(tempfile.mkdtemp(prefix="filemq-bench-storm-"))
+    base.mkdir(parents=True, exist_ok=True)
+    results = []
+    try:
+        for n in devices:
+            r = run_storm(base / f"storm-{n}", n, size, timeout)
+            results.append(r)
+            _say(f"{r.name}: first connect: all {n} in after {r.first_connect_s} s ({r.first_attempts_mean} "
+                 f"attempts per device, at most {r.first_attempts_max}); after kill -9: collector listening after "
+                 f"{r.restart_s} s, all back {r.back_after_ready_s} s later ({r.second_attempts_mean} attempts, at "
+                 f"most {r.second_attempts_max}); {r.records_lost} of {r.records_sent} records lost")
+            if as_json:
+                print(json.dumps(asdict(r)), flush=True)
+    finally:
+        if not keep:
+            shutil.rmtree(base, ignore_errors=True)
+    return results

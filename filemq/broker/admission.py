@@ -78,6 +78,26 @@ class HalfOpenMember(Protocol):
     def close(self, reason: str, *, will: bool, level: int = logging.INFO) -> None: ...
 
 
+class SocketLike(Protocol):
+    """A transport's socket (asyncio's TransportSocket, uvloop's pseudo-socket)."""
+
+    def getsockopt(self, level: int, optname: int, buflen: int) -> bytes: ...
+
+
+def last_byte_at(sock: SocketLike, now: float) -> float | None:
+    """When the kernel last received a byte on ``sock`` (its handshake if none yet), on the
+    ``time.monotonic`` clock of ``now``; None without ``TCP_INFO``."""
+    if _TCP_INFO is None:
+        return None
+    try:
+        info = sock.getsockopt(socket.IPPROTO_TCP, _TCP_INFO, _INFO_LEN)
+    except (OSError, TypeError, ValueError):
+        return None
+    if len(info) < _INFO_LEN:
+        return None
+    return now - _last_data_recv_ms(info, 52)[0] / 1000
+
+
 def silent_since(sock: socket.socket, now: float) -> float | None:
     """When ``sock`` (just accepted) completed its handshake, if it has received no byte
     since; None when it has received data, or without ``TCP_INFO`` (not Linux)."""
@@ -111,7 +131,9 @@ class Admission:
     def __init__(self, limit: int, grace_s: float = SILENT_GRACE_S) -> None:
         self.limit = limit
         self.grace_s = grace_s
-        self.members: dict[HalfOpenMember, float] = {}  # -> silent since (monotonic)
+        # -> (silent since, its socket): since = the accept, or the handshake of a socket
+        # accepted silent; the socket, when there is one, tells when its last byte arrived.
+        self.members: dict[HalfOpenMember, tuple[float, SocketLike | None]] = {}
         self.accepting = 0  # accepted, connection_made not yet run
         self.stats = AdmissionStats()
         self._acceptors: list[Acceptor] = []
@@ -120,19 +142,27 @@ class Admission:
 
     # ---- the set -------------------------------------------------------------------------
 
-    def admit(self, member: HalfOpenMember) -> None:
-        """Register a socket the broker now serves (its protocol's ``connection_made``).
-        Never closes anyone: room was made before the accept (a socket made outside an
+    def admit(self, member: HalfOpenMember, sock: SocketLike | None = None) -> None:
+        """Register a socket the broker now serves (its protocol's ``connection_made``;
+        ``sock``: its transport's socket, for the kernel's view of its silence).  Never
+        closes anyone: room was made before the accept (a socket made outside an
         :class:`Acceptor`, as in tests, may take the set over its limit until it prunes)."""
-        self.members[member] = member.connected_at
+        self.members[member] = (member.connected_at, sock)
 
     def _prune(self) -> None:
         for m in [m for m in self.members
                   if m.closed or (m.state != AWAITING_CONNECT and m.state != AUTHENTICATING)]:
             del self.members[m]
 
-    def _activity(self, m: HalfOpenMember) -> float:
-        since = self.members[m]
+    def _activity(self, m: HalfOpenMember, now: float) -> float:
+        """When ``m``'s last byte arrived (its handshake if none): the kernel's time where
+        it has one (bytes still unread count: a loaded loop must not make a client that
+        sent its CONNECT look silent), else the last read."""
+        since, sock = self.members[m]
+        if sock is not None:
+            arrived = last_byte_at(sock, now)
+            if arrived is not None:
+                return arrived
         last = m.last_rx
         # A Connection's last_rx starts at its accept; it is later once a byte arrived.
         return last if last > m.connected_at else since
@@ -146,8 +176,9 @@ class Admission:
         authenticating = 0
         for m in self.members:
             if m.state == AWAITING_CONNECT:
-                at = self._activity(m)
-                if at <= best_at:
+                at = self._activity(m, now)
+                # (the kernel's clock is coarse: near-ties go to the member accepted first)
+                if at <= best_at if best is None else at < best_at - CLOCK_SLACK_S:
                     best, best_at = m, at
             else:
                 authenticating += 1
@@ -175,7 +206,7 @@ class Admission:
         if victim is None:
             return newcomer_silent_since is None
         if victim.state == AWAITING_CONNECT:
-            victim_since = self._activity(victim)
+            victim_since = self._activity(victim, now)
             # (clearly longer: the kernel's clock counts in jiffies, up to 10 ms; on a tie the
             # member, accepted first, gives way, as the oldest did before)
             if newcomer_silent_since is not None and newcomer_silent_since < victim_since - CLOCK_SLACK_S:

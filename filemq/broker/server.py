@@ -107,7 +107,7 @@ class _TlsGate(asyncio.Protocol):
         transport = cast(asyncio.Transport, transport)  # (uvloop transports do not subclass it)
         transport.pause_reading()  # the ClientHello is for the TLS layer start_tls puts in
         self.pending = _Handshaking(transport, self.accepted_at)
-        self.half_open.admit(self.pending)
+        self.half_open.admit(self.pending, transport.get_extra_info("socket"))
         self.task = asyncio.get_running_loop().create_task(self._handshake(transport, self.pending))
 
     async def _handshake(self, raw: asyncio.Transport, pending: _Handshaking) -> None:
@@ -204,7 +204,7 @@ class _MQTTProtocol(asyncio.Protocol):
                 transport.close()
                 return
         if self.half_open is not None:
-            self.half_open.admit(conn)
+            self.half_open.admit(conn, transport.get_extra_info("socket"))
         self.conn = conn
         self.transport = transport
         if self.pacing:

@@ -214,6 +214,7 @@ class Log:
         self._tail_pos = 0
         self._tail_last_index_pos = 0
         self._pending_bytes = 0
+        self._writing_bytes = 0  # the batch taken and being written
         self._free_budget = 0
         self._dirty = False
         self._closed = False
@@ -319,6 +320,11 @@ class Log:
     def next_offset(self) -> int:
         """The offset the next :meth:`append` gets."""
         return self._next_offset
+
+    @property
+    def uncommitted_bytes(self) -> int:
+        """Bytes appended and not yet written by a commit (buffered, or being written)."""
+        return self._pending_bytes + self._writing_bytes
 
     @property
     def committed_offset(self) -> int:
@@ -498,6 +504,7 @@ class Log:
             self._groups = []
             nbytes = self._pending_bytes
             self._pending_bytes = 0
+            self._writing_bytes = nbytes
             first = groups[0].first_offset
             return Batch(groups, first, self._next_offset, nbytes)
 
@@ -553,6 +560,7 @@ class Log:
                 # Its index is on disk now; keeping every sealed index would grow with the log.
                 segment.release_index()
             self._committed_offset = batch.end_offset
+            self._writing_bytes = 0
             self.stats.appended += batch.end_offset - batch.first_offset
             if floor:
                 with self._lock:
@@ -583,6 +591,7 @@ class Log:
             tail = self._segments[-1]
             self._groups = []
             self._pending_bytes = 0
+            self._writing_bytes = 0
             self._next_offset = self._committed_offset
             self._tail_base = tail.base_offset
             self._tail_pos = tail.size

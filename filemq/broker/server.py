@@ -34,6 +34,7 @@ from filemq.broker.acl import Acl
 from filemq.broker.admission import Acceptor, Admission, bind_listening_sockets
 from filemq.broker.auth import PasswordFile
 from filemq.broker.batching import AckBatcher, AckBatching
+from filemq.broker.budget import DEFAULT_BROKER_BYTES, IngestBudget, receive_maximum_within
 from filemq.broker.core import SESSION_GROUP_PREFIX, SHARE_GROUP_PREFIX, BrokerCore, PublishHook
 from filemq.broker.pacing import AckPacer
 from filemq.broker.session import AUTHENTICATING, AWAITING_CONNECT, CONNECTED, Connection
@@ -160,13 +161,15 @@ class _MQTTProtocol(asyncio.Protocol):
 
     __slots__ = ("core", "conn", "max_packet_size", "max_inflight", "half_open", "transport",
                  "reading", "identity_as_username", "accepted_at", "pacing", "pacer", "batching",
-                 "batcher")
+                 "batcher", "budget", "held")
 
     def __init__(self, core: BrokerCore, max_packet_size: int, max_inflight: int,
                  half_open: Admission | None = None, identity_as_username: bool = False,
                  pacing: bool = False, batching: AckBatching | None = None,
-                 accepted_at: float | None = None) -> None:
+                 accepted_at: float | None = None, budget: IngestBudget | None = None) -> None:
         self.core = core
+        self.budget = budget  # bytes accepted, not yet durable (filemq.broker.budget)
+        self.held = False
         self.pacing = pacing  # prompt TCP ACKs after reads of acks (filemq.broker.pacing)
         self.pacer: AckPacer | None = None
         self.batching = batching  # fewer wake-ups for one-by-one acks (filemq.broker.batching)
@@ -211,7 +214,7 @@ class _MQTTProtocol(asyncio.Protocol):
             self.pacer = AckPacer.for_transport(transport)
         if self.batching is not None:
             self.batcher = AckBatcher.for_transport(transport, self.batching)
-        conn.reading_changed = self._update_reading
+        conn.reading_changed = self.update_reading
         conn.linger_close = self._linger_close
         core.new_connection(conn)
 
@@ -233,14 +236,15 @@ class _MQTTProtocol(asyncio.Protocol):
             transport.resume_reading()
         asyncio.get_running_loop().call_later(LINGER_S, transport.close)
 
-    def _update_reading(self) -> None:
+    def update_reading(self) -> None:
         """Read from the socket only while the connection can take input: not while its
-        password is checked, and not while its output is backed up (issue 10 item 10: a
-        client that never reads must not have its PINGREQs answered without limit)."""
+        password is checked, not while its output is backed up (issue 10 item 10: a
+        client that never reads must not have its PINGREQs answered without limit), and not
+        while the ingest budget holds it (the log is behind)."""
         conn, transport = self.conn, self.transport
         if conn is None or transport is None or conn.closed:
             return
-        want = not conn.paused and conn.state != AUTHENTICATING
+        want = not conn.paused and conn.state != AUTHENTICATING and not self.held
         if want != self.reading:
             self.reading = want
             if want:
@@ -255,9 +259,14 @@ class _MQTTProtocol(asyncio.Protocol):
         self.core.stats.received_bytes(len(data))
         state = conn.session
         before = len(state.inflight) if state is not None else 0
+        budget = self.budget
+        appended = self.core.log.next_offset if budget is not None else 0
         conn.receive_data(data)
         self.core.flush()
-        self._update_reading()
+        if budget is not None and self.core.log.next_offset != appended and budget.over():
+            budget.hold(self)  # (calls update_reading)
+        else:
+            self.update_reading()
         if state is None or conn.closed:
             return
         inflight = len(state.inflight)
@@ -279,6 +288,8 @@ class _MQTTProtocol(asyncio.Protocol):
             return
         conn.transport = None
         self.pacer = None
+        if self.held and self.budget is not None:
+            self.budget.forget(self)
         if self.batcher is not None:
             self.batcher.close()
             self.batcher = None
@@ -288,13 +299,13 @@ class _MQTTProtocol(asyncio.Protocol):
     def pause_writing(self) -> None:
         if self.conn is not None:
             self.conn.paused = True
-            self._update_reading()
+            self.update_reading()
 
     def resume_writing(self) -> None:
         conn = self.conn
         if conn is not None:
             conn.paused = False
-            self._update_reading()
+            self.update_reading()
             self.core.pump(conn)
             self.core.flush()
 
@@ -376,6 +387,7 @@ class Broker:
         self.recovery_seconds = 0.0
         self._servers: list[Acceptor] = []
         self.admission: Admission | None = None
+        self.budget: IngestBudget | None = None
         self._ticker: asyncio.Task[None] | None = None
         self._stopped = False
         self.batching: AckBatching | None = None  # (set at start when [broker] ack_batching)
@@ -415,6 +427,13 @@ class Broker:
         self._migrate_share_groups(queue)
         await queue.start()
         cache = TailCache(queue.log, max_bytes=b.cache_bytes)
+        # MQTT 5: Receive Maximum x max_packet_size within the ingest budget (filemq.broker.budget).
+        receive_maximum = receive_maximum_within(b.receive_maximum, b.max_uncommitted_bytes or DEFAULT_BROKER_BYTES,
+                                                 b.max_packet_size)
+        if receive_maximum < b.receive_maximum:
+            log.info("receive_maximum %d lowered to %d: %d x max_packet_size (%d) must fit in max_uncommitted_bytes",
+                     b.receive_maximum, receive_maximum, receive_maximum, b.max_packet_size)
+            b = dataclasses.replace(b, receive_maximum=receive_maximum)
         core = BrokerCore(
             queue, cache, config=b, store=store, retained=self.retained, stats=self.stats,
             acl=acl, passwords=passwords, publish_hook=self.publish_hook,
@@ -429,6 +448,9 @@ class Broker:
 
         half_open = Admission(b.max_connecting)
         self.admission = half_open
+        budget = IngestBudget(queue.log, b.max_uncommitted_bytes or DEFAULT_BROKER_BYTES)
+        queue.add_commit_listener(budget.on_commit)
+        self.budget = budget
         batching = AckBatching() if b.ack_batching else None
         self.batching = batching
 
@@ -436,7 +458,7 @@ class Broker:
             def mqtt(at: float) -> _MQTTProtocol:
                 return _MQTTProtocol(core, b.max_packet_size, b.max_inflight, half_open,
                                      identity_as_username=lst.use_identity_as_username,
-                                     pacing=b.ack_pacing, batching=batching, accepted_at=at)
+                                     pacing=b.ack_pacing, batching=batching, accepted_at=at, budget=budget)
 
             inner: Callable[[float], asyncio.Protocol] = mqtt
             if lst.protocol == "websockets":
@@ -552,6 +574,8 @@ class Broker:
         self._stopped = True
         if self.admission is not None:
             self.admission.close()  # (its re-check timer, and every listening socket)
+        if self.budget is not None:
+            self.budget.close()
         for server in self._servers:
             server.close()
         if self._ticker is not None:

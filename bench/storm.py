@@ -66,7 +66,8 @@ def _device_fleet(port: int, devices: range, size: int, ready: Any, go: Any, fir
     its connection to drop, reconnects, sends batch 1.  Puts one tuple per device in ``out``:
     (device, first_in, first_attempts, back, second_attempts), wall-clock times; or a string
     (why this process failed)."""
-    from filemq.mqtt.client import MQTTClient
+    from filemq.mqtt.codec import Decoder, encode
+    from filemq.mqtt.packets import Connack, Connect, Disconnect, Puback, Publish
     from filemq.ops.fdlimit import raise_nofile_limit
     from filemq.upstream.batch import BatchRecord, encode_batch
     from worker_agent.forwarder import backoff_delay
@@ -84,52 +85,109 @@ def _device_fleet(port: int, devices: range, size: int, ready: Any, go: Any, fir
 
     batches = {d: (batch(d, 0), batch(d, 1)) for d in devices}
 
-    async def connected(d: int, rng: random.Random, attempt: int) -> tuple[MQTTClient, int]:
-        """Connect as the forwarder does; returns the client and the attempts it took."""
+    class Device(asyncio.Protocol):
+        """One device's connection, as lean as a device's own: its CONNECT goes out in the
+        callback that completes the TCP connect (the agent's MQTT client does the same
+        after its own, heavier, set-up); a load process simulating thousands of devices
+        on a shared core must not make them look silent."""
+
+        def __init__(self, d: int) -> None:
+            self.decoder = Decoder(server=False)
+            self.connack: asyncio.Future[Connack] = loop.create_future()
+            self.puback: asyncio.Future[None] = loop.create_future()
+            self.lost = asyncio.Event()
+            self.transport: asyncio.Transport | None = None
+            self.connect = encode(Connect(client_id=f"dev-{d}", keepalive=60))
+
+        def connection_made(self, transport: asyncio.BaseTransport) -> None:
+            self.transport = transport  # type: ignore[assignment]
+            self.transport.write(self.connect)  # type: ignore[union-attr]
+
+        def data_received(self, data: bytes) -> None:
+            self.decoder.feed(data)
+            for p in self.decoder.packets():
+                if isinstance(p, Connack) and not self.connack.done():
+                    self.connack.set_result(p)
+                elif isinstance(p, Puback) and not self.puback.done():
+                    self.puback.set_result(None)
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self.lost.set()
+            for f in (self.connack, self.puback):
+                if not f.done():
+                    f.set_exception(ConnectionError(f"connection lost: {exc}"))
+                    f.exception()
+
+    async def attempt_once(d: int) -> Device:
+        dev = Device(d)
+        try:
+            async with asyncio.timeout(CONNECT_TIMEOUT_S):
+                await loop.create_connection(lambda: dev, "127.0.0.1", port)
+                ack = await dev.connack
+        except BaseException:
+            if dev.transport is not None:
+                dev.transport.abort()
+            raise
+        if ack.return_code != 0:
+            assert dev.transport is not None
+            dev.transport.abort()
+            raise ConnectionError(f"CONNACK {ack.return_code}")
+        return dev
+
+    async def connected(d: int, rng: random.Random, attempt: int) -> tuple[Device, int]:
+        """Connect as the forwarder does; returns the connection and the attempts it took."""
         tries = 0
         while True:
             tries += 1
-            client = MQTTClient(f"dev-{d}", port=port, max_inflight=4, keepalive=60)
             try:
-                await client.connect(timeout=CONNECT_TIMEOUT_S)
-                return client, tries
+                return await attempt_once(d), tries
             except Exception:  # noqa: BLE001 - any failed attempt backs off, as the agent's
                 await asyncio.sleep(backoff_delay(attempt, BACKOFF_INITIAL_S, BACKOFF_MAX_S, rng))
                 attempt += 1
 
-    async def send(client: MQTTClient, payload: bytes, d: int, rng: random.Random,
-                   attempt: int) -> tuple[MQTTClient, int]:
+    async def send(dev: Device, payload: bytes, d: int, rng: random.Random, attempt: int) -> tuple[Device, int]:
         """Send until acknowledged (a lost connection: back off, reconnect, send again)."""
         extra = 0
+        packet = encode(Publish(topic=f"filemq/v1/dev-{d}/main", payload=payload, qos=1, packet_id=1))
         while True:
             try:
-                await asyncio.wait_for(client.publish(f"filemq/v1/dev-{d}/main", payload, qos=1), 30)
-                return client, extra
+                assert dev.transport is not None
+                dev.transport.write(packet)
+                await asyncio.wait_for(asyncio.shield(dev.puback), 30)
+                return dev, extra
             except Exception:  # noqa: BLE001
+                if dev.transport is not None:
+                    dev.transport.abort()
                 await asyncio.sleep(backoff_delay(attempt, BACKOFF_INITIAL_S, BACKOFF_MAX_S, rng))
-                client, tries = await connected(d, rng, attempt + 1)
+                dev, tries = await connected(d, rng, attempt + 1)
                 extra += tries
 
     async def device(d: int) -> tuple[int, float, int, float, int]:
         rng = random.Random(d)
-        client, first_attempts = await connected(d, rng, 0)
+        dev, first_attempts = await connected(d, rng, 0)
         first_in = time.time()
-        client, extra = await send(client, batches[d][0], d, rng, 0)
+        dev, extra = await send(dev, batches[d][0], d, rng, 0)
         first_attempts += extra
         fleet_in.append(d)
         if len(fleet_in) == len(devices):
             first_done.set()
-        await client.closed.wait()  # the collector is killed
+        await dev.lost.wait()  # the collector is killed
         await asyncio.sleep(backoff_delay(0, BACKOFF_INITIAL_S, BACKOFF_MAX_S, rng))  # acked: attempt 0
-        client, second_attempts = await connected(d, rng, 1)
+        dev, second_attempts = await connected(d, rng, 1)
         back = time.time()
-        client, extra = await send(client, batches[d][1], d, rng, 0)
-        await client.disconnect()
+        dev, extra = await send(dev, batches[d][1], d, rng, 0)
+        assert dev.transport is not None
+        dev.transport.write(encode(Disconnect()))
+        dev.transport.close()
         return d, first_in, first_attempts, back, second_attempts + extra
 
     fleet_in: list[int] = []
 
+    loop: asyncio.AbstractEventLoop
+
     async def main() -> None:
+        nonlocal loop
+        loop = asyncio.get_running_loop()
         ready.set()
         await asyncio.get_running_loop().run_in_executor(None, go.wait)
         results = await asyncio.gather(*(device(d) for d in devices), return_exceptions=True)

@@ -154,8 +154,8 @@ def test_a_fleet_that_connects_at_once_gets_in_at_its_first_try(tmp_path: Path) 
     with service("collector", tmp_path) as (port, _):
         attempts = asyncio.run(main(port))
     assert len(attempts) == devices
-    # A loaded test process may send a few CONNECTs more than the grace (1 s) after their
-    # handshake; those are the only ones admission may close.
+    # A loaded test process may send a few CONNECTs more than the grace after their
+    # handshake (2 s); those are the only ones admission may close.
     first_try = sum(1 for n in attempts if n == 1)
     assert first_try >= devices * 0.97, (first_try, max(attempts))
 
@@ -194,7 +194,7 @@ def test_silent_sockets_reopened_as_fast_as_closed_do_not_lock_out_devices(
             out, _ = attacker.communicate(timeout=30)
         opened = int(out.strip())
     print(f"{kind}: {silent} silent sockets, {opened} opened; devices in after (s, attempts): {took}")
-    # Each device is in at its first attempt, within about the grace (1 s) of admission.
+    # Each device is in at its first attempt, within about the grace (2 s) of admission.
     assert len(took) == 20 and all(n == 1 for _, n in took) and max(t for t, _ in took) < 5, took
     assert opened > silent  # the server did close silent sockets, and they came back
     assert after - before < 64, (before, after)

@@ -30,9 +30,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import fcntl
 import logging
 import socket
 import struct
+import termios
 import time
 from collections.abc import Callable
 from typing import Protocol
@@ -41,7 +43,7 @@ from filemq.broker.session import AUTHENTICATING, AWAITING_CONNECT
 
 log = logging.getLogger("filemq.broker")
 
-SILENT_GRACE_S = 1.0
+SILENT_GRACE_S = 2.0
 """A half-open socket that sent nothing for this long may be closed to make room (a device
 sends its CONNECT right after its handshake; a loaded client a little later)."""
 
@@ -64,6 +66,8 @@ _TCP_INFO: int | None = getattr(socket, "TCP_INFO", None)
 # from the handshake (the child socket's creation).
 _INFO_LEN = 136
 _last_data_recv_ms = struct.Struct("=I").unpack_from
+_unpack_i = struct.Struct("i").unpack
+_INT0 = b"\0\0\0\0"
 _bytes_received = struct.Struct("=Q").unpack_from
 
 
@@ -81,21 +85,27 @@ class HalfOpenMember(Protocol):
 class SocketLike(Protocol):
     """A transport's socket (asyncio's TransportSocket, uvloop's pseudo-socket)."""
 
+    def fileno(self) -> int: ...
+
     def getsockopt(self, level: int, optname: int, buflen: int) -> bytes: ...
 
 
 def last_byte_at(sock: SocketLike, now: float) -> float | None:
     """When the kernel last received a byte on ``sock`` (its handshake if none yet), on the
-    ``time.monotonic`` clock of ``now``; None without ``TCP_INFO``."""
+    ``time.monotonic`` clock of ``now``; ``now`` while bytes wait unread in its buffer (the
+    client spoke, the loop has not read it yet); None without ``TCP_INFO``."""
     if _TCP_INFO is None:
         return None
     try:
+        if _unpack_i(fcntl.ioctl(sock.fileno(), termios.FIONREAD, _INT0))[0] > 0:
+            return now
         info = sock.getsockopt(socket.IPPROTO_TCP, _TCP_INFO, _INFO_LEN)
     except (OSError, TypeError, ValueError):
         return None
     if len(info) < _INFO_LEN:
         return None
-    return now - _last_data_recv_ms(info, 52)[0] / 1000
+    ms: int = _last_data_recv_ms(info, 52)[0]
+    return now - ms / 1000
 
 
 def silent_since(sock: socket.socket, now: float) -> float | None:
@@ -109,7 +119,8 @@ def silent_since(sock: socket.socket, now: float) -> float | None:
         return None
     if len(info) < _INFO_LEN or _bytes_received(info, 128)[0] != 0:
         return None
-    return now - _last_data_recv_ms(info, 52)[0] / 1000
+    ms: int = _last_data_recv_ms(info, 52)[0]
+    return now - ms / 1000
 
 
 class AdmissionStats:

@@ -39,8 +39,8 @@ from collector.headers import check_headers
 from collector.lander import Lander
 from collector.landing import LandingWriter
 from filemq.broker import Broker, ClientInfo, HookResult
-from filemq.common.aio import cancel_and_wait
 from filemq.broker.budget import DEFAULT_COLLECTOR_BYTES
+from filemq.common.aio import cancel_and_wait
 from filemq.common.config import Config, ConfigError
 from filemq.ops.fdlimit import FD_RESERVE, connection_capacity, raise_nofile_limit
 from filemq.upstream.batch import (

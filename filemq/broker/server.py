@@ -37,7 +37,7 @@ from filemq.broker.batching import AckBatcher, AckBatching
 from filemq.broker.budget import DEFAULT_BROKER_BYTES, IngestBudget, receive_maximum_within
 from filemq.broker.core import SESSION_GROUP_PREFIX, SHARE_GROUP_PREFIX, BrokerCore, PublishHook
 from filemq.broker.pacing import AckPacer
-from filemq.broker.session import AUTHENTICATING, AWAITING_CONNECT, CONNECTED, Connection
+from filemq.broker.session import AUTHENTICATING, AWAITING_CONNECT, Connection
 from filemq.broker.sessions import SessionStore
 from filemq.broker.sysinfo import SYS_PREFIX, BrokerStats
 from filemq.broker.tailcache import TailCache

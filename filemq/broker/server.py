@@ -36,6 +36,7 @@ from filemq.broker.auth import PasswordFile
 from filemq.broker.batching import AckBatcher, AckBatching
 from filemq.broker.budget import DEFAULT_BROKER_BYTES, IngestBudget, receive_maximum_within
 from filemq.broker.core import SESSION_GROUP_PREFIX, SHARE_GROUP_PREFIX, BrokerCore, PublishHook
+from filemq.broker.fairness import TURN_BYTES, Turns
 from filemq.broker.pacing import AckPacer
 from filemq.broker.session import AUTHENTICATING, AWAITING_CONNECT, Connection
 from filemq.broker.sessions import SessionStore
@@ -161,7 +162,7 @@ class _MQTTProtocol(asyncio.Protocol):
 
     __slots__ = ("core", "conn", "max_packet_size", "max_inflight", "half_open", "transport",
                  "reading", "identity_as_username", "accepted_at", "pacing", "pacer", "batching",
-                 "batcher", "budget", "held")
+                 "batcher", "budget", "held", "turns")
 
     def __init__(self, core: BrokerCore, max_packet_size: int, max_inflight: int,
                  half_open: Admission | None = None, identity_as_username: bool = False,
@@ -170,6 +171,7 @@ class _MQTTProtocol(asyncio.Protocol):
         self.core = core
         self.budget = budget  # bytes accepted, not yet durable (filemq.broker.budget)
         self.held = False
+        self.turns: Turns | None = None  # input beyond this pass's turn (filemq.broker.fairness)
         self.pacing = pacing  # prompt TCP ACKs after reads of acks (filemq.broker.pacing)
         self.pacer: AckPacer | None = None
         self.batching = batching  # fewer wake-ups for one-by-one acks (filemq.broker.batching)
@@ -245,6 +247,11 @@ class _MQTTProtocol(asyncio.Protocol):
         if conn is None or transport is None or conn.closed:
             return
         want = not conn.paused and conn.state != AUTHENTICATING and not self.held
+        turns = self.turns
+        if turns is not None and turns.rest:  # not read until its waiting turns are handled
+            if want:
+                turns.schedule()
+            want = False
         if want != self.reading:
             self.reading = want
             if want:
@@ -253,8 +260,10 @@ class _MQTTProtocol(asyncio.Protocol):
                 transport.pause_reading()
 
     def data_received(self, data: bytes) -> None:
+        if len(data) > TURN_BYTES or self.turns is not None and self.turns.waiting():
+            data = self._turns().take(data)  # one turn now, the rest later (filemq.broker.fairness)
         conn = self.conn
-        if conn is None:
+        if conn is None or not data:
             return
         self.core.stats.received_bytes(len(data))
         state = conn.session
@@ -279,6 +288,16 @@ class _MQTTProtocol(asyncio.Protocol):
                 not batcher.after_read(inflight, conn.max_inflight, conn.last_rx):
             self.batcher = None
 
+    def _turns(self) -> Turns:
+        turns = self.turns
+        if turns is None:
+            def can_go() -> bool:
+                conn = self.conn
+                return conn is not None and not conn.closed and not conn.paused and not self.held \
+                    and conn.state != AUTHENTICATING
+            turns = self.turns = Turns(self.data_received, can_go, self.update_reading)
+        return turns
+
     def eof_received(self) -> bool | None:
         return None  # close the transport; connection_lost follows
 
@@ -286,6 +305,8 @@ class _MQTTProtocol(asyncio.Protocol):
         conn = self.conn
         if conn is None:
             return
+        if self.turns is not None:
+            self.turns.drop()
         conn.transport = None
         self.pacer = None
         if self.held and self.budget is not None:

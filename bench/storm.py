@@ -14,6 +14,10 @@ port; every device notices, backs off, reconnects and sends a second batch.  Mea
 * records lost: every record of both batches of every device must be in the landed Parquet
   files (``device_id``, ``offset``), counted once the lander has landed them: must be 0.
 
+Baseline in the same run: the same storm against Debian mosquitto with its defaults (it
+acknowledges on receipt and lands nothing, so it has no loss count); the ratios compare the
+seconds until the last device is in.
+
 Progress goes to stderr; ``--json`` prints one JSON object per line on stdout.
 """
 
@@ -26,14 +30,16 @@ import os
 import random
 import shutil
 import signal
+import socket
 import statistics
+import subprocess
 import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.forward import _filemq, _say, _stop, free_port
+from bench.forward import MOSQUITTO, _filemq, _mosquitto_conf, _say, _stop, free_port
 
 CONNECT_TIMEOUT_S = 10.0  # worker_agent.forwarder.ForwarderConfig.connect_timeout_s
 BACKOFF_INITIAL_S = 0.5  # [agent] backoff_initial_ms
@@ -211,13 +217,34 @@ def landed_keys(landing: Path) -> set[tuple[str, int]]:
     return keys
 
 
-def run_storm(work: Path, devices: int, size: int = 100, timeout: float = 300) -> StormResult:
-    """One storm against a collector with default settings (see the module docstring)."""
-    landing, data = work / "landing", work / "collector"
+def _start(target: str, work: Path, port: int) -> subprocess.Popen[bytes]:
+    """The server under test, listening: a collector, or the baseline mosquitto."""
+    if target == "mosquitto":
+        conf = _mosquitto_conf(work / "mosquitto.conf", port)
+        proc = subprocess.Popen([MOSQUITTO, "-c", str(conf)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 10
+        while True:  # listening once a connect succeeds
+            try:
+                socket.create_connection(("127.0.0.1", port), 0.2).close()
+                return proc
+            except OSError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"mosquitto did not start (exit {proc.poll()})") from None
+                time.sleep(0.01)
+    return _filemq("collector", "--data-dir", str(work / "collector"), "--landing", str(work / "landing"),
+                   "--port", str(port), "--collector-id", "storm", "--roll-seconds", "1",
+                   log_path=work / "collector.log")
+
+
+def run_storm(work: Path, devices: int, size: int = 100, timeout: float = 300,
+              target: str = "collector") -> StormResult:
+    """One storm against a collector with default settings (see the module docstring), or
+    (``target="mosquitto"``, the baseline) against Debian mosquitto with its defaults: the
+    same devices and batches, acknowledged on receipt; nothing landed, so no loss count."""
+    work.mkdir(parents=True, exist_ok=True)
+    landing = work / "landing"
     port = free_port()
-    args = ("collector", "--data-dir", str(data), "--landing", str(landing), "--port", str(port),
-            "--collector-id", "storm", "--roll-seconds", "1")
-    collector = _filemq(*args, log_path=work / "collector.log")
+    collector = _start(target, work, port)
     ctx = multiprocessing.get_context("spawn")
     go, out = ctx.Event(), ctx.Queue()
     procs, events = [], []
@@ -234,7 +261,7 @@ def run_storm(work: Path, devices: int, size: int = 100, timeout: float = 300) -
             while not ready.wait(0.2):
                 if time.monotonic() > deadline or not all(p.is_alive() for p in procs):
                     raise RuntimeError("load processes did not start")
-        _say(f"[storm] {devices} devices connect together to a collector (default settings)")
+        _say(f"[storm] {devices} devices connect together to {target} (default settings)")
         started = time.time()
         go.set()
         for _, first_done in events:
@@ -243,13 +270,13 @@ def run_storm(work: Path, devices: int, size: int = 100, timeout: float = 300) -
                     raise TimeoutError("not every device got its first batch acknowledged")
                 if not out.empty():
                     raise RuntimeError(str(out.get()))
-        _say(f"[storm] all {devices} in, batch 0 acknowledged after {time.time() - started:.2f} s; kill -9 the collector")
+        _say(f"[storm] all {devices} in, batch 0 acknowledged after {time.time() - started:.2f} s; kill -9 {target}")
         killed = time.time()
         os.kill(collector.pid, signal.SIGKILL)
         collector.wait(10)
-        collector = _filemq(*args, log_path=work / "collector.log")
+        collector = _start(target, work, port)
         listening = time.time()
-        _say(f"[storm] collector listening again {listening - killed:.2f} s after the kill")
+        _say(f"[storm] {target} listening again {listening - killed:.2f} s after the kill")
         rows: list[tuple[int, float, int, float, int]] = []
         for _ in procs:
             got = out.get(timeout=max(1.0, deadline - time.monotonic()))
@@ -257,12 +284,13 @@ def run_storm(work: Path, devices: int, size: int = 100, timeout: float = 300) -
                 raise RuntimeError(got)
             rows.extend(got)
         expected = {(f"dev-{d}", o) for d in range(devices) for o in range(2 * BATCH_RECORDS)}
-        while True:
+        lost = -1  # (mosquitto lands nothing: not counted)
+        while target == "collector":
             keys = landed_keys(landing)
             if expected <= keys or time.monotonic() > deadline:
+                lost = len(expected - keys)
                 break
             time.sleep(0.5)
-        lost = len(expected - keys)
     finally:
         go.set()
         for p in procs:
@@ -275,32 +303,50 @@ def run_storm(work: Path, devices: int, size: int = 100, timeout: float = 300) -
     last_in = max(r[1] for r in rows)
     last_back = max(r[3] for r in rows)
     return StormResult(
-        name=f"storm_{devices}", devices=devices,
+        name=f"storm_{target}_{devices}", devices=devices,
         first_connect_s=round(last_in - started, 2),
         first_attempts_mean=round(statistics.mean(first), 2), first_attempts_max=max(first),
         back_after_ready_s=round(last_back - listening, 2), back_after_kill_s=round(last_back - killed, 2),
         restart_s=round(listening - killed, 2),
         second_attempts_mean=round(statistics.mean(second), 2), second_attempts_max=max(second),
         records_sent=len(expected), records_lost=lost,
-        note="agent backoff (0.5 s full jitter, x2), connect timeout 10 s, collector default settings")
+        note=f"agent backoff (0.5 s full jitter, x2), connect timeout 10 s, {target} default settings")
 
 
 def run_storm_bench(*, devices: tuple[int, ...], size: int, work_dir: str | None, keep: bool, as_json: bool,
                     timeout: float = 300) -> list[StormResult]:
-    """One storm per fleet size in ``devices``; prints one line (or JSON object) each."""
+    """Per fleet size in ``devices``: the storm against a collector, then the same storm
+    against Debian mosquitto (the baseline, skipped when it is not installed); prints one
+    line (or JSON object) each and the ratios."""
     base = Path(work_dir) if work_dir else Path(tempfile.mkdtemp(prefix="filemq-bench-storm-"))
     base.mkdir(parents=True, exist_ok=True)
     results = []
+    targets = ["collector"] + (["mosquitto"] if os.path.exists(MOSQUITTO) else [])
+    if len(targets) == 1:
+        _say("[storm] baseline skipped: mosquitto not installed (apt-get install mosquitto)")
     try:
         for n in devices:
-            r = run_storm(base / f"storm-{n}", n, size, timeout)
-            results.append(r)
-            _say(f"{r.name}: first connect: all {n} in after {r.first_connect_s} s ({r.first_attempts_mean} "
-                 f"attempts per device, at most {r.first_attempts_max}); after kill -9: collector listening after "
-                 f"{r.restart_s} s, all back {r.back_after_ready_s} s later ({r.second_attempts_mean} attempts, at "
-                 f"most {r.second_attempts_max}); {r.records_lost} of {r.records_sent} records lost")
-            if as_json:
-                print(json.dumps(asdict(r)), flush=True)
+            pair = []
+            for target in targets:
+                r = run_storm(base / f"storm-{target}-{n}", n, size, timeout, target)
+                pair.append(r)
+                results.append(r)
+                lost = "" if r.records_lost < 0 else f"; {r.records_lost} of {r.records_sent} records lost"
+                _say(f"{r.name}: first connect: all {n} in after {r.first_connect_s} s ({r.first_attempts_mean} "
+                     f"attempts per device, at most {r.first_attempts_max}); after kill -9: listening after "
+                     f"{r.restart_s} s, all back {r.back_after_ready_s} s later ({r.second_attempts_mean} attempts, "
+                     f"at most {r.second_attempts_max}){lost}")
+                if as_json:
+                    print(json.dumps(asdict(r)), flush=True)
+            if len(pair) == 2:
+                ours, theirs = pair
+                ratio = {"name": f"storm_{n}_vs_mosquitto",
+                         "first_connect": round(ours.first_connect_s / max(theirs.first_connect_s, 0.01), 2),
+                         "back_after_ready": round(ours.back_after_ready_s / max(theirs.back_after_ready_s, 0.01), 2)}
+                _say(f"{ratio['name']}: first connect {ratio['first_connect']}x mosquitto's time, back after "
+                     f"restart {ratio['back_after_ready']}x")
+                if as_json:
+                    print(json.dumps(ratio), flush=True)
     finally:
         if not keep:
             shutil.rmtree(base, ignore_errors=True)

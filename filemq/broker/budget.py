@@ -13,8 +13,9 @@ lagged: one client pipelining 1 MB PUBLISHes faster than the disk grew the broke
 without bound (2.9 GB in 20 s) and other clients waited 9-15 s for their PUBACKs.
 
 What a caller may rely on: the uncommitted bytes exceed the bound by at most what one read of
-each connection held at that moment brought in (a read is at most 256 KiB) plus one packet in
-progress per connection (``max_packet_size``).
+each connection held at that moment brought in (a read is at most 256 KiB, and a check is
+made once per :data:`CHECK_BYTES` read) plus one packet in progress per connection
+(``max_packet_size``).
 """
 
 from __future__ import annotations
@@ -28,6 +29,10 @@ log = logging.getLogger("filemq.broker")
 RECHECK_S = 0.1
 """While connections are held: how often to look again without a commit (a failed commit
 drops the buffered bytes without telling the commit listeners)."""
+
+CHECK_BYTES = 1024
+"""A connection's reads are checked against the bound once per this many bytes read from it
+(one addition per read otherwise): a subscriber's small reads of PUBACKs cost nothing."""
 
 DEFAULT_BROKER_BYTES = 32 << 20
 DEFAULT_COLLECTOR_BYTES = 256 << 20

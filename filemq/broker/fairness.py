@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
-TURN_BYTES = 32 * 1024
+TURN_BYTES = 16 * 1024
 """Input bytes of one connection handled per event-loop pass at most."""
 
 

@@ -34,7 +34,7 @@ from filemq.broker.acl import Acl
 from filemq.broker.admission import Acceptor, Admission, bind_listening_sockets
 from filemq.broker.auth import PasswordFile
 from filemq.broker.batching import AckBatcher, AckBatching
-from filemq.broker.budget import DEFAULT_BROKER_BYTES, IngestBudget, receive_maximum_within
+from filemq.broker.budget import CHECK_BYTES, DEFAULT_BROKER_BYTES, IngestBudget, receive_maximum_within
 from filemq.broker.core import SESSION_GROUP_PREFIX, SHARE_GROUP_PREFIX, BrokerCore, PublishHook
 from filemq.broker.fairness import TURN_BYTES, Turns
 from filemq.broker.pacing import AckPacer
@@ -162,7 +162,7 @@ class _MQTTProtocol(asyncio.Protocol):
 
     __slots__ = ("core", "conn", "max_packet_size", "max_inflight", "half_open", "transport",
                  "reading", "identity_as_username", "accepted_at", "pacing", "pacer", "batching",
-                 "batcher", "budget", "held", "turns")
+                 "batcher", "budget", "held", "turns", "unchecked")
 
     def __init__(self, core: BrokerCore, max_packet_size: int, max_inflight: int,
                  half_open: Admission | None = None, identity_as_username: bool = False,
@@ -171,6 +171,7 @@ class _MQTTProtocol(asyncio.Protocol):
         self.core = core
         self.budget = budget  # bytes accepted, not yet durable (filemq.broker.budget)
         self.held = False
+        self.unchecked = 0  # bytes read since the budget was last looked at
         self.turns: Turns | None = None  # input beyond this pass's turn (filemq.broker.fairness)
         self.pacing = pacing  # prompt TCP ACKs after reads of acks (filemq.broker.pacing)
         self.pacer: AckPacer | None = None
@@ -268,14 +269,18 @@ class _MQTTProtocol(asyncio.Protocol):
         self.core.stats.received_bytes(len(data))
         state = conn.session
         before = len(state.inflight) if state is not None else 0
-        budget = self.budget
-        appended = self.core.log.next_offset if budget is not None else 0
+        # The ingest budget is looked at once per CHECK_BYTES read from this connection.
+        self.unchecked += len(data)
+        check = self.unchecked >= CHECK_BYTES and self.budget is not None
+        appended = self.core.log.next_offset if check else 0
         conn.receive_data(data)
         self.core.flush()
-        if budget is not None and self.core.log.next_offset != appended and budget.over():
-            budget.hold(self)  # (calls update_reading)
-        else:
-            self.update_reading()
+        if check:
+            self.unchecked = 0
+            budget = self.budget
+            if budget is not None and self.core.log.next_offset != appended and budget.over():
+                budget.hold(self)  # (calls update_reading)
+        self.update_reading()
         if state is None or conn.closed:
             return
         inflight = len(state.inflight)

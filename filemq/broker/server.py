@@ -217,7 +217,7 @@ class _MQTTProtocol(asyncio.Protocol):
             self.pacer = AckPacer.for_transport(transport)
         if self.batching is not None:
             self.batcher = AckBatcher.for_transport(transport, self.batching)
-        conn.reading_changed = self.update_reading
+        conn.reading_changed = self._update_reading
         conn.linger_close = self._linger_close
         core.new_connection(conn)
 
@@ -240,6 +240,10 @@ class _MQTTProtocol(asyncio.Protocol):
         asyncio.get_running_loop().call_later(LINGER_S, transport.close)
 
     def update_reading(self) -> None:
+        """:meth:`_update_reading`, for the ingest budget and fair turns."""
+        self._update_reading()
+
+    def _update_reading(self) -> None:
         """Read from the socket only while the connection can take input: not while its
         password is checked, not while its output is backed up (issue 10 item 10: a
         client that never reads must not have its PINGREQs answered without limit), and not
@@ -280,7 +284,7 @@ class _MQTTProtocol(asyncio.Protocol):
             budget = self.budget
             if budget is not None and self.core.log.next_offset != appended and budget.over():
                 budget.hold(self)  # (calls update_reading)
-        self.update_reading()
+        self._update_reading()
         if state is None or conn.closed:
             return
         inflight = len(state.inflight)
@@ -300,7 +304,7 @@ class _MQTTProtocol(asyncio.Protocol):
                 conn = self.conn
                 return conn is not None and not conn.closed and not conn.paused and not self.held \
                     and conn.state != AUTHENTICATING
-            turns = self.turns = Turns(self.data_received, can_go, self.update_reading)
+            turns = self.turns = Turns(self.data_received, can_go, self._update_reading)
         return turns
 
     def eof_received(self) -> bool | None:
@@ -325,13 +329,13 @@ class _MQTTProtocol(asyncio.Protocol):
     def pause_writing(self) -> None:
         if self.conn is not None:
             self.conn.paused = True
-            self.update_reading()
+            self._update_reading()
 
     def resume_writing(self) -> None:
         conn = self.conn
         if conn is not None:
             conn.paused = False
-            self.update_reading()
+            self._update_reading()
             self.core.pump(conn)
             self.core.flush()
 

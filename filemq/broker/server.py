@@ -34,7 +34,12 @@ from filemq.broker.acl import Acl
 from filemq.broker.admission import Acceptor, Admission, bind_listening_sockets
 from filemq.broker.auth import PasswordFile
 from filemq.broker.batching import AckBatcher, AckBatching
-from filemq.broker.budget import CHECK_BYTES, DEFAULT_BROKER_BYTES, IngestBudget, receive_maximum_within
+from filemq.broker.budget import (
+    CHECK_BYTES,
+    DEFAULT_BROKER_BYTES,
+    IngestBudget,
+    receive_maximum_within,
+)
 from filemq.broker.core import SESSION_GROUP_PREFIX, SHARE_GROUP_PREFIX, BrokerCore, PublishHook
 from filemq.broker.fairness import TURN_BYTES, Turns
 from filemq.broker.pacing import AckPacer

@@ -217,7 +217,7 @@ def landed_keys(landing: Path) -> set[tuple[str, int]]:
     return keys
 
 
-def _start(target: str, work: Path, port: int) -> subprocess.Popen[bytes]:
+def _start(target: str, work: Path, port: int, collector_args: tuple[str, ...] = ()) -> subprocess.Popen[bytes]:
     """The server under test, listening: a collector, or the baseline mosquitto."""
     if target == "mosquitto":
         conf = _mosquitto_conf(work / "mosquitto.conf", port)
@@ -232,19 +232,19 @@ def _start(target: str, work: Path, port: int) -> subprocess.Popen[bytes]:
                     raise RuntimeError(f"mosquitto did not start (exit {proc.poll()})") from None
                 time.sleep(0.01)
     return _filemq("collector", "--data-dir", str(work / "collector"), "--landing", str(work / "landing"),
-                   "--port", str(port), "--collector-id", "storm", "--roll-seconds", "1",
+                   "--port", str(port), "--collector-id", "storm", "--roll-seconds", "1", *collector_args,
                    log_path=work / "collector.log")
 
 
 def run_storm(work: Path, devices: int, size: int = 100, timeout: float = 300,
-              target: str = "collector") -> StormResult:
+              target: str = "collector", collector_args: tuple[str, ...] = ()) -> StormResult:
     """One storm against a collector with default settings (see the module docstring), or
     (``target="mosquitto"``, the baseline) against Debian mosquitto with its defaults: the
     same devices and batches, acknowledged on receipt; nothing landed, so no loss count."""
     work.mkdir(parents=True, exist_ok=True)
     landing = work / "landing"
     port = free_port()
-    collector = _start(target, work, port)
+    collector = _start(target, work, port, collector_args)
     ctx = multiprocessing.get_context("spawn")
     go, out = ctx.Event(), ctx.Queue()
     procs, events = [], []
@@ -274,7 +274,7 @@ def run_storm(work: Path, devices: int, size: int = 100, timeout: float = 300,
         killed = time.time()
         os.kill(collector.pid, signal.SIGKILL)
         collector.wait(10)
-        collector = _start(target, work, port)
+        collector = _start(target, work, port, collector_args)
         listening = time.time()
         _say(f"[storm] {target} listening again {listening - killed:.2f} s after the kill")
         rows: list[tuple[int, float, int, float, int]] = []

@@ -168,15 +168,18 @@ class Admission:
     def _activity(self, m: HalfOpenMember, now: float) -> float:
         """When ``m``'s last byte arrived (its handshake if none): the kernel's time where
         it has one (bytes still unread count: a loaded loop must not make a client that
-        sent its CONNECT look silent), else the last read."""
+        sent its CONNECT look silent), else the last read.  The kernel is asked only when
+        the last read (or the accept) is more than the grace ago: a member read or accepted
+        since cannot be silent that long (no system call in a burst of fresh sockets)."""
         since, sock = self.members[m]
-        if sock is not None:
+        last = m.last_rx
+        # A Connection's last_rx starts at its accept; it is later once a byte arrived.
+        ours = last if last > m.connected_at else since
+        if sock is not None and ours <= now - self.grace_s:
             arrived = last_byte_at(sock, now)
             if arrived is not None:
                 return arrived
-        last = m.last_rx
-        # A Connection's last_rx starts at its accept; it is later once a byte arrived.
-        return last if last > m.connected_at else since
+        return ours
 
     def _candidate(self, now: float) -> HalfOpenMember | None:
         """The member to close for a new socket: the one silent the longest, once silent

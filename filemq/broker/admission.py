@@ -19,8 +19,10 @@ member of the set is closed at its accept without taking a slot.  Sockets re-ope
 as they are closed therefore cycle through the backlog at the accept rate, and a device
 behind them waits about :data:`SILENT_GRACE_S`, not until the attack stops.  When every
 member is checking a password, the oldest check gives way once it has run that long.
+Silence is the kernel's view (time since the last byte arrived; bytes waiting unread count
+as speech), so a loaded loop that has not read a CONNECT yet never makes its sender silent.
 
-Nothing here knows MQTT: a member is anything with ``state``, ``closed``, ``last_rx``,
+Nothing here parses MQTT: a member is anything with ``state``, ``closed``, ``last_rx``,
 ``connected_at`` and ``close()`` (:class:`filemq.broker.session.Connection`, a TLS
 handshake).
 """

@@ -585,13 +585,16 @@ def status(directory: str, as_json: bool) -> None:
 @click.option("--records", type=click.IntRange(min=1000), default=1_000_000, show_default=True,
               help="Backlog size for the drain (and records sent by the simulated devices).")
 @click.option("--size", type=click.IntRange(min=16), default=100, show_default=True, help="Payload bytes.")
-@click.option("--devices", type=click.IntRange(min=2), default=100, show_default=True,
-              help="Simulated devices (MQTT connections) feeding one collector.")
+@click.option("--devices", type=click.IntRange(min=2), default=None, multiple=True,
+              help="Simulated devices (MQTT connections) feeding one collector [default: 100; with --only "
+                   "storm 5000]. With --only storm, repeatable: one storm per fleet size.")
 @click.option("--ingest-records", type=click.IntRange(min=1000), default=200_000, show_default=True,
               help="Messages for the broker's durable ingest rate.")
 @click.option("--skip-bridge", is_flag=True, help="Do not run the Mosquitto bridge baseline.")
-@click.option("--only", type=click.Choice(["all", "mqtt-export"]), default="all", show_default=True,
-              help="mqtt-export: only the MQTT export drain vs the bridge, at 50,000 and --records.")
+@click.option("--only", type=click.Choice(["all", "mqtt-export", "storm"]), default="all", show_default=True,
+              help="mqtt-export: only the MQTT export drain vs the bridge, at 50,000 and --records. storm: "
+                   "--devices connect together to a collector, which is killed (SIGKILL) and restarted; "
+                   "seconds until the last is back, attempts per device, records lost.")
 @click.option("--mosquitto-max-inflight", type=click.IntRange(min=0), default=None,
               help="With --only mqtt-export: max_inflight_messages for every mosquitto (default: its own, 20).")
 @click.option("--oracle", type=click.Choice(["puback", "subscriber"]), default="puback", show_default=True,
@@ -604,14 +607,24 @@ def status(directory: str, as_json: bool) -> None:
 @click.option("--work-dir", type=click.Path(file_okay=False), default=None, help="Where to put the data (default: a temp dir).")
 @click.option("--keep", is_flag=True, help="Keep the work directory.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per line on stdout.")
-def bench_forward(records: int, size: int, devices: int, ingest_records: int, skip_bridge: bool, only: str,
-                  mosquitto_max_inflight: int | None, oracle: str, oracle_qos: int, repeat: int, work_dir: str | None,
-                  keep: bool, as_json: bool) -> None:
+def bench_forward(records: int, size: int, devices: tuple[int, ...], ingest_records: int, skip_bridge: bool,
+                  only: str, mosquitto_max_inflight: int | None, oracle: str, oracle_qos: int, repeat: int,
+                  work_dir: str | None, keep: bool, as_json: bool) -> None:
     """Backlog drain agent -> collector -> Parquet vs a Mosquitto bridge; 100 devices -> one
-    collector; drain rate vs the broker's durable ingest rate."""
+    collector; drain rate vs the broker's durable ingest rate; --only storm: a fleet that
+    reconnects at once."""
+    if only == "storm":
+        from bench.storm import run_storm_bench
+
+        results = run_storm_bench(devices=devices or (5000,), size=size, work_dir=work_dir, keep=keep,
+                                  as_json=as_json)
+        if any(r.records_lost > 0 for r in results):
+            raise SystemExit(1)
+        return
     from bench.forward import run_forward_bench
 
-    run_forward_bench(records=records, size=size, devices=devices, work_dir=work_dir, keep=keep,
+    run_forward_bench(records=records, size=size, devices=devices[-1] if devices else 100, work_dir=work_dir,
+                      keep=keep,
                       as_json=as_json, skip_bridge=skip_bridge, ingest_records=ingest_records, only=only,
                       mosquitto_max_inflight=mosquitto_max_inflight, oracle=oracle, oracle_qos=oracle_qos,
                       repeat=repeat)

@@ -89,7 +89,7 @@ def _filemq(*args: str, log_path: Path) -> subprocess.Popen[bytes]:
     """A ``filemq`` subprocess; waits for its first stdout line (it is listening)."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     err = open(log_path, "ab")  # noqa: SIM115 - owned by the child for its lifetime
-    proc = subprocess.Popen([sys.executable, "-m", "cli", *args], stdout=subprocess.PIPE, stderr=err)
+    proc = subprocess.Popen([sys.executable, "-m", "cli", *(["-v"] if os.environ.get("FILEMQ_BENCH_VERBOSE") else []), *args], stdout=subprocess.PIPE, stderr=err)
     assert proc.stdout is not None
     line = proc.stdout.readline()
     if not line:

@@ -50,6 +50,7 @@ from collector.headers import FULL_CHECKS_PER_BATCH, HeaderCheck
 from collector.lander import Lander
 from collector.landing import LandingWriter
 from filemq.broker import Broker, ClientInfo, HookResult
+from filemq.broker.budget import DEFAULT_COLLECTOR_BYTES
 from filemq.common.aio import cancel_and_wait
 from filemq.common.config import Config, ConfigError
 from filemq.ops.fdlimit import FD_RESERVE, connection_capacity, raise_nofile_limit
@@ -123,6 +124,8 @@ def broker_config(config: Config) -> Config:
         acl_file=c.acl_file,
         allow_anonymous=c.allow_anonymous,
         max_packet_size=max(config.broker.max_packet_size, MIN_PACKET_SIZE),
+        # Room for a window of 4 batches at MIN_PACKET_SIZE (Receive Maximum; filemq.broker.budget).
+        max_uncommitted_bytes=config.broker.max_uncommitted_bytes or DEFAULT_COLLECTOR_BYTES,
         # A device writing outside its own id is misconfigured: never ack (and so lose) its batch.
         acl_denied_publish="disconnect",
     )

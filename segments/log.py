@@ -209,8 +209,8 @@ class Log:
         "directory", "config", "fileio", "stats", "recovery", "_lock", "_write_lock", "_delete_lock",
         "_segments", "_bases", "_hot_indexes", "_groups", "_next_offset", "_committed_offset",
         "_tail_base", "_tail_pos", "_tail_last_index_pos", "_pending_bytes", "_free_budget",
-        "_free_seen", "_free_seen_at", "_written_since", "_dirty", "_closed", "_broken", "_topics",
-        "_segment_bytes", "_interval", "_min_free", "_max_record",
+        "_free_seen", "_free_seen_at", "_written_since", "_writing_bytes", "_dirty", "_closed", "_broken",
+        "_topics", "_segment_bytes", "_interval", "_min_free", "_max_record",
     )
 
     def __init__(self, directory: Path, config: LogConfig, fileio: FileIO) -> None:
@@ -235,6 +235,7 @@ class Log:
         self._tail_pos = 0
         self._tail_last_index_pos = 0
         self._pending_bytes = 0
+        self._writing_bytes = 0  # the batch taken and being written
         self._free_budget = 0
         # The last free-space reading (statfs) and what this log wrote since: see _free_now.
         self._free_seen = 0
@@ -344,6 +345,11 @@ class Log:
     def next_offset(self) -> int:
         """The offset the next :meth:`append` gets."""
         return self._next_offset
+
+    @property
+    def uncommitted_bytes(self) -> int:
+        """Bytes appended and not yet written by a commit (buffered, or being written)."""
+        return self._pending_bytes + self._writing_bytes
 
     @property
     def committed_offset(self) -> int:
@@ -546,6 +552,7 @@ class Log:
             self._groups = []
             nbytes = self._pending_bytes
             self._pending_bytes = 0
+            self._writing_bytes = nbytes
             first = groups[0].first_offset
             return Batch(groups, first, self._next_offset, nbytes)
 
@@ -602,6 +609,7 @@ class Log:
                 # Its index is on disk now; keeping every sealed index would grow with the log.
                 segment.release_index()
             self._committed_offset = batch.end_offset
+            self._writing_bytes = 0
             self.stats.appended += batch.end_offset - batch.first_offset
             if floor:
                 with self._lock:
@@ -635,6 +643,7 @@ class Log:
             tail = self._segments[-1]
             self._groups = []
             self._pending_bytes = 0
+            self._writing_bytes = 0
             self._next_offset = self._committed_offset
             self._tail_base = tail.base_offset
             self._tail_pos = tail.size

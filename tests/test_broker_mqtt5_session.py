@@ -813,7 +813,9 @@ def test_paho_topic_alias_and_connack_limits(tmp_path: Path) -> None:
     """3.2.2.3.3 / 3.2.2.3.8 / 3.3.2.3.4 with paho-mqtt 2.x: the CONNACK states Receive
     Maximum and Topic Alias Maximum; a PUBLISH with an empty topic and an alias set before
     reaches subscribers of the aliased topic."""
-    b = ThreadedBroker(make_config(tmp_path / "data", receive_maximum=50, topic_alias_maximum=4))
+    # (50 x max_packet_size 1 MiB must fit the ingest budget, or Receive Maximum is lowered)
+    b = ThreadedBroker(make_config(tmp_path / "data", receive_maximum=50, topic_alias_maximum=4,
+                                   max_uncommitted_bytes=50 << 20))
     b.start()
     try:
         sub = Paho5(b.port, "sub")

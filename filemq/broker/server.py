@@ -31,11 +31,19 @@ from pathlib import Path
 from typing import TYPE_CHECKING, cast
 
 from filemq.broker.acl import Acl
+from filemq.broker.admission import Acceptor, Admission, bind_listening_sockets
 from filemq.broker.auth import PasswordFile
 from filemq.broker.batching import AckBatcher, AckBatching
+from filemq.broker.budget import (
+    CHECK_BYTES,
+    DEFAULT_BROKER_BYTES,
+    IngestBudget,
+    receive_maximum_within,
+)
 from filemq.broker.core import SESSION_GROUP_PREFIX, SHARE_GROUP_PREFIX, BrokerCore, PublishHook
+from filemq.broker.fairness import TURN_BYTES, Turns
 from filemq.broker.pacing import AckPacer
-from filemq.broker.session import AUTHENTICATING, AWAITING_CONNECT, CONNECTED, Connection
+from filemq.broker.session import AUTHENTICATING, AWAITING_CONNECT, Connection
 from filemq.broker.sessions import SessionStore
 from filemq.broker.sysinfo import SYS_PREFIX, BrokerStats
 from filemq.broker.tailcache import TailCache
@@ -56,56 +64,22 @@ RETAINED_IDLE_SNAPSHOT_S = 60.0  # otherwise, to keep the replay at start short
 WRITE_BUFFER_HIGH = 256 * 1024
 
 
-class HalfOpen:
-    """Connections accepted but not yet CONNECTed (or still authenticating), oldest first.
-
-    At most ``limit`` (``max_connecting``) of them: a new socket at the limit closes the
-    oldest one still waiting for its CONNECT, so sockets that never finish a CONNECT cannot
-    lock real clients out (issue 10 item 9); when every one is authenticating, the oldest of
-    those gives way (its check, if not started, is skipped): wrong-password floods cannot
-    hold every slot either.  Connected clients are counted apart (``max_connections``).
-    """
-
-    __slots__ = ("limit", "conns")
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self.conns: dict[Connection, None] = {}  # insertion order = accept order
-
-    def _prune(self) -> None:
-        for conn in [c for c in self.conns if c.closed or c.state == CONNECTED]:
-            del self.conns[conn]
-
-    def admit(self, conn: Connection) -> bool:
-        """Register ``conn``, closing the oldest half-open one at the limit; always True."""
-        if len(self.conns) >= self.limit:
-            self._prune()
-        while len(self.conns) >= self.limit:
-            oldest = next((c for c in self.conns if c.state == AWAITING_CONNECT), None)
-            if oldest is None:
-                oldest = next(iter(self.conns))  # all authenticating: the oldest gives way
-            del self.conns[oldest]
-            oldest.close(f"max_connecting ({self.limit}) half-open connections reached; the oldest "
-                         f"makes room for a new one", will=False, level=logging.INFO)
-        self.conns[conn] = None
-        return True
-
-
 LINGER_S = 2.0
 """Seconds a closed connection keeps reading (and discarding) after its last packet."""
 
 
 class _Handshaking:
-    """A TLS socket in its handshake, counted in :class:`HalfOpen` like a socket that has not
-    sent its CONNECT yet: at ``max_connecting`` the oldest is closed, so sockets that never
-    finish a handshake cannot pile up until the deadline."""
+    """A TLS socket in its handshake, counted in :class:`Admission` like a socket that has
+    not sent its CONNECT yet: silent, it may give way at ``max_connecting``, so sockets that
+    never finish a handshake cannot pile up until the deadline."""
 
-    __slots__ = ("raw", "closed")
+    __slots__ = ("raw", "closed", "last_rx", "connected_at")
     state = AWAITING_CONNECT
 
-    def __init__(self, raw: asyncio.Transport) -> None:
+    def __init__(self, raw: asyncio.Transport, accepted_at: float) -> None:
         self.raw = raw
         self.closed = False
+        self.last_rx = self.connected_at = accepted_at
 
     def close(self, reason: str, will: bool = False, level: int = logging.INFO) -> None:
         if not self.closed:
@@ -122,11 +96,12 @@ class _TlsGate(asyncio.Protocol):
     passes everything on: what arrives between the handshake's end and ``inner``'s
     ``connection_made`` (a client sends its CONNECT at once) is held and passed on then."""
 
-    __slots__ = ("inner", "ctx", "half_open", "timeout", "pending", "held", "ready", "task")
+    __slots__ = ("inner", "ctx", "half_open", "timeout", "pending", "held", "ready", "task", "accepted_at")
 
-    def __init__(self, inner: asyncio.Protocol, ctx: ssl.SSLContext, half_open: HalfOpen,
-                 timeout: float) -> None:
+    def __init__(self, inner: asyncio.Protocol, ctx: ssl.SSLContext, half_open: Admission,
+                 timeout: float, accepted_at: float) -> None:
         self.inner = inner
+        self.accepted_at = accepted_at
         self.ctx = ctx
         self.half_open = half_open
         self.timeout = timeout
@@ -138,8 +113,8 @@ class _TlsGate(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         transport = cast(asyncio.Transport, transport)  # (uvloop transports do not subclass it)
         transport.pause_reading()  # the ClientHello is for the TLS layer start_tls puts in
-        self.pending = _Handshaking(transport)
-        self.half_open.admit(self.pending)  # type: ignore[arg-type]
+        self.pending = _Handshaking(transport, self.accepted_at)
+        self.half_open.admit(self.pending, transport.get_extra_info("socket"))
         self.task = asyncio.get_running_loop().create_task(self._handshake(transport, self.pending))
 
     async def _handshake(self, raw: asyncio.Transport, pending: _Handshaking) -> None:
@@ -192,12 +167,17 @@ class _MQTTProtocol(asyncio.Protocol):
 
     __slots__ = ("core", "conn", "max_packet_size", "max_inflight", "half_open", "transport",
                  "reading", "identity_as_username", "accepted_at", "pacing", "pacer", "batching",
-                 "batcher")
+                 "batcher", "budget", "held", "turns", "unchecked")
 
     def __init__(self, core: BrokerCore, max_packet_size: int, max_inflight: int,
-                 half_open: HalfOpen | None = None, identity_as_username: bool = False,
-                 pacing: bool = False, batching: AckBatching | None = None) -> None:
+                 half_open: Admission | None = None, identity_as_username: bool = False,
+                 pacing: bool = False, batching: AckBatching | None = None,
+                 accepted_at: float | None = None, budget: IngestBudget | None = None) -> None:
         self.core = core
+        self.budget = budget  # bytes accepted, not yet durable (filemq.broker.budget)
+        self.held = False
+        self.unchecked = 0  # bytes read since the budget was last looked at
+        self.turns: Turns | None = None  # input beyond this pass's turn (filemq.broker.fairness)
         self.pacing = pacing  # prompt TCP ACKs after reads of acks (filemq.broker.pacing)
         self.pacer: AckPacer | None = None
         self.batching = batching  # fewer wake-ups for one-by-one acks (filemq.broker.batching)
@@ -209,7 +189,8 @@ class _MQTTProtocol(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.reading = True
         self.identity_as_username = identity_as_username
-        self.accepted_at = time.monotonic()  # made at the accept, before any TLS handshake
+        # The accept (before any TLS handshake); for a socket silent since its handshake, that.
+        self.accepted_at = time.monotonic() if accepted_at is None else accepted_at
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         transport = cast(asyncio.Transport, transport)  # (uvloop transports do not subclass it)
@@ -233,11 +214,8 @@ class _MQTTProtocol(asyncio.Protocol):
                             "(use_identity_as_username)", peer)
                 transport.close()
                 return
-        if self.half_open is not None and not self.half_open.admit(conn):
-            log.warning("refusing connection from %s: max_connecting (%d) connections are "
-                        "authenticating", peer, self.half_open.limit)
-            transport.close()
-            return
+        if self.half_open is not None:
+            self.half_open.admit(conn, transport.get_extra_info("socket"))
         self.conn = conn
         self.transport = transport
         if self.pacing:
@@ -266,14 +244,24 @@ class _MQTTProtocol(asyncio.Protocol):
             transport.resume_reading()
         asyncio.get_running_loop().call_later(LINGER_S, transport.close)
 
+    def update_reading(self) -> None:
+        """:meth:`_update_reading`, for the ingest budget and fair turns."""
+        self._update_reading()
+
     def _update_reading(self) -> None:
         """Read from the socket only while the connection can take input: not while its
-        password is checked, and not while its output is backed up (issue 10 item 10: a
-        client that never reads must not have its PINGREQs answered without limit)."""
+        password is checked, not while its output is backed up (issue 10 item 10: a
+        client that never reads must not have its PINGREQs answered without limit), and not
+        while the ingest budget holds it (the log is behind)."""
         conn, transport = self.conn, self.transport
         if conn is None or transport is None or conn.closed:
             return
-        want = not conn.paused and conn.state != AUTHENTICATING
+        want = not conn.paused and conn.state != AUTHENTICATING and not self.held
+        turns = self.turns
+        if turns is not None and turns.rest:  # not read until its waiting turns are handled
+            if want:
+                turns.schedule()
+            want = False
         if want != self.reading:
             self.reading = want
             if want:
@@ -282,14 +270,25 @@ class _MQTTProtocol(asyncio.Protocol):
                 transport.pause_reading()
 
     def data_received(self, data: bytes) -> None:
+        if len(data) > TURN_BYTES or self.turns is not None and self.turns.waiting():
+            data = self._turns().take(data)  # one turn now, the rest later (filemq.broker.fairness)
         conn = self.conn
-        if conn is None:
+        if conn is None or not data:
             return
         self.core.stats.received_bytes(len(data))
         state = conn.session
         before = len(state.inflight) if state is not None else 0
+        # The ingest budget is looked at once per CHECK_BYTES read from this connection.
+        self.unchecked += len(data)
+        check = self.unchecked >= CHECK_BYTES and self.budget is not None
+        appended = self.core.log.next_offset if check else 0
         conn.receive_data(data)
         self.core.flush()
+        if check:
+            self.unchecked = 0
+            budget = self.budget
+            if budget is not None and self.core.log.next_offset != appended and budget.over():
+                budget.hold(self)  # (calls update_reading)
         self._update_reading()
         if state is None or conn.closed:
             return
@@ -303,6 +302,16 @@ class _MQTTProtocol(asyncio.Protocol):
                 not batcher.after_read(inflight, conn.max_inflight, conn.last_rx):
             self.batcher = None
 
+    def _turns(self) -> Turns:
+        turns = self.turns
+        if turns is None:
+            def can_go() -> bool:
+                conn = self.conn
+                return conn is not None and not conn.closed and not conn.paused and not self.held \
+                    and conn.state != AUTHENTICATING
+            turns = self.turns = Turns(self.data_received, can_go, self._update_reading)
+        return turns
+
     def eof_received(self) -> bool | None:
         return None  # close the transport; connection_lost follows
 
@@ -310,8 +319,12 @@ class _MQTTProtocol(asyncio.Protocol):
         conn = self.conn
         if conn is None:
             return
+        if self.turns is not None:
+            self.turns.drop()
         conn.transport = None
         self.pacer = None
+        if self.held and self.budget is not None:
+            self.budget.forget(self)
         if self.batcher is not None:
             self.batcher.close()
             self.batcher = None
@@ -407,7 +420,9 @@ class Broker:
         self.stats = BrokerStats(started_at=time.monotonic())
         self.retained = RetainedStore(self.data_dir)
         self.recovery_seconds = 0.0
-        self._servers: list[asyncio.base_events.Server] = []
+        self._servers: list[Acceptor] = []
+        self.admission: Admission | None = None
+        self.budget: IngestBudget | None = None
         self._ticker: asyncio.Task[None] | None = None
         self._stopped = False
         self.batching: AckBatching | None = None  # (set at start when [broker] ack_batching)
@@ -447,6 +462,13 @@ class Broker:
         self._migrate_share_groups(queue)
         await queue.start()
         cache = TailCache(queue.log, max_bytes=b.cache_bytes)
+        # MQTT 5: Receive Maximum x max_packet_size within the ingest budget (filemq.broker.budget).
+        receive_maximum = receive_maximum_within(b.receive_maximum, b.max_uncommitted_bytes or DEFAULT_BROKER_BYTES,
+                                                 b.max_packet_size)
+        if receive_maximum < b.receive_maximum:
+            log.info("receive_maximum %d lowered to %d: %d x max_packet_size (%d) must fit in max_uncommitted_bytes",
+                     b.receive_maximum, receive_maximum, receive_maximum, b.max_packet_size)
+            b = dataclasses.replace(b, receive_maximum=receive_maximum)
         core = BrokerCore(
             queue, cache, config=b, store=store, retained=self.retained, stats=self.stats,
             acl=acl, passwords=passwords, publish_hook=self.publish_hook,
@@ -459,32 +481,38 @@ class Broker:
         self.recovery_seconds = time.perf_counter() - started
         loop = asyncio.get_running_loop()
 
-        half_open = HalfOpen(b.max_connecting)
+        half_open = Admission(b.max_connecting)
+        self.admission = half_open
+        budget = IngestBudget(queue.log, b.max_uncommitted_bytes or DEFAULT_BROKER_BYTES)
+        queue.add_commit_listener(budget.on_commit)
+        self.budget = budget
         batching = AckBatching() if b.ack_batching else None
         self.batching = batching
 
-        def factory_for(lst: Listener, ctx: ssl.SSLContext | None) -> Callable[[], asyncio.Protocol]:
-            def mqtt() -> _MQTTProtocol:
+        def factory_for(lst: Listener, ctx: ssl.SSLContext | None) -> Callable[[float], asyncio.Protocol]:
+            def mqtt(at: float) -> _MQTTProtocol:
                 return _MQTTProtocol(core, b.max_packet_size, b.max_inflight, half_open,
                                      identity_as_username=lst.use_identity_as_username,
-                                     pacing=b.ack_pacing, batching=batching)
+                                     pacing=b.ack_pacing, batching=batching, accepted_at=at, budget=budget)
 
-            inner: Callable[[], asyncio.Protocol] = mqtt
+            inner: Callable[[float], asyncio.Protocol] = mqtt
             if lst.protocol == "websockets":
                 from filemq.broker.websocket import WebSocketProtocol
 
                 origins = lst.allowed_origins
-                inner = lambda: WebSocketProtocol(mqtt(), origins)  # noqa: E731
+                inner = lambda at: WebSocketProtocol(mqtt(at), origins)  # noqa: E731
             if ctx is None:
                 return inner
-            return lambda: _TlsGate(inner(), ctx, half_open, core.connect_timeout)
+            return lambda at: _TlsGate(inner(at), ctx, half_open, core.connect_timeout, at)
 
         try:
             for lst, ctx in zip(self.listeners, contexts, strict=True):
                 # TLS: _TlsGate runs the handshake, counted among the half-open sockets and
                 # bounded by the same deadline as the CONNECT (which counts from the accept).
-                server = await loop.create_server(
-                    factory_for(lst, ctx), lst.host, lst.port, reuse_address=True, backlog=1024)
+                # Admission (filemq.broker.admission) accepts: it stops while max_connecting
+                # sockets are half-open, and the listen backlog holds a burst meanwhile.
+                server = Acceptor(bind_listening_sockets(lst.host, lst.port, b.listen_backlog),
+                                  factory_for(lst, ctx), half_open)
                 self._servers.append(server)
                 port = server.sockets[0].getsockname()[1]
                 self.ports.append(port)
@@ -494,6 +522,8 @@ class Broker:
                         self.tls_port = port
             plain = [p for lst, p in zip(self.listeners, self.ports, strict=True) if not lst.tls]
             self.port = plain[0] if plain else self.ports[0]
+            for server in self._servers:
+                server.start_reading()
         except OSError:
             for s in self._servers:
                 s.close()
@@ -577,6 +607,10 @@ class Broker:
         if self._stopped:
             return
         self._stopped = True
+        if self.admission is not None:
+            self.admission.close()  # (its re-check timer, and every listening socket)
+        if self.budget is not None:
+            self.budget.close()
         for server in self._servers:
             server.close()
         if self._ticker is not None:
@@ -605,9 +639,6 @@ class Broker:
                     log.error("writing the retained snapshot failed: %s (the log is replayed at next start)", exc)
             else:
                 log.warning("stopped before retained messages were rebuilt; the old snapshot is kept")
-        for server in self._servers:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(server.wait_closed(), 2.0)
         log.info("broker stopped")
 
     def reload(self) -> bool:

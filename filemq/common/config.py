@@ -101,6 +101,12 @@ class BrokerSection:
     # address's checks start at most one per login_failure_delay_ms (filemq.broker.auth.LoginThrottle).
     login_failures_before_delay: int = field(default=5, metadata=_spec(_NONNEG))
     login_failure_delay_ms: int = field(default=1000, metadata=_spec(_int(1, 3_600_000)))
+    # Connections the kernel holds (handshake done) while max_connecting are half-open
+    # (filemq.broker.admission); capped by net.core.somaxconn.
+    listen_backlog: int = field(default=4096, metadata=_spec(_int(1, 65535)))
+    # Bytes accepted from publishers and not yet durable, at most (filemq.broker.budget);
+    # None: 32 MiB for the broker, 256 MiB for the collector.
+    max_uncommitted_bytes: int | None = field(default=None, metadata=_spec(_int(64 * KIB, sizes=True)))
     max_packet_size: int = field(default=1 * MIB, metadata=_spec(_int(64, 268_435_455, sizes=True)))
     # QoS 1/2 deliveries in flight per subscriber (EMQX's default, 32; mosquitto's is 20): the
     # window is refilled once at most a quarter of it is in flight (DeliveryMixin._refill), so

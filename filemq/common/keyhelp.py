@@ -59,7 +59,11 @@ _KEY_HELP: dict[str, tuple[str, str, str]] = {
                                       "address past login_failures_before_delay", ""),
     "broker.max_connections": ("limits", "Connected clients at most; a CONNECT beyond gets CONNACK 3", ""),
     "broker.max_connecting": ("limits", "Sockets still in their CONNECT at most (counted apart); at "
-                              "the limit the oldest one is closed", ""),
+                              "the limit accepting stops, or the socket silent the longest is closed", ""),
+    "broker.max_uncommitted_bytes": ("limits", "Bytes accepted and not yet durable at most; at the bound "
+                                     "publishers are not read until commits catch up", "32 MiB (collector: 256 MiB)"),
+    "broker.listen_backlog": ("limits", "Connections the kernel holds while max_connecting sockets are "
+                              "half-open (capped by net.core.somaxconn)", ""),
     "broker.message_size_limit": ("limits", "Largest PUBLISH or will payload in bytes; larger closes "
                                   "the connection, nothing stored or acknowledged", "only max_packet_size"),
     "broker.max_packet_size": ("limits", "A larger packet closes its connection (bytes)", ""),

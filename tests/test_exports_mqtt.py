@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import random
 import signal
@@ -47,6 +48,7 @@ from tests.mosquitto import Mosquitto, Oracle
 from tests.tcpproxy import TcpProxy
 from tests.test_e2e_forward import Publishers, run, until
 from worker_agent.app import Agent
+from worker_agent.mqtt_export import MqttExport
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -86,6 +88,8 @@ class ScriptedBroker:
         self.connects: list[Connect] = []
         self.packets: list[tuple[int, Packet]] = []  # (connection number, packet)
         self.ack: Callable[[int, Publish], bool] = lambda conn, p: True
+        # True: answer this QoS 1 PUBLISH with PUBREC, as a broken destination does (never PUBACK)
+        self.pubrec_for_qos1: Callable[[int, Publish], bool] = lambda conn, p: False
         self.session_present = True
         self.held: list[tuple[asyncio.StreamWriter, Publish]] = []
         self.changed = asyncio.Event()
@@ -130,7 +134,9 @@ class ScriptedBroker:
                         writer.write(encode(Connack(self.session_present and not packet.clean_session, 0)))
                     elif isinstance(packet, Publish):
                         assert packet.packet_id is not None
-                        if self.ack(conn, packet):
+                        if packet.qos == 1 and self.pubrec_for_qos1(conn, packet):
+                            writer.write(encode(Pubrec(packet.packet_id)))
+                        elif self.ack(conn, packet):
                             writer.write(encode(Puback(packet.packet_id) if packet.qos == 1 else Pubrec(packet.packet_id)))
                         else:
                             self.held.append((writer, packet))
@@ -611,3 +617,135 @@ max_packet_size = "2 KiB"
         assert any("exceeds the export's max_packet_size 2048" in r.getMessage() for r in caplog.records)
 
     run(scenario())
+
+
+# -- a destination that stops acknowledging (issue 30 item 5) ---------------------------------
+
+
+def _stalled_export_config(tmp_path: Path, port: int, qos: int = 1) -> Config:
+    return agent_config(tmp_path, f"""
+[[export]]
+name = "up"
+url = "mqtt://127.0.0.1:{port}"
+qos = {qos}
+ack_timeout_ms = 1000
+""")
+
+
+@pytest.mark.parametrize("qos", [1, 2])
+def test_destination_that_stops_acknowledging_for_8_s_gets_everything_by_itself(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture, qos: int) -> None:
+    """The destination takes the connection and the PUBLISHes but acknowledges nothing for 8 s.
+    The export does not wait forever: after ack_timeout_ms it closes the connection, logs it
+    (once), reconnects and resends the window with the same ids and DUP set (MQTT-4.4.0-1);
+    once the destination acknowledges again every locally acknowledged message is delivered
+    and acknowledged there, with no restart of anything."""
+    caplog.set_level(logging.INFO, logger="worker_agent.mqtt_export")
+
+    async def scenario() -> None:
+        up = ScriptedBroker()
+        loop = asyncio.get_running_loop()
+        resume_at = loop.time() + 8.0
+        up.ack = lambda conn, p: loop.time() >= resume_at
+        await up.start()
+        agent = Agent(_stalled_export_config(tmp_path, up.port, qos))
+        await agent.start()
+        try:
+            sent = await publish_local(agent.broker.port, 300)
+            export = agent.exports.get("up")
+            assert export is not None and export.group is not None
+            runner = export.runner
+            assert isinstance(runner, MqttExport)
+            group = export.group
+            await until(lambda: runner.stats.ack_timeouts >= 2, timeout=20, what="ack timeouts while stalled")
+            assert group.lag == len(sent), "records were acked while the destination acknowledged nothing"
+            await until(lambda: group.lag == 0, timeout=40, what="drained once the destination acknowledges")
+            assert loop.time() >= resume_at
+            delivered = {p.payload for c, p in up.packets if isinstance(p, Publish) and up.ack(c, p)}
+            assert set(sent) <= delivered
+            first = min(c for c, p in up.packets if isinstance(p, Publish))  # (QoS 2: after a clean one)
+            first_ids = {p.packet_id: p.payload for p in up.publishes(first)}
+            later = [p for c, p in up.packets if c > first and isinstance(p, Publish)]
+            resent = [p for p in later if p.packet_id in first_ids and first_ids[p.packet_id] == p.payload]
+            assert resent and all(p.dup for p in resent), "the window was not resent with its ids and DUP"
+            assert export.counters()["ack_timeouts"] == runner.stats.ack_timeouts
+        finally:
+            await agent.stop()
+            await up.stop()
+        lines = [r for r in caplog.records if "has not acknowledged packet id" in r.getMessage()]
+        assert len(lines) == 1, "the first ack timeout is logged once (later ones only counted)"
+        assert any("acknowledges again" in r.getMessage() for r in caplog.records)
+
+    run(scenario(), timeout=90)
+
+
+def test_destination_that_answers_pubrec_to_qos1_is_left_and_retried(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A QoS 1 PUBLISH answered with PUBREC is not acknowledged (MQTT-4.3.2: only PUBACK
+    completes it): the export keeps it in flight, times out, reconnects and resends with DUP;
+    when the destination answers PUBACK (its third connection) everything is delivered."""
+
+    async def scenario() -> None:
+        up = ScriptedBroker()
+        up.pubrec_for_qos1 = lambda conn, p: conn < 2
+        await up.start()
+        agent = Agent(_stalled_export_config(tmp_path, up.port))
+        await agent.start()
+        try:
+            sent = await publish_local(agent.broker.port, 100)
+            export = agent.exports.get("up")
+            assert export is not None and export.group is not None
+            runner = export.runner
+            assert isinstance(runner, MqttExport)
+            group = export.group
+            await until(lambda: group.lag == 0, timeout=40, what="drained after the PUBRECs")
+            assert runner.stats.ack_timeouts >= 2
+            assert set(sent) <= {p.payload for p in up.publishes(2)} | {p.payload for c, p in up.packets
+                                                                     if c > 2 and isinstance(p, Publish)}
+            assert all(p.dup for p in up.publishes(2))
+        finally:
+            await agent.stop()
+            await up.stop()
+        assert sum("has not acknowledged packet id" in r.getMessage() for r in caplog.records) == 1
+
+    run(scenario(), timeout=90)
+
+
+@needs_mosquitto
+def test_mosquitto_silent_for_8_s_behind_a_proxy_loses_nothing(tmp_path: Path) -> None:
+    """Real mosquitto upstream whose answers are held for 8 s by a proxy (the connection stays
+    open, PUBLISHes reach it, no PUBACK comes back): the export times out, reconnects, resends
+    with DUP into mosquitto's persistent session, and once the answers flow again every
+    locally acknowledged message reaches the oracle subscriber, with nothing restarted."""
+
+    async def scenario() -> None:
+        mq = Mosquitto(tmp_path / "mosquitto")
+        mq.start()
+        oracle = Oracle(mq.port, "sensors/#")
+        await oracle.start()
+        proxy = TcpProxy(mq.port)
+        await proxy.start()
+        agent = Agent(_stalled_export_config(tmp_path, proxy.port))
+        await agent.start()
+        try:
+            export = agent.exports.get("up")
+            assert export is not None and export.group is not None
+            runner = export.runner
+            assert isinstance(runner, MqttExport)
+            await until(lambda: runner.stats.state == "connected", what="export connected")
+            proxy.hold_down = True
+            sent = await publish_local(agent.broker.port, 400)
+            await until(lambda: runner.stats.ack_timeouts >= 1, timeout=10, what="an ack timeout")
+            await asyncio.sleep(8.0 - 1.5)
+            assert export.group.lag == len(sent), "acked while mosquitto's answers were held"
+            proxy.hold_down = False
+            await until(lambda: export.group is not None and export.group.lag == 0, timeout=40,
+                        what="drained once answers flow")
+            await oracle.wait_for(set(sent), timeout=30)
+        finally:
+            await agent.stop()
+            await proxy.stop()
+            await oracle.stop()
+            mq.stop()
+
+    run(scenario(), timeout=100)

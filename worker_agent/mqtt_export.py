@@ -21,6 +21,12 @@ What a caller may rely on:
   take a new message for a duplicate and drop it. So a QoS 2 export's first connection in a
   process is a clean one (the broker forgets those ids), then it reconnects persistent; the
   records it had not completed are sent again (at least once, never lost).
+* **No acknowledgement never means waiting forever.** When the oldest publish in flight has
+  not been acknowledged for ``ack_timeout_s`` (a destination that accepts the connection but
+  stops acknowledging, or answers a QoS 1 PUBLISH with PUBREC), the export closes the
+  connection, backs off and reconnects; the window is then sent again with the same packet
+  ids and DUP set (MQTT-4.4.0-1). The first such timeout is logged at WARNING with the packet
+  id and the time waited, every one is counted (``stats.ack_timeouts``).
 * **Failures back off, never skip.** A refused login (wrong credentials), an unreachable or
   restarting broker: the reason is logged and kept in ``stats.last_error``, the export waits
   with full-jitter exponential backoff and tries again; no record is acked without its
@@ -108,6 +114,7 @@ class ExportStats:
     acked_offset: int = -1  # offset of the last record acknowledged upstream
     last_ack_unix: float | None = None
     oversized_skipped: int = 0  # records over max_packet_size: set aside, never sent (a counted loss)
+    ack_timeouts: int = 0  # connections ended because the oldest publish in flight was not acknowledged
 
 
 @dataclass(frozen=True)
@@ -124,13 +131,26 @@ class MqttExportSettings:
     backoff_max_s: float = 60.0
     connect_timeout_s: float = 10.0
     max_packet_size: int | None = None  # the destination's limit; larger PUBLISHes are never sent
+    ack_timeout_s: float = 30.0  # the oldest publish in flight unacknowledged this long: reconnect
 
     @classmethod
     def from_section(cls, spec: ExportSection, device_id: str, backoff_initial_s: float,
-                     backoff_max_s: float) -> MqttExportSettings:
+                     backoff_max_s: float, ack_timeout_s: float = 30.0) -> MqttExportSettings:
+        if spec.ack_timeout_ms is not None:
+            ack_timeout_s = spec.ack_timeout_ms / 1000
         return cls(spec.name, device_id, spec.qos, spec.retain, spec.topic_template,
                    spec.window or cls.window, backoff_initial_s, backoff_max_s,
-                   max_packet_size=spec.max_packet_size)
+                   max_packet_size=spec.max_packet_size, ack_timeout_s=ack_timeout_s)
+
+
+class AckTimeout(Exception):
+    """The destination did not acknowledge the oldest publish in flight in time."""
+
+    def __init__(self, packet_id: int, waited_s: float, inflight: int) -> None:
+        super().__init__(f"no acknowledgement of packet id {packet_id} for {waited_s:.1f} s "
+                         f"({inflight} publishes in flight)")
+        self.packet_id = packet_id
+        self.waited_s = waited_s
 
 
 class MqttExport:
@@ -163,6 +183,7 @@ class MqttExport:
         self._stopping = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._attempt = 0
+        self._timeout_logged = False
 
     @staticmethod
     def _topic_function(s: MqttExportSettings) -> Callable[[str], str]:
@@ -252,18 +273,59 @@ class MqttExport:
         log.info("export %r connected; backlog %d records", self.name, self.group.lag)
         pump = asyncio.create_task(self._pump(client), name=f"filemq-export-{self.name}-pump")
         closed = asyncio.create_task(client.closed.wait(), name=f"filemq-export-{self.name}-closed")
+        watch = asyncio.create_task(self._watch_acks(client), name=f"filemq-export-{self.name}-acks")
+        tasks = {pump, closed, watch}
         try:
-            done, _ = await asyncio.wait({pump, closed}, return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
         finally:
-            for task in (pump, closed):
+            for task in tasks:
                 task.cancel()
-            await asyncio.wait({pump, closed}, timeout=5.0)
+            await asyncio.wait(tasks, timeout=5.0)
         self.stats.disconnects += 1
         reason: object = client.close_reason
-        if pump in done and not pump.cancelled() and pump.exception() is not None:
-            reason = pump.exception()
+        for task in (pump, watch):
+            if task in done and not task.cancelled() and task.exception() is not None:
+                reason = task.exception()
+        if isinstance(reason, AckTimeout):
+            self.stats.ack_timeouts += 1
+            if not self._timeout_logged:
+                self._timeout_logged = True
+                log.warning("export %r: the destination %s has not acknowledged packet id %d for %.1f s "
+                            "(ack_timeout_ms %d); closing the connection, the window is resent with DUP "
+                            "after the reconnect (logged the first time only; counted in ack_timeouts)",
+                            self.name, self._destination(client), reason.packet_id, reason.waited_s,
+                            round(self.settings.ack_timeout_s * 1000))
+            # The connection is up but useless: end it (the window stays in flight for the next).
+            with contextlib.suppress(Exception):
+                await client.disconnect(timeout=1.0)
         if not self._stopping.is_set():
             await self._backoff(f"connection lost: {reason or 'closed'}")
+
+    async def _watch_acks(self, client: ExportClient) -> None:
+        """Raise :class:`AckTimeout` once the oldest publish in flight has waited ``ack_timeout_s``.
+
+        The oldest is the first packet id of ``client.inflight`` (send order); its wait is
+        counted from when it became the oldest, so one check a fraction of the timeout apart
+        costs nothing per record, and a destination that acknowledges out of order but never
+        the oldest one is caught as well.
+        """
+        timeout = self.settings.ack_timeout_s
+        inflight = client.inflight
+        head: int | None = None
+        since = time.monotonic()
+        while True:
+            await asyncio.sleep(min(timeout / 4, 1.0))
+            now = time.monotonic()
+            first = next(iter(inflight), None)
+            if first != head:
+                head, since = first, now
+            elif first is not None and now - since >= timeout:
+                raise AckTimeout(first, now - since, len(inflight))
+
+    @staticmethod
+    def _destination(client: ExportClient) -> str:
+        host, port = getattr(client, "host", "?"), getattr(client, "port", "?")
+        return f"{host}:{port}"
 
     async def _backoff(self, reason: str, *, error: bool = False) -> None:
         s = self.settings
@@ -364,6 +426,10 @@ class MqttExport:
             stats.acked_offset = top
         stats.last_ack_unix = time.time()
         self._attempt = 0
+        if self._timeout_logged:
+            self._timeout_logged = False  # the next stall is logged again
+            log.info("export %r: the destination acknowledges again (after %d ack timeouts in all)",
+                     self.name, stats.ack_timeouts)
         self._room.set()
 
 

@@ -289,6 +289,8 @@ class ConnectMixin(CoreBase):
                     if state.own_filters():
                         self._recreate_if_missing(cid, SESSION_GROUP_PREFIX + cid, state.own_filters())
                         state.group = self._group(SESSION_GROUP_PREFIX + cid, state.own_filters(), True)
+                    if stored.qos2_sent:  # outbound QoS 2 ids the client may hold: kept (MQTT-2.2.1-3)
+                        self._resume_outbound(state, stored.qos2_sent)
                     state.expiry, state.disconnected_at = stored.expiry, stored.disconnected_at
                     if not stored.owner_known:
                         log.warning("client %r: its session file has no owner (written by an older "

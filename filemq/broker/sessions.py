@@ -26,6 +26,12 @@ a reader sees the old or the new version after a crash, never a mix.  What it ho
   ack of its record can be (so after a crash the record is re-sent or its PUBREL is);
   its removal at PUBCOMP is written soon after, not waited for (a stale id only costs a
   PUBREL the client answers with PUBCOMP, MQTT-4.3.3).  On reconnect the broker re-sends PUBREL for each.
+* ``qos2_sent`` (present when not empty): outbound packet id -> log offset of every QoS 2
+  PUBLISH of the session's own group sent to the client and not yet completed by PUBCOMP.
+  Written *before* the PUBLISH leaves, so after a crash the broker knows every id the client
+  may hold (MQTT 4.3.3 method B: it PUBREC'd and waits for PUBREL): on reconnect each is
+  re-sent with its own id and DUP (MQTT-4.4.0-1), never reused for another message
+  (MQTT-2.2.1-3), and the record is not delivered a second time under another id.
   The broker writes in a worker thread (:meth:`SessionStore.write`), never on the event loop.
 * ``expiry`` and ``disconnected_at`` (format 2 only; an MQTT 5 session with a Session Expiry
   Interval, 3.1.2.11.2): the interval in seconds (0xFFFFFFFF = never) and the wall-clock time
@@ -155,6 +161,8 @@ class StoredSession:
     expiry: int | None = None
     disconnected_at: float | None = None
     will: StoredWill | None = None  # an MQTT 5 will held for its delay (format 2)
+    # Outbound QoS 2 PUBLISHes sent and not completed: packet id -> log offset (see the module doc).
+    qos2_sent: dict[int, int] = field(default_factory=dict)
 
     def to_json(self) -> bytes:
         body: dict[str, Any] = {
@@ -169,6 +177,8 @@ class StoredSession:
         }
         if self.qos2_outbound:
             body["qos2_outbound"] = sorted(self.qos2_outbound)
+        if self.qos2_sent:
+            body["qos2_sent"] = {str(pid): off for pid, off in sorted(self.qos2_sent.items())}
         if self.expiry is not None:
             body["expiry"] = self.expiry
             body["disconnected_at"] = self.disconnected_at
@@ -221,6 +231,14 @@ class StoredSession:
             if not isinstance(pid, int) or not 0 < pid <= 0xFFFF:
                 raise CorruptSession(path, f"bad outbound QoS 2 packet id {pid!r}")
             session.qos2_outbound.add(pid)
+        sent = raw.get("qos2_sent", {})
+        if not isinstance(sent, dict):
+            raise CorruptSession(path, "qos2_sent is not an object")
+        for key, off in sent.items():
+            if (not key.isdigit() or not 0 < int(key) <= 0xFFFF or not isinstance(off, int)
+                    or isinstance(off, bool) or off < 0):
+                raise CorruptSession(path, f"bad qos2_sent entry {key!r}: {off!r}")
+            session.qos2_sent[int(key)] = off
         if raw["format"] == SESSION_FORMAT_EXPIRY:
             expiry, at = raw.get("expiry"), raw.get("disconnected_at")
             if not isinstance(expiry, int) or isinstance(expiry, bool) or not 0 <= expiry <= NEVER_EXPIRES:

@@ -373,6 +373,15 @@ class SessionState:
         self.qos2_offsets: dict[int, int] = {}  # QoS 2 inbound id -> its record's offset
         self.qos2_loaded: set[int] = set()  # ids read from the session file, not yet re-checked
         self.qos2_out: set[int] = set()  # outbound QoS 2 ids PUBREC'd, awaiting PUBCOMP (persistent)
+        # Outbound QoS 2 PUBLISHes of the own group not completed: id -> offset (persistent
+        # sessions; in the session file before the PUBLISH leaves, see sessions.py).
+        self.qos2_sent: dict[int, int] = {}
+        # While a session-file write that records new qos2_sent ids runs, this session's
+        # deliveries wait (its future; the PUBLISHes of the batch leave when it is durable).
+        self.out_hold: asyncio.Future[None] | None = None
+        # Offsets of the own group put back in flight from qos2_sent at a restart (with their
+        # old ids): the group's redelivery from Pending skips them (they are in flight).
+        self.resumed_offsets: set[int] = set()
         # Commit future -> future that resolves once that commit's QoS 2 ids are written.
         self.qos2_gates: dict[asyncio.Future[None], asyncio.Future[None]] = {}
         self.save_next: asyncio.Future[None] | None = None  # the next session-file write
@@ -525,6 +534,7 @@ class SessionState:
             owner=self.owner,
             qos2_offsets={pid: off for pid, off in self.qos2_offsets.items() if pid in ids},
             qos2_outbound=set(self.qos2_out),
+            qos2_sent=dict(self.qos2_sent),
             expiry=self.expiry,
             disconnected_at=self.disconnected_at if self.expiry is not None else None,
             will=self._stored_will(),

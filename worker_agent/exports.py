@@ -177,7 +177,7 @@ class Export:
                     "bytes_acked": s.bytes_acked, "inflight_records": s.inflight, "connects": s.connects,
                     "connect_failures": s.connect_failures, "disconnects": s.disconnects,
                     "last_ack_unix": s.last_ack_unix, "oversized_skipped": s.oversized_skipped,
-                    "ack_timeouts": s.ack_timeouts}
+                    "ack_timeouts": s.ack_timeouts, "protocol": s.protocol, "expired_skipped": s.expired_skipped}
         if isinstance(r, Forwarder):
             f = r.stats
             return {"records_sent": f.records_sent, "records_acked": f.records_acked, "bytes_sent": f.bytes_sent,

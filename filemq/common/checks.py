@@ -218,7 +218,7 @@ def _export_name(value: Any, from_flag: bool) -> str:
 
 def _export_url(value: Any, from_flag: bool) -> str:
     what = ("a URL filemq://HOST:PORT, filemqs://HOST:PORT (a filemq collector), mqtt://HOST[:PORT] "
-            "or mqtts://HOST[:PORT] (any MQTT 3.1.1 broker), without user, password or path")
+            "or mqtts://HOST[:PORT] (any MQTT 5 or 3.1.1 broker), without user, password or path")
     if not isinstance(value, str):
         raise _Bad(what)
     try:

@@ -675,7 +675,7 @@ class DeliveryMixin(CoreBase):
                 self._discard_persistent(cid)
             elif state.persistent:
                 if state.save_due:
-                    self._save_session(state)
+                    self._save_soon(state)  # in a worker thread
             elif state.group is not None:
                 self._drop_group(state.group.name)
                 state.group = None

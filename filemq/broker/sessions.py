@@ -117,15 +117,21 @@ class StoredSubscription:
     start: int
     options: int = 0
     identifier: int = 0
+    # Retained records below this offset reach it by the SUBSCRIBE's retained replay, not live
+    # (MQTT-3.3.1-8); kept across a restart so they are not delivered twice (issue 33 item 3).
+    retain_below: int = 0
 
     def to_dict(self) -> dict[str, int]:
-        """The JSON entry: ``options`` and ``id`` only when set, so a 3.1.1 session's file is
-        as before and older releases (which ignore unknown keys) still read it."""
+        """The JSON entry: ``options``, ``id`` and ``rb`` (retain_below) only when set, so a
+        3.1.1 session's file is as before and older releases (which ignore unknown keys)
+        still read it."""
         entry = {"qos": self.qos, "start": self.start}
         if self.options:
             entry["options"] = self.options
         if self.identifier:
             entry["id"] = self.identifier
+        if self.retain_below:
+            entry["rb"] = self.retain_below
         return entry
 
     @classmethod
@@ -133,6 +139,9 @@ class StoredSubscription:
         """Parse an entry (None: invalid); a file without ``options``/``id`` loads with 0."""
         options = sub.get("options", 0)
         identifier = sub.get("id", 0)
+        retain_below = sub.get("rb", 0)
+        if not isinstance(retain_below, int) or isinstance(retain_below, bool) or retain_below < 0:
+            return None
         if (
             sub.get("qos") not in (0, 1, 2)
             or not isinstance(sub.get("start"), int) or sub["start"] < 0
@@ -140,7 +149,7 @@ class StoredSubscription:
             or not isinstance(identifier, int) or not 0 <= identifier <= 268_435_455
         ):
             return None
-        return cls(sub["qos"], sub["start"], options, identifier)
+        return cls(sub["qos"], sub["start"], options, identifier, retain_below)
 
 
 @dataclass(slots=True)
@@ -294,6 +303,8 @@ class SessionStore:
         self.writes = 0
         self._seq = 0  # snapshot numbers (event loop thread)
         self._written: dict[str, int] = {}  # client id -> number of the snapshot on disk
+        # client id -> number of a deletion not done yet: load() already sees no session
+        self._deleting: dict[str, int] = {}
         self._locks: dict[str, threading.Lock] = {}
         self._locks_lock = threading.Lock()
 
@@ -301,6 +312,8 @@ class SessionStore:
         return self.directory / (escape_group_name(client_id) + ".json")
 
     def load(self, client_id: str) -> StoredSession | None:
+        if client_id in self._deleting:
+            return None  # its removal is under way in a worker thread
         path = self.path_of(client_id)
         try:
             data = path.read_bytes()
@@ -327,16 +340,37 @@ class SessionStore:
         Call on the thread that changes the sessions (the event loop): the numbers order the
         snapshots as the state changed."""
         self._seq += 1
+        self._deleting.pop(session.client_id, None)  # newer state than a pending removal
         return SessionSnapshot(session.client_id, self._seq, session.to_json())
 
+    def deletion(self, client_id: str) -> SessionSnapshot:
+        """A numbered snapshot that removes ``client_id``'s file when passed to :meth:`write`
+        (possibly in a thread): the event loop never waits for the unlink and directory fsync,
+        and the numbers keep it in order with the writes of that client."""
+        self._seq += 1
+        self._deleting[client_id] = self._seq
+        return SessionSnapshot(client_id, self._seq, b"")
+
     def write(self, snap: SessionSnapshot) -> None:
-        """Write ``snap`` durably (any thread).  A snapshot older than the one last written
-        (or than a :meth:`delete`) for the same client is skipped: a slow write never
-        replaces newer state."""
+        """Write ``snap`` durably (any thread); a :meth:`deletion` snapshot removes the file
+        (unlink, directory fsync).  A snapshot older than the one last written (or than a
+        :meth:`delete`) for the same client is skipped: a slow write never replaces newer
+        state, nor revives a deleted session."""
         with self._lock_of(snap.client_id):
             if snap.seq <= self._written.get(snap.client_id, 0):
                 return
-            atomic_write(self.path_of(snap.client_id), snap.data, self._fileio)
+            path = self.path_of(snap.client_id)
+            if not snap.data:
+                self._written[snap.client_id] = snap.seq  # an older write in flight must not revive it
+                try:
+                    if path.exists():
+                        self._fileio.unlink(path)
+                        self._fileio.fsync_dir(self.directory)
+                finally:
+                    if self._deleting.get(snap.client_id) == snap.seq:
+                        self._deleting.pop(snap.client_id, None)
+                return
+            atomic_write(path, snap.data, self._fileio)
             self._written[snap.client_id] = snap.seq
             self.writes += 1
 

@@ -528,7 +528,7 @@ class SessionState:
         }
         return StoredSession(
             self.client_id,
-            {f: StoredSubscription(s.qos, s.start, s.options & ~SUB_QOS_MASK, s.identifier)
+            {f: StoredSubscription(s.qos, s.start, s.options & ~SUB_QOS_MASK, s.identifier, s.retain_below)
              for f, s in self.subs.items()},
             ids,
             owner=self.owner,

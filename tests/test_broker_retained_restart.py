@@ -12,12 +12,27 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Any
 
-from filemq.broker.sessions import StoredSession, StoredSubscription
-from filemq.mqtt.packets import Connect, Publish, Subscribe
+import pytest
+
+import filemq.broker.publish as publish_module
+from filemq.broker.sessions import CorruptSession, StoredSession, StoredSubscription
+from filemq.broker.state import OwnRuns
+from filemq.mqtt.packets import (
+    Connack,
+    Connect,
+    Disconnect,
+    Properties,
+    Publish,
+    Suback,
+    Subscribe,
+    subscription_options,
+)
 from filemq.queue.retained import RetainedStore, expires_at_us
 from segments.log import Log
 from segments.record import Record
+from tests.test_broker_mqtt5 import client5
 from tests.test_broker_session import Harness, run
 
 
@@ -97,3 +112,68 @@ def test_recovery_does_not_bring_back_an_expired_retained_message(tmp_path: Path
     assert {m.topic for m in again.match("#")} == {"a/keep", "a/fresh"}
     assert expires_at_us(_headers(3), 0) == 3_000_000 and expires_at_us(b"", 0) is None
     log.close()
+
+
+# -- no local across a restart and beyond the publisher window (issue 33 item 3) --------------
+
+
+def _no_local_scenario(tmp_path: Path, monkeypatch: Any, kept: int, restart: bool) -> list[bytes]:
+    """A persistent MQTT 5 session with a no local subscription on ``t/#`` publishes ``own``
+    and goes away before it is routed; another client publishes ``other``; (with ``kept``
+    small, 20 more messages push ``own`` out of the broker's bounded publisher map); the
+    broker restarts on the same files (``restart``); the session comes back: what it receives."""
+    monkeypatch.setattr(publish_module, "PUBLISHERS_KEPT", kept)
+
+    async def main() -> list[bytes]:
+        h = Harness(tmp_path)
+        me = client5(h)
+        me.send(Connect(client_id="me", clean_session=False, protocol_level=5,
+                        properties=Properties(session_expiry_interval=3600)),
+                Subscribe(1, [("t/#", subscription_options(1, no_local=True))]))
+        await h.settle()
+        assert [type(p) for p in me.received()] == [Connack, Suback]
+        me.send(Publish("t/me", b"own", 1, packet_id=1), Disconnect())
+        other = client5(h)  # (the publisher map holds MQTT 5 publishers' offsets)
+        other.connect("other")
+        other.send(Publish("t/x", b"other", 1, packet_id=1))
+        for i in range(20):
+            other.send(Publish("u/y", b"filler-%d" % i, 1, packet_id=2 + i))
+        await h.commit()
+        if restart:
+            h.core.save_sessions()  # (the broker writes sessions with changes at shutdown and on its tick)
+            h.core = h.make_core()  # a restart on the same files
+        back = client5(h)
+        back.send(Connect(client_id="me", clean_session=False, protocol_level=5,
+                          properties=Properties(session_expiry_interval=3600)))
+        await h.settle()
+        return [p.payload for p in back.received() if isinstance(p, Publish)]
+
+    result: list[bytes] = run(main())
+    return result
+
+
+def test_no_local_holds_across_a_restart(tmp_path: Path, monkeypatch: Any) -> None:
+    """MQTT-3.8.3-3: a no local subscription never gets its own client's messages, also those
+    still in its backlog when the broker restarts (before: the publisher map is memory only,
+    so ``own`` came back to its publisher)."""
+    assert _no_local_scenario(tmp_path, monkeypatch, kept=65536, restart=True) == [b"other"]
+
+
+def test_no_local_holds_beyond_the_publisher_window(tmp_path: Path, monkeypatch: Any) -> None:
+    """The same without a restart when more offsets than the broker's publisher map keeps
+    (65,536; 10 here) were published after it (before: forgotten, delivered)."""
+    assert _no_local_scenario(tmp_path, monkeypatch, kept=10, restart=False) == [b"other"]
+
+
+def test_own_offsets_round_trip_and_are_checked() -> None:
+    s = StoredSession("c", own_offsets=[(3, 5), (9, 10)])
+    assert StoredSession.from_json(s.to_json(), "f").own_offsets == [(3, 5), (9, 10)]
+    for bad in (b'[[5, 3]]', b'[[1, 4], [2, 6]]', b'[[1, true]]', b'{"a": 1}'):
+        body = s.to_json().replace(b'"own":[[3,5],[9,10]]', b'"own":' + bad)
+        with pytest.raises(CorruptSession):
+            StoredSession.from_json(body, "f")
+    runs = OwnRuns([(3, 5)])
+    runs.add(5, 2)
+    runs.add(9, 1)
+    assert [runs.holds(o) for o in (2, 3, 6, 7, 8, 9, 10)] == [False, True, True, False, False, True, False]
+    assert runs.pruned(4) == [(4, 7), (9, 10)] and runs.forget_from(6) and runs.runs == [[3, 6]]

@@ -23,6 +23,7 @@ from filemq.broker.state import (
     SESSION_GROUP_PREFIX,
     SHARE_GROUP_PREFIX,
     Outbound,
+    OwnRuns,
     SessionState,
     Subscription,
     _ack,
@@ -297,6 +298,8 @@ class ConnectMixin(CoreBase):
                     if state.own_filters():
                         self._recreate_if_missing(cid, SESSION_GROUP_PREFIX + cid, state.own_filters())
                         state.group = self._group(SESSION_GROUP_PREFIX + cid, state.own_filters(), True)
+                    if stored.own_offsets:  # no local across a restart (MQTT-3.8.3-3)
+                        state.own_runs = OwnRuns(stored.own_offsets)
                     if stored.qos2_sent:  # outbound QoS 2 ids the client may hold: kept (MQTT-2.2.1-3)
                         self._resume_outbound(state, stored.qos2_sent)
                     state.expiry, state.disconnected_at = stored.expiry, stored.disconnected_at

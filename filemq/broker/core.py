@@ -105,6 +105,22 @@ class BrokerCore(ConnectMixin, SubscribeMixin, PublishMixin, DeliveryMixin):
         self._expiring = {}
         self._wills_waiting = set()
         self._stored_wills = {}
+        publishers = self.publishers()
+        publishers.sink = self._own_published
+        publishers.forget_sink = self._own_forget
+
+    def _own_published(self, first: int, n: int, client_id: str) -> None:
+        """An MQTT 5 client published ``first`` .. ``first + n - 1``: a persistent session of
+        its with a no local subscription keeps them (OwnRuns; written lazily)."""
+        state = self.sessions.get(client_id)
+        if state is not None and state.persistent and state.has_no_local():
+            state.own_runs.add(first, n)
+            state.save_due = True
+
+    def _own_forget(self, offset: int) -> None:
+        for state in self.sessions.values():
+            if state.own_runs and state.own_runs.forget_from(offset):
+                state.save_due = True
 
     # ---- periodic work ---------------------------------------------------------------------
 

@@ -336,6 +336,7 @@ class DeliveryMixin(CoreBase):
         ack = group.ack
         redelivered = group.redelivered
         publishers = self.publishers() if state.has_no_local() else None
+        own_runs = state.own_runs if publishers is not None and state.own_runs else None
         cid = conn.client_id
         limit = conn.client_max_packet
         alias_max = conn.alias_max
@@ -349,7 +350,8 @@ class DeliveryMixin(CoreBase):
                 resumed.discard(offset)  # in flight again since the restart, with its old id
                 continue
             topic = r.topic
-            own = publishers is not None and publishers.get(offset) == cid
+            own = publishers is not None and (publishers.get(offset) == cid
+                                              or (own_runs is not None and own_runs.holds(offset)))
             qos, ids, keep_retain = match(topic, offset, share, r.retain, own)
             if qos < 0 or (check_acl and not acl.can_receive(topic)):  # type: ignore[union-attr]
                 ack(offset)

@@ -33,6 +33,11 @@ a reader sees the old or the new version after a crash, never a mix.  What it ho
   re-sent with its own id and DUP (MQTT-4.4.0-1), never reused for another message
   (MQTT-2.2.1-3), and the record is not delivered a second time under another id.
   The broker writes in a worker thread (:meth:`SessionStore.write`), never on the event loop.
+* ``own`` (present when not empty): offset runs ``[start, end)`` the session's own client
+  published while it had a no local subscription (MQTT-3.8.3-3), pruned below the group's
+  Pending offset, so no local holds after a restart however far behind the session is.
+  Written lazily (the tick, a disconnect, shutdown): after a kill -9 a message published in
+  the last seconds may come back to its publisher once.
 * ``expiry`` and ``disconnected_at`` (format 2 only; an MQTT 5 session with a Session Expiry
   Interval, 3.1.2.11.2): the interval in seconds (0xFFFFFFFF = never) and the wall-clock time
   (Unix seconds) its connection closed, ``null`` while connected or when the close was not
@@ -172,6 +177,8 @@ class StoredSession:
     will: StoredWill | None = None  # an MQTT 5 will held for its delay (format 2)
     # Outbound QoS 2 PUBLISHes sent and not completed: packet id -> log offset (see the module doc).
     qos2_sent: dict[int, int] = field(default_factory=dict)
+    # Offset runs [start, end) its own client published while it had a no local subscription.
+    own_offsets: list[tuple[int, int]] = field(default_factory=list)
 
     def to_json(self) -> bytes:
         body: dict[str, Any] = {
@@ -188,6 +195,8 @@ class StoredSession:
             body["qos2_outbound"] = sorted(self.qos2_outbound)
         if self.qos2_sent:
             body["qos2_sent"] = {str(pid): off for pid, off in sorted(self.qos2_sent.items())}
+        if self.own_offsets:
+            body["own"] = [[s, e] for s, e in self.own_offsets]
         if self.expiry is not None:
             body["expiry"] = self.expiry
             body["disconnected_at"] = self.disconnected_at
@@ -248,6 +257,16 @@ class StoredSession:
                     or isinstance(off, bool) or off < 0):
                 raise CorruptSession(path, f"bad qos2_sent entry {key!r}: {off!r}")
             session.qos2_sent[int(key)] = off
+        own = raw.get("own", [])
+        if not isinstance(own, list):
+            raise CorruptSession(path, "own is not a list")
+        last = -1
+        for run in own:
+            if (not isinstance(run, list) or len(run) != 2 or not all(type(x) is int for x in run)
+                    or not last <= run[0] < run[1]):
+                raise CorruptSession(path, f"bad own offset run {run!r:.100}")
+            last = run[1]
+            session.own_offsets.append((run[0], run[1]))
         if raw["format"] == SESSION_FORMAT_EXPIRY:
             expiry, at = raw.get("expiry"), raw.get("disconnected_at")
             if not isinstance(expiry, int) or isinstance(expiry, bool) or not 0 <= expiry <= NEVER_EXPIRES:

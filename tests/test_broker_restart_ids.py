@@ -113,7 +113,49 @@ def test_qos2_sent_round_trips_and_bad_entries_are_refused() -> None:
     back = StoredSession.from_json(s.to_json(), "f")
     assert back.qos2_sent == {4: 17, 65535: 0}
     assert b"qos2_sent" not in StoredSession("c").to_json()  # absent when empty (older files unchanged)
-    for bad in (b'{"0": 1}', b'{"65536": 1}', b'{"4": -1}', b'{"4": true}', b'[4]'):
+    assert StoredSession.from_json(StoredSession("c", qos2_sent={4: -1}).to_json(), "f").qos2_sent == {4: -1}
+    for bad in (b'{"0": 1}', b'{"65536": 1}', b'{"4": -2}', b'{"4": true}', b'[4]'):
         body = s.to_json().replace(b'"qos2_sent":{"4":17,"65535":0}', b'"qos2_sent":' + bad)
         with pytest.raises(CorruptSession):
             StoredSession.from_json(body, "f")
+
+
+def test_retained_qos2_delivery_id_is_released_after_kill9_not_reused(tmp_path: Path) -> None:
+    """A retained QoS 2 message sent at SUBSCRIBE (not a group record: never re-sent) whose
+    PUBREC is lost to a SIGKILL: after the restart the broker sends PUBREL for its id, so a
+    client holding it (method B) frees it, and no new message gets the id before the PUBCOMP
+    (MQTT-2.2.1-3).  Before, the first new delivery took the same id 1."""
+    proc, port = _start_broker(tmp_path)
+    try:
+        pub = _Raw(port, Connect(client_id="pub"))
+        pub.send(Publish("r/1", b"retained", 2, retain=True, packet_id=1))
+        assert pub.next() == Pubrec(1)
+        pub.send(Pubrel(1))
+        assert pub.next() == Pubcomp(1)
+        sub = _Raw(port, Connect(client_id="sub", clean_session=False))
+        sub.send(Subscribe(1, [("r/#", 2)]))
+        assert sub.next() == Suback(1, [2])
+        (ret,) = _publishes(sub, 1)
+        assert ret.retain and ret.qos == 2 and ret.packet_id is not None
+        held_id = ret.packet_id
+        proc.kill()
+        proc.wait(timeout=10)
+        sub.close()
+        pub.close()
+
+        proc, port = _start_broker(tmp_path)
+        sub = _Raw(port, Connect(client_id="sub", clean_session=False))
+        assert sub.next() == Pubrel(held_id)
+        pub = _Raw(port, Connect(client_id="pub"))
+        pub.send(Publish("r/1", b"new", 2, packet_id=2))
+        assert pub.next() == Pubrec(2)
+        pub.send(Pubrel(2))
+        assert pub.next() == Pubcomp(2)
+        (new,) = _publishes(sub, 1)
+        assert new.payload == b"new" and new.packet_id != held_id
+        sub.send(Pubcomp(held_id))
+        sub.close()
+        pub.close()
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)

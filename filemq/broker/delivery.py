@@ -602,6 +602,13 @@ class DeliveryMixin(CoreBase):
                     state.resumed_offsets.add(offset)
                 state.qos2_sent[pid] = offset
                 continue
+            if offset < 0:
+                # A retained message's delivery (no group): its PUBREL frees the id at the
+                # client (4.3.3); the message is not sent again (as retained ones never are).
+                released = inflight[pid] = Outbound(-1, None, 2, "", b"", None)
+                released.stage = 1
+                state.qos2_sent[pid] = offset
+                continue
             if group is None or offset < group.pending_offset:
                 continue  # acked: its PUBCOMP came (the group acks a QoS 2 delivery after PUBREC)
             state.qos2_sent[pid] = offset

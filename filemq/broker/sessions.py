@@ -31,7 +31,9 @@ a reader sees the old or the new version after a crash, never a mix.  What it ho
   Written *before* the PUBLISH leaves, so after a crash the broker knows every id the client
   may hold (MQTT 4.3.3 method B: it PUBREC'd and waits for PUBREL): on reconnect each is
   re-sent with its own id and DUP (MQTT-4.4.0-1), never reused for another message
-  (MQTT-2.2.1-3), and the record is not delivered a second time under another id.
+  (MQTT-2.2.1-3), and the record is not delivered a second time under another id.  Offset
+  -1 marks a retained message's delivery at SUBSCRIBE (no group record): after a restart
+  the broker sends its PUBREL, which frees the id at the client.
   The broker writes in a worker thread (:meth:`SessionStore.write`), never on the event loop.
 * ``own`` (present when not empty): offset runs ``[start, end)`` the session's own client
   published while it had a no local subscription (MQTT-3.8.3-3), pruned below the group's
@@ -254,7 +256,7 @@ class StoredSession:
             raise CorruptSession(path, "qos2_sent is not an object")
         for key, off in sent.items():
             if (not key.isdigit() or not 0 < int(key) <= 0xFFFF or not isinstance(off, int)
-                    or isinstance(off, bool) or off < 0):
+                    or isinstance(off, bool) or off < -1):  # -1: a retained message's delivery
                 raise CorruptSession(path, f"bad qos2_sent entry {key!r}: {off!r}")
             session.qos2_sent[int(key)] = off
         own = raw.get("own", [])

@@ -159,3 +159,38 @@ def test_retained_qos2_delivery_id_is_released_after_kill9_not_reused(tmp_path: 
     finally:
         proc.kill()
         proc.wait(timeout=10)
+
+
+def test_shared_subscription_qos2_id_is_released_after_kill9_and_the_message_comes_again(tmp_path: Path) -> None:
+    """A QoS 2 delivery of a shared subscription ($share/g/...) whose PUBREC is lost to a
+    SIGKILL: after the restart the member gets PUBREL for the old id (freeing it at the
+    client) and the message again from the share group under another id; the old id is not
+    reused before its PUBCOMP (MQTT-2.2.1-3)."""
+    proc, port = _start_broker(tmp_path)
+    try:
+        sub = _Raw(port, Connect(client_id="member", clean_session=False))
+        sub.send(Subscribe(1, [("$share/g/s/#", 2)]))
+        assert sub.next() == Suback(1, [2])
+        pub = _Raw(port, Connect(client_id="pub"))
+        pub.send(Publish("s/1", b"shared", 2, packet_id=1))
+        assert pub.next() == Pubrec(1)
+        pub.send(Pubrel(1))
+        assert pub.next() == Pubcomp(1)
+        (first,) = _publishes(sub, 1)
+        assert first.qos == 2 and first.packet_id is not None
+        held_id = first.packet_id
+        proc.kill()
+        proc.wait(timeout=10)
+        sub.close()
+        pub.close()
+
+        proc, port = _start_broker(tmp_path)
+        sub = _Raw(port, Connect(client_id="member", clean_session=False))
+        assert sub.next() == Pubrel(held_id)
+        (again,) = _publishes(sub, 1)
+        assert again.payload == b"shared" and again.packet_id != held_id
+        sub.send(Pubcomp(held_id))
+        sub.close()
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)

@@ -245,8 +245,10 @@ class DeliveryMixin(CoreBase):
             state.next_pid = pid % 0xFFFF + 1
             # (headers kept: re-sent with them if the session resumes on MQTT 5)
             inflight[pid] = Outbound(offset, group, qos, topic, r.payload, share, False, r.headers)
-            if qos == 2 and resumed is not None and state.persistent:
-                state.qos2_sent[pid] = offset
+            if qos == 2 and state.persistent:
+                # (-1: a shared group's record; after a restart its PUBREL frees the id and the
+                # group hands the record out again, to any member)
+                state.qos2_sent[pid] = offset if resumed is not None else -1
                 if hold < 0:
                     hold = len(parts)
             parts.append(publish_bytes(topic, r.payload, qos, redelivered(offset), pid, False))
@@ -393,8 +395,8 @@ class DeliveryMixin(CoreBase):
             inflight[pid] = Outbound(offset, group, qos, topic, r.payload, share, retain, headers)
             if alias_max:
                 data = conn.aliased(data, topic, r.payload, qos, data[0] & 0x08 != 0, pid, retain, headers, limit)
-            if qos == 2 and resumed is not None and state.persistent:
-                state.qos2_sent[pid] = offset
+            if qos == 2 and state.persistent:
+                state.qos2_sent[pid] = offset if resumed is not None else -1  # (-1: see _deliver)
                 if hold < 0:
                     hold = len(parts)
             parts.append(data)
@@ -603,8 +605,9 @@ class DeliveryMixin(CoreBase):
                 state.qos2_sent[pid] = offset
                 continue
             if offset < 0:
-                # A retained message's delivery (no group): its PUBREL frees the id at the
-                # client (4.3.3); the message is not sent again (as retained ones never are).
+                # A retained message's delivery (no group) or a shared group's record: its
+                # PUBREL frees the id at the client (4.3.3); a retained message is not sent
+                # again (as ever), a shared one comes again from its group (new id).
                 released = inflight[pid] = Outbound(-1, None, 2, "", b"", None)
                 released.stage = 1
                 state.qos2_sent[pid] = offset

@@ -22,6 +22,7 @@ from filemq.mqtt.packets import (
     Connect,
     Disconnect,
     Properties,
+    Publish,
     Suback,
     Subscribe,
     Unsuback,
@@ -177,4 +178,35 @@ def test_expired_session_is_released_and_a_stored_will_rewritten_off_the_loop(tm
         assert stored is not None and stored.will is None
         assert any(r.topic == "gone" for r in h.queue.log.records)
         assert writes.all_off_loop(), (writes.threads, writes.on_loop)
+    run(main())
+
+
+def test_live_records_wait_behind_the_retained_replay_while_the_suback_waits(tmp_path: Path) -> None:
+    """While a SUBSCRIBE's session-file write runs, a newer live message on the topic is not
+    sent before the SUBACK and the older retained one: a client taking RETAIN 1 for the last
+    known value would otherwise overwrite the newer value with the older."""
+    async def main() -> None:
+        h, writes = _harness(tmp_path)
+        pub = h.connected("pub")
+        pub.send(Publish("a/1", b"old", 1, retain=True, packet_id=1))
+        await h.commit()
+        c = h.client()
+        c.send(Connect(client_id="s", clean_session=False))
+        await h.settle()
+        assert c.received() == [Connack(False, 0)]
+        writes.gate.clear()
+        c.send(Subscribe(1, [("a/#", 1)]))
+        await asyncio.sleep(0.05)
+        pub.send(Publish("a/1", b"new", 1, packet_id=2))
+        h.queue.commit()
+        for _ in range(5):
+            await asyncio.sleep(0.02)
+        h.core.flush()
+        assert c.received() == [], "a live record left before the SUBACK and the retained replay"
+        writes.gate.set()
+        await h.settle()
+        got = c.received()
+        assert isinstance(got[0], Suback)
+        pubs = [p for p in got if isinstance(p, Publish)]
+        assert [(p.payload, p.retain) for p in pubs] == [(b"old", True), (b"new", False)]
     run(main())

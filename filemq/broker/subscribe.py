@@ -192,11 +192,13 @@ class SubscribeMixin(CoreBase):
                 written = self._save_now(state)
         suback = Suback(p.packet_id, codes)
         if written is not None and not written.done():
+            # Its live records wait too: they go after its retained messages, never before
+            # (a retained message is older than any live one of its topic).
+            state.out_hold = written
             written.add_done_callback(functools.partial(
                 self._subscription_written, conn, state, with_retained, mark, start, "SUBSCRIBE"))
             conn.queue_ack(written, conn.encode_packet(suback))
             self._join_batch(conn, written)
-            self.pump(conn)
             return
         if written is not None and (written.cancelled() or written.exception() is not None):
             conn.close("SUBSCRIBE refused: its state cannot be persisted (writing the session file failed)",
@@ -217,7 +219,12 @@ class SubscribeMixin(CoreBase):
                               mark: int, start: int, what: str, written: asyncio.Future[None]) -> None:
         """The session file of a SUBSCRIBE / UNSUBSCRIBE is durable (or failed): release its
         ack (queued in order), then the retained messages the SUBSCRIBE gets."""
+        if state.out_hold is written:
+            state.out_hold = None
         if conn.closed or state.conn is not conn:
+            if state.conn is not None and not state.conn.closed:
+                self.pump(state.conn)  # (the session moved on to a new connection meanwhile)
+                self.flush()
             return
         if written.cancelled() or written.exception() is not None:
             conn.close(f"{what} refused: its state cannot be persisted (writing the session file failed)",

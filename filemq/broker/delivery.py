@@ -95,7 +95,7 @@ class DeliveryMixin(CoreBase):
     def pump(self, conn: Connection) -> None:
         """Push records to ``conn`` while its in-flight window has room."""
         state = conn.session
-        if state is None or conn.closed or conn.paused or state.conn is not conn or state.out_hold is not None:
+        if state is None or conn.closed or conn.paused or state.conn is not conn or state.holding():
             return
         if conn in self._retained_after or (conn in self._retained_out and not self._drain_retained(conn, state)):
             return  # live records after the retained ones, never before
@@ -105,7 +105,7 @@ class DeliveryMixin(CoreBase):
             cid = conn.client_id
             while pushed < _MAX_PUMP:
                 room = conn.max_inflight - len(state.inflight)
-                if room <= 0 or conn.paused or state.out_hold is not None:
+                if room <= 0 or conn.paused or state.holding():
                     break
                 records = group.fetch(min(room, 100), cid)
                 if not records:
@@ -175,7 +175,7 @@ class DeliveryMixin(CoreBase):
     def pump_share(self, sh: SharedGroup) -> None:
         """Hand the shared group's records to its live members, a few at a time each."""
         members = [m for m in sh.members if not m.closed and not m.paused and m.session is not None
-                   and m.session.out_hold is None]
+                   and not m.session.holding()]
         if not members:
             return
         group = sh.group

@@ -458,6 +458,12 @@ class SessionState:
         # sessions; in the session file), for no local beyond PublisherRuns' window.
         self.own_runs = OwnRuns()
 
+    def holding(self) -> bool:
+        """Whether deliveries wait for a session-file write (:attr:`out_hold`).  A method, not
+        the attribute: a compiled caller would keep the attribute narrowed to None across the
+        calls that set it (mypyc checks the narrowed type at the next read)."""
+        return self.out_hold is not None
+
     def own_filters(self) -> tuple[str, ...]:
         return tuple(sorted({s.plain for s in self.subs.values() if s.share is None}))
 

@@ -364,6 +364,10 @@ def passwd(file: str, user: str, password_stdin: bool, iterations: int | None) -
               help="A listener (repeatable; replaces --host/--port/--tls-*), e.g. "
                    "0.0.0.0:8883,tls_cert=c.pem,tls_key=k.pem,tls_ca=ca.pem,require_certificate=true "
                    "or 0.0.0.0:8080,protocol=websockets. Config: [[listener]] (docs/CONFIG.md).")
+@click.option("--mosquitto-conf", "mosquitto_conf", type=click.Path(dir_okay=False), default=None,
+              help="A Mosquitto configuration file instead of --config: listeners, TLS, password and ACL files, "
+                   "limits, persistence_location; options not taken are named with the reason, one that would "
+                   "weaken a guarantee (persistence false) exits 2. See `filemq mosquitto-conf`.")
 def broker(config_file: str | None, **flags: object) -> None:
     """Run the MQTT broker on the log until SIGTERM/SIGINT (exit 0 clean, 2 config, 1 failure)."""
     from filemq.ops.broker_app import run_broker
@@ -377,8 +381,14 @@ def _serve(name: str, config_file: str | None, flags: dict[str, object],
     reason on a bad or incomplete one, then run the service and exit with its code."""
     from filemq.common.config import ConfigError, flag_overrides, load_config
 
+    mosquitto_conf = flags.pop("mosquitto_conf", None)
     try:
-        config = load_config(config_file, flag_overrides(name, flags))
+        overrides = flag_overrides(name, flags)
+        if mosquitto_conf is not None:
+            if config_file is not None:
+                raise ConfigError("give --config or --mosquitto-conf, not both", key="mosquitto_conf")
+            overrides = _from_mosquitto(name, str(mosquitto_conf), overrides)
+        config = load_config(config_file, overrides)
     except ConfigError as exc:
         click.echo(f"filemq {name}: {exc}", err=True)
         sys.exit(2)
@@ -388,6 +398,55 @@ def _serve(name: str, config_file: str | None, flags: dict[str, object],
         sys.exit(2)
     logging.getLogger("filemq").setLevel(min(logging.getLogger().level, logging.WARNING))
     sys.exit(run(config, ready=lambda line: click.echo(line)))
+
+
+def _from_mosquitto(name: str, path: str, flags: dict[str, Any]) -> dict[str, Any]:
+    """``load_config`` overrides from a mosquitto.conf, the command's flags winning; the
+    options not taken are printed with their reasons; a refused one exits 2."""
+    from filemq.ops.mosquitto_conf import convert
+
+    conversion = convert(path)
+    for note in conversion.ignored:
+        click.echo(f"filemq {name}: mosquitto.conf option not taken: {note}", err=True)
+    for note in conversion.refused:
+        click.echo(f"filemq {name}: mosquitto.conf option refused: {note}", err=True)
+    if conversion.refused:
+        sys.exit(2)
+    merged = conversion.overrides()
+    merged.update(flags)
+    return merged
+
+
+@main.command("mosquitto-conf")
+@click.argument("file", type=click.Path(dir_okay=False))
+@click.option("--json", "as_json", is_flag=True, help="One JSON object: values, listeners, ignored, refused.")
+def mosquitto_conf(file: str, as_json: bool) -> None:
+    """Convert a Mosquitto configuration FILE to filemq's TOML (stdout); the options not taken
+    go to stderr with their reasons. Exit 2 when an option would weaken a guarantee
+    (persistence false) or the file cannot be read."""
+    import json
+
+    from filemq.common.config import ConfigError
+    from filemq.ops.mosquitto_conf import convert
+
+    try:
+        conversion = convert(file)
+    except ConfigError as exc:
+        click.echo(f"filemq mosquitto-conf: {exc}", err=True)
+        sys.exit(2)
+    if as_json:
+        click.echo(json.dumps({"values": conversion.values, "listeners": conversion.listeners,
+                               "ignored": [vars(n) for n in conversion.ignored],
+                               "refused": [vars(n) for n in conversion.refused]}))
+    else:
+        for note in conversion.ignored:
+            click.echo(f"not taken: {note}", err=True)
+        for note in conversion.refused:
+            click.echo(f"refused: {note}", err=True)
+        if not conversion.refused:
+            click.echo(conversion.toml(), nl=False)
+    if conversion.refused:
+        sys.exit(2)
 
 
 @main.command(cls=SectionedCommand)
@@ -416,6 +475,9 @@ def _serve(name: str, config_file: str | None, flags: dict[str, object],
 @click.option("--listener", multiple=True, default=None, metavar="HOST:PORT[,key=value...]",
               help="A local broker listener (repeatable; replaces --host/--port/--tls-*). "
                    "Config: [[listener]] (docs/CONFIG.md).")
+@click.option("--mosquitto-conf", "mosquitto_conf", type=click.Path(dir_okay=False), default=None,
+              help="The local broker's settings from a Mosquitto configuration file instead of --config "
+                   "(see `filemq broker --help`); the agent's own keys come from flags.")
 def agent(config_file: str | None, **flags: object) -> None:
     """Run the device broker plus the forwarder to the collector until SIGTERM/SIGINT."""
     from worker_agent.app import run_agent

@@ -7,6 +7,8 @@ is reset, in the middle of whatever packet was passing. :meth:`cut_now` resets a
 ``refuse`` makes new connections fail immediately (an unreachable collector).
 :meth:`flip_in` arms a byte flip: the next client -> server chunk that holds a given byte
 string has one of its bytes XORed in transit (damage a link-layer CRC would miss).
+``hold_down = True`` holds every server -> client byte (the server goes silent, the
+connections stay open) until it is set back to False.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ class TcpProxy:
         self.cuts = 0
         self.bytes_up = 0
         self.flips = 0
+        self._down_open = asyncio.Event()
+        self._down_open.set()
         self._cut_at: int | None = None
         self._flip: tuple[bytes, int, int] | None = None
         self._server: asyncio.Server | None = None
@@ -45,6 +49,17 @@ class TcpProxy:
         if self._server is not None:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._server.wait_closed(), 2)
+
+    @property
+    def hold_down(self) -> bool:
+        return not self._down_open.is_set()
+
+    @hold_down.setter
+    def hold_down(self, hold: bool) -> None:
+        if hold:
+            self._down_open.clear()
+        else:
+            self._down_open.set()
 
     def cut_after(self, nbytes: int) -> None:
         """Reset every connection once ``nbytes`` more bytes went upstream."""
@@ -123,6 +138,8 @@ class TcpProxy:
                 if upstream:
                     self.bytes_up += len(data)
                     data = self._maybe_flip(data)
+                else:
+                    await self._down_open.wait()
                 writer.write(data)
                 await writer.drain()
         except (OSError, asyncio.IncompleteReadError):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import random
 import signal
@@ -28,7 +29,7 @@ import pytest
 from filemq.broker.server import free_port
 from filemq.common.config import Config, load_config
 from filemq.mqtt.client import MQTTClient
-from filemq.mqtt.codec import Decoder, encode
+from filemq.mqtt.codec import Decoder, encode, encode5
 from filemq.mqtt.packets import (
     Connack,
     Connect,
@@ -36,17 +37,21 @@ from filemq.mqtt.packets import (
     Packet,
     Pingreq,
     Pingresp,
+    Properties,
     Puback,
     Pubcomp,
     Publish,
     Pubrec,
     Pubrel,
+    Suback,
+    Subscribe,
 )
 from tests import mosquitto
 from tests.mosquitto import Mosquitto, Oracle
 from tests.tcpproxy import TcpProxy
 from tests.test_e2e_forward import Publishers, run, until
 from worker_agent.app import Agent
+from worker_agent.mqtt_export import MqttExport
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -86,7 +91,11 @@ class ScriptedBroker:
         self.connects: list[Connect] = []
         self.packets: list[tuple[int, Packet]] = []  # (connection number, packet)
         self.ack: Callable[[int, Publish], bool] = lambda conn, p: True
+        # True: answer this QoS 1 PUBLISH with PUBREC, as a broken destination does (never PUBACK)
+        self.pubrec_for_qos1: Callable[[int, Publish], bool] = lambda conn, p: False
         self.session_present = True
+        self.levels: tuple[int, ...] = (4, 5)  # protocol levels it accepts
+        self.connack_properties: Properties | None = None  # MQTT 5 CONNACK properties
         self.held: list[tuple[asyncio.StreamWriter, Publish]] = []
         self.changed = asyncio.Event()
         self._server: asyncio.Server | None = None
@@ -127,10 +136,21 @@ class ScriptedBroker:
                     self.changed.set()
                     if isinstance(packet, Connect):
                         self.connects.append(packet)
-                        writer.write(encode(Connack(self.session_present and not packet.clean_session, 0)))
+                        if packet.protocol_level not in self.levels:
+                            # As a 3.1.1-only broker answers a level it does not speak (MQTT-3.1.2-2).
+                            writer.write(encode(Connack(False, 0x01)))
+                            return
+                        ack = Connack(self.session_present and not packet.clean_session, 0)
+                        if packet.protocol_level == 5:
+                            ack.properties = self.connack_properties
+                            writer.write(encode5(ack))
+                        else:
+                            writer.write(encode(ack))
                     elif isinstance(packet, Publish):
                         assert packet.packet_id is not None
-                        if self.ack(conn, packet):
+                        if packet.qos == 1 and self.pubrec_for_qos1(conn, packet):
+                            writer.write(encode(Pubrec(packet.packet_id)))
+                        elif self.ack(conn, packet):
                             writer.write(encode(Puback(packet.packet_id) if packet.qos == 1 else Pubrec(packet.packet_id)))
                         else:
                             self.held.append((writer, packet))
@@ -395,7 +415,9 @@ password_file = "{pw}"
             await until(lambda: runner.stats.connect_failures >= 3, what="retries")  # type: ignore[union-attr]
             assert export.state() == "backoff"
             error = export.last_error() or ""
-            assert "refused" in error and "not authorized (CONNACK 5)" in error and "password_file" in error, error
+            # (mosquitto answers MQTT 5 with 0x87 = 135, 3.1.1 with 5: both "not authorized")
+            assert "refused" in error and "password_file" in error, error
+            assert "not authorized (CONNACK 135)" in error or "not authorized (CONNACK 5)" in error, error
             assert export.group.pending_offset == 0 and export.group.lag == 200
             # The upstream now accepts that password (mosquitto re-reads its file on SIGHUP):
             # the export connects by itself and every record arrives (at the oracle, which
@@ -609,5 +631,359 @@ max_packet_size = "2 KiB"
             await agent.stop()
             await up.stop()
         assert any("exceeds the export's max_packet_size 2048" in r.getMessage() for r in caplog.records)
+
+    run(scenario())
+
+
+# -- a destination that stops acknowledging (issue 30 item 5) ---------------------------------
+
+
+def _stalled_export_config(tmp_path: Path, port: int, qos: int = 1) -> Config:
+    return agent_config(tmp_path, f"""
+[[export]]
+name = "up"
+url = "mqtt://127.0.0.1:{port}"
+qos = {qos}
+ack_timeout_ms = 1000
+""")
+
+
+@pytest.mark.parametrize("qos", [1, 2])
+def test_destination_that_stops_acknowledging_for_8_s_gets_everything_by_itself(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture, qos: int) -> None:
+    """The destination takes the connection and the PUBLISHes but acknowledges nothing for 8 s.
+    The export does not wait forever: after ack_timeout_ms it closes the connection, logs it
+    (once), reconnects and resends the window with the same ids and DUP set (MQTT-4.4.0-1);
+    once the destination acknowledges again every locally acknowledged message is delivered
+    and acknowledged there, with no restart of anything."""
+    caplog.set_level(logging.INFO, logger="worker_agent.mqtt_export")
+
+    async def scenario() -> None:
+        up = ScriptedBroker()
+        loop = asyncio.get_running_loop()
+        resume_at = loop.time() + 8.0
+        up.ack = lambda conn, p: loop.time() >= resume_at
+        await up.start()
+        agent = Agent(_stalled_export_config(tmp_path, up.port, qos))
+        await agent.start()
+        try:
+            sent = await publish_local(agent.broker.port, 300)
+            export = agent.exports.get("up")
+            assert export is not None and export.group is not None
+            runner = export.runner
+            assert isinstance(runner, MqttExport)
+            group = export.group
+            await until(lambda: runner.stats.ack_timeouts >= 2, timeout=20, what="ack timeouts while stalled")
+            assert group.lag == len(sent), "records were acked while the destination acknowledged nothing"
+            await until(lambda: group.lag == 0, timeout=40, what="drained once the destination acknowledges")
+            assert loop.time() >= resume_at
+            delivered = {p.payload for c, p in up.packets if isinstance(p, Publish) and up.ack(c, p)}
+            assert set(sent) <= delivered
+            first = min(c for c, p in up.packets if isinstance(p, Publish))  # (QoS 2: after a clean one)
+            first_ids = {p.packet_id: p.payload for p in up.publishes(first)}
+            later = [p for c, p in up.packets if c > first and isinstance(p, Publish)]
+            resent = [p for p in later if p.packet_id in first_ids and first_ids[p.packet_id] == p.payload]
+            assert resent and all(p.dup for p in resent), "the window was not resent with its ids and DUP"
+            assert export.counters()["ack_timeouts"] == runner.stats.ack_timeouts
+        finally:
+            await agent.stop()
+            await up.stop()
+        lines = [r for r in caplog.records if "has not acknowledged packet id" in r.getMessage()]
+        assert len(lines) == 1, "the first ack timeout is logged once (later ones only counted)"
+        assert any("acknowledges again" in r.getMessage() for r in caplog.records)
+
+    run(scenario(), timeout=90)
+
+
+def test_destination_that_answers_pubrec_to_qos1_is_left_and_retried(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A QoS 1 PUBLISH answered with PUBREC is not acknowledged (MQTT-4.3.2: only PUBACK
+    completes it): the export keeps it in flight, times out, reconnects and resends with DUP;
+    when the destination answers PUBACK (its third connection) everything is delivered."""
+
+    async def scenario() -> None:
+        up = ScriptedBroker()
+        up.pubrec_for_qos1 = lambda conn, p: conn < 2
+        await up.start()
+        agent = Agent(_stalled_export_config(tmp_path, up.port))
+        await agent.start()
+        try:
+            sent = await publish_local(agent.broker.port, 100)
+            export = agent.exports.get("up")
+            assert export is not None and export.group is not None
+            runner = export.runner
+            assert isinstance(runner, MqttExport)
+            group = export.group
+            await until(lambda: group.lag == 0, timeout=40, what="drained after the PUBRECs")
+            assert runner.stats.ack_timeouts >= 2
+            assert set(sent) <= {p.payload for p in up.publishes(2)} | {p.payload for c, p in up.packets
+                                                                     if c > 2 and isinstance(p, Publish)}
+            assert all(p.dup for p in up.publishes(2))
+        finally:
+            await agent.stop()
+            await up.stop()
+        assert sum("has not acknowledged packet id" in r.getMessage() for r in caplog.records) == 1
+
+    run(scenario(), timeout=90)
+
+
+@needs_mosquitto
+def test_mosquitto_silent_for_8_s_behind_a_proxy_loses_nothing(tmp_path: Path) -> None:
+    """Real mosquitto upstream whose answers are held for 8 s by a proxy (the connection stays
+    open, PUBLISHes reach it, no PUBACK comes back): the export times out, reconnects, resends
+    with DUP into mosquitto's persistent session, and once the answers flow again every
+    locally acknowledged message reaches the oracle subscriber, with nothing restarted."""
+
+    async def scenario() -> None:
+        mq = Mosquitto(tmp_path / "mosquitto")
+        mq.start()
+        oracle = Oracle(mq.port, "sensors/#")
+        await oracle.start()
+        proxy = TcpProxy(mq.port)
+        await proxy.start()
+        agent = Agent(_stalled_export_config(tmp_path, proxy.port))
+        await agent.start()
+        try:
+            export = agent.exports.get("up")
+            assert export is not None and export.group is not None
+            runner = export.runner
+            assert isinstance(runner, MqttExport)
+            await until(lambda: runner.stats.state == "connected", what="export connected")
+            proxy.hold_down = True
+            sent = await publish_local(agent.broker.port, 400)
+            await until(lambda: runner.stats.ack_timeouts >= 1, timeout=10, what="an ack timeout")
+            await asyncio.sleep(8.0 - 1.5)
+            assert export.group.lag == len(sent), "acked while mosquitto's answers were held"
+            proxy.hold_down = False
+            await until(lambda: export.group is not None and export.group.lag == 0, timeout=40,
+                        what="drained once answers flow")
+            await oracle.wait_for(set(sent), timeout=30)
+        finally:
+            await agent.stop()
+            await proxy.stop()
+            await oracle.stop()
+            mq.stop()
+
+    run(scenario(), timeout=100)
+
+
+# -- MQTT 5 end to end (issue 33 item 4) -------------------------------------------------------
+
+
+class Raw5:
+    """A packet-level MQTT 5 client on loopback (bounded by ``timeout`` per read)."""
+
+    def __init__(self) -> None:
+        self.decoder = Decoder(server=False, protocol_level=5)
+        self.received: list[Publish] = []
+        self._queue: list[Packet] = []
+        self._reader: asyncio.StreamReader | None = None
+        self._writer: asyncio.StreamWriter | None = None
+
+    async def connect(self, port: int, client_id: str) -> Connack:
+        self._reader, self._writer = await asyncio.open_connection("127.0.0.1", port)
+        self.send(Connect(client_id=client_id, protocol_level=5))
+        ack = await self.next()
+        assert isinstance(ack, Connack) and ack.return_code == 0, ack
+        return ack
+
+    def send(self, packet: Packet) -> None:
+        assert self._writer is not None
+        self._writer.write(encode5(packet))
+
+    async def next(self, timeout: float = 10.0) -> Packet:
+        assert self._reader is not None
+        async with asyncio.timeout(timeout):
+            while not self._queue:
+                data = await self._reader.read(65536)
+                assert data, "connection closed"
+                self.decoder.feed(data)
+                self._queue.extend(self.decoder.packets())
+        return self._queue.pop(0)
+
+    async def collect(self, n: int, timeout: float = 30.0) -> list[Publish]:
+        """PUBLISHes until ``n`` arrived (each acknowledged)."""
+        async with asyncio.timeout(timeout):
+            while len(self.received) < n:
+                p = await self.next(timeout)
+                if isinstance(p, Publish):
+                    self.received.append(p)
+                    if p.qos and p.packet_id is not None:
+                        self.send(Puback(p.packet_id) if p.qos == 1 else Pubrec(p.packet_id))
+                elif isinstance(p, Pubrel):
+                    self.send(Pubcomp(p.packet_id))
+        return self.received
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+
+
+def _props(i: int, expiry: int | None = 3600) -> Properties:
+    return Properties(payload_format_indicator=1, message_expiry_interval=expiry, content_type="application/json",
+                      response_topic=f"reply/{i}", correlation_data=b"\x00corr-%d" % i,
+                      user_properties=[("k", "v1"), ("k", "v2"), ("seq", str(i))])
+
+
+async def _publish5(port: int, messages: list[tuple[str, bytes, Properties | None]]) -> None:
+    pub = Raw5()
+    await pub.connect(port, "pub5")
+    for i, (topic, payload, props) in enumerate(messages):
+        pub.send(Publish(topic, payload, 1, packet_id=i + 1, properties=props))
+        ack = await pub.next()
+        assert isinstance(ack, Puback) and ack.packet_id == i + 1 and ack.reason_code == 0, ack
+    pub.close()
+
+
+@needs_mosquitto
+@pytest.mark.parametrize("qos", [1, 2])
+def test_mqtt5_properties_reach_a_v5_subscriber_at_mosquitto(tmp_path: Path, qos: int) -> None:
+    """An MQTT 5 message published on the device goes through the export to Debian mosquitto
+    (negotiated: MQTT 5) and reaches an MQTT 5 subscriber there with every message property:
+    payload format indicator, content type, response topic, correlation data and the user
+    properties in wire order with repeats (MQTT-3.3.2-17/-18: the server forwards them
+    unaltered), the message expiry interval lowered, never raised (MQTT-3.3.2-6); a plain
+    message arrives without properties; the status says MQTT 5."""
+
+    async def scenario() -> None:
+        mq = Mosquitto(tmp_path / "mosquitto")
+        mq.start()
+        sub = Raw5()
+        await sub.connect(mq.port, "sub5")
+        sub.send(Subscribe(1, [("up/#", 2)]))
+        assert isinstance(await sub.next(), Suback)
+        agent = Agent(agent_config(tmp_path, f"""
+[[export]]
+name = "up"
+url = "mqtt://127.0.0.1:{mq.port}"
+topic_template = "up/{{topic}}"
+qos = {qos}
+"""))
+        await agent.start()
+        try:
+            sent = [(f"sensors/{i}", b"m-%d" % i, _props(i)) for i in range(20)]
+            sent.append(("sensors/plain", b"plain", None))
+            await _publish5(agent.broker.port, sent)
+            got = await sub.collect(len(sent))
+            by_payload = {p.payload: p for p in got}
+            for i in range(20):
+                p = by_payload[b"m-%d" % i]
+                assert p.topic == f"up/sensors/{i}"
+                props = p.properties
+                assert props is not None
+                assert props.payload_format_indicator == 1 and props.content_type == "application/json"
+                assert props.response_topic == f"reply/{i}" and props.correlation_data == b"\x00corr-%d" % i
+                assert props.user_properties == [("k", "v1"), ("k", "v2"), ("seq", str(i))]
+                assert props.message_expiry_interval is not None and 3590 <= props.message_expiry_interval <= 3600
+            plain = by_payload[b"plain"].properties
+            assert plain is None or (plain.user_properties == [] and plain.content_type is None)
+            (entry,) = agent.exports.status()
+            assert entry["protocol"] == "5"
+        finally:
+            await agent.stop()
+            sub.close()
+            mq.stop()
+
+    run(scenario())
+
+
+def test_a_destination_that_refuses_mqtt5_gets_mqtt_3_1_1_and_the_status_says_so(tmp_path: Path) -> None:
+    """protocol = "auto" (the default) to a 3.1.1-only broker: CONNACK 0x01 to the level-5
+    CONNECT (MQTT-3.1.2-2), then a level-4 CONNECT that it accepts; everything is delivered,
+    without properties, and the status shows the fallback with its reason."""
+
+    async def scenario() -> None:
+        up = ScriptedBroker()
+        up.levels = (4,)
+        await up.start()
+        agent = Agent(agent_config(tmp_path, f"""
+[[export]]
+name = "up"
+url = "mqtt://127.0.0.1:{up.port}"
+"""))
+        await agent.start()
+        try:
+            await _publish5(agent.broker.port, [("t/a", b"m-%d" % i, _props(i)) for i in range(5)])
+            export = agent.exports.get("up")
+            assert export is not None and export.group is not None
+            group = export.group
+            await until(lambda: group.lag == 0, what="drained over 3.1.1")
+            assert [c.protocol_level for c in up.connects][:2] == [5, 4]
+            assert {p.payload for p in up.publishes()} == {b"m-%d" % i for i in range(5)}
+            (entry,) = agent.exports.status()
+            assert entry["protocol"].startswith("3.1.1 (fallback: CONNACK 0x01"), entry["protocol"]
+        finally:
+            await agent.stop()
+            await up.stop()
+
+    run(scenario())
+
+
+def test_protocol_is_configurable_and_mqtt5_limits_of_the_destination_are_kept(tmp_path: Path) -> None:
+    """protocol = "5": the CONNECT is level 5 with a never-expiring session (clean start 0,
+    Session Expiry Interval 0xFFFFFFFF: the persistent session of 3.1.1); the CONNACK's
+    Receive Maximum 4 bounds the publishes in flight (MQTT-3.3.4-7: the client must not
+    exceed it); a record whose message expiry passed while the destination was away is not
+    sent (acked, counted); protocol = "3.1.1" sends a level-4 CONNECT."""
+
+    async def scenario() -> None:
+        up = ScriptedBroker()
+        up.port = free_port()
+        agent = Agent(agent_config(tmp_path, f"""
+[[export]]
+name = "v5"
+url = "mqtt://127.0.0.1:{up.port}"
+protocol = "5"
+"""))
+        await agent.start()
+        try:
+            # Published while the destination is down: one expires meanwhile.
+            await _publish5(agent.broker.port, [("t/short", b"short", _props(0, expiry=1))]
+                            + [("t/a", b"m-%d" % i, _props(i)) for i in range(12)])
+            await asyncio.sleep(2.2)
+            up.connack_properties = Properties(receive_maximum=4)
+            held = {"on": True}
+            up.ack = lambda conn, p: not held["on"]
+            await up.start()
+            export = agent.exports.get("v5")
+            assert export is not None and export.group is not None and isinstance(export.runner, MqttExport)
+            runner = export.runner
+            await up.wait_for(lambda: len(up.publishes()) >= 4)
+            await asyncio.sleep(0.5)
+            assert len(up.publishes()) == 4, "more in flight than the destination's Receive Maximum"
+            held["on"] = False
+            up.release()
+            group = export.group
+            await until(lambda: group.lag == 0, what="drained")
+            assert [c.protocol_level for c in up.connects] == [5]
+            c = up.connects[0]
+            assert not c.clean_session and c.properties is not None
+            assert c.properties.session_expiry_interval == 0xFFFFFFFF
+            payloads = [p.payload for p in up.publishes()]
+            assert b"short" not in payloads and set(payloads) == {b"m-%d" % i for i in range(12)}
+            assert runner.stats.expired_skipped == 1
+        finally:
+            await agent.stop()
+            await up.stop()
+
+        up = ScriptedBroker()
+        await up.start()
+        (tmp_path / "b").mkdir()
+        agent = Agent(agent_config(tmp_path / "b", f"""
+[[export]]
+name = "old"
+url = "mqtt://127.0.0.1:{up.port}"
+protocol = "3.1.1"
+"""))
+        await agent.start()
+        try:
+            await _publish5(agent.broker.port, [("t/a", b"x", _props(1))])
+            await up.wait_for(lambda: len(up.publishes()) >= 1)
+            assert [c.protocol_level for c in up.connects] == [4]
+            (entry,) = agent.exports.status()
+            assert entry["protocol"] == "3.1.1"
+        finally:
+            await agent.stop()
+            await up.stop()
 
     run(scenario())

@@ -73,7 +73,7 @@ def collector_settings(config: Config, spec: ExportSection) -> ForwarderConfig:
         rate_limit_bytes_per_s=None,  # the export's Share applies it
         backoff_initial_s=a.backoff_initial_ms / 1000,
         backoff_max_s=a.backoff_max_ms / 1000,
-        ack_timeout_s=a.ack_timeout_ms / 1000,
+        ack_timeout_s=(a.ack_timeout_ms if spec.ack_timeout_ms is None else spec.ack_timeout_ms) / 1000,
         upstream_max_packet_size=spec.max_packet_size or a.upstream_max_packet_size,
     )
 
@@ -176,13 +176,15 @@ class Export:
             return {"records_sent": s.records_sent, "records_acked": s.records_acked, "bytes_sent": s.bytes_sent,
                     "bytes_acked": s.bytes_acked, "inflight_records": s.inflight, "connects": s.connects,
                     "connect_failures": s.connect_failures, "disconnects": s.disconnects,
-                    "last_ack_unix": s.last_ack_unix, "oversized_skipped": s.oversized_skipped}
+                    "last_ack_unix": s.last_ack_unix, "oversized_skipped": s.oversized_skipped,
+                    "ack_timeouts": s.ack_timeouts, "protocol": s.protocol, "expired_skipped": s.expired_skipped}
         if isinstance(r, Forwarder):
             f = r.stats
             return {"records_sent": f.records_sent, "records_acked": f.records_acked, "bytes_sent": f.bytes_sent,
                     "bytes_acked": f.bytes_acked, "inflight_records": sum(len(i.batch.offsets) for i in r._inflight),
                     "connects": f.connects, "connect_failures": f.connect_failures, "disconnects": f.disconnects,
-                    "last_ack_unix": f.last_ack_unix, "oversized_skipped": f.oversized_records}
+                    "last_ack_unix": f.last_ack_unix, "oversized_skipped": f.oversized_records,
+                    "ack_timeouts": f.ack_timeouts}
         return {}
 
 
@@ -258,7 +260,7 @@ class Exports:
                                           health=health, health_interval_s=a.health_interval_s)
             else:
                 settings = MqttExportSettings.from_section(spec, self.device_id, a.backoff_initial_ms / 1000,
-                                                           a.backoff_max_ms / 1000)
+                                                           a.backoff_max_ms / 1000, a.ack_timeout_ms / 1000)
                 export.runner = MqttExport(group, queue.wait_for_records, export.factory, settings, limiter=limiter)
             export.runner.start()
             log.info("export %r: %s, topics %s, priority %d; backlog %d records", spec.name, spec.url,

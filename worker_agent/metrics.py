@@ -12,7 +12,7 @@ without it still run the agent. Metric names: ``filemq_agent_batches_sent_total`
 also has ``filemq_agent_export_<metric>{export="NAME"}``: gauges ``connected``, ``backoff``,
 ``lag_records``, ``lag_bytes``, ``oldest_unsent_age_seconds``, ``last_ack_timestamp_seconds``,
 ``priority`` and counters ``records_sent``, ``records_acked``, ``bytes_sent``,
-``connect_failures``, ``lost_records``, ``oversized_skipped``.
+``connect_failures``, ``lost_records``, ``oversized_skipped``, ``ack_timeouts``.
 Plus the device broker's own figures, ``filemq_broker_...``
 (:mod:`filemq.broker.metrics`, read on the event loop at scrape time).
 """
@@ -149,6 +149,7 @@ class AgentMetrics(PromCollector):
             ("connect_failures", "Failed connection attempts", "connect_failures"),
             ("lost_records", "Records retention deleted before the export shipped them", "lost_records"),
             ("oversized_skipped", "Records over the export's max_packet_size, set aside unsent", "oversized_skipped"),
+            ("ack_timeouts", "Connections ended because the destination did not acknowledge in time", "ack_timeouts"),
         ):
             counter = CounterMetricFamily(p + name, doc, labels=["export"])
             for e in entries:

@@ -1,4 +1,4 @@
-"""The MQTT export's connection upstream: a lean MQTT 3.1.1 publisher for a record backlog.
+"""The MQTT export's connection upstream: a lean MQTT 5.0 / 3.1.1 publisher for a record backlog.
 
 :class:`ExportLink` does what :class:`worker_agent.mqtt_export.MqttExport` needs of an upstream
 client and nothing else: CONNECT (clean session as asked), QoS 1 or 2 publishes of log records
@@ -20,6 +20,19 @@ The protocol rules it keeps, as the general client does:
   PUBREC'd, PUBREL when PUBREC'd (MQTT-4.4.0-1).
 * A PUBREC is answered with PUBREL even for an unknown id, so the broker can finish (4.3.3).
 * ``dup`` on the first send marks a record possibly sent before a restart (MQTT-3.3.1-1).
+
+MQTT 5 (``protocol = "5"``, or ``"auto"``: tried first, 3.1.1 when the destination refuses
+the level -- CONNACK 0x01 or 0x84, or a close before any CONNACK -- and then accepts a 3.1.1
+CONNECT; :attr:`ExportLink.fallback` says why, for the status): each PUBLISH carries the
+record's message properties (payload format, content type, response topic, correlation
+data, user properties in wire order) with the message expiry interval lowered by the time
+the record has spent in the log (MQTT-3.3.2-6); the session is persistent with a Session
+Expiry Interval of 0xFFFFFFFF (never, as 3.1.1's clean session 0); the CONNACK's Receive
+Maximum (:attr:`ExportLink.send_quota`), Maximum Packet Size, Retain Available and Maximum
+QoS are kept. A PUBACK or PUBREC with a failure reason code (>= 0x80) does not complete
+the message: it stays in flight (logged once per code) and is resent after the export's
+ack timeout reconnects; a DISCONNECT from the destination ends the connection with its
+reason code.
 """
 
 from __future__ import annotations
@@ -27,29 +40,36 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import socket
 import ssl as ssl_module
 import struct
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from itertools import chain
+from itertools import chain, repeat
 from operator import attrgetter
 from typing import Protocol, cast
 
+from filemq.broker.state import message_expiry
 from filemq.mqtt.client import ConnectionRefused
 from filemq.mqtt.codec import Decoder, ProtocolError, encode
 from filemq.mqtt.packets import (
     CONNACK_ACCEPTED,
+    PROTOCOL_LEVEL,
+    PROTOCOL_LEVEL_5,
     Connack,
     Connect,
+    Disconnect,
     Packet,
     Pingresp,
+    Properties,
     Puback,
     Pubcomp,
     Publish,
     Pubrec,
     Pubrel,
 )
+from filemq.mqtt.properties import _vbi
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +80,19 @@ _PREFIX_CACHE_MAX = 4096  # (topic, payload length) -> fixed header + topic, per
 _PAYLOAD = attrgetter("payload")
 _TOPIC = attrgetter("topic")
 _RETAIN = attrgetter("retain")
+_HEADERS = attrgetter("headers")
+NEVER_EXPIRES = 0xFFFFFFFF  # MQTT 5 Session Expiry Interval: the session outlives every connection
+PROTOCOLS = ("auto", "5", "3.1.1")
+# MQTT 5 CONNACK reason codes (3.2.2.2), for the export's last_error.
+CONNACK5_NAMES = {
+    0x80: "unspecified error", 0x81: "malformed packet", 0x82: "protocol error",
+    0x83: "implementation specific error", 0x84: "unsupported protocol version",
+    0x85: "client identifier not valid", 0x86: "bad user name or password", 0x87: "not authorized",
+    0x88: "server unavailable", 0x89: "server busy", 0x8A: "banned", 0x8C: "bad authentication method",
+    0x90: "topic name invalid", 0x95: "packet too large", 0x97: "quota exceeded",
+    0x99: "payload format invalid", 0x9A: "retain not supported", 0x9B: "QoS not supported",
+    0x9C: "use another server", 0x9D: "server moved", 0x9F: "connection rate exceeded",
+}
 _PACK_ID = struct.Struct(">H").pack
 
 
@@ -77,6 +110,27 @@ class Message(Protocol):
 
     @property
     def retain(self) -> bool: ...
+
+    @property
+    def headers(self) -> bytes: ...  # MQTT 5 message properties (segments format 2), b"" if none
+
+    @property
+    def timestamp_us(self) -> int: ...
+
+
+def message_properties(headers: bytes, timestamp_us: int, now_us: int) -> bytes:
+    """The MQTT 5 property section (length included) of a record's PUBLISH upstream: its
+    headers with the message expiry interval lowered by the whole seconds spent since
+    ``timestamp_us`` (MQTT-3.3.2-6); a message past its expiry goes with 1 s left (it is
+    in flight already; the export does not start sending expired records)."""
+    if not headers:
+        return b"\x00"
+    left = message_expiry(headers, timestamp_us, now_us)
+    if left is None:
+        i = 1 if headers[0] == 0x02 else 3
+        interval = int.from_bytes(headers[i:i + 4], "big")
+        left = message_expiry(headers, timestamp_us, timestamp_us + (interval - 1) * 1_000_000) or headers
+    return _vbi(len(left)) + left
 
 
 def remaining_length(n: int) -> bytes:
@@ -100,6 +154,13 @@ class _Connection(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         transport = cast(asyncio.Transport, transport)  # (uvloop transports do not subclass it)
         self.transport = transport
+        # Each write is a whole run of PUBLISHes already; with a small window (an MQTT 5
+        # Receive Maximum of 20, mosquitto's default) Nagle would hold the next run for the
+        # destination's delayed ACK instead (measured: 433 records/s to mosquitto).
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
     def data_received(self, data: bytes) -> None:
         link = self.link
@@ -144,9 +205,24 @@ class ExportLink:
         password: bytes | str | None = None,
         ssl: ssl_module.SSLContext | None = None,
         max_packet_size: int = 1 << 20,
+        protocol: str = "3.1.1",
     ) -> None:
         if qos not in (1, 2):
             raise ValueError(f"an export publishes with QoS 1 or 2, not {qos}")
+        if protocol not in PROTOCOLS:
+            raise ValueError(f"protocol must be one of {', '.join(PROTOCOLS)}, not {protocol!r}")
+        # "auto": MQTT 5 first, 3.1.1 for the life of the link once the destination refused 5
+        # and took 3.1.1 (``fallback`` says why).
+        self.protocol = protocol
+        self.protocol_level = PROTOCOL_LEVEL if protocol == "3.1.1" else PROTOCOL_LEVEL_5
+        self.fallback: str | None = None
+        # From an MQTT 5 CONNACK (3.2.2.3): publishes in flight at once, the destination's
+        # packet limit, whether it takes retained messages.
+        self.send_quota = 65535
+        self.server_max_packet: int | None = None
+        self.retain_available = True
+        self._connect_sent = False
+        self._refusals_logged: set[int] = set()
         self.client_id = client_id
         self.host = host
         self.port = port
@@ -188,12 +264,38 @@ class ExportLink:
         """Connect, send CONNECT, wait for CONNACK, then resend the in-flight window first.
 
         Raises :class:`ConnectionRefused` (non-zero return code), ``TimeoutError``, ``OSError``
-        (``ConnectionError`` when the broker closes before its CONNACK)."""
+        (``ConnectionError`` when the broker closes before its CONNACK).  ``protocol = "auto"``:
+        a destination that refuses MQTT 5 (see the module doc) is asked again at once in 3.1.1,
+        and the link stays there if that succeeds."""
+        if self.protocol != "auto" or self.protocol_level != PROTOCOL_LEVEL_5:
+            return await self._connect_once(timeout)
+        try:
+            return await self._connect_once(timeout)
+        except (ConnectionRefused, ConnectionError, ProtocolError) as exc:
+            refused = isinstance(exc, ConnectionRefused) and exc.return_code in (0x01, 0x84)
+            if not (refused or (self._connect_sent and not isinstance(exc, ConnectionRefused))):
+                raise
+            why = (f"CONNACK 0x{exc.return_code:02x} to an MQTT 5 CONNECT" if isinstance(exc, ConnectionRefused)
+                   else f"no CONNACK to an MQTT 5 CONNECT ({exc})")
+        self.protocol_level = PROTOCOL_LEVEL
+        try:
+            connack = await self._connect_once(timeout)
+        except BaseException:
+            self.protocol_level = PROTOCOL_LEVEL_5  # not shown to take 3.1.1 either: 5 next time
+            raise
+        self.fallback = why
+        log.warning("export link %r: %s:%d does not speak MQTT 5 (%s); using MQTT 3.1.1 for this process: "
+                    "message properties are not carried", self.client_id, self.host, self.port, why)
+        return connack
+
+    async def _connect_once(self, timeout: float) -> Connack:
         if self.connected:
             raise RuntimeError(f"export link {self.client_id!r} is already connected")
         loop = asyncio.get_running_loop()
-        self._decoder = Decoder(self._max_packet_size, server=False)
+        v5 = self.protocol_level == PROTOCOL_LEVEL_5
+        self._decoder = Decoder(self._max_packet_size, server=False, protocol_level=self.protocol_level)
         self._connack = loop.create_future()
+        self._connect_sent = False
         async with asyncio.timeout(timeout):
             _, conn = await loop.create_connection(lambda: _Connection(self), self.host, self.port, ssl=self.ssl)
             self._conn = conn
@@ -204,16 +306,38 @@ class ExportLink:
                 # (inside: a CONNECT that cannot be written -- the transport already gone, or
                 # its protocol's connection_made failed -- must leave the link closed, not
                 # "connected" for every later connect() to refuse)
+                props = None
+                if v5:
+                    # Persistent as 3.1.1's clean session 0: the session never expires; a clean
+                    # one (QoS 2 reset) ends with the connection (absent = 0, 3.1.2.11.2).
+                    props = Properties(session_expiry_interval=None if self.clean_session else NEVER_EXPIRES,
+                                       maximum_packet_size=self._max_packet_size)
                 self._write(encode(Connect(client_id=self.client_id, clean_session=self.clean_session,
                                            keepalive=self.keepalive, username=self.username,
-                                           password=self.password)))
+                                           password=self.password, protocol_level=self.protocol_level,
+                                           properties=props)))
+                self._connect_sent = True
                 connack = await self._connack
             except BaseException:
                 self._close(ConnectionError(f"export link {self.client_id!r}: no CONNACK"))
                 raise
         if connack.return_code != CONNACK_ACCEPTED:
-            self._close(ConnectionRefused(self.client_id, connack.return_code))
-            raise ConnectionRefused(self.client_id, connack.return_code)
+            refused = ConnectionRefused(self.client_id, connack.return_code)
+            if v5 and connack.return_code >= 0x80:
+                refused.reason = CONNACK5_NAMES.get(connack.return_code, refused.reason)
+                refused.args = (f"broker refused client {self.client_id!r}: {refused.reason} "
+                                f"(MQTT 5 CONNACK 0x{connack.return_code:02x})",)
+            self._close(refused)
+            raise refused
+        p = connack.properties if v5 else None
+        self.send_quota = (p.receive_maximum if p is not None and p.receive_maximum else 65535)
+        self.server_max_packet = p.maximum_packet_size if p is not None else None
+        self.retain_available = p is None or p.retain_available != 0
+        if p is not None and p.maximum_qos is not None and p.maximum_qos < self.qos:
+            error = ConnectionError(f"{self.host}:{self.port} takes at most QoS {p.maximum_qos} (its CONNACK's "
+                                    f"Maximum QoS); the export publishes QoS {self.qos}: set its qos")
+            self._close(error)
+            raise error
         if self.clean_session:
             # The broker dropped the session: nothing in flight is known to it any more; the
             # messages are sent again as new publishes by the caller (it still holds them).
@@ -232,15 +356,18 @@ class ExportLink:
         pieces: list[bytes] = []
         released = self._released
         topic_of = self.topic_of
+        v5 = self.protocol_level == PROTOCOL_LEVEL_5
+        now_us = time.time_ns() // 1000
         for pid, m in self.inflight.items():
             if pid in released:
                 pieces.append(b"\x62\x02" + pid.to_bytes(2, "big"))
                 continue
             topic = topic_of(m.topic).encode()
             payload = m.payload
-            first = self._base | 0x08 | (1 if m.retain else 0)
-            pieces += (bytes((first,)), remaining_length(4 + len(topic) + len(payload)),
-                       len(topic).to_bytes(2, "big"), topic, pid.to_bytes(2, "big"), payload)
+            props = message_properties(m.headers, m.timestamp_us, now_us) if v5 else b""
+            first = self._base | 0x08 | (1 if m.retain and self.retain_available else 0)
+            pieces += (bytes((first,)), remaining_length(4 + len(topic) + len(props) + len(payload)),
+                       len(topic).to_bytes(2, "big"), topic, pid.to_bytes(2, "big"), props, payload)
         self._write(b"".join(pieces))
 
     async def disconnect(self, timeout: float = 5.0) -> None:
@@ -270,11 +397,14 @@ class ExportLink:
         Not connected: they are only put in flight (the next connect sends them)."""
         inflight = self.inflight
         n = len(messages)
+        v5 = self.protocol_level == PROTOCOL_LEVEL_5
+        retain = retain and self.retain_available  # (MQTT 5: Retain Available 0, MQTT-3.3.1-... 3.2.2.3.5)
         last = self._next_id  # the id used last: the next one is last + 1 (wrapping 65535 -> 1)
         if (n > 8 and redelivered is None and last + n <= 65535
                 and not (retain and any(map(_RETAIN, messages)))
+                and not (v5 and any(map(_HEADERS, messages)))
                 and not any(map(inflight.__contains__, range(last + 1, last + 1 + n)))):
-            return self._publish_run(messages, last + 1)
+            return self._publish_run(messages, last + 1, v5)
         pieces: list[bytes] = []
         append = pieces.append
         base = self._base
@@ -282,6 +412,8 @@ class ExportLink:
         topic_of = self.topic_of
         pid = self._next_id
         size = 0
+        props = b""
+        now_us = time.time_ns() // 1000 if v5 else 0
         for m in messages:
             pid = pid % 65535 + 1
             if pid in inflight:
@@ -294,16 +426,21 @@ class ExportLink:
             cache = prefixes.get(first)
             if cache is None:
                 cache = prefixes[first] = {}
-            key = (m.topic, len(payload))
+            if v5:
+                props = message_properties(m.headers, m.timestamp_us, now_us)
+            # (the prefix depends on the topic and the bytes after the packet id only)
+            key = (m.topic, len(payload) + len(props))
             prefix = cache.get(key)
             if prefix is None:
                 if len(cache) >= _PREFIX_CACHE_MAX:
                     cache.clear()
                 topic = topic_of(m.topic).encode()
-                prefix = cache[key] = (bytes((first,)) + remaining_length(4 + len(topic) + len(payload))
+                prefix = cache[key] = (bytes((first,)) + remaining_length(4 + len(topic) + key[1])
                                        + len(topic).to_bytes(2, "big") + topic)
             append(prefix)
             append(pid.to_bytes(2, "big"))
+            if v5:
+                append(props)
             append(payload)
             size += len(payload)
         self._next_id = pid
@@ -311,9 +448,10 @@ class ExportLink:
             self._write(b"".join(pieces))
         return size
 
-    def _publish_run(self, messages: Sequence[Message], pid: int) -> int:
-        """:meth:`publish` of a run with no DUP, no RETAIN and the free packet ids ``pid`` ..
-        ``pid + len - 1``: the same bytes, built by C-level maps instead of a loop per record."""
+    def _publish_run(self, messages: Sequence[Message], pid: int, v5: bool = False) -> int:
+        """:meth:`publish` of a run with no DUP, no RETAIN (MQTT 5: no message properties)
+        and the free packet ids ``pid`` .. ``pid + len - 1``: the same bytes, built by C-level
+        maps instead of a loop per record."""
         n = len(messages)
         ids = range(pid, pid + n)
         self.inflight.update(zip(ids, messages, strict=True))
@@ -323,7 +461,10 @@ class ExportLink:
         cache = self._prefixes.get(first)
         if cache is None:
             cache = self._prefixes[first] = {}
-        keys = list(zip(map(_TOPIC, messages), map(len, payloads), strict=True))
+        sizes = map(len, payloads)
+        if v5:  # the property length byte 0 after the packet id counts in the remaining length
+            sizes = map((1).__add__, sizes)
+        keys = list(zip(map(_TOPIC, messages), sizes, strict=True))
         prefixes = list(map(cache.get, keys))
         if None in prefixes:  # a topic or payload size not seen yet
             topic_of = self.topic_of
@@ -339,7 +480,10 @@ class ExportLink:
                     prefixes[i] = prefix
         if self.connected:
             heads = cast("list[bytes]", prefixes)  # every None was filled above
-            self._write(b"".join(chain.from_iterable(zip(heads, map(_PACK_ID, ids), payloads, strict=True))))
+            if v5:
+                self._write(b"".join(chain.from_iterable(zip(heads, map(_PACK_ID, ids), repeat(b"\x00"), payloads))))
+            else:
+                self._write(b"".join(chain.from_iterable(zip(heads, map(_PACK_ID, ids), payloads, strict=True))))
         return sum(map(len, payloads))
 
     def _free_id(self, pid: int) -> int:
@@ -412,6 +556,9 @@ class ExportLink:
             pid = packet.packet_id
             m = self.inflight.get(pid)
             qos1 = isinstance(packet, Puback)
+            if qos1 and packet.reason_code >= 0x80 and m is not None:
+                self._refused(pid, "PUBACK", packet.reason_code)
+                return None
             if m is not None and (self.qos == 1) == qos1 and (qos1 or pid in self._released):
                 del self.inflight[pid]
                 self._released.discard(pid)
@@ -419,6 +566,9 @@ class ExportLink:
             self._note_unexpected(f"{type(packet).__name__} for packet id {pid} that is not awaiting it")
         elif isinstance(packet, Pubrec):
             pid = packet.packet_id
+            if packet.reason_code >= 0x80 and pid in self.inflight:
+                self._refused(pid, "PUBREC", packet.reason_code)  # the exchange ends: no PUBREL (4.3.3)
+                return None
             if pid in self.inflight and self.qos == 2:
                 self._released.add(pid)
             else:
@@ -437,9 +587,20 @@ class ExportLink:
                 self._write(encode(Puback(packet.packet_id) if packet.qos == 1 else Pubrec(packet.packet_id)))
         elif isinstance(packet, Pubrel):
             self._write(encode(Pubcomp(packet.packet_id)))
+        elif isinstance(packet, Disconnect):
+            self._close(ConnectionError(f"the destination sent DISCONNECT 0x{packet.reason_code:02x}"))
         else:
             self._note_unexpected(f"a {type(packet).__name__} packet")
         return None
+
+    def _refused(self, pid: int, ack: str, code: int) -> None:
+        """An MQTT 5 failure reason code: the message stays in flight, unacknowledged (the
+        export's ack timeout reconnects and resends it); logged once per code."""
+        if code not in self._refusals_logged:
+            self._refusals_logged.add(code)
+            log.warning("export link %r: %s:%d answered packet id %d with %s reason code 0x%02x; the message "
+                        "stays in flight and is resent after a reconnect (logged once per code)",
+                        self.client_id, self.host, self.port, pid, ack, code)
 
     def _note_unexpected(self, what: str) -> None:
         if not self._unexpected_logged:

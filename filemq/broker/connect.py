@@ -23,6 +23,7 @@ from filemq.broker.state import (
     SESSION_GROUP_PREFIX,
     SHARE_GROUP_PREFIX,
     Outbound,
+    OwnRuns,
     SessionState,
     Subscription,
     _ack,
@@ -72,6 +73,12 @@ _V5_REFUSALS = {
     CONNACK_BAD_USERNAME_OR_PASSWORD: 0x86,
     CONNACK_NOT_AUTHORIZED: 0x87,
 }
+
+
+def _retrieved(fut: asyncio.Future[None]) -> None:
+    """Mark a fire-and-forget future's failure as seen (it was logged where it happened)."""
+    if not fut.cancelled():
+        fut.exception()
 
 
 def session_expiry(p: Connect) -> int | None:
@@ -286,9 +293,10 @@ class ConnectMixin(CoreBase):
         conn.acl = self.acl.for_client(conn.username, cid)
         mem = self.sessions.get(cid)
         stored = self.store.load(cid) if mem is None else None
+        discarded: asyncio.Future[None] | None = None  # an old session file being removed
         if (mem is not None or stored is not None) and self._expired(cid, stored):
             # Its Session Expiry Interval elapsed and the tick has not released it yet.
-            self._discard_persistent(cid, "its session expiry interval elapsed")
+            discarded = self._discard_persistent(cid, "its session expiry interval elapsed")
             mem = stored = None
         why = self._not_owner(conn, mem, stored)
         if why is not None:
@@ -307,7 +315,7 @@ class ConnectMixin(CoreBase):
         # session ends with the network connection (3.1.2.11.2).
         expiry = session_expiry(p)
         if p.clean_session:
-            self._discard_persistent(cid, "it connected with clean_session = 1 (Clean Start)")
+            discarded = self._discard_persistent(cid, "it connected with clean_session = 1 (Clean Start)") or discarded
             mem = stored = None
         if (p.clean_session and not expiry) or (expiry == 0 and mem is None and stored is None):
             state = SessionState(cid, persistent=False, owner=conn.username)
@@ -320,7 +328,8 @@ class ConnectMixin(CoreBase):
                     present = True
                     for f, entry in stored.subscriptions.items():
                         share, plain = parse_share_key(f)
-                        state.subs[f] = Subscription(f, plain, share, entry.qos, entry.start, 0, entry.options, entry.identifier)
+                        state.subs[f] = Subscription(f, plain, share, entry.qos, entry.start, entry.retain_below,
+                                                     entry.options, entry.identifier)
                     state.qos2_in = dict.fromkeys(stored.qos2_inbound)
                     state.qos2_offsets = dict(stored.qos2_offsets)
                     state.qos2_loaded = set(stored.qos2_inbound)
@@ -335,6 +344,10 @@ class ConnectMixin(CoreBase):
                     if state.own_filters():
                         self._recreate_if_missing(cid, SESSION_GROUP_PREFIX + cid, state.own_filters())
                         state.group = self._group(SESSION_GROUP_PREFIX + cid, state.own_filters(), True)
+                    if stored.own_offsets:  # no local across a restart (MQTT-3.8.3-3)
+                        state.own_runs = OwnRuns(stored.own_offsets)
+                    if stored.qos2_sent:  # outbound QoS 2 ids the client may hold: kept (MQTT-2.2.1-3)
+                        self._resume_outbound(state, stored.qos2_sent)
                     state.expiry, state.disconnected_at = stored.expiry, stored.disconnected_at
                     if not stored.owner_known:
                         log.warning("client %r: its session file has no owner (written by an older "
@@ -367,6 +380,12 @@ class ConnectMixin(CoreBase):
                 conn.state = AUTHENTICATING  # packets arriving meanwhile wait (backlog)
                 written.add_done_callback(functools.partial(self._session_written, conn, state, p, present))
                 return
+        if discarded is not None and not discarded.done():
+            # CONNACK once the old session's file is gone (removed in a worker thread): a crash
+            # after it must not bring back a session the client was told is discarded.
+            conn.state = AUTHENTICATING
+            discarded.add_done_callback(functools.partial(self._session_written, conn, state, p, present))
+            return
         self._connected(conn, state, p, present)
 
     def _session_written(self, conn: Connection, state: SessionState, p: Connect, present: bool,
@@ -378,7 +397,7 @@ class ConnectMixin(CoreBase):
             return
         if failed:
             self._refuse(conn, CONNACK_SERVER_UNAVAILABLE, "writing the session file failed")
-        elif self.sessions.get(state.client_id) is not state:
+        elif state.persistent and self.sessions.get(state.client_id) is not state:
             self._refuse(conn, CONNACK_SERVER_UNAVAILABLE, "its session was discarded meanwhile (clean_session = 1)")
         else:
             old = self.connections.get(conn.client_id)
@@ -479,7 +498,9 @@ class ConnectMixin(CoreBase):
             self._update_groups(state)
         return changed
 
-    def _discard_persistent(self, cid: str, why: str = "it connected with clean_session = 1") -> None:
+    def _discard_persistent(self, cid: str, why: str = "it connected with clean_session = 1") -> asyncio.Future[None] | None:
+        """Forget ``cid``'s persistent session; its file is removed in a worker thread (the
+        future, None when there was no file, resolves once the removal is durable)."""
         state = self.sessions.pop(cid, None)
         self._expiring.pop(cid, None)
         if state is not None and state.will_pending is not None:
@@ -489,9 +510,38 @@ class ConnectMixin(CoreBase):
         # Group first, file second: a crash in between leaves a session file whose group is
         # gone (harmless), never a group without a file holding back retention.
         dropped = self.queue.drop_group(SESSION_GROUP_PREFIX + cid)
-        stored = self.store.delete(cid)
+        stored = self.store.path_of(cid).exists()
+        removed = None
+        if stored or state is not None:  # (a write of it may be in flight: numbered after it)
+            removed = self._write_snapshot(self.store.deletion(cid))
         if state is not None or stored or dropped:
             log.info("client %r: its persistent session was discarded: %s", cid, why)
+        return removed if stored else None  # what a CONNACK waits for: a file on disk going
+
+    def _write_snapshot(self, snap: SessionSnapshot) -> asyncio.Future[None] | None:
+        """Have the session writer write ``snap`` (or remove the file, a deletion) off the
+        event loop; the future resolves when it is durable (None: no loop runs, written now)."""
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            self.store.write(snap)
+            return None
+        fut: asyncio.Future[None] = loop.create_future()
+        fut.add_done_callback(_retrieved)
+
+        def done(exc: BaseException | None) -> None:
+            if fut.done():
+                return
+            if isinstance(exc, asyncio.CancelledError):
+                fut.cancel()
+            elif exc is not None:
+                log.error("client %r: writing or removing the session file failed: %s", snap.client_id, exc)
+                fut.set_exception(exc)
+            else:
+                fut.set_result(None)
+
+        self.session_writer(snap, done)
+        return fut
 
     # ---- MQTT 5 session expiry and delayed wills -------------------------------------------
 
@@ -584,7 +634,7 @@ class ConnectMixin(CoreBase):
         self._store_will(cid, will.topic, will.payload, will.qos, will.retain, will.headers, acl)
         if rewrite:
             stored.will = None
-            self.store.save(stored)
+            self._write_snapshot(self.store.snapshot(stored))  # off the loop (a tick)
 
     def _will_due(self, state: SessionState) -> None:
         pending, state.will_pending = state.will_pending, None

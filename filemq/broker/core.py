@@ -105,17 +105,34 @@ class BrokerCore(ConnectMixin, SubscribeMixin, PublishMixin, DeliveryMixin):
         self._expiring = {}
         self._wills_waiting = set()
         self._stored_wills = {}
+        publishers = self.publishers()
+        publishers.sink = self._own_published
+        publishers.forget_sink = self._own_forget
+
+    def _own_published(self, first: int, n: int, client_id: str) -> None:
+        """An MQTT 5 client published ``first`` .. ``first + n - 1``: a persistent session of
+        its with a no local subscription keeps them (OwnRuns; written lazily)."""
+        state = self.sessions.get(client_id)
+        if state is not None and state.persistent and state.has_no_local():
+            state.own_runs.add(first, n)
+            state.save_due = True
+
+    def _own_forget(self, offset: int) -> None:
+        for state in self.sessions.values():
+            if state.own_runs and state.own_runs.forget_from(offset):
+                state.save_due = True
 
     # ---- periodic work ---------------------------------------------------------------------
 
     def tick(self, now: float | None = None) -> None:
         """Once a second: keepalive and connect timeouts (MQTT 5: DISCONNECT 0x8D first),
-        MQTT 5 session expiry and delayed wills."""
+        MQTT 5 session expiry and delayed wills, expired retained messages."""
         if now is None:
             now = time.monotonic()
         self.next_timeout = self._close_timed_out(now)
         if self._expiring or self._wills_waiting:
             self.expire_sessions(now)
+        self.expire_retained()
         self.flush()
 
     def check_timeouts(self, now: float | None = None) -> float:
@@ -211,11 +228,26 @@ class BrokerCore(ConnectMixin, SubscribeMixin, PublishMixin, DeliveryMixin):
             return False
         return True
 
-    def save_sessions(self) -> None:
-        """Write every persistent session with unwritten changes (shutdown, periodic)."""
+    def expire_retained(self) -> int:
+        """Remove retained messages whose MQTT 5 message expiry interval has passed
+        (MQTT-3.3.2-5; the tick, once a second); the next snapshot leaves them out."""
+        if not self.retained_ready:
+            return 0
+        gone = self.retained.expire(time.time_ns() // 1000)
+        if gone:
+            self.retained_changes += 1  # (a snapshot trigger)
+            log.debug("%d expired retained messages removed", gone)
+        return gone
+
+    def save_sessions(self, off_loop: bool = False) -> None:
+        """Write every persistent session with unwritten changes: now (shutdown), or in a
+        worker thread (``off_loop``, the periodic tick: no fsync on the event loop)."""
         for state in self.sessions.values():
             if state.save_due:
-                self._save_session(state)
+                if off_loop:
+                    self._save_soon(state)
+                else:
+                    self._save_session(state)
 
     def pending_commits(self) -> list[asyncio.Future[None]]:
         """Commit futures that acks are still waiting for."""

@@ -95,7 +95,7 @@ class DeliveryMixin(CoreBase):
     def pump(self, conn: Connection) -> None:
         """Push records to ``conn`` while its in-flight window has room."""
         state = conn.session
-        if state is None or conn.closed or conn.paused or state.conn is not conn:
+        if state is None or conn.closed or conn.paused or state.conn is not conn or state.holding():
             return
         if conn in self._retained_after or (conn in self._retained_out and not self._drain_retained(conn, state)):
             return  # live records after the retained ones, never before
@@ -105,7 +105,7 @@ class DeliveryMixin(CoreBase):
             cid = conn.client_id
             while pushed < _MAX_PUMP:
                 room = conn.max_inflight - len(state.inflight)
-                if room <= 0 or conn.paused:
+                if room <= 0 or conn.paused or state.holding():
                     break
                 records = group.fetch(min(room, 100), cid)
                 if not records:
@@ -174,7 +174,8 @@ class DeliveryMixin(CoreBase):
 
     def pump_share(self, sh: SharedGroup) -> None:
         """Hand the shared group's records to its live members, a few at a time each."""
-        members = [m for m in sh.members if not m.closed and not m.paused and m.session is not None]
+        members = [m for m in sh.members if not m.closed and not m.paused and m.session is not None
+                   and not m.session.holding()]
         if not members:
             return
         group = sh.group
@@ -215,8 +216,13 @@ class DeliveryMixin(CoreBase):
         redelivered = group.redelivered
         parts: list[bytes] = []
         now_us = 0
+        resumed = state.resumed_offsets if group is state.group else None
+        hold = -1  # parts from this index on wait for the session file (a new QoS 2 id in it)
         for r in records:
             offset = r.offset
+            if resumed and offset in resumed:
+                resumed.discard(offset)  # in flight again since the restart, with its old id
+                continue
             topic = r.topic
             qos = granted(topic, offset, share, r.retain)
             if qos < 0 or (check_acl and not acl.can_receive(topic)):  # type: ignore[union-attr]
@@ -239,10 +245,19 @@ class DeliveryMixin(CoreBase):
             state.next_pid = pid % 0xFFFF + 1
             # (headers kept: re-sent with them if the session resumes on MQTT 5)
             inflight[pid] = Outbound(offset, group, qos, topic, r.payload, share, False, r.headers)
+            if qos == 2 and state.persistent:
+                # (-1: a shared group's record; after a restart its PUBREL frees the id and the
+                # group hands the record out again, to any member)
+                state.qos2_sent[pid] = offset if resumed is not None else -1
+                if hold < 0:
+                    hold = len(parts)
             parts.append(publish_bytes(topic, r.payload, qos, redelivered(offset), pid, False))
         if parts:
             self.stats.publish_sent(len(parts))
-            conn.send(parts[0] if len(parts) == 1 else b"".join(parts))
+            if hold >= 0:
+                parts = self._hold_output(conn, state, parts, hold)
+            if parts:
+                conn.send(parts[0] if len(parts) == 1 else b"".join(parts))
 
     def _deliver_run(self, conn: Connection, state: SessionState, group: ConsumerGroup,
                      records: list[Record], share: str | None) -> bool:
@@ -323,15 +338,22 @@ class DeliveryMixin(CoreBase):
         ack = group.ack
         redelivered = group.redelivered
         publishers = self.publishers() if state.has_no_local() else None
+        own_runs = state.own_runs if publishers is not None and state.own_runs else None
         cid = conn.client_id
         limit = conn.client_max_packet
         alias_max = conn.alias_max
         parts: list[bytes] = []
         now_us = time.time_ns() // 1000
+        resumed = state.resumed_offsets if group is state.group else None
+        hold = -1  # parts from this index on wait for the session file (a new QoS 2 id in it)
         for r in records:
             offset = r.offset
+            if resumed and offset in resumed:
+                resumed.discard(offset)  # in flight again since the restart, with its old id
+                continue
             topic = r.topic
-            own = publishers is not None and publishers.get(offset) == cid
+            own = publishers is not None and (publishers.get(offset) == cid
+                                              or (own_runs is not None and own_runs.holds(offset)))
             qos, ids, keep_retain = match(topic, offset, share, r.retain, own)
             if qos < 0 or (check_acl and not acl.can_receive(topic)):  # type: ignore[union-attr]
                 ack(offset)
@@ -373,10 +395,45 @@ class DeliveryMixin(CoreBase):
             inflight[pid] = Outbound(offset, group, qos, topic, r.payload, share, retain, headers)
             if alias_max:
                 data = conn.aliased(data, topic, r.payload, qos, data[0] & 0x08 != 0, pid, retain, headers, limit)
+            if qos == 2 and state.persistent:
+                state.qos2_sent[pid] = offset if resumed is not None else -1  # (-1: see _deliver)
+                if hold < 0:
+                    hold = len(parts)
             parts.append(data)
         if parts:
             self.stats.publish_sent(len(parts))
-            conn.send(parts[0] if len(parts) == 1 else b"".join(parts))
+            if hold >= 0:
+                parts = self._hold_output(conn, state, parts, hold)
+            if parts:
+                conn.send(parts[0] if len(parts) == 1 else b"".join(parts))
+
+    def _hold_output(self, conn: Connection, state: SessionState, parts: list[bytes], hold: int) -> list[bytes]:
+        """``parts[hold:]`` begin with a QoS 2 PUBLISH whose id is new in ``state.qos2_sent``:
+        they leave once the session file holds it (so after a crash the broker knows every id
+        the client may hold, MQTT-2.2.1-3 / 4.3.3); until then this session's deliveries wait,
+        so nothing overtakes them.  Returns what may be sent now."""
+        held = b"".join(parts[hold:])
+        written = state.out_hold = self._save_soon(state)
+        written.add_done_callback(functools.partial(self._release_output, conn, state, held))
+        return parts[:hold]
+
+    def _release_output(self, conn: Connection, state: SessionState, held: bytes,
+                        written: asyncio.Future[None]) -> None:
+        if state.out_hold is written:
+            state.out_hold = None
+        if state.conn is not conn or conn.closed:
+            # In flight: re-sent (DUP) when the session reconnects (or was, by a new connection).
+            if state.conn is not None and not state.conn.closed:
+                self.pump(state.conn)
+                self.flush()
+            return
+        if written.cancelled() or written.exception() is not None:
+            conn.close("the session file could not be written (a QoS 2 delivery's packet id); "
+                       "closing, the delivery is re-sent after the reconnect", will=True)
+            return
+        conn.send(held)
+        self.pump(conn)
+        self.flush()
 
     dropped_too_large = 0  # PUBLISHes not sent: larger than the client's Maximum Packet Size
 
@@ -477,6 +534,8 @@ class DeliveryMixin(CoreBase):
             # and the packet id is free again (4.3.3, MQTT-4.3.3-4 / 4.9: the quota returns).
             if out is not None and out.stage == 0:
                 del state.inflight[pid]
+                if state.qos2_sent.pop(pid, None) is not None:
+                    self._save_soon(state)
                 if out.group is not None:
                     out.group.ack(out.offset)
                     self._acked = True
@@ -518,12 +577,52 @@ class DeliveryMixin(CoreBase):
         if out.group is not None and out.group.ack(out.offset):
             self._acked = True  # not acked at PUBREC yet (session write pending or failed)
             self._acks += 1
-        if pid in state.qos2_out:
+        sent = state.qos2_sent.pop(pid, None) is not None
+        if pid in state.qos2_out or sent:
             state.qos2_out.discard(pid)
             # Written soon, in a worker thread (nothing waits: a stale id would only cost one
             # PUBREL after a crash, which the client answers with PUBCOMP).
             self._save_soon(state)
         self._refill(conn, state.inflight)
+
+    def _resume_outbound(self, state: SessionState, sent: dict[int, int]) -> None:
+        """A persistent session loaded from its file (after a restart): every QoS 2 PUBLISH
+        it had sent and not completed (``sent``: id -> offset) goes back in flight with its own
+        packet id, to be re-sent with DUP on connect (MQTT-4.4.0-1), so the client that holds
+        the id (4.3.3 method B) takes it for the duplicate it is and no new message ever gets
+        that id while the client may hold it (MQTT-2.2.1-3).  The group's redelivery from
+        Pending then skips those offsets.  An id already PUBREC'd (its PUBREL is pending)
+        learns its record, which its PUBCOMP acks; an id whose record is gone (retention)
+        gets a PUBREL, which frees it at the client."""
+        group = state.group
+        inflight = state.inflight
+        for pid, offset in sorted(sent.items()):
+            out = inflight.get(pid)
+            if out is not None:  # PUBREC'd before the restart: PUBREL re-sent on connect
+                if group is not None and offset >= group.pending_offset and isinstance(out, Outbound):
+                    out.offset, out.group = offset, group
+                    state.resumed_offsets.add(offset)
+                state.qos2_sent[pid] = offset
+                continue
+            if offset < 0:
+                # A retained message's delivery (no group) or a shared group's record: its
+                # PUBREL frees the id at the client (4.3.3); a retained message is not sent
+                # again (as ever), a shared one comes again from its group (new id).
+                released = inflight[pid] = Outbound(-1, None, 2, "", b"", None)
+                released.stage = 1
+                state.qos2_sent[pid] = offset
+                continue
+            if group is None or offset < group.pending_offset:
+                continue  # acked: its PUBCOMP came (the group acks a QoS 2 delivery after PUBREC)
+            state.qos2_sent[pid] = offset
+            found = self.log.read(offset, 1)
+            if not found or found[0].offset != offset:
+                released = inflight[pid] = Outbound(-1, None, 2, "", b"", None)
+                released.stage = 1
+                continue
+            r = found[0]
+            inflight[pid] = Outbound(offset, group, 2, r.topic, r.payload, None, r.retain, r.headers)
+            state.resumed_offsets.add(offset)
 
     def _ack_released(self, group: ConsumerGroup, offset: int, written: asyncio.Future[None]) -> None:
         """The group's ack of a record PUBREC'd by a persistent session, once the session file
@@ -588,7 +687,7 @@ class DeliveryMixin(CoreBase):
                 self._discard_persistent(cid)
             elif state.persistent:
                 if state.save_due:
-                    self._save_session(state)
+                    self._save_soon(state)  # in a worker thread
             elif state.group is not None:
                 self._drop_group(state.group.name)
                 state.group = None

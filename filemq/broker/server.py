@@ -370,6 +370,11 @@ def tls_context(listener: Listener) -> ssl.SSLContext:
     if listener.tls_ca is not None:
         ctx.load_verify_locations(listener.tls_ca)
         ctx.verify_mode = ssl.CERT_REQUIRED if listener.require_certificate else ssl.CERT_OPTIONAL
+    if listener.tls_crl is not None:
+        # Every handshake checks the client certificate against this CRL (a revoked or a CRL
+        # missing for its CA fails it); SIGHUP re-reads it with the other files (reload_tls).
+        ctx.load_verify_locations(listener.tls_crl)
+        ctx.verify_flags |= ssl.VERIFY_CRL_CHECK_LEAF
     return ctx
 
 
@@ -443,7 +448,8 @@ class Broker:
                 except (OSError, ssl.SSLError) as exc:
                     key = "listener" if self.config.listener else "broker.tls_cert"
                     raise ConfigError(f"cannot load TLS certificate {lst.tls_cert} / key {lst.tls_key}"
-                                      f"{f' / CA {lst.tls_ca}' if lst.tls_ca else ''} of listener "
+                                      f"{f' / CA {lst.tls_ca}' if lst.tls_ca else ''}"
+                                      f"{f' / CRL {lst.tls_crl}' if lst.tls_crl else ''} of listener "
                                       f"{lst.describe()}: {exc}", key=key) from exc
             else:
                 contexts.append(None)
@@ -706,9 +712,9 @@ class Broker:
                 tls.current = tls_context(lst)
             except (OSError, ssl.SSLError) as exc:
                 ok = False
-                log.error("reloading TLS files of listener %s (%s, %s%s) failed: %s; it keeps its "
+                log.error("reloading TLS files of listener %s (%s, %s%s%s) failed: %s; it keeps its "
                           "previous certificates", lst.describe(), lst.tls_cert, lst.tls_key,
-                          f", {lst.tls_ca}" if lst.tls_ca else "", exc)
+                          f", {lst.tls_ca}" if lst.tls_ca else "", f", CRL {lst.tls_crl}" if lst.tls_crl else "", exc)
             else:
                 log.info("listener %s: TLS certificate %s reloaded", lst.describe(), lst.tls_cert)
         return ok
@@ -776,7 +782,7 @@ class Broker:
                         self.retained.advance(routed)
                         await asyncio.to_thread(self.retained.snapshot)
                         retained_covered, last_snapshot = routed, now
-                    core.save_sessions()
+                    core.save_sessions(off_loop=True)
             except asyncio.CancelledError:
                 raise
             except Exception:

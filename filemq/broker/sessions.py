@@ -26,7 +26,20 @@ a reader sees the old or the new version after a crash, never a mix.  What it ho
   ack of its record can be (so after a crash the record is re-sent or its PUBREL is);
   its removal at PUBCOMP is written soon after, not waited for (a stale id only costs a
   PUBREL the client answers with PUBCOMP, MQTT-4.3.3).  On reconnect the broker re-sends PUBREL for each.
+* ``qos2_sent`` (present when not empty): outbound packet id -> log offset of every QoS 2
+  PUBLISH of the session's own group sent to the client and not yet completed by PUBCOMP.
+  Written *before* the PUBLISH leaves, so after a crash the broker knows every id the client
+  may hold (MQTT 4.3.3 method B: it PUBREC'd and waits for PUBREL): on reconnect each is
+  re-sent with its own id and DUP (MQTT-4.4.0-1), never reused for another message
+  (MQTT-2.2.1-3), and the record is not delivered a second time under another id.  Offset
+  -1 marks a retained message's delivery at SUBSCRIBE (no group record): after a restart
+  the broker sends its PUBREL, which frees the id at the client.
   The broker writes in a worker thread (:meth:`SessionStore.write`), never on the event loop.
+* ``own`` (present when not empty): offset runs ``[start, end)`` the session's own client
+  published while it had a no local subscription (MQTT-3.8.3-3), pruned below the group's
+  Pending offset, so no local holds after a restart however far behind the session is.
+  Written lazily (the tick, a disconnect, shutdown): after a kill -9 a message published in
+  the last seconds may come back to its publisher once.
 * ``expiry`` and ``disconnected_at`` (format 2 only; an MQTT 5 session with a Session Expiry
   Interval, 3.1.2.11.2): the interval in seconds (0xFFFFFFFF = never) and the wall-clock time
   (Unix seconds) its connection closed, ``null`` while connected or when the close was not
@@ -111,15 +124,21 @@ class StoredSubscription:
     start: int
     options: int = 0
     identifier: int = 0
+    # Retained records below this offset reach it by the SUBSCRIBE's retained replay, not live
+    # (MQTT-3.3.1-8); kept across a restart so they are not delivered twice (issue 33 item 3).
+    retain_below: int = 0
 
     def to_dict(self) -> dict[str, int]:
-        """The JSON entry: ``options`` and ``id`` only when set, so a 3.1.1 session's file is
-        as before and older releases (which ignore unknown keys) still read it."""
+        """The JSON entry: ``options``, ``id`` and ``rb`` (retain_below) only when set, so a
+        3.1.1 session's file is as before and older releases (which ignore unknown keys)
+        still read it."""
         entry = {"qos": self.qos, "start": self.start}
         if self.options:
             entry["options"] = self.options
         if self.identifier:
             entry["id"] = self.identifier
+        if self.retain_below:
+            entry["rb"] = self.retain_below
         return entry
 
     @classmethod
@@ -127,6 +146,9 @@ class StoredSubscription:
         """Parse an entry (None: invalid); a file without ``options``/``id`` loads with 0."""
         options = sub.get("options", 0)
         identifier = sub.get("id", 0)
+        retain_below = sub.get("rb", 0)
+        if not isinstance(retain_below, int) or isinstance(retain_below, bool) or retain_below < 0:
+            return None
         if (
             sub.get("qos") not in (0, 1, 2)
             or not isinstance(sub.get("start"), int) or sub["start"] < 0
@@ -134,7 +156,7 @@ class StoredSubscription:
             or not isinstance(identifier, int) or not 0 <= identifier <= 268_435_455
         ):
             return None
-        return cls(sub["qos"], sub["start"], options, identifier)
+        return cls(sub["qos"], sub["start"], options, identifier, retain_below)
 
 
 @dataclass(slots=True)
@@ -155,6 +177,10 @@ class StoredSession:
     expiry: int | None = None
     disconnected_at: float | None = None
     will: StoredWill | None = None  # an MQTT 5 will held for its delay (format 2)
+    # Outbound QoS 2 PUBLISHes sent and not completed: packet id -> log offset (see the module doc).
+    qos2_sent: dict[int, int] = field(default_factory=dict)
+    # Offset runs [start, end) its own client published while it had a no local subscription.
+    own_offsets: list[tuple[int, int]] = field(default_factory=list)
 
     def to_json(self) -> bytes:
         body: dict[str, Any] = {
@@ -169,6 +195,10 @@ class StoredSession:
         }
         if self.qos2_outbound:
             body["qos2_outbound"] = sorted(self.qos2_outbound)
+        if self.qos2_sent:
+            body["qos2_sent"] = {str(pid): off for pid, off in sorted(self.qos2_sent.items())}
+        if self.own_offsets:
+            body["own"] = [[s, e] for s, e in self.own_offsets]
         if self.expiry is not None:
             body["expiry"] = self.expiry
             body["disconnected_at"] = self.disconnected_at
@@ -221,6 +251,24 @@ class StoredSession:
             if not isinstance(pid, int) or not 0 < pid <= 0xFFFF:
                 raise CorruptSession(path, f"bad outbound QoS 2 packet id {pid!r}")
             session.qos2_outbound.add(pid)
+        sent = raw.get("qos2_sent", {})
+        if not isinstance(sent, dict):
+            raise CorruptSession(path, "qos2_sent is not an object")
+        for key, off in sent.items():
+            if (not key.isdigit() or not 0 < int(key) <= 0xFFFF or not isinstance(off, int)
+                    or isinstance(off, bool) or off < -1):  # -1: a retained message's delivery
+                raise CorruptSession(path, f"bad qos2_sent entry {key!r}: {off!r}")
+            session.qos2_sent[int(key)] = off
+        own = raw.get("own", [])
+        if not isinstance(own, list):
+            raise CorruptSession(path, "own is not a list")
+        last = -1
+        for run in own:
+            if (not isinstance(run, list) or len(run) != 2 or not all(type(x) is int for x in run)
+                    or not last <= run[0] < run[1]):
+                raise CorruptSession(path, f"bad own offset run {run!r:.100}")
+            last = run[1]
+            session.own_offsets.append((run[0], run[1]))
         if raw["format"] == SESSION_FORMAT_EXPIRY:
             expiry, at = raw.get("expiry"), raw.get("disconnected_at")
             if not isinstance(expiry, int) or isinstance(expiry, bool) or not 0 <= expiry <= NEVER_EXPIRES:
@@ -276,6 +324,8 @@ class SessionStore:
         self.writes = 0
         self._seq = 0  # snapshot numbers (event loop thread)
         self._written: dict[str, int] = {}  # client id -> number of the snapshot on disk
+        # client id -> number of a deletion not done yet: load() already sees no session
+        self._deleting: dict[str, int] = {}
         self._locks: dict[str, threading.Lock] = {}
         self._locks_lock = threading.Lock()
 
@@ -283,6 +333,8 @@ class SessionStore:
         return self.directory / (escape_group_name(client_id) + ".json")
 
     def load(self, client_id: str) -> StoredSession | None:
+        if client_id in self._deleting:
+            return None  # its removal is under way in a worker thread
         path = self.path_of(client_id)
         try:
             data = path.read_bytes()
@@ -309,16 +361,37 @@ class SessionStore:
         Call on the thread that changes the sessions (the event loop): the numbers order the
         snapshots as the state changed."""
         self._seq += 1
+        self._deleting.pop(session.client_id, None)  # newer state than a pending removal
         return SessionSnapshot(session.client_id, self._seq, session.to_json())
 
+    def deletion(self, client_id: str) -> SessionSnapshot:
+        """A numbered snapshot that removes ``client_id``'s file when passed to :meth:`write`
+        (possibly in a thread): the event loop never waits for the unlink and directory fsync,
+        and the numbers keep it in order with the writes of that client."""
+        self._seq += 1
+        self._deleting[client_id] = self._seq
+        return SessionSnapshot(client_id, self._seq, b"")
+
     def write(self, snap: SessionSnapshot) -> None:
-        """Write ``snap`` durably (any thread).  A snapshot older than the one last written
-        (or than a :meth:`delete`) for the same client is skipped: a slow write never
-        replaces newer state."""
+        """Write ``snap`` durably (any thread); a :meth:`deletion` snapshot removes the file
+        (unlink, directory fsync).  A snapshot older than the one last written (or than a
+        :meth:`delete`) for the same client is skipped: a slow write never replaces newer
+        state, nor revives a deleted session."""
         with self._lock_of(snap.client_id):
             if snap.seq <= self._written.get(snap.client_id, 0):
                 return
-            atomic_write(self.path_of(snap.client_id), snap.data, self._fileio)
+            path = self.path_of(snap.client_id)
+            if not snap.data:
+                self._written[snap.client_id] = snap.seq  # an older write in flight must not revive it
+                try:
+                    if path.exists():
+                        self._fileio.unlink(path)
+                        self._fileio.fsync_dir(self.directory)
+                finally:
+                    if self._deleting.get(snap.client_id) == snap.seq:
+                        self._deleting.pop(snap.client_id, None)
+                return
+            atomic_write(path, snap.data, self._fileio)
             self._written[snap.client_id] = snap.seq
             self.writes += 1
 

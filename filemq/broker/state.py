@@ -71,6 +71,10 @@ class PublisherRuns:
 
     def __init__(self, kept: int) -> None:
         self.kept = kept
+        # Told of every run added and every forget_from (the core keeps, per persistent session
+        # with no local, its own offsets beyond this bounded map: OwnRuns).
+        self.sink: Callable[[int, int, str], None] | None = None
+        self.forget_sink: Callable[[int], None] | None = None
         self._starts: list[int] = []  # first offset of each run, increasing
         self._ends: list[int] = []  # one past its last offset
         self._ids: list[str] = []
@@ -84,6 +88,8 @@ class PublisherRuns:
         """``client_id`` published offsets ``first`` .. ``first + n - 1``."""
         if n <= 0:
             return
+        if self.sink is not None:
+            self.sink(first, n, client_id)
         ends = self._ends
         if len(ends) > self._head and ends[-1] == first and self._ids[-1] == client_id:
             ends[-1] = first + n
@@ -125,6 +131,8 @@ class PublisherRuns:
 
     def forget_from(self, offset: int) -> None:
         """Drop every offset >= ``offset``."""
+        if self.forget_sink is not None:
+            self.forget_sink(offset)
         starts, ends, ids = self._starts, self._ends, self._ids
         while len(starts) > self._head and ends[-1] > offset:
             if starts[-1] >= offset:
@@ -143,6 +151,54 @@ class PublisherRuns:
 
     def values(self) -> list[str]:
         return [cid for _, cid in self.items()]
+
+
+class OwnRuns:
+    """The offsets a persistent session's own client published while it had a no local
+    subscription (MQTT-3.8.3-3), as runs ``[start, end)``: unlike :class:`PublisherRuns`
+    not bounded to the latest offsets, kept in the session file (``"own"``) and pruned below
+    the session group's Pending offset, so no local holds across a restart and however far
+    behind the session is."""
+
+    __slots__ = ("runs",)
+
+    def __init__(self, runs: list[tuple[int, int]] | None = None) -> None:
+        self.runs: list[list[int]] = [[s, e] for s, e in runs or () if e > s]
+
+    def __bool__(self) -> bool:
+        return bool(self.runs)
+
+    def add(self, first: int, n: int) -> None:
+        runs = self.runs
+        if runs and runs[-1][1] == first:
+            runs[-1][1] = first + n
+        else:
+            runs.append([first, first + n])
+
+    def holds(self, offset: int) -> bool:
+        runs = self.runs
+        i = bisect_right(runs, offset, key=_run_start) - 1
+        return i >= 0 and offset < runs[i][1]
+
+    def forget_from(self, offset: int) -> bool:
+        """Drop offsets >= ``offset`` (a failed commit gave them back); True if any."""
+        runs = self.runs
+        changed = False
+        while runs and runs[-1][1] > offset:
+            changed = True
+            if runs[-1][0] >= offset:
+                runs.pop()
+            else:
+                runs[-1][1] = offset
+        return changed
+
+    def pruned(self, below: int) -> list[tuple[int, int]]:
+        """The runs, without what lies below ``below`` (already passed by the group)."""
+        return [(max(s, below), e) for s, e in self.runs if e > below]
+
+
+def _run_start(run: list[int]) -> int:
+    return run[0]
 
 
 def _ack(first: int, packet_id: int) -> bytes:
@@ -373,6 +429,15 @@ class SessionState:
         self.qos2_offsets: dict[int, int] = {}  # QoS 2 inbound id -> its record's offset
         self.qos2_loaded: set[int] = set()  # ids read from the session file, not yet re-checked
         self.qos2_out: set[int] = set()  # outbound QoS 2 ids PUBREC'd, awaiting PUBCOMP (persistent)
+        # Outbound QoS 2 PUBLISHes of the own group not completed: id -> offset (persistent
+        # sessions; in the session file before the PUBLISH leaves, see sessions.py).
+        self.qos2_sent: dict[int, int] = {}
+        # While a session-file write that records new qos2_sent ids runs, this session's
+        # deliveries wait (its future; the PUBLISHes of the batch leave when it is durable).
+        self.out_hold: asyncio.Future[None] | None = None
+        # Offsets of the own group put back in flight from qos2_sent at a restart (with their
+        # old ids): the group's redelivery from Pending skips them (they are in flight).
+        self.resumed_offsets: set[int] = set()
         # Commit future -> future that resolves once that commit's QoS 2 ids are written.
         self.qos2_gates: dict[asyncio.Future[None], asyncio.Future[None]] = {}
         self.save_next: asyncio.Future[None] | None = None  # the next session-file write
@@ -389,6 +454,15 @@ class SessionState:
         self._share_names: frozenset[str] | None = None
         self._no_local: bool | None = None
         self._plain5: bool | None = None
+        # Offsets its client published while it had a no local subscription (persistent
+        # sessions; in the session file), for no local beyond PublisherRuns' window.
+        self.own_runs = OwnRuns()
+
+    def holding(self) -> bool:
+        """Whether deliveries wait for a session-file write (:attr:`out_hold`).  A method, not
+        the attribute: a compiled caller would keep the attribute narrowed to None across the
+        calls that set it (mypyc checks the narrowed type at the next read)."""
+        return self.out_hold is not None
 
     def own_filters(self) -> tuple[str, ...]:
         return tuple(sorted({s.plain for s in self.subs.values() if s.share is None}))
@@ -519,12 +593,15 @@ class SessionState:
         }
         return StoredSession(
             self.client_id,
-            {f: StoredSubscription(s.qos, s.start, s.options & ~SUB_QOS_MASK, s.identifier)
+            {f: StoredSubscription(s.qos, s.start, s.options & ~SUB_QOS_MASK, s.identifier, s.retain_below)
              for f, s in self.subs.items()},
             ids,
             owner=self.owner,
             qos2_offsets={pid: off for pid, off in self.qos2_offsets.items() if pid in ids},
             qos2_outbound=set(self.qos2_out),
+            qos2_sent=dict(self.qos2_sent),
+            own_offsets=self.own_runs.pruned(self.group.pending_offset if self.group is not None else 0)
+            if self.own_runs else [],
             expiry=self.expiry,
             disconnected_at=self.disconnected_at if self.expiry is not None else None,
             will=self._stored_will(),

@@ -5,6 +5,7 @@ retained messages a new subscription gets (bounded per connection).
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections import deque
@@ -173,24 +174,66 @@ class SubscribeMixin(CoreBase):
             if handling == 0 or (handling == 1 and old is None):
                 with_retained.append(sub)
             codes.append(qos)
+        written: asyncio.Future[None] | None = None
         if new_subs:
             state.subs_changed()
-            try:  # group files (a new session or $share group) and the session file
+            try:  # group files (a new session or $share group)
                 self._update_groups(state)
                 for sub in new_subs:
                     self._register(conn, state, sub)
-                if state.persistent and durable_change:
-                    self.store.save(state.stored())
             except OSError as err:  # not "exc": mypyc gives a name one type per function
                 # No SUBACK for a subscription whose state is not durable (a restart would forget it).
                 conn.close(f"SUBSCRIBE refused: its state cannot be persisted: {err}", will=True, level=logging.ERROR)
                 return
-        conn.send_packet(Suback(p.packet_id, codes))
+            if state.persistent and durable_change:
+                # The session file is written in a worker thread; the SUBACK waits for it (in
+                # order with the connection's other acks), the live deliveries need not
+                # (3.8.4: PUBLISHes may precede the SUBACK).
+                written = self._save_now(state)
+        suback = Suback(p.packet_id, codes)
+        if written is not None and not written.done():
+            # Its live records wait too: they go after its retained messages, never before
+            # (a retained message is older than any live one of its topic).
+            state.out_hold = written
+            written.add_done_callback(functools.partial(
+                self._subscription_written, conn, state, with_retained, mark, start, "SUBSCRIBE"))
+            conn.queue_ack(written, conn.encode_packet(suback))
+            self._join_batch(conn, written)
+            return
+        if written is not None and (written.cancelled() or written.exception() is not None):
+            conn.close("SUBSCRIBE refused: its state cannot be persisted (writing the session file failed)",
+                       will=True, level=logging.ERROR)
+            return
+        conn.send_packet(suback)
+        self._after_suback(conn, state, with_retained, mark, start)
+
+    def _after_suback(self, conn: Connection, state: SessionState, with_retained: list[Subscription],
+                      mark: int, start: int) -> None:
         for sub in with_retained:
             # Every retained message appended before the SUBSCRIBE, once routed (MQTT-3.8.4-3
             # too: a repeated one's live copies still reach it through the old start).
             self._send_retained(conn, state, sub, mark if sub.share is None else start)
         self.pump(conn)
+
+    def _subscription_written(self, conn: Connection, state: SessionState, with_retained: list[Subscription],
+                              mark: int, start: int, what: str, written: asyncio.Future[None]) -> None:
+        """The session file of a SUBSCRIBE / UNSUBSCRIBE is durable (or failed): release its
+        ack (queued in order), then the retained messages the SUBSCRIBE gets."""
+        if state.out_hold is written:
+            state.out_hold = None
+        if conn.closed or state.conn is not conn:
+            if state.conn is not None and not state.conn.closed:
+                self.pump(state.conn)  # (the session moved on to a new connection meanwhile)
+                self.flush()
+            return
+        if written.cancelled() or written.exception() is not None:
+            conn.close(f"{what} refused: its state cannot be persisted (writing the session file failed)",
+                       will=True, level=logging.ERROR)
+            self.flush()
+            return
+        if conn.ack_ready():
+            self._after_suback(conn, state, with_retained, mark, start)
+        self.flush()
 
     def _send_retained(self, conn: Connection, state: SessionState, sub: Subscription, below: int) -> None:
         """Send the retained messages ``sub`` matches that were stored below offset ``below``
@@ -216,6 +259,8 @@ class SubscribeMixin(CoreBase):
             # A failed commit gave the offsets up to ``below`` back: records there come later.
             below = sub.retain_below = self._routed
             state.subs_changed()
+            if state.persistent:
+                state.save_due = True  # (retain_below is in the session file)
         acl = conn.acl
         queue = self._retained_out.get(conn)
         if queue is None:
@@ -292,6 +337,14 @@ class SubscribeMixin(CoreBase):
                     self._too_large(conn, m.topic, len(data), limit)
                     continue
                 inflight[pid] = Outbound(m.offset, None, qos, m.topic, m.payload, None, True, headers)
+                if qos == 2 and state.persistent:
+                    # Its id goes to the session file before it leaves (as a group record's,
+                    # see DeliveryMixin._hold_output); the rest of the queue follows the write.
+                    state.qos2_sent[pid] = -1
+                    written = state.out_hold = self._save_soon(state)
+                    written.add_done_callback(functools.partial(self._release_output, conn, state, data))
+                    sent += 1
+                    break
                 conn.send(data)
             sent += 1
         if sent:
@@ -321,5 +374,16 @@ class SubscribeMixin(CoreBase):
                 self._leave_share(conn, state, name)
             self._update_groups(state)
             if state.persistent:
-                self.store.save(state.stored())
+                written = self._save_now(state)  # in a worker thread; the UNSUBACK waits for it
+                if not written.done():
+                    written.add_done_callback(functools.partial(
+                        self._subscription_written, conn, state, [], 0, 0, "UNSUBSCRIBE"))
+                    conn.queue_ack(written, conn.encode_packet(
+                        Unsuback(p.packet_id, codes if conn.protocol_level == 5 else [])))
+                    self._join_batch(conn, written)
+                    return
+                if written.cancelled() or written.exception() is not None:
+                    conn.close("UNSUBSCRIBE refused: its state cannot be persisted (writing the session file "
+                               "failed)", will=True, level=logging.ERROR)
+                    return
         conn.send_packet(Unsuback(p.packet_id, codes if conn.protocol_level == 5 else []))

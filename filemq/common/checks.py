@@ -218,7 +218,7 @@ def _export_name(value: Any, from_flag: bool) -> str:
 
 def _export_url(value: Any, from_flag: bool) -> str:
     what = ("a URL filemq://HOST:PORT, filemqs://HOST:PORT (a filemq collector), mqtt://HOST[:PORT] "
-            "or mqtts://HOST[:PORT] (any MQTT 3.1.1 broker), without user, password or path")
+            "or mqtts://HOST[:PORT] (any MQTT 5 or 3.1.1 broker), without user, password or path")
     if not isinstance(value, str):
         raise _Bad(what)
     try:
@@ -286,7 +286,9 @@ class Listener:
     ``tls_key`` make it TLS; ``tls_ca`` verifies client certificates, which
     ``require_certificate`` makes mandatory; ``use_identity_as_username`` (as Mosquitto)
     takes the client certificate's CN as the username and does not consult the password
-    file for it.  ``allowed_origins`` (WebSockets only): the browser origins
+    file for it.  ``tls_crl`` (Mosquitto's ``crlfile``): a PEM certificate revocation list
+    of ``tls_ca``; a client certificate it revokes fails the handshake (checked on every
+    handshake, re-read with the other TLS files on SIGHUP).  ``allowed_origins`` (WebSockets only): the browser origins
     (``scheme://host[:port]``, or ``"*"`` for any) whose pages may connect; an upgrade that
     carries another ``Origin`` header gets HTTP 403, so that a web page the device's browser
     opens cannot reach the broker in its user's name (cross-site WebSocket hijacking).
@@ -303,6 +305,7 @@ class Listener:
     require_certificate: bool = False
     use_identity_as_username: bool = False
     allowed_origins: tuple[str, ...] = ()
+    tls_crl: str | None = None
 
     @property
     def tls(self) -> bool:
@@ -315,7 +318,7 @@ class Listener:
 
 _LISTENER_WHAT = (
     "a list of [[listener]] tables with host, port, protocol = \"mqtt\" | \"websockets\", "
-    "tls_cert, tls_key, tls_ca, require_certificate, use_identity_as_username, allowed_origins "
+    "tls_cert, tls_key, tls_ca, tls_crl, require_certificate, use_identity_as_username, allowed_origins "
     "(or strings 'HOST:PORT[,key=value...]')"
 )
 
@@ -346,7 +349,7 @@ def _listener(item: Any, from_flag: bool, n: int) -> Listener:
     checks: dict[str, Checker] = {
         "host": _str, "port": _PORT, "protocol": _enum("mqtt", "websockets"), "tls_cert": _str,
         "tls_key": _str, "tls_ca": _str, "require_certificate": _bool,
-        "use_identity_as_username": _bool, "allowed_origins": _origins,
+        "use_identity_as_username": _bool, "allowed_origins": _origins, "tls_crl": _str,
     }
     values: dict[str, Any] = {}
     for k, v in raw.items():
@@ -360,6 +363,8 @@ def _listener(item: Any, from_flag: bool, n: int) -> Listener:
         problem = "TLS needs both tls_cert and tls_key"
     elif lst.tls_ca is not None and not lst.tls:
         problem = "tls_ca verifies client certificates of a TLS listener; set tls_cert and tls_key"
+    elif lst.tls_crl is not None and lst.tls_ca is None:
+        problem = "tls_crl revokes client certificates of tls_ca; set tls_ca"
     elif lst.require_certificate and lst.tls_ca is None:
         problem = "require_certificate needs tls_ca (the CA that signs client certificates)"
     elif lst.use_identity_as_username and not lst.require_certificate:

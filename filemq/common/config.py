@@ -274,6 +274,11 @@ class ExportSection:
     # The destination's packet limit (AWS IoT Core: 128 KiB); None: agent.upstream_max_packet_size
     # for a collector export, no limit for an MQTT one. A record too large is set aside, counted.
     max_packet_size: int | None = field(default=None, metadata=_spec(_int(1024, 268_435_455, sizes=True)))
+    # None: agent.ack_timeout_ms. MQTT exports: the oldest publish in flight unacknowledged this
+    # long ends the connection (the window is resent with DUP); collector exports: a batch.
+    ack_timeout_ms: int | None = field(default=None, metadata=_spec(_OPT_POS))
+    # MQTT exports: "auto" (MQTT 5, 3.1.1 if the destination refuses it), "5" or "3.1.1".
+    protocol: str = field(default="auto", metadata=_spec(_enum("auto", "5", "3.1.1")))
     # Only through the agent.collector shorthand (agent.password); tables use password_file.
     password: str | None = field(default=None, repr=False, metadata=_spec(_str))
 
@@ -283,7 +288,7 @@ class ExportSection:
 
     @property
     def kind(self) -> str:
-        """``"filemq"`` (batches to a collector) or ``"mqtt"`` (any MQTT 3.1.1 broker)."""
+        """``"filemq"`` (batches to a collector) or ``"mqtt"`` (any MQTT 5 or 3.1.1 broker)."""
         return "filemq" if self.scheme.startswith("filemq") else "mqtt"
 
     @property

@@ -23,6 +23,11 @@ What a caller may rely on:
   deleted range are lost; recovery logs that with the offset range.  Snapshotting every few
   seconds (the broker's default) keeps this from happening unless retention deletes data
   seconds after it was written.
+* **Expired messages are removed** (MQTT 5 message expiry interval, MQTT-3.3.2-5):
+  :meth:`RetainedStore.expire` drops every retained message whose interval has passed since
+  it was published (the broker calls it from its once-a-second tick, then snapshots), and
+  :meth:`RetainedStore.recover` does the same after its replay, so a restart never brings an
+  expired one back.  Only messages with an expiry interval are looked at.
 * Under ``fsync = "interval"`` or ``"never"`` a snapshot may be ahead of the log after a power
   cut; recovery then drops the snapshot entries the log no longer has (such messages were
   inside the documented loss window).
@@ -42,6 +47,7 @@ from __future__ import annotations
 import logging
 import os
 import struct
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -62,6 +68,20 @@ _ENTRY = struct.Struct(">QqBHI")
 _ENTRY_HEADERS = struct.Struct(">QqBHII")
 _CRC = struct.Struct(">I")
 _REPLAY_BATCH = 1000
+
+
+def expires_at_us(headers: bytes, timestamp_us: int) -> int | None:
+    """When (Unix µs) a message with these headers (``Record.headers``: its MQTT 5 message
+    properties in identifier order) expires; None without a message expiry interval."""
+    if not headers:
+        return None
+    if headers[0] == 0x02:
+        i = 1
+    elif headers[0] == 0x01 and len(headers) > 2 and headers[2] == 0x02:
+        i = 3
+    else:
+        return None
+    return timestamp_us + int.from_bytes(headers[i:i + 4], "big") * 1_000_000
 
 
 class CorruptSnapshot(ValueError):
@@ -168,6 +188,8 @@ class RetainedStore:
         self.covered_offset = 0
         self._messages: dict[str, RetainedMessage] = {}
         self._payload_bytes = 0
+        self._expiring: dict[str, int] = {}  # topic -> expiry (Unix µs) of its message, if it has one
+        self.expired = 0  # retained messages removed because their expiry interval passed
 
     def __len__(self) -> int:
         return len(self._messages)
@@ -197,12 +219,29 @@ class RetainedStore:
                 return
             self._payload_bytes -= len(current.payload)
             del self._messages[record.topic]
+            self._expiring.pop(record.topic, None)
         if record.payload:
             self._messages[record.topic] = RetainedMessage(
                 record.topic, record.payload, record.qos, record.offset, record.timestamp_us,
                 record.headers,
             )
             self._payload_bytes += len(record.payload)
+            if record.headers:
+                due = expires_at_us(record.headers, record.timestamp_us)
+                if due is not None:
+                    self._expiring[record.topic] = due
+
+    def expire(self, now_us: int) -> int:
+        """Remove the retained messages whose MQTT 5 message expiry interval has passed by
+        ``now_us`` (Unix µs); returns how many."""
+        gone = [t for t, due in self._expiring.items() if due <= now_us]
+        for topic in gone:
+            del self._expiring[topic]
+            m = self._messages.pop(topic, None)
+            if m is not None:
+                self._payload_bytes -= len(m.payload)
+        self.expired += len(gone)
+        return len(gone)
 
     def advance(self, offset: int) -> None:
         """Declare that every retained record below ``offset`` has been applied.
@@ -249,6 +288,7 @@ class RetainedStore:
         report = RetainedRecovery()
         self._messages.clear()
         self._payload_bytes = 0
+        self._expiring.clear()
         self.covered_offset = 0
         first, end = log_.first_offset, log_.committed_offset
         data = self._load_snapshot()
@@ -272,6 +312,9 @@ class RetainedStore:
                 for m in messages:
                     self._messages[m.topic] = m
                     self._payload_bytes += len(m.payload)
+                    due = expires_at_us(m.headers, m.timestamp_us) if m.headers else None
+                    if due is not None:
+                        self._expiring[m.topic] = due
                 report.snapshot_entries = len(messages)
                 self.covered_offset = covered
         start = self.covered_offset if report.snapshot_loaded else first
@@ -297,6 +340,9 @@ class RetainedStore:
                 self.apply(record)
             offset = batch[-1].offset + 1
         self.covered_offset = max(self.covered_offset, end)
+        expired = self.expire(time.time_ns() // 1000)  # never back after a restart
+        if expired:
+            log.info("%s: %d expired retained messages removed", self.path, expired)
         log.info(
             "%s: %d retained messages (snapshot %d, replayed %d records from offset %d)",
             self.path, len(self), report.snapshot_entries, report.replayed_records, start,

@@ -24,6 +24,18 @@ def pytest_configure(config: pytest.Config) -> None:
     # its stderr.) A JAVA_TOOL_OPTIONS already set is kept as it is.
     os.environ.setdefault("JAVA_TOOL_OPTIONS", "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC")
 
+    # Hypothesis: no per-example deadline and no "input generation is slow" health check, for
+    # every test that does not set its own (a test's @settings still wins, field by field).
+    # Both measure the machine, not the code: with the suite's files run side by side
+    # (pytest-xdist) on a shared 2-core machine a first call may take > 200 ms, and a test
+    # failed on that alone (as many tests here already said with deadline=None one by one).
+    from hypothesis import HealthCheck, settings
+
+    settings.register_profile(
+        "filemq-tests", deadline=None, suppress_health_check=[HealthCheck.too_slow]
+    )
+    settings.load_profile("filemq-tests")
+
     if os.environ.get("FILEMQ_TEST_EVENT_LOOP") == "uvloop":
         import asyncio
 

@@ -6,7 +6,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: test test-pure demo venv lint layers typecheck clean system-deps compiled test-compiled
+.PHONY: test test-pure test-uvloop demo venv lint layers typecheck clean system-deps compiled test-compiled
 
 # The venv is refreshed only when the package metadata changes (idempotent).
 $(STAMP): setup.cfg pyproject.toml
@@ -28,36 +28,39 @@ system-deps:
 	  else echo "note: mosquitto not installed and no root/apt; interop tests will be skipped"; fi; \
 	fi
 
-# The suite's runs use pytest-xdist: TEST_JOBS worker processes (default 4 on any core count:
-# most tests wait on sockets, subprocesses and timers, about 0.4 of a core each when run one
-# after another), whole files to a worker (--dist loadfile, so a file's module state and the
-# Spark session stay in one process), the longest files first (tests/conftest.py). TEST_JOBS=0
-# runs every pass in one process, one pass after the other (as before pytest-xdist).
+# The suite's runs use pytest-xdist: TEST_JOBS worker processes each (default 4 on any core
+# count: most tests wait on sockets, subprocesses and timers, about 0.4 of a core each when run
+# one after another), whole files to a worker (--dist loadfile: a file's module state and the
+# Spark session stay in one process), the longest files first (tests/conftest.py orders the
+# files with spark, then slow, tests ahead; --no-loadscope-reorder keeps that order).
+# TEST_JOBS=0: every pass in one process, one pass after the other (as before pytest-xdist).
 TEST_JOBS ?= 4
 ifeq ($(TEST_JOBS),0)
 XDIST          :=
 TEST_BRANCHES  := 1
 else
 XDIST          := -n $(TEST_JOBS) --dist loadfile --no-loadscope-reorder
-TEST_BRANCHES  := 2
+TEST_BRANCHES  := 3
 endif
 UVLOOP_TESTS   := tests/test_broker_server.py tests/test_broker_transport.py \
                   tests/test_broker_pacing.py tests/test_broker_batching.py
 
-# Lint, types and layers first (seconds; they stop a broken tree early), then two branches side
-# by side, each printed whole when it ends (--output-sync): the pure-Python suite and its uvloop
-# pass (test-pure), and the compiled build and its tests (test-compiled). The build is CPU the
-# waiting tests leave idle.
+# Lint, types and layers first (seconds; they stop a broken tree early), then three passes side
+# by side, each printed whole when it ends (--output-sync): the pure-Python suite (test-pure),
+# the socket-level broker suites on uvloop (test-uvloop), and the compiled build with its tests
+# (test-compiled). The build takes the CPU that the waiting tests leave idle.
 test: $(STAMP) system-deps
 	$(VENV)/bin/ruff check segments filemq worker_agent collector spark_ingest bench demo cli.py tests
 	$(VENV)/bin/mypy segments filemq worker_agent collector spark_ingest bench demo cli.py
 	$(VENV)/bin/lint-imports --config setup.cfg
-	@$(MAKE) --no-print-directory -j $(TEST_BRANCHES) --output-sync=target test-pure test-compiled
+	@$(MAKE) --no-print-directory -j $(TEST_BRANCHES) --output-sync=target test-pure test-uvloop test-compiled
 
 test-pure: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider $(XDIST) tests
-	@# The socket-level broker suites again on uvloop, the loop `filemq broker` takes where
-	@# it is installed (filemq/ops/eventloop.py); its real processes above ran on it already.
+
+# The socket-level broker suites again on uvloop, the loop `filemq broker` takes where it is
+# installed (filemq/ops/eventloop.py); the real broker processes of test-pure ran on it already.
+test-uvloop: $(STAMP)
 	FILEMQ_TEST_EVENT_LOOP=uvloop $(PY) -m pytest -q -p no:cacheprovider $(XDIST) -rs $(UVLOOP_TESTS)
 
 # The optional compiled build (setup.py, docs/PERFORMANCE.md): the hot-path modules compiled

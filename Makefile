@@ -6,7 +6,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: test demo venv lint layers typecheck clean system-deps browser-deps compiled test-compiled
+.PHONY: test test-pure test-uvloop demo venv lint layers typecheck clean system-deps browser-deps compiled test-compiled
 
 # The venv is refreshed only when the package metadata changes (idempotent).
 $(STAMP): setup.cfg pyproject.toml
@@ -46,16 +46,40 @@ browser-deps:
 	  else echo "note: chromium not installed and no root/apt; the /fleet page test will be skipped"; fi; \
 	fi
 
+# The suite's runs use pytest-xdist: TEST_JOBS worker processes each (default 4 on any core
+# count: most tests wait on sockets, subprocesses and timers, about 0.4 of a core each when run
+# one after another), whole files to a worker (--dist loadfile: a file's module state and the
+# Spark session stay in one process), the longest files first (tests/conftest.py orders the
+# files with spark, then slow, tests ahead; --no-loadscope-reorder keeps that order).
+# TEST_JOBS=0: every pass in one process, one pass after the other (as before pytest-xdist).
+TEST_JOBS ?= 4
+ifeq ($(TEST_JOBS),0)
+XDIST          :=
+TEST_BRANCHES  := 1
+else
+XDIST          := -n $(TEST_JOBS) --dist loadfile --no-loadscope-reorder
+TEST_BRANCHES  := 3
+endif
+UVLOOP_TESTS   := tests/test_broker_server.py tests/test_broker_transport.py \
+                  tests/test_broker_pacing.py tests/test_broker_batching.py
+
+# Lint, types and layers first (seconds; they stop a broken tree early), then three passes side
+# by side, each printed whole when it ends (--output-sync): the pure-Python suite (test-pure),
+# the socket-level broker suites on uvloop (test-uvloop), and the compiled build with its tests
+# (test-compiled). The build takes the CPU that the waiting tests leave idle.
 test: $(STAMP) system-deps
 	$(VENV)/bin/ruff check segments filemq worker_agent collector spark_ingest bench demo cli.py tests
 	$(VENV)/bin/mypy segments filemq worker_agent collector spark_ingest bench demo cli.py
 	$(VENV)/bin/lint-imports --config setup.cfg
-	$(PY) -m pytest -q -p no:cacheprovider tests
-	@# The socket-level broker suites again on uvloop, the loop `filemq broker` takes where
-	@# it is installed (filemq/ops/eventloop.py); its real processes above ran on it already.
-	FILEMQ_TEST_EVENT_LOOP=uvloop $(PY) -m pytest -q -p no:cacheprovider -rs tests/test_broker_server.py tests/test_broker_transport.py \
-	  tests/test_broker_pacing.py tests/test_broker_batching.py
-	$(MAKE) --no-print-directory test-compiled
+	@$(MAKE) --no-print-directory -j $(TEST_BRANCHES) --output-sync=target test-pure test-uvloop test-compiled
+
+test-pure: $(STAMP)
+	$(PY) -m pytest -q -p no:cacheprovider $(XDIST) tests
+
+# The socket-level broker suites again on uvloop, the loop `filemq broker` takes where it is
+# installed (filemq/ops/eventloop.py); the real broker processes of test-pure ran on it already.
+test-uvloop: $(STAMP)
+	FILEMQ_TEST_EVENT_LOOP=uvloop $(PY) -m pytest -q -p no:cacheprovider $(XDIST) -rs $(UVLOOP_TESTS)
 
 # The optional compiled build (setup.py, docs/PERFORMANCE.md): the hot-path modules compiled
 # with mypyc in a COPY of the tree, build/compiled/, so the working tree stays pure Python and
@@ -100,7 +124,7 @@ test-compiled: $(STAMP)
 	@if $(HAVE_CC); then \
 	  $(MAKE) --no-print-directory compiled && \
 	  cd $(COMPILED) && FILEMQ_EXPECT_COMPILED=1 PYTHONPATH=$(CURDIR)/$(COMPILED) \
-	    $(abspath $(PY)) -m pytest -q -p no:cacheprovider $(COMPILED_TESTS); \
+	    $(abspath $(PY)) -m pytest -q -p no:cacheprovider $(XDIST) $(COMPILED_TESTS); \
 	else \
 	  echo "note: no C compiler or Python headers: the compiled build is not tested here"; \
 	  FILEMQ_EXPECT_COMPILED=1 $(PY) -m pytest -q -p no:cacheprovider -rs tests/test_build.py; \

@@ -27,9 +27,14 @@ def test_tune_gc_raises_the_young_threshold_keeps_the_older_ones_and_freezes(res
     assert gc.get_threshold() == (GC_YOUNG_THRESHOLD, older, oldest)
     assert gc.get_freeze_count() > 0  # the start-up's objects are in the permanent generation
     frozen = gc.get_freeze_count()
+    made_after: list[object] = []  # a container, tracked by the collector
     tune_gc(freeze=False)  # idempotent thresholds; nothing more frozen
     assert gc.get_threshold() == (GC_YOUNG_THRESHOLD, older, oldest)
-    assert gc.get_freeze_count() == frozen
+    # Nothing more frozen: the count does not grow and an object made after the first
+    # freeze is still in a collected generation. (Not `== frozen`: a frozen object that
+    # another thread frees, e.g. pytest-xdist's I/O thread in a worker, leaves the count.)
+    assert gc.get_freeze_count() <= frozen
+    assert any(o is made_after for o in gc.get_objects())
 
 
 def test_cycles_are_still_collected_without_a_manual_collect(restore_gc: None) -> None:

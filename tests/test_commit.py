@@ -20,20 +20,24 @@ def run(coro):  # type: ignore[no-untyped-def]
     return asyncio.run(asyncio.wait_for(coro, 30))
 
 
+_MODE: dict[str, float | None] = {"on_loop_max_ms": None}
+
+
 @pytest.fixture(autouse=True, params=["on_loop", "thread"])
-def commit_mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+def commit_mode(request: pytest.FixtureRequest) -> str:
     """Every test here twice: with commits on the event loop (the default while syncs are
     quick and batches small) and with every commit on the commit thread (on_loop_max_ms=0,
-    where a slow sync or a big batch sends it)."""
-    if request.param == "thread":
-        original = GroupCommitter.__init__
-
-        def init(self: GroupCommitter, log: Log, **kw: Any) -> None:
-            kw.setdefault("on_loop_max_ms", 0)
-            original(self, log, **kw)
-
-        monkeypatch.setattr(GroupCommitter, "__init__", init)
+    where a slow sync or a big batch sends it). Tests build their committer with
+    :func:`committer`, which passes the mode (a keyword, not a patched class: the compiled
+    build's classes cannot be patched)."""
+    _MODE["on_loop_max_ms"] = None if request.param == "on_loop" else 0
     return str(request.param)
+
+
+def make_committer(log: Log, **kw: Any) -> GroupCommitter:
+    if _MODE["on_loop_max_ms"] is not None:
+        kw.setdefault("on_loop_max_ms", _MODE["on_loop_max_ms"])
+    return GroupCommitter(log, **kw)
 
 
 class SlowSyncIO(InjectingFileIO):
@@ -61,10 +65,11 @@ def test_small_batches_commit_on_the_loop_big_ones_on_the_thread(tmp_path: Path,
     hand-off; a pass that appended more than ON_LOOP_MAX_RECORDS goes to the thread (load:
     the loop reads on while it writes). Either way each future resolves after its fdatasync."""
     io = InjectingFileIO()
-    log = Log.open(tmp_path, LogConfig(fsync="always"), fileio=io)
+    # (a bound no sync reaches on a loaded machine: the move on a slow sync is the next test's)
+    log = Log.open(tmp_path, LogConfig(fsync="always", commit_on_loop_max_ms=10_000), fileio=io)
 
     async def main() -> tuple[int, int, int]:
-        committer = GroupCommitter(log)
+        committer = make_committer(log)
         await committer.start()
         for _ in range(20):
             offset, future = committer.append_nowait("t", b"x" * 10)
@@ -95,14 +100,14 @@ def test_a_slow_sync_moves_commits_to_the_thread_until_syncs_are_quick_again(
     if commit_mode == "thread":
         pytest.skip("the move is from the loop to the thread; the thread mode has no loop commits to move")
     io = SlowSyncIO()
-    log = Log.open(tmp_path, LogConfig(fsync="always", commit_on_loop_max_ms=20), fileio=io)
+    log = Log.open(tmp_path, LogConfig(fsync="always", commit_on_loop_max_ms=100), fileio=io)
 
     async def main() -> None:
-        committer = GroupCommitter(log)
+        committer = make_committer(log)
         await committer.start()
         await committer.append_nowait("t", b"quick")[1]
         assert committer.commits_on_loop == 1 and committer.moves_to_thread == 0
-        io.delay = 0.06
+        io.delay = 0.25  # (bound 100 ms: quick syncs stay under it on a loaded machine)
         await committer.append_nowait("t", b"slow on the loop")[1]
         assert committer.commits_on_loop == 2 and committer.moves_to_thread == 1
         ticks = 0
@@ -111,24 +116,30 @@ def test_a_slow_sync_moves_commits_to_the_thread_until_syncs_are_quick_again(
             nonlocal ticks
             ticks += 1
 
-        handles = [asyncio.get_running_loop().call_later(0.01 * k, tick) for k in range(1, 4)]
+        handles = [asyncio.get_running_loop().call_later(0.05 * k, tick) for k in range(1, 4)]
         await committer.append_nowait("t", b"slow on the thread")[1]
         assert committer.commits_on_loop == 2, "a commit ran on the loop after a slow sync"
         assert ticks >= 2, "the loop was held during a sync on the thread"
         for h in handles:
             h.cancel()
         io.delay = 0.0
-        await committer.append_nowait("t", b"quick on the thread")[1]  # quick: back to the loop
-        await committer.append_nowait("t", b"quick on the loop")[1]
-        assert committer.commits_on_loop == 3
+        # Quick again: the first thread commit that takes at most half the bound brings them
+        # back (bounded: on a loaded machine one thread write can take longer than 10 ms).
+        quick = 0
+        while committer.commits_on_loop == 2 and quick < 50:
+            quick += 1
+            await committer.append_nowait("t", b"quick %d" % quick)[1]
+        assert committer.commits_on_loop == 3, "commits never came back to the loop"
+        assert committer.moves_to_thread == 1
         await committer.close()
 
     run(main())
     assert any("commits move to the commit thread" in r.getMessage() for r in caplog.records)
     log.close()
     reopened = Log.open(tmp_path, LogConfig())
-    assert [r.payload for r in reopened.read(0)] == [b"quick", b"slow on the loop", b"slow on the thread",
-                                                     b"quick on the thread", b"quick on the loop"]
+    payloads = [r.payload for r in reopened.read(0)]
+    assert payloads[:3] == [b"quick", b"slow on the loop", b"slow on the thread"]
+    assert payloads[3:] == [b"quick %d" % k for k in range(1, len(payloads) - 2)]
     reopened.close()
 
 
@@ -137,7 +148,7 @@ def test_futures_resolve_only_after_datasync(tmp_path: Path) -> None:
     log = Log.open(tmp_path, LogConfig(fsync="always"), fileio=io)
 
     async def main() -> list[tuple[int, int]]:
-        committer = GroupCommitter(log)
+        committer = make_committer(log)
         await committer.start()
         resolved: list[tuple[int, int]] = []  # (offset, bytes durable when its future resolved)
         futures = []
@@ -165,7 +176,7 @@ def test_many_appends_share_one_fsync(tmp_path: Path) -> None:
     log = Log.open(tmp_path, LogConfig(fsync="always"))
 
     async def main() -> tuple[int, int]:
-        committer = GroupCommitter(log)
+        committer = make_committer(log)
         await committer.start()
         pairs = [committer.append_nowait("t", b"p") for _ in range(2000)]
         assert len({id(f) for _, f in pairs}) == 1  # one shared future, not one per record
@@ -184,7 +195,7 @@ def test_append_during_fsync_goes_to_next_batch(tmp_path: Path) -> None:
     log = Log.open(tmp_path)
 
     async def main() -> None:
-        committer = GroupCommitter(log)
+        committer = make_committer(log)
         await committer.start()
         _, first = committer.append_nowait("t", b"a")
         await asyncio.sleep(0)  # the commit task takes the first batch
@@ -202,7 +213,7 @@ def test_interval_policy_acknowledges_before_fsync(tmp_path: Path) -> None:
     log = Log.open(tmp_path)
 
     async def main() -> tuple[int, int, int]:
-        committer = GroupCommitter(log, policy="interval", interval_ms=1000)
+        committer = make_committer(log, policy="interval", interval_ms=1000)
         await committer.start()
         await committer.append("t", b"a")  # the first commit syncs (the interval has elapsed)
         synced = log.stats.fsyncs
@@ -226,7 +237,7 @@ def test_never_policy_does_not_fsync_until_close(tmp_path: Path) -> None:
     log = Log.open(tmp_path)
 
     async def main() -> int:
-        committer = GroupCommitter(log, policy="never")
+        committer = make_committer(log, policy="never")
         await committer.start()
         for _ in range(5):
             await committer.append("t", b"a")
@@ -243,7 +254,7 @@ def test_failed_commit_fails_every_waiter_and_hides_records(tmp_path: Path) -> N
     log = Log.open(tmp_path, fileio=io)
 
     async def main() -> None:
-        committer = GroupCommitter(log)
+        committer = make_committer(log)
         await committer.start()
         assert await committer.append("t", b"ok") == 0
         io.full = True
@@ -265,7 +276,7 @@ def test_wait_committed_and_listeners(tmp_path: Path) -> None:
     log = Log.open(tmp_path)
 
     async def main() -> list[int]:
-        committer = GroupCommitter(log)
+        committer = make_committer(log)
         seen: list[int] = []
         committer.add_commit_listener(seen.append)
         await committer.start()
@@ -289,7 +300,7 @@ def test_max_batch_bytes_splits_futures(tmp_path: Path) -> None:
     log = Log.open(tmp_path)
 
     async def main() -> int:
-        committer = GroupCommitter(log, max_batch_bytes=1000)
+        committer = make_committer(log, max_batch_bytes=1000)
         await committer.start()
         futures = {id(committer.append_nowait("t", b"x" * 100)[1]) for _ in range(50)}
         await committer.close()
@@ -311,7 +322,7 @@ def test_sync_companion_runs_after_synced_commits_only_and_never_fails_one(tmp_p
         raise OSError(5, "companion I/O error")
 
     async def main() -> None:
-        gc = GroupCommitter(log)
+        gc = make_committer(log)
         gc.add_sync_companion(companion)
         await gc.start()
         for i in range(3):

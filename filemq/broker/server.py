@@ -201,7 +201,10 @@ class _MQTTProtocol(asyncio.Protocol):
         if len(core.connections) >= core.config.max_connections:
             log.warning("refusing connection from %s: max_connections (%d) reached",
                         peer, core.config.max_connections)
-            transport.close()
+            # A lingering close: a CONNECT that arrived before the accept (admission accepts
+            # in passes) is read and dropped, so the client reads EOF, not a reset.
+            self.transport = transport
+            self._linger_close()
             return
         transport.set_write_buffer_limits(high=WRITE_BUFFER_HIGH)
         conn = Connection(core, peer, transport, max_packet_size=self.max_packet_size,

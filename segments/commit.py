@@ -8,12 +8,14 @@ that arrive during that fsync form the next batch.
 Where the commit runs (``on_loop_max_ms``): while fdatasync is quick (the default: at most
 20 ms) and the batch is small (at most ``ON_LOOP_MAX_RECORDS``), on the event loop itself, as
 Redis runs ``appendfsync always``.  A durable ack waits for the sync anyway, and what arrives
-on every socket meanwhile is then read in the next loop pass, together: at everyday rates (a few messages per commit) this saves each commit two
-thread hand-offs, a self-pipe wake-up and the future chaining of ``run_in_executor``, and lets
-the loop wake once per commit instead of once per message.  The loop is held for at most one
-sync: a sync slower than the bound moves the commits to a dedicated thread (the loop keeps
-serving pings, CONNACKs and reads meanwhile) until a sync there is quick again.  0 keeps
-every commit on the thread.
+on every socket meanwhile is then read in the next loop pass, together: at everyday rates (a
+few messages per commit) this saves each commit two thread hand-offs, a self-pipe wake-up and
+the future chaining of ``run_in_executor``, and lets the loop wake once per commit instead of
+once per message.  The loop is held for at most one sync: a sync slower than the bound moves
+the commits to a dedicated thread (the loop keeps serving pings, CONNACKs and reads meanwhile)
+until a sync there takes at most half the bound.  A bigger batch (load, not trickle) is
+committed on the thread too, so the loop reads on while it writes.  0 keeps every commit on
+the thread; the ``interval`` policy always uses it.
 
 Loss windows (see docs/FORMAT.md, "Durability"):
 

@@ -13,7 +13,8 @@ few messages per commit) this saves each commit two thread hand-offs, a self-pip
 the future chaining of ``run_in_executor``, and lets the loop wake once per commit instead of
 once per message.  The loop is held for at most one sync: a sync slower than the bound moves
 the commits to a dedicated thread (the loop keeps serving pings, CONNACKs and reads meanwhile)
-until a sync there takes at most half the bound.  A bigger batch (load, not trickle) is
+until a sync there takes at most half the bound.  A bigger batch (more than
+``ON_LOOP_MAX_RECORDS`` records or ``ON_LOOP_MAX_BYTES`` bytes: load, not trickle) is
 committed on the thread too, so the loop reads on while it writes.  0 keeps every commit on
 the thread; the ``interval`` policy always uses it.
 
@@ -49,6 +50,9 @@ log = logging.getLogger(__name__)
 # is what keeps the rate, not saving a hand-off per commit (at a device's everyday rates a
 # batch holds a few records).
 ON_LOOP_MAX_RECORDS = 32
+# ... and a batch of more bytes than this: big records take the write itself long enough
+# that the loop should keep serving other clients meanwhile.
+ON_LOOP_MAX_BYTES = 256 * 1024
 
 
 class FsyncPolicy(enum.StrEnum):
@@ -169,8 +173,10 @@ class GroupCommitter:
         self._commit_soon = False
         if self._open is None and not self._closed_batches:
             return
+        log_ = self.log
         if not self._on_loop or self._thread_busy or self._closing or \
-                self.log.next_offset - self.log.committed_offset > ON_LOOP_MAX_RECORDS:
+                log_.next_offset - log_.committed_offset > ON_LOOP_MAX_RECORDS or \
+                log_.uncommitted_bytes > ON_LOOP_MAX_BYTES:
             self._wake.set()  # the commit task takes it
             return
         if self._open is not None:

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from segments import DiskFull, GroupCommitter, Log, LogConfig
-from segments.commit import ON_LOOP_MAX_RECORDS
+from segments.commit import ON_LOOP_MAX_BYTES, ON_LOOP_MAX_RECORDS
 from segments.fileio import FileHandle
 from tests.test_log import InjectingFileIO
 
@@ -62,7 +62,8 @@ class SlowSyncIO(InjectingFileIO):
 
 def test_small_batches_commit_on_the_loop_big_ones_on_the_thread(tmp_path: Path, commit_mode: str) -> None:
     """Everyday load (a record or a few per loop pass) commits on the event loop, no thread
-    hand-off; a pass that appended more than ON_LOOP_MAX_RECORDS goes to the thread (load:
+    hand-off; a pass that appended more than ON_LOOP_MAX_RECORDS records or ON_LOOP_MAX_BYTES
+    bytes goes to the thread (load:
     the loop reads on while it writes). Either way each future resolves after its fdatasync."""
     io = InjectingFileIO()
     # (a bound no sync reaches on a loaded machine: the move on a slow sync is the next test's)
@@ -78,6 +79,7 @@ def test_small_batches_commit_on_the_loop_big_ones_on_the_thread(tmp_path: Path,
         small = committer.commits_on_loop
         pairs = [committer.append_nowait("t", b"y") for _ in range(ON_LOOP_MAX_RECORDS + 1)]
         await pairs[-1][1]
+        await committer.append_nowait("t", b"z" * (ON_LOOP_MAX_BYTES + 1))[1]  # one record, many bytes
         big = committer.commits_on_loop - small
         await committer.close()
         return small, big, committer.commits
@@ -85,10 +87,10 @@ def test_small_batches_commit_on_the_loop_big_ones_on_the_thread(tmp_path: Path,
     small, big, commits = run(main())
     assert small == (20 if commit_mode == "on_loop" else 0)
     assert big == 0
-    assert commits >= 21 and log.stats.fsyncs >= 21
+    assert commits >= 22 and log.stats.fsyncs >= 22
     log.close()
     reopened = Log.open(tmp_path, LogConfig())
-    assert reopened.next_offset == 20 + ON_LOOP_MAX_RECORDS + 1
+    assert reopened.next_offset == 20 + ON_LOOP_MAX_RECORDS + 1 + 1
     reopened.close()
 
 

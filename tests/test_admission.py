@@ -24,6 +24,10 @@ from filemq.broker.session import AUTHENTICATING, AWAITING_CONNECT, CONNECTED
 from filemq.mqtt.client import MQTTClient
 from worker_agent.forwarder import backoff_delay
 
+# Wall-clock bounds of issue 30's done criteria: run after the parallel run, one at a time
+# (setup.cfg marker, Makefile test-pure).
+pytestmark = pytest.mark.timing
+
 REPO = Path(__file__).resolve().parent.parent
 
 

@@ -225,6 +225,7 @@ def _one_by_one(port: int, client_id: str, ack_until: int, deadline_s: float) ->
 
 
 @linux_only
+@pytest.mark.timing  # reads of one PUBACK each: a loaded machine coalesces them (Makefile: run alone)
 @pytest.mark.parametrize("ack_batching", [True, False])
 def test_a_one_by_one_acker_gets_everything_and_a_pingreq_waits_at_most_a_sweep(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, ack_batching: bool) -> None:

@@ -50,7 +50,7 @@ UVLOOP_TESTS   := tests/test_broker_server.py tests/test_broker_transport.py \
 # then the socket-level broker suites on uvloop (test-uvloop), and the compiled build with its
 # tests (test-compiled). The build takes the CPU that the waiting tests leave idle. (The uvloop
 # pass as a third branch saved ~30 s but ran its timing-sensitive socket tests beside the
-# busiest part of the suite: test_broker_batching's one-by-one acker failed once so.)
+# busiest part of the suite.)
 test: $(STAMP) system-deps
 	$(VENV)/bin/ruff check segments filemq worker_agent collector spark_ingest bench demo cli.py tests
 	$(VENV)/bin/mypy segments filemq worker_agent collector spark_ingest bench demo cli.py
@@ -66,8 +66,10 @@ test-pure-then-uvloop: $(STAMP)
 
 # The socket-level broker suites again on uvloop, the loop `filemq broker` takes where it is
 # installed (filemq/ops/eventloop.py); the real broker processes of test-pure ran on it already.
+# In one process, not under xdist: four files, ~25 s either way, and with the four side by side
+# test_broker_batching's one-by-one acker (reads of one PUBACK each) failed twice in three runs.
 test-uvloop: $(STAMP)
-	FILEMQ_TEST_EVENT_LOOP=uvloop $(PY) -m pytest -q -p no:cacheprovider $(XDIST) -rs $(UVLOOP_TESTS)
+	FILEMQ_TEST_EVENT_LOOP=uvloop $(PY) -m pytest -q -p no:cacheprovider -rs $(UVLOOP_TESTS)
 
 # The optional compiled build (setup.py, docs/PERFORMANCE.md): the hot-path modules compiled
 # with mypyc in a COPY of the tree, build/compiled/, so the working tree stays pure Python and

@@ -154,7 +154,21 @@ class TailCache:
         drop = 0
         freed = 0
         while self._tail_bytes - freed > target and pieces:
-            k, size = pieces.popleft()
+            k, size = pieces[0]
+            if k > 1 and self._tail_bytes - freed - size < target:
+                # A run put whole would overshoot: drop its oldest records only, as put one by
+                # one would (else a big run could leave nothing of itself, or an empty tail).
+                for r in tail[drop:drop + k - 1]:
+                    one = len(r.payload) + len(r.topic) + len(r.headers) + _OVERHEAD
+                    drop += 1
+                    freed += one
+                    size -= one
+                    k -= 1
+                    if self._tail_bytes - freed <= target:
+                        break
+                pieces[0] = (k, size)
+                break
+            pieces.popleft()
             drop += k
             freed += size
         del tail[:drop]

@@ -167,7 +167,7 @@ class TailCache:
                     if self._tail_bytes - freed <= target:
                         break
                 pieces[0] = (k, size)
-                break
+                continue  # (at target now; else its last record goes whole, as a piece of one)
             pieces.popleft()
             drop += k
             freed += size

@@ -6,7 +6,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: test test-pure test-uvloop test-pure-then-uvloop demo venv lint layers typecheck clean system-deps browser-deps compiled test-compiled
+.PHONY: test test-pure test-uvloop test-timing test-compiled-then-uvloop demo venv lint layers typecheck clean system-deps browser-deps compiled test-compiled
 
 # The venv is refreshed only when the package metadata changes (idempotent).
 $(STAMP): setup.cfg pyproject.toml
@@ -64,34 +64,39 @@ UVLOOP_TESTS   := tests/test_broker_server.py tests/test_broker_transport.py \
                   tests/test_broker_pacing.py tests/test_broker_batching.py
 
 # Lint, types and layers first (seconds; they stop a broken tree early), then two branches side
-# by side, each printed whole when it ends (--output-sync): the pure-Python suite (test-pure)
-# then the socket-level broker suites on uvloop (test-uvloop), and the compiled build with its
-# tests (test-compiled). The build takes the CPU that the waiting tests leave idle. (The uvloop
-# pass as a third branch saved ~30 s but ran its timing-sensitive socket tests beside the
-# busiest part of the suite.)
+# by side, each printed whole when it ends (--output-sync): the pure-Python suite (test-pure),
+# and the compiled build with its tests (test-compiled) followed by the socket-level broker
+# suites on uvloop (test-uvloop); the build takes the CPU that the waiting tests leave idle.
+# Last, alone, the tests marked timing (test-timing).
 test: $(STAMP) system-deps
 	$(VENV)/bin/ruff check segments filemq worker_agent collector spark_ingest bench demo cli.py tests
 	$(VENV)/bin/mypy segments filemq worker_agent collector spark_ingest bench demo cli.py
 	$(VENV)/bin/lint-imports --config setup.cfg
-	@$(MAKE) --no-print-directory -j $(TEST_BRANCHES) --output-sync=target test-pure-then-uvloop test-compiled
+	@$(MAKE) --no-print-directory -j $(TEST_BRANCHES) --output-sync=target test-pure test-compiled-then-uvloop
+	@$(MAKE) --no-print-directory test-timing
 
-# Tests marked timing assert wall-clock bounds (a CONNACK within 1 s under a flood, a PUBACK
-# within 2 s beside a 1 MB pipeliner): they run after the parallel run, one at a time, so the
-# suite's own load does not decide them.
 test-pure: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider $(XDIST) -m "not timing" tests
-	$(PY) -m pytest -q -p no:cacheprovider -m timing tests
 
-test-pure-then-uvloop: $(STAMP)
-	@$(MAKE) --no-print-directory test-pure
+# Tests marked timing assert wall-clock bounds (a CONNACK within 1 s under a flood, a PUBACK
+# within 2 s beside a 1 MB pipeliner, reads of one PUBACK each): they run after the parallel
+# passes, one at a time, so the suite's own load does not decide them; on uvloop too, those
+# of the uvloop files.
+test-timing: $(STAMP)
+	$(PY) -m pytest -q -p no:cacheprovider -m timing tests
+	FILEMQ_TEST_EVENT_LOOP=uvloop $(PY) -m pytest -q -p no:cacheprovider -rs -m timing $(UVLOOP_TESTS)
+
+test-compiled-then-uvloop: $(STAMP)
+	@$(MAKE) --no-print-directory test-compiled
 	@$(MAKE) --no-print-directory test-uvloop
 
 # The socket-level broker suites again on uvloop, the loop `filemq broker` takes where it is
 # installed (filemq/ops/eventloop.py); the real broker processes of test-pure ran on it already.
 # In one process, not under xdist: four files, ~25 s either way, and with the four side by side
-# test_broker_batching's one-by-one acker (reads of one PUBACK each) failed twice in three runs.
+# test_broker_batching's one-by-one acker (reads of one PUBACK each) failed twice in three runs
+# (it is marked timing now, and runs in test-timing).
 test-uvloop: $(STAMP)
-	FILEMQ_TEST_EVENT_LOOP=uvloop $(PY) -m pytest -q -p no:cacheprovider -rs $(UVLOOP_TESTS)
+	FILEMQ_TEST_EVENT_LOOP=uvloop $(PY) -m pytest -q -p no:cacheprovider -rs -m "not timing" $(UVLOOP_TESTS)
 
 # The optional compiled build (setup.py, docs/PERFORMANCE.md): the hot-path modules compiled
 # with mypyc in a COPY of the tree, build/compiled/, so the working tree stays pure Python and

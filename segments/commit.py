@@ -179,11 +179,7 @@ class GroupCommitter:
                 log_.uncommitted_bytes > ON_LOOP_MAX_BYTES:
             self._wake.set()  # the commit task takes it
             return
-        if self._open is not None:
-            self._closed_batches.append((self.log.next_offset, self._open))
-            self._open = None
-        batches, self._closed_batches = self._closed_batches, []
-        batch = self.log.take_batch()
+        batches, batch = self._take()
         sync = self.policy is FsyncPolicy.ALWAYS
         started = time.monotonic()
         try:
@@ -203,6 +199,15 @@ class GroupCommitter:
                         "the commit thread until a sync is quick again", self.log.directory, took * 1000,
                         self.on_loop_max * 1000)
         self._committed(batches, sync)
+
+    def _take(self) -> tuple[list[tuple[int, asyncio.Future[None]]], Batch | None]:
+        """Close the open batch and take every closed one, with the log's buffered records
+        (the first step of a commit, on the loop or on the thread)."""
+        if self._open is not None:
+            self._closed_batches.append((self.log.next_offset, self._open))
+            self._open = None
+        batches, self._closed_batches = self._closed_batches, []
+        return batches, self.log.take_batch()
 
     def _committed(self, batches: list[tuple[int, asyncio.Future[None]]], synced: bool) -> None:
         """After a successful commit (loop thread): companions, futures, waiters, listeners."""
@@ -322,11 +327,7 @@ class GroupCommitter:
                 else:
                     await self._wake.wait()
                 continue
-            if self._open is not None:
-                self._closed_batches.append((self.log.next_offset, self._open))
-                self._open = None
-            batches, self._closed_batches = self._closed_batches, []
-            batch = self.log.take_batch()
+            batches, batch = self._take()
             now = time.monotonic()
             sync = self.policy is FsyncPolicy.ALWAYS or (
                 self.policy is FsyncPolicy.INTERVAL and now - last_sync >= self.interval

@@ -28,8 +28,10 @@ waits for a read (filemq.broker.pacing): its segments carry many PUBACKs, and it
 Nothing waits long: a broker-wide sweep every :data:`SWEEP_S` sets the mark back to 1 on every
 socket not read for that long (a client that stopped acking half-way, a PINGREQ behind the
 mark, a client whose congestion window holds back its next segments until an ACK), and the
-kernel then wakes the broker for whatever is there.  A FIN wakes it at once, whatever the
-mark.  Reads only move later (by at most the sweep), so nothing changes in what is delivered,
+kernel then wakes the broker for whatever is there: a socket read just after one sweep is
+caught by the one after next at the latest, so a stall lasts under two sweeps (4 ms) plus
+however late the loop runs its timers.  A FIN wakes it at once, whatever the
+mark.  Reads only move later (by at most that), so nothing changes in what is delivered,
 acknowledged or stored; acks still in the kernel at a crash are re-delivered, inside the
 in-flight window as before.  ``[broker] ack_batching = false`` turns it off.
 """

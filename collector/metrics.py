@@ -10,6 +10,9 @@ private registry), so the hot path never touches prometheus-client. Metric names
 ``filemq_collector_files_landed_total``, ``filemq_collector_land_failures_total``,
 ``filemq_collector_lag_batches`` (WAL batches not yet landed),
 ``filemq_collector_buffered_rows``, ``filemq_collector_land_seconds`` (last roll).
+Admission and the ingest budget, as the broker's (:mod:`filemq.broker.availability`):
+``filemq_collector_connections_half_open``, ``filemq_collector_admission_*_total``,
+``filemq_collector_ingest_*``.
 
 The fleet (:mod:`collector.fleet`), as aggregates without a label per device:
 ``filemq_collector_fleet_devices{state="online|behind|disk_low|stale|offline"}``,
@@ -33,6 +36,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector as PromCollector
 
 from collector.fleet import STATES, device_state
+from filemq.broker.metrics import availability_families
 from filemq.ops.metrics_http import on_loop
 
 if TYPE_CHECKING:
@@ -146,3 +150,10 @@ class CollectorMetrics(PromCollector):
         ]
         for name, doc, level in gauges:
             yield GaugeMetricFamily(p + name, doc, value=level)
+        # Admission and the ingest budget (issue 30): the broker's families, named for the collector.
+        for fam in availability_families(self.collector.broker, p):
+            figure = fam.samples[0][2]
+            if fam.kind == "counter":
+                yield CounterMetricFamily(fam.name, fam.help, value=figure)
+            else:
+                yield GaugeMetricFamily(fam.name, fam.help, value=figure)

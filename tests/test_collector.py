@@ -559,6 +559,12 @@ def test_metrics_endpoint(tmp_path: Path) -> None:
     assert "filemq_collector_records_received_total 7.0" in text
     assert "filemq_collector_rows_landed_total 7.0" in text
     assert "filemq_collector_duplicate_records_dropped_total" in text
+    # admission and the ingest budget (issue 30), the broker's figures under the collector's names
+    assert "\nfilemq_collector_connections_half_open " in text
+    assert "\nfilemq_collector_admission_accept_paused_total " in text
+    from prometheus_client.parser import text_string_to_metric_families
+    values = {s.name: s.value for fam in text_string_to_metric_families(text) for s in fam.samples}
+    assert values["filemq_collector_ingest_uncommitted_limit_bytes"] == 256 << 20  # the collector's default
     assert os.path.isdir(tmp_path / "landing" / "incoming")
 
 

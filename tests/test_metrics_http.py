@@ -137,3 +137,65 @@ def test_agent_metrics_include_the_device_broker(tmp_path: Path) -> None:
     assert s[("filemq_broker_group_lag_records", (("group", GROUP_NAME),))] == 3
     assert s[("filemq_agent_lag_records", ())] == 3  # the collector is down: nothing shipped
     assert kinds["filemq_broker_store_bytes"] == "gauge"
+
+
+def test_admission_and_ingest_budget_figures_in_metrics_and_sys(tmp_path: Path) -> None:
+    """Issue 30's mechanisms are visible: three sockets that never send a CONNECT to a broker
+    with ``max_connecting = 2`` fill the half-open set and stop accepting (the gauge and the
+    counter say so), and the ingest budget's limit and use are exported; ``$SYS`` publishes
+    the same figures under ``$SYS/broker/availability/``."""
+    import socket
+
+    port, mport = free_port(), free_port()
+    limit = 8 << 20
+    config = load_config(None, {"data_dir": str(tmp_path), "broker.port": port, "broker.metrics_port": mport,
+                                "broker.sys_interval_s": 1, "broker.max_connecting": 2,
+                                "broker.max_uncommitted_bytes": limit})
+
+    async def main() -> tuple[str, dict[str, bytes]]:
+        stop = asyncio.Event()
+        ready = asyncio.Event()
+        task = asyncio.create_task(serve(config, ready=lambda line: ready.set(), stop=stop))
+        await asyncio.wait_for(ready.wait(), 30)
+        sys_values: dict[str, bytes] = {}
+        sub = MQTTClient("sys-reader", port=port)
+        await sub.connect()
+        silent = [socket.create_connection(("127.0.0.1", port)) for _ in range(3)]
+        try:
+            await sub.subscribe([("$SYS/broker/availability/#", 0)])
+            deadline = time.monotonic() + 10
+            text = ""
+            while time.monotonic() < deadline:  # until the broker accepted two and paused
+                _, text = await asyncio.to_thread(scrape, mport)
+                _, s = parse(text)
+                if s.get(("filemq_broker_connections_half_open", ()), 0) >= 2 \
+                        and s.get(("filemq_broker_admission_accept_paused_total", ()), 0) >= 1:
+                    break
+                await asyncio.sleep(0.05)
+
+            async def read_sys() -> None:  # retained now, then every sys_interval_s
+                async for msg in sub.messages():
+                    sys_values[msg.topic.rsplit("/", 1)[1]] = msg.payload
+                    if int(sys_values.get("half_open", b"0")) >= 2 and "reader_holds" in sys_values:
+                        return
+
+            await asyncio.wait_for(read_sys(), max(0.1, deadline - time.monotonic()))
+        finally:
+            for sock in silent:
+                sock.close()
+            await sub.disconnect()
+            stop.set()
+            assert await asyncio.wait_for(task, 30) == 0
+        return text, sys_values
+
+    text, sys_values = asyncio.run(main())
+    kinds, s = parse(text)
+    assert s[("filemq_broker_connections_half_open", ())] >= 2
+    assert s[("filemq_broker_admission_accept_paused_total", ())] >= 1
+    assert kinds["filemq_broker_admission_evicted_silent"] == "counter"
+    assert s[("filemq_broker_ingest_uncommitted_limit_bytes", ())] == limit
+    assert 0 <= s[("filemq_broker_ingest_uncommitted_bytes", ())] < limit
+    assert s[("filemq_broker_ingest_readers_held", ())] == 0
+    assert int(sys_values["half_open"]) >= 2
+    assert int(sys_values["uncommitted_limit_bytes"]) == limit
+    assert {"accept_paused", "evicted_silent", "reader_holds"} <= set(sys_values)

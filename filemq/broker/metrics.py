@@ -22,6 +22,8 @@ Metric names (docs/BROKER.md, "Prometheus metrics"; tests/test_metrics_http.py):
 * ``filemq_broker_group_lag_records{group=...}`` and
   ``filemq_broker_group_oldest_unacked_age_seconds{group=...}`` per durable consumer group
   (a persistent session or the agent's forwarder); the age is 0 when nothing is unacked.
+* admission's and the ingest budget's figures (:mod:`filemq.broker.availability`):
+  ``filemq_broker_connections_half_open``, ``..._admission_*_total``, ``..._ingest_*``
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ import logging
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
+
+from filemq.broker.availability import AVAILABILITY_METRICS, availability_figures
 
 if TYPE_CHECKING:
     from filemq.broker.server import Broker
@@ -140,6 +144,19 @@ def broker_families(broker: Broker, now: float | None = None) -> list[Family]:
                 seconds = max(0.0, (wall_us - oldest[0].timestamp_us) / 1e6)
         age.samples.append((age.name, labels, seconds))
     fams += [lag, age]
+    fams += availability_families(broker, PREFIX)
+    return fams
+
+
+def availability_families(broker: Broker, prefix: str) -> list[Family]:
+    """:func:`availability_figures` as metric families named ``prefix`` + name."""
+    figures = availability_figures(broker.admission, broker.budget)
+    fams: list[Family] = []
+    for key, name, kind, help_ in AVAILABILITY_METRICS:
+        if key in figures:
+            full = prefix + name
+            sample = full + "_total" if kind == "counter" else full
+            fams.append(Family(full, kind, help_, [(sample, {}, figures[key])]))
     return fams
 
 

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, cast
 from filemq.broker.acl import Acl
 from filemq.broker.admission import Acceptor, Admission, bind_listening_sockets
 from filemq.broker.auth import PasswordFile
+from filemq.broker.availability import availability_sys
 from filemq.broker.batching import AckBatcher, AckBatching
 from filemq.broker.budget import (
     CHECK_BYTES,
@@ -772,7 +773,9 @@ class Broker:
                     for name, lag in backlog.items():
                         self.stats.set_backlog(name, lag)
                     # The backlog topics are the complete set: a dropped group's topic goes away.
-                    core.publish_sys(self.stats.sys_messages(now), replace=SYS_PREFIX + "backlog/")
+                    core.publish_sys(self.stats.sys_messages(now)
+                                     + [(SYS_PREFIX + name, value.encode()) for name, value in availability_sys(self.admission, self.budget)],
+                                     replace=SYS_PREFIX + "backlog/")
                 if now >= next_snapshot and core.retained_ready:
                     next_snapshot = now + RETAINED_SNAPSHOT_INTERVAL_S
                     routed = core.routed_offset

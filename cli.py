@@ -292,7 +292,8 @@ def bench_broker(scenarios: tuple[str, ...], messages: int | None, publishers: i
     import json
     from pathlib import Path
 
-    from bench.broker import BrokerBenchOptions, run_broker_bench, summary_line
+    from bench.broker import run_broker_bench, summary_line
+    from bench.harness.brokers import BrokerBenchOptions
 
     if protocol == "5":
         other = sorted(set(scenarios) - {"ingest", "fanout", "all"})

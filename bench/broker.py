@@ -35,12 +35,11 @@ from typing import Any
 from bench.broker5 import SCENARIOS5, scenario_fanout5, scenario_ingest5, summary_line5
 from bench.everyday import SensorLoad, run_sensors
 from bench.everyday import figures as everyday_figures
-from bench.harness.alternate import Contender, alternate
+from bench.harness.alternate import Contender, alternate, start_contender
 from bench.harness.brokers import (
     BrokerBenchOptions,
     Progress,
     start_filemq,
-    start_mosquitto_for,
     windows,
     windows_text,
     workdir,
@@ -189,16 +188,14 @@ def scenario_everyday(opts: BrokerBenchOptions, say: Progress) -> dict[str, Any]
     say(f"everyday: {opts.sensors} sensors, one {opts.sensor_size}-byte QoS 1 PUBLISH per send (TCP_NODELAY), "
         f"each waiting for its PUBACK; {opts.everyday_seconds:g} s per run at "
         f"{', '.join(f'{r:g}' for r in opts.everyday_rates)} msg/s")
-    starters: list[tuple[str, Callable[[Path], BrokerProcess]]] = [
-        ("filemq", lambda d: start_filemq(d / "data", fsync=opts.fsync, max_inflight=opts.max_inflight))]
-    if opts.baselines and mosquitto_available():
-        starters.append(("mosquitto", lambda d: start_mosquitto_for(opts, d)))
+    sides = contenders(opts, amqtt=False)
     with workdir(opts, "everyday") as work:
         for rate in opts.everyday_rates:
             row: dict[str, Any] = {"rate": rate}
             for rep in range(opts.repeat):
-                for name, starter in starters:
-                    with starter(work / f"{name}-{rate:g}-{rep}") as broker:
+                for side in sides:
+                    name = side.name
+                    with start_contender(side, opts, work / f"{name}-{rate:g}-{rep}") as broker:
                         load = SensorLoad(broker.host, broker.port, opts.sensors, rate, opts.everyday_seconds,
                                           opts.sensor_size, seed=(opts.seed or 0) + rep)
                         fig = everyday_figures(run_sensors(load, broker))
@@ -208,7 +205,7 @@ def scenario_everyday(opts: BrokerBenchOptions, say: Progress) -> dict[str, Any]
                     say(f"  {rate:>6g} msg/s {name:9}: {fig['acked']:,} acked ({fig['rate']:g}/s), CPU {per_msg}, "
                         f"{fig['cpu_pct']}% of a core, PUBACK p50 {fig['puback_p50_ms']} ms p99 "
                         f"{fig['puback_p99_ms']} ms" + (f"; errors: {fig['errors'][:2]}" if "errors" in fig else ""))
-            for name, _ in starters:
+            for name in (side.name for side in sides):
                 runs = row[f"{name}_runs"]
                 key = "cpu_us_per_msg" if rate > 0 else "cpu_pct"
                 best = min(runs, key=lambda f: f.get(key, float("inf")))
@@ -272,12 +269,9 @@ def scenario_latency(opts: BrokerBenchOptions, say: Progress) -> dict[str, Any]:
                            "fsync": opts.fsync}
     say(f"latency: one publisher paced at {opts.rate:,.0f} msg/s ({messages:,} messages), one subscriber, QoS 1")
     with workdir(opts, "latency") as work:
-        runs: list[tuple[str, Callable[[], BrokerProcess]]] = [
-            ("filemq", lambda: start_filemq(work / "data", fsync=opts.fsync, max_inflight=opts.max_inflight))]
-        if opts.baselines and mosquitto_available():
-            runs.append(("mosquitto", lambda: start_mosquitto_for(opts, work / "mosquitto")))
-        for name, starter in runs:
-            with starter() as broker:
+        for side in contenders(opts, amqtt=False):
+            name = side.name
+            with start_contender(side, opts, work / name) as broker:
                 figures = _latency_run(broker, opts, messages)
             for key, value in figures.items():
                 out[f"{name}_{key}"] = value

@@ -17,14 +17,19 @@ from bench.loadspec import LoadResult
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
-def cpu_seconds(pid: int) -> float:
+def process_cpu_seconds(pid: int) -> float | None:
     """User + system CPU seconds a running process has used, its threads included (not its
-    children; from /proc; 0.0 if unknown)."""
+    children), from /proc; None where /proc cannot say (the process is gone, not Linux)."""
     try:
         fields = stat_fields(pid)
+        return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
     except (OSError, ValueError, IndexError):
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+        return None
+
+
+def cpu_seconds(pid: int) -> float:
+    """:func:`process_cpu_seconds`, 0.0 if unknown."""
+    return process_cpu_seconds(pid) or 0.0
 
 
 def stat_fields(pid: int) -> list[str]:

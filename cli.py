@@ -292,7 +292,8 @@ def bench_broker(scenarios: tuple[str, ...], messages: int | None, publishers: i
     import json
     from pathlib import Path
 
-    from bench.broker import BrokerBenchOptions, run_broker_bench, summary_line
+    from bench.broker import run_broker_bench, summary_line
+    from bench.harness.brokers import BrokerBenchOptions
 
     if protocol == "5":
         other = sorted(set(scenarios) - {"ingest", "fanout", "all"})
@@ -683,7 +684,7 @@ def bench_forward(records: int, size: int, devices: tuple[int, ...], ingest_reco
         if any(r.records_lost > 0 for r in results):
             raise SystemExit(1)
         return
-    from bench.forward import run_forward_bench
+    from bench.forward_bench import run_forward_bench
 
     run_forward_bench(records=records, size=size, devices=devices[-1] if devices else 100, work_dir=work_dir,
                       keep=keep,

@@ -32,6 +32,7 @@ HOT_PATH = [
     "filemq/mqtt/codec5.py",
     "filemq/mqtt/runcodec.py",
     "filemq/mqtt/packets.py",
+    "filemq/mqtt/pubacks.py",
     "filemq/mqtt/properties.py",
     "filemq/broker/acl.py",
     "filemq/broker/core.py",

@@ -17,6 +17,8 @@ import contextlib
 import threading
 import time
 
+from bench.harness.cpu import cpu_seconds
+
 PUBACK = 0x40
 _PUBACK_FIRST = bytes((PUBACK,))
 _PUBACK_LEN = b"\x02"
@@ -121,8 +123,6 @@ class AckCounter:
         if self.first is None:
             self.first = now
             if self.sample_at_first is not None:
-                from bench.forward import cpu_seconds
-
                 self.sampled_cpu = cpu_seconds(self.sample_at_first)
         self.acks += n
         self.last = now

@@ -1,7 +1,7 @@
 """`filemq bench broker`: the broker's acceptance figures, each against its baseline in the same run.
 
 Every scenario drives real broker processes (``filemq broker`` started through ``cli.py``,
-Debian mosquitto and stock amqtt from :mod:`bench.baselines`) with the same load generator
+Debian mosquitto and stock amqtt from :mod:`bench.harness.processes`) with the same load generator
 (:mod:`bench.loadgen`) and returns one flat dict per scenario (the ``--json`` line):
 
 * ``ingest``  durable QoS 1 PUBACKs/s, filemq ``fsync=always`` vs mosquitto and amqtt, plus the
@@ -25,45 +25,43 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
-import shutil
 import struct
-import sys
-import tempfile
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.baselines import (
+from bench.broker5 import SCENARIOS5, scenario_fanout5, scenario_ingest5, summary_line5
+from bench.everyday import SensorLoad, run_sensors
+from bench.everyday import figures as everyday_figures
+from bench.harness.alternate import Contender, alternate, start_contender
+from bench.harness.brokers import (
+    BrokerBenchOptions,
+    Progress,
+    start_filemq,
+    windows,
+    windows_text,
+    workdir,
+)
+from bench.harness.cpu import cpu_detail, cpu_figures, cpu_ratios
+from bench.harness.loads import fanout_run, ingest_run
+from bench.harness.processes import (
     LOOPBACK,
-    MOSQUITTO_MAX_INFLIGHT,
     BrokerProcess,
     BrokerStartError,
     free_port,
     mosquitto_available,
-    spawn,
-    start_amqtt,
     start_mosquitto,
 )
-from bench.everyday import SensorLoad, run_sensors
-from bench.everyday import figures as everyday_figures
-from bench.loadgen import (
-    LoadResult,
-    PublisherSpec,
-    RawClient,
-    SubscriberSpec,
-    run_load,
-    run_null_sink,
-)
+from bench.harness.summary import cpu_text, errors_text, rnd
+from bench.loadgen import RawClient, run_load, run_null_sink
+from bench.loadspec import PublisherSpec, SubscriberSpec
 from bench.paho_sub import require_paho
-from filemq.common.config import BrokerSection
 from filemq.mqtt.codec import Decoder, ProtocolError, encode, encode_puback
 from filemq.mqtt.packets import (
-    PROTOCOL_LEVEL,
     Connack,
     Connect,
-    Properties,
     Puback,
     Publish,
     Suback,
@@ -71,118 +69,26 @@ from filemq.mqtt.packets import (
 )
 from segments import Log, LogConfig
 
-Progress = Callable[[str], None]
-CLI_PATH = Path(__file__).resolve().parent.parent / "cli.py"
 LOG_DIR = "log"  # filemq.queue.LOG_DIR: where the broker keeps its log inside the data dir
 SCENARIOS = ("ingest", "fanout", "everyday", "latency", "idle", "startup", "trie", "kill9")
 BACKLOG_TOPIC = "sensors/x"
 
 
-@dataclass
-class BrokerBenchOptions:
-    """Knobs of ``filemq bench broker``; ``messages`` None = each scenario's default."""
-
-    messages: int | None = None
-    publishers: int = 4
-    inflight: int = 100
-    size: int = 100
-    subscribers: int = 10
-    rate: float = 5000.0
-    kill_rounds: int = 200
-    backlog_mb: int = 1024
-    idle_clients: int = 1000
-    idle_seconds: float = 10.0
-    max_seconds: float = 15.0  # per broker per load run: a slow baseline is cut short, its rate still counts
-    repeat: int = 2  # ingest/fanout: runs per broker, alternating; the best counts
-    fsync: str = "always"
-    seed: int | None = None
-    workdir: Path | None = None
-    keep: bool = False
-    baselines: bool = True
-    protocol: int = PROTOCOL_LEVEL  # 5: ingest and fanout with MQTT 5 clients (bench.broker5)
-    v5_properties: bool = False  # MQTT 5 PUBLISHes carry a content type and a user property
-    subscriber_client: str = "loadgen"  # fanout subscribers: "loadgen" (bulk acks), "single" (one send
-    # per PUBACK), "nagle" (the same without TCP_NODELAY) or "paho" (bench.paho_sub)
-    publisher_client: str = "loadgen"  # ingest/fanout publishers: "loadgen" (the PUBLISHes a read of
-    # PUBACKs frees in one send), "single" (one send per PUBLISH) or "nagle" (that without TCP_NODELAY)
-    max_inflight: int | None = None  # both brokers' in-flight window; None = each broker's own default
-    sensors: int = 50  # everyday: sensor loops, one PUBLISH in flight each
-    everyday_rates: tuple[float, ...] = (1000.0, 100.0, 10.0, 0.0)  # everyday: msg/s in all; 0 = idle
-    everyday_seconds: float = 15.0  # everyday: seconds per run
-    sensor_size: int = 40  # everyday: payload bytes (a small JSON reading)
-    _backlog_dir: Path | None = field(default=None, repr=False)
-
-
 # --------------------------------------------------------------------------- filemq process
 
 
-def filemq_argv(data_dir: Path, port: int, fsync: str = "always", host: str = LOOPBACK,
-                max_inflight: int | None = None) -> list[str]:
-    """The ``filemq broker`` command line, run through this interpreter (no PATH needed);
-    ``max_inflight`` None = the broker's default window."""
-    argv = [sys.executable, str(CLI_PATH), "broker", "--data-dir", str(data_dir), "--host", host,
-            "--port", str(port), "--fsync", fsync]
-    return argv + (["--max-inflight", str(max_inflight)] if max_inflight is not None else [])
-
-
-def start_filemq(data_dir: Path, port: int | None = None, *, fsync: str = "always",
-                 log_path: Path | None = None, wait: bool = True, timeout: float = 30.0,
-                 max_inflight: int | None = None) -> BrokerProcess:
-    """Spawn ``filemq broker`` on ``data_dir``; with ``wait``, return once it answers CONNECT."""
-    port = port or free_port()
-    log_path = log_path or data_dir.parent / f"{data_dir.name}-broker.log"
-    broker = spawn("filemq", filemq_argv(data_dir, port, fsync, max_inflight=max_inflight), LOOPBACK, port,
-                   log_path)
-    if wait:
-        broker.wait_ready(timeout)
-    return broker
-
-
-@contextlib.contextmanager
-def _workdir(opts: BrokerBenchOptions, name: str) -> Iterator[Path]:
-    root = opts.workdir or Path(tempfile.gettempdir())
-    root.mkdir(parents=True, exist_ok=True)
-    path = Path(tempfile.mkdtemp(prefix=f"filemq-bench-{name}-", dir=root))
-    try:
-        yield path
-    finally:
-        if not opts.keep:
-            shutil.rmtree(path, ignore_errors=True)
-
-
-def windows(opts: BrokerBenchOptions) -> dict[str, int]:
-    """The in-flight windows a run's brokers use: ``--max-inflight`` for both, else filemq's
-    default (``[broker] max_inflight``) and the mosquitto baseline's configured one."""
-    if opts.max_inflight is not None:
-        return {"filemq_max_inflight": opts.max_inflight, "mosquitto_max_inflight": opts.max_inflight}
-    return {"filemq_max_inflight": BrokerSection().max_inflight, "mosquitto_max_inflight": MOSQUITTO_MAX_INFLIGHT}
-
-
-def windows_text(opts: BrokerBenchOptions) -> str:
-    w = windows(opts)
-    return f"in-flight window filemq {w['filemq_max_inflight']}, mosquitto {w['mosquitto_max_inflight']}"
-
-
-def start_mosquitto_for(opts: BrokerBenchOptions, workdir: Path) -> BrokerProcess:
-    """The mosquitto baseline with the run's in-flight window."""
-    return start_mosquitto(workdir, max_inflight=windows(opts)["mosquitto_max_inflight"])
-
-
-def _rnd(x: float, digits: int = 1) -> float:
-    return round(x, digits)
-
-
-def _ingest_run(broker: BrokerProcess, opts: BrokerBenchOptions, messages: int, topic: str, *,
-                protocol: int = PROTOCOL_LEVEL, properties: Properties | None = None) -> LoadResult:
-    per = max(messages // opts.publishers, 1)
-    specs = [PublisherSpec(broker.host, broker.port, f"bench-pub-{i}", topic, per, opts.size, opts.inflight,
-                           max_seconds=opts.max_seconds, protocol=protocol, properties=properties,
-                           client=opts.publisher_client)
-             for i in range(opts.publishers)]
-    return run_load(specs)
-
-
 # --------------------------------------------------------------------------- scenarios
+
+
+def contenders(opts: BrokerBenchOptions, *, amqtt: bool) -> list[Contender]:
+    """filemq and, with baselines, mosquitto (each ``opts.repeat`` times) and with ``amqtt``
+    amqtt once (a fixed-time run far from its target), in the order they alternate."""
+    out = [Contender("filemq", "filemq")]
+    if opts.baselines and mosquitto_available():
+        out.append(Contender("mosquitto", "mosquitto"))
+    if opts.baselines and amqtt:
+        out.append(Contender("amqtt", "amqtt", runs=1))
+    return out
 
 
 def scenario_ingest(opts: BrokerBenchOptions, say: Progress) -> dict[str, Any]:
@@ -197,134 +103,33 @@ def scenario_ingest(opts: BrokerBenchOptions, say: Progress) -> dict[str, Any]:
     sink = run_null_sink(opts.publishers, max(messages, 400_000), opts.size, opts.inflight, max_seconds=opts.max_seconds)
     out["generator_ceiling_acks_per_s"] = round(sink.ack_rate)
     say(f"  load generator ceiling (null sink): {sink.ack_rate:,.0f} PUBACKs/s")
-    with _workdir(opts, "ingest") as work:
-        runs = _alternate(opts, work, lambda b: _ingest_run(b, opts, messages, "bench/ingest"), amqtt=True,
+    with workdir(opts, "ingest") as work:
+        runs = alternate(opts, work, contenders(opts, amqtt=True),
+                         lambda b, _: ingest_run(b, opts, messages, "bench/ingest"),
                           say=lambda name, r: say(f"  {name:9}: {r.ack_rate:>10,.0f} PUBACKs/s ({r.acked:,} in "
                                                   f"{r.ack_seconds:.2f} s, broker CPU {r.broker_cpu_pct:.0f}%, "
-                                                  f"{_cpu_detail(r, r.acked)})" + _errors(r)))
+                                                  f"{cpu_detail(r, r.acked)})" + errors_text(r)))
     for name, results in runs.items():
         best = max(results, key=lambda r: r.ack_rate)
         out[f"{name}_acks_per_s"] = round(best.ack_rate)
         out[f"{name}_acked"] = best.acked
         out[f"{name}_runs_acks_per_s"] = [round(r.ack_rate) for r in results]
-        out[f"{name}_cpu_pct"] = _rnd(best.broker_cpu_pct or 0.0)
-        _cpu_figures(out, name, results, [r.acked for r in results])
+        out[f"{name}_cpu_pct"] = rnd(best.broker_cpu_pct or 0.0)
+        cpu_figures(out, name, results, [r.acked for r in results])
         if best.errors:
             out[f"{name}_errors"] = best.errors[:4]
-    _cpu_ratios(out, ("mosquitto", "amqtt"))
+    cpu_ratios(out, ("mosquitto", "amqtt"))
     fm = out["filemq_acks_per_s"]
     checks = []
     for base, target in (("mosquitto", 0.5), ("amqtt", 4.0)):
         rate = out.get(f"{base}_acks_per_s")
         if rate:
-            out[f"ratio_vs_{base}"] = _rnd(fm / rate, 2)
+            out[f"ratio_vs_{base}"] = rnd(fm / rate, 2)
             out[f"target_vs_{base}"] = target
             checks.append(fm / rate >= target)
     out["meets_target"] = all(checks) if checks else None
-    out["generator_headroom"] = _rnd(sink.ack_rate / max(out.get("mosquitto_acks_per_s") or fm, 1), 1)
+    out["generator_headroom"] = rnd(sink.ack_rate / max(out.get("mosquitto_acks_per_s") or fm, 1), 1)
     return out
-
-
-def _cpu_us(result: LoadResult, messages: int) -> float:
-    """Broker CPU (user + system, all threads and helper processes) per message, in us, over
-    the whole run; ``messages`` is PUBACKs for ingest, deliveries for fanout."""
-    return 1e6 * (result.broker_cpu_seconds or 0.0) / messages if messages else float("inf")
-
-
-def _user_us(result: LoadResult, messages: int) -> float:
-    """The user part of :func:`_cpu_us` (the rest is system time: system calls)."""
-    return 1e6 * (result.broker_user_seconds or 0.0) / messages if messages else float("inf")
-
-
-def _cpu_detail(result: LoadResult, messages: int, unit: str = "msg") -> str:
-    """"4.8 us/msg: user 4.0, sys 0.8" for a progress line."""
-    total, user = _cpu_us(result, messages), _user_us(result, messages)
-    return f"{total:.1f} us/{unit}: user {user:.1f}, sys {total - user:.1f}"
-
-
-def _cpu_figures(out: dict[str, Any], name: str, results: list[LoadResult], counts: list[int]) -> None:
-    """``{name}_cpu_us_per_msg`` (the lowest of the runs: like the best rate, the run least
-    disturbed by foreign load) and every run's figure, and the user part of each run's
-    (``{name}_runs_user_us_per_msg``; the rest of a run's figure is system time)."""
-    per_run = [_cpu_us(r, n) for r, n in zip(results, counts, strict=True)]
-    out[f"{name}_runs_cpu_us_per_msg"] = [_rnd(x, 2) for x in per_run]
-    out[f"{name}_runs_user_us_per_msg"] = [_rnd(_user_us(r, n), 2) for r, n in zip(results, counts, strict=True)]
-    out[f"{name}_cpu_us_per_msg"] = _rnd(min(per_run), 2)
-
-
-def _cpu_ratios(out: dict[str, Any], baselines: tuple[str, ...]) -> None:
-    """``cpu_ratio_vs_X`` = X's CPU per message / filemq's (>= 1.0: filemq spends no more)."""
-    fm = out.get("filemq_cpu_us_per_msg")
-    for base in baselines:
-        other = out.get(f"{base}_cpu_us_per_msg")
-        if fm and other:
-            out[f"cpu_ratio_vs_{base}"] = _rnd(other / fm, 2)
-
-
-def _cpu_text(result: dict[str, Any], baselines: tuple[str, ...]) -> str:
-    parts = [f"filemq broker CPU {result.get('filemq_cpu_us_per_msg', '-')} us/msg"]
-    for base in baselines:
-        if f"{base}_cpu_us_per_msg" in result:
-            parts.append(f"{base} {result[f'{base}_cpu_us_per_msg']} us/msg "
-                         f"(ratio {result.get(f'cpu_ratio_vs_{base}', '-')}x)")
-    return "; ".join(parts)
-
-
-def _errors(result: LoadResult) -> str:
-    return f"; errors: {result.errors[:2]}" if result.errors else ""
-
-
-def measured(broker: BrokerProcess, run: Callable[[BrokerProcess], LoadResult]) -> LoadResult:
-    """``run(broker)`` with the broker's CPU over the whole run (connects included) in its
-    result: user + system seconds, the user part, and the share of one core (is the broker
-    CPU-bound, ~100 %?)."""
-    (user0, sys0), t0 = broker.cpu_split(), time.monotonic()
-    result = run(broker)
-    user1, sys1 = broker.cpu_split()
-    result.broker_user_seconds = user1 - user0
-    result.broker_cpu_seconds = result.broker_user_seconds + sys1 - sys0
-    result.broker_cpu_pct = 100 * result.broker_cpu_seconds / max(time.monotonic() - t0, 1e-9)
-    return result
-
-
-def _alternate(opts: BrokerBenchOptions, work: Path, run: Callable[[BrokerProcess], LoadResult], *,
-               amqtt: bool, say: Callable[[str, LoadResult], None]) -> dict[str, list[LoadResult]]:
-    """Run the same load against filemq and each baseline, ``opts.repeat`` times in alternation.
-
-    The machine may be shared: alternating and keeping every run lets the caller take the
-    best of each broker, so a burst of foreign load does not decide a ratio.  Each run gets
-    a fresh data directory.  amqtt (a fixed-time run far from its target) runs once.
-    """
-    starters: list[tuple[str, Callable[[Path], BrokerProcess]]] = [
-        ("filemq", lambda d: start_filemq(d / "data", fsync=opts.fsync, max_inflight=opts.max_inflight))]
-    if opts.baselines and mosquitto_available():
-        starters.append(("mosquitto", lambda d: start_mosquitto_for(opts, d)))
-    if opts.baselines and amqtt:
-        starters.append(("amqtt", start_amqtt))
-    runs: dict[str, list[LoadResult]] = {}
-    for rep in range(opts.repeat):
-        for name, starter in starters:
-            if name == "amqtt" and rep:
-                continue
-            with starter(work / f"{name}-{rep}") as broker:
-                result = measured(broker, run)
-            runs.setdefault(name, []).append(result)
-            say(name, result)
-    return runs
-
-
-def _fanout_run(broker: BrokerProcess, opts: BrokerBenchOptions, messages: int, *,
-                protocol: int = PROTOCOL_LEVEL, properties: Properties | None = None) -> LoadResult:
-    subs = [SubscriberSpec(broker.host, broker.port, f"bench-fan-sub-{i}", "bench/fanout/#", qos=1,
-                           clean_session=False, idle_seconds=5.0, max_seconds=opts.max_seconds * 4,
-                           protocol=protocol, client=opts.subscriber_client)
-            for i in range(opts.subscribers)]
-    per = max(messages // opts.publishers, 1)
-    pubs = [PublisherSpec(broker.host, broker.port, f"bench-fan-pub-{i}", f"bench/fanout/{i}", per, opts.size,
-                          opts.inflight, max_seconds=opts.max_seconds, protocol=protocol, properties=properties,
-                          client=opts.publisher_client)
-            for i in range(opts.publishers)]
-    return run_load(pubs, subs, timeout=opts.max_seconds * 6)
 
 
 _CLIENT_TEXT = {"loadgen": "loadgen clients, bulk PUBACKs", "paho": "paho-mqtt clients, one PUBACK per message",
@@ -347,28 +152,28 @@ def scenario_fanout(opts: BrokerBenchOptions, say: Progress) -> dict[str, Any]:
     say(f"fanout: {opts.subscribers} persistent QoS 1 subscribers ({_CLIENT_TEXT[opts.subscriber_client]}), "
         f"{messages:,} messages from {opts.publishers} publishers; {windows_text(opts)}")
 
-    with _workdir(opts, "fanout") as work:
-        runs = _alternate(opts, work, lambda b: _fanout_run(b, opts, messages), amqtt=False,
+    with workdir(opts, "fanout") as work:
+        runs = alternate(opts, work, contenders(opts, amqtt=False), lambda b, _: fanout_run(b, opts, messages),
                           say=lambda name, r: say(f"  {name:9}: {r.delivery_rate:>10,.0f} deliveries/s "
                                                   f"({r.delivered:,} of {r.acked * opts.subscribers:,} in "
                                                   f"{r.delivery_seconds:.2f} s, broker CPU "
                                                   f"{r.broker_cpu_pct:.0f}%, "
-                                                  f"{_cpu_detail(r, r.delivered, 'delivery')})" + _errors(r)))
+                                                  f"{cpu_detail(r, r.delivered, 'delivery')})" + errors_text(r)))
     for name, results in runs.items():
         best = max(results, key=lambda r: r.delivery_rate)
         out[f"{name}_deliveries_per_s"] = round(best.delivery_rate)
         out[f"{name}_delivered"] = best.delivered
         out[f"{name}_published"] = best.acked
         out[f"{name}_runs_deliveries_per_s"] = [round(r.delivery_rate) for r in results]
-        out[f"{name}_cpu_pct"] = _rnd(best.broker_cpu_pct or 0.0)
-        _cpu_figures(out, name, results, [r.delivered for r in results])
+        out[f"{name}_cpu_pct"] = rnd(best.broker_cpu_pct or 0.0)
+        cpu_figures(out, name, results, [r.delivered for r in results])
         if best.errors:
             out[f"{name}_errors"] = best.errors[:4]
-    _cpu_ratios(out, ("mosquitto",))
+    cpu_ratios(out, ("mosquitto",))
     base = out.get("mosquitto_deliveries_per_s")
     if base:
         ratio = out["filemq_deliveries_per_s"] / base
-        out.update(ratio_vs_mosquitto=_rnd(ratio, 2), target_vs_mosquitto=0.5, meets_target=ratio >= 0.5)
+        out.update(ratio_vs_mosquitto=rnd(ratio, 2), target_vs_mosquitto=0.5, meets_target=ratio >= 0.5)
     return out
 
 
@@ -383,16 +188,14 @@ def scenario_everyday(opts: BrokerBenchOptions, say: Progress) -> dict[str, Any]
     say(f"everyday: {opts.sensors} sensors, one {opts.sensor_size}-byte QoS 1 PUBLISH per send (TCP_NODELAY), "
         f"each waiting for its PUBACK; {opts.everyday_seconds:g} s per run at "
         f"{', '.join(f'{r:g}' for r in opts.everyday_rates)} msg/s")
-    starters: list[tuple[str, Callable[[Path], BrokerProcess]]] = [
-        ("filemq", lambda d: start_filemq(d / "data", fsync=opts.fsync, max_inflight=opts.max_inflight))]
-    if opts.baselines and mosquitto_available():
-        starters.append(("mosquitto", lambda d: start_mosquitto_for(opts, d)))
-    with _workdir(opts, "everyday") as work:
+    sides = contenders(opts, amqtt=False)
+    with workdir(opts, "everyday") as work:
         for rate in opts.everyday_rates:
             row: dict[str, Any] = {"rate": rate}
             for rep in range(opts.repeat):
-                for name, starter in starters:
-                    with starter(work / f"{name}-{rate:g}-{rep}") as broker:
+                for side in sides:
+                    name = side.name
+                    with start_contender(side, opts, work / f"{name}-{rate:g}-{rep}") as broker:
                         load = SensorLoad(broker.host, broker.port, opts.sensors, rate, opts.everyday_seconds,
                                           opts.sensor_size, seed=(opts.seed or 0) + rep)
                         fig = everyday_figures(run_sensors(load, broker))
@@ -402,7 +205,7 @@ def scenario_everyday(opts: BrokerBenchOptions, say: Progress) -> dict[str, Any]
                     say(f"  {rate:>6g} msg/s {name:9}: {fig['acked']:,} acked ({fig['rate']:g}/s), CPU {per_msg}, "
                         f"{fig['cpu_pct']}% of a core, PUBACK p50 {fig['puback_p50_ms']} ms p99 "
                         f"{fig['puback_p99_ms']} ms" + (f"; errors: {fig['errors'][:2]}" if "errors" in fig else ""))
-            for name, _ in starters:
+            for name in (side.name for side in sides):
                 runs = row[f"{name}_runs"]
                 key = "cpu_us_per_msg" if rate > 0 else "cpu_pct"
                 best = min(runs, key=lambda f: f.get(key, float("inf")))
@@ -410,10 +213,10 @@ def scenario_everyday(opts: BrokerBenchOptions, say: Progress) -> dict[str, Any]
                     if k in best:
                         row[f"{name}_{k}"] = best[k]
             if rate > 0 and row.get("filemq_cpu_us_per_msg") and row.get("mosquitto_cpu_us_per_msg"):
-                row["cpu_ratio_vs_mosquitto"] = _rnd(row["mosquitto_cpu_us_per_msg"] / row["filemq_cpu_us_per_msg"], 2)
+                row["cpu_ratio_vs_mosquitto"] = rnd(row["mosquitto_cpu_us_per_msg"] / row["filemq_cpu_us_per_msg"], 2)
                 row["meets_target"] = row["cpu_ratio_vs_mosquitto"] >= 1.0
             elif rate == 0 and "mosquitto_cpu_pct" in row:
-                row["idle_excess_pct"] = _rnd(row["filemq_cpu_pct"] - row["mosquitto_cpu_pct"], 2)
+                row["idle_excess_pct"] = rnd(row["filemq_cpu_pct"] - row["mosquitto_cpu_pct"], 2)
                 row["meets_target"] = row["idle_excess_pct"] <= 0.1
             out["rates"].append(row)
     verdicts = [r["meets_target"] for r in out["rates"] if "meets_target" in r]
@@ -451,8 +254,8 @@ def _latency_run(broker: BrokerProcess, opts: BrokerBenchOptions, messages: int)
                         opts.inflight, rate=opts.rate, max_seconds=messages / opts.rate + 20)
     result = run_load([pub], [sub], timeout=messages / opts.rate + 60)
     lat = sorted(x for s in result.subscribers for x in s.latencies_ns)
-    out: dict[str, Any] = {"p50_ms": _rnd(_percentile(lat, 0.5), 2), "p99_ms": _rnd(_percentile(lat, 0.99), 2),
-           "max_ms": _rnd(lat[-1] / 1e6 if lat else float("nan"), 2), "received": len(lat),
+    out: dict[str, Any] = {"p50_ms": rnd(_percentile(lat, 0.5), 2), "p99_ms": rnd(_percentile(lat, 0.99), 2),
+           "max_ms": rnd(lat[-1] / 1e6 if lat else float("nan"), 2), "received": len(lat),
            "achieved_rate": round(result.acked / result.ack_seconds) if result.ack_seconds else 0}
     if result.errors:
         out["errors"] = result.errors[:4]
@@ -465,13 +268,10 @@ def scenario_latency(opts: BrokerBenchOptions, say: Progress) -> dict[str, Any]:
     out: dict[str, Any] = {"bench": "broker", "scenario": "latency", "rate": opts.rate, "messages": messages,
                            "fsync": opts.fsync}
     say(f"latency: one publisher paced at {opts.rate:,.0f} msg/s ({messages:,} messages), one subscriber, QoS 1")
-    with _workdir(opts, "latency") as work:
-        runs: list[tuple[str, Callable[[], BrokerProcess]]] = [
-            ("filemq", lambda: start_filemq(work / "data", fsync=opts.fsync, max_inflight=opts.max_inflight))]
-        if opts.baselines and mosquitto_available():
-            runs.append(("mosquitto", lambda: start_mosquitto_for(opts, work / "mosquitto")))
-        for name, starter in runs:
-            with starter() as broker:
+    with workdir(opts, "latency") as work:
+        for side in contenders(opts, amqtt=False):
+            name = side.name
+            with start_contender(side, opts, work / name) as broker:
                 figures = _latency_run(broker, opts, messages)
             for key, value in figures.items():
                 out[f"{name}_{key}"] = value
@@ -550,14 +350,14 @@ def backlog_data_dir(opts: BrokerBenchOptions, root: Path, say: Progress) -> Pat
 
     Built once per run and shared by ``idle`` and ``startup`` (building 1 GB takes a while).
     """
-    if opts._backlog_dir is not None and opts._backlog_dir.exists():
-        return opts._backlog_dir
+    if opts.shared_backlog_dir is not None and opts.shared_backlog_dir.exists():
+        return opts.shared_backlog_dir
     data = root / "backlog-data"
     say(f"building a {opts.backlog_mb:,} MiB backlog in {data}")
     register_offline_subscriber(data, "bench-offline", "sensors/#", say)
     records = append_backlog(data / LOG_DIR, opts.backlog_mb << 20, opts.size, say)
     mark_retained_snapshot_current(data, records)
-    opts._backlog_dir = data
+    opts.shared_backlog_dir = data
     return data
 
 
@@ -570,11 +370,11 @@ def scenario_idle(opts: BrokerBenchOptions, say: Progress, root: Path | None = N
     out: dict[str, Any] = {"bench": "broker", "scenario": "idle", "clients": opts.idle_clients,
                            "backlog_mb": opts.backlog_mb, "idle_seconds": opts.idle_seconds}
     with contextlib.ExitStack() as stack:
-        work = root or stack.enter_context(_workdir(opts, "idle"))
+        work = root or stack.enter_context(workdir(opts, "idle"))
         data = backlog_data_dir(opts, work, say)
         say(f"idle: filemq with {opts.idle_clients:,} idle clients and the backlog")
         with start_filemq(data, fsync=opts.fsync) as broker:
-            out["filemq_ready_seconds"] = _rnd(broker.ready_seconds, 3)
+            out["filemq_ready_seconds"] = rnd(broker.ready_seconds, 3)
             clients = _connect_idle(broker, opts.idle_clients, "bench-idle")
             try:
                 time.sleep(2.0)  # let connection set-up work settle before measuring
@@ -587,7 +387,7 @@ def scenario_idle(opts: BrokerBenchOptions, say: Progress, root: Path | None = N
                 for c in clients:
                     c.close()
         cpu_pct = 100.0 * (cpu1 - cpu0) / (t1 - t0)
-        out.update(filemq_rss_mb=_rnd(rss / 2**20), filemq_idle_cpu_pct=_rnd(cpu_pct, 2))
+        out.update(filemq_rss_mb=rnd(rss / 2**20), filemq_idle_cpu_pct=rnd(cpu_pct, 2))
         say(f"  filemq   : RSS {rss / 2**20:.1f} MiB, idle CPU {cpu_pct:.2f}% over {t1 - t0:.1f} s")
         if opts.baselines and mosquitto_available():
             with start_mosquitto(work / "mosquitto-idle") as mosq:
@@ -598,7 +398,7 @@ def scenario_idle(opts: BrokerBenchOptions, say: Progress, root: Path | None = N
                 finally:
                     for c in clients:
                         c.close()
-            out["mosquitto_rss_mb"] = _rnd(mrss / 2**20)
+            out["mosquitto_rss_mb"] = rnd(mrss / 2**20)
             say(f"  mosquitto: RSS {mrss / 2**20:.1f} MiB with the same clients (no backlog; reference)")
     out.update(target_rss_mb=60, target_idle_cpu_pct=1.0,
                meets_target=out["filemq_rss_mb"] <= 60 and out["filemq_idle_cpu_pct"] < 1.0)
@@ -609,7 +409,7 @@ def scenario_startup(opts: BrokerBenchOptions, say: Progress, root: Path | None 
     """Spawn -> first CONNACK on the backlog log with its tail cut at a random byte."""
     out: dict[str, Any] = {"bench": "broker", "scenario": "startup", "backlog_mb": opts.backlog_mb}
     with contextlib.ExitStack() as stack:
-        work = root or stack.enter_context(_workdir(opts, "startup"))
+        work = root or stack.enter_context(workdir(opts, "startup"))
         data = backlog_data_dir(opts, work, say)
         tail = sorted((data / LOG_DIR).glob("*.log"))[-1]
         size = tail.stat().st_size
@@ -632,9 +432,9 @@ def scenario_startup(opts: BrokerBenchOptions, say: Progress, root: Path | None 
             lg.close()
         scan_s = time.monotonic() - started
         say(f"  full scan: {scanned:,} records in {scan_s:.2f} s")
-    out.update(log_mb=_rnd(log_bytes / 2**20), cut_bytes=size - cut, filemq_ready_seconds=_rnd(ready, 3),
-               full_scan_seconds=_rnd(scan_s, 2), full_scan_records=scanned,
-               full_scan_over_ready=_rnd(scan_s / ready, 1) if ready else None,
+    out.update(log_mb=rnd(log_bytes / 2**20), cut_bytes=size - cut, filemq_ready_seconds=rnd(ready, 3),
+               full_scan_seconds=rnd(scan_s, 2), full_scan_records=scanned,
+               full_scan_over_ready=rnd(scan_s / ready, 1) if ready else None,
                target_ready_seconds=1.0, meets_target=ready <= 1.0)
     return out
 
@@ -682,8 +482,8 @@ def scenario_trie(opts: BrokerBenchOptions, say: Progress, n_filters: int = 10_0
     say(f"  trie {trie_s * 1e6:,.1f} us/topic, brute force {brute_s * 1e6:,.0f} us/topic "
         f"({brute_s / trie_s:,.0f}x), {mean_matches:.1f} matches/topic")
     return {"bench": "broker", "scenario": "trie", "filters": len(filters), "topics": len(topics),
-            "trie_us_per_topic": _rnd(trie_s * 1e6, 2), "brute_us_per_topic": _rnd(brute_s * 1e6, 1),
-            "ratio_trie_vs_brute": _rnd(brute_s / trie_s, 1), "mean_matches": _rnd(mean_matches, 2),
+            "trie_us_per_topic": rnd(trie_s * 1e6, 2), "brute_us_per_topic": rnd(brute_s * 1e6, 1),
+            "ratio_trie_vs_brute": rnd(brute_s / trie_s, 1), "mean_matches": rnd(mean_matches, 2),
             "trie_matches_per_s": round(1 / trie_s)}
 
 
@@ -710,9 +510,9 @@ class Kill9Result:
 
     def as_dict(self) -> dict[str, Any]:
         d = asdict(self)
-        d.update(bench="broker", scenario="kill9", seconds=_rnd(self.seconds, 1),
+        d.update(bench="broker", scenario="kill9", seconds=rnd(self.seconds, 1),
                  rounds_without_acks=sum(1 for n in self.acked_per_round if n == 0),
-                 duplicates_pct=_rnd(100.0 * self.duplicates / self.acked, 2) if self.acked else 0.0,
+                 duplicates_pct=rnd(100.0 * self.duplicates / self.acked, 2) if self.acked else 0.0,
                  duplicates_max_round=max(self.duplicates_per_round, default=0))
         del d["acked_per_round"]
         return d
@@ -957,7 +757,7 @@ async def _kill9(rounds: int, data_dir: Path, say: Progress, broker_name: str, p
 def scenario_kill9(opts: BrokerBenchOptions, say: Progress) -> dict[str, Any]:
     """kill -9 rounds against filemq (must lose nothing acked); mosquitto for a few rounds as a demonstration."""
     say(f"kill9: {opts.kill_rounds} rounds, {opts.publishers} QoS 1 publishers, a persistent subscriber")
-    with _workdir(opts, "kill9") as work:
+    with workdir(opts, "kill9") as work:
         res = run_kill9(opts.kill_rounds, work / "filemq", say, publishers=opts.publishers, inflight=opts.inflight,
                         size=opts.size, seed=opts.seed, fsync=opts.fsync)
         out = res.as_dict()
@@ -981,22 +781,28 @@ def scenario_kill9(opts: BrokerBenchOptions, say: Progress) -> dict[str, Any]:
 
 # --------------------------------------------------------------------------- driver
 
+# The MQTT 5 scenarios (``--protocol 5``), by name.
+SCENARIOS5_RUN: dict[str, Callable[[BrokerBenchOptions, Progress], dict[str, Any]]] = {
+    "ingest": scenario_ingest5, "fanout": scenario_fanout5}
+
 
 def run_broker_bench(scenarios: list[str], opts: BrokerBenchOptions, say: Progress) -> Iterator[dict[str, Any]]:
     """Run ``scenarios`` in order (``all`` = every one); yields one result dict per scenario.
 
-    With ``opts.protocol`` 5 only ingest and fanout exist (``all`` = both), as MQTT 5 runs."""
+    With ``opts.protocol`` 5 only ingest and fanout exist (``all`` = both), as MQTT 5 runs
+    (:mod:`bench.broker5`)."""
     if opts.protocol == 5:
-        from bench.broker5 import run_broker_bench5
-
-        yield from run_broker_bench5(scenarios, opts, say)
+        for name in list(SCENARIOS5) if "all" in scenarios else scenarios:
+            if name not in SCENARIOS5_RUN:
+                raise ValueError(f"--protocol 5 runs {' and '.join(SCENARIOS5)} only, not {name!r}")
+            yield SCENARIOS5_RUN[name](opts, say)
         return
     names = list(SCENARIOS) if "all" in scenarios else scenarios
     with contextlib.ExitStack() as stack:
         shared: Path | None = None
         if "idle" in names and "startup" in names:
             # One backlog for both: idle first (it needs the intact log), then startup cuts its tail.
-            shared = stack.enter_context(_workdir(opts, "backlog"))
+            shared = stack.enter_context(workdir(opts, "backlog"))
         for name in names:
             if name == "ingest":
                 yield scenario_ingest(opts, say)
@@ -1029,8 +835,6 @@ def _fanout_setup(result: dict[str, Any]) -> str:
 def summary_line(result: dict[str, Any]) -> str:
     """One human line per scenario result (what ``filemq bench broker`` prints without --json)."""
     if result.get("protocol") == 5:
-        from bench.broker5 import summary_line5
-
         return summary_line5(result)
     s = result["scenario"]
     ok = {True: "meets target", False: "MISSES target", None: "no baseline"}[result.get("meets_target")]
@@ -1039,11 +843,11 @@ def summary_line(result: dict[str, Any]) -> str:
                 f"vs mosquitto {result.get('ratio_vs_mosquitto', '-')}x (>= 0.5), "
                 f"vs amqtt {result.get('ratio_vs_amqtt', '-')}x (>= 4); "
                 f"generator ceiling {result['generator_ceiling_acks_per_s']:,}/s  [{ok}]\n"
-                f"         {_cpu_text(result, ('mosquitto', 'amqtt'))}")
+                f"         {cpu_text(result, ('mosquitto', 'amqtt'))}")
     if s == "fanout":
         return (f"fanout   filemq {result['filemq_deliveries_per_s']:,} deliveries/s; "
                 f"vs mosquitto {result.get('ratio_vs_mosquitto', '-')}x (>= 0.5)  [{ok}]\n"
-                f"         {_cpu_text(result, ('mosquitto',))} per delivery{_fanout_setup(result)}")
+                f"         {cpu_text(result, ('mosquitto',))} per delivery{_fanout_setup(result)}")
     if s == "everyday":
         return everyday_summary(result)
     if s == "latency":

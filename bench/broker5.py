@@ -21,28 +21,17 @@ both make ``meets_target``.  A broker that refuses the level-5 CONNECT is report
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
-from bench.baselines import BrokerProcess, mosquitto_available
-from bench.broker import (
-    BrokerBenchOptions,
-    Progress,
-    _cpu_detail,
-    _cpu_figures,
-    _fanout_run,
-    _ingest_run,
-    _rnd,
-    _workdir,
-    measured,
-    start_filemq,
-    start_mosquitto_for,
-    windows,
-    windows_text,
-)
-from bench.loadgen import LoadResult, run_null_sink
+from bench.harness.alternate import Contender, alternate
+from bench.harness.brokers import BrokerBenchOptions, Progress, windows, windows_text, workdir
+from bench.harness.cpu import cpu_detail, cpu_figures
+from bench.harness.loads import fanout_run, ingest_run
+from bench.harness.processes import BrokerProcess, mosquitto_available
+from bench.harness.summary import rnd
+from bench.loadgen import run_null_sink
+from bench.loadspec import LoadResult
 from filemq.mqtt.packets import PROTOCOL_LEVEL, PROTOCOL_LEVEL_5, Properties
 
 SCENARIOS5 = ("ingest", "fanout")
@@ -53,25 +42,12 @@ TARGET_CPU_V5_OVER_V311 = 1.1  # broker CPU per message: filemq v5 / filemq 3.1.
 LABELS = {"filemq_v5": "filemq v5", "mosquitto_v5": "mosquitto v5", "filemq_v311": "filemq 3.1.1"}
 
 
-@dataclass(frozen=True)
-class Contender:
-    name: str  # the JSON key prefix
-    broker: str  # "filemq" or "mosquitto"
-    protocol: int
-
-
 def contenders(opts: BrokerBenchOptions) -> list[Contender]:
     """filemq 3.1.1, filemq v5 and (with baselines) mosquitto v5, in the order they alternate."""
     out = [Contender("filemq_v311", "filemq", PROTOCOL_LEVEL), Contender("filemq_v5", "filemq", PROTOCOL_LEVEL_5)]
     if opts.baselines and mosquitto_available():
         out.append(Contender("mosquitto_v5", "mosquitto", PROTOCOL_LEVEL_5))
     return out
-
-
-def _start(contender: Contender, opts: BrokerBenchOptions, work: Path) -> BrokerProcess:
-    if contender.broker == "mosquitto":
-        return start_mosquitto_for(opts, work)
-    return start_filemq(work / "data", fsync=opts.fsync, max_inflight=opts.max_inflight)
 
 
 def _properties(opts: BrokerBenchOptions, contender: Contender) -> Properties | None:
@@ -82,30 +58,6 @@ def refusal(result: LoadResult) -> str | None:
     """"CONNACK 0xNN" when the broker refused the load clients' CONNECT, else None."""
     code = result.connack_code
     return None if code is None else f"CONNACK 0x{code:02X}"
-
-
-def _bound(run: Callable[[BrokerProcess, Contender], LoadResult],
-           contender: Contender) -> Callable[[BrokerProcess], LoadResult]:
-    return lambda broker: run(broker, contender)
-
-
-def _alternate5(opts: BrokerBenchOptions, work: Path, run: Callable[[BrokerProcess, Contender], LoadResult],
-                say: Callable[[str, LoadResult], None]) -> dict[str, list[LoadResult]]:
-    """Every contender ``opts.repeat`` times in alternation, each run on a fresh data dir; a
-    contender whose CONNECT was refused is not started again."""
-    runs: dict[str, list[LoadResult]] = {}
-    refused: set[str] = set()
-    for rep in range(opts.repeat):
-        for contender in contenders(opts):
-            if contender.name in refused:
-                continue
-            with _start(contender, opts, work / f"{contender.name}-{rep}") as broker:
-                result = measured(broker, _bound(run, contender))
-            if refusal(result):
-                refused.add(contender.name)
-            runs.setdefault(contender.name, []).append(result)
-            say(contender.name, result)
-    return runs
 
 
 def _progress(result: LoadResult, text: Callable[[LoadResult], str]) -> str:
@@ -130,8 +82,8 @@ def _figures(out: dict[str, Any], name: str, results: list[LoadResult], rate: Ca
     out[f"{name}_{rate_key}"] = round(rate(best))
     out[f"{name}_{count_key}"] = count(best)
     out[f"{name}_runs_{rate_key}"] = [round(rate(r)) for r in results]
-    out[f"{name}_cpu_pct"] = _rnd(best.broker_cpu_pct or 0.0)
-    _cpu_figures(out, name, results, [count(r) for r in results])
+    out[f"{name}_cpu_pct"] = rnd(best.broker_cpu_pct or 0.0)
+    cpu_figures(out, name, results, [count(r) for r in results])
     if best.refused:
         out[f"{name}_refused_pubacks"] = best.refused
     if best.errors:
@@ -147,13 +99,13 @@ def _ratios(out: dict[str, Any], rate_key: str) -> None:
     out["target_v5_vs_v311"] = TARGET_V5_VS_V311
     out["target_cpu_v5_over_v311"] = TARGET_CPU_V5_OVER_V311
     if v5 and v311:
-        out["ratio_v5_vs_v311"] = _rnd(v5 / v311, 2)
+        out["ratio_v5_vs_v311"] = rnd(v5 / v311, 2)
     if cpu5 and cpu311:
-        out["cpu_v5_over_v311"] = _rnd(cpu5 / cpu311, 2)
+        out["cpu_v5_over_v311"] = rnd(cpu5 / cpu311, 2)
     if v5 and mosq:
-        out["ratio_vs_mosquitto_v5"] = _rnd(v5 / mosq, 2)
+        out["ratio_vs_mosquitto_v5"] = rnd(v5 / mosq, 2)
     if cpu5 and cpum:
-        out["cpu_ratio_vs_mosquitto_v5"] = _rnd(cpum / cpu5, 2)
+        out["cpu_ratio_vs_mosquitto_v5"] = rnd(cpum / cpu5, 2)
     if "filemq_v5_refused" in out or not v5:
         out["meets_target"] = False
     elif "ratio_v5_vs_v311" in out and "cpu_v5_over_v311" in out:
@@ -188,15 +140,15 @@ def scenario_ingest5(opts: BrokerBenchOptions, say: Progress) -> dict[str, Any]:
     say(f"  load generator ceiling (null sink, MQTT 5): {sink.ack_rate:,.0f} PUBACKs/s")
 
     def run(broker: BrokerProcess, c: Contender) -> LoadResult:
-        return _ingest_run(broker, opts, messages, "bench/ingest", protocol=c.protocol,
+        return ingest_run(broker, opts, messages, "bench/ingest", protocol=c.protocol,
                            properties=_properties(opts, c))
 
     def text(r: LoadResult) -> str:
         return (f"{r.ack_rate:>10,.0f} PUBACKs/s ({r.acked:,} in {r.ack_seconds:.2f} s, broker CPU "
-                f"{r.broker_cpu_pct:.0f}%, {_cpu_detail(r, r.acked)})")
+                f"{r.broker_cpu_pct:.0f}%, {cpu_detail(r, r.acked)})")
 
-    with _workdir(opts, "ingest5") as work:
-        runs = _alternate5(opts, work, run, lambda name, r: say(f"  {LABELS[name]:12}: {_progress(r, text)}"))
+    with workdir(opts, "ingest5") as work:
+        runs = alternate(opts, work, contenders(opts), run, lambda name, r: say(f"  {LABELS[name]:12}: {_progress(r, text)}"))
     for name, results in runs.items():
         _figures(out, name, results, lambda r: r.ack_rate, lambda r: r.acked, ("acks_per_s", "acked"))
     _ratios(out, "acks_per_s")
@@ -212,15 +164,15 @@ def scenario_fanout5(opts: BrokerBenchOptions, say: Progress) -> dict[str, Any]:
         f"{opts.publishers} publishers, {_props_text(opts)}; {windows_text(opts)}")
 
     def run(broker: BrokerProcess, c: Contender) -> LoadResult:
-        return _fanout_run(broker, opts, messages, protocol=c.protocol, properties=_properties(opts, c))
+        return fanout_run(broker, opts, messages, protocol=c.protocol, properties=_properties(opts, c))
 
     def text(r: LoadResult) -> str:
         return (f"{r.delivery_rate:>10,.0f} deliveries/s ({r.delivered:,} of {r.acked * opts.subscribers:,} in "
                 f"{r.delivery_seconds:.2f} s, broker CPU {r.broker_cpu_pct:.0f}%, "
-                f"{_cpu_detail(r, r.delivered, 'delivery')})")
+                f"{cpu_detail(r, r.delivered, 'delivery')})")
 
-    with _workdir(opts, "fanout5") as work:
-        runs = _alternate5(opts, work, run, lambda name, r: say(f"  {LABELS[name]:12}: {_progress(r, text)}"))
+    with workdir(opts, "fanout5") as work:
+        runs = alternate(opts, work, contenders(opts), run, lambda name, r: say(f"  {LABELS[name]:12}: {_progress(r, text)}"))
     for name, results in runs.items():
         _figures(out, name, results, lambda r: r.delivery_rate, lambda r: r.delivered,
                  ("deliveries_per_s", "delivered"))
@@ -228,18 +180,6 @@ def scenario_fanout5(opts: BrokerBenchOptions, say: Progress) -> dict[str, Any]:
             out[f"{name}_published"] = max(results, key=lambda r: r.delivery_rate).acked
     _ratios(out, "deliveries_per_s")
     return out
-
-
-def run_broker_bench5(scenarios: list[str], opts: BrokerBenchOptions, say: Progress) -> Iterator[dict[str, Any]]:
-    """``--protocol 5``: ingest and/or fanout (``all`` = both), in the order given."""
-    names = list(SCENARIOS5) if "all" in scenarios else scenarios
-    for name in names:
-        if name == "ingest":
-            yield scenario_ingest5(opts, say)
-        elif name == "fanout":
-            yield scenario_fanout5(opts, say)
-        else:
-            raise ValueError(f"--protocol 5 runs {' and '.join(SCENARIOS5)} only, not {name!r}")
 
 
 def _who(result: dict[str, Any], name: str, rate_key: str, unit: str) -> str:

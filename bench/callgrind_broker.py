@@ -20,8 +20,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.baselines import LOOPBACK, free_port, spawn
-from bench.broker import BrokerBenchOptions, _fanout_run, _ingest_run
+from bench.harness.brokers import BrokerBenchOptions
+from bench.harness.loads import fanout_run, ingest_run
+from bench.harness.processes import LOOPBACK, free_port, spawn
 
 SCENARIO = os.environ.get("SCENARIO", "ingest")
 
@@ -39,10 +40,10 @@ def run(tree: Path, n: int, work: Path) -> int:
         if n:
             opts = BrokerBenchOptions(max_seconds=600)
             if SCENARIO == "ingest":
-                r = _ingest_run(broker, opts, n, "bench/ingest")
+                r = ingest_run(broker, opts, n, "bench/ingest")
                 assert r.acked == n, (r.acked, r.errors)
             else:
-                r = _fanout_run(broker, opts, n)
+                r = fanout_run(broker, opts, n)
                 print(f"  delivered {r.delivered:,}", flush=True)
     finally:
         broker.proc.send_signal(signal.SIGINT)

@@ -29,11 +29,12 @@ import sys
 import tempfile
 from pathlib import Path
 
-from bench.baselines import LOOPBACK, BrokerProcess, free_port, spawn, start_mosquitto
-from bench.broker import BrokerBenchOptions, _fanout_run, _ingest_run
 from bench.broker5 import V5_PROPERTIES
 from bench.everyday import SensorLoad, run_sensors
 from bench.everyday import figures as everyday_figures
+from bench.harness.brokers import BrokerBenchOptions
+from bench.harness.loads import fanout_run, ingest_run
+from bench.harness.processes import LOOPBACK, BrokerProcess, free_port, spawn, start_mosquitto
 
 
 def _start(tree: Path | None, work: Path, window: int | None) -> BrokerProcess:
@@ -81,11 +82,11 @@ def compare(scenario: str, reps: int, trees: dict[str, Path]) -> list[str]:
                         extra = f" PUBACK p50 {fig['puback_p50_ms']} p99 {fig['puback_p99_ms']} ms"
                         cpu0 = broker.cpu_seconds() - ed.broker_cpu_seconds  # the sensors' run only
                     elif scenario == "ingest":
-                        result = _ingest_run(broker, opts, messages, "bench/ingest", protocol=protocol,
+                        result = ingest_run(broker, opts, messages, "bench/ingest", protocol=protocol,
                                              properties=props)
                         n, rate, errors = result.acked, result.ack_rate, result.errors
                     else:
-                        result = _fanout_run(broker, opts, messages, protocol=protocol, properties=props)
+                        result = fanout_run(broker, opts, messages, protocol=protocol, properties=props)
                         n, rate, errors = result.delivered, result.delivery_rate, result.errors
                     cpu = broker.cpu_seconds() - cpu0
                 us = 1e6 * cpu / max(n, 1)

@@ -29,7 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from bench.baselines import BrokerProcess
+from bench.harness.processes import BrokerProcess
 from bench.loadgen import RawClient
 
 Progress = Callable[[str], None]

@@ -30,7 +30,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.forward import LandedCounter, _filemq, _load_failure, _say, _stop, cpu_seconds, free_port
+from bench.forward import LandedCounter
+from bench.harness.cpu import cpu_seconds
+from bench.harness.processes import free_port, load_failure, say, start_cli, stop
 
 
 @dataclass
@@ -150,7 +152,7 @@ def run_once(work: Path, devices: int, records: int, batch_records: int, size: i
     per_device = max(1, records // devices // batch_records)
     total = per_device * batch_records * devices
     port, ops = free_port(), free_port()
-    collector = _filemq("collector", "--data-dir", str(work / "collector"), "--landing", str(landing),
+    collector = start_cli("collector", "--data-dir", str(work / "collector"), "--landing", str(landing),
                         "--port", str(port), "--collector-id", "bench", "--roll-seconds", "1",
                         "--metrics-port", str(ops), log_path=work / "collector.log")
     ctx = multiprocessing.get_context("spawn")
@@ -167,7 +169,7 @@ def run_once(work: Path, devices: int, records: int, batch_records: int, size: i
             procs.append(p)
         deadline = time.monotonic() + timeout
         while not all(ready.is_set() for ready, _ in events):
-            failure = _load_failure(procs, errors)
+            failure = load_failure(procs, errors)
             if failure is not None:
                 raise RuntimeError(failure)
             if time.monotonic() > deadline:
@@ -176,7 +178,7 @@ def run_once(work: Path, devices: int, records: int, batch_records: int, size: i
         cpu0 = cpu_seconds(collector.pid)
         start = time.monotonic()
         go.set()
-        LandedCounter(landing).wait_for(total, timeout, abort=lambda: _load_failure(procs, errors))
+        LandedCounter(landing).wait_for(total, timeout, abort=lambda: load_failure(procs, errors))
         run.seconds = time.monotonic() - start
         run.collector_cpu_s = cpu_seconds(collector.pid) - cpu0
         run.cpu_us_per_record = run.collector_cpu_s / total * 1e6
@@ -198,7 +200,7 @@ def run_once(work: Path, devices: int, records: int, batch_records: int, size: i
             p.join(30)
             if p.is_alive():
                 p.kill()
-        _stop(collector)
+        stop(collector)
     return run
 
 
@@ -210,14 +212,14 @@ def run_fleet_bench(*, devices: int, records: int, batch_records: int, size: int
     for i in range(repeat):
         for health in (False, True):
             name = f"{'with' if health else 'without'}-health-{i}"
-            _say(f"[fleet] run {i + 1}/{repeat} {name}: {devices} devices, {records:,} records")
+            say(f"[fleet] run {i + 1}/{repeat} {name}: {devices} devices, {records:,} records")
             run = run_once(base / name, devices, records, batch_records, size,
                            health_interval_s if health else None, api_samples, timeout)
             runs.append(run)
             if as_json:
                 print(json.dumps({"run": name, **asdict(run)}), flush=True)
             else:
-                _say(f"[fleet]   {run.records:,} rows in {run.seconds:.1f} s, collector {run.collector_cpu_s:.2f} CPU s"
+                say(f"[fleet]   {run.records:,} rows in {run.seconds:.1f} s, collector {run.collector_cpu_s:.2f} CPU s"
                      f" = {run.cpu_us_per_record:.2f} µs/row, {run.reports_sent:,} health reports"
                      + (f"; /api/fleet median {run.api_fleet_ms_median} ms, max {run.api_fleet_ms_max} ms,"
                         f" {run.api_fleet_bytes:,} bytes" if health else ""))
@@ -237,7 +239,7 @@ def run_fleet_bench(*, devices: int, records: int, batch_records: int, size: int
     if as_json:
         print(json.dumps({"summary": summary}), flush=True)
     else:
-        _say(f"[fleet] health reports cost x{summary['cpu_ratio']} collector CPU per landed row (target < 1.05) at"
+        say(f"[fleet] health reports cost x{summary['cpu_ratio']} collector CPU per landed row (target < 1.05) at"
              f" {summary['reports_per_record']} reports per row; /api/fleet at {devices} devices: median"
              f" {summary['api_fleet_ms_median']} ms, max {summary['api_fleet_ms_max']} ms (target < 200 ms)")
     return summary

@@ -22,20 +22,26 @@ Progress goes to stderr; ``--json`` prints one JSON object per line on stdout.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import multiprocessing
 import os
-import shutil
-import signal
 import subprocess
-import sys
-import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from bench.ackcount import AckCounter
+from bench.harness.cpu import cpu_seconds
+from bench.harness.processes import (
+    free_port,
+    load_failure,
+    mosquitto_bridge_conf,
+    say,
+    start_cli,
+    stop,
+)
 
 log = logging.getLogger(__name__)
 
@@ -55,57 +61,6 @@ class Result:
     rate: float
     note: str = ""
     cpu_seconds: dict[str, float] = field(default_factory=dict)  # per process, during the run
-
-
-def _say(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
-_TICKS = os.sysconf("SC_CLK_TCK")
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds a running process has used (from /proc; 0.0 if unknown).
-
-    With other load on the machine, CPU seconds say more about our cost than wall time.
-    """
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / _TICKS
-
-
-def _filemq(*args: str, log_path: Path) -> subprocess.Popen[bytes]:
-    """A ``filemq`` subprocess; waits for its first stdout line (it is listening)."""
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    err = open(log_path, "ab")  # noqa: SIM115 - owned by the child for its lifetime
-    proc = subprocess.Popen([sys.executable, "-m", "cli", *(["-v"] if os.environ.get("FILEMQ_BENCH_VERBOSE") else []), *args], stdout=subprocess.PIPE, stderr=err)
-    assert proc.stdout is not None
-    line = proc.stdout.readline()
-    if not line:
-        proc.wait(10)
-        raise RuntimeError(f"filemq {args[0]} did not start (exit {proc.returncode}); see {log_path}")
-    return proc
-
-
-def _stop(proc: subprocess.Popen[bytes], timeout: float = 30) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
 
 
 class LandedCounter:
@@ -175,49 +130,41 @@ def fill_agent_log(data_dir: Path, records: int, size: int) -> None:
 
 def run_drain(work: Path, records: int, size: int, timeout: float) -> Result:
     agent_dir, collector_dir, landing = work / "agent", work / "collector", work / "landing"
-    _say(f"[drain] filling the agent log with {records:,} records of {size} bytes")
+    say(f"[drain] filling the agent log with {records:,} records of {size} bytes")
     fill_agent_log(agent_dir, records, size)
     cport, aport = free_port(), free_port()
     config = work / "agent.toml"
     config.write_text("[agent]\nbackoff_initial_ms = 50\nbackoff_max_ms = 250\n[broker]\nsys_interval_s = 0\n")
-    agent = _filemq("agent", "--config", str(config), "--data-dir", str(agent_dir), "--device-id", "bench-1",
+    agent = start_cli("agent", "--config", str(config), "--data-dir", str(agent_dir), "--device-id", "bench-1",
                     "--collector", f"127.0.0.1:{cport}", "--port", str(aport), log_path=work / "agent.log")
     try:
         time.sleep(1.0)  # the agent is up and backing off: the collector is down
-        _say("[drain] starting the collector; timing until every row is landed")
+        say("[drain] starting the collector; timing until every row is landed")
         agent_cpu = cpu_seconds(agent.pid)
         launched = time.monotonic()
-        collector = _filemq("collector", "--data-dir", str(collector_dir), "--landing", str(landing),
+        collector = start_cli("collector", "--data-dir", str(collector_dir), "--landing", str(landing),
                             "--port", str(cport), "--collector-id", "bench", "--roll-seconds", "1",
                             log_path=work / "collector.log")
         listening = time.monotonic()  # _filemq returns on the "listening" line
         try:
             LandedCounter(landing).wait_for(
-                records, timeout, lambda n: _say(f"[drain]   {n:,} rows landed")
+                records, timeout, lambda n: say(f"[drain]   {n:,} rows landed")
             )
             done = time.monotonic()
             cpu = {"agent": cpu_seconds(agent.pid) - agent_cpu, "collector": cpu_seconds(collector.pid)}
         finally:
-            _stop(collector)
+            stop(collector)
     finally:
-        _stop(agent)
+        stop(agent)
     seconds = done - listening
-    _say(f"[drain] CPU: agent {cpu['agent']:.2f} s ({records / max(cpu['agent'], 1e-9):,.0f} records per"
+    say(f"[drain] CPU: agent {cpu['agent']:.2f} s ({records / max(cpu['agent'], 1e-9):,.0f} records per"
          f" CPU-second), collector {cpu['collector']:.2f} s (start-up included)")
-    _say(f"[drain] {done - launched:.2f} s from launching the collector process,"
+    say(f"[drain] {done - launched:.2f} s from launching the collector process,"
          f" {seconds:.2f} s from its 'listening' line (used for the rate; the agent's reconnect"
          " backoff is included)")
     return Result("filemq_drain", records, seconds, records / seconds,
                   "agent -> collector -> landed Parquet, from the collector listening to the last row landed",
                   cpu)
-
-
-def _mosquitto_conf(path: Path, port: int, extra: str = "") -> Path:
-    path.write_text(
-        f"listener {port} 127.0.0.1\nallow_anonymous true\nmax_queued_messages 0\nmax_queued_bytes 0\n"
-        f"persistence false\n{extra}"
-    )
-    return path
 
 
 def run_bridge(work: Path, records: int, size: int, timeout: float, bridge_timeout: float = 120,
@@ -231,14 +178,12 @@ def run_bridge(work: Path, records: int, size: int, timeout: float, bridge_timeo
     on the remote receives; ``"puback"`` counts the remote's PUBACKs to the bridge through
     :class:`bench.ackcount.AckCounter` (no subscriber).
     """
-    from bench.ackcount import AckCounter
-
     work.mkdir(parents=True, exist_ok=True)
     # Started as root, mosquitto drops to its own user: it must reach and write its store.
     os.chmod(work.parent, 0o755)
     os.chmod(work, 0o777)
     local_port, remote_port = free_port(), free_port()
-    remote_conf = _mosquitto_conf(
+    remote_conf = mosquitto_bridge_conf(
         work / "remote.conf", remote_port,
         f"persistence true\npersistence_location {work}/\nautosave_interval 0\n{mosquitto_extra}",
     )
@@ -247,7 +192,7 @@ def run_bridge(work: Path, records: int, size: int, timeout: float, bridge_timeo
         f"connection bench-bridge\naddress 127.0.0.1:{counter.port if counter else remote_port}\n"
         "topic sensors/# out 1\ncleansession false\nrestart_timeout 1\nbridge_protocol_version mqttv311\n"
     )
-    local_conf = _mosquitto_conf(work / "local.conf", local_port, mosquitto_extra + bridge)
+    local_conf = mosquitto_bridge_conf(work / "local.conf", local_port, mosquitto_extra + bridge)
     devnull = subprocess.DEVNULL
 
     def mosq(conf: Path) -> subprocess.Popen[bytes]:
@@ -263,7 +208,7 @@ def run_bridge(work: Path, records: int, size: int, timeout: float, bridge_timeo
         remote = mosq(remote_conf)
         subprocess.run([MOSQUITTO_SUB, "-p", str(remote_port), "-q", str(oracle_qos), "-c", "-i", "bench-sub",
                         "-t", "sensors/#", "-W", "1"], stdout=devnull, stderr=devnull, check=False)
-        _stop(remote)
+        stop(remote)
     local = mosq(local_conf)
     try:
         lines = work / "messages.txt"
@@ -271,11 +216,11 @@ def run_bridge(work: Path, records: int, size: int, timeout: float, bridge_timeo
         with open(lines, "w") as f:
             for i in range(records):
                 f.write(f"{body}{i:012d}\n")
-        _say(f"[bridge] queueing {records:,} QoS 1 messages in the local mosquitto (remote down)")
+        say(f"[bridge] queueing {records:,} QoS 1 messages in the local mosquitto (remote down)")
         with open(lines, "rb") as stdin:
             subprocess.run([MOSQUITTO_PUB, "-p", str(local_port), "-q", "1", "-t", "sensors/s", "-l"],
                            stdin=stdin, stdout=devnull, stderr=devnull, check=True, timeout=timeout)
-        _say("[bridge] starting the remote mosquitto; timing until "
+        say("[bridge] starting the remote mosquitto; timing until "
              + ("it acknowledged every message" if counter else "the subscriber has every message"))
         local_cpu = cpu_seconds(local.pid)
         start = time.monotonic()
@@ -303,13 +248,13 @@ def run_bridge(work: Path, records: int, size: int, timeout: float, bridge_timeo
             seconds = end - start
             from_first = end - first
         finally:
-            _stop(remote)
+            stop(remote)
     finally:
         if counter is not None:
             counter.stop()
-        _stop(local)
+        stop(local)
     what = "PUBACK" if counter else "message"
-    _say(f"[bridge] {received:,} of {records:,} messages; {seconds:.2f} s from the remote's start,"
+    say(f"[bridge] {received:,} of {records:,} messages; {seconds:.2f} s from the remote's start,"
          f" {from_first:.2f} s from the first {what} (the baseline uses the latter: mosquitto's"
          " bridge reconnect delay is not counted)")
     note = ("local -> bridge -> remote, from the remote's first PUBACK" if counter else
@@ -392,20 +337,6 @@ def _device_load(port: int, devices: range, batches: int, batch_records: int, si
     asyncio.run(main())
 
 
-def _load_failure(procs: list[Any], errors: Any) -> str | None:
-    """Why the load processes cannot finish (a reported error, or one died), else None."""
-    import queue
-
-    try:
-        return f"devices cannot reach the collector: {errors.get_nowait()}"
-    except queue.Empty:
-        pass
-    for p in procs:
-        if not p.is_alive() and p.exitcode not in (0, None):
-            return f"a load process died (exit code {p.exitcode})"
-    return None
-
-
 DEVICES_HINT = ("; the collector's log says how many connections it serves ('serving up to N device"
                 " connections'): raise its --max-connections or the file-descriptor limit (ulimit -n)")
 
@@ -417,7 +348,7 @@ def run_devices(work: Path, devices: int, records: int, size: int, timeout: floa
     per_device = max(1, records // devices // batch_records)
     total = per_device * batch_records * devices
     port = free_port()
-    collector = _filemq("collector", "--data-dir", str(data), "--landing", str(landing), "--port", str(port),
+    collector = start_cli("collector", "--data-dir", str(data), "--landing", str(landing), "--port", str(port),
                         "--collector-id", "bench", "--roll-seconds", "1", *collector_args,
                         log_path=work / "collector.log")
     ctx = multiprocessing.get_context("spawn")
@@ -436,20 +367,20 @@ def run_devices(work: Path, devices: int, records: int, size: int, timeout: floa
             p.start()
             procs.append(p)
             waits.append(ready)
-        _say(f"[devices] preparing {devices} devices x {per_device} batches of {batch_records} records")
+        say(f"[devices] preparing {devices} devices x {per_device} batches of {batch_records} records")
         deadline = time.monotonic() + timeout
         while not all(ready.is_set() for ready in waits):
-            failure = _load_failure(procs, errors)
+            failure = load_failure(procs, errors)
             if failure is not None:
                 raise RuntimeError(failure + DEVICES_HINT)
             if time.monotonic() > deadline:
                 raise TimeoutError("load processes did not get ready")
             waits[0].wait(0.1)
-        _say(f"[devices] {devices} connections up; sending {total:,} records")
+        say(f"[devices] {devices} connections up; sending {total:,} records")
         start = time.monotonic()
         go.set()
-        LandedCounter(landing).wait_for(total, timeout, lambda n: _say(f"[devices]   {n:,} rows landed"),
-                                        abort=lambda: _load_failure(procs, errors))
+        LandedCounter(landing).wait_for(total, timeout, lambda n: say(f"[devices]   {n:,} rows landed"),
+                                        abort=lambda: load_failure(procs, errors))
         seconds = time.monotonic() - start
     finally:
         go.set()
@@ -457,7 +388,7 @@ def run_devices(work: Path, devices: int, records: int, size: int, timeout: floa
             p.join(30)
             if p.is_alive():
                 p.kill()
-        _stop(collector)
+        stop(collector)
     return Result("collector_devices", total, seconds, total / seconds,
                   f"{devices} devices, batches of {batch_records}, window 4, landed Parquet")
 
@@ -487,101 +418,19 @@ def _ingest_load(port: int, publishers: int, inflight: int, count: int, size: in
 
 def run_ingest(work: Path, records: int, size: int, timeout: float) -> Result:
     port = free_port()
-    broker = _filemq("broker", "--data-dir", str(work / "broker"), "--port", str(port), "--fsync", "always",
+    broker = start_cli("broker", "--data-dir", str(work / "broker"), "--port", str(port), "--fsync", "always",
                      log_path=work / "broker.log")
     ctx = multiprocessing.get_context("spawn")
     out = ctx.Queue()
     try:
         publishers, inflight = 4, 100
         count = records - records % publishers
-        _say(f"[ingest] {publishers} publishers x {inflight} in flight, {count:,} QoS 1 messages, fsync always")
+        say(f"[ingest] {publishers} publishers x {inflight} in flight, {count:,} QoS 1 messages, fsync always")
         p = ctx.Process(target=_ingest_load, args=(port, publishers, inflight, count, size, out))
         p.start()
         seconds = float(out.get(timeout=timeout))
         p.join(30)
     finally:
-        _stop(broker)
+        stop(broker)
     return Result("broker_durable_ingest", count, seconds, count / seconds,
                   "filemq broker, QoS 1, fsync=always, 4 x 100 in flight")
-
-
-# -- the command ---------------------------------------------------------------------------------
-
-
-def run_forward_bench(
-    *, records: int, size: int, devices: int, work_dir: str | None, keep: bool, as_json: bool,
-    skip_bridge: bool = False, ingest_records: int = 200_000, timeout: float = 900, only: str = "all",
-    mosquitto_max_inflight: int | None = None, oracle: str = "puback", oracle_qos: int = 1, repeat: int = 1,
-) -> dict[str, Any]:
-    """Run (a), (b), (c) and (d) and print the rates and ratios; returns the summary.
-
-    ``only="mqtt-export"`` runs just (d): the MQTT export drain against the bridge at
-    ``SMALL_BRIDGE_BACKLOG`` and ``records`` (bench/forward_mqtt.py)."""
-    if only == "mqtt-export":
-        from bench.forward_mqtt import run_export_vs_bridge
-
-        return run_export_vs_bridge(records=records, size=size, work_dir=work_dir, keep=keep, as_json=as_json,
-                                    timeout=timeout, mosquitto_max_inflight=mosquitto_max_inflight,
-                                    oracle=oracle, oracle_qos=oracle_qos, repeat=repeat)
-    base = Path(work_dir) if work_dir else Path(tempfile.mkdtemp(prefix="filemq-bench-forward-"))
-    base.mkdir(parents=True, exist_ok=True)
-    results: dict[str, Result] = {}
-
-    def emit(result: Result) -> None:
-        results[result.name] = result
-        _say(f"{result.name}: {result.records:,} records in {result.seconds:.2f} s = {result.rate:,.0f} records/s"
-             f" ({result.note})")
-        if as_json:
-            print(json.dumps(asdict(result)), flush=True)
-
-    try:
-        emit(run_drain(base / "drain", records, size, timeout))
-        if skip_bridge or shutil.which(MOSQUITTO_SUB) is None or not os.path.exists(MOSQUITTO):
-            _say("[bridge] skipped: mosquitto or mosquitto_sub not installed (apt-get install mosquitto"
-                 " mosquitto-clients)" if not skip_bridge else "[bridge] skipped (--skip-bridge)")
-        else:
-            emit(run_bridge(base / "bridge", records, size, timeout))
-            if records > SMALL_BRIDGE_BACKLOG:
-                # Context only (not used in the ratio): Mosquitto's rate with a short queue.
-                small = run_bridge(base / "bridge-small", SMALL_BRIDGE_BACKLOG, size, timeout)
-                small.name = "mosquitto_bridge_drain_small_backlog"
-                emit(small)
-        if not skip_bridge and os.path.exists(MOSQUITTO):
-            from bench.forward_mqtt import run_mqtt_export_drain
-
-            emit(run_mqtt_export_drain(base / "export", records, size, timeout, oracle="subscriber"))
-        emit(run_devices(base / "devices", devices, records, size, timeout))
-        emit(run_ingest(base / "ingest", ingest_records, size, timeout))
-    finally:
-        if not keep:
-            shutil.rmtree(base, ignore_errors=True)
-    drain = results["filemq_drain"].rate
-    summary: dict[str, Any] = {
-        "name": "summary",
-        "drain_records_per_s": round(drain),
-        "devices_records_per_s": round(results["collector_devices"].rate),
-        "ingest_records_per_s": round(results["broker_durable_ingest"].rate),
-        "drain_vs_ingest": round(drain / results["broker_durable_ingest"].rate, 2),
-    }
-    drain_cpu = results["filemq_drain"].cpu_seconds
-    if drain_cpu.get("agent"):
-        # The agent is the drain's bottleneck; its records per CPU-second is what one free
-        # core would sustain, whatever else runs on the machine.
-        summary["drain_records_per_agent_cpu_s"] = round(results["filemq_drain"].records / drain_cpu["agent"])
-    if "mqtt_export_drain" in results:
-        summary["mqtt_export_records_per_s"] = round(results["mqtt_export_drain"].rate)
-        if "mosquitto_bridge_drain" in results:
-            summary["mqtt_export_vs_bridge"] = round(
-                results["mqtt_export_drain"].rate / results["mosquitto_bridge_drain"].rate, 2)
-    if "mosquitto_bridge_drain" in results:
-        summary["bridge_records_per_s"] = round(results["mosquitto_bridge_drain"].rate)
-        summary["drain_vs_bridge"] = round(drain / results["mosquitto_bridge_drain"].rate, 2)
-    _say(
-        f"drain {drain:,.0f}/s (target >= 100,000/s)"
-        + (f", {summary['drain_vs_bridge']}x the mosquitto bridge (target >= 1x)" if "drain_vs_bridge" in summary else "")
-        + f"; {summary['devices_records_per_s']:,}/s from {devices} devices (target >= 150,000/s);"
-        f" drain/ingest {summary['drain_vs_ingest']}x (target >= 1.5x)"
-    )
-    if as_json:
-        print(json.dumps(summary), flush=True)
-    return summary

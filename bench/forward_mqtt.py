@@ -28,16 +28,12 @@ from bench.forward import (
     MOSQUITTO_SUB,
     SMALL_BRIDGE_BACKLOG,
     Result,
-    _filemq,
-    _mosquitto_conf,
-    _say,
-    _stop,
     count_received,
-    cpu_seconds,
     fill_agent_log,
-    free_port,
     run_bridge,
 )
+from bench.harness.cpu import cpu_seconds
+from bench.harness.processes import free_port, mosquitto_bridge_conf, say, start_cli, stop
 
 
 def run_mqtt_export_drain(work: Path, records: int, size: int, timeout: float, upstream_extra: str = "",
@@ -52,10 +48,10 @@ def run_mqtt_export_drain(work: Path, records: int, size: int, timeout: float, u
     os.chmod(work.parent, 0o755)
     os.chmod(work, 0o777)
     agent_dir = work / "agent"
-    _say(f"[export] filling the agent log with {records:,} records of {size} bytes")
+    say(f"[export] filling the agent log with {records:,} records of {size} bytes")
     fill_agent_log(agent_dir, records, size)
     port, aport = free_port(), free_port()
-    conf = _mosquitto_conf(work / "upstream.conf", port,
+    conf = mosquitto_bridge_conf(work / "upstream.conf", port,
                            f"persistence true\npersistence_location {work}/\nautosave_interval 0\n{upstream_extra}")
     devnull = subprocess.DEVNULL
     upstream = subprocess.Popen([MOSQUITTO, "-c", str(conf)], stdout=devnull, stderr=devnull)
@@ -79,9 +75,9 @@ def run_mqtt_export_drain(work: Path, records: int, size: int, timeout: float, u
         config.write_text("[agent]\nbackoff_initial_ms = 50\nbackoff_max_ms = 250\n[broker]\nsys_interval_s = 0\n"
                           f"[[export]]\nname = \"up\"\nurl = \"mqtt://127.0.0.1:{target}\"\n"
                           + (f"window = {window}\n" if window else ""))
-        _say(f"[export] starting the agent; timing until {'mosquitto acknowledged' if sub is None else 'the subscriber upstream has'} every message")
+        say(f"[export] starting the agent; timing until {'mosquitto acknowledged' if sub is None else 'the subscriber upstream has'} every message")
         launched = time.monotonic()
-        agent = _filemq("agent", "--config", str(config), "--data-dir", str(agent_dir), "--device-id", "bench-1",
+        agent = start_cli("agent", "--config", str(config), "--data-dir", str(agent_dir), "--device-id", "bench-1",
                         "--port", str(aport), log_path=work / "agent.log")
         listening = time.monotonic()
         if counter is not None:
@@ -105,14 +101,14 @@ def run_mqtt_export_drain(work: Path, records: int, size: int, timeout: float, u
         if counter is not None:
             counter.stop()
         if agent is not None:
-            _stop(agent)
-        _stop(upstream)
+            stop(agent)
+        stop(upstream)
     if counter is not None:
         cpu["ack_proxy"] = counter.cpu_seconds
     lag = export_lag(agent_dir, "export.up")
     seconds = done - first
     what = "PUBACK" if counter is not None else "message"
-    _say(f"[export] {received:,} of {records:,} acknowledged; {seconds:.2f} s from the first {what},"
+    say(f"[export] {received:,} of {records:,} acknowledged; {seconds:.2f} s from the first {what},"
          f" {done - listening:.2f} s from the agent's 'listening' line, {done - launched:.2f} s from its launch;"
          f" agent CPU {cpu['agent']:.2f} s (start-up included)")
     if counter is not None:
@@ -174,7 +170,7 @@ def run_export_vs_bridge(*, records: int, size: int, work_dir: str | None, keep:
                                "oracle": oracle if oracle == "puback" else f"subscriber qos {oracle_qos}"}
 
     def emit(result: Result) -> Result:
-        _say(f"{result.name}: {result.records:,} records in {result.seconds:.2f} s = {result.rate:,.0f} records/s"
+        say(f"{result.name}: {result.records:,} records in {result.seconds:.2f} s = {result.rate:,.0f} records/s"
              f" ({result.note})")
         if as_json:
             print(json.dumps(asdict(result)), flush=True)
@@ -213,7 +209,7 @@ def run_export_vs_bridge(*, records: int, size: int, work_dir: str | None, keep:
     finally:
         if not keep:
             shutil.rmtree(base, ignore_errors=True)
-    _say("; ".join(f"{k} {v}" for k, v in summary.items() if k != "name")
+    say("; ".join(f"{k} {v}" for k, v in summary.items() if k != "name")
          + " (targets: export >= 50,000/s and faster than the bridge at both sizes)")
     if as_json:
         print(json.dumps(summary), flush=True)

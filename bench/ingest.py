@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from bench.harness.cpu import process_cpu_seconds
 from collector.landing import LandingWriter
 
 if TYPE_CHECKING:
@@ -282,16 +283,13 @@ def _jvm_cpu_clock(spark: Any, master: str) -> Callable[[], float | None]:
     if not master.startswith("local"):
         return lambda: None
     pid = int(spark.sparkContext._jvm.java.lang.ProcessHandle.current().pid())
-    stat = Path(f"/proc/{pid}/stat")
-    ticks = os.sysconf("SC_CLK_TCK")
 
     def read() -> float | None:
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
+        jvm = process_cpu_seconds(pid)
+        if jvm is None:
             return None
         driver = os.times()
-        return (int(fields[11]) + int(fields[12])) / ticks + driver.user + driver.system
+        return jvm + driver.user + driver.system
 
     return read
 

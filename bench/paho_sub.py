@@ -10,7 +10,7 @@ its own PUBACK after ``on_message``, so the broker sees many small reads, one PU
 filter, ``loop_start`` (paho's network thread), ``on_message`` counts.  It stops like the
 loadgen subscriber: once it has the publishers' acked total, or ``idle_seconds`` without a
 message once that total is known, or at ``max_seconds``; it always reports one
-:class:`bench.loadgen.SubscriberResult`.
+:class:`bench.loadspec.SubscriberResult`.
 
 paho-mqtt is a dev extra: :func:`require_paho` raises :class:`PahoMissing` (naming
 ``pip install paho-mqtt``) when it is not importable.
@@ -24,7 +24,7 @@ from multiprocessing.sharedctypes import Synchronized
 from multiprocessing.synchronize import Event as MpEvent
 from typing import TYPE_CHECKING, Any
 
-from bench.loadgen import SubscriberResult, SubscriberSpec
+from bench.loadspec import SubscriberResult, SubscriberSpec
 from filemq.mqtt.packets import PROTOCOL_LEVEL
 
 if TYPE_CHECKING:

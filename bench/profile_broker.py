@@ -27,8 +27,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.broker import BrokerBenchOptions, _fanout_run, _ingest_run, start_filemq
 from bench.broker5 import V5_PROPERTIES
+from bench.harness.brokers import BrokerBenchOptions, start_filemq
+from bench.harness.loads import fanout_run, ingest_run
 
 PY_SPY = str(Path(sys.executable).with_name("py-spy"))
 
@@ -48,11 +49,11 @@ def record(scenario: str, out: str, messages: int | None) -> str:
         time.sleep(1.0)  # py-spy attached
         cpu0 = broker.cpu_seconds()
         if scenario == "ingest":
-            result = _ingest_run(broker, opts, messages or 400_000, "bench/ingest", protocol=protocol,
+            result = ingest_run(broker, opts, messages or 400_000, "bench/ingest", protocol=protocol,
                                  properties=props)
             n = result.acked
         else:
-            result = _fanout_run(broker, opts, messages or 40_000, protocol=protocol, properties=props)
+            result = fanout_run(broker, opts, messages or 40_000, protocol=protocol, properties=props)
             n = result.delivered
         cpu = broker.cpu_seconds() - cpu0
         spy.send_signal(signal.SIGINT)

@@ -39,7 +39,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.forward import MOSQUITTO, _filemq, _mosquitto_conf, _say, _stop, free_port
+from bench.forward import MOSQUITTO
+from bench.harness.processes import free_port, mosquitto_bridge_conf, say, start_cli, stop
 
 CONNECT_TIMEOUT_S = 10.0  # worker_agent.forwarder.ForwarderConfig.connect_timeout_s
 BACKOFF_INITIAL_S = 0.5  # [agent] backoff_initial_ms
@@ -220,7 +221,7 @@ def landed_keys(landing: Path) -> set[tuple[str, int]]:
 def _start(target: str, work: Path, port: int, collector_args: tuple[str, ...] = ()) -> subprocess.Popen[bytes]:
     """The server under test, listening: a collector, or the baseline mosquitto."""
     if target == "mosquitto":
-        conf = _mosquitto_conf(work / "mosquitto.conf", port)
+        conf = mosquitto_bridge_conf(work / "mosquitto.conf", port)
         proc = subprocess.Popen([MOSQUITTO, "-c", str(conf)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 10
         while True:  # listening once a connect succeeds
@@ -231,7 +232,7 @@ def _start(target: str, work: Path, port: int, collector_args: tuple[str, ...] =
                 if proc.poll() is not None or time.monotonic() > deadline:
                     raise RuntimeError(f"mosquitto did not start (exit {proc.poll()})") from None
                 time.sleep(0.01)
-    return _filemq("collector", "--data-dir", str(work / "collector"), "--landing", str(work / "landing"),
+    return start_cli("collector", "--data-dir", str(work / "collector"), "--landing", str(work / "landing"),
                    "--port", str(port), "--collector-id", "storm", "--roll-seconds", "1", *collector_args,
                    log_path=work / "collector.log")
 
@@ -261,7 +262,7 @@ def run_storm(work: Path, devices: int, size: int = 100, timeout: float = 300,
             while not ready.wait(0.2):
                 if time.monotonic() > deadline or not all(p.is_alive() for p in procs):
                     raise RuntimeError("load processes did not start")
-        _say(f"[storm] {devices} devices connect together to {target} (default settings)")
+        say(f"[storm] {devices} devices connect together to {target} (default settings)")
         started = time.time()
         go.set()
         for _, first_done in events:
@@ -270,13 +271,13 @@ def run_storm(work: Path, devices: int, size: int = 100, timeout: float = 300,
                     raise TimeoutError("not every device got its first batch acknowledged")
                 if not out.empty():
                     raise RuntimeError(str(out.get()))
-        _say(f"[storm] all {devices} in, batch 0 acknowledged after {time.time() - started:.2f} s; kill -9 {target}")
+        say(f"[storm] all {devices} in, batch 0 acknowledged after {time.time() - started:.2f} s; kill -9 {target}")
         killed = time.time()
         os.kill(collector.pid, signal.SIGKILL)
         collector.wait(10)
         collector = _start(target, work, port, collector_args)
         listening = time.time()
-        _say(f"[storm] {target} listening again {listening - killed:.2f} s after the kill")
+        say(f"[storm] {target} listening again {listening - killed:.2f} s after the kill")
         rows: list[tuple[int, float, int, float, int]] = []
         for _ in procs:
             got = out.get(timeout=max(1.0, deadline - time.monotonic()))
@@ -297,7 +298,7 @@ def run_storm(work: Path, devices: int, size: int = 100, timeout: float = 300,
             p.join(30)
             if p.is_alive():
                 p.kill()
-        _stop(collector)
+        stop(collector)
     first = [r[2] for r in rows]
     second = [r[4] for r in rows]
     last_in = max(r[1] for r in rows)
@@ -323,7 +324,7 @@ def run_storm_bench(*, devices: tuple[int, ...], size: int, work_dir: str | None
     results = []
     targets = ["collector"] + (["mosquitto"] if os.path.exists(MOSQUITTO) else [])
     if len(targets) == 1:
-        _say("[storm] baseline skipped: mosquitto not installed (apt-get install mosquitto)")
+        say("[storm] baseline skipped: mosquitto not installed (apt-get install mosquitto)")
     try:
         for n in devices:
             pair = []
@@ -332,7 +333,7 @@ def run_storm_bench(*, devices: tuple[int, ...], size: int, work_dir: str | None
                 pair.append(r)
                 results.append(r)
                 lost = "" if r.records_lost < 0 else f"; {r.records_lost} of {r.records_sent} records lost"
-                _say(f"{r.name}: first connect: all {n} in after {r.first_connect_s} s ({r.first_attempts_mean} "
+                say(f"{r.name}: first connect: all {n} in after {r.first_connect_s} s ({r.first_attempts_mean} "
                      f"attempts per device, at most {r.first_attempts_max}); after kill -9: listening after "
                      f"{r.restart_s} s, all back {r.back_after_ready_s} s later ({r.second_attempts_mean} attempts, "
                      f"at most {r.second_attempts_max}){lost}")
@@ -343,7 +344,7 @@ def run_storm_bench(*, devices: tuple[int, ...], size: int, work_dir: str | None
                 ratio = {"name": f"storm_{n}_vs_mosquitto",
                          "first_connect": round(ours.first_connect_s / max(theirs.first_connect_s, 0.01), 2),
                          "back_after_ready": round(ours.back_after_ready_s / max(theirs.back_after_ready_s, 0.01), 2)}
-                _say(f"{ratio['name']}: first connect {ratio['first_connect']}x mosquitto's time, back after "
+                say(f"{ratio['name']}: first connect {ratio['first_connect']}x mosquitto's time, back after "
                      f"restart {ratio['back_after_ready']}x")
                 if as_json:
                     print(json.dumps(ratio), flush=True)

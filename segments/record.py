@@ -165,32 +165,41 @@ def check_frame(buf: bytes | memoryview, pos: int, end: int) -> int:
     Returns the framed length (> 0) if the record is valid, else one of INCOMPLETE,
     BAD_LENGTH, BAD_CRC, BAD_HEADER.  Never raises for any content of ``buf``.
     """
+    # <frame-check check_frame>
     if end - pos < HEADER_SIZE:
         return INCOMPLETE
-    length: int = LENGTH.unpack_from(buf, pos)[0]
-    if length < MIN_LENGTH or length + LENGTH_SIZE > MAX_RECORD_BYTES:
+    length, crc, version, flags, _, _, topic_len = HEADER.unpack_from(buf, pos)
+    framed: int = length + LENGTH_SIZE
+    nxt = pos + framed
+    if length < MIN_LENGTH or framed > MAX_RECORD_BYTES:  # length in range
         return BAD_LENGTH
-    framed = length + LENGTH_SIZE
-    if pos + framed > end:
+    if nxt > end:  # the whole frame is there
         return INCOMPLETE
-    _, crc, version, flags, _, _, topic_len = HEADER.unpack_from(buf, pos)
-    if flags & RESERVED_FLAGS or flags & QOS_MASK == 3:
+    if not _FLAGS_OK[flags]:  # no reserved flag bit, QoS not 3
         return BAD_HEADER
     if version == FORMAT_VERSION:
-        if HEADER_SIZE + topic_len > framed:
+        if HEADER_SIZE + topic_len > framed:  # topic inside the frame
             return BAD_LENGTH
     elif version == FORMAT_VERSION_HEADERS:
-        at = HEADER_SIZE + topic_len
-        if at + HEADERS_LEN_SIZE > framed:
+        if (at := pos + HEADER_SIZE + topic_len) + HEADERS_LEN_SIZE > nxt:  # headers_len field inside the frame
             return BAD_LENGTH
-        headers_len: int = HEADERS_LEN.unpack_from(buf, pos + at)[0]
-        if at + HEADERS_LEN_SIZE + headers_len > framed:
+        if (at + HEADERS_LEN_SIZE + HEADERS_LEN.unpack_from(buf, at)[0]) > nxt:  # headers inside the frame
             return BAD_LENGTH
-    else:
+    else:  # unknown version
         return BAD_HEADER
-    if crc32c(memoryview(buf)[pos + CRC_START : pos + framed]) != crc:
+    if crc32c(buf[pos + CRC_START : nxt] if framed < 4096 else memoryview(buf)[pos + CRC_START : nxt]) != crc:
         return BAD_CRC
     return framed
+    # </frame-check>
+
+
+def length_in_range(length: int) -> bool:
+    """Whether ``length`` (a length field's value) is one a valid record may carry: the first
+    check of :func:`check_frame` alone."""
+    framed = length + LENGTH_SIZE
+    # <frame-check length>
+    return not (length < MIN_LENGTH or framed > MAX_RECORD_BYTES)
+    # </frame-check>
 
 
 def offset_at(buf: bytes | memoryview, pos: int) -> int:
@@ -262,29 +271,24 @@ def decode_run(
         framed = length + LENGTH_SIZE
         nxt = pos + framed
         if (
-            length < MIN_LENGTH or framed > MAX_RECORD_BYTES or nxt > end
-            or version != FORMAT_VERSION or not flags_ok[flags]
-            or HEADER_SIZE + topic_len > framed or (offset != expected and expected >= 0)
-            # A small record's bytes are cheaper to copy than to wrap in a memoryview.
-            or crc32c(buf[pos + CRC_START : nxt] if framed < 4096 else view[pos + CRC_START : nxt]) != crc
+            # <frame-check format 1; or: offset != expected and expected >= 0>
+            # (inlined: MIN_LENGTH=24, MAX_RECORD_BYTES=67108864, FORMAT_VERSION=1, HEADER_SIZE=28, CRC_START=8)
+            length < 24 or framed > 67108864 or nxt > end or version != 1 or not flags_ok[flags]
+            or 28 + topic_len > framed or (offset != expected and expected >= 0)
+            or crc32c(buf[pos + 8 : nxt] if framed < 4096 else view[pos + 8 : nxt]) != crc
+            # </frame-check>
         ):
-            # A format 2 record (headers) fails the version test above; it is checked (the
-            # same checks, plus its headers_len) and decoded here, so that the format 1 path
-            # costs nothing more than before.
-            if version != FORMAT_VERSION_HEADERS:
-                break
-            at = pos + HEADER_SIZE + topic_len  # its headers_len field
+            # A format 2 record (headers) fails the format 1 check; it is checked and decoded
+            # here, so that the format 1 path costs nothing more than before format 2 existed.
             if (
-                length < MIN_LENGTH or framed > MAX_RECORD_BYTES or nxt > end
-                or not flags_ok[flags] or at + HEADERS_LEN_SIZE > nxt
+                # <frame-check format 2, hstop; or: offset != expected and expected >= 0>
+                # (inlined: MIN_LENGTH=24, MAX_RECORD_BYTES=67108864, FORMAT_VERSION_HEADERS=2, HEADER_SIZE=28, HEADERS_LEN_SIZE=4, CRC_START=8)
+                length < 24 or framed > 67108864 or nxt > end or version != 2 or not flags_ok[flags]
+                or (at := pos + 28 + topic_len) + 4 > nxt or (hstop := at + 4 + headers_unpack(buf, at)[0]) > nxt
                 or (offset != expected and expected >= 0)
+                or crc32c(buf[pos + 8 : nxt] if framed < 4096 else view[pos + 8 : nxt]) != crc
+                # </frame-check>
             ):
-                break
-            hstart = at + HEADERS_LEN_SIZE
-            hstop = hstart + headers_unpack(buf, at)[0]
-            if hstop > nxt or crc32c(
-                buf[pos + CRC_START : nxt] if framed < 4096 else view[pos + CRC_START : nxt]
-            ) != crc:
                 break
             if offset >= limit:
                 return pos, expected, total, True
@@ -298,7 +302,7 @@ def decode_run(
                     topic_raw_len = topic_len
                     topic = topic_raw.decode("utf-8", "replace")
                 append(make(Record, (offset, ts, topic, buf[hstop:nxt], flags & QOS_MASK, flags & RETAIN_BIT != 0,
-                                     buf[hstart:hstop])))
+                                     buf[at + HEADERS_LEN_SIZE : hstop])))
                 total += framed
                 room -= 1
                 if not room:
@@ -375,24 +379,28 @@ def scan_run(
     unpack = HEADER.unpack_from
     view = memoryview(buf)
     headers_unpack = HEADERS_LEN.unpack_from
+    flags_ok = _FLAGS_OK
     limit = end - HEADER_SIZE
     while pos <= limit:
         length, crc, version, flags, offset, ts, topic_len = unpack(buf, pos)
         framed = length + LENGTH_SIZE
+        nxt = pos + framed
         if (
-            length < MIN_LENGTH or framed > MAX_RECORD_BYTES or pos + framed > end
-            or version != FORMAT_VERSION or flags & RESERVED_FLAGS or flags & QOS_MASK == 3
-            or HEADER_SIZE + topic_len > framed or offset != expected
-            or crc32c(view[pos + CRC_START : pos + framed]) != crc
+            # <frame-check format 1; or: offset != expected>
+            # (inlined: MIN_LENGTH=24, MAX_RECORD_BYTES=67108864, FORMAT_VERSION=1, HEADER_SIZE=28, CRC_START=8)
+            length < 24 or framed > 67108864 or nxt > end or version != 1 or not flags_ok[flags]
+            or 28 + topic_len > framed or (offset != expected)
+            or crc32c(buf[pos + 8 : nxt] if framed < 4096 else view[pos + 8 : nxt]) != crc
+            # </frame-check>
         ) and (
-            # A format 2 record fails the version test above: the same checks again, plus its
-            # headers_len, here, so that the format 1 path costs nothing more than before.
-            version != FORMAT_VERSION_HEADERS
-            or length < MIN_LENGTH or framed > MAX_RECORD_BYTES or pos + framed > end
-            or flags & RESERVED_FLAGS or flags & QOS_MASK == 3 or offset != expected
-            or (at := pos + HEADER_SIZE + topic_len) + HEADERS_LEN_SIZE > pos + framed
-            or at + HEADERS_LEN_SIZE + headers_unpack(buf, at)[0] > pos + framed
-            or crc32c(view[pos + CRC_START : pos + framed]) != crc
+            # A format 2 record fails the format 1 check: its own check here, so that the
+            # format 1 path costs nothing more than before format 2 existed.
+            # <frame-check format 2; or: offset != expected>
+            # (inlined: MIN_LENGTH=24, MAX_RECORD_BYTES=67108864, FORMAT_VERSION_HEADERS=2, HEADER_SIZE=28, HEADERS_LEN_SIZE=4, CRC_START=8)
+            length < 24 or framed > 67108864 or nxt > end or version != 2 or not flags_ok[flags]
+            or (at := pos + 28 + topic_len) + 4 > nxt or (at + 4 + headers_unpack(buf, at)[0]) > nxt
+            or (offset != expected) or crc32c(buf[pos + 8 : nxt] if framed < 4096 else view[pos + 8 : nxt]) != crc
+            # </frame-check>
         ):
             break
         absolute = shift + pos
@@ -402,5 +410,5 @@ def scan_run(
         if ts > max_ts:
             max_ts = ts
         expected += 1
-        pos += framed
+        pos = nxt
     return pos, expected, last_index_pos, max_ts

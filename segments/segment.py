@@ -28,12 +28,12 @@ from segments.record import (
     LENGTH,
     LENGTH_SIZE,
     MAX_RECORD_BYTES,
-    MIN_LENGTH,
     REASONS,
     Record,
     check_frame,
     decode_run,
     find_next_valid,
+    length_in_range,
     offset_at,
     scan_run,
 )
@@ -273,9 +273,10 @@ class Segment:
         head = self.handle.pread(LENGTH_SIZE, position)
         if len(head) < LENGTH_SIZE:
             return None
-        framed: int = LENGTH.unpack(head)[0] + LENGTH_SIZE
-        if framed < MIN_LENGTH + LENGTH_SIZE or framed > MAX_RECORD_BYTES:
+        length: int = LENGTH.unpack(head)[0]
+        if not length_in_range(length):
             return None
+        framed = length + LENGTH_SIZE
         nxt = position + framed
         probe = self.handle.pread(READ_CHUNK, nxt)
         if check_frame(probe, 0, len(probe)) == INCOMPLETE and len(probe) >= LENGTH_SIZE:

@@ -18,15 +18,13 @@ from bench.broker5 import V5_PROPERTIES, refusal
 from bench.loadgen import (
     SESSION_EXPIRY_S,
     LoadError,
-    LoadResult,
     PublishAcker,
-    PublisherResult,
     RawClient,
-    SubscriberResult,
     _AckCounter,
     connect_packet,
     publish_template,
 )
+from bench.loadspec import LoadResult, PublisherResult, SubscriberResult
 from filemq.mqtt.codec import Decoder, encode, encode5
 from filemq.mqtt.packets import (
     PROTOCOL_LEVEL_5,

@@ -17,15 +17,15 @@ import threading
 import pytest
 from click.testing import CliRunner
 
-from bench.baselines import mosquitto_available, start_mosquitto
 from bench.broker import (
     _CLIENT_TEXT,
-    BrokerBenchOptions,
-    filemq_argv,
     scenario_fanout,
     summary_line,
 )
-from bench.loadgen import PublisherResult, PublisherSpec, RawClient, _flat_out, _send_one_by_one
+from bench.harness.brokers import BrokerBenchOptions, filemq_argv
+from bench.harness.processes import mosquitto_available, start_mosquitto
+from bench.loadgen import RawClient, _flat_out, _send_one_by_one
+from bench.loadspec import PublisherResult, PublisherSpec
 from cli import main
 from filemq.mqtt.codec import Decoder
 

@@ -12,9 +12,7 @@ import shutil
 import pytest
 from click.testing import CliRunner
 
-from bench.baselines import mosquitto_available
 from bench.broker import (
-    BrokerBenchOptions,
     scenario_fanout,
     scenario_idle,
     scenario_kill9,
@@ -24,7 +22,10 @@ from bench.broker import (
     summary_line,
     trie_filters,
 )
-from bench.loadgen import PublisherSpec, run_load, run_null_sink
+from bench.harness.brokers import BrokerBenchOptions
+from bench.harness.processes import mosquitto_available
+from bench.loadgen import run_load, run_null_sink
+from bench.loadspec import PublisherSpec
 from cli import main
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
@@ -182,7 +183,7 @@ def test_broker_cpu_counts_threads_and_child_processes(tmp_path):
     import sys
     import time
 
-    from bench.baselines import spawn
+    from bench.harness.processes import spawn
 
     script = tmp_path / "burner.py"
     script.write_text(_BURNER)
@@ -215,7 +216,7 @@ def test_trie_filters_mix_exact_plus_and_hash():
 
 def test_publisher_reports_refused_connection_as_error():
     # Nothing listens on this port: the result carries the error instead of raising.
-    from bench.baselines import free_port
+    from bench.harness.processes import free_port
 
     result = run_load([PublisherSpec("127.0.0.1", free_port(), "p", "t", 10)], timeout=20)
     assert result.acked == 0
@@ -350,8 +351,8 @@ def test_everyday_sensors_each_keep_one_publish_in_flight_and_get_every_puback(t
     """issue 29 item 1: the sensors' load generator against a real broker: every PUBLISH sent
     is acknowledged, at the paced rate, with one in flight per sensor (so acked never exceeds
     sent), and the figures carry the PUBACK latencies and the broker's CPU."""
-    from bench.broker import start_filemq
     from bench.everyday import SensorLoad, figures, run_sensors
+    from bench.harness.brokers import start_filemq
 
     with start_filemq(tmp_path / "data") as broker:
         result = run_sensors(SensorLoad(broker.host, broker.port, sensors=10, rate=200, seconds=2.0), broker)

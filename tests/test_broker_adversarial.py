@@ -1,5 +1,5 @@
 """Adversarial review of issue 10 / issue 11 fixes: what an outside adversarial run or
-conformance suite would still find.  Packet level through the core (tests/test_broker_session.py
+conformance suite would still find.  Packet level through the core (tests/broker_harness.py
 harness) where that reproduces it, real processes where it takes one."""
 
 from __future__ import annotations
@@ -32,9 +32,9 @@ from filemq.mqtt.packets import (
     Suback,
     Subscribe,
 )
+from tests.broker_harness import Harness, one_delivery, run
 from tests.test_broker_kill9 import REPO, _Raw, _start_broker
 from tests.test_broker_security import _users, _with_logins
-from tests.test_broker_session import Harness, _one_delivery, run
 from tests.test_broker_transport import _ca, _closed_by_peer, _load, make_config, running
 
 # ---- password checks (issue 11 item 9) and session writes share no worker threads -----------
@@ -182,7 +182,7 @@ def test_outbound_pubrel_is_resent_after_a_restart_mqtt_4_3_3(tmp_path: Path) ->
     (and the next message under that id overwrote it in paho's store)."""
     async def main() -> None:
         h = Harness(tmp_path)
-        s, m = await _one_delivery(h, 2)
+        s, m = await one_delivery(h, 2)
         pid = m.packet_id
         assert pid is not None
         s.send(Pubrec(pid))
@@ -388,7 +388,7 @@ def test_outbound_qos2_completed_although_its_session_write_failed(tmp_path: Pat
     so the record does not stay outstanding for ever, holding the group's Pending offset."""
     async def main() -> None:
         h = Harness(tmp_path)
-        s, m = await _one_delivery(h, 2)
+        s, m = await one_delivery(h, 2)
         pid = m.packet_id
         assert pid is not None
         real_write = h.store.write

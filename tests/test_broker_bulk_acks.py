@@ -6,7 +6,7 @@ least ``_BULK_ACKS`` (16) whose entries are all run-path deliveries with gaps
 (:class:`SentRecord`, one per message) of one group, is acked with C-level maps and one
 ``ConsumerGroup.ack_many`` (filemq/broker/delivery.py); a read of 2 to ``_SMALL_READ``
 PUBACKs takes the per-id loop, whatever its entries, as one-id reads do.  These tests drive two brokers (the
-``Harness`` of tests/test_broker_session.py) through the same packets in lockstep: one as it
+``Harness`` of tests/broker_harness.py) through the same packets in lockstep: one as it
 is, one whose ``on_pubacks`` acks the ids of each read one at a time (a one-id call never
 takes the bulk path).  After every read both must hold the same in-flight messages, the same
 group offsets (pending, doing) and outstanding records, and must have sent the subscriber the
@@ -40,7 +40,7 @@ from filemq.broker.state import SentRecord, SentRun, message_of
 from filemq.mqtt.codec import encode
 from filemq.mqtt.packets import Puback, Publish, Subscribe
 from filemq.queue.groups import ConsumerGroup
-from tests.test_broker_session import Client, Harness, run
+from tests.broker_harness import Client, Harness, run
 
 TOPICS = ("t/a", "t/b", "s/a")  # s/...: also the shared subscription's, when there is one
 SHARE = "$share/g/s/#"
@@ -112,7 +112,7 @@ def _state(h: Harness, s: Client, keyed: bool) -> dict[str, Any]:
             "closed": s.conn.closed, "close_reason": s.conn.close_reason}
 
 
-def _deliveries(packets: list[Any], keyed: bool) -> Any:
+def deliveries(packets: list[Any], keyed: bool) -> Any:
     out = [(type(p).__name__, p.packet_id, p.topic, p.payload, p.qos, p.dup) if isinstance(p, Publish)
            else repr(p) for p in packets]
     if not keyed:
@@ -195,7 +195,7 @@ class Pair:
                 s.connect("s", False)
                 self.sides[i] = (h, s, p)
             await h.settle()
-            got.append(_deliveries(s.received(), self.share))
+            got.append(deliveries(s.received(), self.share))
         if action[0] == "publish":
             self.published += len(action[1])
         bulk, single = (_state(h, s, self.share) for h, s, _ in self.sides)

@@ -22,8 +22,8 @@ from filemq.mqtt.packets import (
     Publish,
 )
 from filemq.mqtt.properties import _read_vbi, _vbi
+from tests.broker_harness import Harness, run
 from tests.test_broker_mqtt5 import client5
-from tests.test_broker_session import Harness, run
 
 MALFORMED = 0x81
 PROTOCOL_ERROR = 0x82

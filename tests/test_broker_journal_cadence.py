@@ -24,7 +24,7 @@ import pytest
 from filemq.broker import delivery
 from filemq.broker.state import JOURNAL_MAX_ACKS
 from filemq.mqtt.packets import Puback, Publish, Subscribe
-from tests.test_broker_session import FakeQueue, Harness, run
+from tests.broker_harness import FakeQueue, Harness, run
 
 WINDOW = 20
 BACKLOG = 400

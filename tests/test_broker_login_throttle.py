@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from filemq.broker.auth import LoginThrottle, PasswordFile, add_or_update
 from filemq.mqtt.packets import Connack, Connect
-from tests.test_broker_session import Client, Harness, run
+from tests.broker_harness import Client, Harness, run
 
 # ---- the throttle alone (sans-I/O: the test is the clock) -----------------------------------
 

@@ -1,6 +1,6 @@
 """The broker speaks MQTT 5.0 (OASIS Standard, 7 March 2019) beside 3.1.1: packet-level tests
 of CONNECT/CONNACK, the reason codes the broker sends, server DISCONNECTs and AUTH, through
-the sans-I/O connection and core (the same harness as tests/test_broker_session.py)."""
+the sans-I/O connection and core (the harness of tests/broker_harness.py)."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from filemq.mqtt.packets import (
     Unsubscribe,
     subscription_options,
 )
-from tests.test_broker_session import Client, Harness, run
+from tests.broker_harness import Client, Harness, run
 
 
 class Client5(Client):

@@ -2,7 +2,7 @@
 through the log, message expiry, payload format, response topic, subscription options and
 identifiers, SUBACK reason codes, reason codes for refused PUBLISHes, the client's maximum
 packet size.  Packet level, through the sans-I/O connection and core (the harness of
-tests/test_broker_session.py, with a fake queue that keeps headers and can refuse appends)."""
+tests/broker_harness.py, with a fake queue that keeps headers and can refuse appends)."""
 
 from __future__ import annotations
 
@@ -35,8 +35,8 @@ from filemq.mqtt.packets import (
 from filemq.mqtt.properties import encode_message_headers
 from segments.fileio import DiskFull
 from segments.record import Record
+from tests.broker_harness import FakeQueue, Harness, run
 from tests.test_broker_mqtt5 import Client5, client5
-from tests.test_broker_session import FakeQueue, Harness, run
 
 
 class FakeQueue5(FakeQueue):
@@ -869,10 +869,10 @@ def test_deliver_run_sends_what_deliver5_sends(tmp_path: Path, ops: list[tuple[A
     per-record loop) and leaves the same messages in flight."""
     import tempfile
 
-    from tests.test_broker_session import _deliveries
+    from tests.broker_harness import deliveries
 
     props = Properties(maximum_packet_size=max_packet, topic_alias_maximum=aliases)
-    results = [_deliveries(ops, first_pid, Path(tempfile.mkdtemp(dir=tmp_path)), run_path, client5, _subscribe5,
+    results = [deliveries(ops, first_pid, Path(tempfile.mkdtemp(dir=tmp_path)), run_path, client5, _subscribe5,
                            protocol_level=5, properties=props)[0] for run_path in (False, True)]
     assert results[1] == results[0]
 
@@ -880,10 +880,10 @@ def test_deliver_run_sends_what_deliver5_sends(tmp_path: Path, ops: list[tuple[A
 def test_deliver_run_takes_an_mqtt5_fanout_batch(tmp_path: Path) -> None:
     """An MQTT 5 subscriber without identifiers, no local or aliases gets a QoS 1 run through
     the run path, as _deliver5 would send it (MQTT 5 PUBLISH with an empty property section)."""
-    from tests.test_broker_session import _deliveries
+    from tests.broker_harness import deliveries
 
     ops: list[tuple[Any, ...]] = [("publish", [("a/1", 1, False), ("a/2", 1, False)] * 3), ("ack", 6, False)]
-    (got, inflight, _), calls = _deliveries(ops, 7, tmp_path, True, client5, protocol_level=5)
+    (got, inflight, _), calls = deliveries(ops, 7, tmp_path, True, client5, protocol_level=5)
     assert calls == 1 and inflight == {}
     pubs = [m for m in got if isinstance(m, Publish)]
     assert [(m.packet_id, m.qos, m.payload, m.properties) for m in pubs] == [

@@ -20,9 +20,9 @@ from hypothesis import strategies as st
 from filemq.mqtt.codec import encode5
 from filemq.mqtt.packets import Disconnect, Properties, Puback, Publish, PublishRun, Pubrec
 from segments.fileio import DiskFull
+from tests.broker_harness import run
 from tests.test_broker_mqtt5 import client5
 from tests.test_broker_mqtt5_publish import FakeQueue5, Harness5
-from tests.test_broker_session import run
 
 
 class RefusingQueue(FakeQueue5):

@@ -2,7 +2,7 @@
 delivery, ``$SYS`` topics and rights.
 
 Packet level over raw sockets where it is protocol (MQTT 3.1.1 section and rule cited per
-test); the core-level tests use the fake queue of :mod:`tests.test_broker_session`, whose
+test); the core-level tests use the fake queue of :mod:`tests.broker_harness`, whose
 commits the test controls.  Every wait is bounded.
 """
 
@@ -147,7 +147,7 @@ def test_record_appended_before_subscribe_and_committed_after_is_delivered(
     appended before the SUBSCRIBE but committed after it is not in the retained store at
     SUBSCRIBE time, so it must arrive live -- at every QoS, and for ``$share`` members too
     (which get no retained messages, as in MQTT 5)."""
-    from tests.test_broker_session import Harness
+    from tests.broker_harness import Harness
 
     async def main() -> None:
         h = Harness(tmp_path)
@@ -163,7 +163,7 @@ def test_record_appended_before_subscribe_and_committed_after_is_delivered(
         # MQTT-3.3.1-8: published before the SUBSCRIBE, so it is sent because of the new
         # subscription: RETAIN 1 (a $share subscription gets no retained messages: live, 0).
         assert got == [("test/topic", b"v1", qos, kind != "share")]
-    from tests.test_broker_session import run
+    from tests.broker_harness import run
     run(main())
 
 
@@ -173,7 +173,7 @@ def test_retained_appended_before_subscribe_is_sent_as_retained_mqtt_3_3_1_8(tmp
     the SUBSCRIBE but committed after it, is sent with RETAIN 1 once per new subscription
     that matches it (overlapping filters included); superseded and cleared ones are not sent
     (MQTT-3.3.1-10: an empty retained payload removes it, MQTT-3.3.1-7: only the last is kept)."""
-    from tests.test_broker_session import Harness, run
+    from tests.broker_harness import Harness, run
 
     async def main() -> None:
         h = Harness(tmp_path)
@@ -200,7 +200,7 @@ def test_record_committed_but_not_yet_routed_is_not_skipped_by_a_new_filter(tmp_
     """The log's commit becomes visible (committed_offset, set by the commit thread) before the
     broker routes it: a persistent session's group must not read past the routed offset, or a
     filter subscribed in between would miss a record that is neither retained nor live."""
-    from tests.test_broker_session import Harness, run
+    from tests.broker_harness import Harness, run
 
     async def main() -> None:
         h = Harness(tmp_path)
@@ -221,7 +221,7 @@ def test_repeated_subscribe_resends_a_retained_message_appended_before_it_mqtt_3
     """MQTT-3.8.4-3: a SUBSCRIBE repeating an existing filter re-sends the matching retained
     messages -- also one appended before it and committed after it, which the existing
     subscription gets live (RETAIN 0, MQTT-3.3.1-9) besides."""
-    from tests.test_broker_session import Harness, run
+    from tests.broker_harness import Harness, run
 
     async def main() -> None:
         h = Harness(tmp_path)
@@ -241,7 +241,7 @@ def test_a_failed_commit_does_not_hold_a_subscribers_retained_replay(tmp_path: P
     committed waits for that commit; when the commit fails (disk full, the offsets are given
     back) it is sent at once, so the subscriber's deliveries are not held until the next
     successful commit."""
-    from tests.test_broker_session import Harness, run
+    from tests.broker_harness import Harness, run
 
     async def main() -> None:
         h = Harness(tmp_path)
@@ -265,7 +265,7 @@ def test_retained_semantics_for_existing_and_repeated_subscriptions(tmp_path: Pa
     MQTT-3.3.1-10/-11: an empty retained payload is delivered to it as normal and removes the
     retained message (a later subscriber gets nothing); MQTT-3.8.4-3: a SUBSCRIBE repeating an
     existing filter re-sends the retained messages, RETAIN 1, at the new QoS."""
-    from tests.test_broker_session import Harness, run
+    from tests.broker_harness import Harness, run
 
     async def main() -> None:
         h = Harness(tmp_path)
@@ -291,7 +291,7 @@ def test_retained_waiting_for_the_rebuild_are_not_sent_twice(tmp_path: Path) -> 
     """While the retained store is rebuilt at start-up a SUBSCRIBE waits; retained records
     routed after the SUBSCRIBE reach it live, and the rebuilt store does not send them again."""
     from filemq.queue.retained import RetainedStore
-    from tests.test_broker_session import Harness, run
+    from tests.broker_harness import Harness, run
 
     async def main() -> None:
         h = Harness(tmp_path)
@@ -340,7 +340,7 @@ def test_subscribes_of_a_client_that_does_not_read_queue_bounded_retained_bytes(
     from filemq.broker.core import RETAINED_OUT_HIGH
     from filemq.broker.session import Connection
     from filemq.mqtt.packets import Puback
-    from tests.test_broker_session import Harness, run
+    from tests.broker_harness import Harness, run
 
     size = 32 * 1024
 
@@ -396,7 +396,7 @@ def test_sys_deliveries_follow_acl_deny_rules(tmp_path: Path) -> None:
     """A deny rule covers ``$SYS`` like any topic: neither the periodic messages nor the ones
     sent on SUBSCRIBE reach a client denied them."""
     from filemq.broker.acl import Acl
-    from tests.test_broker_session import Harness, run
+    from tests.broker_harness import Harness, run
 
     async def main() -> None:
         h = Harness(tmp_path)
@@ -417,7 +417,7 @@ def test_sys_topic_over_the_limit_is_skipped_once_not_fatal(tmp_path: Path, capl
     """A 65,535-byte client id makes ``$SYS/broker/backlog/mqtt-session:<id>`` longer than a
     topic may be (MQTT 1.5.3): it is skipped and counted with one warning, while new ``$SYS/#``
     subscribers keep their connection and get every valid topic."""
-    from tests.test_broker_session import Harness, run
+    from tests.broker_harness import Harness, run
 
     long_topic = "$SYS/broker/backlog/mqtt-session:" + "x" * 65535
 
@@ -443,7 +443,7 @@ def test_sys_backlog_of_a_discarded_session_is_no_longer_retained(tmp_path: Path
     """The broker's backlog topics are published as a complete set: the backlog topic of a
     session discarded since the previous tick is not sent to new subscribers any more, and
     ``$SYS`` topics of another source (the agent's forwarder) are kept."""
-    from tests.test_broker_session import Harness, run
+    from tests.broker_harness import Harness, run
 
     async def main() -> None:
         h = Harness(tmp_path)

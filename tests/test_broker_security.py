@@ -1,6 +1,6 @@
 """Logins, session ownership, shared-subscription scoping and ACL reload (issue 10 items 4-6,
 issue 11 item 4), driven at packet level through the core without sockets (see
-tests/test_broker_session.py for the harness)."""
+tests/broker_harness.py for the harness)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from filemq.broker.auth import PasswordFile, add_or_update
 from filemq.broker.sessions import SessionStore, StoredSession, StoredSubscription
 from filemq.common.config import BrokerSection, CollectorSection
 from filemq.mqtt.packets import Connack, Connect, Puback, Publish, Subscribe
-from tests.test_broker_session import Harness, run
+from tests.broker_harness import Harness, run
 
 CONNACK_NOT_AUTHORIZED = 0x05
 

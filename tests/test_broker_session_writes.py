@@ -28,8 +28,8 @@ from filemq.mqtt.packets import (
     Unsuback,
     Unsubscribe,
 )
+from tests.broker_harness import Harness, run
 from tests.test_broker_mqtt5 import client5
-from tests.test_broker_session import Harness, run
 
 
 class GatedWrites:

@@ -35,8 +35,8 @@ from filemq.common.config import (
 from filemq.mqtt.client import ConnectionLost, ConnectionRefused, MQTTClient
 from filemq.mqtt.codec import Decoder, encode
 from filemq.mqtt.packets import Connack, Connect, Pingreq, Publish
+from tests.broker_harness import Harness
 from tests.loops import skip_tls_on_uvloop
-from tests.test_broker_session import Harness
 
 # MQTT 3.1.1 CONNECT for client id "slow": fixed header + variable header + payload.
 _CONNECT = encode(Connect(client_id="slow"))

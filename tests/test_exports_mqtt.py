@@ -93,6 +93,8 @@ class ScriptedBroker:
         self.ack: Callable[[int, Publish], bool] = lambda conn, p: True
         # True: answer this QoS 1 PUBLISH with PUBREC, as a broken destination does (never PUBACK)
         self.pubrec_for_qos1: Callable[[int, Publish], bool] = lambda conn, p: False
+        # bytes to answer this PUBLISH with instead of its acknowledgement (None: the usual answer)
+        self.raw_reply: Callable[[int, Publish], bytes | None] = lambda conn, p: None
         self.session_present = True
         self.levels: tuple[int, ...] = (4, 5)  # protocol levels it accepts
         self.connack_properties: Properties | None = None  # MQTT 5 CONNACK properties
@@ -148,7 +150,10 @@ class ScriptedBroker:
                             writer.write(encode(ack))
                     elif isinstance(packet, Publish):
                         assert packet.packet_id is not None
-                        if packet.qos == 1 and self.pubrec_for_qos1(conn, packet):
+                        raw = self.raw_reply(conn, packet)
+                        if raw is not None:
+                            writer.write(raw)
+                        elif packet.qos == 1 and self.pubrec_for_qos1(conn, packet):
                             writer.write(encode(Pubrec(packet.packet_id)))
                         elif self.ack(conn, packet):
                             writer.write(encode(Puback(packet.packet_id) if packet.qos == 1 else Pubrec(packet.packet_id)))
@@ -723,6 +728,35 @@ def test_destination_that_answers_pubrec_to_qos1_is_left_and_retried(
             await agent.stop()
             await up.stop()
         assert sum("has not acknowledged packet id" in r.getMessage() for r in caplog.records) == 1
+
+    run(scenario(), timeout=90)
+
+
+def test_a_puback_of_packet_id_0_is_a_protocol_error_and_nothing_is_lost(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """MQTT-2.3.1-1: a PUBACK's packet id is non-zero.  A destination that answers with a PUBACK
+    of id 0 (a read of nothing but that PUBACK, the PUBACK slicer's case) breaks the protocol:
+    the link closes with a protocol error, as for the same PUBACK inside any other read, then
+    reconnects and resends; everything is delivered."""
+
+    async def scenario() -> None:
+        up = ScriptedBroker()
+        up.raw_reply = lambda conn, p: b"\x40\x02\x00\x00" if conn == 0 else None
+        await up.start()
+        agent = Agent(_stalled_export_config(tmp_path, up.port))
+        await agent.start()
+        try:
+            sent = await publish_local(agent.broker.port, 20)
+            export = agent.exports.get("up")
+            assert export is not None and export.group is not None
+            group = export.group
+            await until(lambda: group.lag == 0, timeout=40, what="drained after the bad PUBACK")
+            assert len(up.connects) >= 2
+            assert set(sent) <= {p.payload for c, p in up.packets if c >= 1 and isinstance(p, Publish)}
+        finally:
+            await agent.stop()
+            await up.stop()
+        assert any("protocol error" in r.getMessage() and "packet id 0" in r.getMessage() for r in caplog.records)
 
     run(scenario(), timeout=90)
 

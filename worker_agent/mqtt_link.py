@@ -70,6 +70,7 @@ from filemq.mqtt.packets import (
     Pubrel,
 )
 from filemq.mqtt.properties import _vbi
+from filemq.mqtt.pubacks import puback_ids
 
 log = logging.getLogger(__name__)
 
@@ -506,11 +507,9 @@ class ExportLink:
     def _received(self, conn: _Connection, data: bytes) -> None:
         if conn is not self._conn or self.closed.is_set():
             return
-        n = len(data) >> 2
-        if (n and len(data) & 3 == 0 and self.qos == 1 and data[0::4] == b"\x40" * n
-                and data[1::4] == b"\x02" * n and not self._decoder.buffered):
+        ids = puback_ids(data) if self.qos == 1 and not self._decoder.buffered else None
+        if ids is not None:
             # Fast path: nothing but PUBACKs, split and looked up in C, not packet by packet.
-            ids = struct.unpack(f">{2 * n}H", data)[1::2]
             inflight = self.inflight
             try:
                 done = list(map(inflight.__getitem__, ids))

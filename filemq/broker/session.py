@@ -28,7 +28,6 @@ from __future__ import annotations
 import errno
 import logging
 import math
-import struct
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -66,6 +65,7 @@ from filemq.mqtt.packets import (
     Subscribe,
     Unsubscribe,
 )
+from filemq.mqtt.pubacks import puback_ids
 from segments.errors import DiskFull
 
 if TYPE_CHECKING:
@@ -76,15 +76,6 @@ if TYPE_CHECKING:
     from filemq.common.config import BrokerSection
 
 log = logging.getLogger("filemq.broker")
-
-_unpack_words = struct.unpack
-_LOW16 = (0xFFFF).__and__  # the packet id of a PUBACK read as a 32-bit word
-# For reads of up to _PUBACK_RUN PUBACKs: per count, the bytes every first and every second
-# byte must be, and a Struct's unpack that reads the ids straight out (each "40 02 hi lo").
-_PUBACK_RUN = 64
-_PUBACK_TYPES = [b"\x40" * n for n in range(_PUBACK_RUN + 1)]
-_PUBACK_LENGTHS = [b"\x02" * n for n in range(_PUBACK_RUN + 1)]
-_PUBACK_IDS = [struct.Struct(">" + "2xH" * n).unpack for n in range(_PUBACK_RUN + 1)]
 
 PINGRESP = b"\xd0\x00"
 # The largest CONNECT MQTT 3.1.1 allows: fixed header (5 bytes), variable header (10) and five
@@ -272,27 +263,16 @@ class Connection:
         if self.closed:
             return
         self.last_rx = time.monotonic() if now is None else now
-        n = len(data) >> 2
         if (
-            n
-            and data[0] == 0x40  # (a read of PUBLISHes skips the slices below)
+            data
+            and data[0] == 0x40  # (a read of PUBLISHes skips the slicer below)
             and self.state == CONNECTED
-            and len(data) & 3 == 0
             and not self.decoder.buffered
         ):
             # Fast path: a read of nothing but PUBACKs (what a subscriber sends back) is
-            # split with two C-level slices instead of decoding packet by packet.
-            pids: Sequence[int] | None = None
-            if n <= _PUBACK_RUN:
-                if data[0::4] == _PUBACK_TYPES[n] and data[1::4] == _PUBACK_LENGTHS[n]:
-                    pids = _PUBACK_IDS[n](data)
-            elif data[0::4] == b"\x40" * n and data[1::4] == b"\x02" * n:
-                # Each PUBACK as one big-endian 32-bit word 0x4002_iiii: the id is its low half.
-                pids = list(map(_LOW16, _unpack_words(f">{n}I", data)))
-            # (id 0 is invalid: let the decoder report it; "40 02 00 00" can only be found
-            # at a packet's start in a read of whole PUBACKs.  find, not "in": bytes.__contains__
-            # first tries its argument as an int and raises and clears a TypeError every time)
-            if pids is not None and data.find(b"\x40\x02\x00\x00") < 0:
+            # split with C-level slices instead of decoding packet by packet.
+            pids = puback_ids(data)
+            if pids is not None:
                 try:
                     self.core.on_pubacks(self, pids)
                 except Exception as exc:

@@ -1,4 +1,8 @@
-"""Brokers under test as real subprocesses on loopback: Debian mosquitto and stock amqtt.
+"""The processes a bench starts and stops: brokers under test as real subprocesses on loopback
+(filemq, Debian mosquitto and stock amqtt), ``filemq`` commands (agent, collector, broker) for
+the forward benches, free ports, and progress lines on stderr.
+
+Brokers: Debian mosquitto and stock amqtt.
 
 Both baselines are run the way a device would run them, with the same load generator as
 filemq (:mod:`bench.loadgen`):
@@ -21,21 +25,24 @@ from __future__ import annotations
 
 import contextlib
 import os
+import queue
 import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
+from bench.harness.cpu import CLOCK_TICKS, descendants, proc_cpu_ticks_split
 from filemq.mqtt.codec import Decoder, ProtocolError, encode
 from filemq.mqtt.packets import CONNACK_ACCEPTED, Connack, Connect, Disconnect
 
 LOOPBACK = "127.0.0.1"
 MOSQUITTO = os.environ.get("FILEMQ_BENCH_MOSQUITTO", "/usr/sbin/mosquitto")
-_CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 MOSQUITTO_MAX_INFLIGHT = 100  # the baseline's max_inflight_messages unless a run sets both brokers' window
 
 
@@ -166,49 +173,14 @@ class BrokerProcess:
         """:meth:`cpu_seconds` as (user, system): utime + cutime and stime + cstime of the
         same processes. Where a broker's CPU goes says what could cut it: interpreter work
         (user) or system calls (system)."""
-        ticks = [_proc_cpu_ticks_split(pid) for pid in [self.pid, *_descendants(self.pid)]]
-        return sum(u for u, _ in ticks) / _CLOCK_TICKS, sum(s for _, s in ticks) / _CLOCK_TICKS
+        ticks = [proc_cpu_ticks_split(pid) for pid in [self.pid, *descendants(self.pid)]]
+        return sum(u for u, _ in ticks) / CLOCK_TICKS, sum(s for _, s in ticks) / CLOCK_TICKS
 
     def __enter__(self) -> BrokerProcess:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
-
-
-def _stat_fields(pid: int) -> list[str]:
-    """Fields 3.. of /proc/PID/stat (after the command name, which may hold spaces)."""
-    stat = Path(f"/proc/{pid}/stat").read_text()
-    return stat[stat.rindex(")") + 2 :].split()
-
-
-def _proc_cpu_ticks_split(pid: int) -> tuple[int, int]:
-    """(utime + cutime, stime + cstime) of ``pid`` (all threads, reaped children); 0s if gone."""
-    try:
-        fields = _stat_fields(pid)
-    except (FileNotFoundError, ProcessLookupError):
-        return 0, 0
-    return int(fields[11]) + int(fields[13]), int(fields[12]) + int(fields[14])
-
-
-def _descendants(pid: int) -> list[int]:
-    """Live descendant processes of ``pid`` (children of any of its threads, recursively)."""
-    parents: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            ppid = int(_stat_fields(int(entry.name))[1])
-        except (OSError, ValueError, IndexError):
-            continue  # exited meanwhile
-        parents.setdefault(ppid, []).append(int(entry.name))
-    found: list[int] = []
-    todo = [pid]
-    while todo:
-        kids = parents.get(todo.pop(), [])
-        found += kids
-        todo += kids
-    return found
 
 
 def spawn(name: str, argv: Sequence[str], host: str, port: int, log_path: Path,
@@ -282,3 +254,59 @@ def start_amqtt(workdir: Path, port: int | None = None, *, host: str = LOOPBACK,
     broker = spawn("amqtt", [sys.executable, "-c", script, str(conf)], host, port, workdir / "amqtt.log")
     broker.wait_ready(timeout)
     return broker
+
+
+# --------------------------------------------------------------------------- filemq commands
+
+
+def say(message: str) -> None:
+    """A progress line for people, on stderr (stdout is for --json)."""
+    print(message, file=sys.stderr, flush=True)
+
+
+def start_cli(*args: str, log_path: Path) -> subprocess.Popen[bytes]:
+    """A ``filemq`` subprocess (``python -m cli ARGS``); waits for its first stdout line (it is
+    listening).  ``FILEMQ_BENCH_VERBOSE`` in the environment adds ``-v``."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    err = open(log_path, "ab")  # noqa: SIM115 - owned by the child for its lifetime
+    proc = subprocess.Popen([sys.executable, "-m", "cli", *(["-v"] if os.environ.get("FILEMQ_BENCH_VERBOSE") else []), *args], stdout=subprocess.PIPE, stderr=err)
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    if not line:
+        proc.wait(10)
+        raise RuntimeError(f"filemq {args[0]} did not start (exit {proc.returncode}); see {log_path}")
+    return proc
+
+
+def stop(proc: subprocess.Popen[bytes], timeout: float = 30) -> None:
+    """SIGTERM, then SIGKILL after ``timeout`` seconds; returns once ``proc`` is gone."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+
+
+def mosquitto_bridge_conf(path: Path, port: int, extra: str = "") -> Path:
+    """A mosquitto configuration for the forward benches' bridge baselines: loopback listener,
+    anonymous, unlimited queues, no persistence; ``extra`` appended."""
+    path.write_text(
+        f"listener {port} 127.0.0.1\nallow_anonymous true\nmax_queued_messages 0\nmax_queued_bytes 0\n"
+        f"persistence false\n{extra}"
+    )
+    return path
+
+
+def load_failure(procs: list[Any], errors: Any) -> str | None:
+    """Why the load processes cannot finish (a reported error on the ``errors`` queue, or one
+    died), else None."""
+    try:
+        return f"devices cannot reach the collector: {errors.get_nowait()}"
+    except queue.Empty:
+        pass
+    for p in procs:
+        if not p.is_alive() and p.exitcode not in (0, None):
+            return f"a load process died (exit code {p.exitcode})"
+    return None

@@ -1,0 +1,28 @@
+"""Summaries: how results are rounded and put in words for people (the ``--json`` lines
+carry the figures themselves)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from bench.loadspec import LoadResult
+
+
+def rnd(x: float, digits: int = 1) -> float:
+    """A figure as a result reports it."""
+    return round(x, digits)
+
+
+def errors_text(result: LoadResult) -> str:
+    """"; errors: [...]" (the first two) for a progress line, or ""."""
+    return f"; errors: {result.errors[:2]}" if result.errors else ""
+
+
+def cpu_text(result: dict[str, Any], baselines: tuple[str, ...]) -> str:
+    """filemq's broker CPU per message and each baseline's, with the ratio, for a summary line."""
+    parts = [f"filemq broker CPU {result.get('filemq_cpu_us_per_msg', '-')} us/msg"]
+    for base in baselines:
+        if f"{base}_cpu_us_per_msg" in result:
+            parts.append(f"{base} {result[f'{base}_cpu_us_per_msg']} us/msg "
+                         f"(ratio {result.get(f'cpu_ratio_vs_{base}', '-')}x)")
+    return "; ".join(parts)

@@ -527,6 +527,7 @@ def _describe_key(key: bytes) -> str:
 
 
 _KILL9_SETTLE_S = 0.25  # a restart's drain ends this long after the last delivery and the CONNACK
+_KILL9_FIRST_ACK_S = 10.0  # a round's load span starts at its first PUBACK, waited for this long at most
 
 
 class _Ledger:
@@ -671,7 +672,8 @@ async def _kill9_publisher(host: str, port: int, round_no: int, pub_no: int, inf
 def run_kill9(rounds: int, data_dir: Path, say: Progress, *, broker: str = "filemq", publishers: int = 4,
               inflight: int = 100, size: int = 100, load_seconds: tuple[float, float] = (0.05, 0.5),
               quiet_seconds: float = 5.0, seed: int | None = None, fsync: str = "always") -> Kill9Result:
-    """``rounds`` x (load, kill -9 at a random moment, restart on the same data dir, drain).
+    """``rounds`` x (load, kill -9 at a random moment -- ``load_seconds`` after the round's
+    first PUBACK -- restart on the same data dir, drain).
 
     A persistent QoS 1 subscriber (clean session 0) is registered before the first load and
     stays connected, reconnecting after each restart.  After each restart the round waits
@@ -711,6 +713,12 @@ async def _kill9(rounds: int, data_dir: Path, say: Progress, broker_name: str, p
             tasks = [asyncio.create_task(_kill9_publisher(LOOPBACK, port, round_no, i, inflight, size, ledger))
                      for i in range(publishers)]
             t_load = time.monotonic()
+            # The random load span starts at the round's first PUBACK (waited for up to
+            # _KILL9_FIRST_ACK_S): on a loaded machine the publishers' connects alone can take
+            # longer than the span, and a kill before any PUBACK tests nothing acknowledged.
+            first_ack_by = t_load + _KILL9_FIRST_ACK_S
+            while len(acked) == before and time.monotonic() < first_ack_by:
+                await asyncio.sleep(0.005)
             await asyncio.sleep(rng.uniform(*load_seconds))
             connects_before = sub.connects
             proc.kill9()

@@ -17,6 +17,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from filemq.broker.server import free_port
 from filemq.mqtt.client import ClientSession, ConnectionLost, ConnectionRefused, MQTTClient, Will
 from filemq.mqtt.codec import Decoder, encode
 from filemq.mqtt.packets import (
@@ -161,12 +162,6 @@ def test_session_against_a_model(ops: list[tuple[str, int]]) -> None:
 
 
 # ------------------------------------------------------------------ brokers
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def wait_port(port: int, proc: subprocess.Popen[bytes], log_path: Path, timeout: float = 10.0) -> None:

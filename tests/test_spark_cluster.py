@@ -11,7 +11,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -25,6 +24,7 @@ import pyarrow.dataset as ds
 import pytest
 
 from collector.landing import LandingWriter
+from filemq.broker.server import free_port
 from spark_ingest.package import build_zip
 
 pytestmark = [pytest.mark.spark, pytest.mark.slow]
@@ -38,12 +38,6 @@ def spark_home() -> Path:
     import pyspark
 
     return Path(pyspark.__file__).resolve().parent
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def spark_env(tmp: Path) -> dict[str, str]:

@@ -55,7 +55,7 @@ from filemq.mqtt.packets import (
     Unsuback,
     Unsubscribe,
 )
-from filemq.mqtt.properties import _decode_properties, _encode_properties
+from filemq.mqtt.properties import _decode_properties, _encode_properties, decode_publish_properties
 from filemq.mqtt.wire import (
     _PINGREQ,
     _PINGRESP,
@@ -377,7 +377,7 @@ def _decode_publish5(buf: bytes | bytearray, pos: int, end: int, flags: int, ser
         if packet_id == 0:  # it parses: a Protocol Error, not Malformed (MQTT-2.2.1-3)
             raise _protocol_error("PUBLISH QoS>0 with packet id 0 (MQTT-2.2.1-3)", name)
         pos += 2
-    props, pos = _decode_properties(buf, pos, end, name)
+    props, pos = decode_publish_properties(buf, pos, end)
     if props is not None:
         if props.topic_alias == 0:
             raise ProtocolError("PUBLISH topic alias 0 (MQTT-3.3.2-8)", name, reason_code=RC_TOPIC_ALIAS_INVALID)

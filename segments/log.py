@@ -23,7 +23,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass
-from itertools import accumulate
+from itertools import accumulate, repeat
 from pathlib import Path
 from typing import Literal, Protocol, cast
 
@@ -429,27 +429,31 @@ class Log:
         return offset
 
     def append_many(self, topics: list[str], payloads: list[bytes], retains: list[bool], qos: int,
-                    timestamp_us: int) -> int:
+                    timestamp_us: int, headers: list[bytes] | None = None) -> int:
         """Buffer format 1 records (no headers), one per ``(topic, payload, retain)``, all with
         ``qos`` and ``timestamp_us``; return the first one's offset.  The same records (and
         bytes) as that many :meth:`append` calls, for the cost of one call when the run needs
         nothing special (the broker's run of a read's PUBLISHes); otherwise (a topic not seen
         yet, a roll, a free-space re-check, an error) it is exactly that many :meth:`append`
         calls: on an error the records before the failing one stay buffered with their
-        offsets, the failing one and those after it are not."""
+        offsets, the failing one and those after it are not.  ``headers``: one per record
+        (``b""`` for none), exactly that many :meth:`append` calls with them."""
         if qos.__class__ is not int or not 0 <= qos <= 2:
             raise ValueError(f"qos must be 0, 1 or 2, not {qos!r}")
         n = len(topics)
-        if len(payloads) != n or len(retains) != n:
-            raise ValueError(f"{n} topics, {len(payloads)} payloads and {len(retains)} retain flags")
+        if len(payloads) != n or len(retains) != n or (headers is not None and len(headers) != n):
+            raise ValueError(f"{n} topics, {len(payloads)} payloads and {len(retains)} retain flags"
+                             + ("" if headers is None else f", {len(headers)} headers"))
         with self._lock:
             if self._closed or self._broken:
                 raise SegmentError(str(self.directory), self._broken or "log is closed")
             first = self._next_offset
-            if not n or self._append_run(topics, payloads, retains, qos, timestamp_us):
+            if not n or (headers is None and self._append_run(topics, payloads, retains, qos, timestamp_us)):
                 return first
-        for topic, payload, retain in zip(topics, payloads, retains, strict=True):
-            self.append_positional(topic, payload, qos, retain, timestamp_us, b"")
+        append = self.append_positional
+        for topic, payload, retain, header in zip(topics, payloads, retains, headers or repeat(b"", n),
+                                                  strict=True):
+            append(topic, payload, qos, retain, timestamp_us, header)
         return first
 
     def _append_run(self, topics: list[str], payloads: list[bytes], retains: list[bool], qos: int, ts: int) -> bool:

@@ -76,21 +76,26 @@ class FakeQueue:
         self.fail_next = False
 
     def publish_nowait(self, topic: str, payload: bytes, qos: int = 0, retain: bool = False,
-                       timestamp_us: int | None = None, *, validated: bool = False) -> tuple[int, asyncio.Future[None]]:
+                       timestamp_us: int | None = None, *, validated: bool = False,
+                       headers: bytes = b"") -> tuple[int, asyncio.Future[None]]:
         offset = self.log.next_offset
-        self.log.records.append(Record(offset, timestamp_us or 0, topic, payload, qos, retain))
+        self.log.records.append(Record(offset, timestamp_us or 0, topic, payload, qos, retain, headers))
         if self._batch is None:
             self._batch = asyncio.get_running_loop().create_future()
         return offset, self._batch
 
     def publish_many_nowait(self, topics: list[str], payloads: list[bytes], retains: list[bool], qos: int,
-                            timestamp_us: int) -> tuple[int, asyncio.Future[None]]:
+                            timestamp_us: int, headers: list[bytes] | None = None) -> tuple[int, asyncio.Future[None]]:
         first = self.log.next_offset
         if self._batch is None:  # (as the real committer: no records still give the open batch)
             self._batch = asyncio.get_running_loop().create_future()
         fut = self._batch
-        for topic, payload, retain in zip(topics, payloads, retains, strict=True):
-            _, fut = self.publish_nowait(topic, payload, qos, retain, timestamp_us, validated=True)
+        for k, (topic, payload, retain) in enumerate(zip(topics, payloads, retains, strict=True)):
+            if headers is None:
+                _, fut = self.publish_nowait(topic, payload, qos, retain, timestamp_us, validated=True)
+            else:
+                _, fut = self.publish_nowait(topic, payload, qos, retain, timestamp_us, validated=True,
+                                             headers=headers[k])
         return first, fut
 
     def commit(self) -> None:

@@ -28,7 +28,7 @@ from itertools import repeat
 from operator import eq
 from typing import Any
 
-from filemq.mqtt.codec5 import _ENCODERS5, _connect_level, _decode_body5
+from filemq.mqtt.codec5 import _ENCODERS5, _connect_level, _decode_body5, _publish_properties
 from filemq.mqtt.codec311 import _ENCODERS, _decode_body
 from filemq.mqtt.packets import (
     AUTH,
@@ -53,13 +53,14 @@ from filemq.mqtt.packets import (
     UNSUBACK,
     UNSUBSCRIBE,
     Packet,
+    Properties,
     Publish,
     PublishRun,
 )
 from filemq.mqtt.properties import ALLOWED_PROPERTIES as ALLOWED_PROPERTIES
 from filemq.mqtt.properties import PROPERTY_NAMES as PROPERTY_NAMES
 from filemq.mqtt.properties import PROPERTY_TYPES as PROPERTY_TYPES
-from filemq.mqtt.properties import _vbi
+from filemq.mqtt.properties import _vbi, encode_message_headers
 from filemq.mqtt.wire import MAX_REMAINING_LENGTH as MAX_REMAINING_LENGTH
 from filemq.mqtt.wire import ProtocolError as ProtocolError
 from filemq.mqtt.wire import UnsupportedProtocolLevel as UnsupportedProtocolLevel
@@ -71,6 +72,7 @@ from filemq.mqtt.wire import (
 
 DEFAULT_MAX_PACKET_SIZE = 1 << 20
 _TOPIC_CACHE_SIZE = 1024
+_PROPS_CACHE_SIZE = 64  # PUBLISH property sections a decoder remembers (each <= 127 bytes)
 
 # Packet types each side may receive (spec 2.2.1 "direction of flow").
 CLIENT_TO_SERVER = frozenset(
@@ -299,14 +301,16 @@ class Decoder:
     CONNECT, before the packets pipelined behind it; a CONNECT of any level is decoded by its
     own level byte.  A packet's ``properties`` is a :class:`Properties` when the wire carries
     any, else None (always None on 3.1.1).  Level 5 has the same PUBLISH fast path and runs
-    as 3.1.1 for packets without properties.
+    as 3.1.1 for packets without properties; the fast path also takes PUBLISHes whose property
+    section it has validated before on this connection, and those share one
+    :class:`Properties` object (read-only to the caller) and carry its record ``headers``.
 
     After a :class:`ProtocolError` the decoder is poisoned: every later call re-raises it,
     because a byte stream cannot be resynchronised after a framing error.
     """
 
-    __slots__ = ("_allowed", "_buf", "_error", "_max", "_max_connect5", "_names", "_pos", "_runs", "_server",
-                 "_topics", "_v5")
+    __slots__ = ("_allowed", "_buf", "_error", "_max", "_max_connect5", "_names", "_pos", "_props", "_runs",
+                 "_server", "_topics", "_v5")
 
     def __init__(self, max_packet_size: int = DEFAULT_MAX_PACKET_SIZE, *, server: bool = True,
                  protocol_level: int = PROTOCOL_LEVEL, runs: bool = False, max_connect5: int = 0) -> None:
@@ -331,6 +335,10 @@ class Decoder:
         self._error: ProtocolError | None = None
         # Validated topic bytes -> str, so a repeated topic skips UTF-8 decoding and checks.
         self._topics: dict[bytes, str] = {}
+        # MQTT 5: validated PUBLISH property sections (of up to 127 bytes) -> their properties
+        # and record headers, so a device sending the same properties with every message
+        # (a content type, a user property) has them decoded once (issue 33 item 6).
+        self._props: dict[bytes, tuple[Properties, bytes]] = {}
 
     @property
     def protocol_level(self) -> int:
@@ -609,16 +617,31 @@ class Decoder:
                         else:
                             plen = tend
                             pid = None
-                        if plen < end and not buf[plen] and pid != 0 and qos != 3:
+                        if plen < end and pid != 0 and qos != 3:
                             key = buf[start + 2 : tend]
                             topic = cache.get(key if as_bytes else bytes(key))  # type: ignore[arg-type]
                             if topic is not None:
+                                size = buf[plen]
                                 plen += 1
-                                payload = buf[plen:end] if as_bytes else bytes(buf[plen:end])
-                                out.append(Publish(topic, payload, qos, bool(first & 1), bool(first & 8), pid))  # type: ignore[arg-type]
-                                pos = end
-                                limit -= 1
-                                continue
+                                if not size:
+                                    payload = buf[plen:end] if as_bytes else bytes(buf[plen:end])
+                                    out.append(Publish(topic, payload, qos, bool(first & 1), bool(first & 8), pid))  # type: ignore[arg-type]
+                                    pos = end
+                                    limit -= 1
+                                    continue
+                                if size < 0x80 and plen + size <= end:
+                                    # Properties: a section seen before, or validated now.
+                                    pend = plen + size
+                                    section = bytes(buf[plen:pend])
+                                    known = self._props.get(section)
+                                    if known is None:
+                                        known = self._publish_properties(section)
+                                    payload = buf[pend:end] if as_bytes else bytes(buf[pend:end])
+                                    out.append(Publish(topic, payload, qos, bool(first & 1), bool(first & 8), pid,  # type: ignore[arg-type]
+                                                       known[0], known[1]))
+                                    pos = end
+                                    limit -= 1
+                                    continue
                 self._pos = pos
                 header = self._header()
                 if header is None:
@@ -628,8 +651,7 @@ class Decoder:
                 if end > n:
                     break
                 packet = _decode_body5(ptype, flags, buf, pos + header_len, end, server)
-                if ptype == PUBLISH and packet.topic and packet.properties is None:  # type: ignore[union-attr]
-                    # Only a topic the fast path can use (it takes packets without properties).
+                if ptype == PUBLISH and packet.topic:  # type: ignore[union-attr]
                     self._remember_topic(packet.topic)  # type: ignore[union-attr]
                 out.append(packet)
                 pos = end
@@ -643,6 +665,19 @@ class Decoder:
             self._buf = b""
             self._pos = 0
         return out
+
+    def _publish_properties(self, section: bytes) -> tuple[Properties, bytes]:
+        """A PUBLISH property section (without its length) validated as the general path
+        does (:func:`~filemq.mqtt.codec5._publish_properties`), with its record headers,
+        remembered for the next PUBLISH that carries the same bytes; raises ProtocolError."""
+        props = _publish_properties(bytes((len(section),)) + section, 0, len(section) + 1, self._server)[0]
+        assert props is not None  # (a section of 1..127 bytes)
+        known = (props, encode_message_headers(props))
+        cache = self._props
+        if len(cache) >= _PROPS_CACHE_SIZE:
+            cache.clear()
+        cache[section] = known
+        return known
 
     def _remember_topic(self, topic: str) -> None:
         # Only topics that passed full validation enter; bounded so a client cycling

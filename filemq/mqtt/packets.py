@@ -199,6 +199,10 @@ class Publish:
     dup: bool = False
     packet_id: int | None = None
     properties: Properties | None = None
+    # MQTT 5: ``properties``' message properties as a record stores them
+    # (filemq.mqtt.properties.encode_message_headers), when the decoder has them at hand (a
+    # property section it has seen before on the connection); None: not computed.
+    headers: bytes | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass(slots=True)

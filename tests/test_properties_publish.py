@@ -8,6 +8,7 @@ order, and blocks broken the ways a client breaks them (spec 2.2.2.2, 1.5.4, 1.5
 from __future__ import annotations
 
 import struct
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, example, given, settings
@@ -15,13 +16,14 @@ from hypothesis import strategies as st
 
 import filemq.mqtt.properties as properties_module
 from filemq.mqtt.codec import Decoder, encode5
-from filemq.mqtt.packets import PROTOCOL_LEVEL_5, Properties, Publish
+from filemq.mqtt.packets import PROTOCOL_LEVEL_5, Properties, Puback, Publish
 from filemq.mqtt.properties import (
     MAX_USER_PROPERTIES,
     RC_QUOTA_EXCEEDED,
     _decode_properties,
     _encode_properties,
     decode_publish_properties,
+    encode_message_headers,
 )
 from filemq.mqtt.wire import ProtocolError
 
@@ -215,3 +217,77 @@ def test_a_malformed_publish_section_is_refused_by_the_decoder_with_its_reason_c
         with pytest.raises(ProtocolError) as info:
             dec.packets()
         assert info.value.reason_code == code
+
+
+# ---- the decoder's fast path and the broker's run path ---------------------------------
+
+_message_props = st.builds(
+    Properties,
+    payload_format_indicator=st.none() | st.integers(0, 1),
+    message_expiry_interval=st.none() | st.integers(0, 0xFFFF_FFFF),
+    content_type=st.none() | _texts.filter(lambda t: "\x00" not in t),
+    correlation_data=st.none() | st.binary(max_size=6),
+    topic_alias=st.none() | st.integers(1, 0xFFFF),
+    user_properties=st.lists(st.tuples(st.sampled_from(["a", "é", ""]), st.sampled_from(["1", "x"])), max_size=3),
+)
+
+
+@settings(max_examples=200, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.tuples(st.sampled_from(["a/1", "b"]), st.none() | _message_props, st.integers(0, 2)),
+                min_size=1, max_size=12), st.integers(1, 64))
+def test_the_decoders_fast_path_gives_the_general_paths_packets(msgs: list[tuple[str, Properties | None, int]],
+                                                                  read: int) -> None:
+    """A stream of MQTT 5 PUBLISHes (properties repeated or not, fed in reads of any size) comes
+    out of a connection's decoder -- its fast path once a topic and a property section have been
+    seen, sections shared -- as each packet decodes alone on the general path; a decoded
+    packet's ``headers``, when set, are the record headers of its properties."""
+    packets = [Publish(topic, bytes((k,)) * k, qos, packet_id=k + 1 if qos else None,
+                       properties=None if props == Properties() else props)  # (no section: None)
+               for k, (topic, props, qos) in enumerate(msgs)]
+    wires = [encode5(p) for p in packets]
+    alone = []
+    for wire in wires:
+        fresh = Decoder(server=True, protocol_level=PROTOCOL_LEVEL_5, runs=True)
+        fresh.feed(wire)
+        alone += fresh.packets()
+    dec = Decoder(server=True, protocol_level=PROTOCOL_LEVEL_5, runs=True)
+    stream = b"".join(wires)
+    got: list[Publish] = []
+    for at in range(0, len(stream), read):
+        dec.feed(stream[at:at + read])
+        got += dec.packets()  # type: ignore[arg-type]
+    assert got == alone == packets
+    for p in got:
+        assert p.headers is None or p.headers == encode_message_headers(p.properties)
+
+
+def test_publishes_with_properties_are_stored_as_one_run_with_their_headers(tmp_path: Path,
+                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """A read of QoS 1 PUBLISHes with message properties (and some without) is stored with
+    one call, each record with its own headers (3.3.2.3: the message properties go with the
+    message), acknowledged in order; a response topic, a payload format indicator of 1 or a
+    topic alias still take the single path, with its checks (MQTT-3.3.2-14, 3.3.2.3.2,
+    3.3.2.3.4)."""
+    from tests.test_broker_mqtt5 import client5
+    from tests.test_broker_mqtt5_publish import Harness5
+    from tests.test_broker_session import run
+
+    async def main() -> None:
+        h = Harness5(tmp_path, topic_alias_maximum=10)
+        p = client5(h)
+        p.connect("p")
+        single: list[Publish] = []
+        real = h.core.on_publish
+        monkeypatch.setattr(h.core, "on_publish", lambda conn, pk: (single.append(pk), real(conn, pk)))
+        plain = Properties(content_type="application/octet-stream", user_properties=[("source", "bench")])
+        other = Properties(user_properties=[("k", "v"), ("k", "w")], message_expiry_interval=60)
+        props = [plain, plain, None, other, plain, Properties(response_topic="r/1"),
+                 Properties(payload_format_indicator=1), Properties(topic_alias=3), plain, other]
+        p.send(*[Publish("t/1", b"m%d" % k, 1, packet_id=k + 1, properties=pr) for k, pr in enumerate(props)])
+        await h.commit()
+        assert p.received() == [Puback(k + 1) for k in range(len(props))]
+        records = h.queue.log.records
+        assert [r.payload for r in records] == [b"m%d" % k for k in range(len(props))]
+        assert [r.headers for r in records] == [encode_message_headers(pr) for pr in props]
+        assert [pk.payload for pk in single] == [b"m5", b"m6", b"m7"]
+    run(main())

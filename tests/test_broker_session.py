@@ -79,7 +79,10 @@ class FakeQueue:
                        timestamp_us: int | None = None, *, validated: bool = False,
                        headers: bytes = b"") -> tuple[int, asyncio.Future[None]]:
         offset = self.log.next_offset
-        self.log.records.append(Record(offset, timestamp_us or 0, topic, payload, qos, retain, headers))
+        if headers:
+            self.log.records.append(Record(offset, timestamp_us or 0, topic, payload, qos, retain, headers))
+        else:
+            self.log.records.append(Record(offset, timestamp_us or 0, topic, payload, qos, retain))
         if self._batch is None:
             self._batch = asyncio.get_running_loop().create_future()
         return offset, self._batch
@@ -90,12 +93,13 @@ class FakeQueue:
         if self._batch is None:  # (as the real committer: no records still give the open batch)
             self._batch = asyncio.get_running_loop().create_future()
         fut = self._batch
-        for k, (topic, payload, retain) in enumerate(zip(topics, payloads, retains, strict=True)):
-            if headers is None:
-                _, fut = self.publish_nowait(topic, payload, qos, retain, timestamp_us, validated=True)
-            else:
+        if headers is not None:
+            for topic, payload, retain, header in zip(topics, payloads, retains, headers, strict=True):
                 _, fut = self.publish_nowait(topic, payload, qos, retain, timestamp_us, validated=True,
-                                             headers=headers[k])
+                                             headers=header)
+            return first, fut
+        for topic, payload, retain in zip(topics, payloads, retains, strict=True):
+            _, fut = self.publish_nowait(topic, payload, qos, retain, timestamp_us, validated=True)
         return first, fut
 
     def commit(self) -> None:

@@ -258,19 +258,27 @@ class PublishMixin(CoreBase):
             self._append_run(conn, topics, payloads, retains, pids, headers)
 
     def on_publish_run(self, conn: Connection, run: PublishRun) -> None:
-        """A :class:`PublishRun` (one topic, QoS, RETAIN and DUP flag; MQTT 5: QoS 1 without
-        properties, whose Receive Maximum room the connection checked): the same outcome as
-        :meth:`on_publishes` of its messages; a QoS 1 run that passes its checks (made once,
-        for the topic and the largest payload) is stored without a step per message."""
+        """A :class:`PublishRun` (one topic, QoS, RETAIN and DUP flag; MQTT 5: QoS 1, one
+        property section without a topic alias, whose Receive Maximum room the connection
+        checked): the same outcome as :meth:`on_publishes` of its messages; a QoS 1 run that
+        passes its checks (made once, for the topic, the largest payload and the properties)
+        is stored without a step per message."""
         topic = run.topic
         payloads = run.payloads
         limit = self.config.message_size_limit
         acl = conn.acl
+        props = run.properties
         if (run.qos == 1 and self.hook is None and len(topic) <= self.config.max_topic_length // 4
                 and topic[0] != "$" and (limit is None or max(map(len, payloads)) <= limit)
+                and (props is None or (props.response_topic is None and props.payload_format_indicator != 1))
                 and (acl is None or acl.can_publish(topic))):
             n = len(payloads)
-            self._append_run(conn, [topic] * n, payloads, [run.retain] * n, run.packet_ids)  # type: ignore[arg-type]
+            if props is None:
+                self._append_run(conn, [topic] * n, payloads, [run.retain] * n, run.packet_ids)  # type: ignore[arg-type]
+            else:
+                headers = encode_message_headers(props) if run.headers is None else run.headers
+                self._append_run(conn, [topic] * n, payloads, [run.retain] * n, run.packet_ids,  # type: ignore[arg-type]
+                                 [headers] * n)
             return
         self.on_publishes(conn, run.publishes())
 

@@ -15,8 +15,9 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import filemq.mqtt.properties as properties_module
+from filemq.mqtt import codec
 from filemq.mqtt.codec import Decoder, encode5
-from filemq.mqtt.packets import PROTOCOL_LEVEL_5, Properties, Puback, Publish
+from filemq.mqtt.packets import PROTOCOL_LEVEL_5, Properties, Puback, Publish, PublishRun
 from filemq.mqtt.properties import (
     MAX_USER_PROPERTIES,
     RC_QUOTA_EXCEEDED,
@@ -291,3 +292,91 @@ def test_publishes_with_properties_are_stored_as_one_run_with_their_headers(tmp_
         assert [r.headers for r in records] == [encode_message_headers(pr) for pr in props]
         assert [pk.payload for pk in single] == [b"m5", b"m6", b"m7"]
     run(main())
+
+
+# Property sections a device repeats (a content type and a user property, as
+# `filemq bench broker --v5-properties` sends; a topic alias; a correlation id).
+_SECTIONS = [
+    None,
+    Properties(content_type="application/octet-stream", user_properties=[("source", "bench")]),
+    Properties(topic_alias=2),
+    Properties(correlation_data=b"id", message_expiry_interval=30, user_properties=[("a", "1"), ("a", "2")]),
+]
+
+
+def _decode5_in_cuts(stream: bytes, cuts: list[int], runs: bool = False) -> list[Publish] | str:
+    """The PUBLISHes of ``stream`` fed in pieces at ``cuts`` to a level-5 server decoder, a
+    PublishRun expanded; the packets before an error and the error."""
+    dec = Decoder(server=True, protocol_level=PROTOCOL_LEVEL_5, runs=runs)
+    got: list[Publish] = []
+    prev = 0
+    try:
+        for cut in [*cuts, len(stream)]:
+            dec.feed(stream[prev:cut])
+            prev = cut
+            for p in dec.packets():
+                if isinstance(p, PublishRun):
+                    assert runs and p.qos == 1 and (p.properties is None or p.properties.topic_alias is None)
+                    got.extend(p.publishes())
+                else:
+                    assert isinstance(p, Publish)
+                    got.append(p)
+    except ProtocolError as exc:
+        return f"{len(got)} then {exc.reason} (0x{exc.reason_code:02x})"
+    return got
+
+
+@settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.tuples(st.sampled_from(["t/1", "u"]), st.integers(0, len(_SECTIONS) - 1), st.integers(1, 20),
+                          st.sampled_from([0, 1, 7]), st.integers(0, 2)), min_size=1, max_size=6),
+       st.data())
+def test_runs_of_one_property_section_decode_as_packet_by_packet(items: list[tuple[str, int, int, int, int]],
+                                                                  data: st.DataObject) -> None:
+    """Runs of PUBLISHes that repeat one property section (QoS 1 ones come as one PublishRun,
+    the section validated once; one with a topic alias never does), split anywhere, maybe one
+    section broken (U+0000 in it, MQTT-1.5.4-2; ill-formed UTF-8, MQTT-1.5.4-1): the same
+    packets, or the same packets then the same error, as decoding with runs off."""
+    packets = [Publish(topic, bytes((j,)) * size, qos, packet_id=(i * 32 + j) % 65535 + 1 if qos else None,
+                       properties=_SECTIONS[which])
+               for i, (topic, which, count, size, qos) in enumerate(items) for j in range(count)]
+    wires = [encode5(p) for p in packets]
+    broken = data.draw(st.sampled_from([None, "nul", "ill-formed"]))
+    if broken is not None:
+        k = data.draw(st.integers(0, len(packets) - 1))
+        p = packets[k]
+        if p.properties is not None and p.properties.user_properties:
+            wire = bytearray(wires[k])
+            # the last byte of the last user property value: U+0000 or a lone UTF-8 lead byte
+            wire[len(wire) - len(p.payload) - 1] = 0 if broken == "nul" else 0xC3
+            wires[k] = bytes(wire)
+    stream = b"".join(wires)
+    cuts = sorted(data.draw(st.lists(st.integers(0, len(stream)), max_size=4)))
+    with_runs = _decode5_in_cuts(stream, cuts, runs=True)
+    no_runs = pytest.MonkeyPatch()
+    no_runs.setattr(codec, "_RUN_MIN", 1 << 30)
+    try:
+        assert _decode5_in_cuts(stream, cuts, runs=True) == with_runs
+        assert _decode5_in_cuts(stream, cuts) == with_runs
+    finally:
+        no_runs.undo()
+    if broken is None:
+        assert with_runs == packets
+
+
+def test_a_run_of_one_property_section_is_one_publish_run_validated_once() -> None:
+    """20 QoS 1 PUBLISHes with the bench's property section: the first alone (its topic not
+    known yet), the other 19 as one PublishRun carrying the properties and their record
+    headers; the next read, all known, one PublishRun from its first packet."""
+    props = _SECTIONS[1]
+    dec = Decoder(server=True, protocol_level=PROTOCOL_LEVEL_5, runs=True)
+    packets = [Publish("t/run", bytes((k,)) * 10, 1, packet_id=k + 1, properties=props) for k in range(20)]
+    dec.feed(b"".join(map(encode5, packets)))
+    got = dec.packets()
+    assert [type(p) for p in got] == [Publish, PublishRun]
+    run = got[1]
+    assert isinstance(run, PublishRun) and run.properties == props
+    assert run.headers == encode_message_headers(props)
+    assert run.publishes() == packets[1:]
+    dec.feed(b"".join(map(encode5, packets[:8])))
+    again = dec.packets()
+    assert len(again) == 1 and isinstance(again[0], PublishRun) and again[0].publishes() == packets[:8]

@@ -76,13 +76,9 @@ class FakeQueue:
         self.fail_next = False
 
     def publish_nowait(self, topic: str, payload: bytes, qos: int = 0, retain: bool = False,
-                       timestamp_us: int | None = None, *, validated: bool = False,
-                       headers: bytes = b"") -> tuple[int, asyncio.Future[None]]:
+                       timestamp_us: int | None = None, *, validated: bool = False) -> tuple[int, asyncio.Future[None]]:
         offset = self.log.next_offset
-        if headers:
-            self.log.records.append(Record(offset, timestamp_us or 0, topic, payload, qos, retain, headers))
-        else:
-            self.log.records.append(Record(offset, timestamp_us or 0, topic, payload, qos, retain))
+        self.log.records.append(Record(offset, timestamp_us or 0, topic, payload, qos, retain))
         if self._batch is None:
             self._batch = asyncio.get_running_loop().create_future()
         return offset, self._batch
@@ -93,10 +89,11 @@ class FakeQueue:
         if self._batch is None:  # (as the real committer: no records still give the open batch)
             self._batch = asyncio.get_running_loop().create_future()
         fut = self._batch
-        if headers is not None:
+        if headers is not None:  # (MQTT 5 messages with properties: kept in the records)
+            records = self.log.records
             for topic, payload, retain, header in zip(topics, payloads, retains, headers, strict=True):
-                _, fut = self.publish_nowait(topic, payload, qos, retain, timestamp_us, validated=True,
-                                             headers=header)
+                offset, fut = self.publish_nowait(topic, payload, qos, retain, timestamp_us, validated=True)
+                records[offset] = records[offset]._replace(headers=header)
             return first, fut
         for topic, payload, retain in zip(topics, payloads, retains, strict=True):
             _, fut = self.publish_nowait(topic, payload, qos, retain, timestamp_us, validated=True)

@@ -38,6 +38,7 @@ from segments.record import (
     Record,
     decode_at,
     encode_run_v1,
+    encode_run_v2,
     encode_v1,
     encode_v2,
 )
@@ -437,7 +438,8 @@ class Log:
         yet, a roll, a free-space re-check, an error) it is exactly that many :meth:`append`
         calls: on an error the records before the failing one stay buffered with their
         offsets, the failing one and those after it are not.  ``headers``: one per record
-        (``b""`` for none), exactly that many :meth:`append` calls with them."""
+        (``b""`` for none), the same as :meth:`append` calls with them (in one call too when
+        every record has some)."""
         if qos.__class__ is not int or not 0 <= qos <= 2:
             raise ValueError(f"qos must be 0, 1 or 2, not {qos!r}")
         n = len(topics)
@@ -448,7 +450,8 @@ class Log:
             if self._closed or self._broken:
                 raise SegmentError(str(self.directory), self._broken or "log is closed")
             first = self._next_offset
-            if not n or (headers is None and self._append_run(topics, payloads, retains, qos, timestamp_us)):
+            if not n or ((headers is None or all(headers))
+                         and self._append_run(topics, payloads, retains, qos, timestamp_us, headers)):
                 return first
         append = self.append_positional
         for topic, payload, retain, header in zip(topics, payloads, retains, headers or repeat(b"", n),
@@ -456,17 +459,22 @@ class Log:
             append(topic, payload, qos, retain, timestamp_us, header)
         return first
 
-    def _append_run(self, topics: list[str], payloads: list[bytes], retains: list[bool], qos: int, ts: int) -> bool:
+    def _append_run(self, topics: list[str], payloads: list[bytes], retains: list[bool], qos: int, ts: int,
+                    headers: list[bytes] | None = None) -> bool:
         """:meth:`append_many` without bytecode per record, if every topic was encoded before,
         every record fits, no roll and no free-space re-check are due; else False, having
-        changed nothing.  Under ``_lock``."""
+        changed nothing.  ``headers``: every record's, none empty (format 2).  Under ``_lock``."""
         topic_bytes = list(map(self._topics.get, topics))
         if None in topic_bytes:
             return False
         first = self._next_offset
         n = len(topics)
-        data, sizes = encode_run_v1(first, ts, cast("list[bytes]", topic_bytes), payloads,
-                                    map((qos, qos | 4).__getitem__, retains))
+        if headers is None:
+            data, sizes = encode_run_v1(first, ts, cast("list[bytes]", topic_bytes), payloads,
+                                        map((qos, qos | 4).__getitem__, retains))
+        else:
+            data, sizes = encode_run_v2(first, ts, cast("list[bytes]", topic_bytes), payloads,
+                                        map((qos, qos | 4).__getitem__, retains), headers)
         total = len(data)
         pos = self._tail_pos
         if max(sizes) > self._max_record or pos + total > self._segment_bytes or (

@@ -93,7 +93,7 @@ class FakeQueue:
             records = self.log.records
             for topic, payload, retain, header in zip(topics, payloads, retains, headers, strict=True):
                 offset, fut = self.publish_nowait(topic, payload, qos, retain, timestamp_us, validated=True)
-                records[offset] = records[offset]._replace(headers=header)
+                records[offset] = Record(offset, timestamp_us, topic, payload, qos, retain, header)
             return first, fut
         for topic, payload, retain in zip(topics, payloads, retains, strict=True):
             _, fut = self.publish_nowait(topic, payload, qos, retain, timestamp_us, validated=True)

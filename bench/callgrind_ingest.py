@@ -101,6 +101,8 @@ async def _load(rounds: int) -> None:
 def _keep_headers(h: Any) -> None:
     """The tests' FakeQueue stores no headers (an older tree's takes no ``headers=``): the
     core's single append keeps them in the record, as the real queue does."""
+    from segments.record import Record
+
     queue = h.queue
 
     def append(topic: str, payload: bytes, qos: int = 0, retain: bool = False, timestamp_us: int | None = None,
@@ -108,7 +110,7 @@ def _keep_headers(h: Any) -> None:
         offset, fut = queue.publish_nowait(topic, payload, qos, retain, timestamp_us, validated=validated)
         if headers:
             records = queue.log.records
-            records[offset] = records[offset]._replace(headers=headers)
+            records[offset] = Record(*records[offset][:6], headers)
         return offset, fut
 
     h.core._append = append

@@ -110,7 +110,8 @@ def _keep_headers(h: Any) -> None:
         offset, fut = queue.publish_nowait(topic, payload, qos, retain, timestamp_us, validated=validated)
         if headers:
             records = queue.log.records
-            records[offset] = Record(*records[offset][:6], headers)
+            r = records[offset]
+            records[offset] = Record(r.offset, r.timestamp_us, r.topic, r.payload, r.qos, r.retain, headers)
         return offset, fut
 
     h.core._append = append

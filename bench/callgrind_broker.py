@@ -61,6 +61,8 @@ def run(tree: Path, n: int, work: Path) -> int:
 
 
 def main() -> None:
+    if PROPERTIES is not None and PROTOCOL != 5:
+        sys.exit("V5_PROPERTIES=1 needs PROTOCOL=5")
     n = int(sys.argv[1])
     for arg in sys.argv[2:]:
         name, path = arg.split("=", 1)

@@ -3,12 +3,15 @@ source tree: the measure of small CPU differences that machine load does not dis
 
     PYTHONPATH=$PWD python -m bench.callgrind_broker N name=/tree [name=/tree ...]
     SCENARIO=fanout PYTHONPATH=$PWD python -m bench.callgrind_broker N name=/tree ...
+    PROTOCOL=5 V5_PROPERTIES=1 PYTHONPATH=$PWD python -m bench.callgrind_broker N name=/tree ...
 
 Runs each tree's broker (``fsync = "always"``, fresh data dir) under ``valgrind
 --tool=callgrind`` (``apt-get install valgrind``), sends the `filemq bench broker` ingest load
 of N QoS 1 PUBLISHes (or, with ``SCENARIO=fanout``, N PUBLISHes to its 10 subscribers), stops
 the broker with SIGINT and prints the total instruction count.  Run it with N=0 too and
 subtract: what remains is the load's.  Each run takes about a minute (valgrind is ~50x slower).
+``PROTOCOL=5`` sends the load with MQTT 5 clients, and ``V5_PROPERTIES=1`` adds a content type
+and a user property to every PUBLISH (as ``filemq bench broker --protocol 5 --v5-properties``).
 """
 from __future__ import annotations
 
@@ -20,11 +23,15 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench.broker5 import V5_PROPERTIES
 from bench.harness.brokers import BrokerBenchOptions
 from bench.harness.loads import fanout_run, ingest_run
 from bench.harness.processes import LOOPBACK, free_port, spawn
+from filemq.mqtt.packets import PROTOCOL_LEVEL
 
 SCENARIO = os.environ.get("SCENARIO", "ingest")
+PROTOCOL = int(os.environ.get("PROTOCOL", str(PROTOCOL_LEVEL)))
+PROPERTIES = V5_PROPERTIES if os.environ.get("V5_PROPERTIES") == "1" else None
 
 
 def run(tree: Path, n: int, work: Path) -> int:
@@ -40,10 +47,10 @@ def run(tree: Path, n: int, work: Path) -> int:
         if n:
             opts = BrokerBenchOptions(max_seconds=600)
             if SCENARIO == "ingest":
-                r = ingest_run(broker, opts, n, "bench/ingest")
+                r = ingest_run(broker, opts, n, "bench/ingest", protocol=PROTOCOL, properties=PROPERTIES)
                 assert r.acked == n, (r.acked, r.errors)
             else:
-                r = fanout_run(broker, opts, n)
+                r = fanout_run(broker, opts, n, protocol=PROTOCOL, properties=PROPERTIES)
                 print(f"  delivered {r.delivered:,}", flush=True)
     finally:
         broker.proc.send_signal(signal.SIGINT)
@@ -55,6 +62,8 @@ def run(tree: Path, n: int, work: Path) -> int:
 
 
 def main() -> None:
+    if PROPERTIES is not None and PROTOCOL != 5:
+        sys.exit("V5_PROPERTIES=1 needs PROTOCOL=5")
     n = int(sys.argv[1])
     for arg in sys.argv[2:]:
         name, path = arg.split("=", 1)

@@ -4,10 +4,12 @@ moves (unlike `bench.callgrind_broker`, whose reads follow the timing).
 
     PYTHONPATH=$PWD python -m bench.callgrind_ingest ROUNDS name=/tree [name=/tree ...]
     PROTOCOL=5 READ=4096 PYTHONPATH=$PWD python -m bench.callgrind_ingest ROUNDS ...
+    PROTOCOL=5 V5_PROPERTIES=1 PYTHONPATH=$PWD python -m bench.callgrind_ingest ROUNDS ...
 
 Each tree's `BrokerCore` runs over the tests' `FakeQueue` (tests/broker_harness.py, no
-disk, no sockets) with 4 publishers (``PROTOCOL=5``: MQTT 5 clients, no properties; else
-MQTT 3.1.1) on topics ``bench/ingest/<i>``, as `filemq bench broker --scenario ingest` loads
+disk, no sockets) with 4 publishers (``PROTOCOL=5``: MQTT 5 clients, no properties unless
+``V5_PROPERTIES=1`` adds a content type and a user property to every PUBLISH, as `filemq bench
+broker --protocol 5 --v5-properties`; else MQTT 3.1.1) on topics ``bench/ingest/<i>``, as `filemq bench broker --scenario ingest` loads
 it; a round has each publisher send 100 QoS 1 PUBLISHes of 100 bytes (packet ids cycling
 1..65535) in reads of ``READ`` bytes (4096 unless given; a read ends inside a packet as a TCP
 read does), then commits them (PUBACKs released) and flushes.  Prints Ir for ROUNDS and for
@@ -24,6 +26,7 @@ import os
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 PUBLISHERS = 4
 PER_ROUND = 100
@@ -31,7 +34,7 @@ PER_ROUND = 100
 
 async def _load(rounds: int) -> None:
     from filemq.mqtt.codec import encode, encode5
-    from filemq.mqtt.packets import Publish
+    from filemq.mqtt.packets import Properties, Publish
     # Every tree loads tests/test_broker_session.py (older trees keep the harness there), so
     # the same modules are in memory and the garbage collector's passes cost every tree the
     # same (a tree importing only tests/broker_harness.py counted ~6 % fewer Ir per delivery).
@@ -42,6 +45,9 @@ async def _load(rounds: int) -> None:
         from tests.test_broker_session import Client, Harness  # type: ignore[attr-defined]
 
     v5 = os.environ.get("PROTOCOL", "4") == "5"
+    # bench.broker5.V5_PROPERTIES, spelt out: an older tree measured may not have it.
+    props = Properties(content_type="application/octet-stream", user_properties=[("source", "bench")]) \
+        if v5 and os.environ.get("V5_PROPERTIES") == "1" else None
     read = int(os.environ.get("READ", "4096"))
     h = Harness(Path(tempfile.mkdtemp(prefix="cg-ingest-")))
     pubs: list[Client] = []
@@ -54,6 +60,8 @@ async def _load(rounds: int) -> None:
         c.connect(f"p{i}")
         c.transport.data.clear()  # the CONNACK
         pubs.append(c)
+    if props is not None:
+        _keep_headers(h)
     enc = encode5 if v5 else encode
     core, q = h.core, h.queue
     payload = b"x" * 100
@@ -61,7 +69,7 @@ async def _load(rounds: int) -> None:
     # levels, so the harness adds the same to both): MQTT 5 has the empty property section.
     parts = []
     for i in range(PUBLISHERS):
-        wire = enc(Publish(f"bench/ingest/{i}", payload, 1, packet_id=0x4242))
+        wire = enc(Publish(f"bench/ingest/{i}", payload, 1, packet_id=0x4242, properties=props))
         at = wire.index(b"\x42\x42")
         parts.append((wire[:at], wire[at + 2:]))
     pid = 0
@@ -96,6 +104,25 @@ async def _load(rounds: int) -> None:
         assert not c.conn.closed
     assert acked == rounds * PER_ROUND * PUBLISHERS, acked
     assert len(q.log.records) == acked
+
+
+def _keep_headers(h: Any) -> None:
+    """The tests' FakeQueue stores no headers (an older tree's takes no ``headers=``): the
+    core's single append keeps them in the record, as the real queue does."""
+    from segments.record import Record
+
+    queue = h.queue
+
+    def append(topic: str, payload: bytes, qos: int = 0, retain: bool = False, timestamp_us: int | None = None,
+               *, validated: bool = False, headers: bytes = b"") -> Any:
+        offset, fut = queue.publish_nowait(topic, payload, qos, retain, timestamp_us, validated=validated)
+        if headers:
+            records = queue.log.records
+            r = records[offset]
+            records[offset] = Record(r.offset, r.timestamp_us, r.topic, r.payload, r.qos, r.retain, headers)
+        return offset, fut
+
+    h.core._append = append
 
 
 def _ir(tree: Path, rounds: int) -> int:

@@ -220,8 +220,10 @@ class GroupCommitter:
 
     def append_many_nowait(
         self, topics: list[str], payloads: list[bytes], retains: list[bool], qos: int, timestamp_us: int,
+        headers: list[bytes] | None = None,
     ) -> tuple[int, asyncio.Future[None]]:
-        """:meth:`append_nowait` for several records at once (:meth:`segments.log.Log.append_many`):
+        """:meth:`append_nowait` for several records at once (:meth:`segments.log.Log.append_many`,
+        ``headers`` one per record or None):
         returns the first one's offset and the one commit future they all share.  On an error
         the records buffered before the failing one are committed with the open batch."""
         if self._task is None or self._closing:
@@ -232,7 +234,7 @@ class GroupCommitter:
         log_ = self.log
         before = log_._pending_bytes
         try:
-            first = log_.append_many(topics, payloads, retains, qos, timestamp_us)
+            first = log_.append_many(topics, payloads, retains, qos, timestamp_us, headers)
         finally:
             self._open_bytes += log_._pending_bytes - before
             if self._open_bytes >= self.max_batch_bytes:

@@ -23,7 +23,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass
-from itertools import accumulate
+from itertools import accumulate, repeat
 from pathlib import Path
 from typing import Literal, Protocol, cast
 
@@ -38,6 +38,7 @@ from segments.record import (
     Record,
     decode_at,
     encode_run_v1,
+    encode_run_v2,
     encode_v1,
     encode_v2,
 )
@@ -429,40 +430,51 @@ class Log:
         return offset
 
     def append_many(self, topics: list[str], payloads: list[bytes], retains: list[bool], qos: int,
-                    timestamp_us: int) -> int:
+                    timestamp_us: int, headers: list[bytes] | None = None) -> int:
         """Buffer format 1 records (no headers), one per ``(topic, payload, retain)``, all with
         ``qos`` and ``timestamp_us``; return the first one's offset.  The same records (and
         bytes) as that many :meth:`append` calls, for the cost of one call when the run needs
         nothing special (the broker's run of a read's PUBLISHes); otherwise (a topic not seen
         yet, a roll, a free-space re-check, an error) it is exactly that many :meth:`append`
         calls: on an error the records before the failing one stay buffered with their
-        offsets, the failing one and those after it are not."""
+        offsets, the failing one and those after it are not.  ``headers``: one per record
+        (``b""`` for none), the same as :meth:`append` calls with them (in one call too when
+        every record has some)."""
         if qos.__class__ is not int or not 0 <= qos <= 2:
             raise ValueError(f"qos must be 0, 1 or 2, not {qos!r}")
         n = len(topics)
-        if len(payloads) != n or len(retains) != n:
-            raise ValueError(f"{n} topics, {len(payloads)} payloads and {len(retains)} retain flags")
+        if len(payloads) != n or len(retains) != n or (headers is not None and len(headers) != n):
+            raise ValueError(f"{n} topics, {len(payloads)} payloads and {len(retains)} retain flags"
+                             + ("" if headers is None else f", {len(headers)} headers"))
         with self._lock:
             if self._closed or self._broken:
                 raise SegmentError(str(self.directory), self._broken or "log is closed")
             first = self._next_offset
-            if not n or self._append_run(topics, payloads, retains, qos, timestamp_us):
+            if not n or ((headers is None or all(headers))
+                         and self._append_run(topics, payloads, retains, qos, timestamp_us, headers)):
                 return first
-        for topic, payload, retain in zip(topics, payloads, retains, strict=True):
-            self.append_positional(topic, payload, qos, retain, timestamp_us, b"")
+        append = self.append_positional
+        for topic, payload, retain, header in zip(topics, payloads, retains, headers or repeat(b"", n),
+                                                  strict=True):
+            append(topic, payload, qos, retain, timestamp_us, header)
         return first
 
-    def _append_run(self, topics: list[str], payloads: list[bytes], retains: list[bool], qos: int, ts: int) -> bool:
+    def _append_run(self, topics: list[str], payloads: list[bytes], retains: list[bool], qos: int, ts: int,
+                    headers: list[bytes] | None = None) -> bool:
         """:meth:`append_many` without bytecode per record, if every topic was encoded before,
         every record fits, no roll and no free-space re-check are due; else False, having
-        changed nothing.  Under ``_lock``."""
+        changed nothing.  ``headers``: every record's, none empty (format 2).  Under ``_lock``."""
         topic_bytes = list(map(self._topics.get, topics))
         if None in topic_bytes:
             return False
         first = self._next_offset
         n = len(topics)
-        data, sizes = encode_run_v1(first, ts, cast("list[bytes]", topic_bytes), payloads,
-                                    map((qos, qos | 4).__getitem__, retains))
+        if headers is None:
+            data, sizes = encode_run_v1(first, ts, cast("list[bytes]", topic_bytes), payloads,
+                                        map((qos, qos | 4).__getitem__, retains))
+        else:
+            data, sizes = encode_run_v2(first, ts, cast("list[bytes]", topic_bytes), payloads,
+                                        map((qos, qos | 4).__getitem__, retains), headers)
         total = len(data)
         pos = self._tail_pos
         if max(sizes) > self._max_record or pos + total > self._segment_bytes or (

@@ -141,6 +141,23 @@ def encode_run_v1(first_offset: int, timestamp_us: int, topics: list[bytes], pay
     return b"".join(parts), list(map(add, lengths, repeat(LENGTH_SIZE)))
 
 
+def encode_run_v2(first_offset: int, timestamp_us: int, topics: list[bytes], payloads: list[bytes],
+                  flags: Iterable[int], headers: list[bytes]) -> tuple[bytes, list[int]]:
+    """:func:`encode_run_v1` for records that all have (non-empty) headers: the bytes of
+    :func:`encode_v2` of each, joined, and each one's framed size, with no bytecode per record
+    (the broker's run of MQTT 5 PUBLISHes with properties)."""
+    n = len(topics)
+    heads = starmap(BODY.pack, zip(repeat(FORMAT_VERSION_HEADERS), flags, range(first_offset, first_offset + n),
+                                   repeat(timestamp_us), map(len, topics), strict=False))
+    bodies = list(map(b"".join, zip(heads, topics, map(HEADERS_LEN.pack, map(len, headers)), headers, payloads,
+                                    strict=True)))
+    lengths = list(map(add, map(len, bodies), repeat(4)))  # the length field: CRC + body
+    parts: list[bytes] = [b""] * (2 * n)
+    parts[0::2] = starmap(PREFIX.pack, zip(lengths, map(crc32c, bodies), strict=True))
+    parts[1::2] = bodies
+    return b"".join(parts), list(map(add, lengths, repeat(LENGTH_SIZE)))
+
+
 def encode_v2(offset: int, timestamp_us: int, topic: bytes, payload: bytes, flags: int, headers: bytes) -> bytes:
     """:func:`encode` with (non-empty) headers: format 2."""
     body = (BODY.pack(FORMAT_VERSION_HEADERS, flags, offset, timestamp_us, len(topic)) + topic

@@ -67,11 +67,17 @@ class FakeQueue:
         return offset, self._batch
 
     def publish_many_nowait(self, topics: list[str], payloads: list[bytes], retains: list[bool], qos: int,
-                            timestamp_us: int) -> tuple[int, asyncio.Future[None]]:
+                            timestamp_us: int, headers: list[bytes] | None = None) -> tuple[int, asyncio.Future[None]]:
         first = self.log.next_offset
         if self._batch is None:  # (as the real committer: no records still give the open batch)
             self._batch = asyncio.get_running_loop().create_future()
         fut = self._batch
+        if headers is not None:  # (MQTT 5 messages with properties: kept in the records)
+            records = self.log.records
+            for topic, payload, retain, header in zip(topics, payloads, retains, headers, strict=True):
+                offset, fut = self.publish_nowait(topic, payload, qos, retain, timestamp_us, validated=True)
+                records[offset] = Record(offset, timestamp_us, topic, payload, qos, retain, header)
+            return first, fut
         for topic, payload, retain in zip(topics, payloads, retains, strict=True):
             _, fut = self.publish_nowait(topic, payload, qos, retain, timestamp_us, validated=True)
         return first, fut

@@ -95,7 +95,8 @@ class PublishMixin(CoreBase):
                 self._refuse5(conn, p, code)
                 return
             if p.properties is not None:
-                headers = encode_message_headers(p.properties)
+                # (the decoder's headers, for a property section it has seen before)
+                headers = encode_message_headers(p.properties) if p.headers is None else p.headers
         limit = self.config.message_size_limit
         if limit is not None and len(p.payload) > limit:
             # 3.1.1 has no negative ack: close; not stored, not acknowledged.
@@ -202,12 +203,14 @@ class PublishMixin(CoreBase):
             self._join_batch(conn, fut)
 
     def on_publishes(self, conn: Connection, ps: Sequence[Publish]) -> None:
-        """A run of PUBLISHes from one read (MQTT 3.1.1; MQTT 5: QoS 1 ones without properties,
-        whose Receive Maximum room the connection checked), in order: the same outcome as
-        :meth:`on_publish` for each, for less work per message.  The QoS 1 ones that pass
+        """A run of PUBLISHes from one read (MQTT 3.1.1; MQTT 5: QoS 1 ones without a topic
+        alias, whose Receive Maximum room the connection checked), in order: the same outcome
+        as :meth:`on_publish` for each, for less work per message.  The QoS 1 ones that pass
         on_publish's checks untouched (no publish hook, topic not too long, payload within
-        ``message_size_limit``, not a ``$`` topic, allowed by the ACL) are appended with one
-        call, share one time stamp, and their PUBACKs wait for the commit as one entry;
+        ``message_size_limit``, not a ``$`` topic, allowed by the ACL; MQTT 5 properties
+        without a response topic or a payload format indicator of 1, whose checks need the
+        single path) are appended with one call, their message properties as each record's
+        headers, share one time stamp, and their PUBACKs wait for the commit as one entry;
         anything else goes through :meth:`on_publish`, after the run before it."""
         if self.hook is not None:
             for p in ps:
@@ -224,47 +227,66 @@ class PublishMixin(CoreBase):
         payloads: list[bytes] = []
         retains: list[bool] = []
         pids: list[int] = []
+        headers: list[bytes] | None = None  # (MQTT 5: once a message of the run has properties)
         for p in ps:
             topic = p.topic
+            props = p.properties
             if (p.qos == 1 and len(topic) <= short and topic[0] != "$"
                     and (limit is None or len(p.payload) <= limit)
+                    and (props is None or (props.response_topic is None and props.payload_format_indicator != 1))
                     and (acl is None or acl.can_publish(topic))):
+                if props is not None:
+                    if headers is None:
+                        headers = [b""] * len(topics)
+                    header = p.headers
+                    headers.append(encode_message_headers(props) if header is None else header)
+                elif headers is not None:
+                    headers.append(b"")
                 topics.append(topic)
                 payloads.append(p.payload)
                 retains.append(p.retain)
                 pids.append(p.packet_id)  # type: ignore[arg-type]
                 continue
             if topics:
-                if not self._append_run(conn, topics, payloads, retains, pids):
+                if not self._append_run(conn, topics, payloads, retains, pids, headers):
                     return
-                topics, payloads, retains, pids = [], [], [], []
+                topics, payloads, retains, pids, headers = [], [], [], [], None
             self.on_publish(conn, p)
             if conn.closed:
                 return
         if topics:
-            self._append_run(conn, topics, payloads, retains, pids)
+            self._append_run(conn, topics, payloads, retains, pids, headers)
 
     def on_publish_run(self, conn: Connection, run: PublishRun) -> None:
-        """A :class:`PublishRun` (one topic, QoS, RETAIN and DUP flag; MQTT 5: QoS 1 without
-        properties, whose Receive Maximum room the connection checked): the same outcome as
-        :meth:`on_publishes` of its messages; a QoS 1 run that passes its checks (made once,
-        for the topic and the largest payload) is stored without a step per message."""
+        """A :class:`PublishRun` (one topic, QoS, RETAIN and DUP flag; MQTT 5: QoS 1, one
+        property section without a topic alias, whose Receive Maximum room the connection
+        checked): the same outcome as :meth:`on_publishes` of its messages; a QoS 1 run that
+        passes its checks (made once, for the topic, the largest payload and the properties)
+        is stored without a step per message."""
         topic = run.topic
         payloads = run.payloads
         limit = self.config.message_size_limit
         acl = conn.acl
+        props = run.properties
         if (run.qos == 1 and self.hook is None and len(topic) <= self.config.max_topic_length // 4
                 and topic[0] != "$" and (limit is None or max(map(len, payloads)) <= limit)
+                and (props is None or (props.response_topic is None and props.payload_format_indicator != 1))
                 and (acl is None or acl.can_publish(topic))):
             n = len(payloads)
-            self._append_run(conn, [topic] * n, payloads, [run.retain] * n, run.packet_ids)  # type: ignore[arg-type]
+            if props is None:
+                self._append_run(conn, [topic] * n, payloads, [run.retain] * n, run.packet_ids)  # type: ignore[arg-type]
+            else:
+                headers = encode_message_headers(props) if run.headers is None else run.headers
+                self._append_run(conn, [topic] * n, payloads, [run.retain] * n, run.packet_ids,  # type: ignore[arg-type]
+                                 [headers] * n)
             return
         self.on_publishes(conn, run.publishes())
 
     def _append_run(self, conn: Connection, topics: list[str], payloads: list[bytes], retains: list[bool],
-                    pids: list[int]) -> bool:
-        """Store QoS 1 PUBLISHes (checked by :meth:`on_publishes`) and queue their PUBACKs
-        behind the commit; False if storing failed and the connection was closed."""
+                    pids: list[int], headers: list[bytes] | None = None) -> bool:
+        """Store QoS 1 PUBLISHes (checked by :meth:`on_publishes`; ``headers``: each one's
+        record headers, None for none) and queue their PUBACKs behind the commit; False if
+        storing failed and the connection was closed."""
         stats = self.stats
         now = time.monotonic()
         n = len(topics)
@@ -282,7 +304,10 @@ class PublishMixin(CoreBase):
         refused: list[int] = []
         code = 0
         try:
-            first, fut = self._append_many(topics, payloads, retains, 1, ts)
+            if headers is None:
+                first, fut = self._append_many(topics, payloads, retains, 1, ts)
+            else:
+                first, fut = self._append_many(topics, payloads, retains, 1, ts, headers)
         except (OSError, ValueError) as exc:
             stored = self.log.next_offset - before
             if not v5 or not 0 <= stored < n:
@@ -298,6 +323,8 @@ class PublishMixin(CoreBase):
                       n - stored, n, topics[0], exc, code)
             refused = pids[stored:]
             topics, payloads, retains, pids = topics[:stored], payloads[:stored], retains[:stored], pids[:stored]
+            if headers is not None:
+                headers = headers[:stored]
             n = stored
             try:
                 first, fut = self._append_many([], [], [], 1, ts)  # the open batch's commit future
@@ -319,7 +346,8 @@ class PublishMixin(CoreBase):
         # The run's Records built in C: zip yields each one's fields, tuple.__new__ makes the
         # Record of them (NamedTuple.__new__ is a Python function; no bytecode runs per record).
         pending.append((list(map(_new_record, zip(range(first, first + n), repeat(ts), topics, payloads,
-                                                  repeat(1), retains, repeat(b"")))), fut))
+                                                  repeat(1), retains, repeat(b"") if headers is None else headers))),
+                        fut))
         # n PUBACKs (0x40 0x02 id), back to back.
         conn.queue_ack(fut, puback_run(pids), first + n - 1)
         if conn.last_batch is not fut:

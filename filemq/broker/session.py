@@ -362,8 +362,8 @@ class Connection:
             self._dispatch(packets)
 
     def _handle_runs5(self, packets: Sequence[object]) -> None:
-        """MQTT 5, connected: a run of QoS 1 PUBLISHes without properties (no topic alias,
-        nothing to store but topic and payload) goes to the core in one call, as 3.1.1's do,
+        """MQTT 5, connected: a run of QoS 1 PUBLISHes without a topic alias (the core stores
+        their message properties as record headers) goes to the core in one call, as 3.1.1's do,
         when our Receive Maximum has room for all of it (3.2.2.3.3; otherwise, and for every
         other packet, one at a time, so a 0x93 comes at the very PUBLISH over the limit).
         The decoder's :class:`PublishRun` (QoS 1, no properties) counts each of its messages
@@ -379,7 +379,8 @@ class Connection:
                 p = packets[j]
                 if type(p) is PublishRun:
                     count += len(p.payloads)
-                elif type(p) is not Publish or p.qos != 1 or p.properties is not None:
+                elif type(p) is not Publish or p.qos != 1 or (p.properties is not None
+                                                               and p.properties.topic_alias is not None):
                     break
                 else:
                     count += 1

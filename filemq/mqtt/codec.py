@@ -28,7 +28,7 @@ from itertools import repeat
 from operator import eq
 from typing import Any
 
-from filemq.mqtt.codec5 import _ENCODERS5, _connect_level, _decode_body5
+from filemq.mqtt.codec5 import _ENCODERS5, _connect_level, _decode_body5, _publish_properties
 from filemq.mqtt.codec311 import _ENCODERS, _decode_body
 from filemq.mqtt.packets import (
     AUTH,
@@ -53,13 +53,14 @@ from filemq.mqtt.packets import (
     UNSUBACK,
     UNSUBSCRIBE,
     Packet,
+    Properties,
     Publish,
     PublishRun,
 )
 from filemq.mqtt.properties import ALLOWED_PROPERTIES as ALLOWED_PROPERTIES
 from filemq.mqtt.properties import PROPERTY_NAMES as PROPERTY_NAMES
 from filemq.mqtt.properties import PROPERTY_TYPES as PROPERTY_TYPES
-from filemq.mqtt.properties import _vbi
+from filemq.mqtt.properties import _vbi, encode_message_headers
 from filemq.mqtt.wire import MAX_REMAINING_LENGTH as MAX_REMAINING_LENGTH
 from filemq.mqtt.wire import ProtocolError as ProtocolError
 from filemq.mqtt.wire import UnsupportedProtocolLevel as UnsupportedProtocolLevel
@@ -71,6 +72,7 @@ from filemq.mqtt.wire import (
 
 DEFAULT_MAX_PACKET_SIZE = 1 << 20
 _TOPIC_CACHE_SIZE = 1024
+_PROPS_CACHE_SIZE = 64  # PUBLISH property sections a decoder remembers (each <= 127 bytes)
 
 # Packet types each side may receive (spec 2.2.1 "direction of flow").
 CLIENT_TO_SERVER = frozenset(
@@ -179,14 +181,19 @@ _UNCACHED = False  # _publish_run's answer when the topic is not in the cache ye
 
 
 def _publish_run(buf: bytes, pos: int, n: int, maxsize: int, cache: dict[bytes, str],
-                 as_run: bool = False, v5: bool = False) -> tuple[list[Packet], int] | bool | None:
+                 as_run: bool = False, v5: bool = False,
+                 sections: Callable[[bytes], tuple[Properties, bytes]] | None = None,
+                 ) -> tuple[list[Packet], int] | bool | None:
     """MQTT 3.1.1 PUBLISHes at ``buf[pos:]`` that all have the first one's size, fixed header
     and topic (a device publishing fixed-size messages to one topic): decoded with C-level
     maps, no bytecode per packet, into what the per-packet fast path of ``Decoder._decode``
     gives (``as_run``: one :class:`PublishRun` of them), with the offset after them; None
     (nothing decoded) unless at least :data:`_RUN_MIN` complete ones do, and
     :data:`_UNCACHED` if they would but their topic is not in ``cache``.  ``v5``: MQTT 5.0
-    PUBLISHes, of which only those with property length 0 (no properties) join the run."""
+    PUBLISHes, of which those with the first one's property section join the run: none
+    (property length 0), or, with ``sections`` (a section's properties and record headers,
+    validated as the general path does; raises ProtocolError), the same bytes in every
+    packet, validated once (a section with a topic alias makes no run)."""
     first = buf[pos]
     second = buf[pos + 1]
     if second < 0x80:
@@ -205,8 +212,14 @@ def _publish_run(buf: bytes, pos: int, n: int, maxsize: int, cache: dict[bytes, 
     tstart = pos + head + 2
     tend = tstart + ((buf[pos + head] << 8) | buf[pos + head + 1])
     pstart = tend + 2 if qos else tend
+    k = 0  # the property section's length, the same in every packet of the run (checked below)
     if v5:
-        pstart += 1  # the property length byte, 0 for every packet of the run (checked below)
+        if pstart >= pos + size:
+            return None
+        k = buf[pstart]
+        if k >= 0x80 or (k and sections is None):
+            return None
+        pstart += 1 + k
     if pstart > pos + size:
         return None
     topic = cache.get(buf[tstart:tend])
@@ -218,8 +231,9 @@ def _publish_run(buf: bytes, pos: int, n: int, maxsize: int, cache: dict[bytes, 
     # cached Structs), with no Python object per packet besides the fields themselves.
     lead = tend - pos
     plen = pos + size - pstart
-    fields = _run_fields(buf, pos, size, lead, plen, qos != 0, v5, count)
-    width = 2 + (qos != 0) + v5  # fields per packet: lead, [packet id], [property length], payload
+    fields = _run_fields(buf, pos, size, lead, plen, qos != 0, v5, count, k)
+    # fields per packet: lead, [packet id], [property length, [property section]], payload
+    width = 2 + (qos != 0) + v5 + (k != 0)
     heads = fields[0::width]
     first_head = heads[0]
     if heads.count(first_head) != count:
@@ -227,11 +241,19 @@ def _publish_run(buf: bytes, pos: int, n: int, maxsize: int, cache: dict[bytes, 
         if count < _RUN_MIN:
             return None
     if v5:
-        plens = fields[width - 2::width]  # the run ends at the first packet with properties
-        if plens.count(0) != len(plens):
-            count = min(count, list(map(eq, plens, repeat(0))).index(False))
+        at = 1 + (qos != 0)
+        plens = fields[at::width]  # the run ends at the first packet with other properties
+        if plens.count(k) != len(plens):
+            count = min(count, list(map(eq, plens, repeat(k))).index(False))
             if count < _RUN_MIN:
                 return None
+        if k:
+            secs = fields[at + 1::width]
+            first_sec = secs[0]
+            if secs.count(first_sec) != len(secs):
+                count = min(count, list(map(eq, secs, repeat(first_sec))).index(False))
+                if count < _RUN_MIN:
+                    return None
     stop = count * width
     end = pos + count * size
     packet_ids: list[int] | None = None
@@ -239,26 +261,35 @@ def _publish_run(buf: bytes, pos: int, n: int, maxsize: int, cache: dict[bytes, 
         packet_ids = list(fields[1:stop:width])
         if 0 in packet_ids:  # invalid: the general path reports it
             return None
+    props: Properties | None = None
+    headers: bytes | None = None
+    if k:
+        assert sections is not None
+        props, headers = sections(first_sec)  # (raises for the run's first packet, as its own decode would)
+        if props.topic_alias is not None:  # (the connection resolves an alias packet by packet)
+            return None
     payloads = list(fields[width - 1:stop:width])
     if as_run:
-        return [PublishRun(topic, payloads, qos, bool(first & 1), bool(first & 8), packet_ids)], end
+        return [PublishRun(topic, payloads, qos, bool(first & 1), bool(first & 8), packet_ids, props, headers)], end
     pids: Iterable[int | None] = packet_ids if packet_ids is not None else repeat(None)
     return list(map(Publish, repeat(topic), payloads, repeat(qos), repeat(bool(first & 1)), repeat(bool(first & 8)),
-                    pids)), end
+                    pids, repeat(props), repeat(headers))), end
 
 
-# Structs for _publish_run: (lead, payload size, has packet id, v5, 2^k) -> a Struct of 2^k
-# packets' fields (lead bytes, [id], [property length], payload), k <= _RUN_PIECE_LOG; cleared
+# Structs for _publish_run: (lead, payload size, has packet id, v5, section size, 2^k) -> a
+# Struct of 2^k packets' fields (lead bytes, [id], [property length, [section]], payload),
+# k <= _RUN_PIECE_LOG; cleared
 # when full (~6 us to build one, <= ~9 KiB each: <= ~1.2 MiB whatever layouts clients send).
-_run_structs: dict[tuple[int, int, bool, bool, int], struct.Struct] = {}
+_run_structs: dict[tuple[int, int, bool, bool, int, int], struct.Struct] = {}
 _RUN_STRUCTS_MAX = 128
 _RUN_PIECE_LOG = 6  # pieces of at most 64 packets
 
 
 def _run_fields(buf: bytes, pos: int, size: int, lead: int, plen: int, has_id: bool, v5: bool,
-                count: int) -> tuple[Any, ...]:
+                count: int, section: int = 0) -> tuple[Any, ...]:
     """The fields of the ``count`` packets of ``size`` bytes from ``buf[pos]`` on, each ``lead``
-    bytes, [a packet id (u16)], [a property length (u8)] and a payload of ``plen`` bytes, in
+    bytes, [a packet id (u16)], [a property length (u8) [and a property section of ``section``
+    bytes]] and a payload of ``plen`` bytes, in
     one flat tuple: unpacked in pieces of 2^k packets, largest first (one cached Struct per
     piece size and layout)."""
     out: tuple[Any, ...] = ()
@@ -267,12 +298,13 @@ def _run_fields(buf: bytes, pos: int, size: int, lead: int, plen: int, has_id: b
     while count:
         while piece > count:
             piece >>= 1
-        key = (lead, plen, has_id, v5, piece)
+        key = (lead, plen, has_id, v5, section, piece)
         layout = structs.get(key)
         if layout is None:
             if len(structs) >= _RUN_STRUCTS_MAX:
                 structs.clear()
-            one = f"{lead}s" + ("H" if has_id else "") + ("B" if v5 else "") + f"{plen}s"
+            one = f"{lead}s" + ("H" if has_id else "") + ("B" if v5 else "") + (f"{section}s" if section else "") \
+                + f"{plen}s"
             layout = structs[key] = struct.Struct(">" + one * piece)
         out += layout.unpack_from(buf, pos)
         pos += piece * size
@@ -299,14 +331,16 @@ class Decoder:
     CONNECT, before the packets pipelined behind it; a CONNECT of any level is decoded by its
     own level byte.  A packet's ``properties`` is a :class:`Properties` when the wire carries
     any, else None (always None on 3.1.1).  Level 5 has the same PUBLISH fast path and runs
-    as 3.1.1 for packets without properties.
+    as 3.1.1 for packets without properties; the fast path also takes PUBLISHes whose property
+    section it has validated before on this connection, and those share one
+    :class:`Properties` object (read-only to the caller) and carry its record ``headers``.
 
     After a :class:`ProtocolError` the decoder is poisoned: every later call re-raises it,
     because a byte stream cannot be resynchronised after a framing error.
     """
 
-    __slots__ = ("_allowed", "_buf", "_error", "_max", "_max_connect5", "_names", "_pos", "_runs", "_server",
-                 "_topics", "_v5")
+    __slots__ = ("_allowed", "_buf", "_error", "_max", "_max_connect5", "_names", "_pos", "_props", "_runs",
+                 "_server", "_topics", "_v5")
 
     def __init__(self, max_packet_size: int = DEFAULT_MAX_PACKET_SIZE, *, server: bool = True,
                  protocol_level: int = PROTOCOL_LEVEL, runs: bool = False, max_connect5: int = 0) -> None:
@@ -331,6 +365,10 @@ class Decoder:
         self._error: ProtocolError | None = None
         # Validated topic bytes -> str, so a repeated topic skips UTF-8 decoding and checks.
         self._topics: dict[bytes, str] = {}
+        # MQTT 5: validated PUBLISH property sections (of up to 127 bytes) -> their properties
+        # and record headers, so a device sending the same properties with every message
+        # (a content type, a user property) has them decoded once (issue 33 item 6).
+        self._props: dict[bytes, tuple[Properties, bytes]] = {}
 
     @property
     def protocol_level(self) -> int:
@@ -580,7 +618,7 @@ class Decoder:
                 if first >> 4 == PUBLISH:
                     if runs:  # (only a QoS 1 run comes as one PublishRun; others as Publishes)
                         run = _publish_run(buf, pos, n, maxsize, cache,  # type: ignore[arg-type]
-                                           self._runs and first & 0x06 == 0x02, True)
+                                           self._runs and first & 0x06 == 0x02, True, self._section)
                         if type(run) is tuple:
                             out += run[0]
                             pos = run[1]
@@ -609,16 +647,31 @@ class Decoder:
                         else:
                             plen = tend
                             pid = None
-                        if plen < end and not buf[plen] and pid != 0 and qos != 3:
+                        if plen < end and pid != 0 and qos != 3:
                             key = buf[start + 2 : tend]
                             topic = cache.get(key if as_bytes else bytes(key))  # type: ignore[arg-type]
                             if topic is not None:
+                                size = buf[plen]
                                 plen += 1
-                                payload = buf[plen:end] if as_bytes else bytes(buf[plen:end])
-                                out.append(Publish(topic, payload, qos, bool(first & 1), bool(first & 8), pid))  # type: ignore[arg-type]
-                                pos = end
-                                limit -= 1
-                                continue
+                                if not size:
+                                    payload = buf[plen:end] if as_bytes else bytes(buf[plen:end])
+                                    out.append(Publish(topic, payload, qos, bool(first & 1), bool(first & 8), pid))  # type: ignore[arg-type]
+                                    pos = end
+                                    limit -= 1
+                                    continue
+                                if size < 0x80 and plen + size <= end:
+                                    # Properties: a section seen before, or validated now.
+                                    pend = plen + size
+                                    section = bytes(buf[plen:pend])
+                                    known = self._props.get(section)
+                                    if known is None:
+                                        known = self._publish_properties(section)
+                                    payload = buf[pend:end] if as_bytes else bytes(buf[pend:end])
+                                    out.append(Publish(topic, payload, qos, bool(first & 1), bool(first & 8), pid,  # type: ignore[arg-type]
+                                                       known[0], known[1]))
+                                    pos = end
+                                    limit -= 1
+                                    continue
                 self._pos = pos
                 header = self._header()
                 if header is None:
@@ -628,8 +681,7 @@ class Decoder:
                 if end > n:
                     break
                 packet = _decode_body5(ptype, flags, buf, pos + header_len, end, server)
-                if ptype == PUBLISH and packet.topic and packet.properties is None:  # type: ignore[union-attr]
-                    # Only a topic the fast path can use (it takes packets without properties).
+                if ptype == PUBLISH and packet.topic:  # type: ignore[union-attr]
                     self._remember_topic(packet.topic)  # type: ignore[union-attr]
                 out.append(packet)
                 pos = end
@@ -643,6 +695,25 @@ class Decoder:
             self._buf = b""
             self._pos = 0
         return out
+
+    def _section(self, section: bytes) -> tuple[Properties, bytes]:
+        """A PUBLISH property section's properties and record headers, from the cache or
+        validated now (:meth:`_publish_properties`)."""
+        known = self._props.get(section)
+        return known if known is not None else self._publish_properties(section)
+
+    def _publish_properties(self, section: bytes) -> tuple[Properties, bytes]:
+        """A PUBLISH property section (without its length) validated as the general path
+        does (:func:`~filemq.mqtt.codec5._publish_properties`), with its record headers,
+        remembered for the next PUBLISH that carries the same bytes; raises ProtocolError."""
+        props = _publish_properties(bytes((len(section),)) + section, 0, len(section) + 1, self._server)[0]
+        assert props is not None  # (a section of 1..127 bytes)
+        known = (props, encode_message_headers(props))
+        cache = self._props
+        if len(cache) >= _PROPS_CACHE_SIZE:
+            cache.clear()
+        cache[section] = known
+        return known
 
     def _remember_topic(self, topic: str) -> None:
         # Only topics that passed full validation enter; bounded so a client cycling

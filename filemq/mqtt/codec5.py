@@ -45,6 +45,7 @@ from filemq.mqtt.packets import (
     Packet,
     Pingreq,
     Pingresp,
+    Properties,
     Puback,
     Pubcomp,
     Publish,
@@ -55,7 +56,7 @@ from filemq.mqtt.packets import (
     Unsuback,
     Unsubscribe,
 )
-from filemq.mqtt.properties import _decode_properties, _encode_properties
+from filemq.mqtt.properties import _decode_properties, _encode_properties, decode_publish_properties
 from filemq.mqtt.wire import (
     _PINGREQ,
     _PINGRESP,
@@ -363,6 +364,20 @@ def _decode_connack5(buf: bytes | bytearray, pos: int, end: int) -> Connack:
     return Connack(bool(ack_flags), code, props)
 
 
+def _publish_properties(buf: bytes | bytearray, pos: int, end: int, server: bool) -> tuple[Properties | None, int]:
+    """The property section of a PUBLISH at ``pos`` (:func:`decode_publish_properties`) and
+    the rules on its values that need the packet: topic alias 0 (0x94, MQTT-3.3.2-8) and a
+    subscription identifier from a client (``server``: 0x82, MQTT-3.3.4-6)."""
+    props, pos = decode_publish_properties(buf, pos, end)
+    if props is not None:
+        if props.topic_alias == 0:
+            raise ProtocolError("PUBLISH topic alias 0 (MQTT-3.3.2-8)", "PUBLISH", reason_code=RC_TOPIC_ALIAS_INVALID)
+        if server and props.subscription_identifiers:
+            raise _protocol_error("PUBLISH from a client carries a subscription identifier (MQTT-3.3.4-6)",
+                                  "PUBLISH")
+    return props, pos
+
+
 def _decode_publish5(buf: bytes | bytearray, pos: int, end: int, flags: int, server: bool) -> Publish:
     name = "PUBLISH"
     qos = (flags >> 1) & 0x03
@@ -377,13 +392,7 @@ def _decode_publish5(buf: bytes | bytearray, pos: int, end: int, flags: int, ser
         if packet_id == 0:  # it parses: a Protocol Error, not Malformed (MQTT-2.2.1-3)
             raise _protocol_error("PUBLISH QoS>0 with packet id 0 (MQTT-2.2.1-3)", name)
         pos += 2
-    props, pos = _decode_properties(buf, pos, end, name)
-    if props is not None:
-        if props.topic_alias == 0:
-            raise ProtocolError("PUBLISH topic alias 0 (MQTT-3.3.2-8)", name, reason_code=RC_TOPIC_ALIAS_INVALID)
-        if server and props.subscription_identifiers:
-            raise _protocol_error("PUBLISH from a client carries a subscription identifier (MQTT-3.3.4-6)",
-                                  name)
+    props, pos = _publish_properties(buf, pos, end, server)
     if not topic and (props is None or props.topic_alias is None):
         raise _protocol_error("PUBLISH with an empty topic name and no topic alias (spec 3.3.2.1)", name)
     if "+" in topic or "#" in topic:

@@ -199,6 +199,10 @@ class Publish:
     dup: bool = False
     packet_id: int | None = None
     properties: Properties | None = None
+    # MQTT 5: ``properties``' message properties as a record stores them
+    # (filemq.mqtt.properties.encode_message_headers), when the decoder has them at hand (a
+    # property section it has seen before on the connection); None: not computed.
+    headers: bytes | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass(slots=True)
@@ -307,8 +311,10 @@ class Auth:
 class PublishRun:
     """Consecutive MQTT 3.1.1 PUBLISHes with one topic, QoS, RETAIN and DUP flag (a device
     publishing to one topic): what ``Decoder(runs=True)`` gives for a run of equal-shaped
-    ones instead of one :class:`Publish` each (MQTT 5: QoS 1 ones without properties only).
-    ``packet_ids`` is None exactly for QoS 0."""
+    ones instead of one :class:`Publish` each (MQTT 5: QoS 1 ones, each without properties or
+    all with the same property section, without a topic alias).  ``packet_ids`` is None
+    exactly for QoS 0; ``properties`` and ``headers`` are every message's (as
+    :class:`Publish`'s)."""
 
     topic: str
     payloads: list[bytes]
@@ -316,11 +322,13 @@ class PublishRun:
     retain: bool
     dup: bool
     packet_ids: list[int] | None
+    properties: Properties | None = None
+    headers: bytes | None = None
 
     def publishes(self) -> list[Publish]:
         """The run as one :class:`Publish` per message, in order."""
         pids: list[int] | list[None] = self.packet_ids if self.packet_ids is not None else [None] * len(self.payloads)
-        return [Publish(self.topic, payload, self.qos, self.retain, self.dup, pid)
+        return [Publish(self.topic, payload, self.qos, self.retain, self.dup, pid, self.properties, self.headers)
                 for payload, pid in zip(self.payloads, pids, strict=True)]
 
 

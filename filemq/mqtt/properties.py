@@ -280,6 +280,133 @@ def _decode_properties(
     return props, pos
 
 
+def decode_publish_properties(buf: bytes | bytearray, pos: int, end: int) -> tuple[Properties | None, int]:
+    """:func:`_decode_properties` of a PUBLISH (``name`` "PUBLISH"), specialised: the same
+    result for every block the generic decoder takes, and the same error for every block it
+    refuses (issue 33 item 6; tests/test_properties_publish.py checks both with Hypothesis).
+
+    One pass over the block for the PUBLISH property set only (payload format indicator,
+    message expiry, content type, response topic, correlation data, topic alias,
+    subscription identifier, user property), with the values kept in locals and one
+    :class:`Properties` built at the end.  Every rule of the generic decoder holds: a property
+    length or subscription identifier in its minimal encoding (MQTT-1.5.5-1), every length
+    within the block and the block within the packet, UTF-8 well-formed without U+0000
+    (MQTT-1.5.4-1, -2), a single-valued property at most once, the payload format indicator
+    0 or 1, a subscription identifier not 0, at most :data:`MAX_USER_PROPERTIES` user
+    properties, no identifier a PUBLISH may not carry.  At the first fault it hands the
+    block to :func:`_decode_properties`, which raises the error (and the reason code) a
+    person reads: the errors have one source."""
+    if pos >= end:
+        return _decode_properties(buf, pos, end, "PUBLISH")
+    length = buf[pos]
+    start = pos + 1
+    if length >= 0x80:  # a two-byte property length (128..16383 bytes); longer ones go generic
+        if start >= end or not 0 < buf[start] < 0x80:
+            return _decode_properties(buf, pos, end, "PUBLISH")
+        length = (length & 0x7F) | (buf[start] << 7)
+        start += 1
+    pend = start + length
+    if pend > end:
+        return _decode_properties(buf, pos, end, "PUBLISH")
+    if not length:
+        return None, start
+    pfi: int | None = None
+    expiry: int | None = None
+    content_type: str | None = None
+    response_topic: str | None = None
+    correlation: bytes | None = None
+    alias: int | None = None
+    users: list[tuple[str, str]] = []
+    subs: list[int] = []
+    p = start
+    try:
+        while p < pend:
+            ident = buf[p]
+            p += 1
+            if ident == 0x26 or ident == 0x03 or ident == 0x08:  # UTF-8 string (pair)
+                if pend - p < 2:
+                    break
+                a = p + 2
+                p = a + ((buf[p] << 8) | buf[p + 1])
+                if p > pend:
+                    break
+                text = buf[a:p].decode("utf-8")  # (strict: ill-formed and surrogates refused)
+                if "\x00" in text:
+                    break
+                if ident == 0x26:
+                    if pend - p < 2:
+                        break
+                    a = p + 2
+                    p = a + ((buf[p] << 8) | buf[p + 1])
+                    if p > pend:
+                        break
+                    value = buf[a:p].decode("utf-8")
+                    if "\x00" in value or len(users) >= MAX_USER_PROPERTIES:
+                        break
+                    users.append((text, value))
+                elif ident == 0x03:
+                    if content_type is not None:
+                        break
+                    content_type = text
+                else:
+                    if response_topic is not None:
+                        break
+                    response_topic = text
+            elif ident == 0x01:
+                if p >= pend or pfi is not None or buf[p] > 1:
+                    break
+                pfi = buf[p]
+                p += 1
+            elif ident == 0x02:
+                if pend - p < 4 or expiry is not None:
+                    break
+                (expiry,) = _unpack_I(buf, p)
+                p += 4
+            elif ident == 0x09:
+                if pend - p < 2 or correlation is not None:
+                    break
+                a = p + 2
+                p = a + ((buf[p] << 8) | buf[p + 1])
+                if p > pend:
+                    break
+                correlation = bytes(buf[a:p])
+            elif ident == 0x23:
+                if pend - p < 2 or alias is not None:
+                    break
+                alias = (buf[p] << 8) | buf[p + 1]
+                p += 2
+            elif ident == 0x0B:
+                ident_value = 0
+                shift = 0
+                byte = 0
+                while p < pend and shift < 28:
+                    byte = buf[p]
+                    p += 1
+                    ident_value |= (byte & 0x7F) << shift
+                    if not byte & 0x80:
+                        break
+                    shift += 7
+                else:
+                    break  # past the block, or a fifth byte
+                if not ident_value or (not byte and shift):  # 0, or not minimal (MQTT-1.5.5-1)
+                    break
+                subs.append(ident_value)
+            else:  # unknown, or not a PUBLISH property
+                break
+        else:
+            props = Properties(payload_format_indicator=pfi, message_expiry_interval=expiry,
+                               content_type=content_type, response_topic=response_topic,
+                               correlation_data=correlation, topic_alias=alias)
+            if users:
+                props.user_properties = users
+            if subs:
+                props.subscription_identifiers = subs
+            return props, pend
+    except UnicodeDecodeError:
+        pass
+    return _decode_properties(buf, pos, end, "PUBLISH")
+
+
 # --------------------------------------------------------------------------- record headers
 
 

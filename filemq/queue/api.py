@@ -192,15 +192,17 @@ class Queue:
 
     def publish_many_nowait(
         self, topics: list[str], payloads: list[bytes], retains: list[bool], qos: int, timestamp_us: int,
+        headers: list[bytes] | None = None,
     ) -> tuple[int, asyncio.Future[None]]:
-        """Append several records without headers, topics already validated (as
-        ``publish_nowait(..., validated=True)`` each, in order, all with ``qos`` and
-        ``timestamp_us``); returns the first one's offset and the commit future they share.
+        """Append several records, topics already validated (as ``publish_nowait(...,
+        validated=True)`` each, in order, all with ``qos`` and ``timestamp_us``; ``headers``
+        one per record, or None for none); returns the first one's offset and the commit
+        future they share.
         On an error the records before the failing one stay appended (they commit with the
         next batch), the failing one and those after it are not."""
         if self._committer is None:
             raise RuntimeError(f"queue {self.data_dir} is not started")
-        return self._committer.append_many_nowait(topics, payloads, retains, qos, timestamp_us)
+        return self._committer.append_many_nowait(topics, payloads, retains, qos, timestamp_us, headers)
 
     async def publish(
         self, topic: str, payload: bytes, qos: int = 0, retain: bool = False,

@@ -51,6 +51,8 @@ SAVE_INTERVAL_S = 30.0
 HISTORY_POINTS = 120  # lag samples per device (one per health report: an hour at 30 s)
 EVENTS_KEPT = 50  # connects/disconnects per device
 STATES = ("online", "behind", "disk_low", "stale", "offline")
+# What /api/fleet shows of a device that changes without a new Device.version.
+_DYNAMIC = ("state", "last_seen", "records_received", "records_landed")
 
 
 class Conn(Protocol):
@@ -101,20 +103,30 @@ class Device:
     history: deque[tuple[float, int]] = field(default_factory=lambda: deque(maxlen=HISTORY_POINTS))
     events: deque[tuple[float, str, str]] = field(default_factory=lambda: deque(maxlen=EVENTS_KEPT))
     conn: Conn | None = None  # the live connection (not saved)
-    version: int = 0  # counts changes: the /api/fleet fragment below is re-encoded only after one
+    # Counts changes to what /api/fleet shows of the device, but for last_seen and the record
+    # counts (they change with every batch): the fragment below is re-encoded only after one.
+    version: int = 0
     fragment: tuple[int, bytes] | None = None
     # A disconnect the event sink could not record yet (the WAL was closed): recorded at next start.
     pending_disconnect: tuple[float, str] | None = None
+    _figures: tuple[object, int | None, float | None] | None = None  # (health, lag, age) of that report
+
+    def _lag_and_age(self) -> tuple[int | None, float | None]:
+        h = self.health
+        cached = self._figures
+        if cached is None or cached[0] is not h:  # once per report, not per view
+            exports = (h or {}).get("exports") or []
+            lags = [e["lag_records"] for e in exports if isinstance(e.get("lag_records"), int)]
+            ages = [e["oldest_unacked_age_s"] for e in exports
+                    if isinstance(e.get("oldest_unacked_age_s"), int | float)]
+            cached = self._figures = (h, sum(lags) if lags else None, max(ages) if ages else None)
+        return cached[1], cached[2]
 
     def lag_records(self) -> int | None:
-        exports = (self.health or {}).get("exports") or []
-        lags = [e["lag_records"] for e in exports if isinstance(e.get("lag_records"), int)]
-        return sum(lags) if lags else None
+        return self._lag_and_age()[0]
 
     def oldest_unacked_age_s(self) -> float | None:
-        exports = (self.health or {}).get("exports") or []
-        ages = [e["oldest_unacked_age_s"] for e in exports if isinstance(e.get("oldest_unacked_age_s"), int | float)]
-        return max(ages) if ages else None
+        return self._lag_and_age()[1]
 
 
 def device_state(d: Device, now: float, t: Thresholds) -> str:
@@ -152,6 +164,48 @@ def iso(ts: float | None) -> str | None:
             _ISO_SECONDS.clear()
         prefix = _ISO_SECONDS[second] = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(second))
     return f"{prefix}.{min(int((ts - second) * 1000), 999):03d}Z"
+
+
+class CachedBody:
+    """A view's bytes (``/api/fleet``), built on the event loop and served from any thread.
+
+    :meth:`get` (any thread) returns the bytes while they are at most ``max_age_s`` old, else
+    None: the caller then has :meth:`refresh` run on the loop. :meth:`tick` (on the loop, from
+    the collector's one-second sweep) builds them again while someone asked for them in the last
+    ``warm_s`` seconds, so a page polling every few seconds is answered from the HTTP thread,
+    never waiting for a busy loop, and the registry is encoded at most once per sweep for it.
+    What a caller may rely on: what :meth:`get` returns reflects the registry at most
+    ``max_age_s`` seconds ago (by ``clock``).
+    """
+
+    def __init__(self, build: Callable[[], bytes], *, max_age_s: float = 2.0, warm_s: float = 15.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._build = build
+        self.max_age_s = max_age_s
+        self.warm_s = warm_s
+        self._clock = clock
+        self._body: tuple[float, bytes] | None = None  # (clock when the build started, bytes): replaced whole
+        self._asked = -math.inf
+        self.builds = 0
+
+    def get(self) -> bytes | None:
+        now = self._clock()
+        self._asked = now
+        body = self._body
+        if body is not None and now - body[0] <= self.max_age_s:
+            return body[1]
+        return None
+
+    def refresh(self) -> bytes:
+        started = self._clock()
+        data = self._build()
+        self._body = (started, data)
+        self.builds += 1
+        return data
+
+    def tick(self) -> None:
+        if self._clock() - self._asked <= self.warm_s:
+            self.refresh()
 
 
 EventSink = Callable[[str, str, float, Mapping[str, Any]], None]
@@ -226,7 +280,7 @@ class FleetRegistry:
             if counts is None:
                 counts = d.streams[stream] = {"records_received": 0, "records_landed": 0}
             counts["records_received"] += records
-        self._changed(d)
+        self.dirty = True  # (last_seen and the counts are not in the device's /api/fleet fragment)
         return d
 
     def health(self, device_id: str, body: dict[str, Any], sent_at_us: int, sequence: int,
@@ -258,7 +312,7 @@ class FleetRegistry:
             if c is None:
                 c = d.streams[stream] = {"records_received": 0, "records_landed": 0}
             c["records_landed"] += rows
-            self._changed(d)
+            self.dirty = True
 
     def sweep(self, connections: Mapping[str, Conn]) -> None:
         """Once a second: mark devices whose connection closed as disconnected (with its reason),
@@ -387,8 +441,9 @@ class FleetRegistry:
 
     def fleet_json(self, extra: Mapping[str, Any]) -> bytes:
         """:meth:`fleet` plus ``extra`` as JSON bytes, for ``/api/fleet`` at thousands of
-        devices: each device's object is encoded again only after it changed (its state, which
-        depends on the time, is put in front of the kept encoding)."""
+        devices: each device's object is encoded again only after it changed; what changes
+        with every batch (``last_seen``, the record counts) and its state (which depends on the
+        time) are put in front of the kept encoding."""
         now = self._clock()
         t = self.thresholds
         counts = dict.fromkeys(STATES, 0)
@@ -399,9 +454,15 @@ class FleetRegistry:
             cached = d.fragment
             if cached is None or cached[0] != d.version:
                 body = self.summary(d, now)
-                del body["state"]
+                for key in _DYNAMIC:
+                    del body[key]
                 cached = d.fragment = (d.version, json.dumps(body, separators=(",", ":")).encode()[1:])
-            parts.append(b'{"state":"' + state.encode() + b'",' + cached[1])
+            received = landed = 0
+            for c in d.streams.values():
+                received += c["records_received"]
+                landed += c["records_landed"]
+            parts.append(f'{{"state":"{state}","last_seen":"{iso(d.last_seen)}","records_received":{received},'
+                         f'"records_landed":{landed},'.encode() + cached[1])
         counts["total"] = len(self.devices)
         head = {"generated_at": iso(now), "counts": counts, **extra}
         return (json.dumps(head, separators=(",", ":")).encode()[:-1] + b',"devices":[' + b",".join(parts)

@@ -24,6 +24,10 @@ What a caller may rely on:
 * **Loopback by default**: ``collector.ops_host`` is ``127.0.0.1`` unless set.
 * The registry is read on the collector's event loop (never from the HTTP threads); a loop
   that does not answer within 5 s gives 503.
+* ``/api/fleet`` is at most 2 s old: its body is built on the loop by the collector's
+  one-second sweep while it is asked for (:class:`collector.fleet.CachedBody`) and served as
+  bytes from the HTTP thread, without waiting for the loop; only a first request (or one after
+  15 s without any) waits for a build.
 """
 
 from __future__ import annotations
@@ -96,12 +100,6 @@ class _Logins:
             return False
 
 
-def fleet_json(collector: Collector) -> bytes:
-    """The ``/api/fleet`` body (call on the collector's loop)."""
-    return collector.fleet.fleet_json({"collector_id": collector.collector_id,
-                                       "landing_rate": collector.landing_rate()})
-
-
 def start_ops_server(collector: Collector, port: int, addr: str = "127.0.0.1") -> MetricsServer:
     """Serve the operations port for ``collector`` on ``addr:port`` (0 = any free port); call
     from the collector's event loop. Raises ConfigError for a bad password file, OSError if
@@ -144,7 +142,9 @@ def start_ops_server(collector: Collector, port: int, addr: str = "127.0.0.1") -
                 if path == "/metrics":
                     self._send(200, generate_latest(registry), CONTENT_TYPE)
                 elif path == "/api/fleet":
-                    self._send(200, on_loop(loop, lambda: fleet_json(collector), LOOP_TIMEOUT_S), "application/json")
+                    cache = collector.fleet_api
+                    body = cache.get() or on_loop(loop, cache.refresh, LOOP_TIMEOUT_S)
+                    self._send(200, body, "application/json")
                 elif path.startswith("/api/fleet/"):
                     device = urllib.parse.unquote(path[len("/api/fleet/"):])
                     found = on_loop(loop, lambda: collector.fleet.detail(device), LOOP_TIMEOUT_S)

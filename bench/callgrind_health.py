@@ -8,13 +8,13 @@ machine load nor socket timing moves.
 A real :class:`collector.server.Collector` (WAL with ``fsync never``, lander, fleet registry)
 starts on loopback; ``DEVICES`` (100) devices connect and send one batch of 10 records each
 (so the registry holds them, as in a fleet); then ``REPORTS`` health reports, pre-encoded
-PUBLISH packets (QoS 0) round-robin over the devices, are written to the sockets in one go per
-device; the run waits until the door took them all, then stops the collector (the lander lands
-the fleet events, the registry is saved). Prints the Ir with ``REPORTS`` reports and with none
+PUBLISH packets (QoS 0), are written in rounds of one per device, each round taken by the door
+before the next (a report arrives alone, as at every interval); then the collector stops (the
+lander lands the fleet events, the registry is saved). Prints the Ir with ``REPORTS`` reports and with none
 and the difference per report: the door (MQTT decode, CRC and JSON check), the registry, the
 WAL record and its commit, the lander's fleet_events row and the share of the saves.
-``PYTHONHASHSEED=0``; valgrind ~50x slower (2,000 reports: about a minute per run). A tree measured needs
-bench/health_body.py (copy it into an older one).
+``PYTHONHASHSEED=0``; valgrind ~50x slower (2,000 reports: about a minute per run). A tree
+measured needs bench/health_body.py (copy it into an older one).
 """
 from __future__ import annotations
 
@@ -52,13 +52,17 @@ async def _run(reports: int) -> None:
     for d, c in enumerate(clients):
         await c.publish(f"filemq/v1/dev-{d}/main", encode_batch(f"dev-{d}", "main", [
             BatchRecord(i, 1, "t", b"x" * 100, 1) for i in range(10)]), qos=1)
-    for d, c in enumerate(clients):
-        assert c._writer is not None
-        c._writer.write(b"".join(wire[i] for i in range(d, reports, devices)))
-    for _ in range(60_000):
-        if collector.stats.health_reports >= reports:
-            break
-        await asyncio.sleep(0.001)
+    # In rounds of one report per device, each round taken by the door before the next: a
+    # device's report arrives alone, as it does every interval (not in a run of PUBLISHes).
+    for first in range(0, reports, devices):
+        for i in range(first, min(first + devices, reports)):
+            writer = clients[i % devices]._writer
+            assert writer is not None
+            writer.write(wire[i])
+        for _ in range(60_000):
+            if collector.stats.health_reports >= min(first + devices, reports):
+                break
+            await asyncio.sleep(0.001)
     assert collector.stats.health_reports == reports, collector.stats
     lander = collector.lander
     assert lander is not None

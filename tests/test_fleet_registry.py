@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from collector.fleet import FLEET_FILE, Device, FleetRegistry, Thresholds, device_state
+from collector.fleet import FLEET_FILE, CachedBody, Device, FleetRegistry, Thresholds, device_state
 from collector.fleet_view import fleet_table
 from collector.ops import start_ops_server
 from collector.server import Collector
@@ -336,3 +336,79 @@ def test_iso_matches_datetime() -> None:
     for ts in (0.0, 1.9995, 1_700_000_000.123456, 1_764_277_440.999999):
         want = datetime.fromtimestamp(ts, UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
         assert iso(ts) == want
+
+
+def test_cached_fleet_body_shows_a_report_within_its_age_bound() -> None:
+    """/api/fleet's body is served from a cache (collector.fleet.CachedBody): a health report
+    shows in what it returns once the sweep's tick ran, and never later than max_age_s."""
+    clock = Clock()
+    reg = FleetRegistry(None, clock=clock)
+    reg.seen("a", "a", "h:1", Conn(), "main", 3)
+    reg.health("a", health(lag=7), 0, 1)
+    mono = Clock()
+    cache = CachedBody(lambda: reg.fleet_json({}), max_age_s=2.0, warm_s=15.0, clock=mono)
+
+    def lag() -> int | None:
+        body = cache.get()
+        return None if body is None else json.loads(body)["devices"][0]["lag_records"]
+
+    assert lag() is None  # nothing built yet: the caller builds on the loop
+    assert json.loads(cache.refresh())["devices"][0]["lag_records"] == 7
+    reg.health("a", health(lag=99), 0, 2)
+    mono.t += 0.5
+    assert lag() == 7  # within the bound the kept body may still be served
+    cache.tick()  # the sweep: asked for within warm_s, so built again
+    assert lag() == 99
+    reg.health("a", health(lag=123), 0, 3)
+    mono.t += 2.01  # past the bound without a tick: not served, the caller builds afresh
+    assert lag() is None
+    assert json.loads(cache.refresh())["devices"][0]["lag_records"] == 123
+    builds = cache.builds
+    mono.t += 16  # nobody asked for warm_s: the sweep builds nothing
+    cache.tick()
+    assert cache.builds == builds
+
+
+def test_ops_port_shows_a_new_report_within_the_bound_without_the_loop(tmp_path: Path) -> None:
+    """A running collector: once /api/fleet was asked for, a health report is in its answer
+    within max_age_s (+ the sweep's second), and answers come from the cache, not the loop."""
+    out: dict[str, Any] = {}
+
+    async def scenario() -> None:
+        collector = Collector(config(tmp_path))
+        await collector.start()
+        server = start_ops_server(collector, 0)
+        url = f"http://127.0.0.1:{server.port}/api/fleet"
+        try:
+            client = MQTTClient("dev-1", port=collector.port)
+            await client.connect()
+            await client.publish(health_topic("dev-1"), encode_health("dev-1", 0, 1, health(lag=5)), qos=0)
+            await until(lambda: collector.stats.health_reports == 1)
+            first = json.loads((await asyncio.to_thread(_get, url))[1])
+            out["first"] = first["devices"][0]["lag_records"]
+            await client.publish(health_topic("dev-1"), encode_health("dev-1", 0, 2, health(lag=77)), qos=0)
+            await until(lambda: collector.stats.health_reports == 2)
+            loop = asyncio.get_running_loop()
+            sent = loop.time()
+            for _ in range(100):
+                body = json.loads((await asyncio.to_thread(_get, url))[1])
+                if body["devices"][0]["lag_records"] == 77:
+                    break
+                await asyncio.sleep(0.1)
+            out["seen_after_s"] = loop.time() - sent
+            out["lag"] = body["devices"][0]["lag_records"]
+            builds = collector.fleet_api.builds
+            started = loop.time()
+            for _ in range(20):
+                assert (await asyncio.to_thread(_get, url))[0] == 200
+            out["builds_per_s"] = (collector.fleet_api.builds - builds) / max(loop.time() - started, 1.0)
+            await client.disconnect()
+        finally:
+            server.shutdown()
+            await collector.stop()
+
+    run(scenario(), timeout=60)
+    assert out["first"] == 5 and out["lag"] == 77
+    assert out["seen_after_s"] <= CachedBody(bytes).max_age_s + 1.5
+    # 20 requests in a row: built by the sweep (about once a second), not once per request.
+    assert out["builds_per_s"] <= 2.0

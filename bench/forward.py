@@ -446,23 +446,33 @@ DEVICES_HINT = ("; the collector's log says how many connections it serves ('ser
                 " connections'): raise its --max-connections or the file-descriptor limit (ulimit -n)")
 
 
-def _sample_api(url: str, interval: float, stop: Any, out: Any) -> None:
-    """A process of its own (no GIL shared with the bench's landing counter): GET ``url`` every
-    ``interval`` s until ``stop``; puts ``(wall times in ms, failures, size of the last body)``."""
+def _sample_api(url: str, interval: float, warm: Any, go: Any, stop: Any, out: Any) -> None:
+    """A process of its own (no GIL shared with the bench's landing counter): one GET of ``url``
+    before ``go`` (the first request of a collector builds the body: its time is reported apart,
+    as ``cold``), then one every ``interval`` s from ``go`` until ``stop``; puts
+    ``(wall times in ms, cold ms, failures, size of the last body)``."""
     import urllib.request
 
     ms: list[float] = []
-    failures, size = 0, 0
+    failures, size, cold = 0, 0, None
     while not stop.is_set():
         started = time.perf_counter()
         try:
             with urllib.request.urlopen(url, timeout=30) as resp:
                 size = len(resp.read())
-            ms.append((time.perf_counter() - started) * 1000)
+            took = (time.perf_counter() - started) * 1000
+            if cold is None:
+                cold = took
+            else:
+                ms.append(took)
         except OSError:
             failures += 1
-        stop.wait(interval)
-    out.put((ms, failures, size))
+        if not warm.is_set():
+            warm.set()
+            go.wait()
+        else:
+            stop.wait(interval)
+    out.put((ms, cold, failures, size))
 
 
 def run_devices(work: Path, devices: int, records: int, size: int, timeout: float,
@@ -486,7 +496,7 @@ def run_devices(work: Path, devices: int, records: int, size: int, timeout: floa
     errors = ctx.Queue()
     reports_sent = ctx.Queue()
     procs = []
-    sampler, sampler_stop, sampled = None, ctx.Event(), ctx.Queue()
+    sampler, sampler_warm, sampler_stop, sampled = None, ctx.Event(), ctx.Event(), ctx.Queue()
     details: dict[str, Any] = {"health_interval_s": health_interval_s, "batch_records": batch_records}
     try:
         halves = [range(0, devices // 2), range(devices // 2, devices)]
@@ -511,15 +521,17 @@ def run_devices(work: Path, devices: int, records: int, size: int, timeout: floa
             if time.monotonic() > deadline:
                 raise TimeoutError("load processes did not get ready")
             waits[0].wait(0.1)
+        if ops and api_interval_s:
+            sampler = ctx.Process(target=_sample_api, args=(f"http://127.0.0.1:{ops}/api/fleet", api_interval_s,
+                                                            sampler_warm, go, sampler_stop, sampled))
+            sampler.start()
+            if not sampler_warm.wait(60):
+                raise TimeoutError("the /api/fleet sampler did not make its first request")
         _say(f"[devices] {devices} connections up; sending {total:,} records")
         details["loadavg_start"] = round(os.getloadavg()[0], 2)
         cpu0 = cpu_seconds(collector.pid)
         start = time.monotonic()
         go.set()
-        if ops and api_interval_s:
-            sampler = ctx.Process(target=_sample_api, args=(f"http://127.0.0.1:{ops}/api/fleet", api_interval_s,
-                                                            sampler_stop, sampled))
-            sampler.start()
         LandedCounter(landing).wait_for(total, timeout, lambda n: _say(f"[devices]   {n:,} rows landed"),
                                         abort=lambda: _load_failure(procs, errors))
         seconds = time.monotonic() - start
@@ -527,8 +539,9 @@ def run_devices(work: Path, devices: int, records: int, size: int, timeout: floa
         details["loadavg_end"] = round(os.getloadavg()[0], 2)
         if sampler is not None:
             sampler_stop.set()
-            ms, failures, size = sampled.get(timeout=60)
+            ms, cold, failures, size = sampled.get(timeout=60)
             details.update(_latencies(ms), api_fleet_failures=failures, api_fleet_bytes=size,
+                           api_fleet_cold_ms=None if cold is None else round(cold, 1),
                            api_fleet_ms_all=[round(x, 1) for x in ms])
         for _, done in events:
             done.wait(30)
@@ -590,7 +603,8 @@ def run_devices_health(work: Path, *, devices: int, records: int, size: int, tim
                  f" {result.cpu_seconds['collector']:.2f} CPU s = {_us_per_row(result):.3f} µs/row,"
                  f" {d['health_reports']:,} health reports; /api/fleet p50 {d.get('api_fleet_ms_p50')} ms,"
                  f" p99 {d.get('api_fleet_ms_p99')} ms, max {d.get('api_fleet_ms_max')} ms over"
-                 f" {d.get('api_fleet_samples', 0)} requests; load average {d['loadavg_start']}-{d['loadavg_end']}")
+                 f" {d.get('api_fleet_samples', 0)} requests while they send (the first, before: {d.get('api_fleet_cold_ms')}"
+                 f" ms); load average {d['loadavg_start']}-{d['loadavg_end']}")
             if emit is not None:
                 emit(result)
     without = [r for h, r in runs if not h]
@@ -615,6 +629,8 @@ def run_devices_health(work: Path, *, devices: int, records: int, size: int, tim
     for label, group in (("with", with_), ("without", without)):
         samples = [ms for r in group for ms in r.details.pop("api_fleet_ms_all", [])]
         summary.update({f"{k}_{label}": v for k, v in _latencies(samples).items()})
+        colds = [r.details["api_fleet_cold_ms"] for r in group if r.details.get("api_fleet_cold_ms") is not None]
+        summary[f"api_fleet_cold_ms_max_{label}"] = max(colds, default=None)
     _say(f"[devices] health reports cost x{summary['cpu_ratio']} collector CPU per landed row (target < 1.05;"
          f" pairs {summary['pair_ratios']}) at {summary['reports_per_row']} reports per row"
          f" (~{summary['cpu_us_per_report']} µs per report); /api/fleet at {devices} devices while they send:"

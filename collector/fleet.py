@@ -51,6 +51,7 @@ SAVE_INTERVAL_S = 30.0
 HISTORY_POINTS = 120  # lag samples per device (one per health report: an hour at 30 s)
 EVENTS_KEPT = 50  # connects/disconnects per device
 STATES = ("online", "behind", "disk_low", "stale", "offline")
+_NUMBER = (int, float)
 # What /api/fleet shows of a device that changes without a new Device.version.
 _DYNAMIC = ("state", "last_seen", "records_received", "records_landed")
 
@@ -117,8 +118,7 @@ class Device:
         if cached is None or cached[0] is not h:  # once per report, not per view
             exports = (h or {}).get("exports") or []
             lags = [e["lag_records"] for e in exports if isinstance(e.get("lag_records"), int)]
-            ages = [e["oldest_unacked_age_s"] for e in exports
-                    if isinstance(e.get("oldest_unacked_age_s"), int | float)]
+            ages = [e["oldest_unacked_age_s"] for e in exports if isinstance(e.get("oldest_unacked_age_s"), _NUMBER)]
             cached = self._figures = (h, sum(lags) if lags else None, max(ages) if ages else None)
         return cached[1], cached[2]
 
@@ -169,37 +169,53 @@ def iso(ts: float | None) -> str | None:
 class CachedBody:
     """A view's bytes (``/api/fleet``), built on the event loop and served from any thread.
 
-    :meth:`get` (any thread) returns the bytes while they are at most ``max_age_s`` old, else
-    None: the caller then has :meth:`refresh` run on the loop. :meth:`tick` (on the loop, from
-    the collector's one-second sweep) builds them again while someone asked for them in the last
-    ``warm_s`` seconds, so a page polling every few seconds is answered from the HTTP thread,
-    never waiting for a busy loop, and the registry is encoded at most once per sweep for it.
-    What a caller may rely on: what :meth:`get` returns reflects the registry at most
-    ``max_age_s`` seconds ago (by ``clock``).
+    :meth:`get` (any thread) returns the bytes and whether they are fresh: at most
+    ``max_age_s`` old. Older ones, up to ``stale_s``, are still returned (not fresh: the caller
+    has a new build queued on the loop with :meth:`refresh`, once, and does not wait for it);
+    beyond that, or before the first build, None: the caller waits for a build on the loop.
+    :meth:`tick` (on the loop, from the collector's one-second sweep) builds the bytes again
+    while someone asked for them in the last ``warm_s`` seconds, so a page polling every few
+    seconds is answered from the HTTP thread and the registry is encoded at most about once a
+    second for it. A loop busy with thousands of sockets may run its sweep late: the answer
+    then is the last body built (its ``generated_at`` says when), not a wait for the loop.
+    What a caller may rely on: a fresh body reflects the registry at most ``max_age_s`` ago, any
+    body at most ``stale_s`` ago (by ``clock``).
     """
 
-    def __init__(self, build: Callable[[], bytes], *, max_age_s: float = 2.0, warm_s: float = 15.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, build: Callable[[], bytes], *, max_age_s: float = 2.0, stale_s: float = 60.0,
+                 warm_s: float = 15.0, clock: Callable[[], float] = time.monotonic) -> None:
         self._build = build
         self.max_age_s = max_age_s
+        self.stale_s = stale_s
         self.warm_s = warm_s
         self._clock = clock
         self._body: tuple[float, bytes] | None = None  # (clock when the build started, bytes): replaced whole
         self._asked = -math.inf
+        self._queued = False  # a build for a stale body is queued on the loop
         self.builds = 0
 
-    def get(self) -> bytes | None:
+    def get(self) -> tuple[bytes | None, bool]:
+        """``(body, fresh)``; see the class docstring."""
         now = self._clock()
         self._asked = now
         body = self._body
-        if body is not None and now - body[0] <= self.max_age_s:
-            return body[1]
-        return None
+        if body is None or now - body[0] > self.stale_s:
+            return None, False
+        return body[1], now - body[0] <= self.max_age_s
+
+    def queue_refresh(self) -> bool:
+        """True the first time after a build: the caller queues :meth:`refresh` on the loop."""
+        if self._queued:
+            return False
+        self._queued = True
+        return True
 
     def refresh(self) -> bytes:
+        """Build the bytes now (on the loop) and keep them."""
         started = self._clock()
         data = self._build()
         self._body = (started, data)
+        self._queued = False
         self.builds += 1
         return data
 

@@ -24,10 +24,12 @@ What a caller may rely on:
 * **Loopback by default**: ``collector.ops_host`` is ``127.0.0.1`` unless set.
 * The registry is read on the collector's event loop (never from the HTTP threads); a loop
   that does not answer within 5 s gives 503.
-* ``/api/fleet`` is at most 2 s old: its body is built on the loop by the collector's
-  one-second sweep while it is asked for (:class:`collector.fleet.CachedBody`) and served as
-  bytes from the HTTP thread, without waiting for the loop; only a first request (or one after
-  15 s without any) waits for a build.
+* ``/api/fleet``'s body is built on the loop by the collector's one-second sweep while it is
+  asked for (:class:`collector.fleet.CachedBody`) and served as bytes from the HTTP thread,
+  without waiting for the loop: at most 2 s old, or, while a loop busy with thousands of
+  devices runs its sweep late, the last one built (up to 60 s old; ``generated_at`` says when)
+  while a new one is queued. Only a first request (or one after 60 s without any) waits for a
+  build on the loop.
 """
 
 from __future__ import annotations
@@ -143,7 +145,11 @@ def start_ops_server(collector: Collector, port: int, addr: str = "127.0.0.1") -
                     self._send(200, generate_latest(registry), CONTENT_TYPE)
                 elif path == "/api/fleet":
                     cache = collector.fleet_api
-                    body = cache.get() or on_loop(loop, cache.refresh, LOOP_TIMEOUT_S)
+                    body, fresh = cache.get()
+                    if body is None:
+                        body = on_loop(loop, cache.refresh, LOOP_TIMEOUT_S)
+                    elif not fresh and cache.queue_refresh():
+                        loop.call_soon_threadsafe(cache.refresh)
                     self._send(200, body, "application/json")
                 elif path.startswith("/api/fleet/"):
                     device = urllib.parse.unquote(path[len("/api/fleet/"):])

@@ -340,29 +340,35 @@ def test_iso_matches_datetime() -> None:
 
 def test_cached_fleet_body_shows_a_report_within_its_age_bound() -> None:
     """/api/fleet's body is served from a cache (collector.fleet.CachedBody): a health report
-    shows in what it returns once the sweep's tick ran, and never later than max_age_s."""
+    shows in what it returns once the sweep's tick ran; a body older than max_age_s is served
+    as not fresh (one build queued), one older than stale_s not at all."""
     clock = Clock()
     reg = FleetRegistry(None, clock=clock)
     reg.seen("a", "a", "h:1", Conn(), "main", 3)
     reg.health("a", health(lag=7), 0, 1)
     mono = Clock()
-    cache = CachedBody(lambda: reg.fleet_json({}), max_age_s=2.0, warm_s=15.0, clock=mono)
+    cache = CachedBody(lambda: reg.fleet_json({}), max_age_s=2.0, stale_s=60.0, warm_s=15.0, clock=mono)
 
-    def lag() -> int | None:
-        body = cache.get()
-        return None if body is None else json.loads(body)["devices"][0]["lag_records"]
+    def lag() -> tuple[int | None, bool]:
+        body, fresh = cache.get()
+        return (None if body is None else json.loads(body)["devices"][0]["lag_records"]), fresh
 
-    assert lag() is None  # nothing built yet: the caller builds on the loop
+    assert lag() == (None, False)  # nothing built yet: the caller builds on the loop
     assert json.loads(cache.refresh())["devices"][0]["lag_records"] == 7
     reg.health("a", health(lag=99), 0, 2)
     mono.t += 0.5
-    assert lag() == 7  # within the bound the kept body may still be served
+    assert lag() == (7, True)  # within the bound the kept body may still be served
     cache.tick()  # the sweep: asked for within warm_s, so built again
-    assert lag() == 99
+    assert lag() == (99, True)
     reg.health("a", health(lag=123), 0, 3)
-    mono.t += 2.01  # past the bound without a tick: not served, the caller builds afresh
-    assert lag() is None
+    mono.t += 2.01  # past the bound without a tick (a late sweep): served, not fresh
+    assert lag() == (99, False)
+    assert cache.queue_refresh() and not cache.queue_refresh()  # one build queued, not one per request
     assert json.loads(cache.refresh())["devices"][0]["lag_records"] == 123
+    assert lag() == (123, True) and cache.queue_refresh()
+    mono.t += 60.01  # past stale_s: nothing served, the caller waits for a build
+    assert lag() == (None, False)
+    cache.refresh()
     builds = cache.builds
     mono.t += 16  # nobody asked for warm_s: the sweep builds nothing
     cache.tick()
@@ -409,6 +415,6 @@ def test_ops_port_shows_a_new_report_within_the_bound_without_the_loop(tmp_path:
 
     run(scenario(), timeout=60)
     assert out["first"] == 5 and out["lag"] == 77
-    assert out["seen_after_s"] <= CachedBody(bytes).max_age_s + 1.5
+    assert out["seen_after_s"] <= CachedBody(bytes).max_age_s + 1.5  # (the loop here is never late)
     # 20 requests in a row: built by the sweep (about once a second), not once per request.
     assert out["builds_per_s"] <= 2.0

@@ -30,8 +30,8 @@ Only the standard library and ``crc32c`` are used (this module runs on devices).
 from __future__ import annotations
 
 import json
-import math
 import struct
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -189,6 +189,8 @@ def decode_health(data: bytes | bytearray | memoryview) -> HealthReport:
 
 
 _INT, _FLOAT, _STR = 1, 2, 3
+_INT64_MAX = (1 << 63) - 1  # (the fleet_events table's integers are 64-bit)
+_DOUBLE_MAX = sys.float_info.max
 # Field name -> kind, for one pass over what a body holds (a report is checked at every arrival).
 _KINDS: dict[str, int] = {**dict.fromkeys(INT_FIELDS, _INT), **dict.fromkeys(FLOAT_FIELDS, _FLOAT),
                           **dict.fromkeys(STR_FIELDS, _STR)}
@@ -205,11 +207,12 @@ def _wrong_field(obj: dict[str, Any], kinds: dict[str, int]) -> str | None:
             continue
         vtype = type(value)
         if kind == _INT:
-            if vtype is not int or value < 0:
-                return f"{key} must be a non-negative integer or null, not {value!r}"
+            if vtype is not int or not 0 <= value <= _INT64_MAX:
+                return f"{key} must be a non-negative 64-bit integer or null, not {value!r}"
         elif kind == _FLOAT:
-            if (vtype is not int and vtype is not float) or not math.isfinite(value) or value < 0:
-                return f"{key} must be a non-negative number or null, not {value!r}"
+            # (NaN fails both comparisons, infinity and an int too large for a double the second.)
+            if (vtype is not int and vtype is not float) or not 0 <= value <= _DOUBLE_MAX:
+                return f"{key} must be a finite non-negative number or null, not {value!r}"
         elif not isinstance(value, str):
             return f"{key} must be a string or null, not {value!r}"
     return None

@@ -450,15 +450,17 @@ def _sample_api(url: str, interval: float, warm: Any, go: Any, stop: Any, out: A
     """A process of its own (no GIL shared with the bench's landing counter): one GET of ``url``
     before ``go`` (the first request of a collector builds the body: its time is reported apart,
     as ``cold``), then one every ``interval`` s from ``go`` until ``stop``; puts
-    ``(wall times in ms, cold ms, failures, size of the last body)``."""
+    ``(wall times in ms, cold ms, failures, bytes of the last answer)`` (gzip accepted, as by
+    the /fleet page and ``filemq fleet``)."""
     import urllib.request
 
     ms: list[float] = []
     failures, size, cold = 0, 0, None
+    request = urllib.request.Request(url, headers={"Accept-Encoding": "gzip"})  # as the page and `filemq fleet`
     while not stop.is_set():
         started = time.perf_counter()
         try:
-            with urllib.request.urlopen(url, timeout=30) as resp:
+            with urllib.request.urlopen(request, timeout=30) as resp:
                 size = len(resp.read())
             took = (time.perf_counter() - started) * 1000
             if cold is None:

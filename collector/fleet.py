@@ -33,6 +33,7 @@ Only the standard library (``filemq fleet``, :mod:`collector.fleet_view`, runs w
 from __future__ import annotations
 
 import contextlib
+import gzip
 import json
 import logging
 import math
@@ -192,6 +193,7 @@ class CachedBody:
         self._body: tuple[float, bytes] | None = None  # (clock when the build started, bytes): replaced whole
         self._asked = -math.inf
         self._queued = False  # a build for a stale body is queued on the loop
+        self._gzipped: tuple[bytes, bytes] | None = None  # (body, its gzip): compressed once per body
         self.builds = 0
 
     def get(self) -> tuple[bytes | None, bool]:
@@ -202,6 +204,16 @@ class CachedBody:
         if body is None or now - body[0] > self.stale_s:
             return None, False
         return body[1], now - body[0] <= self.max_age_s
+
+    def gzipped(self, body: bytes) -> bytes:
+        """``body`` (one :meth:`get` returned) gzip-compressed, once per body, in the calling
+        thread (zlib lets go of the GIL while it compresses): about a tenth of the bytes to send."""
+        kept = self._gzipped
+        if kept is not None and kept[0] is body:
+            return kept[1]
+        data = gzip.compress(body, compresslevel=1, mtime=0)
+        self._gzipped = (body, data)
+        return data
 
     def queue_refresh(self) -> bool:
         """True the first time after a build: the caller queues :meth:`refresh` on the loop."""

@@ -29,7 +29,8 @@ What a caller may rely on:
   without waiting for the loop: at most 2 s old, or, while a loop busy with thousands of
   devices runs its sweep late, the last one built (up to 60 s old; ``generated_at`` says when)
   while a new one is queued. Only a first request (or one after 60 s without any) waits for a
-  build on the loop.
+  build on the loop. A client that accepts gzip (a browser) gets it gzip-compressed, once per
+  body, in the HTTP thread.
 """
 
 from __future__ import annotations
@@ -150,7 +151,11 @@ def start_ops_server(collector: Collector, port: int, addr: str = "127.0.0.1") -
                         body = on_loop(loop, cache.refresh, LOOP_TIMEOUT_S)
                     elif not fresh and cache.queue_refresh():
                         loop.call_soon_threadsafe(cache.refresh)
-                    self._send(200, body, "application/json")
+                    if "gzip" in (self.headers.get("Accept-Encoding") or ""):
+                        self._send(200, cache.gzipped(body), "application/json",
+                                   {"Content-Encoding": "gzip", "Vary": "Accept-Encoding"})
+                    else:
+                        self._send(200, body, "application/json", {"Vary": "Accept-Encoding"})
                 elif path.startswith("/api/fleet/"):
                     device = urllib.parse.unquote(path[len("/api/fleet/"):])
                     found = on_loop(loop, lambda: collector.fleet.detail(device), LOOP_TIMEOUT_S)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import gzip
 import json
 import urllib.error
 import urllib.request
@@ -408,6 +409,10 @@ def test_ops_port_shows_a_new_report_within_the_bound_without_the_loop(tmp_path:
             for _ in range(20):
                 assert (await asyncio.to_thread(_get, url))[0] == 200
             out["builds_per_s"] = (collector.fleet_api.builds - builds) / max(loop.time() - started, 1.0)
+            req = urllib.request.Request(url, headers={"Accept-Encoding": "gzip, deflate"})
+            with await asyncio.to_thread(urllib.request.urlopen, req, timeout=5) as resp:
+                out["gzip"] = (resp.headers.get("Content-Encoding"), resp.read())
+            out["plain"] = (await asyncio.to_thread(_get, url))[1]
             await client.disconnect()
         finally:
             server.shutdown()
@@ -418,3 +423,6 @@ def test_ops_port_shows_a_new_report_within_the_bound_without_the_loop(tmp_path:
     assert out["seen_after_s"] <= CachedBody(bytes).max_age_s + 1.5  # (the loop here is never late)
     # 20 requests in a row: built by the sweep (about once a second), not once per request.
     assert out["builds_per_s"] <= 2.0
+    # A client that accepts gzip (a browser) gets the same object compressed.
+    encoding, packed = out["gzip"]
+    assert encoding == "gzip" and json.loads(gzip.decompress(packed))["devices"] == json.loads(out["plain"])["devices"]

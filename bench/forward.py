@@ -412,7 +412,24 @@ def _device_load(port: int, devices: range, batches: int, batch_records: int, si
 
     async def main() -> None:
         clients = {d: MQTTClient(f"dev-{d}", port=port, max_inflight=window, keepalive=120) for d in devices}
-        connected = await asyncio.gather(*(c.connect(timeout=30) for c in clients.values()), return_exceptions=True)
+        # A few connects at a time, each tried up to 5 times: on a busy machine a burst of
+        # thousands of CONNECTs can have sockets closed by the collector's admission control
+        # (broker.max_connecting), and the connect storm is not what this run measures
+        # (bench forward --only storm is).
+        gate = asyncio.Semaphore(32)
+
+        async def connect(client: MQTTClient) -> None:
+            async with gate:
+                for attempt in range(5):
+                    try:
+                        await client.connect(timeout=30)
+                        return
+                    except Exception:
+                        if attempt == 4:
+                            raise
+                        await asyncio.sleep(0.2)
+
+        connected = await asyncio.gather(*(connect(c) for c in clients.values()), return_exceptions=True)
         if report("could not connect to the collector", [r if isinstance(r, BaseException) else None
                                                            for r in connected]):
             await asyncio.gather(*(c.disconnect(timeout=1) for c in clients.values()), return_exceptions=True)

@@ -32,17 +32,22 @@ Only the standard library (``filemq fleet``, :mod:`collector.fleet_view`, runs w
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import gzip
 import json
 import logging
 import math
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    import asyncio
 
 log = logging.getLogger(__name__)
 
@@ -170,40 +175,59 @@ def iso(ts: float | None) -> str | None:
 class CachedBody:
     """A view's bytes (``/api/fleet``), built on the event loop and served from any thread.
 
-    :meth:`get` (any thread) returns the bytes and whether they are fresh: at most
-    ``max_age_s`` old. Older ones, up to ``stale_s``, are still returned (not fresh: the caller
-    has a new build queued on the loop with :meth:`refresh`, once, and does not wait for it);
-    beyond that, or before the first build, None: the caller waits for a build on the loop.
-    :meth:`tick` (on the loop, from the collector's one-second sweep) builds the bytes again
-    while someone asked for them in the last ``warm_s`` seconds, so a page polling every few
-    seconds is answered from the HTTP thread and the registry is encoded at most about once a
-    second for it. A loop busy with thousands of sockets may run its sweep late: the answer
-    then is the last body built (its ``generated_at`` says when), not a wait for the loop.
+    :meth:`get` (any thread) returns the last bytes built and whether they are fresh: at most
+    ``max_age_s`` old. For bytes that are not, the caller asks for a build with :meth:`build_on`
+    (one build on the loop however many callers ask) and waits for it a short while; a loop busy
+    with thousands of sockets may not run it for hundreds of milliseconds, and the caller then
+    serves the last bytes (their ``generated_at`` says when they were built) as long as they are
+    at most ``stale_s`` old. The registry is so encoded at most once per ``max_age_s`` and only
+    when asked for, however often it is asked for.
     What a caller may rely on: a fresh body reflects the registry at most ``max_age_s`` ago, any
-    body at most ``stale_s`` ago (by ``clock``).
+    body :meth:`get` returns at most ``stale_s`` ago (by ``clock``).
     """
 
     def __init__(self, build: Callable[[], bytes], *, max_age_s: float = 2.0, stale_s: float = 60.0,
-                 warm_s: float = 15.0, clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self._build = build
         self.max_age_s = max_age_s
         self.stale_s = stale_s
-        self.warm_s = warm_s
         self._clock = clock
         self._body: tuple[float, bytes] | None = None  # (clock when the build started, bytes): replaced whole
-        self._asked = -math.inf
-        self._queued = False  # a build for a stale body is queued on the loop
+        self._lock = threading.Lock()
+        self._pending: concurrent.futures.Future[bytes] | None = None  # the build asked for
         self._gzipped: tuple[bytes, bytes] | None = None  # (body, its gzip): compressed once per body
         self.builds = 0
 
     def get(self) -> tuple[bytes | None, bool]:
-        """``(body, fresh)``; see the class docstring."""
-        now = self._clock()
-        self._asked = now
+        """``(body, fresh)``: None for no body or one older than ``stale_s``."""
         body = self._body
-        if body is None or now - body[0] > self.stale_s:
+        if body is None:
             return None, False
-        return body[1], now - body[0] <= self.max_age_s
+        age = self._clock() - body[0]
+        if age > self.stale_s:
+            return None, False
+        return body[1], age <= self.max_age_s
+
+    def build_on(self, loop: asyncio.AbstractEventLoop) -> concurrent.futures.Future[bytes]:
+        """The build of new bytes on ``loop`` (queued unless one already is), to wait for."""
+        with self._lock:
+            pending = self._pending
+            if pending is None:
+                pending = self._pending = concurrent.futures.Future()
+                loop.call_soon_threadsafe(self._build_pending, pending)
+            return pending
+
+    def _build_pending(self, pending: concurrent.futures.Future[bytes]) -> None:
+        try:
+            data = self.refresh()
+        except Exception as exc:
+            with self._lock:
+                self._pending = None
+            pending.set_exception(exc)
+            return
+        with self._lock:
+            self._pending = None
+        pending.set_result(data)
 
     def gzipped(self, body: bytes) -> bytes:
         """``body`` (one :meth:`get` returned) gzip-compressed, once per body, in the calling
@@ -216,25 +240,13 @@ class CachedBody:
         self._gzipped = (body, data)
         return data
 
-    def queue_refresh(self) -> bool:
-        """True the first time after a build: the caller queues :meth:`refresh` on the loop."""
-        if self._queued:
-            return False
-        self._queued = True
-        return True
-
     def refresh(self) -> bytes:
         """Build the bytes now (on the loop) and keep them."""
         started = self._clock()
         data = self._build()
         self._body = (started, data)
-        self._queued = False
         self.builds += 1
         return data
-
-    def tick(self) -> None:
-        if self._clock() - self._asked <= self.warm_s:
-            self.refresh()
 
 
 EventSink = Callable[[str, str, float, Mapping[str, Any]], None]

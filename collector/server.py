@@ -175,7 +175,7 @@ class Collector:
             Thresholds(behind_records=c.fleet_behind_records, behind_age_s=c.fleet_behind_age_s,
                        disk_low_bytes=c.fleet_disk_low_bytes, stale_intervals=c.fleet_stale_intervals),
             max_devices=c.fleet_max_devices, clock=clock)
-        # /api/fleet's body (collector.ops): built on the loop, at most once a sweep while asked for.
+        # /api/fleet's body (collector.ops): built on the loop when asked for, at most every 2 s.
         self.fleet_api = CachedBody(lambda: self.fleet.fleet_json({"collector_id": self.collector_id,
                                                                    "landing_rate": self.landing_rate()}))
         self._fleet_task: asyncio.Task[None] | None = None
@@ -281,16 +281,14 @@ class Collector:
                 for (t0, n0), (t1, n1) in zip(samples, samples[1:], strict=False)]
 
     async def _watch_fleet(self) -> None:
-        """Sweep the registry every second (closed connections show within a second), build
-        /api/fleet's body again while it is asked for, and save the registry every
-        SAVE_INTERVAL_S when it changed (encoded on the loop, written off it)."""
+        """Sweep the registry every second (closed connections show within a second) and save
+        it every SAVE_INTERVAL_S when it changed (encoded on the loop, written off it)."""
         last_save = time.monotonic()
         last_sample = 0.0
         while True:
             await asyncio.sleep(1.0)
             try:
                 self._sweep_fleet()
-                self.fleet_api.tick()
                 if time.monotonic() - last_sample >= LANDING_SAMPLE_S:
                     last_sample = time.monotonic()
                     self._landing_samples.append((self._clock(), self.lander.stats.rows_landed if self.lander else 0))

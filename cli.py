@@ -654,10 +654,12 @@ def status(directory: str, as_json: bool) -> None:
 @click.option("--ingest-records", type=click.IntRange(min=1000), default=200_000, show_default=True,
               help="Messages for the broker's durable ingest rate.")
 @click.option("--skip-bridge", is_flag=True, help="Do not run the Mosquitto bridge baseline.")
-@click.option("--only", type=click.Choice(["all", "mqtt-export", "storm"]), default="all", show_default=True,
+@click.option("--only", type=click.Choice(["all", "mqtt-export", "storm", "devices"]), default="all",
+              show_default=True,
               help="mqtt-export: only the MQTT export drain vs the bridge, at 50,000 and --records. storm: "
                    "--devices connect together to a collector, which is killed (SIGKILL) and restarted; "
-                   "seconds until the last is back, attempts per device, records lost.")
+                   "seconds until the last is back, attempts per device, records lost. devices: only the "
+                   "many-devices run (with and without health reports).")
 @click.option("--mosquitto-max-inflight", type=click.IntRange(min=0), default=None,
               help="With --only mqtt-export: max_inflight_messages for every mosquitto (default: its own, 20).")
 @click.option("--oracle", type=click.Choice(["puback", "subscriber"]), default="puback", show_default=True,
@@ -666,12 +668,22 @@ def status(directory: str, as_json: bool) -> None:
 @click.option("--oracle-qos", type=click.IntRange(0, 2), default=1, show_default=True,
               help="With --oracle subscriber: the subscriber's QoS.")
 @click.option("--repeat", type=click.IntRange(min=1), default=1, show_default=True,
-              help="With --only mqtt-export: runs of each per size, alternating; the summary gives medians.")
+              help="With --only mqtt-export: runs of each per size, alternating; the summary gives medians. "
+                   "The many-devices run: pairs of runs without and with health reports, alternating.")
+@click.option("--health-interval-s", type=click.FloatRange(min=0), default=30.0, show_default=True,
+              help="The many-devices run: seconds between a device's health reports in the runs with reports "
+                   "(an agent's default); 0: one run without reports only.")
+@click.option("--api-interval-s", type=click.FloatRange(min=0), default=0.5, show_default=True,
+              help="The many-devices run: GET the collector's /api/fleet this often while the devices send "
+                   "(0: never).")
+@click.option("--batch-records", type=click.IntRange(min=1), default=1000, show_default=True,
+              help="The many-devices run: records per batch.")
 @click.option("--work-dir", type=click.Path(file_okay=False), default=None, help="Where to put the data (default: a temp dir).")
 @click.option("--keep", is_flag=True, help="Keep the work directory.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per line on stdout.")
 def bench_forward(records: int, size: int, devices: tuple[int, ...], ingest_records: int, skip_bridge: bool,
                   only: str, mosquitto_max_inflight: int | None, oracle: str, oracle_qos: int, repeat: int,
+                  health_interval_s: float, api_interval_s: float, batch_records: int,
                   work_dir: str | None, keep: bool, as_json: bool) -> None:
     """Backlog drain agent -> collector -> Parquet vs a Mosquitto bridge; 100 devices -> one
     collector; drain rate vs the broker's durable ingest rate; --only storm: a fleet that
@@ -690,7 +702,8 @@ def bench_forward(records: int, size: int, devices: tuple[int, ...], ingest_reco
                       keep=keep,
                       as_json=as_json, skip_bridge=skip_bridge, ingest_records=ingest_records, only=only,
                       mosquitto_max_inflight=mosquitto_max_inflight, oracle=oracle, oracle_qos=oracle_qos,
-                      repeat=repeat)
+                      repeat=repeat, health_interval_s=health_interval_s, api_interval_s=api_interval_s or None,
+                      batch_records=batch_records)
 
 
 @bench.command("fleet")
@@ -704,19 +717,20 @@ def bench_forward(records: int, size: int, devices: tuple[int, ...], ingest_reco
 @click.option("--health-interval-s", type=click.FloatRange(min=0.1), default=5.0, show_default=True,
               help="Seconds between a device's health reports in the runs with reports.")
 @click.option("--repeat", type=click.IntRange(min=1), default=2, show_default=True,
-              help="Runs without and with reports, alternating; the summary gives medians.")
-@click.option("--api-samples", type=click.IntRange(min=1), default=10, show_default=True,
-              help="GET /api/fleet this many times after each run with reports.")
+              help="Pairs of runs without and with reports, alternating; the summary gives medians.")
+@click.option("--api-interval-s", type=click.FloatRange(min=0), default=0.5, show_default=True,
+              help="GET /api/fleet this often while the devices send (0: never).")
 @click.option("--work-dir", type=click.Path(file_okay=False), default=None, help="Where to put the data.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per line on stdout.")
 def bench_fleet(devices: int, records: int, batch_records: int, size: int, health_interval_s: float, repeat: int,
-                api_samples: int, work_dir: str | None, as_json: bool) -> None:
-    """Collector CPU per landed row with and without health reports; /api/fleet time at N devices."""
-    from bench.fleet import run_fleet_bench
+                api_interval_s: float, work_dir: str | None, as_json: bool) -> None:
+    """`bench forward --only devices` with shorter report intervals and batches by default:
+    collector CPU per landed row with and without health reports; /api/fleet time at N devices."""
+    from bench.forward_bench import run_forward_bench
 
-    run_fleet_bench(devices=devices, records=records, batch_records=batch_records, size=size,
-                    health_interval_s=health_interval_s,
-                    repeat=repeat, api_samples=api_samples, work_dir=work_dir, as_json=as_json)
+    run_forward_bench(records=records, size=size, devices=devices, work_dir=work_dir, keep=False, as_json=as_json,
+                      only="devices", repeat=repeat, health_interval_s=health_interval_s,
+                      api_interval_s=api_interval_s or None, batch_records=batch_records)
 
 
 @bench.command("consume")

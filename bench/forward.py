@@ -9,7 +9,10 @@
     runs until a subscriber there has all N.
 (b) Many devices. ``--devices`` MQTT connections (from two load processes) publish batches
     made with :func:`filemq.upstream.batch.encode_batch` to one collector; the clock runs until every
-    row is landed.
+    row is landed. Run ``--repeat`` times without and with health reports (as agents send them,
+    every ``--health-interval-s``, default 30), alternating: the collector's CPU per landed row
+    with/without (issue 32: < 1.05) and ``/api/fleet``'s time, sampled while the devices send
+    (< 200 ms); ``--only devices`` runs just this part.
 (c) The broker's durable ingest rate (QoS 1, fsync always, 4 publishers x 100 in flight)
     measured in the same run, to show a backlog shrinks while devices keep publishing.
 (d) The same backlog shipped by an MQTT export to Debian mosquitto (bench/forward_mqtt.py),
@@ -22,18 +25,23 @@ Progress goes to stderr; ``--json`` prints one JSON object per line on stdout.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import logging
 import multiprocessing
 import os
+import statistics
 import subprocess
+import sys
 import time
+import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from bench.ackcount import AckCounter
-from bench.harness.cpu import cpu_seconds
+from bench.harness.cpu import cpu_seconds, cpu_user_system
 from bench.harness.processes import (
     free_port,
     load_failure,
@@ -61,6 +69,7 @@ class Result:
     rate: float
     note: str = ""
     cpu_seconds: dict[str, float] = field(default_factory=dict)  # per process, during the run
+    details: dict[str, Any] = field(default_factory=dict)  # what else a scenario measured
 
 
 class LandedCounter:
@@ -178,6 +187,7 @@ def run_bridge(work: Path, records: int, size: int, timeout: float, bridge_timeo
     on the remote receives; ``"puback"`` counts the remote's PUBACKs to the bridge through
     :class:`bench.ackcount.AckCounter` (no subscriber).
     """
+
     work.mkdir(parents=True, exist_ok=True)
     # Started as root, mosquitto drops to its own user: it must reach and write its store.
     os.chmod(work.parent, 0o755)
@@ -286,15 +296,22 @@ def count_received(sub: subprocess.Popen[bytes], source: str) -> tuple[float, in
 
 
 def _device_load(port: int, devices: range, batches: int, batch_records: int, size: int,
-                 window: int, ready: Any, go: Any, done: Any, errors: Any) -> None:
+                 window: int, ready: Any, go: Any, done: Any, errors: Any,
+                 health_interval_s: float | None = None, reports_sent: Any = None) -> None:
     """One load process: a connection per device, each sending its pre-encoded batches.
 
+    With ``health_interval_s``, each device also sends health reports as an agent does
+    (QoS 0 on its own topic, :mod:`filemq.upstream.health`): one as it starts (an agent's
+    first report follows its connect; the connect storm is before the clock starts) and one
+    every interval until its batches are acknowledged; the count goes to ``reports_sent``.
     If devices cannot connect (or lose their connection), one line saying how many and why
     goes to ``errors`` and the process ends: the bench fails at once instead of waiting.
     """
+    from bench.health_body import report_body
     from filemq.mqtt.client import MQTTClient
     from filemq.ops.fdlimit import raise_nofile_limit
     from filemq.upstream.batch import BatchRecord, encode_batch
+    from filemq.upstream.health import encode_health, health_topic
 
     soft, _ = raise_nofile_limit()
     if 0 <= soft < len(devices) + 64:
@@ -309,10 +326,30 @@ def _device_load(port: int, devices: range, batches: int, batch_records: int, si
                                                           payload, 1) for i in range(batch_records)])
             for b in range(batches)
         ]
+    reports = 0
+
+    async def reporter(d: int, client: MQTTClient, stop: asyncio.Event, interval: float) -> None:
+        nonlocal reports
+        seq = 1
+        while not stop.is_set():
+            report = encode_health(f"dev-{d}", time.time_ns() // 1000, seq, report_body(seq))
+            client.publish_nowait(health_topic(f"dev-{d}"), report, qos=0)
+            reports += 1
+            seq += 1
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), interval)
 
     async def device(d: int, client: MQTTClient) -> None:
-        futures = [client.publish_nowait(f"filemq/v1/dev-{d}/main", p, qos=1) for p in prepared[d]]
-        await asyncio.gather(*futures)
+        stop = asyncio.Event()
+        task = (asyncio.create_task(reporter(d, client, stop, health_interval_s))
+                if health_interval_s else None)
+        try:
+            futures = [client.publish_nowait(f"filemq/v1/dev-{d}/main", p, qos=1) for p in prepared[d]]
+            await asyncio.gather(*futures)
+        finally:
+            stop.set()
+            if task is not None:
+                await task
         await client.disconnect()
 
     def report(what: str, results: list[BaseException | None]) -> bool:
@@ -323,7 +360,24 @@ def _device_load(port: int, devices: range, batches: int, batch_records: int, si
 
     async def main() -> None:
         clients = {d: MQTTClient(f"dev-{d}", port=port, max_inflight=window, keepalive=120) for d in devices}
-        connected = await asyncio.gather(*(c.connect(timeout=30) for c in clients.values()), return_exceptions=True)
+        # A few connects at a time, each tried up to 5 times: on a busy machine a burst of
+        # thousands of CONNECTs can have sockets closed by the collector's admission control
+        # (broker.max_connecting), and the connect storm is not what this run measures
+        # (bench forward --only storm is).
+        gate = asyncio.Semaphore(32)
+
+        async def connect(client: MQTTClient) -> None:
+            async with gate:
+                for attempt in range(5):
+                    try:
+                        await client.connect(timeout=30)
+                        return
+                    except Exception:
+                        if attempt == 4:
+                            raise
+                        await asyncio.sleep(0.2)
+
+        connected = await asyncio.gather(*(connect(c) for c in clients.values()), return_exceptions=True)
         if report("could not connect to the collector", [r if isinstance(r, BaseException) else None
                                                            for r in connected]):
             await asyncio.gather(*(c.disconnect(timeout=1) for c in clients.values()), return_exceptions=True)
@@ -332,6 +386,8 @@ def _device_load(port: int, devices: range, batches: int, batch_records: int, si
         await asyncio.get_running_loop().run_in_executor(None, go.wait)
         sent = await asyncio.gather(*(device(d, c) for d, c in clients.items()), return_exceptions=True)
         if not report("failed while sending", sent):
+            if reports_sent is not None:
+                reports_sent.put(reports)
             done.set()
 
     asyncio.run(main())
@@ -341,20 +397,60 @@ DEVICES_HINT = ("; the collector's log says how many connections it serves ('ser
                 " connections'): raise its --max-connections or the file-descriptor limit (ulimit -n)")
 
 
+def _sample_api(url: str, interval: float, warm: Any, go: Any, stop: Any, out: Any) -> None:
+    """A process of its own (no GIL shared with the bench's landing counter): one GET of ``url``
+    before ``go`` (the first request of a collector builds the body: its time is reported apart,
+    as ``cold``), then one every ``interval`` s from ``go`` until ``stop``; puts
+    ``(wall times in ms, cold ms, failures, bytes of the last answer)`` (gzip accepted, as by
+    the /fleet page and ``filemq fleet``)."""
+    import urllib.request
+
+    ms: list[float] = []
+    failures, size, cold = 0, 0, None
+    request = urllib.request.Request(url, headers={"Accept-Encoding": "gzip"})  # as the page and `filemq fleet`
+    while not stop.is_set():
+        started = time.perf_counter()
+        try:
+            with urllib.request.urlopen(request, timeout=30) as resp:
+                size = len(resp.read())
+            took = (time.perf_counter() - started) * 1000
+            if cold is None:
+                cold = took
+            else:
+                ms.append(took)
+        except OSError:
+            failures += 1
+        if not warm.is_set():
+            warm.set()
+            go.wait()
+        else:
+            stop.wait(interval)
+    out.put((ms, cold, failures, size))
+
+
 def run_devices(work: Path, devices: int, records: int, size: int, timeout: float,
-                collector_args: tuple[str, ...] = ()) -> Result:
+                collector_args: tuple[str, ...] = (), *, batch_records: int = 1000,
+                health_interval_s: float | None = None, api_interval_s: float | None = None) -> Result:
+    """(b): ``devices`` connections send ``records`` rows (at least a batch each) to one
+    collector; the clock and the collector's CPU seconds run from the moment all are connected
+    until every row is landed. With ``health_interval_s`` the devices also send health reports
+    (:func:`_device_load`); with ``api_interval_s`` the collector's ``/api/fleet`` is fetched
+    that often while they send. The figures beyond the rate are in the result's ``details``."""
     landing, data = work / "landing", work / "collector"
-    batch_records = 1000
     per_device = max(1, records // devices // batch_records)
     total = per_device * batch_records * devices
     port = free_port()
+    ops = free_port() if api_interval_s else None
     collector = start_cli("collector", "--data-dir", str(data), "--landing", str(landing), "--port", str(port),
                         "--collector-id", "bench", "--roll-seconds", "1", *collector_args,
-                        log_path=work / "collector.log")
+                        *(("--metrics-port", str(ops)) if ops else ()), log_path=work / "collector.log")
     ctx = multiprocessing.get_context("spawn")
     go = ctx.Event()
     errors = ctx.Queue()
+    reports_sent = ctx.Queue()
     procs = []
+    sampler, sampler_warm, sampler_stop, sampled = None, ctx.Event(), ctx.Event(), ctx.Queue()
+    details: dict[str, Any] = {"health_interval_s": health_interval_s, "batch_records": batch_records}
     try:
         halves = [range(0, devices // 2), range(devices // 2, devices)]
         waits = []
@@ -363,11 +459,13 @@ def run_devices(work: Path, devices: int, records: int, size: int, timeout: floa
             ready, done = ctx.Event(), ctx.Event()
             events.append((ready, done))
             p = ctx.Process(target=_device_load,
-                            args=(port, part, per_device, batch_records, size, 4, ready, go, done, errors))
+                            args=(port, part, per_device, batch_records, size, 4, ready, go, done, errors,
+                                  health_interval_s, reports_sent))
             p.start()
             procs.append(p)
             waits.append(ready)
-        say(f"[devices] preparing {devices} devices x {per_device} batches of {batch_records} records")
+        say(f"[devices] preparing {devices} devices x {per_device} batches of {batch_records} records"
+             + (f", health reports every {health_interval_s:g} s" if health_interval_s else ", no health reports"))
         deadline = time.monotonic() + timeout
         while not all(ready.is_set() for ready in waits):
             failure = load_failure(procs, errors)
@@ -376,21 +474,138 @@ def run_devices(work: Path, devices: int, records: int, size: int, timeout: floa
             if time.monotonic() > deadline:
                 raise TimeoutError("load processes did not get ready")
             waits[0].wait(0.1)
+        if ops and api_interval_s:
+            sampler = ctx.Process(target=_sample_api, args=(f"http://127.0.0.1:{ops}/api/fleet", api_interval_s,
+                                                            sampler_warm, go, sampler_stop, sampled))
+            sampler.start()
+            if not sampler_warm.wait(60):
+                raise TimeoutError("the /api/fleet sampler did not make its first request")
         say(f"[devices] {devices} connections up; sending {total:,} records")
+        details["loadavg_start"] = round(os.getloadavg()[0], 2)
+        user0, system0 = cpu_user_system(collector.pid)
         start = time.monotonic()
         go.set()
         LandedCounter(landing).wait_for(total, timeout, lambda n: say(f"[devices]   {n:,} rows landed"),
                                         abort=lambda: load_failure(procs, errors))
         seconds = time.monotonic() - start
+        user1, system1 = cpu_user_system(collector.pid)
+        cpu = user1 - user0 + system1 - system0
+        # System time (socket and disk work in the kernel) moves most between runs here.
+        details["collector_user_s"] = round(user1 - user0, 2)
+        details["collector_system_s"] = round(system1 - system0, 2)
+        details["loadavg_end"] = round(os.getloadavg()[0], 2)
+        if sampler is not None:
+            sampler_stop.set()
+            ms, cold, failures, size = sampled.get(timeout=60)
+            details.update(_latencies(ms), api_fleet_failures=failures, api_fleet_bytes=size,
+                           api_fleet_cold_ms=None if cold is None else round(cold, 1),
+                           api_fleet_ms_all=[round(x, 1) for x in ms])
+        for _, done in events:
+            done.wait(30)
+        details["health_reports"] = sum(reports_sent.get(timeout=30) for _ in procs)
+        if ops and health_interval_s:
+            body = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{ops}/api/fleet", timeout=30).read())
+            reported = sum(1 for d in body["devices"] if d.get("last_report"))
+            if body["counts"]["total"] != devices or reported != devices:
+                raise RuntimeError(f"/api/fleet holds {body['counts']['total']} devices, {reported} with a"
+                                   f" report, not {devices}")
     finally:
+        sampler_stop.set()
         go.set()
+        if sampler is not None:
+            procs.append(sampler)
         for p in procs:
             p.join(30)
             if p.is_alive():
                 p.kill()
         stop(collector)
     return Result("collector_devices", total, seconds, total / seconds,
-                  f"{devices} devices, batches of {batch_records}, window 4, landed Parquet")
+                  f"{devices} devices, batches of {batch_records}, window 4, landed Parquet"
+                  + (f", health reports every {health_interval_s:g} s" if health_interval_s else ""),
+                  {"collector": cpu}, details)
+
+
+def _latencies(ms: list[float]) -> dict[str, Any]:
+    """Median, 99th percentile and maximum of request times (ms), and how many."""
+    if not ms:
+        return {"api_fleet_samples": 0}
+    p99 = statistics.quantiles(ms, n=100, method="inclusive")[98] if len(ms) > 1 else ms[0]
+    return {"api_fleet_samples": len(ms), "api_fleet_ms_p50": round(statistics.median(ms), 1),
+            "api_fleet_ms_p99": round(p99, 1), "api_fleet_ms_max": round(max(ms), 1)}
+
+
+def run_devices_health(work: Path, *, devices: int, records: int, size: int, timeout: float, repeat: int,
+                       health_interval_s: float, api_interval_s: float | None, batch_records: int = 1000,
+                       emit: Callable[[Result], None] | None = None) -> dict[str, Any]:
+    """What health reporting costs the collector (issue 32): :func:`run_devices` ``repeat``
+    times without and with reports, alternating (ABBA: without-with, then with-without, ...,
+    so a drift of the machine's load falls on both alike), ``/api/fleet`` sampled in every run.
+    Returns the summary: the collector's CPU µs per landed row without and with (medians) and
+    their ratio (target < 1.05), the ratio of each pair, the reports sent per landed row, the
+    CPU µs a report costs (the medians' difference per report), /api/fleet p50/p99/max while
+    the devices send, and the load averages."""
+    runs: list[tuple[bool, Result]] = []
+    for i in range(repeat):
+        order = (False, True) if i % 2 == 0 else (True, False)
+        for health in order:
+            name = f"{'with' if health else 'without'}-health-{i}"
+            say(f"[devices] pair {i + 1}/{repeat}: {name}")
+            result = run_devices(work / name, devices, records, size, timeout, batch_records=batch_records,
+                                 health_interval_s=health_interval_s if health else None,
+                                 api_interval_s=api_interval_s)
+            result.name = "collector_devices_health" if health else "collector_devices"
+            runs.append((health, result))
+            d = result.details
+            say(f"[devices]   {result.records:,} rows in {result.seconds:.1f} s, collector"
+                 f" {result.cpu_seconds['collector']:.2f} CPU s (user {d['collector_user_s']}) ="
+                 f" {_us_per_row(result):.3f} µs/row,"
+                 f" {d['health_reports']:,} health reports; /api/fleet p50 {d.get('api_fleet_ms_p50')} ms,"
+                 f" p99 {d.get('api_fleet_ms_p99')} ms, max {d.get('api_fleet_ms_max')} ms over"
+                 f" {d.get('api_fleet_samples', 0)} requests while they send (the first, before: {d.get('api_fleet_cold_ms')}"
+                 f" ms); load average {d['loadavg_start']}-{d['loadavg_end']}")
+            if emit is not None:
+                emit(result)
+    without = [r for h, r in runs if not h]
+    with_ = [r for h, r in runs if h]
+    off = statistics.median(_us_per_row(r) for r in without)
+    on = statistics.median(_us_per_row(r) for r in with_)
+    reports = statistics.median(r.details["health_reports"] for r in with_)
+    rows = with_[0].records
+    summary: dict[str, Any] = {
+        "name": "health_cost", "devices": devices, "records": rows, "batch_records": batch_records,
+        "health_interval_s": health_interval_s, "repeat": repeat,
+        "cpu_us_per_row_without": round(off, 3), "cpu_us_per_row_with": round(on, 3),
+        "cpu_ratio": round(on / off, 3) if off else None,
+        "user_cpu_ratio": _ratio(statistics.median(r.details["collector_user_s"] / r.records for r in with_),
+                                 statistics.median(r.details["collector_user_s"] / r.records for r in without)),
+        "pair_ratios": [round(_us_per_row(b) / _us_per_row(a), 3) for a, b in zip(without, with_, strict=True)
+                        if _us_per_row(a)],
+        "reports_per_row": round(reports / rows, 6),
+        "cpu_us_per_report": round((on - off) * rows / reports, 1) if reports else None,
+        "seconds_median": round(statistics.median(r.seconds for _, r in runs), 1),
+        "loadavg": [r.details["loadavg_start"] for _, r in runs] + [runs[-1][1].details["loadavg_end"]],
+        "cpus": os.cpu_count(), "python": sys.version.split()[0],
+    }
+    for label, group in (("with", with_), ("without", without)):
+        samples = [ms for r in group for ms in r.details.pop("api_fleet_ms_all", [])]
+        summary.update({f"{k}_{label}": v for k, v in _latencies(samples).items()})
+        colds = [r.details["api_fleet_cold_ms"] for r in group if r.details.get("api_fleet_cold_ms") is not None]
+        summary[f"api_fleet_cold_ms_max_{label}"] = max(colds, default=None)
+    say(f"[devices] health reports cost x{summary['cpu_ratio']} collector CPU per landed row (target < 1.05;"
+         f" pairs {summary['pair_ratios']}; user CPU alone x{summary['user_cpu_ratio']}) at {summary['reports_per_row']} reports per row"
+         f" (~{summary['cpu_us_per_report']} µs per report); /api/fleet at {devices} devices while they send:"
+         f" p50 {summary.get('api_fleet_ms_p50_with')} ms, p99 {summary.get('api_fleet_ms_p99_with')} ms,"
+         f" max {summary.get('api_fleet_ms_max_with')} ms over {summary.get('api_fleet_samples_with')} requests"
+         " (target < 200 ms)")
+    return summary
+
+
+def _ratio(a: float, b: float) -> float | None:
+    return round(a / b, 3) if b else None
+
+
+def _us_per_row(result: Result) -> float:
+    return result.cpu_seconds["collector"] / result.records * 1e6
 
 
 # -- (c) the broker's durable ingest rate --------------------------------------------------------
@@ -434,3 +649,6 @@ def run_ingest(work: Path, records: int, size: int, timeout: float) -> Result:
         stop(broker)
     return Result("broker_durable_ingest", count, seconds, count / seconds,
                   "filemq broker, QoS 1, fsync=always, 4 x 100 in flight")
+
+
+# -- the command ---------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import statistics
 import tempfile
 from dataclasses import asdict
 from pathlib import Path
@@ -22,6 +23,7 @@ from bench.forward import (
     Result,
     run_bridge,
     run_devices,
+    run_devices_health,
     run_drain,
     run_ingest,
 )
@@ -33,11 +35,14 @@ def run_forward_bench(
     *, records: int, size: int, devices: int, work_dir: str | None, keep: bool, as_json: bool,
     skip_bridge: bool = False, ingest_records: int = 200_000, timeout: float = 900, only: str = "all",
     mosquitto_max_inflight: int | None = None, oracle: str = "puback", oracle_qos: int = 1, repeat: int = 1,
+    health_interval_s: float = 30.0, api_interval_s: float | None = 0.5, batch_records: int = 1000,
 ) -> dict[str, Any]:
     """Run (a), (b), (c) and (d) and print the rates and ratios; returns the summary.
 
     ``only="mqtt-export"`` runs just (d): the MQTT export drain against the bridge at
-    ``SMALL_BRIDGE_BACKLOG`` and ``records`` (bench/forward_mqtt.py)."""
+    ``SMALL_BRIDGE_BACKLOG`` and ``records`` (bench/forward_mqtt.py). ``only="devices"`` runs
+    just (b). (b) runs ``repeat`` pairs without and with health reports every
+    ``health_interval_s`` (:func:`run_devices_health`; 0: one run without, as before)."""
     if only == "mqtt-export":
         return run_export_vs_bridge(records=records, size=size, work_dir=work_dir, keep=keep, as_json=as_json,
                                     timeout=timeout, mosquitto_max_inflight=mosquitto_max_inflight,
@@ -45,14 +50,36 @@ def run_forward_bench(
     base = Path(work_dir) if work_dir else Path(tempfile.mkdtemp(prefix="filemq-bench-forward-"))
     base.mkdir(parents=True, exist_ok=True)
     results: dict[str, Result] = {}
+    device_rates: list[float] = []
 
     def emit(result: Result) -> None:
         results[result.name] = result
+        if result.name == "collector_devices":
+            device_rates.append(result.rate)
         say(f"{result.name}: {result.records:,} records in {result.seconds:.2f} s = {result.rate:,.0f} records/s"
              f" ({result.note})")
         if as_json:
             print(json.dumps(asdict(result)), flush=True)
 
+    def many_devices() -> dict[str, Any] | None:
+        if not health_interval_s:
+            emit(run_devices(base / "devices", devices, records, size, timeout, batch_records=batch_records,
+                             api_interval_s=api_interval_s))
+            return None
+        health = run_devices_health(base / "devices", devices=devices, records=records, size=size,
+                                    timeout=timeout, repeat=repeat, health_interval_s=health_interval_s,
+                                    api_interval_s=api_interval_s, batch_records=batch_records, emit=emit)
+        if as_json:
+            print(json.dumps(health), flush=True)
+        return health
+
+    if only == "devices":
+        try:
+            health = many_devices()
+        finally:
+            if not keep:
+                shutil.rmtree(base, ignore_errors=True)
+        return health or {"name": "summary", "devices_records_per_s": round(statistics.median(device_rates))}
     try:
         emit(run_drain(base / "drain", records, size, timeout))
         if skip_bridge or shutil.which(MOSQUITTO_SUB) is None or not os.path.exists(MOSQUITTO):
@@ -67,7 +94,7 @@ def run_forward_bench(
                 emit(small)
         if not skip_bridge and os.path.exists(MOSQUITTO):
             emit(run_mqtt_export_drain(base / "export", records, size, timeout, oracle="subscriber"))
-        emit(run_devices(base / "devices", devices, records, size, timeout))
+        health = many_devices()
         emit(run_ingest(base / "ingest", ingest_records, size, timeout))
     finally:
         if not keep:
@@ -76,7 +103,7 @@ def run_forward_bench(
     summary: dict[str, Any] = {
         "name": "summary",
         "drain_records_per_s": round(drain),
-        "devices_records_per_s": round(results["collector_devices"].rate),
+        "devices_records_per_s": round(statistics.median(device_rates)),
         "ingest_records_per_s": round(results["broker_durable_ingest"].rate),
         "drain_vs_ingest": round(drain / results["broker_durable_ingest"].rate, 2),
     }
@@ -99,6 +126,9 @@ def run_forward_bench(
         + f"; {summary['devices_records_per_s']:,}/s from {devices} devices (target >= 150,000/s);"
         f" drain/ingest {summary['drain_vs_ingest']}x (target >= 1.5x)"
     )
+    if health is not None:
+        summary["health_cpu_ratio"] = health["cpu_ratio"]
+        summary["api_fleet_ms_max"] = health.get("api_fleet_ms_max_with")
     if as_json:
         print(json.dumps(summary), flush=True)
     return summary

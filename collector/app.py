@@ -15,6 +15,7 @@ from collections.abc import Callable
 from collector.server import Collector
 from filemq.broker.metrics import backlog_status
 from filemq.common.config import Config
+from filemq.ops.gctune import tune_gc
 from filemq.ops.service import Sidecar, run_until_signalled, serve_until_signalled
 
 log = logging.getLogger("collector.server")
@@ -46,5 +47,10 @@ async def serve_collector(
 
 
 def run_collector(config: Config, ready: Callable[[str], None] | None = None) -> int:
-    """``filemq collector``: run until SIGTERM/SIGINT in a new event loop; the exit code."""
+    """``filemq collector``: run until SIGTERM/SIGINT in a new event loop; the exit code.
+
+    The garbage collector is tuned as the broker's (filemq/ops/gctune.py): with thousands of
+    devices connected a full collection walks every connection's objects while it holds the
+    GIL, which the operations port's thread then waits for, and it costs CPU per landed row."""
+    tune_gc()
     return run_until_signalled(serve_collector(config, ready), name="collector", log=log)

@@ -32,16 +32,22 @@ Only the standard library (``filemq fleet``, :mod:`collector.fleet_view`, runs w
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
+import gzip
 import json
 import logging
 import math
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    import asyncio
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +57,9 @@ SAVE_INTERVAL_S = 30.0
 HISTORY_POINTS = 120  # lag samples per device (one per health report: an hour at 30 s)
 EVENTS_KEPT = 50  # connects/disconnects per device
 STATES = ("online", "behind", "disk_low", "stale", "offline")
+_NUMBER = (int, float)
+# What /api/fleet shows of a device that changes without a new Device.version.
+_DYNAMIC = ("state", "last_seen", "records_received", "records_landed")
 
 
 class Conn(Protocol):
@@ -101,20 +110,29 @@ class Device:
     history: deque[tuple[float, int]] = field(default_factory=lambda: deque(maxlen=HISTORY_POINTS))
     events: deque[tuple[float, str, str]] = field(default_factory=lambda: deque(maxlen=EVENTS_KEPT))
     conn: Conn | None = None  # the live connection (not saved)
-    version: int = 0  # counts changes: the /api/fleet fragment below is re-encoded only after one
+    # Counts changes to what /api/fleet shows of the device, but for last_seen and the record
+    # counts (they change with every batch): the fragment below is re-encoded only after one.
+    version: int = 0
     fragment: tuple[int, bytes] | None = None
     # A disconnect the event sink could not record yet (the WAL was closed): recorded at next start.
     pending_disconnect: tuple[float, str] | None = None
+    _figures: tuple[object, int | None, float | None] | None = None  # (health, lag, age) of that report
+
+    def _lag_and_age(self) -> tuple[int | None, float | None]:
+        h = self.health
+        cached = self._figures
+        if cached is None or cached[0] is not h:  # once per report, not per view
+            exports = (h or {}).get("exports") or []
+            lags = [e["lag_records"] for e in exports if isinstance(e.get("lag_records"), int)]
+            ages = [e["oldest_unacked_age_s"] for e in exports if isinstance(e.get("oldest_unacked_age_s"), _NUMBER)]
+            cached = self._figures = (h, sum(lags) if lags else None, max(ages) if ages else None)
+        return cached[1], cached[2]
 
     def lag_records(self) -> int | None:
-        exports = (self.health or {}).get("exports") or []
-        lags = [e["lag_records"] for e in exports if isinstance(e.get("lag_records"), int)]
-        return sum(lags) if lags else None
+        return self._lag_and_age()[0]
 
     def oldest_unacked_age_s(self) -> float | None:
-        exports = (self.health or {}).get("exports") or []
-        ages = [e["oldest_unacked_age_s"] for e in exports if isinstance(e.get("oldest_unacked_age_s"), int | float)]
-        return max(ages) if ages else None
+        return self._lag_and_age()[1]
 
 
 def device_state(d: Device, now: float, t: Thresholds) -> str:
@@ -152,6 +170,83 @@ def iso(ts: float | None) -> str | None:
             _ISO_SECONDS.clear()
         prefix = _ISO_SECONDS[second] = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(second))
     return f"{prefix}.{min(int((ts - second) * 1000), 999):03d}Z"
+
+
+class CachedBody:
+    """A view's bytes (``/api/fleet``), built on the event loop and served from any thread.
+
+    :meth:`get` (any thread) returns the last bytes built and whether they are fresh: at most
+    ``max_age_s`` old. For bytes that are not, the caller asks for a build with :meth:`build_on`
+    (one build on the loop however many callers ask) and waits for it a short while; a loop busy
+    with thousands of sockets may not run it for hundreds of milliseconds, and the caller then
+    serves the last bytes (their ``generated_at`` says when they were built) as long as they are
+    at most ``stale_s`` old. The registry is so encoded at most once per ``max_age_s`` and only
+    when asked for, however often it is asked for.
+    What a caller may rely on: a fresh body reflects the registry at most ``max_age_s`` ago, any
+    body :meth:`get` returns at most ``stale_s`` ago (by ``clock``).
+    """
+
+    def __init__(self, build: Callable[[], bytes], *, max_age_s: float = 2.0, stale_s: float = 60.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._build = build
+        self.max_age_s = max_age_s
+        self.stale_s = stale_s
+        self._clock = clock
+        self._body: tuple[float, bytes] | None = None  # (clock when the build started, bytes): replaced whole
+        self._lock = threading.Lock()
+        self._pending: concurrent.futures.Future[bytes] | None = None  # the build asked for
+        self._gzipped: tuple[bytes, bytes] | None = None  # (body, its gzip): compressed once per body
+        self.builds = 0
+
+    def get(self) -> tuple[bytes | None, bool]:
+        """``(body, fresh)``: None for no body or one older than ``stale_s``."""
+        body = self._body
+        if body is None:
+            return None, False
+        age = self._clock() - body[0]
+        if age > self.stale_s:
+            return None, False
+        return body[1], age <= self.max_age_s
+
+    def build_on(self, loop: asyncio.AbstractEventLoop) -> concurrent.futures.Future[bytes]:
+        """The build of new bytes on ``loop`` (queued unless one already is), to wait for."""
+        with self._lock:
+            pending = self._pending
+            if pending is None:
+                pending = self._pending = concurrent.futures.Future()
+                loop.call_soon_threadsafe(self._build_pending, pending)
+            return pending
+
+    def _build_pending(self, pending: concurrent.futures.Future[bytes]) -> None:
+        try:
+            data = self.refresh()
+        except Exception as exc:
+            with self._lock:
+                self._pending = None
+            pending.set_exception(exc)
+            return
+        with self._lock:
+            self._pending = None
+        pending.set_result(data)
+
+    def gzipped(self, body: bytes) -> bytes:
+        """``body`` (one :meth:`get` returned) gzip-compressed, once per body, in the calling
+        thread (zlib lets go of the GIL while it compresses): at 5,000 devices 84 KB to send
+        instead of 2.5 MB."""
+        kept = self._gzipped
+        if kept is not None and kept[0] is body:
+            return kept[1]
+        data = gzip.compress(body, compresslevel=1, mtime=0)
+        self._gzipped = (body, data)
+        return data
+
+    def refresh(self) -> bytes:
+        """Build the bytes now (on the loop) and keep them."""
+        started = self._clock()
+        data = self._build()
+        self._body = (started, data)
+        self.builds += 1
+        return data
 
 
 EventSink = Callable[[str, str, float, Mapping[str, Any]], None]
@@ -226,7 +321,7 @@ class FleetRegistry:
             if counts is None:
                 counts = d.streams[stream] = {"records_received": 0, "records_landed": 0}
             counts["records_received"] += records
-        self._changed(d)
+        self.dirty = True  # (last_seen and the counts are not in the device's /api/fleet fragment)
         return d
 
     def health(self, device_id: str, body: dict[str, Any], sent_at_us: int, sequence: int,
@@ -258,7 +353,7 @@ class FleetRegistry:
             if c is None:
                 c = d.streams[stream] = {"records_received": 0, "records_landed": 0}
             c["records_landed"] += rows
-            self._changed(d)
+            self.dirty = True
 
     def sweep(self, connections: Mapping[str, Conn]) -> None:
         """Once a second: mark devices whose connection closed as disconnected (with its reason),
@@ -387,8 +482,9 @@ class FleetRegistry:
 
     def fleet_json(self, extra: Mapping[str, Any]) -> bytes:
         """:meth:`fleet` plus ``extra`` as JSON bytes, for ``/api/fleet`` at thousands of
-        devices: each device's object is encoded again only after it changed (its state, which
-        depends on the time, is put in front of the kept encoding)."""
+        devices: each device's object is encoded again only after it changed; what changes
+        with every batch (``last_seen``, the record counts) and its state (which depends on the
+        time) are put in front of the kept encoding."""
         now = self._clock()
         t = self.thresholds
         counts = dict.fromkeys(STATES, 0)
@@ -399,9 +495,15 @@ class FleetRegistry:
             cached = d.fragment
             if cached is None or cached[0] != d.version:
                 body = self.summary(d, now)
-                del body["state"]
+                for key in _DYNAMIC:
+                    del body[key]
                 cached = d.fragment = (d.version, json.dumps(body, separators=(",", ":")).encode()[1:])
-            parts.append(b'{"state":"' + state.encode() + b'",' + cached[1])
+            received = landed = 0
+            for c in d.streams.values():
+                received += c["records_received"]
+                landed += c["records_landed"]
+            parts.append(f'{{"state":"{state}","last_seen":"{iso(d.last_seen)}","records_received":{received},'
+                         f'"records_landed":{landed},'.encode() + cached[1])
         counts["total"] = len(self.devices)
         head = {"generated_at": iso(now), "counts": counts, **extra}
         return (json.dumps(head, separators=(",", ":")).encode()[:-1] + b',"devices":[' + b",".join(parts)

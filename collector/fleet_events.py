@@ -61,14 +61,23 @@ def health_event(body: Mapping[str, Any], body_json: bytes, sequence: int, sent_
     whose fields :func:`filemq.upstream.health.check_body` checked) rather than encoded again."""
     exports = body.get("exports") or []
     lags = [e["lag_records"] for e in exports if type(e.get("lag_records")) is int]
-    ages = [e["oldest_unacked_age_s"] for e in exports if isinstance(e.get("oldest_unacked_age_s"), int | float)]
-    head = json.dumps({"event": "health", "sequence": sequence, "sent_at_us": sent_at_us,
-                       "lag_records": sum(lags) if lags else None,
-                       "oldest_unacked_age_s": max(ages) if ages else None}, separators=(",", ":")).encode()
+    ages = [e["oldest_unacked_age_s"] for e in exports if type(e.get("oldest_unacked_age_s")) in _NUMBER]
+    # Formatted, not json.dumps'ed (once per report): ints and finite floats (check_body)
+    # have the same text in both.
+    head = (f'{{"event":"health","sequence":{int(sequence)},"sent_at_us":{int(sent_at_us)},'
+            f'"lag_records":{_number(sum(lags) if lags else None)},'
+            f'"oldest_unacked_age_s":{_number(max(ages) if ages else None)}').encode()
     rest = body_json.strip()[1:]  # the body object without its "{"
     if rest.lstrip().startswith(b"}"):
-        return head
-    return head[:-1] + b"," + rest
+        return head + b"}"
+    return head + b"," + rest
+
+
+_NUMBER = (int, float)
+
+
+def _number(value: float | None) -> str:
+    return "null" if value is None else repr(value)
 
 
 def fleet_record(topic: str, payload: bytes) -> tuple[str, str, bytes] | None:

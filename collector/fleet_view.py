@@ -24,19 +24,23 @@ def fetch_fleet(url: str, *, username: str | None = None, password: str | None =
                 cafile: str | None = None, timeout: float = 10.0) -> dict[str, Any]:
     """GET ``<url>/api/fleet`` (``url`` the ops port's base, e.g. ``http://127.0.0.1:9100``)."""
     import base64
+    import gzip
     import ssl
     import urllib.error
     import urllib.request
 
     target = url.rstrip("/") + "/api/fleet"
-    req = urllib.request.Request(target, headers={"Accept": "application/json"})
+    req = urllib.request.Request(target, headers={"Accept": "application/json", "Accept-Encoding": "gzip"})
     if username is not None:
         token = base64.b64encode(f"{username}:{password or ''}".encode()).decode()
         req.add_header("Authorization", f"Basic {token}")
     context = ssl.create_default_context(cafile=cafile) if target.startswith("https:") else None
     try:
         with urllib.request.urlopen(req, timeout=timeout, context=context) as resp:
-            body = json.loads(resp.read())
+            raw = resp.read()
+            if resp.headers.get("Content-Encoding") == "gzip":
+                raw = gzip.decompress(raw)
+            body = json.loads(raw)
     except urllib.error.HTTPError as exc:
         hint = " (give --username and --password-file)" if exc.code == 401 else ""
         raise FleetUnavailable(f"{target}: HTTP {exc.code} {exc.reason}{hint}") from None

@@ -24,6 +24,12 @@ What a caller may rely on:
 * **Loopback by default**: ``collector.ops_host`` is ``127.0.0.1`` unless set.
 * The registry is read on the collector's event loop (never from the HTTP threads); a loop
   that does not answer within 5 s gives 503.
+* ``/api/fleet``'s body is built on the loop when asked for, at most every 2 s
+  (:class:`collector.fleet.CachedBody`), and served as bytes from the HTTP thread; a request
+  that finds it older waits up to 0.1 s for a new one, and a loop too busy with thousands of
+  devices to build it by then gets the last one (up to 60 s old; ``generated_at`` says when)
+  while the new one is built. A client that accepts gzip (a browser) gets it gzip-compressed,
+  once per body, in the HTTP thread.
 """
 
 from __future__ import annotations
@@ -52,6 +58,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("collector.ops")
 
 LOOP_TIMEOUT_S = 5.0
+FRESH_WAIT_S = 0.1  # how long /api/fleet waits for a new body before it serves the last one
 ASSETS = {"fleet.html": "text/html; charset=utf-8", "fleet.js": "text/javascript; charset=utf-8",
           "fleet.css": "text/css; charset=utf-8"}
 
@@ -96,12 +103,6 @@ class _Logins:
             return False
 
 
-def fleet_json(collector: Collector) -> bytes:
-    """The ``/api/fleet`` body (call on the collector's loop)."""
-    return collector.fleet.fleet_json({"collector_id": collector.collector_id,
-                                       "landing_rate": collector.landing_rate()})
-
-
 def start_ops_server(collector: Collector, port: int, addr: str = "127.0.0.1") -> MetricsServer:
     """Serve the operations port for ``collector`` on ``addr:port`` (0 = any free port); call
     from the collector's event loop. Raises ConfigError for a bad password file, OSError if
@@ -144,7 +145,23 @@ def start_ops_server(collector: Collector, port: int, addr: str = "127.0.0.1") -
                 if path == "/metrics":
                     self._send(200, generate_latest(registry), CONTENT_TYPE)
                 elif path == "/api/fleet":
-                    self._send(200, on_loop(loop, lambda: fleet_json(collector), LOOP_TIMEOUT_S), "application/json")
+                    cache = collector.fleet_api
+                    body, fresh = cache.get()
+                    if not fresh:
+                        build = cache.build_on(loop)
+                        try:
+                            body = build.result(LOOP_TIMEOUT_S if body is None else FRESH_WAIT_S)
+                        except TimeoutError:
+                            # A loop busy with thousands of devices: the last body now (the new
+                            # one is for a later request); none yet: 503 below.
+                            if body is None:
+                                raise
+                    assert body is not None  # (fresh means there is one)
+                    if "gzip" in (self.headers.get("Accept-Encoding") or ""):
+                        self._send(200, cache.gzipped(body), "application/json",
+                                   {"Content-Encoding": "gzip", "Vary": "Accept-Encoding"})
+                    else:
+                        self._send(200, body, "application/json", {"Vary": "Accept-Encoding"})
                 elif path.startswith("/api/fleet/"):
                     device = urllib.parse.unquote(path[len("/api/fleet/"):])
                     found = on_loop(loop, lambda: collector.fleet.detail(device), LOOP_TIMEOUT_S)

@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from collector.dedup import SNAPSHOT_FILE, HighWaterMarks, batch_ranges
-from collector.fleet import FLEET_FILE, SAVE_INTERVAL_S, FleetRegistry, Thresholds, iso
+from collector.fleet import FLEET_FILE, SAVE_INTERVAL_S, CachedBody, FleetRegistry, Thresholds, iso
 from collector.fleet_events import LANDING_SUBDIR as EVENTS_LANDING_SUBDIR
 from collector.fleet_events import event_payload, event_topic, health_event
 from collector.headers import FULL_CHECKS_PER_BATCH, HeaderCheck
@@ -175,6 +175,9 @@ class Collector:
             Thresholds(behind_records=c.fleet_behind_records, behind_age_s=c.fleet_behind_age_s,
                        disk_low_bytes=c.fleet_disk_low_bytes, stale_intervals=c.fleet_stale_intervals),
             max_devices=c.fleet_max_devices, clock=clock)
+        # /api/fleet's body (collector.ops): built on the loop when asked for, at most every 2 s.
+        self.fleet_api = CachedBody(lambda: self.fleet.fleet_json({"collector_id": self.collector_id,
+                                                                   "landing_rate": self.landing_rate()}))
         self._fleet_task: asyncio.Task[None] | None = None
         self._event_commits: set[asyncio.Future[None]] = set()  # fleet events not yet committed
         # (unix time, rows landed so far) every LANDING_SAMPLE_S for the last hour: /api/fleet's rate plot.

@@ -266,6 +266,35 @@ def test_bench_forward_devices_fail_fast_when_the_collector_refuses_connections(
     assert time.monotonic() - started < 60
 
 
+def test_bench_forward_devices_measures_health_reports_against_none_through_the_cli(tmp_path):
+    """Issue 32: `bench forward --only devices` runs pairs without and with health reports
+    (alternating) and prints each run and a summary: CPU per landed row both ways and their
+    ratio, reports per row, /api/fleet times sampled while the devices send."""
+    args = ["bench", "forward", "--only", "devices", "--devices", "6", "--records", "6000", "--batch-records",
+            "100", "--health-interval-s", "0.3", "--api-interval-s", "0.1", "--repeat", "2",
+            "--work-dir", str(tmp_path), "--json"]
+    run = CliRunner().invoke(main, args)
+    assert run.exit_code == 0, run.output
+    lines = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+    runs, (summary,) = lines[:-1], lines[-1:]
+    # ABBA: without, with, then with, without.
+    assert [r["name"] for r in runs] == ["collector_devices", "collector_devices_health",
+                                         "collector_devices_health", "collector_devices"]
+    for r in runs:
+        health = r["name"].endswith("health")
+        assert r["records"] == 6000 and r["cpu_seconds"]["collector"] == pytest.approx(
+            r["details"]["collector_user_s"] + r["details"]["collector_system_s"], abs=0.02)
+        assert (r["details"]["health_reports"] >= 6) if health else r["details"]["health_reports"] == 0
+        assert r["details"]["api_fleet_samples"] >= 1 and r["details"]["api_fleet_failures"] == 0
+        assert r["details"]["api_fleet_ms_p50"] <= r["details"]["api_fleet_ms_p99"] <= r["details"]["api_fleet_ms_max"]
+    assert summary["name"] == "health_cost" and summary["devices"] == 6 and summary["repeat"] == 2
+    sent = [r["details"]["health_reports"] for r in runs if r["name"].endswith("health")]
+    assert summary["reports_per_row"] == pytest.approx(sum(sent) / 2 / 6000, abs=1e-6)
+    assert len(summary["pair_ratios"]) == 2
+    assert summary["api_fleet_samples_with"] >= 2 and summary["api_fleet_samples_without"] >= 2
+    assert len(summary["loadavg"]) == 5
+
+
 # --------------------------------------------------------------------------- --protocol 5 (issue 13 item 9)
 
 _V5_CONTENDERS = ("filemq_v5", "filemq_v311", "mosquitto_v5")

@@ -101,6 +101,12 @@ def _with_crc(rest: bytes, magic: bytes = b"FMQH") -> bytes:
      + b'{"log_bytes":-1}', "non-negative"),
     (bytes((1, 0, 0, 0)) + struct.pack("<qQ", 0, 0) + struct.pack("<H", 1) + b"d" + struct.pack("<I", 15)
      + b'{"exports":[1]}', "exports"),
+    # Numbers the table cannot hold: an int past int64, a number past a double (as an int,
+    # which once escaped as OverflowError instead of MalformedHealth).
+    (bytes((1, 0, 0, 0)) + struct.pack("<qQ", 0, 0) + struct.pack("<H", 1) + b"d" + struct.pack("<I", 34)
+     + b'{"log_bytes":18446744073709551616}', "64-bit integer"),
+    (bytes((1, 0, 0, 0)) + struct.pack("<qQ", 0, 0) + struct.pack("<H", 1) + b"d" + struct.pack("<I", 414)
+     + b'{"uptime_s":1' + b"0" * 400 + b"}", "finite non-negative number"),
 ])
 def test_malformed_reports_are_refused_with_the_reason(rest: bytes, why: str) -> None:
     with pytest.raises(MalformedHealth, match=why):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import gzip
 import json
 import urllib.error
 import urllib.request
@@ -14,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from collector.fleet import FLEET_FILE, Device, FleetRegistry, Thresholds, device_state
+from collector.fleet import FLEET_FILE, CachedBody, Device, FleetRegistry, Thresholds, device_state
 from collector.fleet_view import fleet_table
 from collector.ops import start_ops_server
 from collector.server import Collector
@@ -199,7 +200,11 @@ def test_collector_registry_ops_port_and_restart(tmp_path: Path) -> None:
             gone = loop.time()
             await until(lambda: not collector.fleet.devices["dev-1"].connected, timeout=5)
             out["noticed_s"] = loop.time() - gone
-            out["after"] = json.loads((await asyncio.to_thread(_get, base + "/api/fleet"))[1])
+            for _ in range(50):  # /api/fleet's body may be up to max_age_s (2 s) old
+                out["after"] = json.loads((await asyncio.to_thread(_get, base + "/api/fleet"))[1])
+                if not out["after"]["devices"][0]["connected"]:
+                    break
+                await asyncio.sleep(0.1)
             await client.disconnect()
         finally:
             server.shutdown()
@@ -336,3 +341,91 @@ def test_iso_matches_datetime() -> None:
     for ts in (0.0, 1.9995, 1_700_000_000.123456, 1_764_277_440.999999):
         want = datetime.fromtimestamp(ts, UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
         assert iso(ts) == want
+
+
+def test_cached_fleet_body_shows_a_report_within_its_age_bound() -> None:
+    """/api/fleet's body is served from a cache (collector.fleet.CachedBody): a health report
+    shows once a build ran, and a body is fresh for max_age_s; past it one build is queued on
+    the loop however many ask, and past stale_s nothing is served."""
+    clock = Clock()
+    reg = FleetRegistry(None, clock=clock)
+    reg.seen("a", "a", "h:1", Conn(), "main", 3)
+    reg.health("a", health(lag=7), 0, 1)
+    mono = Clock()
+    cache = CachedBody(lambda: reg.fleet_json({}), max_age_s=2.0, stale_s=60.0, clock=mono)
+
+    def lag() -> tuple[int | None, bool]:
+        body, fresh = cache.get()
+        return (None if body is None else json.loads(body)["devices"][0]["lag_records"]), fresh
+
+    assert lag() == (None, False)  # nothing built yet: the caller waits for a build
+    assert json.loads(cache.refresh())["devices"][0]["lag_records"] == 7
+    reg.health("a", health(lag=99), 0, 2)
+    mono.t += 1.9
+    assert lag() == (7, True)  # within the bound the kept body is served
+    mono.t += 0.2
+    assert lag() == (7, False)  # past it: served only while a new one is built
+    loop = asyncio.new_event_loop()
+    try:
+        build = cache.build_on(loop)
+        assert cache.build_on(loop) is build  # one build however many ask
+        loop.run_until_complete(asyncio.sleep(0))
+        assert build.done() and json.loads(build.result())["devices"][0]["lag_records"] == 99
+        assert lag() == (99, True) and cache.builds == 2
+        assert cache.build_on(loop) is not build  # a later request asks for a later build
+        loop.run_until_complete(asyncio.sleep(0))
+    finally:
+        loop.close()
+    mono.t += 60.01  # past stale_s: nothing served, the caller waits for a build
+    assert lag() == (None, False)
+
+
+def test_ops_port_shows_a_new_report_within_the_bound_without_the_loop(tmp_path: Path) -> None:
+    """A running collector: a health report is in /api/fleet's answer within max_age_s, and
+    answers come from the cache: 20 requests in a row build the body about once, not 20 times."""
+    out: dict[str, Any] = {}
+
+    async def scenario() -> None:
+        collector = Collector(config(tmp_path))
+        await collector.start()
+        server = start_ops_server(collector, 0)
+        url = f"http://127.0.0.1:{server.port}/api/fleet"
+        try:
+            client = MQTTClient("dev-1", port=collector.port)
+            await client.connect()
+            await client.publish(health_topic("dev-1"), encode_health("dev-1", 0, 1, health(lag=5)), qos=0)
+            await until(lambda: collector.stats.health_reports == 1)
+            first = json.loads((await asyncio.to_thread(_get, url))[1])
+            out["first"] = first["devices"][0]["lag_records"]
+            await client.publish(health_topic("dev-1"), encode_health("dev-1", 0, 2, health(lag=77)), qos=0)
+            await until(lambda: collector.stats.health_reports == 2)
+            loop = asyncio.get_running_loop()
+            sent = loop.time()
+            for _ in range(100):
+                body = json.loads((await asyncio.to_thread(_get, url))[1])
+                if body["devices"][0]["lag_records"] == 77:
+                    break
+                await asyncio.sleep(0.1)
+            out["seen_after_s"] = loop.time() - sent
+            out["lag"] = body["devices"][0]["lag_records"]
+            builds = collector.fleet_api.builds
+            started = loop.time()
+            for _ in range(20):
+                assert (await asyncio.to_thread(_get, url))[0] == 200
+            out["builds_per_s"] = (collector.fleet_api.builds - builds) / max(loop.time() - started, 1.0)
+            req = urllib.request.Request(url, headers={"Accept-Encoding": "gzip, deflate"})
+            with await asyncio.to_thread(urllib.request.urlopen, req, timeout=5) as resp:
+                out["gzip"] = (resp.headers.get("Content-Encoding"), resp.read())
+            out["plain"] = (await asyncio.to_thread(_get, url))[1]
+            await client.disconnect()
+        finally:
+            server.shutdown()
+            await collector.stop()
+
+    run(scenario(), timeout=60)
+    assert out["first"] == 5 and out["lag"] == 77
+    assert out["seen_after_s"] <= CachedBody(bytes).max_age_s + 1.0  # (the loop here is never late)
+    assert out["builds_per_s"] <= 1.0
+    # A client that accepts gzip (a browser) gets the same object compressed.
+    encoding, packed = out["gzip"]
+    assert encoding == "gzip" and json.loads(gzip.decompress(packed))["devices"] == json.loads(out["plain"])["devices"]

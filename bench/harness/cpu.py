@@ -32,6 +32,16 @@ def cpu_seconds(pid: int) -> float:
     return process_cpu_seconds(pid) or 0.0
 
 
+def cpu_user_system(pid: int) -> tuple[float, float]:
+    """User and system CPU seconds a running process has used, its threads included (not its
+    children), from /proc; zeros if unknown."""
+    try:
+        fields = stat_fields(pid)
+        return int(fields[11]) / CLOCK_TICKS, int(fields[12]) / CLOCK_TICKS
+    except (OSError, ValueError, IndexError):
+        return 0.0, 0.0
+
+
 def stat_fields(pid: int) -> list[str]:
     """Fields 3.. of /proc/PID/stat (after the command name, which may hold spaces)."""
     stat = Path(f"/proc/{pid}/stat").read_text()

@@ -30,8 +30,8 @@ Only the standard library and ``crc32c`` are used (this module runs on devices).
 from __future__ import annotations
 
 import json
-import math
 import struct
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -188,31 +188,45 @@ def decode_health(data: bytes | bytearray | memoryview) -> HealthReport:
     return HealthReport(device_id, sent_at_us, sequence, body, bytes(view[pos:]))
 
 
-def _check_fields(where: str, obj: dict[str, Any], ints: frozenset[str], floats: frozenset[str],
-                  strs: frozenset[str]) -> None:
-    for key in ints:
-        value = obj.get(key)
-        if value is not None and (type(value) is not int or value < 0):
-            raise ValueError(f"{where}{key} must be a non-negative integer or null, not {value!r}")
-    for key in floats:
-        value = obj.get(key)
-        if value is None:
+_INT, _FLOAT, _STR = 1, 2, 3
+_INT64_MAX = (1 << 63) - 1  # (the fleet_events table's integers are 64-bit)
+_DOUBLE_MAX = sys.float_info.max
+# Field name -> kind, for one pass over what a body holds (a report is checked at every arrival).
+_KINDS: dict[str, int] = {**dict.fromkeys(INT_FIELDS, _INT), **dict.fromkeys(FLOAT_FIELDS, _FLOAT),
+                          **dict.fromkeys(STR_FIELDS, _STR)}
+_EXPORT_KINDS: dict[str, int] = {**dict.fromkeys(EXPORT_INT_FIELDS, _INT),
+                                 **dict.fromkeys(EXPORT_FLOAT_FIELDS, _FLOAT),
+                                 **dict.fromkeys(EXPORT_STR_FIELDS, _STR)}
+
+
+def _wrong_field(obj: dict[str, Any], kinds: dict[str, int]) -> str | None:
+    """What is wrong with the first field of ``obj`` that has the wrong type, or None."""
+    for key, value in obj.items():
+        kind = kinds.get(key)
+        if kind is None or value is None:
             continue
-        if type(value) not in (int, float) or not math.isfinite(value) or value < 0:
-            raise ValueError(f"{where}{key} must be a non-negative number or null, not {value!r}")
-    for key in strs:
-        value = obj.get(key)
-        if value is not None and not isinstance(value, str):
-            raise ValueError(f"{where}{key} must be a string or null, not {value!r}")
+        vtype = type(value)
+        if kind == _INT:
+            if vtype is not int or not 0 <= value <= _INT64_MAX:
+                return f"{key} must be a non-negative 64-bit integer or null, not {value!r}"
+        elif kind == _FLOAT:
+            # (NaN fails both comparisons, infinity and an int too large for a double the second.)
+            if (vtype is not int and vtype is not float) or not 0 <= value <= _DOUBLE_MAX:
+                return f"{key} must be a finite non-negative number or null, not {value!r}"
+        elif not isinstance(value, str):
+            return f"{key} must be a string or null, not {value!r}"
+    return None
 
 
 def check_body(body: dict[str, Any]) -> dict[str, Any]:
     """``body`` if its known fields have the right types (unknown fields pass, reserved ones do
     not); else ValueError."""
-    reserved = RESERVED_FIELDS.intersection(body)
-    if reserved:
+    if not RESERVED_FIELDS.isdisjoint(body):
+        reserved = RESERVED_FIELDS.intersection(body)
         raise ValueError(f"field(s) {', '.join(sorted(reserved))} are reserved (the collector adds them)")
-    _check_fields("", body, INT_FIELDS, FLOAT_FIELDS, STR_FIELDS)
+    wrong = _wrong_field(body, _KINDS)
+    if wrong is not None:
+        raise ValueError(wrong)
     exports = body.get("exports")
     if exports is None:
         return body
@@ -221,5 +235,7 @@ def check_body(body: dict[str, Any]) -> dict[str, Any]:
     for i, export in enumerate(exports):
         if not isinstance(export, dict) or not isinstance(export.get("name"), str):
             raise ValueError(f"exports[{i}] must be an object with a string name")
-        _check_fields(f"exports[{i}].", export, EXPORT_INT_FIELDS, EXPORT_FLOAT_FIELDS, EXPORT_STR_FIELDS)
+        wrong = _wrong_field(export, _EXPORT_KINDS)
+        if wrong is not None:
+            raise ValueError(f"exports[{i}].{wrong}")
     return body

@@ -504,11 +504,18 @@ def run_devices(work: Path, devices: int, records: int, size: int, timeout: floa
             done.wait(30)
         details["health_reports"] = sum(reports_sent.get(timeout=30) for _ in procs)
         if ops and health_interval_s:
-            body = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{ops}/api/fleet", timeout=30).read())
-            reported = sum(1 for d in body["devices"] if d.get("last_report"))
-            if body["counts"]["total"] != devices or reported != devices:
-                raise RuntimeError(f"/api/fleet holds {body['counts']['total']} devices, {reported} with a"
-                                   f" report, not {devices}")
+            # The body may be up to its build interval old (collector.ops): ask until it shows
+            # every device with a report, for 15 s at most.
+            check_by = time.monotonic() + 15
+            while True:
+                body = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{ops}/api/fleet", timeout=30).read())
+                reported = sum(1 for d in body["devices"] if d.get("last_report"))
+                if body["counts"]["total"] == devices and reported == devices:
+                    break
+                if time.monotonic() > check_by:
+                    raise RuntimeError(f"/api/fleet holds {body['counts']['total']} devices, {reported} with a"
+                                       f" report, not {devices}")
+                time.sleep(0.5)
     finally:
         sampler_stop.set()
         go.set()

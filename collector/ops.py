@@ -26,7 +26,7 @@ What a caller may rely on:
   that does not answer within 5 s gives 503.
 * ``/api/fleet``'s body is built on the loop when asked for, at most every 2 s
   (:class:`collector.fleet.CachedBody`), and served as bytes from the HTTP thread; a request
-  that finds it older waits up to 0.1 s for a new one, and a loop too busy with thousands of
+  that finds it older waits up to 20 ms for a new one, and a loop too busy with thousands of
   devices to build it by then gets the last one (up to 60 s old; ``generated_at`` says when)
   while the new one is built. A client that accepts gzip (a browser) gets it gzip-compressed,
   once per body, in the HTTP thread.
@@ -58,7 +58,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("collector.ops")
 
 LOOP_TIMEOUT_S = 5.0
-FRESH_WAIT_S = 0.1  # how long /api/fleet waits for a new body before it serves the last one
+FRESH_WAIT_S = 0.02  # how long /api/fleet waits for a new body before it serves the last one
 ASSETS = {"fleet.html": "text/html; charset=utf-8", "fleet.js": "text/javascript; charset=utf-8",
           "fleet.css": "text/css; charset=utf-8"}
 

@@ -7,28 +7,24 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import random
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 
 from filemq.broker.admission import Admission
-from filemq.broker.server import free_port
 from filemq.broker.session import AUTHENTICATING, AWAITING_CONNECT, CONNECTED
 from filemq.mqtt.client import MQTTClient
+from tests.services import REPO, rss_mb, service
 from worker_agent.forwarder import backoff_delay
 
 # Wall-clock bounds of issue 30's done criteria: run after the parallel run, one at a time
 # (setup.cfg marker, Makefile test-pure).
 pytestmark = pytest.mark.timing
 
-REPO = Path(__file__).resolve().parent.parent
 
 
 # ---- the policy, without sockets -----------------------------------------------------------
@@ -98,24 +94,6 @@ def test_password_checks_give_way_only_once_they_ran_the_grace() -> None:
 # ---- real processes --------------------------------------------------------------------------
 
 
-@contextmanager
-def service(kind: str, tmp_path: Path, *extra: str) -> Iterator[tuple[int, subprocess.Popen[str]]]:
-    """``filemq broker`` or ``filemq collector`` with default settings; yields (port, process)."""
-    port = free_port()
-    args = [sys.executable, "-m", "cli", kind, "--data-dir", str(tmp_path / kind), "--port", str(port), *extra]
-    if kind == "collector":
-        args += ["--landing", str(tmp_path / "landing")]
-    proc = subprocess.Popen(args, cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)), stdout=subprocess.PIPE,
-                            stderr=subprocess.DEVNULL, text=True)
-    try:
-        assert proc.stdout is not None
-        assert "listening" in proc.stdout.readline()
-        yield port, proc
-    finally:
-        proc.kill()
-        proc.wait(10)
-
-
 async def connect_like_the_agent(port: int, client_id: str, rng: random.Random,
                                  deadline: float) -> tuple[MQTTClient, int]:
     """Connect as worker_agent.forwarder does (10 s timeout, full-jitter backoff from 0.5 s);
@@ -131,13 +109,6 @@ async def connect_like_the_agent(port: int, client_id: str, rng: random.Random,
             if time.monotonic() > deadline:
                 raise
             await asyncio.sleep(backoff_delay(attempt - 1, 0.5, 60.0, rng))
-
-
-def rss_mb(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    raise AssertionError("no VmRSS")
 
 
 def test_a_fleet_that_connects_at_once_gets_in_at_its_first_try(tmp_path: Path) -> None:

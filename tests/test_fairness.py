@@ -7,12 +7,9 @@ the others.  A real ``filemq broker`` process on loopback, a flooding process
 from __future__ import annotations
 
 import asyncio
-import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -23,12 +20,11 @@ from filemq.mqtt.client import MQTTClient
 from filemq.mqtt.codec import Decoder, ProtocolError, encode5
 from filemq.mqtt.packets import Properties, Publish
 from filemq.mqtt.properties import MAX_USER_PROPERTIES, RC_QUOTA_EXCEEDED
+from tests.services import REPO, rss_mb, service
 
 # Wall-clock bounds of issue 30's done criteria: run after the parallel run, one at a time
 # (setup.cfg marker, Makefile test-pure).
 pytestmark = pytest.mark.timing
-
-REPO = Path(__file__).resolve().parent.parent
 
 
 # ---- the budget, without sockets -----------------------------------------------------------
@@ -119,31 +115,6 @@ def test_user_properties_per_packet_are_capped_with_quota_exceeded() -> None:
 # ---- real processes --------------------------------------------------------------------------
 
 
-@contextmanager
-def broker(tmp_path: Path, *extra: str, ws_port: int | None = None) -> Iterator[tuple[int, subprocess.Popen[str]]]:
-    """`filemq broker` on a free port (and a WebSocket listener on ``ws_port``); yields (port, process)."""
-    port = free_port()
-    listen = ["--port", str(port)] if ws_port is None else \
-        ["--listener", f"127.0.0.1:{port}", "--listener", f"127.0.0.1:{ws_port},protocol=websockets"]
-    proc = subprocess.Popen([sys.executable, "-m", "cli", "broker", "--data-dir", str(tmp_path / "broker"),
-                             *listen, *extra], cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)),
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    try:
-        assert proc.stdout is not None
-        assert "listening" in proc.stdout.readline()
-        yield port, proc
-    finally:
-        proc.kill()
-        proc.wait(10)
-
-
-def rss_mb(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    raise AssertionError("no VmRSS")
-
-
 def flooder(mode: str, port: int, seconds: float) -> subprocess.Popen[str]:
     return subprocess.Popen([sys.executable, "-m", "tests.flood", mode, str(port), str(seconds)], cwd=REPO,
                             stdout=subprocess.PIPE, text=True)
@@ -171,7 +142,7 @@ def test_one_fast_publisher_keeps_memory_bounded_and_others_acked(tmp_path: Path
         await c.disconnect()
         return waits, peak
 
-    with broker(tmp_path) as (port, proc):
+    with service("broker", tmp_path) as (port, proc):
         flood = flooder(mode, port, 15)
         try:
             time.sleep(1.0)  # the flood is on
@@ -217,7 +188,7 @@ def test_a_pingreq_flood_does_not_stall_other_clients(tmp_path: Path, loop: str,
         return waits, alive
 
     ws_port = free_port() if transport == "websockets" else None
-    with broker(tmp_path, "--event-loop", loop, ws_port=ws_port) as (port, _):
+    with service("broker", tmp_path, "--event-loop", loop, ws_port=ws_port) as (port, _):
         # Over WebSockets the frames are unwrapped before the turn is counted: the same bound.
         flood = flooder("ws-pingreq" if transport == "websockets" else "pingreq",
                         port if ws_port is None else ws_port, 10)

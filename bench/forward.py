@@ -43,6 +43,7 @@ from typing import Any
 from bench.ackcount import AckCounter
 from bench.harness.cpu import cpu_seconds, cpu_user_system
 from bench.harness.processes import (
+    descriptor_shortfall,
     free_port,
     load_failure,
     mosquitto_bridge_conf,
@@ -309,13 +310,12 @@ def _device_load(port: int, devices: range, batches: int, batch_records: int, si
     """
     from bench.health_body import report_body
     from filemq.mqtt.client import MQTTClient
-    from filemq.ops.fdlimit import raise_nofile_limit
     from filemq.upstream.batch import BatchRecord, encode_batch
     from filemq.upstream.health import encode_health, health_topic
 
-    soft, _ = raise_nofile_limit()
-    if 0 <= soft < len(devices) + 64:
-        errors.put(f"this load process may open only {soft} files (ulimit -n) for {len(devices)} devices")
+    shortfall = descriptor_shortfall(len(devices))
+    if shortfall is not None:
+        errors.put(shortfall)
         return
     payload = os.urandom(size)
     now = time.time_ns() // 1000

@@ -40,7 +40,14 @@ from pathlib import Path
 from typing import Any
 
 from bench.forward import MOSQUITTO
-from bench.harness.processes import free_port, mosquitto_bridge_conf, say, start_cli, stop
+from bench.harness.processes import (
+    descriptor_shortfall,
+    free_port,
+    mosquitto_bridge_conf,
+    say,
+    start_cli,
+    stop,
+)
 
 CONNECT_TIMEOUT_S = 10.0  # worker_agent.forwarder.ForwarderConfig.connect_timeout_s
 BACKOFF_INITIAL_S = 0.5  # [agent] backoff_initial_ms
@@ -75,13 +82,12 @@ def _device_fleet(port: int, devices: range, size: int, ready: Any, go: Any, fir
     (why this process failed)."""
     from filemq.mqtt.codec import Decoder, encode
     from filemq.mqtt.packets import Connack, Connect, Disconnect, Puback, Publish
-    from filemq.ops.fdlimit import raise_nofile_limit
     from filemq.upstream.batch import BatchRecord, encode_batch
     from worker_agent.forwarder import backoff_delay
 
-    soft, _ = raise_nofile_limit()
-    if 0 <= soft < len(devices) + 64:
-        out.put(f"this load process may open only {soft} files (ulimit -n) for {len(devices)} devices")
+    shortfall = descriptor_shortfall(len(devices))
+    if shortfall is not None:
+        out.put(shortfall)
         return
     payload = os.urandom(size)
     now = time.time_ns() // 1000

@@ -40,6 +40,7 @@ from typing import Any
 from bench.harness.cpu import CLOCK_TICKS, descendants, proc_cpu_ticks_split
 from filemq.mqtt.codec import Decoder, ProtocolError, encode
 from filemq.mqtt.packets import CONNACK_ACCEPTED, Connack, Connect, Disconnect
+from filemq.ops.fdlimit import raise_nofile_limit
 
 LOOPBACK = "127.0.0.1"
 MOSQUITTO = os.environ.get("FILEMQ_BENCH_MOSQUITTO", "/usr/sbin/mosquitto")
@@ -297,6 +298,16 @@ def mosquitto_bridge_conf(path: Path, port: int, extra: str = "") -> Path:
         f"persistence false\n{extra}"
     )
     return path
+
+
+def descriptor_shortfall(connections: int) -> str | None:
+    """In a load process about to open ``connections`` sockets (one per simulated device):
+    raise its open-file limit as far as allowed, and say why it cannot go on if that is still
+    too low (None if it can)."""
+    soft, _ = raise_nofile_limit()
+    if 0 <= soft < connections + 64:
+        return f"this load process may open only {soft} files (ulimit -n) for {connections} devices"
+    return None
 
 
 def load_failure(procs: list[Any], errors: Any) -> str | None:

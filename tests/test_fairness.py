@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from filemq.broker.budget import IngestBudget, receive_maximum_within
+from filemq.broker.budget import IngestBudget
 from filemq.broker.server import free_port
 from filemq.mqtt.client import MQTTClient
 from filemq.mqtt.codec import Decoder, ProtocolError, encode5
@@ -80,12 +80,6 @@ def test_a_failed_commit_does_not_hold_readers_forever() -> None:
         budget.close()
 
     asyncio.run(main())
-
-
-def test_receive_maximum_times_packet_size_fits_the_budget() -> None:
-    assert receive_maximum_within(1024, 32 << 20, 1 << 20) == 32  # the defaults: ~1 GiB before
-    assert receive_maximum_within(10, 32 << 20, 1 << 20) == 10
-    assert receive_maximum_within(1024, 32 << 20, 64 << 20) == 1  # never 0 (3.2.2.3.3)
 
 
 def _decode5(data: bytes) -> list[object]:

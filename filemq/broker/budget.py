@@ -101,8 +101,3 @@ class IngestBudget:
             self._timer.cancel()
             self._timer = None
 
-
-def receive_maximum_within(receive_maximum: int, budget: int, max_packet_size: int) -> int:
-    """The Receive Maximum to announce (MQTT 5, 3.2.2.3.3): at most ``budget`` bytes in
-    unacknowledged PUBLISHes of ``max_packet_size`` per connection, and at least 1."""
-    return max(1, min(receive_maximum, budget // max_packet_size))

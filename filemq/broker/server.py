@@ -39,7 +39,6 @@ from filemq.broker.budget import (
     CHECK_BYTES,
     DEFAULT_BROKER_BYTES,
     IngestBudget,
-    receive_maximum_within,
 )
 from filemq.broker.core import SESSION_GROUP_PREFIX, SHARE_GROUP_PREFIX, BrokerCore, PublishHook
 from filemq.broker.fairness import TURN_BYTES, Turns
@@ -472,13 +471,6 @@ class Broker:
         self._migrate_share_groups(queue)
         await queue.start()
         cache = TailCache(queue.log, max_bytes=b.cache_bytes)
-        # MQTT 5: Receive Maximum x max_packet_size within the ingest budget (filemq.broker.budget).
-        receive_maximum = receive_maximum_within(b.receive_maximum, b.max_uncommitted_bytes or DEFAULT_BROKER_BYTES,
-                                                 b.max_packet_size)
-        if receive_maximum < b.receive_maximum:
-            log.info("receive_maximum %d lowered to %d: %d x max_packet_size (%d) must fit in max_uncommitted_bytes",
-                     b.receive_maximum, receive_maximum, receive_maximum, b.max_packet_size)
-            b = dataclasses.replace(b, receive_maximum=receive_maximum)
         core = BrokerCore(
             queue, cache, config=b, store=store, retained=self.retained, stats=self.stats,
             acl=acl, passwords=passwords, publish_hook=self.publish_hook,

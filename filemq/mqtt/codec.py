@@ -505,11 +505,21 @@ class Decoder:
         return ptype, flags, i - pos, remaining
 
     def _decode(self, limit: int) -> list[Packet]:
+        """Up to ``limit`` complete packets (-1: every one buffered), for either protocol level.
+
+        Fast path: a PUBLISH with a 1- or 2-byte remaining length and a topic seen before on
+        this connection -- nearly all traffic -- and with :meth:`packets`, a run of
+        equal-shaped PUBLISHes as one :class:`PublishRun` (:func:`_publish_run`).  Anything
+        unusual falls through to the general path, which also produces the error messages.
+        MQTT 5 differs in three places, each marked ``v5``: a property length follows the
+        packet id (0: none; a section seen before is taken from the cache, otherwise validated
+        now), only a QoS 1 run comes as one run, and the general path decodes with
+        :func:`_decode_body5`.  A 3.1.1 server's decoder switches to MQTT 5 at a level-5
+        CONNECT, for it and everything pipelined behind it."""
         if self._error is not None:
             raise self._error
-        if self._v5:
-            return self._decode5(limit)
         out: list[Packet] = []
+        v5 = self._v5
         switch = False
         buf = self._buf
         n = len(buf)
@@ -521,12 +531,13 @@ class Decoder:
         try:
             while limit and n - pos >= 2:
                 first = buf[pos]
-                # Fast path: a PUBLISH with a 1- or 2-byte remaining length and a topic seen
-                # before on this connection -- nearly all traffic.  Anything unusual falls
-                # through to the general path, which also produces the error messages.
                 if first >> 4 == PUBLISH:
                     if runs:
-                        run = _publish_run(buf, pos, n, maxsize, cache, self._runs)  # type: ignore[arg-type]
+                        if v5:
+                            run = _publish_run(buf, pos, n, maxsize, cache,  # type: ignore[arg-type]
+                                               self._runs and first & 0x06 == 0x02, True, self._section)
+                        else:
+                            run = _publish_run(buf, pos, n, maxsize, cache, self._runs)  # type: ignore[arg-type]
                         if type(run) is tuple:
                             out += run[0]
                             pos = run[1]
@@ -544,7 +555,7 @@ class Decoder:
                     else:
                         end = 0
                     if end:
-                        if end - pos > maxsize or end - start < 2:
+                        if end - pos > maxsize or end - start < 2 + v5:  # (v5: a property length too)
                             end = 0  # oversized, or too short for a topic: general path reports it
                         elif end > n:
                             break
@@ -557,14 +568,37 @@ class Decoder:
                         else:
                             pstart = tend
                             pid = None
-                        key = buf[start + 2 : tend]
-                        topic = cache.get(key if as_bytes else bytes(key))  # type: ignore[arg-type]
-                        if topic is not None and pstart <= end and pid != 0 and qos != 3:
-                            payload = buf[pstart:end] if as_bytes else bytes(buf[pstart:end])
-                            out.append(Publish(topic, payload, qos, bool(first & 1), bool(first & 8), pid))  # type: ignore[arg-type]
-                            pos = end
-                            limit -= 1
-                            continue
+                        if pstart + v5 <= end and pid != 0 and qos != 3:  # (v5: the property length)
+                            key = buf[start + 2 : tend]
+                            topic = cache.get(key if as_bytes else bytes(key))  # type: ignore[arg-type]
+                            if topic is not None:
+                                if not v5:
+                                    payload = buf[pstart:end] if as_bytes else bytes(buf[pstart:end])
+                                    out.append(Publish(topic, payload, qos, bool(first & 1), bool(first & 8), pid))  # type: ignore[arg-type]
+                                    pos = end
+                                    limit -= 1
+                                    continue
+                                size = buf[pstart]
+                                pstart += 1
+                                if not size:
+                                    payload = buf[pstart:end] if as_bytes else bytes(buf[pstart:end])
+                                    out.append(Publish(topic, payload, qos, bool(first & 1), bool(first & 8), pid))  # type: ignore[arg-type]
+                                    pos = end
+                                    limit -= 1
+                                    continue
+                                if size < 0x80 and pstart + size <= end:
+                                    # v5 properties: a section seen before, or validated now.
+                                    pend = pstart + size
+                                    section = bytes(buf[pstart:pend])
+                                    known = self._props.get(section)
+                                    if known is None:
+                                        known = self._publish_properties(section)
+                                    payload = buf[pend:end] if as_bytes else bytes(buf[pend:end])
+                                    out.append(Publish(topic, payload, qos, bool(first & 1), bool(first & 8), pid,  # type: ignore[arg-type]
+                                                       known[0], known[1]))
+                                    pos = end
+                                    limit -= 1
+                                    continue
                 self._pos = pos
                 header = self._header()
                 if header is None:
@@ -573,10 +607,14 @@ class Decoder:
                 end = pos + header_len + remaining
                 if end > n:
                     break
-                packet = _decode_body(ptype, flags, buf, pos + header_len, end)
+                if v5:
+                    packet = _decode_body5(ptype, flags, buf, pos + header_len, end, self._server)
+                else:
+                    packet = _decode_body(ptype, flags, buf, pos + header_len, end)
                 if ptype == PUBLISH:
-                    self._remember_topic(packet.topic)  # type: ignore[union-attr]
-                elif ptype == CONNECT and self._server and packet.protocol_level == PROTOCOL_LEVEL_5:  # type: ignore[union-attr]
+                    if packet.topic:  # type: ignore[union-attr]  # (v5: empty with a topic alias)
+                        self._remember_topic(packet.topic)  # type: ignore[union-attr]
+                elif not v5 and ptype == CONNECT and self._server and packet.protocol_level == PROTOCOL_LEVEL_5:  # type: ignore[union-attr]
                     switch = True
                 out.append(packet)
                 pos = end
@@ -595,105 +633,7 @@ class Decoder:
             # The rest of the connection is MQTT 5, including what was pipelined behind.
             self.protocol_level = PROTOCOL_LEVEL_5
             if limit:
-                out.extend(self._decode5(limit))
-        return out
-
-    def _decode5(self, limit: int) -> list[Packet]:
-        """:meth:`_decode` for MQTT 5.0, with the same PUBLISH fast path and runs for packets
-        without properties."""
-        out: list[Packet] = []
-        buf = self._buf
-        n = len(buf)
-        pos = self._pos
-        maxsize = self._max
-        cache = self._topics
-        as_bytes = type(buf) is bytes
-        server = self._server
-        runs = limit < 0 and as_bytes  # packets(): runs as in _decode, of packets without properties
-        try:
-            while limit and n - pos >= 2:
-                first = buf[pos]
-                # Fast path: a PUBLISH with a 1- or 2-byte remaining length, a property length
-                # of 0 and a topic seen before; anything else takes the general path below.
-                if first >> 4 == PUBLISH:
-                    if runs:  # (only a QoS 1 run comes as one PublishRun; others as Publishes)
-                        run = _publish_run(buf, pos, n, maxsize, cache,  # type: ignore[arg-type]
-                                           self._runs and first & 0x06 == 0x02, True, self._section)
-                        if type(run) is tuple:
-                            out += run[0]
-                            pos = run[1]
-                            continue
-                        runs = run is _UNCACHED
-                    second = buf[pos + 1]
-                    if second < 0x80:
-                        start = pos + 2
-                        end = start + second
-                    elif n - pos >= 3 and 0 < buf[pos + 2] < 0x80:  # (0: not minimal, MQTT-1.5.5-1)
-                        start = pos + 3
-                        end = start + ((second & 0x7F) | (buf[pos + 2] << 7))
-                    else:
-                        end = 0
-                    if end:
-                        if end - pos > maxsize or end - start < 3:
-                            end = 0
-                        elif end > n:
-                            break
-                    if end:
-                        tend = start + 2 + ((buf[start] << 8) | buf[start + 1])
-                        qos = (first >> 1) & 0x03
-                        if qos:
-                            plen = tend + 2
-                            pid: int | None = (buf[tend] << 8) | buf[tend + 1] if plen < end else 0
-                        else:
-                            plen = tend
-                            pid = None
-                        if plen < end and pid != 0 and qos != 3:
-                            key = buf[start + 2 : tend]
-                            topic = cache.get(key if as_bytes else bytes(key))  # type: ignore[arg-type]
-                            if topic is not None:
-                                size = buf[plen]
-                                plen += 1
-                                if not size:
-                                    payload = buf[plen:end] if as_bytes else bytes(buf[plen:end])
-                                    out.append(Publish(topic, payload, qos, bool(first & 1), bool(first & 8), pid))  # type: ignore[arg-type]
-                                    pos = end
-                                    limit -= 1
-                                    continue
-                                if size < 0x80 and plen + size <= end:
-                                    # Properties: a section seen before, or validated now.
-                                    pend = plen + size
-                                    section = bytes(buf[plen:pend])
-                                    known = self._props.get(section)
-                                    if known is None:
-                                        known = self._publish_properties(section)
-                                    payload = buf[pend:end] if as_bytes else bytes(buf[pend:end])
-                                    out.append(Publish(topic, payload, qos, bool(first & 1), bool(first & 8), pid,  # type: ignore[arg-type]
-                                                       known[0], known[1]))
-                                    pos = end
-                                    limit -= 1
-                                    continue
-                self._pos = pos
-                header = self._header()
-                if header is None:
-                    break
-                ptype, flags, header_len, remaining = header
-                end = pos + header_len + remaining
-                if end > n:
-                    break
-                packet = _decode_body5(ptype, flags, buf, pos + header_len, end, server)
-                if ptype == PUBLISH and packet.topic:  # type: ignore[union-attr]
-                    self._remember_topic(packet.topic)  # type: ignore[union-attr]
-                out.append(packet)
-                pos = end
-                limit -= 1
-        except ProtocolError as exc:
-            self._error = exc
-            raise
-        finally:
-            self._pos = pos
-        if pos >= n and n:
-            self._buf = b""
-            self._pos = 0
+                out.extend(self._decode(limit))
         return out
 
     def _section(self, section: bytes) -> tuple[Properties, bytes]:

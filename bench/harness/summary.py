@@ -18,6 +18,12 @@ def errors_text(result: LoadResult) -> str:
     return f"; errors: {result.errors[:2]}" if result.errors else ""
 
 
+def refusal(result: LoadResult) -> str | None:
+    """"CONNACK 0xNN" when the broker refused the load clients' CONNECT, else None."""
+    code = result.connack_code
+    return None if code is None else f"CONNACK 0x{code:02X}"
+
+
 def cpu_text(result: dict[str, Any], baselines: tuple[str, ...]) -> str:
     """filemq's broker CPU per message and each baseline's, with the ratio, for a summary line."""
     parts = [f"filemq broker CPU {result.get('filemq_cpu_us_per_msg', '-')} us/msg"]

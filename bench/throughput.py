@@ -177,16 +177,18 @@ def fill_figures(out: dict[str, Any], scenario: str, protocol: int, runs: dict[s
 def ratios(out: dict[str, Any], scenario: str, protocol: int) -> None:
     """The subject's ratios to each of its :func:`references` that has figures, and
     ``meets_target``: False when the subject has no rate (refused, or nothing acknowledged),
-    None when no reference with a target has figures, else whether every target is met."""
+    None when no reference with a target has figures, else whether every target is met (by
+    the unrounded ratio; the result reports it rounded to 2 digits)."""
     rate_key = MEASURES[scenario].rate_key
     me = subject(protocol)
     rate, cpu = out.get(f"{me}_{rate_key}"), out.get(f"{me}_cpu_us_per_msg")
     checks: list[bool] = []
     for ref in references(scenario, protocol):
         ref_rate, ref_cpu = out.get(f"{ref.name}_{rate_key}"), out.get(f"{ref.name}_cpu_us_per_msg")
-        if ref_rate:
-            out.update({key: target for key, target in ((ref.target_key, ref.target),
-                                                        (ref.cpu_target_key, ref.cpu_target)) if target is not None})
+        if ref_rate and ref.target is not None:
+            out[ref.target_key] = ref.target
+        if ref_rate and ref.cpu_target is not None:
+            out[ref.cpu_target_key] = ref.cpu_target
         if rate and ref_rate:
             out[ref.ratio_key] = rnd(rate / ref_rate, 2)
             if ref.target is not None:

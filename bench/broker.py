@@ -45,7 +45,7 @@ from bench.harness.processes import (
     mosquitto_available,
     start_mosquitto,
 )
-from bench.harness.summary import rnd
+from bench.harness.summary import percentile_ms, rnd
 from bench.loadgen import RawClient, run_load
 from bench.loadspec import PublisherSpec, SubscriberSpec
 from bench.throughput import SCENARIOS as THROUGHPUT_SCENARIOS
@@ -134,12 +134,6 @@ def everyday_summary(result: dict[str, Any]) -> str:
     return "\n".join(lines) + f"  [{ok}]"
 
 
-def _percentile(sorted_values: list[int], q: float) -> float:
-    if not sorted_values:
-        return float("nan")
-    return sorted_values[min(int(len(sorted_values) * q), len(sorted_values) - 1)] / 1e6
-
-
 def _latency_run(broker: BrokerProcess, opts: BrokerBenchOptions, messages: int) -> dict[str, Any]:
     sub = SubscriberSpec(broker.host, broker.port, "bench-lat-sub", "bench/latency", qos=1, clean_session=True,
                          stamped=True, idle_seconds=5.0, max_seconds=messages / opts.rate + 30)
@@ -147,7 +141,12 @@ def _latency_run(broker: BrokerProcess, opts: BrokerBenchOptions, messages: int)
                         opts.inflight, rate=opts.rate, max_seconds=messages / opts.rate + 20)
     result = run_load([pub], [sub], timeout=messages / opts.rate + 60)
     lat = sorted(x for s in result.subscribers for x in s.latencies_ns)
-    out: dict[str, Any] = {"p50_ms": rnd(_percentile(lat, 0.5), 2), "p99_ms": rnd(_percentile(lat, 0.99), 2),
+
+    def ms(q: float) -> float:  # NaN, not None, when nothing arrived: the progress line formats it
+        value = percentile_ms(lat, q, per_ms=1_000_000)
+        return float("nan") if value is None else value
+
+    out: dict[str, Any] = {"p50_ms": ms(0.5), "p99_ms": ms(0.99),
            "max_ms": rnd(lat[-1] / 1e6 if lat else float("nan"), 2), "received": len(lat),
            "achieved_rate": round(result.acked / result.ack_seconds) if result.ack_seconds else 0}
     if result.errors:

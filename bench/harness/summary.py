@@ -3,6 +3,7 @@ carry the figures themselves)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from bench.loadspec import LoadResult
@@ -11,6 +12,16 @@ from bench.loadspec import LoadResult
 def rnd(x: float, digits: int = 1) -> float:
     """A figure as a result reports it."""
     return round(x, digits)
+
+
+def percentile_ms(values: Sequence[int], q: float, *, per_ms: int) -> float | None:
+    """The ``q`` quantile of ``values`` by nearest rank (the value at index ``int(n * q)``, the
+    largest for q near 1), in ms to 2 digits, ``per_ms`` of the values' unit making one ms
+    (1,000 for microseconds, 1,000,000 for nanoseconds); None when there are no values."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    return round(ordered[min(int(len(ordered) * q), len(ordered) - 1)] / per_ms, 2)
 
 
 def errors_text(result: LoadResult) -> str:

@@ -24,7 +24,7 @@ _PUBACK_FIRST = bytes((PUBACK,))
 _PUBACK_LEN = b"\x02"
 
 
-class _Pipe(asyncio.Protocol):
+class Pipe(asyncio.Protocol):
     """One direction of a proxied connection: what it receives goes to ``peer``."""
 
     def __init__(self, counter: AckCounter | None) -> None:
@@ -133,11 +133,11 @@ class AckCounter:
         loop = asyncio.new_event_loop()
         self._loop = loop
 
-        def client_side() -> _Pipe:
-            inbound = _Pipe(None)  # client -> destination
+        def client_side() -> Pipe:
+            inbound = Pipe(None)  # client -> destination
 
             async def connect() -> None:
-                outbound = _Pipe(self)  # destination -> client, counted
+                outbound = Pipe(self)  # destination -> client, counted
                 try:
                     transport, _ = await loop.create_connection(lambda: outbound, "127.0.0.1", self.target_port)
                 except OSError:

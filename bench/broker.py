@@ -5,8 +5,8 @@ Debian mosquitto and stock amqtt from :mod:`bench.harness.processes`) with the s
 (:mod:`bench.loadgen`) and returns one flat dict per scenario (the ``--json`` line):
 
 * ``ingest``  durable QoS 1 PUBACKs/s, filemq ``fsync=always`` vs mosquitto and amqtt, plus the
-  generator's own ceiling against a null sink;
-* ``fanout``  deliveries/s to persistent QoS 1 subscribers, filemq vs mosquitto;
+  generator's own ceiling against a null sink (:mod:`bench.throughput`);
+* ``fanout``  deliveries/s to persistent QoS 1 subscribers, filemq vs mosquitto (ditto);
 * ``latency`` publish -> subscriber p50/p99/max at a paced rate (mosquitto for reference);
 * ``idle``    RSS and CPU of filemq with idle clients and an on-disk backlog (mosquitto's RSS
   with the same clients for reference);
@@ -17,7 +17,8 @@ Debian mosquitto and stock amqtt from :mod:`bench.harness.processes`) with the s
 
 Each dict carries the measured figures, the ratio and a ``meets_target`` flag; nothing here
 asserts, so one slow figure does not hide the others.  ``protocol=5`` (``--protocol 5``) runs
-ingest and fanout with MQTT 5 clients instead (:mod:`bench.broker5`).
+ingest and fanout only, with MQTT 5 clients, against filemq's own 3.1.1 figures and mosquitto
+with MQTT 5 clients (:mod:`bench.throughput`).
 """
 
 from __future__ import annotations
@@ -32,20 +33,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.broker5 import SCENARIOS5, scenario_fanout5, scenario_ingest5, summary_line5
 from bench.everyday import SensorLoad, run_sensors
 from bench.everyday import figures as everyday_figures
-from bench.harness.alternate import Contender, alternate, start_contender
-from bench.harness.brokers import (
-    BrokerBenchOptions,
-    Progress,
-    start_filemq,
-    windows,
-    windows_text,
-    workdir,
-)
-from bench.harness.cpu import cpu_detail, cpu_figures, cpu_ratios
-from bench.harness.loads import fanout_run, ingest_run
+from bench.harness.alternate import contenders, start_contender
+from bench.harness.brokers import BrokerBenchOptions, Progress, start_filemq, workdir
 from bench.harness.processes import (
     LOOPBACK,
     BrokerProcess,
@@ -54,12 +45,14 @@ from bench.harness.processes import (
     mosquitto_available,
     start_mosquitto,
 )
-from bench.harness.summary import cpu_text, errors_text, rnd
-from bench.loadgen import RawClient, run_load, run_null_sink
+from bench.harness.summary import percentile_ms, rnd
+from bench.loadgen import RawClient, run_load
 from bench.loadspec import PublisherSpec, SubscriberSpec
-from bench.paho_sub import require_paho
+from bench.throughput import SCENARIOS as THROUGHPUT_SCENARIOS
+from bench.throughput import scenario_fanout, scenario_ingest, throughput_lines
 from filemq.mqtt.codec import Decoder, ProtocolError, encode, encode_puback
 from filemq.mqtt.packets import (
+    PROTOCOL_LEVEL_5,
     Connack,
     Connect,
     Puback,
@@ -74,107 +67,7 @@ SCENARIOS = ("ingest", "fanout", "everyday", "latency", "idle", "startup", "trie
 BACKLOG_TOPIC = "sensors/x"
 
 
-# --------------------------------------------------------------------------- filemq process
-
-
 # --------------------------------------------------------------------------- scenarios
-
-
-def contenders(opts: BrokerBenchOptions, *, amqtt: bool) -> list[Contender]:
-    """filemq and, with baselines, mosquitto (each ``opts.repeat`` times) and with ``amqtt``
-    amqtt once (a fixed-time run far from its target), in the order they alternate."""
-    out = [Contender("filemq", "filemq")]
-    if opts.baselines and mosquitto_available():
-        out.append(Contender("mosquitto", "mosquitto"))
-    if opts.baselines and amqtt:
-        out.append(Contender("amqtt", "amqtt", runs=1))
-    return out
-
-
-def scenario_ingest(opts: BrokerBenchOptions, say: Progress) -> dict[str, Any]:
-    """Durable QoS 1 ingest: PUBACKs/s for filemq (fsync as given) vs mosquitto and amqtt."""
-    messages = opts.messages or 200_000
-    out: dict[str, Any] = {"bench": "broker", "scenario": "ingest", "publishers": opts.publishers,
-                           "inflight": opts.inflight, "payload_bytes": opts.size, "fsync": opts.fsync,
-                           "publisher_client": opts.publisher_client, **windows(opts)}
-    say(f"ingest: {opts.publishers} publishers x {opts.inflight} in flight ({_PUB_TEXT[opts.publisher_client]}), "
-        f"QoS 1, {opts.size}-byte payloads, "
-        f"up to {messages:,} messages or {opts.max_seconds:.0f} s per broker; {windows_text(opts)}")
-    sink = run_null_sink(opts.publishers, max(messages, 400_000), opts.size, opts.inflight, max_seconds=opts.max_seconds)
-    out["generator_ceiling_acks_per_s"] = round(sink.ack_rate)
-    say(f"  load generator ceiling (null sink): {sink.ack_rate:,.0f} PUBACKs/s")
-    with workdir(opts, "ingest") as work:
-        runs = alternate(opts, work, contenders(opts, amqtt=True),
-                         lambda b, _: ingest_run(b, opts, messages, "bench/ingest"),
-                          say=lambda name, r: say(f"  {name:9}: {r.ack_rate:>10,.0f} PUBACKs/s ({r.acked:,} in "
-                                                  f"{r.ack_seconds:.2f} s, broker CPU {r.broker_cpu_pct:.0f}%, "
-                                                  f"{cpu_detail(r, r.acked)})" + errors_text(r)))
-    for name, results in runs.items():
-        best = max(results, key=lambda r: r.ack_rate)
-        out[f"{name}_acks_per_s"] = round(best.ack_rate)
-        out[f"{name}_acked"] = best.acked
-        out[f"{name}_runs_acks_per_s"] = [round(r.ack_rate) for r in results]
-        out[f"{name}_cpu_pct"] = rnd(best.broker_cpu_pct or 0.0)
-        cpu_figures(out, name, results, [r.acked for r in results])
-        if best.errors:
-            out[f"{name}_errors"] = best.errors[:4]
-    cpu_ratios(out, ("mosquitto", "amqtt"))
-    fm = out["filemq_acks_per_s"]
-    checks = []
-    for base, target in (("mosquitto", 0.5), ("amqtt", 4.0)):
-        rate = out.get(f"{base}_acks_per_s")
-        if rate:
-            out[f"ratio_vs_{base}"] = rnd(fm / rate, 2)
-            out[f"target_vs_{base}"] = target
-            checks.append(fm / rate >= target)
-    out["meets_target"] = all(checks) if checks else None
-    out["generator_headroom"] = rnd(sink.ack_rate / max(out.get("mosquitto_acks_per_s") or fm, 1), 1)
-    return out
-
-
-_CLIENT_TEXT = {"loadgen": "loadgen clients, bulk PUBACKs", "paho": "paho-mqtt clients, one PUBACK per message",
-                "single": "raw-socket clients, each PUBACK in a send of its own",
-                "nagle": "raw-socket clients, each PUBACK in a send of its own, Nagle's algorithm on"}
-_PUB_TEXT = {"loadgen": "the PUBLISHes a read of PUBACKs frees in one send",
-             "single": "each PUBLISH in a send of its own",
-             "nagle": "each PUBLISH in a send of its own, Nagle's algorithm on"}
-
-
-def scenario_fanout(opts: BrokerBenchOptions, say: Progress) -> dict[str, Any]:
-    """Deliveries/s across persistent QoS 1 subscribers (subscribed before the load)."""
-    messages = opts.messages or 20_000
-    if opts.subscriber_client == "paho":
-        require_paho()  # before any broker starts
-    out: dict[str, Any] = {"bench": "broker", "scenario": "fanout", "subscribers": opts.subscribers,
-                           "publishers": opts.publishers, "fsync": opts.fsync,
-                           "subscriber_client": opts.subscriber_client,
-                           "publisher_client": opts.publisher_client, **windows(opts)}
-    say(f"fanout: {opts.subscribers} persistent QoS 1 subscribers ({_CLIENT_TEXT[opts.subscriber_client]}), "
-        f"{messages:,} messages from {opts.publishers} publishers; {windows_text(opts)}")
-
-    with workdir(opts, "fanout") as work:
-        runs = alternate(opts, work, contenders(opts, amqtt=False), lambda b, _: fanout_run(b, opts, messages),
-                          say=lambda name, r: say(f"  {name:9}: {r.delivery_rate:>10,.0f} deliveries/s "
-                                                  f"({r.delivered:,} of {r.acked * opts.subscribers:,} in "
-                                                  f"{r.delivery_seconds:.2f} s, broker CPU "
-                                                  f"{r.broker_cpu_pct:.0f}%, "
-                                                  f"{cpu_detail(r, r.delivered, 'delivery')})" + errors_text(r)))
-    for name, results in runs.items():
-        best = max(results, key=lambda r: r.delivery_rate)
-        out[f"{name}_deliveries_per_s"] = round(best.delivery_rate)
-        out[f"{name}_delivered"] = best.delivered
-        out[f"{name}_published"] = best.acked
-        out[f"{name}_runs_deliveries_per_s"] = [round(r.delivery_rate) for r in results]
-        out[f"{name}_cpu_pct"] = rnd(best.broker_cpu_pct or 0.0)
-        cpu_figures(out, name, results, [r.delivered for r in results])
-        if best.errors:
-            out[f"{name}_errors"] = best.errors[:4]
-    cpu_ratios(out, ("mosquitto",))
-    base = out.get("mosquitto_deliveries_per_s")
-    if base:
-        ratio = out["filemq_deliveries_per_s"] / base
-        out.update(ratio_vs_mosquitto=rnd(ratio, 2), target_vs_mosquitto=0.5, meets_target=ratio >= 0.5)
-    return out
 
 
 def scenario_everyday(opts: BrokerBenchOptions, say: Progress) -> dict[str, Any]:
@@ -241,12 +134,6 @@ def everyday_summary(result: dict[str, Any]) -> str:
     return "\n".join(lines) + f"  [{ok}]"
 
 
-def _percentile(sorted_values: list[int], q: float) -> float:
-    if not sorted_values:
-        return float("nan")
-    return sorted_values[min(int(len(sorted_values) * q), len(sorted_values) - 1)] / 1e6
-
-
 def _latency_run(broker: BrokerProcess, opts: BrokerBenchOptions, messages: int) -> dict[str, Any]:
     sub = SubscriberSpec(broker.host, broker.port, "bench-lat-sub", "bench/latency", qos=1, clean_session=True,
                          stamped=True, idle_seconds=5.0, max_seconds=messages / opts.rate + 30)
@@ -254,7 +141,12 @@ def _latency_run(broker: BrokerProcess, opts: BrokerBenchOptions, messages: int)
                         opts.inflight, rate=opts.rate, max_seconds=messages / opts.rate + 20)
     result = run_load([pub], [sub], timeout=messages / opts.rate + 60)
     lat = sorted(x for s in result.subscribers for x in s.latencies_ns)
-    out: dict[str, Any] = {"p50_ms": rnd(_percentile(lat, 0.5), 2), "p99_ms": rnd(_percentile(lat, 0.99), 2),
+
+    def ms(q: float) -> float:  # NaN, not None, when nothing arrived: the progress line formats it
+        value = percentile_ms(lat, q, per_ms=1_000_000)
+        return float("nan") if value is None else value
+
+    out: dict[str, Any] = {"p50_ms": ms(0.5), "p99_ms": ms(0.99),
            "max_ms": rnd(lat[-1] / 1e6 if lat else float("nan"), 2), "received": len(lat),
            "achieved_rate": round(result.acked / result.ack_seconds) if result.ack_seconds else 0}
     if result.errors:
@@ -789,22 +681,16 @@ def scenario_kill9(opts: BrokerBenchOptions, say: Progress) -> dict[str, Any]:
 
 # --------------------------------------------------------------------------- driver
 
-# The MQTT 5 scenarios (``--protocol 5``), by name.
-SCENARIOS5_RUN: dict[str, Callable[[BrokerBenchOptions, Progress], dict[str, Any]]] = {
-    "ingest": scenario_ingest5, "fanout": scenario_fanout5}
-
-
 def run_broker_bench(scenarios: list[str], opts: BrokerBenchOptions, say: Progress) -> Iterator[dict[str, Any]]:
     """Run ``scenarios`` in order (``all`` = every one); yields one result dict per scenario.
 
-    With ``opts.protocol`` 5 only ingest and fanout exist (``all`` = both), as MQTT 5 runs
-    (:mod:`bench.broker5`)."""
-    if opts.protocol == 5:
-        for name in list(SCENARIOS5) if "all" in scenarios else scenarios:
-            if name not in SCENARIOS5_RUN:
-                raise ValueError(f"--protocol 5 runs {' and '.join(SCENARIOS5)} only, not {name!r}")
-            yield SCENARIOS5_RUN[name](opts, say)
-        return
+    With ``opts.protocol`` 5 only ingest and fanout exist (``all`` = both), with MQTT 5 clients
+    (:mod:`bench.throughput`)."""
+    if opts.protocol == PROTOCOL_LEVEL_5:
+        scenarios = list(THROUGHPUT_SCENARIOS) if "all" in scenarios else scenarios
+        other = [name for name in scenarios if name not in THROUGHPUT_SCENARIOS]
+        if other:
+            raise ValueError(f"--protocol 5 runs {' and '.join(THROUGHPUT_SCENARIOS)} only, not {other[0]!r}")
     names = list(SCENARIOS) if "all" in scenarios else scenarios
     with contextlib.ExitStack() as stack:
         shared: Path | None = None
@@ -832,30 +718,12 @@ def run_broker_bench(scenarios: list[str], opts: BrokerBenchOptions, say: Progre
                 raise ValueError(f"unknown scenario {name!r}; choose from {', '.join(SCENARIOS)} or all")
 
 
-def _fanout_setup(result: dict[str, Any]) -> str:
-    """'; paho subscribers, in-flight window filemq 20 / mosquitto 20' (when the result says)."""
-    if "subscriber_client" not in result:
-        return ""
-    return (f"; {result['subscriber_client']} subscribers, in-flight window filemq "
-            f"{result.get('filemq_max_inflight', '-')} / mosquitto {result.get('mosquitto_max_inflight', '-')}")
-
-
 def summary_line(result: dict[str, Any]) -> str:
     """One human line per scenario result (what ``filemq bench broker`` prints without --json)."""
-    if result.get("protocol") == 5:
-        return summary_line5(result)
     s = result["scenario"]
+    if s in THROUGHPUT_SCENARIOS:
+        return throughput_lines(result)
     ok = {True: "meets target", False: "MISSES target", None: "no baseline"}[result.get("meets_target")]
-    if s == "ingest":
-        return (f"ingest   filemq {result['filemq_acks_per_s']:,} acks/s; "
-                f"vs mosquitto {result.get('ratio_vs_mosquitto', '-')}x (>= 0.5), "
-                f"vs amqtt {result.get('ratio_vs_amqtt', '-')}x (>= 4); "
-                f"generator ceiling {result['generator_ceiling_acks_per_s']:,}/s  [{ok}]\n"
-                f"         {cpu_text(result, ('mosquitto', 'amqtt'))}")
-    if s == "fanout":
-        return (f"fanout   filemq {result['filemq_deliveries_per_s']:,} deliveries/s; "
-                f"vs mosquitto {result.get('ratio_vs_mosquitto', '-')}x (>= 0.5)  [{ok}]\n"
-                f"         {cpu_text(result, ('mosquitto',))} per delivery{_fanout_setup(result)}")
     if s == "everyday":
         return everyday_summary(result)
     if s == "latency":

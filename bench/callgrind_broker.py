@@ -23,9 +23,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.broker5 import V5_PROPERTIES
 from bench.harness.brokers import BrokerBenchOptions
-from bench.harness.loads import fanout_run, ingest_run
+from bench.harness.loads import V5_PROPERTIES, fanout_run, ingest_run
 from bench.harness.processes import LOOPBACK, free_port, spawn
 from filemq.mqtt.packets import PROTOCOL_LEVEL
 

@@ -28,7 +28,9 @@ from pathlib import Path
 RECORDS = 20 * 2010 + 100
 
 
-async def _cycles(cycles: int) -> None:
+async def run_cycles(cycles: int) -> None:
+    """``cycles`` steady-state cycles of the subscriber (the body the ``--inner`` run counts);
+    asserts that every cycle's PUBACKs refilled the window."""
     from filemq.mqtt.packets import Subscribe
     from segments.record import Record
     # Every tree loads tests/test_broker_session.py (older trees keep the harness there), so
@@ -80,7 +82,7 @@ def _ir(tree: Path, cycles: int) -> int:
 def main() -> None:
     if sys.argv[1] == "--inner":
         sys.path.insert(0, os.environ["PYTHONPATH"])
-        asyncio.run(_cycles(int(sys.argv[2])))
+        asyncio.run(run_cycles(int(sys.argv[2])))
         return
     cycles = int(sys.argv[1])
     window = int(os.environ.get("WINDOW", "20"))

@@ -45,7 +45,7 @@ async def _load(rounds: int) -> None:
         from tests.test_broker_session import Client, Harness  # type: ignore[attr-defined]
 
     v5 = os.environ.get("PROTOCOL", "4") == "5"
-    # bench.broker5.V5_PROPERTIES, spelt out: an older tree measured may not have it.
+    # bench.harness.loads.V5_PROPERTIES, spelt out: an older tree measured may not have it.
     props = Properties(content_type="application/octet-stream", user_properties=[("source", "bench")]) \
         if v5 and os.environ.get("V5_PROPERTIES") == "1" else None
     read = int(os.environ.get("READ", "4096"))

@@ -29,7 +29,7 @@ def _acks_per_read() -> int:
     return int(os.environ.get("A", "4"))
 
 
-async def _load(reads: int) -> int:
+async def feed_reads(reads: int) -> int:
     """Feed ``reads`` reads of PUBACKs; returns how many ids were acked."""
     from filemq.mqtt.packets import Subscribe
     from filemq.ops.gctune import tune_gc
@@ -79,7 +79,7 @@ def _ir(tree: Path, reads: int) -> int:
 def main() -> None:
     if sys.argv[1] == "--inner":
         sys.path.insert(0, os.environ["PYTHONPATH"])
-        asyncio.run(_load(int(sys.argv[2])))
+        asyncio.run(feed_reads(int(sys.argv[2])))
         return
     reads = int(sys.argv[1])
     for arg in sys.argv[2:]:

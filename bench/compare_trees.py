@@ -29,11 +29,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-from bench.broker5 import V5_PROPERTIES
 from bench.everyday import SensorLoad, run_sensors
 from bench.everyday import figures as everyday_figures
 from bench.harness.brokers import BrokerBenchOptions
-from bench.harness.loads import fanout_run, ingest_run
+from bench.harness.loads import V5_PROPERTIES, fanout_run, ingest_run
 from bench.harness.processes import LOOPBACK, BrokerProcess, free_port, spawn, start_mosquitto
 
 

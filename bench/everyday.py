@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from bench.harness.processes import BrokerProcess
+from bench.harness.summary import percentile_ms
 from bench.loadgen import RawClient
 
 Progress = Callable[[str], None]
@@ -177,13 +178,6 @@ def run_sensors(load: SensorLoad, broker: BrokerProcess) -> SensorResult:
     return result
 
 
-def percentile_ms(values: list[int], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return round(ordered[min(int(len(ordered) * q), len(ordered) - 1)] / 1000, 2)
-
-
 def figures(result: SensorResult) -> dict[str, Any]:
     """The per-run figures: CPU per message (us; per second when nothing was sent), share of a core."""
     cpu = result.broker_cpu_seconds
@@ -191,8 +185,8 @@ def figures(result: SensorResult) -> dict[str, Any]:
         "acked": result.acked, "rate": round(result.acked / result.seconds, 1) if result.seconds else 0.0,
         "cpu_pct": round(100 * cpu / result.seconds, 2) if result.seconds else 0.0,
         "user_pct": round(100 * result.broker_user_seconds / result.seconds, 2) if result.seconds else 0.0,
-        "puback_p50_ms": percentile_ms(result.latencies_us, 0.5),
-        "puback_p99_ms": percentile_ms(result.latencies_us, 0.99),
+        "puback_p50_ms": percentile_ms(result.latencies_us, 0.5, per_ms=1000),
+        "puback_p99_ms": percentile_ms(result.latencies_us, 0.99, per_ms=1000),
     }
     if result.acked:
         out["cpu_us_per_msg"] = round(1e6 * cpu / result.acked, 1)

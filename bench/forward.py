@@ -51,6 +51,7 @@ from bench.harness.processes import (
     start_cli,
     stop,
 )
+from bench.health_body import report_body
 
 log = logging.getLogger(__name__)
 
@@ -308,7 +309,6 @@ def _device_load(port: int, devices: range, batches: int, batch_records: int, si
     If devices cannot connect (or lose their connection), one line saying how many and why
     goes to ``errors`` and the process ends: the bench fails at once instead of waiting.
     """
-    from bench.health_body import report_body
     from filemq.mqtt.client import MQTTClient
     from filemq.upstream.batch import BatchRecord, encode_batch
     from filemq.upstream.health import encode_health, health_topic

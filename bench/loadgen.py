@@ -206,7 +206,7 @@ def publish_template(topic: str, payload_size: int, qos: int, protocol: int = PR
     return sample[:pid_at], sample[after : len(sample) - payload_size]
 
 
-class _AckCounter:
+class PubackCounter:
     """Counts PUBACKs in a byte stream; bulk when the buffer holds nothing else.
 
     Bulk takes runs of one PUBACK form: 3.1.1's (and MQTT 5's short form, 3.4.2.1) ``40 02
@@ -222,6 +222,12 @@ class _AckCounter:
         self._head = b""  # the form's bytes compared at every stride: 40 02, or 40 03 + RC at offset 4
         self.refused = 0  # PUBACKs with a failure reason code (MQTT 5)
         self.refused_codes: set[int] = set()
+
+    @property
+    def decoding(self) -> bool:
+        """True once the stream held something other than one PUBACK form: from then on every
+        read goes through a :class:`Decoder`, not the bulk path."""
+        return self._decoder is not None
 
     def count(self, data: bytes) -> int:
         """PUBACKs (successful or refused) completed by ``data``: each frees a window slot."""
@@ -273,7 +279,7 @@ def publisher_main(spec: PublisherSpec, start: MpEvent | None, ready: Synchroniz
     try:
         client = RawClient.connect(spec.host, spec.port, spec.client_id, protocol=spec.protocol,
                                    nodelay=spec.client != "nagle")
-        run = _paced(client, spec, result) if spec.rate > 0 else _flat_out(client, spec, result)
+        run = _paced(client, spec, result) if spec.rate > 0 else flat_out(client, spec, result)
     except (OSError, LoadError, ValueError) as exc:
         result.error = str(exc)
         result.connack_code = getattr(exc, "connack_code", None)
@@ -294,7 +300,7 @@ def publisher_main(spec: PublisherSpec, start: MpEvent | None, ready: Synchroniz
         out.put(result)
 
 
-def _flat_out(client: RawClient, spec: PublisherSpec, result: PublisherResult) -> Callable[[], None]:
+def flat_out(client: RawClient, spec: PublisherSpec, result: PublisherResult) -> Callable[[], None]:
     """Pre-encode every packet; return the function that publishes them flat out."""
     qos = spec.qos
     prefix, middle = publish_template(spec.topic, spec.payload_size, qos, spec.protocol, spec.properties)
@@ -304,7 +310,7 @@ def _flat_out(client: RawClient, spec: PublisherSpec, result: PublisherResult) -
     packets = [prefix + ((i + 1).to_bytes(2, "big") if qos else b"") + tail for i in range(n_pre)]
     sock = client.sock
     sock.settimeout(30.0)
-    counter = _AckCounter(spec.protocol)
+    counter = PubackCounter(spec.protocol)
     one_by_one = spec.client != "loadgen"
 
     def send(first: int, k: int) -> None:
@@ -359,7 +365,7 @@ def _flat_out(client: RawClient, spec: PublisherSpec, result: PublisherResult) -
     return run
 
 
-def _settle(result: PublisherResult, sent: int, acked: int, counter: _AckCounter) -> None:
+def _settle(result: PublisherResult, sent: int, acked: int, counter: PubackCounter) -> None:
     """Final counts: PUBACKs with a failure reason code are refused, not acked."""
     result.sent, result.acked, result.refused = sent, acked - counter.refused, counter.refused
     if counter.refused and result.error is None:
@@ -375,7 +381,7 @@ def _paced(client: RawClient, spec: PublisherSpec, result: PublisherResult) -> C
     prefix, middle = publish_template(spec.topic, spec.payload_size, qos, spec.protocol, spec.properties)
     filler = bytes(spec.payload_size - STAMP_BYTES)
     sock = client.sock
-    counter = _AckCounter(spec.protocol)
+    counter = PubackCounter(spec.protocol)
     pack = _STAMP.pack
     inflight = min(spec.inflight, client.receive_maximum)
 
@@ -565,7 +571,7 @@ def _receive(client: RawClient, spec: SubscriberSpec, expected: Synchronized[int
     stamped = spec.stamped
     unpack = _STAMP.unpack_from
     sock.settimeout(0.2)
-    send_acks = sock.sendall if spec.client == "loadgen" else functools.partial(_send_one_by_one, sock)
+    send_acks = sock.sendall if spec.client == "loadgen" else functools.partial(send_one_by_one, sock)
     deadline = time.monotonic() + spec.max_seconds
     last_data = time.monotonic()
     packets: list[Packet] = early
@@ -617,7 +623,7 @@ def _receive(client: RawClient, spec: SubscriberSpec, expected: Synchronized[int
     result.received = received
 
 
-def _send_one_by_one(sock: socket.socket, acks: bytearray) -> None:
+def send_one_by_one(sock: socket.socket, acks: bytearray) -> None:
     """Each PUBACK in a ``sendall`` of its own, as a client that answers packet by packet does
     (every PUBACK this generator sends is the 4-byte short form)."""
     view = memoryview(acks)

@@ -27,9 +27,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.broker5 import V5_PROPERTIES
 from bench.harness.brokers import BrokerBenchOptions, start_filemq
-from bench.harness.loads import fanout_run, ingest_run
+from bench.harness.loads import V5_PROPERTIES, fanout_run, ingest_run
 
 PY_SPY = str(Path(sys.executable).with_name("py-spy"))
 

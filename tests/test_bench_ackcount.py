@@ -10,7 +10,7 @@ import threading
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bench.ackcount import PUBACK, AckCounter, _Pipe
+from bench.ackcount import PUBACK, AckCounter, Pipe
 
 
 def _packet(first: int, body: bytes) -> bytes:
@@ -44,7 +44,7 @@ class _Sink:
 def test_counts_exactly_the_pubacks_however_the_stream_is_split(items: list[tuple[bool, bytes]],
                                                                  cuts: list[int]) -> None:
     counter = AckCounter(1)
-    pipe = _Pipe(counter)
+    pipe = Pipe(counter)
     sink = _Sink()
     pipe.peer = sink  # type: ignore[assignment]
     stream = b"".join(p for _, p in items)

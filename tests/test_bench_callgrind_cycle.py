@@ -16,7 +16,7 @@ def test_the_cycle_harness_refills_the_window_every_cycle(monkeypatch: pytest.Mo
     monkeypatch.setenv("WINDOW", "20")
     monkeypatch.setenv("ACKS", acks)
     try:
-        asyncio.run(callgrind_cycle._cycles(5))  # asserts that every cycle refilled the window
+        asyncio.run(callgrind_cycle.run_cycles(5))  # asserts that every cycle refilled the window
     finally:
         gc.unfreeze()
 
@@ -27,6 +27,6 @@ def test_the_reads_harness_acks_every_id_it_feeds(monkeypatch: pytest.MonkeyPatc
     for ids in flight, below the refill mark: every id it sends is acked, none refilled."""
     monkeypatch.setenv("A", per_read)
     try:
-        assert asyncio.run(callgrind_reads._load(50)) == 50 * int(per_read)
+        assert asyncio.run(callgrind_reads.feed_reads(50)) == 50 * int(per_read)
     finally:
         gc.unfreeze()

@@ -14,13 +14,14 @@ import threading
 
 import pytest
 
-from bench.broker5 import V5_PROPERTIES, refusal
+from bench.harness.loads import V5_PROPERTIES
+from bench.harness.summary import refusal
 from bench.loadgen import (
     SESSION_EXPIRY_S,
     LoadError,
+    PubackCounter,
     PublishAcker,
     RawClient,
-    _AckCounter,
     connect_packet,
     publish_template,
 )
@@ -158,8 +159,8 @@ def test_refused_v5_connect_carries_the_connack_code() -> None:
     assert refusal(LoadResult([PublisherResult("pub")], [])) is None
 
 
-def _count_in_pieces(protocol: int, stream: bytes, rng: random.Random) -> tuple[int, _AckCounter]:
-    counter = _AckCounter(protocol)
+def _count_in_pieces(protocol: int, stream: bytes, rng: random.Random) -> tuple[int, PubackCounter]:
+    counter = PubackCounter(protocol)
     total = pos = 0
     while pos < len(stream):
         step = rng.randrange(1, 700)
@@ -178,7 +179,7 @@ def test_v5_pubacks_are_counted_in_bulk_in_either_form(form: str) -> None:
     for seed in range(5):
         total, counter = _count_in_pieces(PROTOCOL_LEVEL_5, b"".join(acks), random.Random(seed))
         assert (total, counter.refused) == (3000, 0)
-        assert counter._decoder is None  # stayed on the bulk path
+        assert not counter.decoding  # stayed on the bulk path
 
 
 def test_v5_refused_pubacks_count_as_refused_not_acked() -> None:

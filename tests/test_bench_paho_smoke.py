@@ -17,15 +17,12 @@ import threading
 import pytest
 from click.testing import CliRunner
 
-from bench.broker import (
-    _CLIENT_TEXT,
-    scenario_fanout,
-    summary_line,
-)
+from bench.broker import summary_line
 from bench.harness.brokers import BrokerBenchOptions, filemq_argv
 from bench.harness.processes import mosquitto_available, start_mosquitto
-from bench.loadgen import RawClient, _flat_out, _send_one_by_one
+from bench.loadgen import RawClient, flat_out, send_one_by_one
 from bench.loadspec import PublisherResult, PublisherSpec
+from bench.throughput import SUBSCRIBER_CLIENT_TEXT, scenario_fanout
 from cli import main
 from filemq.mqtt.codec import Decoder
 
@@ -56,7 +53,7 @@ def test_fanout_with_ordinary_subscribers_delivers_every_message_through_the_cli
         assert out[f"{name}_cpu_us_per_msg"] > 0  # per delivery
         assert f"{name}_errors" not in out
     assert out["cpu_ratio_vs_mosquitto"] > 0
-    assert _CLIENT_TEXT[client] in run.stderr and "in-flight window filemq 20, mosquitto 20" in run.stderr
+    assert SUBSCRIBER_CLIENT_TEXT[client] in run.stderr and "in-flight window filemq 20, mosquitto 20" in run.stderr
     assert "CPU" in summary_line(out)
     assert f"{client} subscribers, in-flight window filemq 20 / mosquitto 20" in summary_line(out)
     assert not list(tmp_path.iterdir()), "the bench left its data directories behind"
@@ -97,7 +94,7 @@ def test_a_single_subscriber_sends_each_puback_on_its_own():
             sent.append(bytes(data))
 
     acks = bytearray(b"\x40\x02\x00\x01\x40\x02\x00\x02\x40\x02\x01\x00")
-    _send_one_by_one(Sock(), acks)  # type: ignore[arg-type]
+    send_one_by_one(Sock(), acks)  # type: ignore[arg-type]
     assert sent == [b"\x40\x02\x00\x01", b"\x40\x02\x00\x02", b"\x40\x02\x01\x00"]
 
 
@@ -169,7 +166,7 @@ def test_a_single_publisher_sends_each_publish_on_its_own(client):
 
     spec = PublisherSpec("127.0.0.1", 1, "p", "t", messages=10, payload_size=16, inflight=4, client=client)
     result = PublisherResult("p")
-    _flat_out(RawClient(Sock(), "p", False, Decoder(server=False)), spec, result)()  # type: ignore[arg-type]
+    flat_out(RawClient(Sock(), "p", False, Decoder(server=False)), spec, result)()  # type: ignore[arg-type]
     assert result.acked == 10 and result.error is None
     if client == "single":
         assert len(sent) == 10  # one PUBLISH per send

@@ -13,7 +13,6 @@ import pytest
 from click.testing import CliRunner
 
 from bench.broker import (
-    scenario_fanout,
     scenario_idle,
     scenario_kill9,
     scenario_latency,
@@ -26,6 +25,7 @@ from bench.harness.brokers import BrokerBenchOptions
 from bench.harness.processes import mosquitto_available
 from bench.loadgen import run_load, run_null_sink
 from bench.loadspec import PublisherSpec
+from bench.throughput import scenario_fanout
 from cli import main
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
@@ -341,23 +341,6 @@ def test_protocol5_ingest_and_fanout_json_through_the_cli(tmp_path):
     assert not list(tmp_path.iterdir()), "the bench left its data directories behind"
 
 
-def test_protocol5_text_output_shows_a_refused_filemq_v5():
-    """A broker answering the level-5 CONNECT with CONNACK 0x01 is reported as refused, and
-    the run misses its target; the other contenders' figures stay."""
-    from bench.broker5 import _ratios
-
-    result = {"bench": "broker", "scenario": "ingest", "protocol": 5, "v5_properties": False,
-              "filemq_v5_refused": "CONNACK 0x01", "filemq_v5_connack_code": 1,
-              "filemq_v311_acks_per_s": 40_000, "filemq_v311_cpu_us_per_msg": 15.0,
-              "mosquitto_v5_acks_per_s": 80_000, "mosquitto_v5_cpu_us_per_msg": 8.0}
-    _ratios(result, "acks_per_s")
-    assert result["meets_target"] is False
-    assert "ratio_v5_vs_v311" not in result
-    text = summary_line(result)
-    assert "filemq v5 refused (CONNACK 0x01)" in text
-    assert "filemq 3.1.1 40,000 acks/s" in text and "mosquitto v5 80,000 acks/s" in text
-
-
 def test_protocol5_rejects_other_scenarios():
     run = CliRunner().invoke(main, ["bench", "broker", "--protocol", "5", "--scenario", "latency"])
     assert run.exit_code == 2
@@ -368,7 +351,7 @@ def test_protocol5_rejects_other_scenarios():
 
 
 def test_null_sink_acks_every_v5_publish():
-    from bench.broker5 import V5_PROPERTIES
+    from bench.harness.loads import V5_PROPERTIES
 
     result = run_null_sink(publishers=2, messages=4000, payload_size=100, inflight=50, protocol=5,
                            properties=V5_PROPERTIES)

@@ -14,9 +14,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench.harness.brokers import BrokerBenchOptions, start_filemq, start_mosquitto_for
-from bench.harness.processes import BrokerProcess, start_amqtt
+from bench.harness.processes import BrokerProcess, mosquitto_available, start_amqtt
 from bench.loadspec import LoadResult
-from filemq.mqtt.packets import PROTOCOL_LEVEL
+from filemq.mqtt.packets import PROTOCOL_LEVEL, PROTOCOL_LEVEL_5
 
 
 @dataclass(frozen=True)
@@ -30,6 +30,25 @@ class Contender:
     broker: str
     protocol: int = PROTOCOL_LEVEL
     runs: int | None = None
+
+
+def contenders(opts: BrokerBenchOptions, *, amqtt: bool) -> list[Contender]:
+    """Who runs, in the order they alternate, for the run's protocol version.
+
+    3.1.1 (``opts.protocol`` 4): filemq and, with baselines, mosquitto (each ``opts.repeat``
+    times) and with ``amqtt`` amqtt once (a fixed-time run far from its target).
+    MQTT 5: filemq with 3.1.1 clients (``filemq_v311``, the reference), filemq with MQTT 5
+    clients (``filemq_v5``) and, with baselines, mosquitto with MQTT 5 clients (``mosquitto_v5``)."""
+    with_mosquitto = opts.baselines and mosquitto_available()
+    if opts.protocol == PROTOCOL_LEVEL_5:
+        out = [Contender("filemq_v311", "filemq", PROTOCOL_LEVEL), Contender("filemq_v5", "filemq", PROTOCOL_LEVEL_5)]
+        return out + ([Contender("mosquitto_v5", "mosquitto", PROTOCOL_LEVEL_5)] if with_mosquitto else [])
+    out = [Contender("filemq", "filemq")]
+    if with_mosquitto:
+        out.append(Contender("mosquitto", "mosquitto"))
+    if opts.baselines and amqtt:
+        out.append(Contender("amqtt", "amqtt", runs=1))
+    return out
 
 
 def start_contender(contender: Contender, opts: BrokerBenchOptions, work: Path) -> BrokerProcess:

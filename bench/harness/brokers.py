@@ -48,7 +48,7 @@ class BrokerBenchOptions:
     workdir: Path | None = None
     keep: bool = False
     baselines: bool = True
-    protocol: int = PROTOCOL_LEVEL  # 5: ingest and fanout with MQTT 5 clients (bench.broker5)
+    protocol: int = PROTOCOL_LEVEL  # 5: ingest and fanout with MQTT 5 clients (bench.throughput)
     v5_properties: bool = False  # MQTT 5 PUBLISHes carry a content type and a user property
     subscriber_client: str = "loadgen"  # fanout subscribers: "loadgen" (bulk acks), "single" (one send
     # per PUBACK), "nagle" (the same without TCP_NODELAY) or "paho" (bench.paho_sub)

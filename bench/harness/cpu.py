@@ -1,5 +1,6 @@
 """CPU accounting for the benches: what a process (and its threads, helpers and reaped
-children) used, read from /proc, and the per-message figures and ratios a result reports.
+children) used, read from /proc, and the per-message figures a result reports (the ratios
+between contenders are :mod:`bench.throughput`'s).
 
 With other load on a shared machine, CPU seconds per message say more about a broker's cost
 than wall-clock rates; a result keeps every run's figure and reports the lowest.
@@ -102,12 +103,3 @@ def cpu_figures(out: dict[str, Any], name: str, results: list[LoadResult], count
     out[f"{name}_runs_cpu_us_per_msg"] = [rnd(x, 2) for x in per_run]
     out[f"{name}_runs_user_us_per_msg"] = [rnd(user_us(r, n), 2) for r, n in zip(results, counts, strict=True)]
     out[f"{name}_cpu_us_per_msg"] = rnd(min(per_run), 2)
-
-
-def cpu_ratios(out: dict[str, Any], baselines: tuple[str, ...]) -> None:
-    """``cpu_ratio_vs_X`` = X's CPU per message / filemq's (>= 1.0: filemq spends no more)."""
-    fm = out.get("filemq_cpu_us_per_msg")
-    for base in baselines:
-        other = out.get(f"{base}_cpu_us_per_msg")
-        if fm and other:
-            out[f"cpu_ratio_vs_{base}"] = rnd(other / fm, 2)

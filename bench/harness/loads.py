@@ -1,7 +1,7 @@
 """The broker bench's two loads, each for either MQTT protocol version: ``ingest`` (QoS 1
 publishers, PUBACKs/s) and ``fanout`` (publishers and persistent QoS 1 subscribers,
-deliveries/s).  The 3.1.1 scenarios (:mod:`bench.broker`), the MQTT 5 ones
-(:mod:`bench.broker5`), the tree comparisons and the profilers all run these."""
+deliveries/s).  The broker bench's scenarios (:mod:`bench.throughput`), the tree comparisons
+and the profilers all run these."""
 
 from __future__ import annotations
 
@@ -10,6 +10,9 @@ from bench.harness.processes import BrokerProcess
 from bench.loadgen import run_load
 from bench.loadspec import LoadResult, PublisherSpec, SubscriberSpec
 from filemq.mqtt.packets import PROTOCOL_LEVEL, Properties
+
+# ``--v5-properties``: what a typical MQTT 5 device adds to a message (3.3.2.3.9, 3.3.2.3.7).
+V5_PROPERTIES = Properties(content_type="application/octet-stream", user_properties=[("source", "bench")])
 
 
 def ingest_run(broker: BrokerProcess, opts: BrokerBenchOptions, messages: int, topic: str, *,

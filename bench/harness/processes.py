@@ -231,8 +231,6 @@ def start_mosquitto(workdir: Path, port: int | None = None, *, host: str = LOOPB
 def start_amqtt(workdir: Path, port: int | None = None, *, host: str = LOOPBACK,
                 timeout: float = 30.0) -> BrokerProcess:
     """The stock amqtt broker (its default plugins) on ``host:port``; returns once it accepts CONNECT."""
-    import sys
-
     port = port or free_port(host)
     workdir.mkdir(parents=True, exist_ok=True)
     conf = workdir / "amqtt.yaml"

@@ -117,6 +117,8 @@ class Device:
     # A disconnect the event sink could not record yet (the WAL was closed): recorded at next start.
     pending_disconnect: tuple[float, str] | None = None
     _figures: tuple[object, int | None, float | None] | None = None  # (health, lag, age) of that report
+    # (health, thresholds, stale window in s, state by that report): see device_state.
+    _verdict: tuple[object, object, float, str] | None = None
 
     def _lag_and_age(self) -> tuple[int | None, float | None]:
         h = self.health
@@ -140,19 +142,32 @@ def device_state(d: Device, now: float, t: Thresholds) -> str:
     if not d.connected:
         return "offline"
     h = d.health
-    if h is not None and d.health_at is not None:
-        interval = h.get("interval_s") or t.default_interval_s
-        # A report is due at every connect, so a connection older than the window without a
-        # fresh report is stale too.
-        if now - max(d.health_at, d.connected_since or 0.0) > t.stale_intervals * interval:
-            return "stale"
-        free = h.get("disk_free_bytes")
-        if isinstance(free, int) and free < t.disk_low_bytes:
-            return "disk_low"
-        lag = d.lag_records()
-        age = d.oldest_unacked_age_s()
-        if (lag is not None and lag > t.behind_records) or (age is not None and age > t.behind_age_s):
-            return "behind"
+    health_at = d.health_at
+    if h is None or health_at is None:
+        return "online"
+    verdict = d._verdict
+    if verdict is None or verdict[0] is not h or verdict[1] is not t:
+        # What the report says depends on the report and the thresholds only: worked out once
+        # per report, not at every /api/fleet build or scrape of thousands of devices.
+        verdict = d._verdict = (h, t, t.stale_intervals * (h.get("interval_s") or t.default_interval_s),
+                                _report_state(d, h, t))
+    # A report is due at every connect, so a connection older than the window without a
+    # fresh report is stale too.
+    since = d.connected_since
+    if now - (health_at if since is None or health_at >= since else since) > verdict[2]:
+        return "stale"
+    return verdict[3]
+
+
+def _report_state(d: Device, h: dict[str, Any], t: Thresholds) -> str:
+    """``disk_low``, ``behind`` or ``online``, by the latest report ``h`` of ``d``."""
+    free = h.get("disk_free_bytes")
+    if isinstance(free, int) and free < t.disk_low_bytes:
+        return "disk_low"
+    lag = d.lag_records()
+    age = d.oldest_unacked_age_s()
+    if (lag is not None and lag > t.behind_records) or (age is not None and age > t.behind_age_s):
+        return "behind"
     return "online"
 
 

@@ -340,11 +340,12 @@ class FleetRegistry:
         return d
 
     def health(self, device_id: str, body: dict[str, Any], sent_at_us: int, sequence: int,
-               body_json: bytes | None = None) -> None:
+               body_json: bytes | None = None) -> Device | None:
         """A decoded health report of ``device_id`` (call :meth:`seen` first); ``body_json`` is
-        the body's JSON text as received (kept for the snapshot, so it is not encoded again)."""
+        the body's JSON text as received (kept for the snapshot, so it is not encoded again).
+        Returns the device (None once :meth:`disconnect_all` froze the registry)."""
         if self.frozen:
-            return
+            return None
         now = self._clock()
         d = self._device(device_id, now)
         d.health = body
@@ -358,6 +359,7 @@ class FleetRegistry:
             d.history.append((now, lag))
         self._changed(d)
         self._emit(device_id, "health", now, {"sequence": sequence})
+        return d
 
     def landed(self, counts: Mapping[tuple[str, str], int]) -> None:
         """Rows landed per ``(device_id, stream)`` by one roll of the lander."""

@@ -303,7 +303,7 @@ _GOLDEN = 0.6180339887498949  # spreads the devices' report phases evenly over a
 def _device_load(port: int, devices: range, batches: int, batch_records: int, size: int,
                  window: int, ready: Any, go: Any, done: Any, errors: Any,
                  health_interval_s: float | None = None, reports_sent: Any = None,
-                 health_start: str = "steady") -> None:
+                 health_start: str = "steady", window_end: Any = None) -> None:
     """One load process: a connection per device, each sending its pre-encoded batches.
 
     With ``health_interval_s``, each device also sends health reports as an agent does
@@ -315,7 +315,11 @@ def _device_load(port: int, devices: range, batches: int, batch_records: int, si
     devices), so the window holds the reports of ``seconds / interval`` intervals, at the
     steady rate of ``devices / interval`` per second; ``reconnect`` (a fleet that has just
     reconnected): every device's first report as it starts sending, at the start of the window,
-    so the window holds one interval's worth of reports however short it is.
+    so the window holds one interval's worth of reports however short it is. With
+    ``window_end`` (an event the bench sets when its clock stops) every device, reporting or
+    not, stays connected, and a reporting one reports, until then, as in a running fleet (no
+    disconnects in the window); without it a device stops reporting and disconnects once its
+    batches are acknowledged.
     If devices cannot connect (or lose their connection), one line saying how many and why
     goes to ``errors`` and the process ends: the bench fails at once instead of waiting.
     """
@@ -343,6 +347,8 @@ def _device_load(port: int, devices: range, batches: int, batch_records: int, si
         report = encode_health(f"dev-{d}", time.time_ns() // 1000, seq, report_body(seq))
         client.publish_nowait(health_topic(f"dev-{d}"), report, qos=0)
 
+    window_over = asyncio.Event() if window_end is not None else None  # set once window_end is
+
     async def reporter(d: int, client: MQTTClient, stop: asyncio.Event, interval: float) -> None:
         nonlocal reports
         seq = 1
@@ -350,7 +356,7 @@ def _device_load(port: int, devices: range, batches: int, batch_records: int, si
             seq = 2  # (the first followed the connect)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), interval * ((d * _GOLDEN) % 1.0))
-        while not stop.is_set():
+        while not stop.is_set() and not (window_over is not None and window_over.is_set()):
             send_report(d, client, seq)
             reports += 1
             seq += 1
@@ -364,6 +370,8 @@ def _device_load(port: int, devices: range, batches: int, batch_records: int, si
         try:
             futures = [client.publish_nowait(f"filemq/v1/dev-{d}/main", p, qos=1) for p in prepared[d]]
             await asyncio.gather(*futures)
+            if window_over is not None:
+                await window_over.wait()
         finally:
             stop.set()
             if task is not None:
@@ -403,7 +411,11 @@ def _device_load(port: int, devices: range, batches: int, batch_records: int, si
             await asyncio.gather(*(c.disconnect(timeout=1) for c in clients.values()), return_exceptions=True)
             return
         ready.set()
-        await asyncio.get_running_loop().run_in_executor(None, go.wait)
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(None, go.wait)
+        if window_over is not None:
+            over = window_over
+            loop.run_in_executor(None, window_end.wait).add_done_callback(lambda _: over.set())
         sent = await asyncio.gather(*(device(d, c) for d, c in clients.items()), return_exceptions=True)
         if not report("failed while sending", sent):
             if reports_sent is not None:
@@ -467,6 +479,7 @@ def run_devices(work: Path, devices: int, records: int, size: int, timeout: floa
                         *(("--metrics-port", str(ops)) if ops else ()), log_path=work / "collector.log")
     ctx = multiprocessing.get_context("spawn")
     go = ctx.Event()
+    window_end = ctx.Event() if health_start == "steady" else None
     errors = ctx.Queue()
     reports_sent = ctx.Queue()
     procs = []
@@ -482,7 +495,7 @@ def run_devices(work: Path, devices: int, records: int, size: int, timeout: floa
             events.append((ready, done))
             p = ctx.Process(target=_device_load,
                             args=(port, part, per_device, batch_records, size, 4, ready, go, done, errors,
-                                  health_interval_s, reports_sent, health_start))
+                                  health_interval_s, reports_sent, health_start, window_end))
             p.start()
             procs.append(p)
             waits.append(ready)
@@ -511,6 +524,8 @@ def run_devices(work: Path, devices: int, records: int, size: int, timeout: floa
                                         abort=lambda: load_failure(procs, errors))
         seconds = time.monotonic() - start
         user1, system1 = cpu_user_system(collector.pid)
+        if window_end is not None:
+            window_end.set()  # (the devices report and stay connected until here)
         cpu = user1 - user0 + system1 - system0
         # System time (socket and disk work in the kernel) moves most between runs here.
         details["collector_user_s"] = round(user1 - user0, 2)
@@ -541,6 +556,8 @@ def run_devices(work: Path, devices: int, records: int, size: int, timeout: floa
     finally:
         sampler_stop.set()
         go.set()
+        if window_end is not None:
+            window_end.set()
         if sampler is not None:
             procs.append(sampler)
         for p in procs:

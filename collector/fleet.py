@@ -506,6 +506,7 @@ class FleetRegistry:
         t = self.thresholds
         counts = dict.fromkeys(STATES, 0)
         parts: list[bytes] = []
+        lead = "{"  # then ",{": each device is its fields in front and its kept fragment, not copied into one
         for d in self.devices.values():
             state = device_state(d, now, t)
             counts[state] += 1
@@ -519,12 +520,15 @@ class FleetRegistry:
             for c in d.streams.values():
                 received += c["records_received"]
                 landed += c["records_landed"]
-            parts.append(f'{{"state":"{state}","last_seen":"{iso(d.last_seen)}","records_received":{received},'
-                         f'"records_landed":{landed},'.encode() + cached[1])
+            parts.append(f'{lead}"state":"{state}","last_seen":"{iso(d.last_seen)}","records_received":{received},'
+                         f'"records_landed":{landed},'.encode())
+            parts.append(cached[1])
+            lead = ",{"
         counts["total"] = len(self.devices)
         head = {"generated_at": iso(now), "counts": counts, **extra}
-        return (json.dumps(head, separators=(",", ":")).encode()[:-1] + b',"devices":[' + b",".join(parts)
-                + b"]}")
+        parts.insert(0, json.dumps(head, separators=(",", ":")).encode()[:-1] + b',"devices":[')
+        parts.append(b"]}")
+        return b"".join(parts)
 
     def detail(self, device_id: str) -> dict[str, Any] | None:
         """The ``/api/fleet/<device>`` object: the summary, streams, latest report, history."""

@@ -296,7 +296,6 @@ def count_received(sub: subprocess.Popen[bytes], source: str) -> tuple[float, in
 # -- (b) many devices ------------------------------------------------------------------------------
 
 
-HEALTH_STARTS = ("steady", "reconnect")
 _GOLDEN = 0.6180339887498949  # spreads the devices' report phases evenly over an interval
 
 
@@ -307,8 +306,8 @@ def _device_load(port: int, devices: range, batches: int, batch_records: int, si
     """One load process: a connection per device, each sending its pre-encoded batches.
 
     With ``health_interval_s``, each device also sends health reports as an agent does
-    (QoS 0 on its own topic, :mod:`filemq.upstream.health`) every interval until its batches
-    are acknowledged; the count of those sent after ``go`` (the measured window) goes to
+    (QoS 0 on its own topic, :mod:`filemq.upstream.health`) every interval (until its batches
+    are acknowledged, or with ``window_end`` until then, see below); the count of those sent after ``go`` (the measured window) goes to
     ``reports_sent``. ``health_start`` says when the first one goes: ``steady`` (a fleet that
     has been running): right after the device's connect, before the clock starts, as an agent
     sends it, and the next at a phase of the interval of its own (spread evenly over the
@@ -467,8 +466,9 @@ def run_devices(work: Path, devices: int, records: int, size: int, timeout: floa
     """(b): ``devices`` connections send ``records`` rows (at least a batch each) to one
     collector; the clock and the collector's CPU seconds run from the moment all are connected
     until every row is landed. With ``health_interval_s`` the devices also send health reports
-    (:func:`_device_load`, ``health_start`` as there); with ``api_interval_s`` the collector's ``/api/fleet`` is fetched
-    that often while they send. The figures beyond the rate are in the result's ``details``."""
+    (:func:`_device_load`, ``health_start`` as there: ``steady`` keeps every device connected
+    until the clock stops, with or without reports); with ``api_interval_s`` the collector's
+    ``/api/fleet`` is fetched that often while they send. The figures beyond the rate are in the result's ``details``."""
     landing, data = work / "landing", work / "collector"
     per_device = max(1, records // devices // batch_records)
     total = per_device * batch_records * devices

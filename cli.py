@@ -676,6 +676,11 @@ def status(directory: str, as_json: bool) -> None:
 @click.option("--api-interval-s", type=click.FloatRange(min=0), default=0.5, show_default=True,
               help="The many-devices run: GET the collector's /api/fleet this often while the devices send "
                    "(0: never).")
+@click.option("--health-start", type=click.Choice(["steady", "reconnect"]), default="steady", show_default=True,
+              help="The many-devices run: steady: each device's first report follows its connect (before the "
+                   "clock) and the next come at phases spread over the interval (a running fleet's rate); "
+                   "reconnect: every device's first report at the start of the measured window (a fleet that "
+                   "has just reconnected).")
 @click.option("--batch-records", type=click.IntRange(min=1), default=1000, show_default=True,
               help="The many-devices run: records per batch.")
 @click.option("--work-dir", type=click.Path(file_okay=False), default=None, help="Where to put the data (default: a temp dir).")
@@ -683,7 +688,7 @@ def status(directory: str, as_json: bool) -> None:
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per line on stdout.")
 def bench_forward(records: int, size: int, devices: tuple[int, ...], ingest_records: int, skip_bridge: bool,
                   only: str, mosquitto_max_inflight: int | None, oracle: str, oracle_qos: int, repeat: int,
-                  health_interval_s: float, api_interval_s: float, batch_records: int,
+                  health_interval_s: float, api_interval_s: float, health_start: str, batch_records: int,
                   work_dir: str | None, keep: bool, as_json: bool) -> None:
     """Backlog drain agent -> collector -> Parquet vs a Mosquitto bridge; 100 devices -> one
     collector; drain rate vs the broker's durable ingest rate; --only storm: a fleet that
@@ -703,7 +708,7 @@ def bench_forward(records: int, size: int, devices: tuple[int, ...], ingest_reco
                       as_json=as_json, skip_bridge=skip_bridge, ingest_records=ingest_records, only=only,
                       mosquitto_max_inflight=mosquitto_max_inflight, oracle=oracle, oracle_qos=oracle_qos,
                       repeat=repeat, health_interval_s=health_interval_s, api_interval_s=api_interval_s or None,
-                      batch_records=batch_records)
+                      batch_records=batch_records, health_start=health_start)
 
 
 @bench.command("fleet")

@@ -297,15 +297,29 @@ def count_received(sub: subprocess.Popen[bytes], source: str) -> tuple[float, in
 # -- (b) many devices ------------------------------------------------------------------------------
 
 
+_GOLDEN = 0.6180339887498949  # spreads the devices' report phases evenly over an interval
+
+
 def _device_load(port: int, devices: range, batches: int, batch_records: int, size: int,
                  window: int, ready: Any, go: Any, done: Any, errors: Any,
-                 health_interval_s: float | None = None, reports_sent: Any = None) -> None:
+                 health_interval_s: float | None = None, reports_sent: Any = None,
+                 health_start: str = "steady", window_end: Any = None) -> None:
     """One load process: a connection per device, each sending its pre-encoded batches.
 
     With ``health_interval_s``, each device also sends health reports as an agent does
-    (QoS 0 on its own topic, :mod:`filemq.upstream.health`): one as it starts (an agent's
-    first report follows its connect; the connect storm is before the clock starts) and one
-    every interval until its batches are acknowledged; the count goes to ``reports_sent``.
+    (QoS 0 on its own topic, :mod:`filemq.upstream.health`) every interval (until its batches
+    are acknowledged, or with ``window_end`` until then, see below); the count of those sent after ``go`` (the measured window) goes to
+    ``reports_sent``. ``health_start`` says when the first one goes: ``steady`` (a fleet that
+    has been running): right after the device's connect, before the clock starts, as an agent
+    sends it, and the next at a phase of the interval of its own (spread evenly over the
+    devices), so the window holds the reports of ``seconds / interval`` intervals, at the
+    steady rate of ``devices / interval`` per second; ``reconnect`` (a fleet that has just
+    reconnected): every device's first report as it starts sending, at the start of the window,
+    so the window holds one interval's worth of reports however short it is. With
+    ``window_end`` (an event the bench sets when its clock stops) every device, reporting or
+    not, stays connected, and a reporting one reports, until then, as in a running fleet (no
+    disconnects in the window); without it a device stops reporting and disconnects once its
+    batches are acknowledged.
     If devices cannot connect (or lose their connection), one line saying how many and why
     goes to ``errors`` and the process ends: the bench fails at once instead of waiting.
     """
@@ -328,12 +342,21 @@ def _device_load(port: int, devices: range, batches: int, batch_records: int, si
         ]
     reports = 0
 
+    def send_report(d: int, client: MQTTClient, seq: int) -> None:
+        report = encode_health(f"dev-{d}", time.time_ns() // 1000, seq, report_body(seq))
+        client.publish_nowait(health_topic(f"dev-{d}"), report, qos=0)
+
+    window_over = asyncio.Event() if window_end is not None else None  # set once window_end is
+
     async def reporter(d: int, client: MQTTClient, stop: asyncio.Event, interval: float) -> None:
         nonlocal reports
         seq = 1
-        while not stop.is_set():
-            report = encode_health(f"dev-{d}", time.time_ns() // 1000, seq, report_body(seq))
-            client.publish_nowait(health_topic(f"dev-{d}"), report, qos=0)
+        if health_start == "steady":
+            seq = 2  # (the first followed the connect)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), interval * ((d * _GOLDEN) % 1.0))
+        while not stop.is_set() and not (window_over is not None and window_over.is_set()):
+            send_report(d, client, seq)
             reports += 1
             seq += 1
             with contextlib.suppress(TimeoutError):
@@ -346,6 +369,8 @@ def _device_load(port: int, devices: range, batches: int, batch_records: int, si
         try:
             futures = [client.publish_nowait(f"filemq/v1/dev-{d}/main", p, qos=1) for p in prepared[d]]
             await asyncio.gather(*futures)
+            if window_over is not None:
+                await window_over.wait()
         finally:
             stop.set()
             if task is not None:
@@ -366,24 +391,30 @@ def _device_load(port: int, devices: range, batches: int, batch_records: int, si
         # (bench forward --only storm is).
         gate = asyncio.Semaphore(32)
 
-        async def connect(client: MQTTClient) -> None:
+        async def connect(d: int, client: MQTTClient) -> None:
             async with gate:
                 for attempt in range(5):
                     try:
                         await client.connect(timeout=30)
+                        if health_interval_s and health_start == "steady":
+                            send_report(d, client, 1)  # as an agent's, before the clock
                         return
                     except Exception:
                         if attempt == 4:
                             raise
                         await asyncio.sleep(0.2)
 
-        connected = await asyncio.gather(*(connect(c) for c in clients.values()), return_exceptions=True)
+        connected = await asyncio.gather(*(connect(d, c) for d, c in clients.items()), return_exceptions=True)
         if report("could not connect to the collector", [r if isinstance(r, BaseException) else None
                                                            for r in connected]):
             await asyncio.gather(*(c.disconnect(timeout=1) for c in clients.values()), return_exceptions=True)
             return
         ready.set()
-        await asyncio.get_running_loop().run_in_executor(None, go.wait)
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(None, go.wait)
+        if window_over is not None:
+            over = window_over
+            loop.run_in_executor(None, window_end.wait).add_done_callback(lambda _: over.set())
         sent = await asyncio.gather(*(device(d, c) for d, c in clients.items()), return_exceptions=True)
         if not report("failed while sending", sent):
             if reports_sent is not None:
@@ -430,12 +461,14 @@ def _sample_api(url: str, interval: float, warm: Any, go: Any, stop: Any, out: A
 
 def run_devices(work: Path, devices: int, records: int, size: int, timeout: float,
                 collector_args: tuple[str, ...] = (), *, batch_records: int = 1000,
-                health_interval_s: float | None = None, api_interval_s: float | None = None) -> Result:
+                health_interval_s: float | None = None, api_interval_s: float | None = None,
+                health_start: str = "steady") -> Result:
     """(b): ``devices`` connections send ``records`` rows (at least a batch each) to one
     collector; the clock and the collector's CPU seconds run from the moment all are connected
     until every row is landed. With ``health_interval_s`` the devices also send health reports
-    (:func:`_device_load`); with ``api_interval_s`` the collector's ``/api/fleet`` is fetched
-    that often while they send. The figures beyond the rate are in the result's ``details``."""
+    (:func:`_device_load`, ``health_start`` as there: ``steady`` keeps every device connected
+    until the clock stops, with or without reports); with ``api_interval_s`` the collector's
+    ``/api/fleet`` is fetched that often while they send. The figures beyond the rate are in the result's ``details``."""
     landing, data = work / "landing", work / "collector"
     per_device = max(1, records // devices // batch_records)
     total = per_device * batch_records * devices
@@ -446,11 +479,13 @@ def run_devices(work: Path, devices: int, records: int, size: int, timeout: floa
                         *(("--metrics-port", str(ops)) if ops else ()), log_path=work / "collector.log")
     ctx = multiprocessing.get_context("spawn")
     go = ctx.Event()
+    window_end = ctx.Event() if health_start == "steady" else None
     errors = ctx.Queue()
     reports_sent = ctx.Queue()
     procs = []
     sampler, sampler_warm, sampler_stop, sampled = None, ctx.Event(), ctx.Event(), ctx.Queue()
-    details: dict[str, Any] = {"health_interval_s": health_interval_s, "batch_records": batch_records}
+    details: dict[str, Any] = {"health_interval_s": health_interval_s, "batch_records": batch_records,
+                               "health_start": health_start if health_interval_s else None}
     try:
         halves = [range(0, devices // 2), range(devices // 2, devices)]
         waits = []
@@ -460,7 +495,7 @@ def run_devices(work: Path, devices: int, records: int, size: int, timeout: floa
             events.append((ready, done))
             p = ctx.Process(target=_device_load,
                             args=(port, part, per_device, batch_records, size, 4, ready, go, done, errors,
-                                  health_interval_s, reports_sent))
+                                  health_interval_s, reports_sent, health_start, window_end))
             p.start()
             procs.append(p)
             waits.append(ready)
@@ -489,6 +524,8 @@ def run_devices(work: Path, devices: int, records: int, size: int, timeout: floa
                                         abort=lambda: load_failure(procs, errors))
         seconds = time.monotonic() - start
         user1, system1 = cpu_user_system(collector.pid)
+        if window_end is not None:
+            window_end.set()  # (the devices report and stay connected until here)
         cpu = user1 - user0 + system1 - system0
         # System time (socket and disk work in the kernel) moves most between runs here.
         details["collector_user_s"] = round(user1 - user0, 2)
@@ -519,6 +556,8 @@ def run_devices(work: Path, devices: int, records: int, size: int, timeout: floa
     finally:
         sampler_stop.set()
         go.set()
+        if window_end is not None:
+            window_end.set()
         if sampler is not None:
             procs.append(sampler)
         for p in procs:
@@ -543,14 +582,14 @@ def _latencies(ms: list[float]) -> dict[str, Any]:
 
 def run_devices_health(work: Path, *, devices: int, records: int, size: int, timeout: float, repeat: int,
                        health_interval_s: float, api_interval_s: float | None, batch_records: int = 1000,
-                       emit: Callable[[Result], None] | None = None) -> dict[str, Any]:
+                       emit: Callable[[Result], None] | None = None, health_start: str = "steady") -> dict[str, Any]:
     """What health reporting costs the collector (issue 32): :func:`run_devices` ``repeat``
     times without and with reports, alternating (ABBA: without-with, then with-without, ...,
     so a drift of the machine's load falls on both alike), ``/api/fleet`` sampled in every run.
     Returns the summary: the collector's CPU µs per landed row without and with (medians) and
     their ratio (target < 1.05), the ratio of each pair, the reports sent per landed row, the
     CPU µs a report costs (the medians' difference per report), /api/fleet p50/p99/max while
-    the devices send, and the load averages."""
+    the devices send, and the load averages. ``health_start``: :func:`_device_load`."""
     runs: list[tuple[bool, Result]] = []
     for i in range(repeat):
         order = (False, True) if i % 2 == 0 else (True, False)
@@ -559,7 +598,7 @@ def run_devices_health(work: Path, *, devices: int, records: int, size: int, tim
             say(f"[devices] pair {i + 1}/{repeat}: {name}")
             result = run_devices(work / name, devices, records, size, timeout, batch_records=batch_records,
                                  health_interval_s=health_interval_s if health else None,
-                                 api_interval_s=api_interval_s)
+                                 api_interval_s=api_interval_s, health_start=health_start)
             result.name = "collector_devices_health" if health else "collector_devices"
             runs.append((health, result))
             d = result.details
@@ -580,7 +619,7 @@ def run_devices_health(work: Path, *, devices: int, records: int, size: int, tim
     rows = with_[0].records
     summary: dict[str, Any] = {
         "name": "health_cost", "devices": devices, "records": rows, "batch_records": batch_records,
-        "health_interval_s": health_interval_s, "repeat": repeat,
+        "health_interval_s": health_interval_s, "health_start": health_start, "repeat": repeat,
         "cpu_us_per_row_without": round(off, 3), "cpu_us_per_row_with": round(on, 3),
         "cpu_ratio": round(on / off, 3) if off else None,
         "user_cpu_ratio": _ratio(statistics.median(r.details["collector_user_s"] / r.records for r in with_),
@@ -598,7 +637,8 @@ def run_devices_health(work: Path, *, devices: int, records: int, size: int, tim
         summary.update({f"{k}_{label}": v for k, v in _latencies(samples).items()})
         colds = [r.details["api_fleet_cold_ms"] for r in group if r.details.get("api_fleet_cold_ms") is not None]
         summary[f"api_fleet_cold_ms_max_{label}"] = max(colds, default=None)
-    say(f"[devices] health reports cost x{summary['cpu_ratio']} collector CPU per landed row (target < 1.05;"
+    say(f"[devices] health reports ({health_start}) cost x{summary['cpu_ratio']} collector CPU per landed row"
+         " (target < 1.05;"
          f" pairs {summary['pair_ratios']}; user CPU alone x{summary['user_cpu_ratio']}) at {summary['reports_per_row']} reports per row"
          f" (~{summary['cpu_us_per_report']} µs per report); /api/fleet at {devices} devices while they send:"
          f" p50 {summary.get('api_fleet_ms_p50_with')} ms, p99 {summary.get('api_fleet_ms_p99_with')} ms,"

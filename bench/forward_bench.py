@@ -36,13 +36,15 @@ def run_forward_bench(
     skip_bridge: bool = False, ingest_records: int = 200_000, timeout: float = 900, only: str = "all",
     mosquitto_max_inflight: int | None = None, oracle: str = "puback", oracle_qos: int = 1, repeat: int = 1,
     health_interval_s: float = 30.0, api_interval_s: float | None = 0.5, batch_records: int = 1000,
+    health_start: str = "steady",
 ) -> dict[str, Any]:
     """Run (a), (b), (c) and (d) and print the rates and ratios; returns the summary.
 
     ``only="mqtt-export"`` runs just (d): the MQTT export drain against the bridge at
     ``SMALL_BRIDGE_BACKLOG`` and ``records`` (bench/forward_mqtt.py). ``only="devices"`` runs
     just (b). (b) runs ``repeat`` pairs without and with health reports every
-    ``health_interval_s`` (:func:`run_devices_health`; 0: one run without, as before)."""
+    ``health_interval_s`` (:func:`run_devices_health`; 0: one run without, as before), the
+    first report of each device as ``health_start`` says (:func:`bench.forward._device_load`)."""
     if only == "mqtt-export":
         return run_export_vs_bridge(records=records, size=size, work_dir=work_dir, keep=keep, as_json=as_json,
                                     timeout=timeout, mosquitto_max_inflight=mosquitto_max_inflight,
@@ -68,7 +70,8 @@ def run_forward_bench(
             return None
         health = run_devices_health(base / "devices", devices=devices, records=records, size=size,
                                     timeout=timeout, repeat=repeat, health_interval_s=health_interval_s,
-                                    api_interval_s=api_interval_s, batch_records=batch_records, emit=emit)
+                                    api_interval_s=api_interval_s, batch_records=batch_records, emit=emit,
+                                    health_start=health_start)
         if as_json:
             print(json.dumps(health), flush=True)
         return health

@@ -117,6 +117,8 @@ class Device:
     # A disconnect the event sink could not record yet (the WAL was closed): recorded at next start.
     pending_disconnect: tuple[float, str] | None = None
     _figures: tuple[object, int | None, float | None] | None = None  # (health, lag, age) of that report
+    # (health, thresholds, stale window in s, state by that report): see device_state.
+    _verdict: tuple[object, object, float, str] | None = None
 
     def _lag_and_age(self) -> tuple[int | None, float | None]:
         h = self.health
@@ -140,19 +142,32 @@ def device_state(d: Device, now: float, t: Thresholds) -> str:
     if not d.connected:
         return "offline"
     h = d.health
-    if h is not None and d.health_at is not None:
-        interval = h.get("interval_s") or t.default_interval_s
-        # A report is due at every connect, so a connection older than the window without a
-        # fresh report is stale too.
-        if now - max(d.health_at, d.connected_since or 0.0) > t.stale_intervals * interval:
-            return "stale"
-        free = h.get("disk_free_bytes")
-        if isinstance(free, int) and free < t.disk_low_bytes:
-            return "disk_low"
-        lag = d.lag_records()
-        age = d.oldest_unacked_age_s()
-        if (lag is not None and lag > t.behind_records) or (age is not None and age > t.behind_age_s):
-            return "behind"
+    health_at = d.health_at
+    if h is None or health_at is None:
+        return "online"
+    verdict = d._verdict
+    if verdict is None or verdict[0] is not h or verdict[1] is not t:
+        # What the report says depends on the report and the thresholds only: worked out once
+        # per report, not at every /api/fleet build or scrape of thousands of devices.
+        verdict = d._verdict = (h, t, t.stale_intervals * (h.get("interval_s") or t.default_interval_s),
+                                _report_state(d, h, t))
+    # A report is due at every connect, so a connection older than the window without a
+    # fresh report is stale too.
+    since = d.connected_since
+    if now - (health_at if since is None or health_at >= since else since) > verdict[2]:
+        return "stale"
+    return verdict[3]
+
+
+def _report_state(d: Device, h: dict[str, Any], t: Thresholds) -> str:
+    """``disk_low``, ``behind`` or ``online``, by the latest report ``h`` of ``d``."""
+    free = h.get("disk_free_bytes")
+    if isinstance(free, int) and free < t.disk_low_bytes:
+        return "disk_low"
+    lag = d.lag_records()
+    age = d.oldest_unacked_age_s()
+    if (lag is not None and lag > t.behind_records) or (age is not None and age > t.behind_age_s):
+        return "behind"
     return "online"
 
 
@@ -325,11 +340,12 @@ class FleetRegistry:
         return d
 
     def health(self, device_id: str, body: dict[str, Any], sent_at_us: int, sequence: int,
-               body_json: bytes | None = None) -> None:
+               body_json: bytes | None = None) -> Device | None:
         """A decoded health report of ``device_id`` (call :meth:`seen` first); ``body_json`` is
-        the body's JSON text as received (kept for the snapshot, so it is not encoded again)."""
+        the body's JSON text as received (kept for the snapshot, so it is not encoded again).
+        Returns the device (None once :meth:`disconnect_all` froze the registry)."""
         if self.frozen:
-            return
+            return None
         now = self._clock()
         d = self._device(device_id, now)
         d.health = body
@@ -343,6 +359,7 @@ class FleetRegistry:
             d.history.append((now, lag))
         self._changed(d)
         self._emit(device_id, "health", now, {"sequence": sequence})
+        return d
 
     def landed(self, counts: Mapping[tuple[str, str], int]) -> None:
         """Rows landed per ``(device_id, stream)`` by one roll of the lander."""
@@ -489,6 +506,7 @@ class FleetRegistry:
         t = self.thresholds
         counts = dict.fromkeys(STATES, 0)
         parts: list[bytes] = []
+        lead = "{"  # then ",{": each device is its fields in front and its kept fragment, not copied into one
         for d in self.devices.values():
             state = device_state(d, now, t)
             counts[state] += 1
@@ -502,12 +520,15 @@ class FleetRegistry:
             for c in d.streams.values():
                 received += c["records_received"]
                 landed += c["records_landed"]
-            parts.append(f'{{"state":"{state}","last_seen":"{iso(d.last_seen)}","records_received":{received},'
-                         f'"records_landed":{landed},'.encode() + cached[1])
+            parts.append(f'{lead}"state":"{state}","last_seen":"{iso(d.last_seen)}","records_received":{received},'
+                         f'"records_landed":{landed},'.encode())
+            parts.append(cached[1])
+            lead = ",{"
         counts["total"] = len(self.devices)
         head = {"generated_at": iso(now), "counts": counts, **extra}
-        return (json.dumps(head, separators=(",", ":")).encode()[:-1] + b',"devices":[' + b",".join(parts)
-                + b"]}")
+        parts.insert(0, json.dumps(head, separators=(",", ":")).encode()[:-1] + b',"devices":[')
+        parts.append(b"]}")
+        return b"".join(parts)
 
     def detail(self, device_id: str) -> dict[str, Any] | None:
         """The ``/api/fleet/<device>`` object: the summary, streams, latest report, history."""

@@ -54,19 +54,23 @@ def event_payload(event: str, details: Mapping[str, Any]) -> bytes:
     return json.dumps({"event": event, **details}, separators=(",", ":")).encode()
 
 
-def health_event(body: Mapping[str, Any], body_json: bytes, sequence: int, sent_at_us: int) -> bytes:
+def health_event(body: Mapping[str, Any], body_json: bytes, sequence: int, sent_at_us: int,
+                 figures: tuple[int | None, float | None] | None = None) -> bytes:
     """A health report as a fleet event payload: ``event``, ``sequence``, ``sent_at_us`` and the
     aggregates the table types (``lag_records`` summed over the exports, ``oldest_unacked_age_s``
     their largest), then the report's body, its JSON text passed on as sent (``body_json``,
-    whose fields :func:`filemq.upstream.health.check_body` checked) rather than encoded again."""
-    exports = body.get("exports") or []
-    lags = [e["lag_records"] for e in exports if type(e.get("lag_records")) is int]
-    ages = [e["oldest_unacked_age_s"] for e in exports if type(e.get("oldest_unacked_age_s")) in _NUMBER]
+    whose fields :func:`filemq.upstream.health.check_body` checked) rather than encoded again.
+    ``figures``: those two aggregates when the caller has them already (the fleet registry
+    works them out for each report, :meth:`collector.fleet.Device.lag_records`)."""
+    if figures is None:
+        exports = body.get("exports") or []
+        lags = [e["lag_records"] for e in exports if type(e.get("lag_records")) is int]
+        ages = [e["oldest_unacked_age_s"] for e in exports if type(e.get("oldest_unacked_age_s")) in _NUMBER]
+        figures = (sum(lags) if lags else None, max(ages) if ages else None)
     # Formatted, not json.dumps'ed (once per report): ints and finite floats (check_body)
     # have the same text in both.
     head = (f'{{"event":"health","sequence":{int(sequence)},"sent_at_us":{int(sent_at_us)},'
-            f'"lag_records":{_number(sum(lags) if lags else None)},'
-            f'"oldest_unacked_age_s":{_number(max(ages) if ages else None)}').encode()
+            f'"lag_records":{_number(figures[0])},"oldest_unacked_age_s":{_number(figures[1])}').encode()
     rest = body_json.strip()[1:]  # the body object without its "{"
     if rest.lstrip().startswith(b"}"):
         return head + b"}"

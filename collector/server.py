@@ -448,9 +448,10 @@ class Collector:
             return HookResult.reject(reason)
         stats.health_reports += 1
         self._seen(client, report.device_id)
-        self.fleet.health(report.device_id, report.body, report.sent_at_us, report.sequence, report.body_json)
+        d = self.fleet.health(report.device_id, report.body, report.sent_at_us, report.sequence, report.body_json)
         # Into the WAL as the fleet event the lander lands as it is (collector.fleet_events).
-        return HookResult.store(health_event(report.body, report.body_json, report.sequence, report.sent_at_us))
+        return HookResult.store(health_event(report.body, report.body_json, report.sequence, report.sent_at_us,
+                                             None if d is None else (d.lag_records(), d.oldest_unacked_age_s())))
 
     def _quarantine(self, client: ClientInfo, packet: Publish, reason: str) -> HookResult:
         """Write the PUBLISH payload and the reason under ``quarantine/``, then ack it."""

@@ -272,7 +272,7 @@ def test_bench_forward_devices_measures_health_reports_against_none_through_the_
     ratio, reports per row, /api/fleet times sampled while the devices send."""
     args = ["bench", "forward", "--only", "devices", "--devices", "6", "--records", "6000", "--batch-records",
             "100", "--health-interval-s", "0.3", "--api-interval-s", "0.1", "--repeat", "2",
-            "--work-dir", str(tmp_path), "--json"]
+            "--health-start", "reconnect", "--work-dir", str(tmp_path), "--json"]
     run = CliRunner().invoke(main, args)
     assert run.exit_code == 0, run.output
     lines = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
@@ -293,6 +293,30 @@ def test_bench_forward_devices_measures_health_reports_against_none_through_the_
     assert len(summary["pair_ratios"]) == 2
     assert summary["api_fleet_samples_with"] >= 2 and summary["api_fleet_samples_without"] >= 2
     assert len(summary["loadavg"]) == 5
+
+
+def test_bench_forward_devices_steady_reports_follow_the_connect_and_spread_over_the_interval(tmp_path):
+    """Issue 32: with `--health-start steady` (the default) each device's first report follows
+    its connect, before the clock (/api/fleet shows every device with a report even when no
+    report falls in the short window: run_devices checks it and fails otherwise), and the window
+    counts only the reports sent in it: at a 0.05 s interval at most one per device per interval
+    of the window, plus one each (the phases' rounding), and every device reports (and stays
+    connected) until the window ends."""
+    args = ["bench", "forward", "--only", "devices", "--devices", "6", "--records", "6000", "--batch-records",
+            "100", "--health-interval-s", "0.05", "--api-interval-s", "0.1", "--repeat", "1",
+            "--work-dir", str(tmp_path), "--json"]
+    run = CliRunner().invoke(main, args)
+    assert run.exit_code == 0, run.output
+    lines = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+    runs, (summary,) = lines[:-1], lines[-1:]
+    assert summary["health_start"] == "steady"
+    (with_,) = [r for r in runs if r["name"] == "collector_devices_health"]
+    assert with_["details"]["health_start"] == "steady"
+    seconds, sent = with_["seconds"], with_["details"]["health_reports"]
+    assert sent <= 6 * (seconds / 0.05 + 1), (seconds, sent)
+    if seconds >= 0.5:  # every device reports until the window ends, the first within 0.05 s of it
+        assert sent >= 6, (seconds, sent)
+    assert summary["reports_per_row"] == pytest.approx(sent / 6000, abs=1e-6)
 
 
 # --------------------------------------------------------------------------- --protocol 5 (issue 13 item 9)

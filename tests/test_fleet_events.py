@@ -12,8 +12,10 @@ from typing import Any
 
 import pyarrow.parquet as pq
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from collector.fleet import FLEET_FILE, FleetRegistry
+from collector.fleet import FLEET_FILE, FleetRegistry, Thresholds, device_state
 from collector.fleet_events import event_topic, fleet_record, health_event, parse_event_topic
 from collector.landing import LANDING_SCHEMA
 from collector.server import Collector
@@ -48,6 +50,51 @@ def test_event_topics_and_records() -> None:
         "event": "health", "sequence": 3, "sent_at_us": 5, "lag_records": None, "oldest_unacked_age_s": None}
     assert fleet_record(health_topic("d"), payload) == ("d", "health", payload)
     assert fleet_record(health_topic("d"), b"FMQH" + bytes(40)) is None  # not what the door stores
+
+
+_EXPORT = st.fixed_dictionaries({"name": st.text(min_size=1, max_size=4)}, optional={
+    "lag_records": st.none() | st.integers(0, 2**63 - 1),
+    "oldest_unacked_age_s": st.none() | st.integers(0, 10**6) | st.floats(0, 1e9),
+    "state": st.none() | st.sampled_from(["connected", "backoff"]),
+})
+_BODY = st.fixed_dictionaries({}, optional={
+    "exports": st.lists(_EXPORT, max_size=4), "disk_free_bytes": st.none() | st.integers(0, 2**40),
+    "interval_s": st.none() | st.integers(0, 120),
+})
+
+
+@settings(max_examples=200, deadline=None)
+@given(_BODY, st.integers(1, 2**40), st.integers(0, 2**62))
+def test_health_event_with_the_registrys_figures_is_the_same_bytes(body: dict[str, Any], sequence: int,
+                                                                    sent_at_us: int) -> None:
+    """Issue 32: the door passes the registry's lag and age of a report (worked out once per
+    report) to health_event instead of letting it sum the exports again: for every checked body,
+    the same payload bytes; and a device's state, worked out once per report, is the state the
+    thresholds give at any time (stale after the window, offline once disconnected)."""
+    report = decode_health(encode_health("d", sent_at_us, sequence, body))
+    clock = [1000.0]
+    t = Thresholds(behind_records=1000, behind_age_s=600, disk_low_bytes=1 << 20, stale_intervals=3)
+    reg = FleetRegistry(None, t, clock=lambda: clock[0])
+    conn = Conn()
+    reg.seen("d", "d", "peer", conn)
+    d = reg.health("d", report.body, report.sent_at_us, report.sequence, report.body_json)
+    assert d is not None
+    alone = health_event(report.body, report.body_json, report.sequence, report.sent_at_us)
+    assert health_event(report.body, report.body_json, report.sequence, report.sent_at_us,
+                        (d.lag_records(), d.oldest_unacked_age_s())) == alone
+    exports = body.get("exports") or []
+    lags = [e["lag_records"] for e in exports if e.get("lag_records") is not None]
+    ages = [e["oldest_unacked_age_s"] for e in exports if e.get("oldest_unacked_age_s") is not None]
+    free = body.get("disk_free_bytes")
+    window = 3 * (body.get("interval_s") or 30)
+    expected = ("disk_low" if free is not None and free < 1 << 20 else
+                "behind" if (lags and sum(lags) > 1000) or (ages and max(ages) > 600) else "online")
+    assert device_state(d, 1000.0, t) == expected
+    assert device_state(d, 1000.0 + window, t) == expected
+    assert device_state(d, 1000.0 + window + 0.5, t) == "stale"
+    conn.closed = True
+    reg.sweep({})
+    assert device_state(d, 1000.0, t) == "offline"
 
 
 def test_connects_disconnects_and_health_land_once(tmp_path: Path) -> None:

@@ -14,8 +14,9 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from filemq.broker.auth import LoginThrottle
+from filemq.broker.registry import SessionRegistry
 from filemq.broker.session import CONNECTED, Connection
-from filemq.broker.sessions import SessionSnapshot, SessionStore
+from filemq.broker.sessions import SessionStore
 from filemq.broker.state import (
     PERSIST_DELAY_S,
     PublisherRuns,
@@ -77,7 +78,9 @@ class CoreBase:
         self._groups_acked: Callable[[], int] = queue.groups_acked
         self.cache = cache
         self.config = config
-        self.store = store
+        # The session registry: sessions in memory, their files, expiry, delayed wills.
+        self.registry = SessionRegistry(store, queue, acl)
+        self.sessions = self.registry.sessions  # (the registry's dict: read by tests and $SYS)
         self.retained = retained
         # False while the retained store is being rebuilt in the background (big logs):
         # retained records are buffered and SUBSCRIBEs wait for their retained messages.
@@ -104,7 +107,6 @@ class CoreBase:
         self._login_throttle = LoginThrottle(config.login_failures_before_delay, config.login_failure_delay_ms / 1000)
         self.conns: set[Connection] = set()
         self.connections: dict[str, Connection] = {}  # client id -> live connection
-        self.sessions: dict[str, SessionState] = {}  # persistent sessions known in memory
         self.shares: dict[str, SharedGroup] = {}
         self.trie: TopicTrie[Any] = TopicTrie()
         self.sys_retained: dict[str, bytes] = {}
@@ -127,11 +129,6 @@ class CoreBase:
         self._acks = 0  # group acks not yet in the progress journal (a lower bound: see flush)
         self._persist_handle: asyncio.TimerHandle | None = None
         self._persist_task: asyncio.Task[None] | None = None
-        self._session_writes: set[asyncio.Future[None]] = set()  # running session-file writes
-        # Writes a session snapshot durably, then calls ``done(None or the exception)``; by
-        # default in a worker thread (never an fsync on the event loop); tests may replace it.
-        self.session_writer: Callable[[SessionSnapshot, Callable[[BaseException | None], None]], None] = (
-            self._write_in_thread)
         self.anonymous_allowed = config.anonymous_allowed()
         queue.add_commit_listener(self._on_committed)
 
@@ -174,7 +171,7 @@ class CoreBase:
     def set_acl(self, acl: Acl) -> None:
         """Put a new ACL in force (reload): every connected client's rules are rebuilt at once,
         so its existing subscriptions deliver only what it may still read."""
-        self.acl = acl
+        self.acl = self.registry.acl = acl
         for conn in self.conns:
             if conn.state == CONNECTED:
                 conn.acl = acl.for_client(conn.username, conn.client_id)
@@ -194,7 +191,6 @@ class CoreBase:
 
             def _persist_offsets(self) -> None: ...
 
-            def _write_in_thread(self, snap: SessionSnapshot, done: Callable[[BaseException | None], None]) -> None: ...
 
             def pump(self, conn: Connection) -> None: ...
 
@@ -214,9 +210,7 @@ class CoreBase:
 
             def _through_cache(self, group: ConsumerGroup) -> ConsumerGroup: ...
 
-            def _qos2_gate(self, state: SessionState, fut: asyncio.Future[None]) -> asyncio.Future[None]: ...
 
-            def _save_soon(self, state: SessionState) -> asyncio.Future[None]: ...
 
             def _resume_outbound(self, state: SessionState, sent: dict[int, int]) -> None: ...
 
@@ -236,12 +230,8 @@ class CoreBase:
 
             def _join_batch(self, conn: Connection, fut: asyncio.Future[None]) -> None: ...
 
-            def _save_session(self, state: SessionState) -> None: ...
 
             def _unregister(self, conn: Connection, sub: Subscription) -> None: ...
 
-            def store_internal(self, topic: str, payload: bytes, qos: int, retain: bool) -> None: ...
 
-            def _discard_persistent(self, cid: str) -> asyncio.Future[None] | None: ...
 
-            def _save_now(self, state: SessionState) -> asyncio.Future[None]: ...

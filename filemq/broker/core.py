@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 from filemq.broker.connect import ConnectMixin
 from filemq.broker.delivery import DeliveryMixin
 from filemq.broker.publish import PublishMixin
+from filemq.broker.registry import SessionWriter
 from filemq.broker.session import AWAITING_CONNECT, CONNECTED, Connection
 from filemq.broker.state import (
     CLEAN_GROUP_PREFIX,
@@ -102,25 +103,32 @@ class BrokerCore(ConnectMixin, SubscribeMixin, PublishMixin, DeliveryMixin):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.next_timeout = math.inf  # the earliest keepalive / CONNECT deadline at the last check
-        self._expiring = {}
-        self._wills_waiting = set()
-        self._stored_wills = {}
+        registry = self.registry
+        registry.publish_internal = self.store_internal
         publishers = self.publishers()
-        publishers.sink = self._own_published
-        publishers.forget_sink = self._own_forget
+        publishers.sink = registry.own_published
+        publishers.forget_sink = registry.own_forget
 
-    def _own_published(self, first: int, n: int, client_id: str) -> None:
-        """An MQTT 5 client published ``first`` .. ``first + n - 1``: a persistent session of
-        its with a no local subscription keeps them (OwnRuns; written lazily)."""
-        state = self.sessions.get(client_id)
-        if state is not None and state.persistent and state.has_no_local():
-            state.own_runs.add(first, n)
-            state.save_due = True
+    @property
+    def session_writer(self) -> SessionWriter:
+        """How session files are written (the registry's; tests replace it)."""
+        return self.registry.session_writer
 
-    def _own_forget(self, offset: int) -> None:
-        for state in self.sessions.values():
-            if state.own_runs and state.own_runs.forget_from(offset):
-                state.save_due = True
+    @session_writer.setter
+    def session_writer(self, writer: SessionWriter) -> None:
+        self.registry.session_writer = writer
+
+    def release_expired_sessions(self) -> None:
+        self.registry.release_expired_sessions()
+
+    def expire_sessions(self, now: float) -> None:
+        self.registry.expire_sessions(now)
+
+    def save_sessions(self, off_loop: bool = False) -> None:
+        self.registry.save_sessions(off_loop)
+
+    async def session_writes_done(self) -> None:
+        await self.registry.session_writes_done()
 
     # ---- periodic work ---------------------------------------------------------------------
 
@@ -130,8 +138,9 @@ class BrokerCore(ConnectMixin, SubscribeMixin, PublishMixin, DeliveryMixin):
         if now is None:
             now = time.monotonic()
         self.next_timeout = self._close_timed_out(now)
-        if self._expiring or self._wills_waiting:
-            self.expire_sessions(now)
+        registry = self.registry
+        if registry.expiring or registry.wills_waiting:
+            registry.expire_sessions(now)
         self.expire_retained()
         self.flush()
 
@@ -173,16 +182,16 @@ class BrokerCore(ConnectMixin, SubscribeMixin, PublishMixin, DeliveryMixin):
         alive = (state is not None and state.conn is None and state.persistent
                  and self.sessions.get(state.client_id) is state)
         if alive:
-            self.session_closed(state)
+            self.registry.session_closed(state)
         if will is None:
             return
         conn.publish_will = True
         props = will.properties
         delay = 0 if props is None or props.will_delay_interval is None else props.will_delay_interval
         if delay and alive:
-            self.hold_will(state, will, conn.acl, delay)
+            self.registry.hold_will(state, will, conn.acl, delay)
         else:
-            self.publish_will(conn.client_id, will, conn.acl)
+            self.registry.publish_will(conn.client_id, will, conn.acl)
 
     def publish_sys(self, messages: list[tuple[str, bytes]], *, replace: str | None = None) -> None:
         """Send ``$SYS`` messages (not stored in the log) to live subscribers as QoS 0.
@@ -239,16 +248,6 @@ class BrokerCore(ConnectMixin, SubscribeMixin, PublishMixin, DeliveryMixin):
             log.debug("%d expired retained messages removed", gone)
         return gone
 
-    def save_sessions(self, off_loop: bool = False) -> None:
-        """Write every persistent session with unwritten changes: now (shutdown), or in a
-        worker thread (``off_loop``, the periodic tick: no fsync on the event loop)."""
-        for state in self.sessions.values():
-            if state.save_due:
-                if off_loop:
-                    self._save_soon(state)
-                else:
-                    self._save_session(state)
-
     def pending_commits(self) -> list[asyncio.Future[None]]:
         """Commit futures that acks are still waiting for."""
         return [f for f in self._batches if not f.done()]
@@ -261,7 +260,7 @@ class BrokerCore(ConnectMixin, SubscribeMixin, PublishMixin, DeliveryMixin):
         if self._persist_task is not None:
             await asyncio.gather(self._persist_task, return_exceptions=True)
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self.session_writes_done(), 5.0)  # bounded: a stuck disk
+            await asyncio.wait_for(self.registry.session_writes_done(), 5.0)  # bounded: a stuck disk
 
     def close_all(self, reason: str) -> None:
         """Shutdown: every client closed without its will (MQTT 5: DISCONNECT 0x8B first);
@@ -269,7 +268,7 @@ class BrokerCore(ConnectMixin, SubscribeMixin, PublishMixin, DeliveryMixin):
         them at shutdown), not lost with the process."""
         for conn in list(self.conns):
             conn.close(reason, will=False, reason_code=RC_SERVER_SHUTTING_DOWN)
-        self.publish_pending_wills()
+        self.registry.publish_pending_wills()
         self.flush()
         if self._auth_pool is not None:
             self._auth_pool.shutdown(wait=False, cancel_futures=True)

@@ -413,7 +413,7 @@ class DeliveryMixin(CoreBase):
         the client may hold, MQTT-2.2.1-3 / 4.3.3); until then this session's deliveries wait,
         so nothing overtakes them.  Returns what may be sent now."""
         held = b"".join(parts[hold:])
-        written = state.out_hold = self._save_soon(state)
+        written = state.out_hold = self.registry.save_soon(state)
         written.add_done_callback(functools.partial(self._release_output, conn, state, held))
         return parts[:hold]
 
@@ -535,7 +535,7 @@ class DeliveryMixin(CoreBase):
             if out is not None and out.stage == 0:
                 del state.inflight[pid]
                 if state.qos2_sent.pop(pid, None) is not None:
-                    self._save_soon(state)
+                    self.registry.save_soon(state)
                 if out.group is not None:
                     out.group.ack(out.offset)
                     self._acked = True
@@ -552,7 +552,7 @@ class DeliveryMixin(CoreBase):
                 # group's ack can be, so after a restart the PUBREL is re-sent (a receiver
                 # may hand the message on only at PUBREL, 4.3.3 Method A).
                 state.qos2_out.add(pid)
-                written = self._save_soon(state)
+                written = self.registry.save_soon(state)
                 if out.group is not None:
                     written.add_done_callback(functools.partial(self._ack_released, out.group, out.offset))
             elif out.group is not None:
@@ -582,7 +582,7 @@ class DeliveryMixin(CoreBase):
             state.qos2_out.discard(pid)
             # Written soon, in a worker thread (nothing waits: a stale id would only cost one
             # PUBREL after a crash, which the client answers with PUBCOMP).
-            self._save_soon(state)
+            self.registry.save_soon(state)
         self._refill(conn, state.inflight)
 
     def _resume_outbound(self, state: SessionState, sent: dict[int, int]) -> None:
@@ -653,7 +653,7 @@ class DeliveryMixin(CoreBase):
         if state.persistent and (known or state.save_running or state.save_next is not None):
             # The removal is durable before PUBCOMP, so the id set on disk stays exact: after
             # PUBCOMP the client may reuse the id for a new message, which must be stored.
-            done = self._save_soon(state)
+            done = self.registry.save_soon(state)
             conn.queue_ack(done, _ack(_PUBCOMP, pid))
             if conn.last_batch is not done:
                 self._join_batch(conn, done)
@@ -684,21 +684,16 @@ class DeliveryMixin(CoreBase):
                 self._leave_share(conn, state, name)
             if state.persistent and state.expiry == 0 and self.sessions.get(cid) is state:
                 # MQTT 5 session expiry 0: the session ends with its network connection (3.1.2.11.2).
-                self._discard_persistent(cid)
+                self.registry.discard(cid)
             elif state.persistent:
                 if state.save_due:
-                    self._save_soon(state)  # in a worker thread
+                    self.registry.save_soon(state)  # in a worker thread
             elif state.group is not None:
                 self._drop_group(state.group.name)
                 state.group = None
         will = conn.will
         if conn.publish_will and will is not None:
-            acl = conn.acl
-            if will.topic.startswith("$") or (acl is not None and not acl.can_publish(will.topic)):
-                log.warning("client %r: will to %r not published (ACL or $-topic)", cid, will.topic)
-            else:
-                log.info("client %r: publishing its will to %r", cid, will.topic)
-                self.store_internal(will.topic, will.payload, will.qos, will.retain)
+            self.registry.store_will(cid, will.topic, will.payload, will.qos, will.retain, b"", conn.acl)
 
     def _leave_share(self, conn: Connection, state: SessionState, name: str) -> None:
         """``conn`` stops being a member of share ``name`` (disconnect or last UNSUBSCRIBE)."""

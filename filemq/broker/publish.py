@@ -142,9 +142,9 @@ class PublishMixin(CoreBase):
                 # the stored message; its PUBREC waits until the id is durable too.
                 wait: asyncio.Future[None] | None = None
                 if fut is not None and not fut.done():
-                    wait = self._qos2_gate(state, fut) if state.persistent else fut
+                    wait = self.registry.qos2_gate(state, fut) if state.persistent else fut
                 elif state.persistent and (state.save_running or state.save_next is not None):
-                    wait = self._save_soon(state)
+                    wait = self.registry.save_soon(state)
                 conn.queue_ack(wait, _ack(_PUBREC, pid))
                 if wait is not None and conn.last_batch is not wait:
                     self._join_batch(conn, wait)
@@ -197,7 +197,7 @@ class PublishMixin(CoreBase):
             state.qos2_offsets[pid] = offset
             if state.persistent:
                 # PUBREC once the record is committed *and* its id is in the session file.
-                fut = self._qos2_gate(state, fut)
+                fut = self.registry.qos2_gate(state, fut)
             conn.queue_ack(fut, _ack(_PUBREC, pid), offset)
         if conn.last_batch is not fut:
             self._join_batch(conn, fut)

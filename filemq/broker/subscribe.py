@@ -189,7 +189,7 @@ class SubscribeMixin(CoreBase):
                 # The session file is written in a worker thread; the SUBACK waits for it (in
                 # order with the connection's other acks), the live deliveries need not
                 # (3.8.4: PUBLISHes may precede the SUBACK).
-                written = self._save_now(state)
+                written = self.registry.save_now(state)
         suback = Suback(p.packet_id, codes)
         if written is not None and not written.done():
             # Its live records wait too: they go after its retained messages, never before
@@ -341,7 +341,7 @@ class SubscribeMixin(CoreBase):
                     # Its id goes to the session file before it leaves (as a group record's,
                     # see DeliveryMixin._hold_output); the rest of the queue follows the write.
                     state.qos2_sent[pid] = -1
-                    written = state.out_hold = self._save_soon(state)
+                    written = state.out_hold = self.registry.save_soon(state)
                     written.add_done_callback(functools.partial(self._release_output, conn, state, data))
                     sent += 1
                     break
@@ -374,7 +374,7 @@ class SubscribeMixin(CoreBase):
                 self._leave_share(conn, state, name)
             self._update_groups(state)
             if state.persistent:
-                written = self._save_now(state)  # in a worker thread; the UNSUBACK waits for it
+                written = self.registry.save_now(state)  # in a worker thread; the UNSUBACK waits for it
                 if not written.done():
                     written.add_done_callback(functools.partial(
                         self._subscription_written, conn, state, [], 0, 0, "UNSUBSCRIBE"))

@@ -11,10 +11,11 @@ import logging
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from filemq.broker.auth import LoginThrottle
 from filemq.broker.registry import SessionRegistry
+from filemq.broker.router import Router
 from filemq.broker.session import CONNECTED, Connection
 from filemq.broker.sessions import SessionStore
 from filemq.broker.state import (
@@ -25,7 +26,6 @@ from filemq.broker.state import (
     SharedGroup,
     Subscription,
 )
-from filemq.common.topics import TopicTrie
 from segments.record import Record
 
 if TYPE_CHECKING:
@@ -99,16 +99,15 @@ class CoreBase:
         self.acl = acl
         self.passwords = passwords
         self.hook = publish_hook
+        # The router: topic trie, shared groups, consumer groups (through the tail cache).
         # New groups start at the routed offset, as new subscriptions do (see on_subscribe).
-        self._group_factory = group_factory or (
-            lambda n, f, d: queue.group(n, f, durable=d, start=self._routed))
+        self.router = Router(queue, cache, self.log, group_factory or (
+            lambda n, f, d: queue.group(n, f, durable=d, start=self._routed)))
         self.connect_timeout = CONNECT_TIMEOUT
         self._auth_pool: ThreadPoolExecutor | None = None  # created at the first password check
         self._login_throttle = LoginThrottle(config.login_failures_before_delay, config.login_failure_delay_ms / 1000)
         self.conns: set[Connection] = set()
         self.connections: dict[str, Connection] = {}  # client id -> live connection
-        self.shares: dict[str, SharedGroup] = {}
-        self.trie: TopicTrie[Any] = TopicTrie()
         self.sys_retained: dict[str, bytes] = {}
         self._sys_warned: set[str] = set()  # invalid $SYS topics already warned about
         self._dirty: set[Connection] = set()
@@ -118,7 +117,6 @@ class CoreBase:
         self._routed = self.log.committed_offset
         cache.limit = self._routed  # groups see a record only once it is routed
         self._batches: dict[asyncio.Future[None], set[Connection]] = {}
-        self._clean_ids = 0
         self._repump: set[Connection] = set()
         self._to_pump: set[Connection] = set()
         self._repump_scheduled = False
@@ -194,21 +192,16 @@ class CoreBase:
 
             def pump(self, conn: Connection) -> None: ...
 
-            def _register(self, conn: Connection, state: SessionState, sub: Subscription) -> None: ...
 
             def _track(self, record: Record, fut: asyncio.Future[None]) -> None: ...
 
-            def _update_groups(self, state: SessionState) -> None: ...
 
-            def _drop_group(self, name: str) -> None: ...
 
-            def _group(self, name: str, filters: tuple[str, ...], durable: bool) -> ConsumerGroup: ...
 
             def _leave_share(self, conn: Connection, state: SessionState, name: str) -> None: ...
 
             def _schedule_repump(self, conn: Connection) -> None: ...
 
-            def _through_cache(self, group: ConsumerGroup) -> ConsumerGroup: ...
 
 
 
@@ -231,7 +224,6 @@ class CoreBase:
             def _join_batch(self, conn: Connection, fut: asyncio.Future[None]) -> None: ...
 
 
-            def _unregister(self, conn: Connection, sub: Subscription) -> None: ...
 
 
 

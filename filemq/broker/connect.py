@@ -57,7 +57,6 @@ from segments.record import Record
 
 if TYPE_CHECKING:
     from filemq.broker.auth import PasswordFile
-    from filemq.queue.groups import ConsumerGroup
 
 log = logging.getLogger("filemq.broker")
 
@@ -328,10 +327,10 @@ class ConnectMixin(CoreBase):
                     state.subs_changed()
                     for sub in state.subs.values():
                         if sub.share is not None:
-                            self._recreate_if_missing(cid, SHARE_GROUP_PREFIX + sub.share, (sub.plain,))
+                            self.router.recreate_if_missing(cid, SHARE_GROUP_PREFIX + sub.share, (sub.plain,))
                     if state.own_filters():
-                        self._recreate_if_missing(cid, SESSION_GROUP_PREFIX + cid, state.own_filters())
-                        state.group = self._group(SESSION_GROUP_PREFIX + cid, state.own_filters(), True)
+                        self.router.recreate_if_missing(cid, SESSION_GROUP_PREFIX + cid, state.own_filters())
+                        state.group = self.router.group(SESSION_GROUP_PREFIX + cid, state.own_filters(), True)
                     if stored.own_offsets:  # no local across a restart (MQTT-3.8.3-3)
                         state.own_runs = OwnRuns(stored.own_offsets)
                     if stored.qos2_sent:  # outbound QoS 2 ids the client may hold: kept (MQTT-2.2.1-3)
@@ -405,7 +404,7 @@ class ConnectMixin(CoreBase):
         else:
             conn.send_packet(Connack(present, CONNACK_ACCEPTED))
         for sub in state.subs.values():
-            self._register(conn, state, sub)
+            self.router.register(conn, sub)
         # 4.4: re-send unacknowledged PUBLISH (DUP) and PUBREL with their original ids.
         for pid, out in state.inflight.items():
             if out.stage == 0:
@@ -476,33 +475,8 @@ class ConnectMixin(CoreBase):
             changed = True
         if changed:
             state.subs_changed()
-            self._update_groups(state)
+            self.router.update_groups(state)
         return changed
-
-    def _group(self, name: str, filters: tuple[str, ...], durable: bool) -> ConsumerGroup:
-        group = self._group_factory(name, filters, durable)
-        if tuple(group.filters) != filters:
-            group.set_filters(filters)
-        return self._through_cache(group)
-
-    def _recreate_if_missing(self, cid: str, name: str, filters: tuple[str, ...]) -> None:
-        """A group a session loaded from its file needs: if its directory is gone, re-create it
-        at the log's first offset, never at its end: re-delivering what is still retained
-        loses nothing acknowledged, resuming at the end would (issue 10 item 13)."""
-        if self.queue.get_group(name) is None:
-            log.error("client %r: its session is stored but its consumer group %r is missing (directory "
-                      "deleted or unreadable, see `filemq verify`); re-created at the log's first offset %d: "
-                      "every retained message is delivered again", cid, name, self.log.first_offset)
-            self.queue.group(name, filters, durable=True, start="earliest")
-
-    def _through_cache(self, group: ConsumerGroup) -> ConsumerGroup:
-        # Groups read the log through the tail cache, so live subscribers never hit the files.
-        if group.reader is not self.cache:
-            group.use_reader(self.cache)
-        return group
-
-    def _drop_group(self, name: str) -> None:
-        self.queue.drop_group(name)
 
     def store_internal(self, topic: str, payload: bytes, qos: int, retain: bool, headers: bytes = b"") -> None:
         """Store a message the broker itself publishes (a will; ``headers``: its MQTT 5

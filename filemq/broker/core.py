@@ -211,7 +211,7 @@ class BrokerCore(ConnectMixin, SubscribeMixin, PublishMixin, DeliveryMixin):
                 continue
             current[topic] = payload
             data = None
-            for target in self.trie.match(topic):
+            for target in self.router.trie.match(topic):
                 if isinstance(target, Connection) and not target.closed:
                     acl = target.acl
                     if acl is not None and not acl.can_receive(topic):

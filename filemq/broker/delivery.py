@@ -115,7 +115,7 @@ class DeliveryMixin(CoreBase):
             if pushed >= _MAX_PUMP:
                 self._schedule_repump(conn)
         for name in state.share_names():
-            sh = self.shares.get(name)
+            sh = self.router.shares.get(name)
             if sh is not None:
                 self.pump_share(sh)
 
@@ -679,7 +679,7 @@ class DeliveryMixin(CoreBase):
         if state is not None and state.conn is conn:
             state.conn = None
             for sub in state.subs.values():
-                self._unregister(conn, sub)
+                self.router.unregister(conn, sub)
             for name in state.share_names():
                 self._leave_share(conn, state, name)
             if state.persistent and state.expiry == 0 and self.sessions.get(cid) is state:
@@ -689,7 +689,7 @@ class DeliveryMixin(CoreBase):
                 if state.save_due:
                     self.registry.save_soon(state)  # in a worker thread
             elif state.group is not None:
-                self._drop_group(state.group.name)
+                self.router.drop_group(state.group.name)
                 state.group = None
         will = conn.will
         if conn.publish_will and will is not None:
@@ -697,7 +697,7 @@ class DeliveryMixin(CoreBase):
 
     def _leave_share(self, conn: Connection, state: SessionState, name: str) -> None:
         """``conn`` stops being a member of share ``name`` (disconnect or last UNSUBSCRIBE)."""
-        sh = self.shares.get(name)
+        sh = self.router.shares.get(name)
         if sh is None:
             return
         if conn in sh.members:

@@ -11,9 +11,10 @@ import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from itertools import repeat
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from filemq.broker.base import CoreBase
+from filemq.broker.router import Target
 from filemq.broker.session import Connection, refusal_code
 from filemq.broker.state import (
     _PUBACK,
@@ -526,8 +527,8 @@ class PublishMixin(CoreBase):
         cache_put = self.cache.put_many
         retained = self.retained
         ready = self.retained_ready
-        match = self.trie.match
-        woken: set[Any] = set()
+        match = self.router.trie.match
+        woken: set[Target] = set()
         cache_put(records)
         for r in [r for r in records if r.retain]:
             self.retained_changes += 1

@@ -14,15 +14,11 @@ from typing import TYPE_CHECKING
 from filemq.broker.base import CoreBase
 from filemq.broker.session import Connection
 from filemq.broker.state import (
-    CLEAN_GROUP_PREFIX,
     RC_NOT_AUTHORIZED,
     RC_TOPIC_FILTER_INVALID,
     RETAINED_OUT_HIGH,
-    SESSION_GROUP_PREFIX,
-    SHARE_GROUP_PREFIX,
     Outbound,
     SessionState,
-    SharedGroup,
     Subscription,
     _too_long,
     message_expiry,
@@ -62,57 +58,6 @@ class SubscribeMixin(CoreBase):
     """SUBSCRIBE/UNSUBSCRIBE, shared groups, retained messages for new subscriptions."""
 
     # ---- subscriptions -------------------------------------------------------------------
-
-    def _register(self, conn: Connection, state: SessionState, sub: Subscription) -> None:
-        if sub.share is None:
-            self.trie.add(sub.plain, conn)
-            return
-        sh = self._share(sub.share, sub.plain)
-        if conn not in sh.members:
-            sh.members.append(conn)
-        sh.filter_refs[sub.plain] += 1
-        if sh.filter_refs[sub.plain] == 1:
-            self.trie.add(sub.plain, sh)
-
-    def _unregister(self, conn: Connection, sub: Subscription) -> None:
-        if sub.share is None:
-            self.trie.remove(sub.plain, conn)
-            return
-        sh = self.shares.get(sub.share)
-        if sh is None:
-            return
-        sh.filter_refs[sub.plain] -= 1
-        if sh.filter_refs[sub.plain] <= 0:
-            del sh.filter_refs[sub.plain]
-            self.trie.remove(sub.plain, sh)
-
-    def _share(self, name: str, plain: str) -> SharedGroup:
-        sh = self.shares.get(name)
-        if sh is None:
-            group = self._through_cache(self._group_factory(SHARE_GROUP_PREFIX + name, (plain,), True))
-            sh = self.shares[name] = SharedGroup(name, group)
-        filters = sh.group.filters
-        if plain not in filters:
-            # Shared-group filters only grow: offline members may still need the old ones.
-            sh.group.set_filters(tuple(filters) + (plain,))
-        return sh
-
-    def _update_groups(self, state: SessionState) -> None:
-        own = state.own_filters()
-        if not own:
-            if state.group is not None and not state.persistent:
-                self._drop_group(state.group.name)
-                state.group = None
-            return
-        if state.group is None:
-            if state.persistent:
-                name = SESSION_GROUP_PREFIX + state.client_id
-            else:
-                self._clean_ids += 1
-                name = f"{CLEAN_GROUP_PREFIX}{state.client_id}:{self._clean_ids}"
-            state.group = self._group(name, own, state.persistent)
-        elif tuple(state.group.filters) != own:
-            state.group.set_filters(own)
 
     def on_subscribe(self, conn: Connection, p: Subscribe) -> None:
         state = conn.session
@@ -157,7 +102,7 @@ class SubscribeMixin(CoreBase):
             options = opts & _SUB_OPTION_BITS if v5 else 0
             old = state.subs.get(f)
             if old is not None:
-                self._unregister(conn, old)
+                self.router.unregister(conn, old)
             durable_change = durable_change or old is None or old.qos != qos or old.options != options \
                 or old.identifier != identifier
             if old is not None:  # it took everything routed since old.start live already
@@ -178,9 +123,9 @@ class SubscribeMixin(CoreBase):
         if new_subs:
             state.subs_changed()
             try:  # group files (a new session or $share group)
-                self._update_groups(state)
+                self.router.update_groups(state)
                 for sub in new_subs:
-                    self._register(conn, state, sub)
+                    self.router.register(conn, sub)
             except OSError as err:  # not "exc": mypyc gives a name one type per function
                 # No SUBACK for a subscription whose state is not durable (a restart would forget it).
                 conn.close(f"SUBSCRIBE refused: its state cannot be persisted: {err}", will=True, level=logging.ERROR)
@@ -365,14 +310,14 @@ class SubscribeMixin(CoreBase):
         for f in p.topics:
             sub = state.subs.pop(f, None)
             if sub is not None:
-                self._unregister(conn, sub)
+                self.router.unregister(conn, sub)
                 changed = True
             codes.append(0x00 if sub is not None else 0x11)
         if changed:
             state.subs_changed()
             for name in shares_before - state.share_names():
                 self._leave_share(conn, state, name)
-            self._update_groups(state)
+            self.router.update_groups(state)
             if state.persistent:
                 written = self.registry.save_now(state)  # in a worker thread; the UNSUBACK waits for it
                 if not written.done():

@@ -45,7 +45,7 @@ async def _cycles(cycles: int) -> None:
     h = Harness(Path(tempfile.mkdtemp(prefix="cg-cycle-")), max_inflight=window)
     c = h.connected("s0", False, subscribe=Subscribe(1, [("bench/fanout/#", 1)]))
     core, q = h.core, h.queue
-    core._persist_offsets = lambda: None  # type: ignore[method-assign]  # no offset-file threads
+    core.delivery.persist_offsets = lambda: None  # type: ignore[method-assign]  # no offset-file threads
     payload = b"x" * 100
     topics = [f"bench/fanout/{i}" for i in range(4)]
     q.log.records.extend(Record(i, 0, topics[i % 4], payload, 1, False) for i in range(RECORDS))

@@ -52,7 +52,7 @@ async def _load(rounds: int) -> None:
         c.received()
         subs.append(c)
     core, q = h.core, h.queue
-    core._persist_offsets = lambda: None  # type: ignore[method-assign]  # no offset-file threads
+    core.delivery.persist_offsets = lambda: None  # type: ignore[method-assign]  # no offset-file threads
     payload = b"x" * 100
     topics = [f"bench/fanout/{i}" for i in range(4)]
     delivered = 0

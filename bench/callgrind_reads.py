@@ -49,7 +49,7 @@ async def _load(reads: int) -> int:
     h = Harness(Path(tempfile.mkdtemp(prefix="cg-reads-")), max_inflight=MESSAGES)
     c = h.connected("s0", False, subscribe=Subscribe(1, [("t/#", 1)]))
     core, q = h.core, h.queue
-    core._persist_offsets = lambda: None  # type: ignore[method-assign]  # no offset-file threads
+    core.delivery.persist_offsets = lambda: None  # type: ignore[method-assign]  # no offset-file threads
     for i in range(MESSAGES):
         q.publish_nowait(f"t/{i % 4}", b"x" * 100, 1, validated=True)
     q.commit()

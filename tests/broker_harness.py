@@ -223,7 +223,8 @@ class Harness(Clients):
         self.core = self.make_core()
 
     def make_core(self) -> BrokerCore:
-        core = BrokerCore(self.queue, TailCache(self.queue.log), config=self.config,
+        # (FakeQueue and FakeLog stand in for Queue and its log: the same methods, not the types)
+        core = BrokerCore(self.queue, TailCache(self.queue.log), config=self.config,  # type: ignore[arg-type]
                           store=self.store, retained=self.retained, stats=self.stats, acl=self.acl,
                           publish_hook=self.hook)
         if not self.threaded_writes:
@@ -293,7 +294,7 @@ def deliveries(ops: list[tuple[Any, ...]], first_pid: int, tmp: Path, run_path: 
         h = Harness(tmp, max_inflight=20)
         h.core.acl = Acl.parse("topic read a/#\ntopic read b/#\ntopic read c/1\ntopic write #\n"
                                "pattern read nothing\n")
-        real = h.core._deliver_run
+        real = h.core.delivery._deliver_run
 
         def spy(*a: Any) -> bool:
             nonlocal calls
@@ -301,7 +302,7 @@ def deliveries(ops: list[tuple[Any, ...]], first_pid: int, tmp: Path, run_path: 
             calls += done
             return done
 
-        h.core._deliver_run = spy  # type: ignore[method-assign,assignment]
+        h.core.delivery._deliver_run = spy  # type: ignore[method-assign,assignment]
         s = connected(h)
         s.send(Subscribe(1, [("a/#", 1), ("b/1", 2)]))
         assert s.conn.session is not None

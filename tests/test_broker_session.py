@@ -914,13 +914,13 @@ def test_live_delivery_wakes_only_matching_sessions_and_reads_from_memory(tmp_pa
             subs.append(c)
         p = h.connected("p")
         woken: list[str] = []
-        real_pump = h.core.pump
+        real_pump = h.core.delivery.pump
 
         def pump(conn: Connection) -> None:
             woken.append(conn.client_id)
             real_pump(conn)
 
-        h.core.pump = pump  # type: ignore[method-assign]
+        h.core.delivery.pump = pump  # type: ignore[method-assign]
         reads = 0
         real_read = h.queue.log.read
 

@@ -19,11 +19,9 @@ from filemq.broker.router import Router
 from filemq.broker.session import CONNECTED, Connection
 from filemq.broker.sessions import SessionStore
 from filemq.broker.state import (
-    PERSIST_DELAY_S,
     PublisherRuns,
     PublishHook,
     SessionState,
-    SharedGroup,
     Subscription,
 )
 from segments.record import Record
@@ -31,6 +29,7 @@ from segments.record import Record
 if TYPE_CHECKING:
     from filemq.broker.acl import Acl
     from filemq.broker.auth import PasswordFile
+    from filemq.broker.delivery import Delivery
     from filemq.broker.sysinfo import BrokerStats
     from filemq.broker.tailcache import TailCache
     from filemq.common.config import BrokerSection
@@ -73,9 +72,6 @@ class CoreBase:
         # Topics reaching _append passed the codec's and CONNECT's topic-name checks already.
         self._append = functools.partial(queue.publish_nowait, validated=True)
         self._append_many = queue.publish_many_nowait  # the same, for a run of PUBLISHes
-        # (A bound method, not self.queue.groups_acked(): the compiled flush() would check that
-        # self.queue is a Queue, and the tests' fake queue is not one.)
-        self._groups_acked: Callable[[], int] = queue.groups_acked
         self.cache = cache
         self.config = config
         # The session registry: sessions in memory, their files, expiry, delayed wills.
@@ -110,23 +106,11 @@ class CoreBase:
         self.connections: dict[str, Connection] = {}  # client id -> live connection
         self.sys_retained: dict[str, bytes] = {}
         self._sys_warned: set[str] = set()  # invalid $SYS topics already warned about
-        self._dirty: set[Connection] = set()
         # Appended, not yet routed: runs of records with consecutive offsets (one per
         # on_publish, or per run of on_publishes), each with its commit future.
         self._pending: deque[tuple[list[Record], asyncio.Future[None]]] = deque()
         self._routed = self.log.committed_offset
         cache.limit = self._routed  # groups see a record only once it is routed
-        self._batches: dict[asyncio.Future[None], set[Connection]] = {}
-        self._repump: set[Connection] = set()
-        self._to_pump: set[Connection] = set()
-        self._repump_scheduled = False
-        self._flush_scheduled = False  # a flush_soon() is pending for this loop pass
-        self._journal_scheduled = False  # a progress-journal append is pending (this pass or timed)
-        self._journal_at = 0.0  # loop.time() of the last progress-journal append
-        self._acked = False  # group acks since the last persistence nudge
-        self._acks = 0  # group acks not yet in the progress journal (a lower bound: see flush)
-        self._persist_handle: asyncio.TimerHandle | None = None
-        self._persist_task: asyncio.Task[None] | None = None
         self.anonymous_allowed = config.anonymous_allowed()
         queue.add_commit_listener(self._on_committed)
 
@@ -134,37 +118,6 @@ class CoreBase:
     def routed_offset(self) -> int:
         """Every committed record below this offset has been routed (and applied to retained)."""
         return self._routed
-
-    # ---- output --------------------------------------------------------------------------
-
-    def mark_dirty(self, conn: Connection) -> None:
-        self._dirty.add(conn)
-
-    def flush_soon(self) -> None:
-        """Flush once the callbacks of this event-loop pass ran: the acks a commit releases
-        (its future's callbacks) and the deliveries it routes (its listener) leave for one
-        connection in one transport write, not one each."""
-        if not self._flush_scheduled:
-            self._flush_scheduled = True
-            asyncio.get_running_loop().call_soon(self._flush_pass)
-
-    def _flush_pass(self) -> None:
-        self._flush_scheduled = False
-        self.flush()
-
-    def _journal_pass(self) -> None:
-        """The timed append (JOURNAL_INTERVAL_S after the previous one)."""
-        self._journal_scheduled = False
-        if self._acked:
-            self._journal_at = asyncio.get_running_loop().time()
-            self._journal_now()
-
-    def _journal_now(self) -> None:
-        self._acked = False
-        self._acks = 0
-        self.queue.journal_progress()
-        if self._persist_handle is None:
-            self._persist_handle = asyncio.get_running_loop().call_later(PERSIST_DELAY_S, self._persist_offsets)
 
     def set_acl(self, acl: Acl) -> None:
         """Put a new ACL in force (reload): every connected client's rules are rebuilt at once,
@@ -180,17 +133,16 @@ class CoreBase:
     def at_capacity(self) -> bool:
         return len(self.conns) >= self.config.max_connections
 
+    delivery: Delivery  # (made by BrokerCore.__init__)
+
     # Methods of the concern mixins that other concerns call (defined there).
     if TYPE_CHECKING:
 
-            def flush(self) -> None: ...  # (DeliveryMixin's: compiled with it in the compiled build)
 
             def _on_committed(self, committed: int) -> None: ...
 
-            def _persist_offsets(self) -> None: ...
 
 
-            def pump(self, conn: Connection) -> None: ...
 
 
             def _track(self, record: Record, fut: asyncio.Future[None]) -> None: ...
@@ -198,30 +150,22 @@ class CoreBase:
 
 
 
-            def _leave_share(self, conn: Connection, state: SessionState, name: str) -> None: ...
-
-            def _schedule_repump(self, conn: Connection) -> None: ...
 
 
 
 
-            def _resume_outbound(self, state: SessionState, sent: dict[int, int]) -> None: ...
 
-            def _release_output(self, conn: Connection, state: SessionState, held: bytes,
-                                written: asyncio.Future[None]) -> None: ...
+
 
             def _send_retained(self, conn: Connection, state: SessionState, sub: Subscription, below: int) -> None: ...
             def _send_retained_after(self) -> None: ...
 
-            def pump_share(self, sh: SharedGroup) -> None: ...
 
             def _drain_retained(self, conn: Connection, state: SessionState) -> bool: ...
 
             def publishers(self) -> PublisherRuns: ...
 
-            def _too_large(self, conn: Connection, topic: str, size: int, limit: int) -> None: ...
 
-            def _join_batch(self, conn: Connection, fut: asyncio.Future[None]) -> None: ...
 
 
 

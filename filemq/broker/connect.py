@@ -230,7 +230,7 @@ class ConnectMixin(CoreBase):
                             "login_failure_delay_ms)", throttle.after, source, round(throttle.delay * 1000))
             what = "an empty password (refused)" if not p.password else "wrong password"
             self._refuse(conn, CONNACK_BAD_USERNAME_OR_PASSWORD, f"{what} for user {p.username!r}")
-        self.flush()
+        self.delivery.flush()
 
     @staticmethod
     def _take_over(old: Connection, conn: Connection, p: Connect) -> None:
@@ -334,7 +334,7 @@ class ConnectMixin(CoreBase):
                     if stored.own_offsets:  # no local across a restart (MQTT-3.8.3-3)
                         state.own_runs = OwnRuns(stored.own_offsets)
                     if stored.qos2_sent:  # outbound QoS 2 ids the client may hold: kept (MQTT-2.2.1-3)
-                        self._resume_outbound(state, stored.qos2_sent)
+                        self.delivery.resume_outbound(state, stored.qos2_sent)
                     state.expiry, state.disconnected_at = stored.expiry, stored.disconnected_at
                     if not stored.owner_known:
                         log.warning("client %r: its session file has no owner (written by an older "
@@ -386,7 +386,7 @@ class ConnectMixin(CoreBase):
             conn.state = AWAITING_CONNECT
             self._connected(conn, state, p, present)
             conn.resume_after_auth()
-        self.flush()
+        self.delivery.flush()
 
     def _connected(self, conn: Connection, state: SessionState, p: Connect, present: bool) -> None:
         """CONNACK (accepted) and the session's start: subscriptions, re-sends, deliveries."""
@@ -414,7 +414,7 @@ class ConnectMixin(CoreBase):
                 conn.send(_ack(_PUBREL, pid))
         log.info("client %r connected from %s (clean_session=%s, keepalive=%d, session_present=%s)",
                  cid, conn.peer, p.clean_session, conn.keepalive, present)
-        self.pump(conn)
+        self.delivery.pump(conn)
 
     def _connack_properties(self, conn: Connection, p: Connect) -> Properties:
         """What an MQTT 5 CONNACK tells the client (3.2.2.3): the limits it must keep and the

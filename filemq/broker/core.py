@@ -33,11 +33,11 @@ import contextlib
 import logging
 import math
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from filemq.broker.connect import ConnectMixin
-from filemq.broker.delivery import DeliveryMixin
-from filemq.broker.publish import PublishMixin
+from filemq.broker.delivery import Delivery
+from filemq.broker.publish import PublishMixin, new_publisher_map
 from filemq.broker.registry import SessionWriter
 from filemq.broker.session import AWAITING_CONNECT, CONNECTED, Connection
 from filemq.broker.state import (
@@ -66,7 +66,15 @@ from filemq.mqtt.codec import publish_bytes
 from filemq.mqtt.packets import PROTOCOL_LEVEL_5
 
 if TYPE_CHECKING:
-    pass
+    from filemq.broker.acl import Acl
+    from filemq.broker.auth import PasswordFile
+    from filemq.broker.router import GroupFactory
+    from filemq.broker.sessions import SessionStore
+    from filemq.broker.sysinfo import BrokerStats
+    from filemq.broker.tailcache import TailCache
+    from filemq.common.config import BrokerSection
+    from filemq.queue import Queue
+    from filemq.queue.retained import RetainedStore
 
 log = logging.getLogger("filemq.broker")
 
@@ -93,18 +101,46 @@ __all__ = [
 
 
 @mypyc_attr(native_class=False)
-class BrokerCore(ConnectMixin, SubscribeMixin, PublishMixin, DeliveryMixin):
+class BrokerCore(ConnectMixin, SubscribeMixin, PublishMixin):
     """Broker state shared by all connections; see the module docstring for the guarantees.
 
     One mixin per concern (:mod:`.connect`, :mod:`.subscribe`, :mod:`.publish`,
     :mod:`.delivery`) over the shared state of :class:`~filemq.broker.base.CoreBase`;
     the periodic work ($SYS, session saves, shutdown) is here."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(
+        self,
+        queue: Queue,
+        cache: TailCache,
+        *,
+        config: BrokerSection,
+        store: SessionStore,
+        retained: RetainedStore,
+        stats: BrokerStats,
+        acl: Acl,
+        passwords: PasswordFile | None = None,
+        publish_hook: PublishHook | None = None,
+        group_factory: GroupFactory | None = None,
+    ) -> None:
+        super().__init__(queue, cache, config=config, store=store, retained=retained, stats=stats, acl=acl,
+                         passwords=passwords, publish_hook=publish_hook, group_factory=group_factory)
         self.next_timeout = math.inf  # the earliest keepalive / CONNECT deadline at the last check
         registry = self.registry
         registry.publish_internal = self.store_internal
+        self._publisher_map = new_publisher_map()
+        # Delivery: pumping groups into connections, acks, the output path.
+        delivery = self.delivery = Delivery(queue, cache, stats, self.router, registry, self._publisher_map,
+                                            self._retained_out, self._retained_after)
+        delivery.drain_retained = self._drain_retained
+        # What connections call that delivery handles: its methods themselves (no frame here).
+        self.mark_dirty = delivery.mark_dirty
+        self.flush = delivery.flush
+        self.pump = delivery.pump
+        self.on_puback = delivery.on_puback
+        self.on_pubacks = delivery.on_pubacks
+        self.on_pubrec = delivery.on_pubrec
+        self.on_pubrel = delivery.on_pubrel
+        self.on_pubcomp = delivery.on_pubcomp
         publishers = self.publishers()
         publishers.sink = registry.own_published
         publishers.forget_sink = registry.own_forget
@@ -142,7 +178,7 @@ class BrokerCore(ConnectMixin, SubscribeMixin, PublishMixin, DeliveryMixin):
         if registry.expiring or registry.wills_waiting:
             registry.expire_sessions(now)
         self.expire_retained()
-        self.flush()
+        self.delivery.flush()
 
     def check_timeouts(self, now: float | None = None) -> float:
         """The keepalive and CONNECT deadlines alone, between ticks (the server calls this at
@@ -151,7 +187,7 @@ class BrokerCore(ConnectMixin, SubscribeMixin, PublishMixin, DeliveryMixin):
         if now is None:
             now = time.monotonic()
         self.next_timeout = self._close_timed_out(now)
-        self.flush()
+        self.delivery.flush()
         return self.next_timeout
 
     def _close_timed_out(self, now: float) -> float:
@@ -170,14 +206,19 @@ class BrokerCore(ConnectMixin, SubscribeMixin, PublishMixin, DeliveryMixin):
         return earliest
 
     def on_close(self, conn: Connection, prev_state: str) -> None:
-        """A connection closed (delivery.py releases it); then, MQTT 5: the session's expiry
-        clock starts, and a will is published with its properties or held for its delay."""
+        """A connection closed: every part forgets it and its session is released
+        (:meth:`_release_session`); then, MQTT 5: the session's expiry clock starts, and a will
+        is published with its properties or held for its delay."""
         will = conn.will if conn.publish_will and conn.protocol_level == PROTOCOL_LEVEL_5 else None
         if will is not None:
             conn.publish_will = False  # (published here, with its will properties)
-        super().on_close(conn, prev_state)
+        self.conns.discard(conn)
+        self.delivery.forget(conn)
+        self._retained_out.pop(conn, None)
+        self._retained_after.pop(conn, None)
         if prev_state != CONNECTED:
             return
+        self._release_session(conn)
         state = conn.session
         alive = (state is not None and state.conn is None and state.persistent
                  and self.sessions.get(state.client_id) is state)
@@ -192,6 +233,33 @@ class BrokerCore(ConnectMixin, SubscribeMixin, PublishMixin, DeliveryMixin):
             self.registry.hold_will(state, will, conn.acl, delay)
         else:
             self.registry.publish_will(conn.client_id, will, conn.acl)
+
+    def _release_session(self, conn: Connection) -> None:
+        """A connected client's connection closed: its subscriptions leave the router, a clean
+        session ends, a persistent one is written if due; a 3.1.1 will is published."""
+        self.stats.client_disconnected()
+        cid = conn.client_id
+        if self.connections.get(cid) is conn:
+            del self.connections[cid]
+        state = conn.session
+        if state is not None and state.conn is conn:
+            state.conn = None
+            for sub in state.subs.values():
+                self.router.unregister(conn, sub)
+            for name in state.share_names():
+                self.delivery.leave_share(conn, state, name)
+            if state.persistent and state.expiry == 0 and self.registry.sessions.get(cid) is state:
+                # MQTT 5 session expiry 0: the session ends with its network connection (3.1.2.11.2).
+                self.registry.discard(cid)
+            elif state.persistent:
+                if state.save_due:
+                    self.registry.save_soon(state)  # in a worker thread
+            elif state.group is not None:
+                self.router.drop_group(state.group.name)
+                state.group = None
+        will = conn.will
+        if conn.publish_will and will is not None:
+            self.registry.store_will(cid, will.topic, will.payload, will.qos, will.retain, b"", conn.acl)
 
     def publish_sys(self, messages: list[tuple[str, bytes]], *, replace: str | None = None) -> None:
         """Send ``$SYS`` messages (not stored in the log) to live subscribers as QoS 0.
@@ -223,7 +291,7 @@ class BrokerCore(ConnectMixin, SubscribeMixin, PublishMixin, DeliveryMixin):
                         data = publish_bytes(topic, payload, 0, False, None)
                     target.send(data)
         self.sys_retained = current
-        self.flush()
+        self.delivery.flush()
 
     def _sys_topic_ok(self, topic: str) -> bool:
         try:
@@ -250,15 +318,11 @@ class BrokerCore(ConnectMixin, SubscribeMixin, PublishMixin, DeliveryMixin):
 
     def pending_commits(self) -> list[asyncio.Future[None]]:
         """Commit futures that acks are still waiting for."""
-        return [f for f in self._batches if not f.done()]
+        return self.delivery.pending_commits()
 
     async def stop_persisting(self) -> None:
         """Cancel the pending offset nudge; wait for offset and session-file writes in progress (shutdown)."""
-        if self._persist_handle is not None:
-            self._persist_handle.cancel()
-            self._persist_handle = None
-        if self._persist_task is not None:
-            await asyncio.gather(self._persist_task, return_exceptions=True)
+        await self.delivery.stop_persisting()
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self.registry.session_writes_done(), 5.0)  # bounded: a stuck disk
 
@@ -269,7 +333,7 @@ class BrokerCore(ConnectMixin, SubscribeMixin, PublishMixin, DeliveryMixin):
         for conn in list(self.conns):
             conn.close(reason, will=False, reason_code=RC_SERVER_SHUTTING_DOWN)
         self.registry.publish_pending_wills()
-        self.flush()
+        self.delivery.flush()
         if self._auth_pool is not None:
             self._auth_pool.shutdown(wait=False, cancel_futures=True)
             self._auth_pool = None

@@ -55,23 +55,24 @@ _new_record: Callable[[tuple[int, int, str, bytes, int, bool, bytes]], Record] =
     functools.partial(tuple.__new__, Record)
 
 
+def new_publisher_map() -> PublisherRuns:
+    """The map of who published the latest offsets: offset -> client id of an MQTT 5
+    publisher (no local), as runs (PublisherRuns: one entry per read's run of PUBLISHes; an
+    OrderedDict entry per offset cost ~2.5k instructions per MQTT 5 PUBLISH, most of v5's
+    cost over 3.1.1; a plain dict's oldest-first drop walks its deleted slots, ~50 us per
+    PUBLISH at 65,536 entries)."""
+    return PublisherRuns(PUBLISHERS_KEPT)
+
+
 @mypyc_attr(native_class=False)
 class PublishMixin(CoreBase):
     """Inbound PUBLISH with its durable ack; routing of committed records."""
 
-    # offset -> client id of an MQTT 5 publisher (no local), as runs (PublisherRuns: one entry
-    # per read's run of PUBLISHes; an OrderedDict entry per offset cost ~2.5k instructions
-    # per MQTT 5 PUBLISH, most of v5's cost over 3.1.1; a plain dict's oldest-first drop walks
-    # its deleted slots, ~50 us per PUBLISH at 65,536 entries).
-    _publisher_map: PublisherRuns
+    _publisher_map: PublisherRuns  # (set by BrokerCore.__init__: new_publisher_map())
 
     def publishers(self) -> PublisherRuns:
         """Who published the latest offsets (MQTT 5 publishers; see :meth:`_note_publisher`)."""
-        try:
-            return self._publisher_map
-        except AttributeError:
-            self._publisher_map = PublisherRuns(PUBLISHERS_KEPT)
-            return self._publisher_map
+        return self._publisher_map
 
     # ---- inbound PUBLISH -----------------------------------------------------------------
 
@@ -148,7 +149,7 @@ class PublishMixin(CoreBase):
                     wait = self.registry.save_soon(state)
                 conn.queue_ack(wait, _ack(_PUBREC, pid))
                 if wait is not None and conn.last_batch is not wait:
-                    self._join_batch(conn, wait)
+                    self.delivery.join_batch(conn, wait)
                 return
         payload = p.payload
         hook = self.hook
@@ -201,7 +202,7 @@ class PublishMixin(CoreBase):
                 fut = self.registry.qos2_gate(state, fut)
             conn.queue_ack(fut, _ack(_PUBREC, pid), offset)
         if conn.last_batch is not fut:
-            self._join_batch(conn, fut)
+            self.delivery.join_batch(conn, fut)
 
     def on_publishes(self, conn: Connection, ps: Sequence[Publish]) -> None:
         """A run of PUBLISHes from one read (MQTT 3.1.1; MQTT 5: QoS 1 ones without a topic
@@ -352,7 +353,7 @@ class PublishMixin(CoreBase):
         # n PUBACKs (0x40 0x02 id), back to back.
         conn.queue_ack(fut, puback_run(pids), first + n - 1)
         if conn.last_batch is not fut:
-            self._join_batch(conn, fut)
+            self.delivery.join_batch(conn, fut)
         for pid in refused:
             conn.queue_ack(None, ack5(_PUBACK, pid, code))
         return True
@@ -460,25 +461,6 @@ class PublishMixin(CoreBase):
                 break
             pending.pop()
 
-    def _join_batch(self, conn: Connection, fut: asyncio.Future[None]) -> None:
-        """Have ``conn``'s acks released when the commit ``fut`` resolves (one callback per batch)."""
-        conns = self._batches.get(fut)
-        if conns is None:
-            conns = self._batches[fut] = set()
-            fut.add_done_callback(self._on_batch_done)
-        conns.add(conn)
-        conn.last_batch = fut
-
-    def _on_batch_done(self, fut: asyncio.Future[None]) -> None:
-        """Release the acks a commit batch covers, connection by connection."""
-        conns = self._batches.pop(fut, ())
-        for conn in conns:
-            if conn.last_batch is fut:
-                conn.last_batch = None
-            if not conn.closed:
-                conn.ack_ready()
-        self.flush_soon()  # with the deliveries this commit routes, in one write per connection
-
     # ---- routing committed records ---------------------------------------------------------
 
     def _on_committed(self, committed: int) -> None:
@@ -542,10 +524,10 @@ class PublishMixin(CoreBase):
             self._send_retained_after()  # before live records are pumped (MQTT-3.3.1-8)
         for target in woken:
             if isinstance(target, SharedGroup):
-                self.pump_share(target)
+                self.delivery.pump_share(target)
             else:
-                self.pump(target)
-        self.flush_soon()
+                self.delivery.pump(target)
+        self.delivery.flush_soon()
 
     def retained_recovered(self, store: RetainedStore) -> None:
         """Switch to the store rebuilt in the background; catch up and answer waiting SUBSCRIBEs."""
@@ -558,4 +540,4 @@ class PublishMixin(CoreBase):
         for conn, state, sub, below in waiting:
             if not conn.closed and state.conn is conn and state.subs.get(sub.filter) is sub:
                 self._send_retained(conn, state, sub, below)
-        self.flush()
+        self.delivery.flush()

@@ -143,7 +143,7 @@ class SubscribeMixin(CoreBase):
             written.add_done_callback(functools.partial(
                 self._subscription_written, conn, state, with_retained, mark, start, "SUBSCRIBE"))
             conn.queue_ack(written, conn.encode_packet(suback))
-            self._join_batch(conn, written)
+            self.delivery.join_batch(conn, written)
             return
         if written is not None and (written.cancelled() or written.exception() is not None):
             conn.close("SUBSCRIBE refused: its state cannot be persisted (writing the session file failed)",
@@ -158,7 +158,7 @@ class SubscribeMixin(CoreBase):
             # Every retained message appended before the SUBSCRIBE, once routed (MQTT-3.8.4-3
             # too: a repeated one's live copies still reach it through the old start).
             self._send_retained(conn, state, sub, mark if sub.share is None else start)
-        self.pump(conn)
+        self.delivery.pump(conn)
 
     def _subscription_written(self, conn: Connection, state: SessionState, with_retained: list[Subscription],
                               mark: int, start: int, what: str, written: asyncio.Future[None]) -> None:
@@ -168,17 +168,17 @@ class SubscribeMixin(CoreBase):
             state.out_hold = None
         if conn.closed or state.conn is not conn:
             if state.conn is not None and not state.conn.closed:
-                self.pump(state.conn)  # (the session moved on to a new connection meanwhile)
-                self.flush()
+                self.delivery.pump(state.conn)  # (the session moved on to a new connection meanwhile)
+                self.delivery.flush()
             return
         if written.cancelled() or written.exception() is not None:
             conn.close(f"{what} refused: its state cannot be persisted (writing the session file failed)",
                        will=True, level=logging.ERROR)
-            self.flush()
+            self.delivery.flush()
             return
         if conn.ack_ready():
             self._after_suback(conn, state, with_retained, mark, start)
-        self.flush()
+        self.delivery.flush()
 
     def _send_retained(self, conn: Connection, state: SessionState, sub: Subscription, below: int) -> None:
         """Send the retained messages ``sub`` matches that were stored below offset ``below``
@@ -223,17 +223,18 @@ class SubscribeMixin(CoreBase):
 
     def _send_retained_after(self) -> None:
         """Send the retained replays whose SUBSCRIBE's offset is routed now (see on_subscribe)."""
-        waiting, self._retained_after = self._retained_after, {}
+        waiting = dict(self._retained_after)  # (the dict itself is shared with delivery)
+        self._retained_after.clear()
         for conn, subs in waiting.items():
             for state, sub, below in subs:
                 if not conn.closed and state.conn is conn and state.subs.get(sub.filter) is sub:
                     self._send_retained(conn, state, sub, below)
-            self._to_pump.add(conn)
+            self.delivery.schedule_pump(conn)
 
     def _retained_after_failed(self, fut: asyncio.Future[None]) -> None:
         if self._retained_after and (fut.cancelled() or fut.exception() is not None):
             self._send_retained_after()
-            self.flush()
+            self.delivery.flush()
 
     def _drain_retained(self, conn: Connection, state: SessionState) -> bool:
         """Send queued retained messages while the connection takes them: its output below
@@ -272,14 +273,14 @@ class SubscribeMixin(CoreBase):
             if qos == 0:
                 data = conn.publish_bytes(m.topic, m.payload, 0, False, None, True, headers)
                 if limit is not None and len(data) > limit:
-                    self._too_large(conn, m.topic, len(data), limit)
+                    self.delivery.too_large(conn, m.topic, len(data), limit)
                     continue
                 conn.send(data)
             else:
                 pid = state.alloc_pid()
                 data = conn.publish_bytes(m.topic, m.payload, qos, False, pid, True, headers)
                 if limit is not None and len(data) > limit:
-                    self._too_large(conn, m.topic, len(data), limit)
+                    self.delivery.too_large(conn, m.topic, len(data), limit)
                     continue
                 inflight[pid] = Outbound(m.offset, None, qos, m.topic, m.payload, None, True, headers)
                 if qos == 2 and state.persistent:
@@ -287,7 +288,7 @@ class SubscribeMixin(CoreBase):
                     # see DeliveryMixin._hold_output); the rest of the queue follows the write.
                     state.qos2_sent[pid] = -1
                     written = state.out_hold = self.registry.save_soon(state)
-                    written.add_done_callback(functools.partial(self._release_output, conn, state, data))
+                    written.add_done_callback(functools.partial(self.delivery.release_output, conn, state, data))
                     sent += 1
                     break
                 conn.send(data)
@@ -296,7 +297,7 @@ class SubscribeMixin(CoreBase):
             self.stats.publish_sent(sent)
         if queue:
             if not blocked and not conn.paused and not conn.closed:
-                self._schedule_repump(conn)  # after this event's flush wrote the output
+                self.delivery.schedule_repump(conn)  # after this event's flush wrote the output
             return False
         del self._retained_out[conn]
         return True
@@ -316,7 +317,7 @@ class SubscribeMixin(CoreBase):
         if changed:
             state.subs_changed()
             for name in shares_before - state.share_names():
-                self._leave_share(conn, state, name)
+                self.delivery.leave_share(conn, state, name)
             self.router.update_groups(state)
             if state.persistent:
                 written = self.registry.save_now(state)  # in a worker thread; the UNSUBACK waits for it
@@ -325,7 +326,7 @@ class SubscribeMixin(CoreBase):
                         self._subscription_written, conn, state, [], 0, 0, "UNSUBSCRIBE"))
                     conn.queue_ack(written, conn.encode_packet(
                         Unsuback(p.packet_id, codes if conn.protocol_level == 5 else [])))
-                    self._join_batch(conn, written)
+                    self.delivery.join_batch(conn, written)
                     return
                 if written.cancelled() or written.exception() is not None:
                     conn.close("UNSUBSCRIBE refused: its state cannot be persisted (writing the session file "

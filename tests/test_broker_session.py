@@ -770,14 +770,14 @@ def test_retained_rebuilt_in_background(tmp_path: Path) -> None:
         h = Harness(tmp_path)
         old = RetainedStore(tmp_path)
         old.apply(Record(0, 0, "r/a", b"from-snapshot", 1, True))
-        h.core.retained_ready = False
+        h.core.retained.ready = False
         p = h.connected("p")
         p.send(Publish("r/b", b"live", 0, True), Publish("r/a", b"", 0, True))
         await h.commit()
         s = h.connected("s")
         s.send(Subscribe(1, [("r/#", 0)]))
         assert s.received() == [Suback(1, [0])]
-        h.core.retained_recovered(old)
+        h.core.retained.recovered(old)
         assert [(m.topic, m.payload, m.retain) for m in s.received()] == [("r/b", b"live", True)]
     run(main())
 

@@ -21,8 +21,6 @@ from filemq.broker.sessions import SessionStore
 from filemq.broker.state import (
     PublisherRuns,
     PublishHook,
-    SessionState,
-    Subscription,
 )
 from segments.record import Record
 
@@ -30,12 +28,13 @@ if TYPE_CHECKING:
     from filemq.broker.acl import Acl
     from filemq.broker.auth import PasswordFile
     from filemq.broker.delivery import Delivery
+    from filemq.broker.retain import Retained
     from filemq.broker.sysinfo import BrokerStats
     from filemq.broker.tailcache import TailCache
     from filemq.common.config import BrokerSection
     from filemq.queue import Queue
     from filemq.queue.groups import ConsumerGroup
-    from filemq.queue.retained import RetainedMessage, RetainedStore
+    from filemq.queue.retained import RetainedStore
     from segments.log import LogView
 
 log = logging.getLogger("filemq.broker")
@@ -77,20 +76,6 @@ class CoreBase:
         # The session registry: sessions in memory, their files, expiry, delayed wills.
         self.registry = SessionRegistry(store, queue, acl)
         self.sessions = self.registry.sessions  # (the registry's dict: read by tests and $SYS)
-        self.retained = retained
-        # False while the retained store is being rebuilt in the background (big logs):
-        # retained records are buffered and SUBSCRIBEs wait for their retained messages.
-        self.retained_ready = True
-        self.retained_changes = 0  # retained records routed so far (snapshot trigger)
-        self._retained_buffer: list[Record] = []
-        self._retained_waiting: list[tuple[Connection, SessionState, Subscription, int]] = []
-        # Retained messages a SUBSCRIBE matched and the connection has not taken yet (filter,
-        # message, QoS): sent as its output drains, so a client that does not read cannot
-        # make the broker queue them again and again (issue 10 item 8).
-        self._retained_out: dict[Connection, deque[tuple[str, RetainedMessage, int]]] = {}
-        # Retained replays of SUBSCRIBEs that came while records appended before them were not
-        # routed yet (MQTT-3.3.1-6/-8): sent once the routed offset reaches theirs.
-        self._retained_after: dict[Connection, list[tuple[SessionState, Subscription, int]]] = {}
         self.stats = stats
         self.acl = acl
         self.passwords = passwords
@@ -104,8 +89,6 @@ class CoreBase:
         self._login_throttle = LoginThrottle(config.login_failures_before_delay, config.login_failure_delay_ms / 1000)
         self.conns: set[Connection] = set()
         self.connections: dict[str, Connection] = {}  # client id -> live connection
-        self.sys_retained: dict[str, bytes] = {}
-        self._sys_warned: set[str] = set()  # invalid $SYS topics already warned about
         # Appended, not yet routed: runs of records with consecutive offsets (one per
         # on_publish, or per run of on_publishes), each with its commit future.
         self._pending: deque[tuple[list[Record], asyncio.Future[None]]] = deque()
@@ -113,6 +96,10 @@ class CoreBase:
         cache.limit = self._routed  # groups see a record only once it is routed
         self.anonymous_allowed = config.anonymous_allowed()
         queue.add_commit_listener(self._on_committed)
+
+    def last_commit(self) -> asyncio.Future[None] | None:
+        """The commit future of the latest appended records not routed yet, or None."""
+        return self._pending[-1][1] if self._pending else None
 
     @property
     def routed_offset(self) -> int:
@@ -134,6 +121,7 @@ class CoreBase:
         return len(self.conns) >= self.config.max_connections
 
     delivery: Delivery  # (made by BrokerCore.__init__)
+    retained: Retained  # (likewise)
 
     # Methods of the concern mixins that other concerns call (defined there).
     if TYPE_CHECKING:
@@ -157,11 +145,8 @@ class CoreBase:
 
 
 
-            def _send_retained(self, conn: Connection, state: SessionState, sub: Subscription, below: int) -> None: ...
-            def _send_retained_after(self) -> None: ...
 
 
-            def _drain_retained(self, conn: Connection, state: SessionState) -> bool: ...
 
             def publishers(self) -> PublisherRuns: ...
 

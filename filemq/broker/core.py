@@ -39,6 +39,7 @@ from filemq.broker.connect import ConnectMixin
 from filemq.broker.delivery import Delivery
 from filemq.broker.publish import PublishMixin, new_publisher_map
 from filemq.broker.registry import SessionWriter
+from filemq.broker.retain import Retained
 from filemq.broker.session import AWAITING_CONNECT, CONNECTED, Connection
 from filemq.broker.state import (
     CLEAN_GROUP_PREFIX,
@@ -57,12 +58,8 @@ from filemq.broker.state import (
     parse_share_key,
 )
 from filemq.broker.subscribe import SubscribeMixin
+from filemq.broker.systopics import SysTopics
 from filemq.common.native import mypyc_attr
-from filemq.common.topics import (
-    InvalidTopic,
-    validate_topic_name,
-)
-from filemq.mqtt.codec import publish_bytes
 from filemq.mqtt.packets import PROTOCOL_LEVEL_5
 
 if TYPE_CHECKING:
@@ -129,9 +126,12 @@ class BrokerCore(ConnectMixin, SubscribeMixin, PublishMixin):
         registry.publish_internal = self.store_internal
         self._publisher_map = new_publisher_map()
         # Delivery: pumping groups into connections, acks, the output path.
-        delivery = self.delivery = Delivery(queue, cache, stats, self.router, registry, self._publisher_map,
-                                            self._retained_out, self._retained_after)
-        delivery.drain_retained = self._drain_retained
+        delivery = self.delivery = Delivery(queue, cache, stats, self.router, registry, self._publisher_map)
+        # $SYS topics; retained messages (the store, and what new subscriptions get).
+        self.sys = SysTopics(self.router, stats)
+        retained_part = self.retained = Retained(retained, self.log, stats, delivery, registry, self.sys)
+        retained_part.routing = self
+        delivery.wire_retained(retained_part.out, retained_part.after, retained_part.drain)
         # What connections call that delivery handles: its methods themselves (no frame here).
         self.mark_dirty = delivery.mark_dirty
         self.flush = delivery.flush
@@ -177,7 +177,7 @@ class BrokerCore(ConnectMixin, SubscribeMixin, PublishMixin):
         registry = self.registry
         if registry.expiring or registry.wills_waiting:
             registry.expire_sessions(now)
-        self.expire_retained()
+        self.retained.expire()
         self.delivery.flush()
 
     def check_timeouts(self, now: float | None = None) -> float:
@@ -214,8 +214,7 @@ class BrokerCore(ConnectMixin, SubscribeMixin, PublishMixin):
             conn.publish_will = False  # (published here, with its will properties)
         self.conns.discard(conn)
         self.delivery.forget(conn)
-        self._retained_out.pop(conn, None)
-        self._retained_after.pop(conn, None)
+        self.retained.forget(conn)
         if prev_state != CONNECTED:
             return
         self._release_session(conn)
@@ -262,59 +261,14 @@ class BrokerCore(ConnectMixin, SubscribeMixin, PublishMixin):
             self.registry.store_will(cid, will.topic, will.payload, will.qos, will.retain, b"", conn.acl)
 
     def publish_sys(self, messages: list[tuple[str, bytes]], *, replace: str | None = None) -> None:
-        """Send ``$SYS`` messages (not stored in the log) to live subscribers as QoS 0.
-
-        The latest value per topic is kept for new subscribers.  ``replace`` is a topic prefix
-        that ``messages`` covers completely: kept topics under it that are missing from
-        ``messages`` (e.g. the backlog of a session discarded since) are dropped.  Each delivery is
-        checked against the receiver's ACL like any other; a topic that is not a valid topic
-        name (e.g. over 65,535 UTF-8 bytes, from a huge client id) is skipped and counted in
-        ``stats.sys_skipped``, with one warning per topic.
-        """
-        current = self.sys_retained
-        if replace is not None:
-            current = {t: v for t, v in current.items() if not t.startswith(replace)}
-        for topic, payload in messages:
-            if not self._sys_topic_ok(topic):
-                continue
-            current[topic] = payload
-            data = None
-            for target in self.router.trie.match(topic):
-                if isinstance(target, Connection) and not target.closed:
-                    acl = target.acl
-                    if acl is not None and not acl.can_receive(topic):
-                        continue
-                    if target.protocol_level != 4:
-                        target.send(target.publish_bytes(topic, payload, 0, False, None))
-                        continue
-                    if data is None:
-                        data = publish_bytes(topic, payload, 0, False, None)
-                    target.send(data)
-        self.sys_retained = current
+        """Send ``$SYS`` messages to live subscribers (:meth:`SysTopics.publish`), then flush."""
+        self.sys.publish(messages, replace=replace)
         self.delivery.flush()
 
-    def _sys_topic_ok(self, topic: str) -> bool:
-        try:
-            validate_topic_name(topic)  # MQTT 1.5.3: at most 65,535 UTF-8 bytes, no U+0000
-        except InvalidTopic as exc:
-            self.stats.sys_skipped += 1
-            warned = self._sys_warned
-            if topic not in warned and len(warned) < 1024:
-                warned.add(topic)
-                log.warning("$SYS message not published (invalid topic name): %s", exc)
-            return False
-        return True
-
-    def expire_retained(self) -> int:
-        """Remove retained messages whose MQTT 5 message expiry interval has passed
-        (MQTT-3.3.2-5; the tick, once a second); the next snapshot leaves them out."""
-        if not self.retained_ready:
-            return 0
-        gone = self.retained.expire(time.time_ns() // 1000)
-        if gone:
-            self.retained_changes += 1  # (a snapshot trigger)
-            log.debug("%d expired retained messages removed", gone)
-        return gone
+    @property
+    def sys_retained(self) -> dict[str, bytes]:
+        """The latest ``$SYS`` message per topic (the $SYS part's)."""
+        return self.sys.retained
 
     def pending_commits(self) -> list[asyncio.Future[None]]:
         """Commit futures that acks are still waiting for."""

@@ -114,9 +114,7 @@ class Delivery:
     wait on, the progress-journal cadence and the offset-file nudge."""
 
     def __init__(self, queue: Queue, cache: TailCache, stats: BrokerStats, router: Router,
-                 registry: SessionRegistry, publishers: PublisherRuns,
-                 retained_out: dict[Connection, RetainedQueue],
-                 retained_after: dict[Connection, RetainedReplay]) -> None:
+                 registry: SessionRegistry, publishers: PublisherRuns) -> None:
         self.queue = queue
         self.log: LogView = queue.log  # only its read side: a test fake stands in (compiled build)
         # (A bound method, not self.queue.groups_acked(): the compiled flush() would check that
@@ -128,9 +126,9 @@ class Delivery:
         self.registry = registry
         self.publishers = publishers
         # The retained part's queues (read here: live records go after a connection's
-        # retained ones, never before); drain_retained sends from them (wired by the core).
-        self._retained_out = retained_out
-        self._retained_after = retained_after
+        # retained ones, never before); drain_retained sends from them (see wire_retained).
+        self._retained_out: dict[Connection, RetainedQueue] = {}
+        self._retained_after: dict[Connection, RetainedReplay] = {}
         self.drain_retained: Callable[[Connection, SessionState], bool] = _nothing_queued
         self._dirty: set[Connection] = set()
         self._batches: dict[asyncio.Future[None], set[Connection]] = {}
@@ -144,6 +142,13 @@ class Delivery:
         self._acks = 0  # group acks not yet in the progress journal (a lower bound: see flush)
         self._persist_handle: asyncio.TimerHandle | None = None
         self._persist_task: asyncio.Task[None] | None = None
+
+    def wire_retained(self, out: dict[Connection, RetainedQueue], after: dict[Connection, RetainedReplay],
+                      drain: Callable[[Connection, SessionState], bool]) -> None:
+        """The retained part's per-connection queues and the method that sends from them."""
+        self._retained_out = out
+        self._retained_after = after
+        self.drain_retained = drain
 
     # ---- output --------------------------------------------------------------------------
 

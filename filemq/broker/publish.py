@@ -47,7 +47,7 @@ from filemq.mqtt.runcodec import puback_run
 from segments.record import Record
 
 if TYPE_CHECKING:
-    from filemq.queue.retained import RetainedStore
+    pass
 
 log = logging.getLogger("filemq.broker")
 
@@ -506,38 +506,16 @@ class PublishMixin(CoreBase):
         return out
 
     def _route(self, records: list[Record]) -> None:
-        cache_put = self.cache.put_many
-        retained = self.retained
-        ready = self.retained_ready
         match = self.router.trie.match
         woken: set[Target] = set()
-        cache_put(records)
-        for r in [r for r in records if r.retain]:
-            self.retained_changes += 1
-            if ready:
-                retained.apply(r)
-            else:
-                self._retained_buffer.append(r)
+        self.cache.put_many(records)
         for topic in {r.topic for r in records}:
             woken |= match(topic)
-        if self._retained_after:
-            self._send_retained_after()  # before live records are pumped (MQTT-3.3.1-8)
+        self.retained.routed(records)  # (its replays before live records, MQTT-3.3.1-8)
+        delivery = self.delivery
         for target in woken:
             if isinstance(target, SharedGroup):
-                self.delivery.pump_share(target)
+                delivery.pump_share(target)
             else:
-                self.delivery.pump(target)
-        self.delivery.flush_soon()
-
-    def retained_recovered(self, store: RetainedStore) -> None:
-        """Switch to the store rebuilt in the background; catch up and answer waiting SUBSCRIBEs."""
-        for r in self._retained_buffer:
-            store.apply(r)
-        self._retained_buffer = []
-        self.retained = store
-        self.retained_ready = True
-        waiting, self._retained_waiting = self._retained_waiting, []
-        for conn, state, sub, below in waiting:
-            if not conn.closed and state.conn is conn and state.subs.get(sub.filter) is sub:
-                self._send_retained(conn, state, sub, below)
-        self.delivery.flush()
+                delivery.pump(target)
+        delivery.flush_soon()

@@ -7,8 +7,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import time
-from collections import deque
 from typing import TYPE_CHECKING
 
 from filemq.broker.base import CoreBase
@@ -16,18 +14,14 @@ from filemq.broker.session import Connection
 from filemq.broker.state import (
     RC_NOT_AUTHORIZED,
     RC_TOPIC_FILTER_INVALID,
-    RETAINED_OUT_HIGH,
-    Outbound,
     SessionState,
     Subscription,
     _too_long,
-    message_expiry,
     parse_share_key,
 )
 from filemq.common.native import mypyc_attr
 from filemq.common.topics import (
     InvalidTopic,
-    topic_matches,
     validate_topic_filter,
 )
 from filemq.mqtt.packets import (
@@ -42,7 +36,6 @@ from filemq.mqtt.packets import (
     Unsuback,
     Unsubscribe,
 )
-from filemq.mqtt.properties import _vbi
 
 if TYPE_CHECKING:
     pass
@@ -157,7 +150,7 @@ class SubscribeMixin(CoreBase):
         for sub in with_retained:
             # Every retained message appended before the SUBSCRIBE, once routed (MQTT-3.8.4-3
             # too: a repeated one's live copies still reach it through the old start).
-            self._send_retained(conn, state, sub, mark if sub.share is None else start)
+            self.retained.send(conn, state, sub, mark if sub.share is None else start)
         self.delivery.pump(conn)
 
     def _subscription_written(self, conn: Connection, state: SessionState, with_retained: list[Subscription],
@@ -179,128 +172,6 @@ class SubscribeMixin(CoreBase):
         if conn.ack_ready():
             self._after_suback(conn, state, with_retained, mark, start)
         self.delivery.flush()
-
-    def _send_retained(self, conn: Connection, state: SessionState, sub: Subscription, below: int) -> None:
-        """Send the retained messages ``sub`` matches that were stored below offset ``below``
-        (the routed offset at SUBSCRIBE time): later ones reach it live."""
-        if sub.share is not None:
-            return  # retained messages are not sent for shared subscriptions (as MQTT 5)
-        if sub.plain.startswith("$SYS"):
-            acl = conn.acl
-            for topic, payload in self.sys_retained.items():
-                if topic_matches(sub.plain, topic) and (
-                        acl is None or acl.can_receive(topic)):
-                    conn.send(conn.publish_bytes(topic, payload, 0, False, None, True))
-            return
-        if not self.retained_ready:
-            self._retained_waiting.append((conn, state, sub, below))
-            return
-        if below > self._routed:
-            if self._routed < self.log.next_offset:
-                self._retained_after.setdefault(conn, []).append((state, sub, below))
-                if self._pending:  # if that commit fails, the offsets are given back: send then
-                    self._pending[-1][1].add_done_callback(self._retained_after_failed)
-                return
-            # A failed commit gave the offsets up to ``below`` back: records there come later.
-            below = sub.retain_below = self._routed
-            state.subs_changed()
-            if state.persistent:
-                state.save_due = True  # (retain_below is in the session file)
-        acl = conn.acl
-        queue = self._retained_out.get(conn)
-        if queue is None:
-            queue = self._retained_out[conn] = deque()
-        elif any(e[0] == sub.filter for e in queue):
-            # A repeated SUBSCRIBE re-sends (MQTT-3.8.4-3): what it still had queued is replaced.
-            queue = self._retained_out[conn] = deque(e for e in queue if e[0] != sub.filter)
-        for m in self.retained.match(sub.plain):
-            if m.offset >= below:
-                continue  # routed after the SUBSCRIBE (store rebuilt late): delivered live
-            if acl is not None and not acl.can_receive(m.topic):
-                continue
-            queue.append((sub.filter, m, min(sub.qos, m.qos)))
-        self._drain_retained(conn, state)
-
-    def _send_retained_after(self) -> None:
-        """Send the retained replays whose SUBSCRIBE's offset is routed now (see on_subscribe)."""
-        waiting = dict(self._retained_after)  # (the dict itself is shared with delivery)
-        self._retained_after.clear()
-        for conn, subs in waiting.items():
-            for state, sub, below in subs:
-                if not conn.closed and state.conn is conn and state.subs.get(sub.filter) is sub:
-                    self._send_retained(conn, state, sub, below)
-            self.delivery.schedule_pump(conn)
-
-    def _retained_after_failed(self, fut: asyncio.Future[None]) -> None:
-        if self._retained_after and (fut.cancelled() or fut.exception() is not None):
-            self._send_retained_after()
-            self.delivery.flush()
-
-    def _drain_retained(self, conn: Connection, state: SessionState) -> bool:
-        """Send queued retained messages while the connection takes them: its output below
-        :data:`RETAINED_OUT_HIGH`, its transport not paused, QoS 1/2 ones within the in-flight
-        window.  The queue holds the store's messages (no payload copies); True when empty."""
-        queue = self._retained_out.get(conn)
-        if queue is None:
-            return True
-        sent = 0
-        inflight = state.inflight
-        blocked = False
-        v5 = conn.protocol_level == PROTOCOL_LEVEL_5
-        limit = conn.client_max_packet
-        now_us = 0
-        while queue and not conn.closed and not conn.paused:
-            if len(conn.out) >= RETAINED_OUT_HIGH:
-                break
-            f, m, qos = queue[0]
-            if qos and len(inflight) >= max(conn.max_inflight, 1):
-                blocked = True  # the acks that free the window pump again
-                break
-            queue.popleft()
-            if conn.acl is not None and not conn.acl.can_receive(m.topic):
-                continue  # the read right went away (ACL reload) while it was queued
-            headers = m.headers
-            if headers:
-                now_us = now_us or time.time_ns() // 1000
-                expiring = message_expiry(headers, m.timestamp_us, now_us)
-                if expiring is None:
-                    continue  # its message expiry interval has passed (3.3.2.3.3): not sent
-                headers = expiring
-            if v5:
-                sub = state.subs.get(f)
-                if sub is not None and sub.identifier:
-                    headers += b"\x0b" + _vbi(sub.identifier)  # 3.3.4, MQTT-3.3.4-3
-            if qos == 0:
-                data = conn.publish_bytes(m.topic, m.payload, 0, False, None, True, headers)
-                if limit is not None and len(data) > limit:
-                    self.delivery.too_large(conn, m.topic, len(data), limit)
-                    continue
-                conn.send(data)
-            else:
-                pid = state.alloc_pid()
-                data = conn.publish_bytes(m.topic, m.payload, qos, False, pid, True, headers)
-                if limit is not None and len(data) > limit:
-                    self.delivery.too_large(conn, m.topic, len(data), limit)
-                    continue
-                inflight[pid] = Outbound(m.offset, None, qos, m.topic, m.payload, None, True, headers)
-                if qos == 2 and state.persistent:
-                    # Its id goes to the session file before it leaves (as a group record's,
-                    # see DeliveryMixin._hold_output); the rest of the queue follows the write.
-                    state.qos2_sent[pid] = -1
-                    written = state.out_hold = self.registry.save_soon(state)
-                    written.add_done_callback(functools.partial(self.delivery.release_output, conn, state, data))
-                    sent += 1
-                    break
-                conn.send(data)
-            sent += 1
-        if sent:
-            self.stats.publish_sent(sent)
-        if queue:
-            if not blocked and not conn.paused and not conn.closed:
-                self.delivery.schedule_repump(conn)  # after this event's flush wrote the output
-            return False
-        del self._retained_out[conn]
-        return True
 
     def on_unsubscribe(self, conn: Connection, p: Unsubscribe) -> None:
         state = conn.session

@@ -5,10 +5,7 @@
 
 from __future__ import annotations
 
-import asyncio
-import functools
 import logging
-from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
@@ -22,12 +19,12 @@ from filemq.broker.state import (
     PublisherRuns,
     PublishHook,
 )
-from segments.record import Record
 
 if TYPE_CHECKING:
     from filemq.broker.acl import Acl
     from filemq.broker.auth import PasswordFile
     from filemq.broker.delivery import Delivery
+    from filemq.broker.publish import Ingest
     from filemq.broker.retain import Retained
     from filemq.broker.sysinfo import BrokerStats
     from filemq.broker.tailcache import TailCache
@@ -68,9 +65,6 @@ class CoreBase:
     ) -> None:
         self.queue = queue
         self.log: LogView = queue.log  # only its read side: a test fake stands in (compiled build)
-        # Topics reaching _append passed the codec's and CONNECT's topic-name checks already.
-        self._append = functools.partial(queue.publish_nowait, validated=True)
-        self._append_many = queue.publish_many_nowait  # the same, for a run of PUBLISHes
         self.cache = cache
         self.config = config
         # The session registry: sessions in memory, their files, expiry, delayed wills.
@@ -79,32 +73,16 @@ class CoreBase:
         self.stats = stats
         self.acl = acl
         self.passwords = passwords
-        self.hook = publish_hook
         # The router: topic trie, shared groups, consumer groups (through the tail cache).
         # New groups start at the routed offset, as new subscriptions do (see on_subscribe).
         self.router = Router(queue, cache, self.log, group_factory or (
-            lambda n, f, d: queue.group(n, f, durable=d, start=self._routed)))
+            lambda n, f, d: queue.group(n, f, durable=d, start=self.ingest.routed_offset)))
         self.connect_timeout = CONNECT_TIMEOUT
         self._auth_pool: ThreadPoolExecutor | None = None  # created at the first password check
         self._login_throttle = LoginThrottle(config.login_failures_before_delay, config.login_failure_delay_ms / 1000)
         self.conns: set[Connection] = set()
         self.connections: dict[str, Connection] = {}  # client id -> live connection
-        # Appended, not yet routed: runs of records with consecutive offsets (one per
-        # on_publish, or per run of on_publishes), each with its commit future.
-        self._pending: deque[tuple[list[Record], asyncio.Future[None]]] = deque()
-        self._routed = self.log.committed_offset
-        cache.limit = self._routed  # groups see a record only once it is routed
         self.anonymous_allowed = config.anonymous_allowed()
-        queue.add_commit_listener(self._on_committed)
-
-    def last_commit(self) -> asyncio.Future[None] | None:
-        """The commit future of the latest appended records not routed yet, or None."""
-        return self._pending[-1][1] if self._pending else None
-
-    @property
-    def routed_offset(self) -> int:
-        """Every committed record below this offset has been routed (and applied to retained)."""
-        return self._routed
 
     def set_acl(self, acl: Acl) -> None:
         """Put a new ACL in force (reload): every connected client's rules are rebuilt at once,
@@ -122,18 +100,17 @@ class CoreBase:
 
     delivery: Delivery  # (made by BrokerCore.__init__)
     retained: Retained  # (likewise)
+    ingest: Ingest  # (likewise)
 
     # Methods of the concern mixins that other concerns call (defined there).
     if TYPE_CHECKING:
 
 
-            def _on_committed(self, committed: int) -> None: ...
 
 
 
 
 
-            def _track(self, record: Record, fut: asyncio.Future[None]) -> None: ...
 
 
 

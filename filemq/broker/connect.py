@@ -53,7 +53,6 @@ from filemq.mqtt.packets import (
     Properties,
     Publish,
 )
-from segments.record import Record
 
 if TYPE_CHECKING:
     from filemq.broker.auth import PasswordFile
@@ -471,23 +470,9 @@ class ConnectMixin(CoreBase):
             if not conn.acl.can_subscribe(f):
                 log.warning("auto-subscribe %r for client %r denied by the ACL", f, conn.client_id)
                 continue
-            state.subs[f] = Subscription(f, plain, share, rule.qos, self._routed)
+            state.subs[f] = Subscription(f, plain, share, rule.qos, self.ingest.routed_offset)
             changed = True
         if changed:
             state.subs_changed()
             self.router.update_groups(state)
         return changed
-
-    def store_internal(self, topic: str, payload: bytes, qos: int, retain: bool, headers: bytes = b"") -> None:
-        """Store a message the broker itself publishes (a will; ``headers``: its MQTT 5
-        message properties); nobody waits for its ack."""
-        ts = time.time_ns() // 1000
-        try:
-            if headers:
-                offset, fut = self._append(topic, payload, qos, retain, ts, headers=headers)
-            else:
-                offset, fut = self._append(topic, payload, qos, retain, ts)
-        except (OSError, ValueError, RuntimeError) as exc:
-            log.error("message to %r not stored: %s", topic, exc)
-            return
-        self._track(Record(offset, ts, topic, payload, qos, retain, headers), fut)

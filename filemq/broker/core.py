@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING
 
 from filemq.broker.connect import ConnectMixin
 from filemq.broker.delivery import Delivery
-from filemq.broker.publish import PublishMixin, new_publisher_map
+from filemq.broker.publish import Ingest, new_publisher_map
 from filemq.broker.registry import SessionWriter
 from filemq.broker.retain import Retained
 from filemq.broker.session import AWAITING_CONNECT, CONNECTED, Connection
@@ -51,6 +51,7 @@ from filemq.broker.state import (
     ClientInfo,
     HookResult,
     Outbound,
+    PublisherRuns,
     PublishHook,
     SessionState,
     SharedGroup,
@@ -98,7 +99,7 @@ __all__ = [
 
 
 @mypyc_attr(native_class=False)
-class BrokerCore(ConnectMixin, SubscribeMixin, PublishMixin):
+class BrokerCore(ConnectMixin, SubscribeMixin):
     """Broker state shared by all connections; see the module docstring for the guarantees.
 
     One mixin per concern (:mod:`.connect`, :mod:`.subscribe`, :mod:`.publish`,
@@ -123,15 +124,21 @@ class BrokerCore(ConnectMixin, SubscribeMixin, PublishMixin):
                          passwords=passwords, publish_hook=publish_hook, group_factory=group_factory)
         self.next_timeout = math.inf  # the earliest keepalive / CONNECT deadline at the last check
         registry = self.registry
-        registry.publish_internal = self.store_internal
         self._publisher_map = new_publisher_map()
         # Delivery: pumping groups into connections, acks, the output path.
         delivery = self.delivery = Delivery(queue, cache, stats, self.router, registry, self._publisher_map)
         # $SYS topics; retained messages (the store, and what new subscriptions get).
         self.sys = SysTopics(self.router, stats)
         retained_part = self.retained = Retained(retained, self.log, stats, delivery, registry, self.sys)
-        retained_part.routing = self
         delivery.wire_retained(retained_part.out, retained_part.after, retained_part.drain)
+        # Ingest: PUBLISH admission, the append, acks behind the commit, routing once committed.
+        ingest = self.ingest = Ingest(queue, cache, config, stats, publish_hook, self.router, registry, delivery,
+                                      retained_part, self._publisher_map)
+        retained_part.routing = ingest
+        registry.publish_internal = ingest.store_internal
+        self.on_publish = ingest.on_publish
+        self.on_publishes = ingest.on_publishes
+        self.on_publish_run = ingest.on_publish_run
         # What connections call that delivery handles: its methods themselves (no frame here).
         self.mark_dirty = delivery.mark_dirty
         self.flush = delivery.flush
@@ -144,6 +151,15 @@ class BrokerCore(ConnectMixin, SubscribeMixin, PublishMixin):
         publishers = self.publishers()
         publishers.sink = registry.own_published
         publishers.forget_sink = registry.own_forget
+
+    @property
+    def routed_offset(self) -> int:
+        """Every committed record below this offset has been routed (and applied to retained)."""
+        return self.ingest.routed_offset
+
+    def publishers(self) -> PublisherRuns:
+        """Who published the latest offsets (MQTT 5 publishers, for no local)."""
+        return self._publisher_map
 
     @property
     def session_writer(self) -> SessionWriter:

@@ -8,12 +8,11 @@ import asyncio
 import functools
 import logging
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from itertools import repeat
 from typing import TYPE_CHECKING
 
-from filemq.broker.base import CoreBase
 from filemq.broker.router import Target
 from filemq.broker.session import Connection, refusal_code
 from filemq.broker.state import (
@@ -26,6 +25,7 @@ from filemq.broker.state import (
     RC_QUOTA_EXCEEDED,
     ClientInfo,
     PublisherRuns,
+    PublishHook,
     SessionState,
     SharedGroup,
     _ack,
@@ -47,6 +47,15 @@ from filemq.mqtt.runcodec import puback_run
 from segments.record import Record
 
 if TYPE_CHECKING:
+    from filemq.broker.delivery import Delivery
+    from filemq.broker.registry import SessionRegistry
+    from filemq.broker.retain import Retained
+    from filemq.broker.router import Router
+    from filemq.broker.sysinfo import BrokerStats
+    from filemq.broker.tailcache import TailCache
+    from filemq.common.config import BrokerSection
+    from filemq.queue import Queue
+    from segments.log import LogView
     pass
 
 log = logging.getLogger("filemq.broker")
@@ -65,14 +74,44 @@ def new_publisher_map() -> PublisherRuns:
 
 
 @mypyc_attr(native_class=False)
-class PublishMixin(CoreBase):
-    """Inbound PUBLISH with its durable ack; routing of committed records."""
+class Ingest:
+    """Inbound PUBLISH: admission (size, ``$`` topics, ACL, the publish hook), the append to
+    the log, QoS 2 dedup, the acks queued behind the commit batch; then, from the commit
+    listener, routing of committed records (tail cache, retained, woken subscribers).
 
-    _publisher_map: PublisherRuns  # (set by BrokerCore.__init__: new_publisher_map())
+    Owns the appended-not-yet-routed runs, the routed offset and the publisher map."""
 
-    def publishers(self) -> PublisherRuns:
-        """Who published the latest offsets (MQTT 5 publishers; see :meth:`_note_publisher`)."""
-        return self._publisher_map
+    def __init__(self, queue: Queue, cache: TailCache, config: BrokerSection, stats: BrokerStats,
+                 hook: PublishHook | None, router: Router, registry: SessionRegistry, delivery: Delivery,
+                 retained: Retained, publishers: PublisherRuns) -> None:
+        self.log: LogView = queue.log  # only its read side: a test fake stands in (compiled build)
+        # Topics reaching _append passed the codec's and CONNECT's topic-name checks already.
+        self._append = functools.partial(queue.publish_nowait, validated=True)
+        self._append_many = queue.publish_many_nowait  # the same, for a run of PUBLISHes
+        self.cache = cache
+        self.config = config
+        self.stats = stats
+        self.hook = hook
+        self.router = router
+        self.registry = registry
+        self.delivery = delivery
+        self.retained = retained
+        self._publishers = publishers
+        # Appended, not yet routed: runs of records with consecutive offsets (one per
+        # on_publish, or per run of on_publishes), each with its commit future.
+        self._pending: deque[tuple[list[Record], asyncio.Future[None]]] = deque()
+        self._routed = self.log.committed_offset
+        cache.limit = self._routed  # groups see a record only once it is routed
+        queue.add_commit_listener(self._on_committed)
+
+    @property
+    def routed_offset(self) -> int:
+        """Every committed record below this offset has been routed (and applied to retained)."""
+        return self._routed
+
+    def last_commit(self) -> asyncio.Future[None] | None:
+        """The commit future of the latest appended records not routed yet, or None."""
+        return self._pending[-1][1] if self._pending else None
 
     # ---- inbound PUBLISH -----------------------------------------------------------------
 
@@ -344,7 +383,7 @@ class PublishMixin(CoreBase):
             self._forget_from(first)
         if conn.protocol_level == PROTOCOL_LEVEL_5:
             # No local (MQTT-3.8.3-3): who published each offset, as on_publish notes it.
-            self.publishers().add_run(first, n, conn.client_id)
+            self._publishers.add_run(first, n, conn.client_id)
         # The run's Records built in C: zip yields each one's fields, tuple.__new__ makes the
         # Record of them (NamedTuple.__new__ is a Python function; no bytecode runs per record).
         pending.append((list(map(_new_record, zip(range(first, first + n), repeat(ts), topics, payloads,
@@ -428,7 +467,7 @@ class PublishMixin(CoreBase):
     def _note_publisher(self, offset: int, client_id: str) -> None:
         """Remember who published ``offset`` (for no local, MQTT-3.8.3-3): the log does not
         record it, so a bounded map of the latest :data:`PUBLISHERS_KEPT` offsets does."""
-        self.publishers().set(offset, client_id)
+        self._publishers.set(offset, client_id)
 
     def _ack_now(self, conn: Connection, p: Publish) -> None:
         if p.qos == 1:
@@ -450,7 +489,7 @@ class PublishMixin(CoreBase):
         """A failed commit made the log reuse offsets from ``offset`` on: the pending records
         there were never stored."""
         pending = self._pending
-        self.publishers().forget_from(offset)
+        self._publishers.forget_from(offset)
         while pending:
             records = pending[-1][0]
             if records[-1].offset < offset:
@@ -519,3 +558,17 @@ class PublishMixin(CoreBase):
             else:
                 delivery.pump(target)
         delivery.flush_soon()
+
+    def store_internal(self, topic: str, payload: bytes, qos: int, retain: bool, headers: bytes = b"") -> None:
+        """Store a message the broker itself publishes (a will; ``headers``: its MQTT 5
+        message properties); nobody waits for its ack."""
+        ts = time.time_ns() // 1000
+        try:
+            if headers:
+                offset, fut = self._append(topic, payload, qos, retain, ts, headers=headers)
+            else:
+                offset, fut = self._append(topic, payload, qos, retain, ts)
+        except (OSError, ValueError, RuntimeError) as exc:
+            log.error("message to %r not stored: %s", topic, exc)
+            return
+        self._track(Record(offset, ts, topic, payload, qos, retain, headers), fut)

@@ -63,7 +63,7 @@ class SubscribeMixin(CoreBase):
         # from it on are delivered live (groups never read past it, see TailCache.limit), so
         # a retained message is never neither.  next_offset would skip appended records that
         # are not committed yet, while the retained store only has committed ones.
-        start = self._routed
+        start = self.ingest.routed_offset
         # Records appended before this SUBSCRIBE but not routed yet: the retained ones are sent
         # with RETAIN 1 by the replay (once routed), not live (MQTT-3.3.1-8).
         mark = self.log.next_offset

@@ -58,7 +58,7 @@ from filemq.broker.state import (
     Subscription,
     parse_share_key,
 )
-from filemq.broker.subscribe import SubscribeMixin
+from filemq.broker.subscribe import Subscriptions
 from filemq.broker.systopics import SysTopics
 from filemq.common.native import mypyc_attr
 from filemq.mqtt.packets import PROTOCOL_LEVEL_5
@@ -99,7 +99,7 @@ __all__ = [
 
 
 @mypyc_attr(native_class=False)
-class BrokerCore(ConnectMixin, SubscribeMixin):
+class BrokerCore(ConnectMixin):
     """Broker state shared by all connections; see the module docstring for the guarantees.
 
     One mixin per concern (:mod:`.connect`, :mod:`.subscribe`, :mod:`.publish`,
@@ -139,6 +139,11 @@ class BrokerCore(ConnectMixin, SubscribeMixin):
         self.on_publish = ingest.on_publish
         self.on_publishes = ingest.on_publishes
         self.on_publish_run = ingest.on_publish_run
+        # Subscriptions: SUBSCRIBE / UNSUBSCRIBE.
+        subscriptions = self.subscriptions = Subscriptions(self.log, config, self.router, registry, delivery,
+                                                           retained_part, ingest)
+        self.on_subscribe = subscriptions.on_subscribe
+        self.on_unsubscribe = subscriptions.on_unsubscribe
         # What connections call that delivery handles: its methods themselves (no frame here).
         self.mark_dirty = delivery.mark_dirty
         self.flush = delivery.flush

@@ -9,7 +9,6 @@ import functools
 import logging
 from typing import TYPE_CHECKING
 
-from filemq.broker.base import CoreBase
 from filemq.broker.session import Connection
 from filemq.broker.state import (
     RC_NOT_AUTHORIZED,
@@ -38,7 +37,13 @@ from filemq.mqtt.packets import (
 )
 
 if TYPE_CHECKING:
-    pass
+    from filemq.broker.delivery import Delivery
+    from filemq.broker.publish import Ingest
+    from filemq.broker.registry import SessionRegistry
+    from filemq.broker.retain import Retained
+    from filemq.broker.router import Router
+    from filemq.common.config import BrokerSection
+    from segments.log import LogView
 
 log = logging.getLogger("filemq.broker")
 
@@ -47,10 +52,21 @@ _SUB_OPTION_BITS = SUB_NO_LOCAL | SUB_RETAIN_AS_PUBLISHED | (3 << SUB_RETAIN_HAN
 
 
 @mypyc_attr(native_class=False)
-class SubscribeMixin(CoreBase):
-    """SUBSCRIBE/UNSUBSCRIBE, shared groups, retained messages for new subscriptions."""
+class Subscriptions:
+    """SUBSCRIBE / UNSUBSCRIBE: a session's subscriptions, their start offsets, the durable
+    write before SUBACK / UNSUBACK, then the retained messages a new subscription gets.  The
+    trie and groups are the router's, the session files the registry's; this part owns no
+    state of its own beyond what it is wired to."""
 
-    # ---- subscriptions -------------------------------------------------------------------
+    def __init__(self, log_view: LogView, config: BrokerSection, router: Router, registry: SessionRegistry,
+                 delivery: Delivery, retained: Retained, ingest: Ingest) -> None:
+        self.log = log_view
+        self.config = config
+        self.router = router
+        self.registry = registry
+        self.delivery = delivery
+        self.retained = retained
+        self.ingest = ingest
 
     def on_subscribe(self, conn: Connection, p: Subscribe) -> None:
         state = conn.session

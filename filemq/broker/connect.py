@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 from filemq.broker.acl import fill_pattern
-from filemq.broker.base import AUTH_THREADS, CoreBase
+from filemq.broker.auth import LoginThrottle
 from filemq.broker.session import AUTHENTICATING, AWAITING_CONNECT, CONNECTED, Connection
 from filemq.broker.sessions import StoredSession
 from filemq.broker.state import (
@@ -55,7 +55,14 @@ from filemq.mqtt.packets import (
 )
 
 if TYPE_CHECKING:
+    from filemq.broker.acl import Acl
     from filemq.broker.auth import PasswordFile
+    from filemq.broker.delivery import Delivery
+    from filemq.broker.publish import Ingest
+    from filemq.broker.registry import SessionRegistry
+    from filemq.broker.router import Router
+    from filemq.broker.sysinfo import BrokerStats
+    from filemq.common.config import BrokerSection
 
 log = logging.getLogger("filemq.broker")
 
@@ -69,10 +76,12 @@ _V5_REFUSALS = {
 }
 
 
-def _retrieved(fut: asyncio.Future[None]) -> None:
-    """Mark a fire-and-forget future's failure as seen (it was logged where it happened)."""
-    if not fut.cancelled():
-        fut.exception()
+CONNECT_TIMEOUT = 10.0
+"""Seconds from the accept to a complete CONNECT (a TLS handshake included)."""
+AUTH_THREADS = 2
+"""Worker threads for password checks.  They are the broker's own, not the loop's default
+executor: wrong-password CONNECTs (one PBKDF2 each) never queue ahead of the session-file and
+offset writes that acks wait for."""
 
 
 def session_expiry(p: Connect) -> int | None:
@@ -99,8 +108,35 @@ def _check_password(conn: Connection, passwords: PasswordFile, user: str, passwo
     return passwords.check(user, password)
 
 
-class ConnectMixin(CoreBase):
-    """CONNECT, session ownership and lifecycle, session-file writes."""
+class Connector:
+    """CONNECT: authentication (password checks off the loop, the login throttle), session
+    ownership and take-over, clean and persistent sessions (their files written before
+    CONNACK), auto-subscribe, CONNACK; DISCONNECT.
+
+    Owns the live connections by client id, the ACL and password file in force and the
+    authentication threads."""
+
+    def __init__(self, config: BrokerSection, acl: Acl, passwords: PasswordFile | None, stats: BrokerStats,
+                 router: Router, registry: SessionRegistry, delivery: Delivery, ingest: Ingest) -> None:
+        self.config = config
+        self.acl = acl
+        self.passwords = passwords
+        self.anonymous_allowed = config.anonymous_allowed()
+        self.stats = stats
+        self.router = router
+        self.registry = registry
+        self.delivery = delivery
+        self.ingest = ingest
+        self.connect_timeout = CONNECT_TIMEOUT
+        self.connections: dict[str, Connection] = {}  # client id -> live connection
+        self._auth_pool: ThreadPoolExecutor | None = None  # created at the first password check
+        self._login_throttle = LoginThrottle(config.login_failures_before_delay, config.login_failure_delay_ms / 1000)
+
+    def shutdown(self) -> None:
+        """Stop the authentication threads (shutdown; checks under way are dropped)."""
+        if self._auth_pool is not None:
+            self._auth_pool.shutdown(wait=False, cancel_futures=True)
+            self._auth_pool = None
 
     # ---- CONNECT -------------------------------------------------------------------------
 
@@ -277,7 +313,7 @@ class ConnectMixin(CoreBase):
     def _accept(self, conn: Connection, p: Connect) -> None:
         cid = conn.client_id
         conn.acl = self.acl.for_client(conn.username, cid)
-        mem = self.sessions.get(cid)
+        mem = self.registry.sessions.get(cid)
         stored = self.registry.store.load(cid) if mem is None else None
         discarded: asyncio.Future[None] | None = None  # an old session file being removed
         if (mem is not None or stored is not None) and self.registry.expired(cid, stored):
@@ -294,7 +330,7 @@ class ConnectMixin(CoreBase):
             # 3.1.4-2: the existing client is disconnected (MQTT 5: DISCONNECT 0x8E, session
             # taken over, MQTT-3.1.4-3); it did not send DISCONNECT: see _take_over.
             self._take_over(old, conn, p)
-            if mem is not None and self.sessions.get(cid) is not mem:
+            if mem is not None and self.registry.sessions.get(cid) is not mem:
                 mem = stored = None  # its session ended with it (MQTT 5 session expiry 0)
         present = adopted = False
         # None: MQTT 3.1.1 (a persistent session never expires); MQTT 5: the interval, 0 = the
@@ -339,7 +375,7 @@ class ConnectMixin(CoreBase):
                         log.warning("client %r: its session file has no owner (written by an older "
                                     "filemq); adopted by user %r", cid, conn.username)
                         adopted = True  # written below, with the owner
-                self.sessions[cid] = state
+                self.registry.sessions[cid] = state
             # MQTT 5 session expiry: the clock stops while connected; a delayed will of the
             # session is not sent (MQTT-3.1.3-9).  The file says "connected" (and the new
             # interval) before CONNACK: after a crash the interval never counts from an older
@@ -370,13 +406,13 @@ class ConnectMixin(CoreBase):
     def _session_written(self, conn: Connection, state: SessionState, p: Connect, present: bool,
                          done: asyncio.Future[None]) -> None:
         failed = done.cancelled() or done.exception() is not None
-        if failed and not present and self.sessions.get(state.client_id) is state and state.conn is None:
-            del self.sessions[state.client_id]  # never report a session that is not on disk
+        if failed and not present and self.registry.sessions.get(state.client_id) is state and state.conn is None:
+            del self.registry.sessions[state.client_id]  # never report a session that is not on disk
         if conn.closed:
             return
         if failed:
             self._refuse(conn, CONNACK_SERVER_UNAVAILABLE, "writing the session file failed")
-        elif state.persistent and self.sessions.get(state.client_id) is not state:
+        elif state.persistent and self.registry.sessions.get(state.client_id) is not state:
             self._refuse(conn, CONNACK_SERVER_UNAVAILABLE, "its session was discarded meanwhile (clean_session = 1)")
         else:
             old = self.connections.get(conn.client_id)

@@ -33,13 +33,15 @@ import contextlib
 import logging
 import math
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Protocol
 
-from filemq.broker.connect import ConnectMixin
+from filemq.broker.connect import Connector
 from filemq.broker.delivery import Delivery
 from filemq.broker.publish import Ingest, new_publisher_map
-from filemq.broker.registry import SessionWriter
+from filemq.broker.registry import SessionRegistry, SessionWriter
 from filemq.broker.retain import Retained
+from filemq.broker.router import Router
 from filemq.broker.session import AWAITING_CONNECT, CONNECTED, Connection
 from filemq.broker.state import (
     CLEAN_GROUP_PREFIX,
@@ -61,7 +63,17 @@ from filemq.broker.state import (
 from filemq.broker.subscribe import Subscriptions
 from filemq.broker.systopics import SysTopics
 from filemq.common.native import mypyc_attr
-from filemq.mqtt.packets import PROTOCOL_LEVEL_5
+from filemq.mqtt.packets import (
+    PROTOCOL_LEVEL_5,
+    Disconnect,
+    Publish,
+    PublishRun,
+    Subscribe,
+    Unsubscribe,
+)
+from filemq.mqtt.packets import (
+    Connect as ConnectPacket,
+)
 
 if TYPE_CHECKING:
     from filemq.broker.acl import Acl
@@ -73,6 +85,7 @@ if TYPE_CHECKING:
     from filemq.common.config import BrokerSection
     from filemq.queue import Queue
     from filemq.queue.retained import RetainedStore
+    from segments.log import LogView
 
 log = logging.getLogger("filemq.broker")
 
@@ -98,13 +111,39 @@ __all__ = [
 ]
 
 
+class _PubrecHandler(Protocol):
+    def __call__(self, conn: Connection, pid: int, reason_code: int = 0) -> None: ...
+
+
 @mypyc_attr(native_class=False)
-class BrokerCore(ConnectMixin):
+class BrokerCore:
     """Broker state shared by all connections; see the module docstring for the guarantees.
 
-    One mixin per concern (:mod:`.connect`, :mod:`.subscribe`, :mod:`.publish`,
-    :mod:`.delivery`) over the shared state of :class:`~filemq.broker.base.CoreBase`;
-    the periodic work ($SYS, session saves, shutdown) is here."""
+    A composition of parts, each owning its state behind its methods (docs/LAYERS.md, "The
+    broker core"): the :class:`~.router.Router`, the :class:`~.registry.SessionRegistry`,
+    :class:`~.delivery.Delivery`, :class:`~.retain.Retained`, :class:`~.systopics.SysTopics`,
+    :class:`~.publish.Ingest`, :class:`~.subscribe.Subscriptions` and :class:`~.connect.Connector`,
+    wired here.  What a :class:`~filemq.broker.session.Connection` calls (the
+    :class:`~filemq.broker.session.Core` protocol) is the handling part's own bound method, so
+    no frame of this class sits between a packet and its part.  The periodic work (timeouts,
+    expiry, $SYS, session saves) and a connection's close, which every part takes part in, are
+    here."""
+
+    on_connect: Callable[[Connection, ConnectPacket], None]
+    on_disconnect: Callable[[Connection, Disconnect], None]
+    on_publish: Callable[[Connection, Publish], None]
+    on_publishes: Callable[[Connection, Sequence[Publish]], None]
+    on_publish_run: Callable[[Connection, PublishRun], None]
+    on_puback: Callable[[Connection, int], None]
+    on_pubacks: Callable[[Connection, Sequence[int]], None]
+    on_pubrec: _PubrecHandler
+    on_pubrel: Callable[[Connection, int], None]
+    on_pubcomp: Callable[[Connection, int], None]
+    on_subscribe: Callable[[Connection, Subscribe], None]
+    on_unsubscribe: Callable[[Connection, Unsubscribe], None]
+    mark_dirty: Callable[[Connection], None]
+    flush: Callable[[], None]
+    pump: Callable[[Connection], None]
 
     def __init__(
         self,
@@ -120,42 +159,107 @@ class BrokerCore(ConnectMixin):
         publish_hook: PublishHook | None = None,
         group_factory: GroupFactory | None = None,
     ) -> None:
-        super().__init__(queue, cache, config=config, store=store, retained=retained, stats=stats, acl=acl,
-                         passwords=passwords, publish_hook=publish_hook, group_factory=group_factory)
+        self.queue = queue
+        self.log: LogView = queue.log  # only its read side: a test fake stands in (compiled build)
+        self.cache = cache
+        self.config = config
+        self.stats = stats
+        self.conns: set[Connection] = set()  # every connection, connected or not yet
         self.next_timeout = math.inf  # the earliest keepalive / CONNECT deadline at the last check
-        registry = self.registry
+        # The router: topic trie, shared groups, consumer groups (through the tail cache).
+        # New groups start at the routed offset, as new subscriptions do (see on_subscribe).
+        router = self.router = Router(queue, cache, self.log, group_factory or (
+            lambda n, f, d: queue.group(n, f, durable=d, start=self.ingest.routed_offset)))
+        # The session registry: sessions in memory, their files, expiry, delayed wills.
+        registry = self.registry = SessionRegistry(store, queue, acl)
+        self.sessions = registry.sessions  # (the registry's dict: read by tests)
         self._publisher_map = new_publisher_map()
         # Delivery: pumping groups into connections, acks, the output path.
-        delivery = self.delivery = Delivery(queue, cache, stats, self.router, registry, self._publisher_map)
+        delivery = self.delivery = Delivery(queue, cache, stats, router, registry, self._publisher_map)
         # $SYS topics; retained messages (the store, and what new subscriptions get).
-        self.sys = SysTopics(self.router, stats)
+        self.sys = SysTopics(router, stats)
         retained_part = self.retained = Retained(retained, self.log, stats, delivery, registry, self.sys)
         delivery.wire_retained(retained_part.out, retained_part.after, retained_part.drain)
         # Ingest: PUBLISH admission, the append, acks behind the commit, routing once committed.
-        ingest = self.ingest = Ingest(queue, cache, config, stats, publish_hook, self.router, registry, delivery,
+        ingest = self.ingest = Ingest(queue, cache, config, stats, publish_hook, router, registry, delivery,
                                       retained_part, self._publisher_map)
         retained_part.routing = ingest
         registry.publish_internal = ingest.store_internal
+        # Subscriptions: SUBSCRIBE / UNSUBSCRIBE.
+        subscriptions = self.subscriptions = Subscriptions(self.log, config, router, registry, delivery,
+                                                           retained_part, ingest)
+        # Connect: CONNECT (authentication, sessions, CONNACK), DISCONNECT.
+        connect = self.connect = Connector(config, acl, passwords, stats, router, registry, delivery, ingest)
+        self.connections = connect.connections  # (the connect part's dict: client id -> live connection)
+        publishers = self._publisher_map
+        publishers.sink = registry.own_published
+        publishers.forget_sink = registry.own_forget
+        # What connections call: the handling part's methods themselves (no frame here).
+        self.on_connect = connect.on_connect
+        self.on_disconnect = connect.on_disconnect
         self.on_publish = ingest.on_publish
         self.on_publishes = ingest.on_publishes
         self.on_publish_run = ingest.on_publish_run
-        # Subscriptions: SUBSCRIBE / UNSUBSCRIBE.
-        subscriptions = self.subscriptions = Subscriptions(self.log, config, self.router, registry, delivery,
-                                                           retained_part, ingest)
         self.on_subscribe = subscriptions.on_subscribe
         self.on_unsubscribe = subscriptions.on_unsubscribe
-        # What connections call that delivery handles: its methods themselves (no frame here).
-        self.mark_dirty = delivery.mark_dirty
-        self.flush = delivery.flush
-        self.pump = delivery.pump
         self.on_puback = delivery.on_puback
         self.on_pubacks = delivery.on_pubacks
         self.on_pubrec = delivery.on_pubrec
         self.on_pubrel = delivery.on_pubrel
         self.on_pubcomp = delivery.on_pubcomp
-        publishers = self.publishers()
-        publishers.sink = registry.own_published
-        publishers.forget_sink = registry.own_forget
+        self.mark_dirty = delivery.mark_dirty
+        self.flush = delivery.flush
+        self.pump = delivery.pump
+
+    # ---- what the server and the tests set and read ----------------------------------------
+
+    @property
+    def acl(self) -> Acl:
+        """The ACL in force (the connect part's; :meth:`set_acl` to reload it)."""
+        return self.connect.acl
+
+    @acl.setter
+    def acl(self, acl: Acl) -> None:
+        self.connect.acl = self.registry.acl = acl
+
+    @property
+    def passwords(self) -> PasswordFile | None:
+        return self.connect.passwords
+
+    @passwords.setter
+    def passwords(self, passwords: PasswordFile | None) -> None:
+        self.connect.passwords = passwords
+
+    @property
+    def anonymous_allowed(self) -> bool:
+        return self.connect.anonymous_allowed
+
+    @anonymous_allowed.setter
+    def anonymous_allowed(self, allowed: bool) -> None:
+        self.connect.anonymous_allowed = allowed
+
+    @property
+    def connect_timeout(self) -> float:
+        """Seconds from the accept to a complete CONNECT."""
+        return self.connect.connect_timeout
+
+    @connect_timeout.setter
+    def connect_timeout(self, seconds: float) -> None:
+        self.connect.connect_timeout = seconds
+
+    def set_acl(self, acl: Acl) -> None:
+        """Put a new ACL in force (reload): every connected client's rules are rebuilt at once,
+        so its existing subscriptions deliver only what it may still read."""
+        self.acl = acl
+        for conn in self.conns:
+            if conn.state == CONNECTED:
+                conn.acl = acl.for_client(conn.username, conn.client_id)
+
+    def new_connection(self, conn: Connection) -> None:
+        self.conns.add(conn)
+
+    def at_capacity(self) -> bool:
+        return len(self.conns) >= self.config.max_connections
 
     @property
     def routed_offset(self) -> int:
@@ -309,6 +413,4 @@ class BrokerCore(ConnectMixin):
             conn.close(reason, will=False, reason_code=RC_SERVER_SHUTTING_DOWN)
         self.registry.publish_pending_wills()
         self.delivery.flush()
-        if self._auth_pool is not None:
-            self._auth_pool.shutdown(wait=False, cancel_futures=True)
-            self._auth_pool = None
+        self.connect.shutdown()

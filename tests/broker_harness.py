@@ -276,7 +276,7 @@ async def one_delivery(h: Harness, qos: int) -> tuple[Client, Publish]:
 def deliveries(ops: list[tuple[Any, ...]], first_pid: int, tmp: Path, run_path: bool,
                 new_client: Any = None, subscribe: Any = None, **connect: Any) -> tuple[Any, ...]:
     """What a persistent subscriber receives and keeps in flight under ``ops``, with or
-    without DeliveryMixin._deliver_run. ``new_client(h)``: the subscriber's client (default
+    without Delivery._deliver_run. ``new_client(h)``: the subscriber's client (default
     MQTT 3.1.1), ``subscribe(op)``: the SUBSCRIBE of a "subscribe" op, ``connect``: its CONNECT's
     other fields."""
     calls = 0

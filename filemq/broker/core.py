@@ -62,7 +62,6 @@ from filemq.broker.state import (
 )
 from filemq.broker.subscribe import Subscriptions
 from filemq.broker.systopics import SysTopics
-from filemq.common.native import mypyc_attr
 from filemq.mqtt.packets import (
     PROTOCOL_LEVEL_5,
     Disconnect,
@@ -78,12 +77,13 @@ from filemq.mqtt.packets import (
 if TYPE_CHECKING:
     from filemq.broker.acl import Acl
     from filemq.broker.auth import PasswordFile
+    from filemq.broker.ports import QueuePort
     from filemq.broker.router import GroupFactory
     from filemq.broker.sessions import SessionStore
     from filemq.broker.sysinfo import BrokerStats
     from filemq.broker.tailcache import TailCache
     from filemq.common.config import BrokerSection
-    from filemq.queue import Queue
+    from filemq.queue.groups import ConsumerGroup
     from filemq.queue.retained import RetainedStore
     from segments.log import LogView
 
@@ -115,7 +115,6 @@ class _PubrecHandler(Protocol):
     def __call__(self, conn: Connection, pid: int, reason_code: int = 0) -> None: ...
 
 
-@mypyc_attr(native_class=False)
 class BrokerCore:
     """Broker state shared by all connections; see the module docstring for the guarantees.
 
@@ -147,7 +146,7 @@ class BrokerCore:
 
     def __init__(
         self,
-        queue: Queue,
+        queue: QueuePort,
         cache: TailCache,
         *,
         config: BrokerSection,
@@ -168,8 +167,7 @@ class BrokerCore:
         self.next_timeout = math.inf  # the earliest keepalive / CONNECT deadline at the last check
         # The router: topic trie, shared groups, consumer groups (through the tail cache).
         # New groups start at the routed offset, as new subscriptions do (see on_subscribe).
-        router = self.router = Router(queue, cache, self.log, group_factory or (
-            lambda n, f, d: queue.group(n, f, durable=d, start=self.ingest.routed_offset)))
+        router = self.router = Router(queue, cache, self.log, group_factory or self._new_group)
         # The session registry: sessions in memory, their files, expiry, delayed wills.
         registry = self.registry = SessionRegistry(store, queue, acl)
         self.sessions = registry.sessions  # (the registry's dict: read by tests)
@@ -210,6 +208,11 @@ class BrokerCore:
         self.mark_dirty = delivery.mark_dirty
         self.flush = delivery.flush
         self.pump = delivery.pump
+
+    def _new_group(self, name: str, filters: tuple[str, ...], durable: bool) -> ConsumerGroup:
+        """The default group factory: a new group starts at the routed offset, as a new
+        subscription does (see Subscriptions.on_subscribe)."""
+        return self.queue.group(name, filters, durable=durable, start=self.ingest.routed_offset)
 
     # ---- what the server and the tests set and read ----------------------------------------
 

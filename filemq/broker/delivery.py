@@ -52,11 +52,11 @@ from segments.record import (
 )
 
 if TYPE_CHECKING:
+    from filemq.broker.ports import QueuePort
     from filemq.broker.registry import SessionRegistry
     from filemq.broker.router import Router
     from filemq.broker.sysinfo import BrokerStats
     from filemq.broker.tailcache import TailCache
-    from filemq.queue import Queue
     from filemq.queue.groups import ConsumerGroup
     from filemq.queue.retained import RetainedMessage
     from segments.log import LogView
@@ -81,7 +81,7 @@ def _nothing_queued(conn: Connection, state: SessionState) -> bool:
 
 def refill_mark(window: int) -> int:
     """Messages in flight at or below which a window of ``window`` is refilled: a quarter of
-    it, at least one (:meth:`DeliveryMixin._refill`; filemq.broker.batching waits for the
+    it, at least one (:meth:`Delivery._refill`; filemq.broker.batching waits for the
     acks that bring a subscriber down to it)."""
     return window >> 2 or 1
 
@@ -113,12 +113,11 @@ class Delivery:
     Owns the dirty set (connections with output), the re-pump sets, the commit batches acks
     wait on, the progress-journal cadence and the offset-file nudge."""
 
-    def __init__(self, queue: Queue, cache: TailCache, stats: BrokerStats, router: Router,
+    def __init__(self, queue: QueuePort, cache: TailCache, stats: BrokerStats, router: Router,
                  registry: SessionRegistry, publishers: PublisherRuns) -> None:
         self.queue = queue
         self.log: LogView = queue.log  # only its read side: a test fake stands in (compiled build)
-        # (A bound method, not self.queue.groups_acked(): the compiled flush() would check that
-        # self.queue is a Queue, and the tests' fake queue is not one.)
+        # (A bound method, not self.queue.groups_acked(): one lookup per flush less.)
         self._groups_acked: Callable[[], int] = queue.groups_acked
         self.cache = cache
         self.stats = stats

@@ -48,13 +48,13 @@ from segments.record import Record
 
 if TYPE_CHECKING:
     from filemq.broker.delivery import Delivery
+    from filemq.broker.ports import QueuePort
     from filemq.broker.registry import SessionRegistry
     from filemq.broker.retain import Retained
     from filemq.broker.router import Router
     from filemq.broker.sysinfo import BrokerStats
     from filemq.broker.tailcache import TailCache
     from filemq.common.config import BrokerSection
-    from filemq.queue import Queue
     from segments.log import LogView
     pass
 
@@ -81,7 +81,7 @@ class Ingest:
 
     Owns the appended-not-yet-routed runs, the routed offset and the publisher map."""
 
-    def __init__(self, queue: Queue, cache: TailCache, config: BrokerSection, stats: BrokerStats,
+    def __init__(self, queue: QueuePort, cache: TailCache, config: BrokerSection, stats: BrokerStats,
                  hook: PublishHook | None, router: Router, registry: SessionRegistry, delivery: Delivery,
                  retained: Retained, publishers: PublisherRuns) -> None:
         self.log: LogView = queue.log  # only its read side: a test fake stands in (compiled build)

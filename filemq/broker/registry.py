@@ -24,7 +24,7 @@ from filemq.mqtt.properties import encode_message_headers
 
 if TYPE_CHECKING:
     from filemq.broker.acl import Acl, ClientAcl
-    from filemq.queue import Queue
+    from filemq.broker.ports import QueuePort
 
 log = logging.getLogger("filemq.broker")
 
@@ -47,7 +47,7 @@ def _no_publish(topic: str, payload: bytes, qos: int, retain: bool, headers: byt
 class SessionRegistry:
     """Persistent sessions in memory and on disk, their expiry and their delayed wills."""
 
-    def __init__(self, store: SessionStore, queue: Queue, acl: Acl) -> None:
+    def __init__(self, store: SessionStore, queue: QueuePort, acl: Acl) -> None:
         self.store = store
         self.queue = queue
         self.acl = acl  # in force (BrokerCore.set_acl replaces it): a stored will's rights

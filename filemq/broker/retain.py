@@ -230,7 +230,7 @@ class Retained:
                 inflight[pid] = Outbound(m.offset, None, qos, m.topic, m.payload, None, True, headers)
                 if qos == 2 and state.persistent:
                     # Its id goes to the session file before it leaves (as a group record's,
-                    # see DeliveryMixin._hold_output); the rest of the queue follows the write.
+                    # see Delivery._hold_output); the rest of the queue follows the write.
                     state.qos2_sent[pid] = -1
                     written = state.out_hold = self.registry.save_soon(state)
                     written.add_done_callback(functools.partial(self.delivery.release_output, conn, state, data))

@@ -26,8 +26,8 @@ from filemq.broker.state import (
 from filemq.common.topics import TopicTrie
 
 if TYPE_CHECKING:
+    from filemq.broker.ports import QueuePort
     from filemq.broker.tailcache import TailCache
-    from filemq.queue import Queue
     from filemq.queue.groups import ConsumerGroup
     from segments.log import LogView
 
@@ -42,7 +42,7 @@ Target = Connection | SharedGroup
 class Router:
     """The topic trie, the shared groups and the consumer groups subscriptions read."""
 
-    def __init__(self, queue: Queue, cache: TailCache, log_view: LogView, group_factory: GroupFactory) -> None:
+    def __init__(self, queue: QueuePort, cache: TailCache, log_view: LogView, group_factory: GroupFactory) -> None:
         self.queue = queue
         self.cache = cache
         self.log = log_view

@@ -336,7 +336,8 @@ def deliveries(ops: list[tuple[Any, ...]], first_pid: int, tmp: Path, run_path: 
         state = s.conn.session
         assert state is not None
         # (a SentRun, one object for a gap-free run, as the message it holds under each id)
-        inflight = {pid: (pid + o.delta if type(o) is SentRun else o.offset, o.qos, *message_of(o, pid),
+        inflight = {pid: (pid + o.delta if type(o) is SentRun else o.offset,  # type: ignore[union-attr]
+                          o.qos, *message_of(o, pid),
                           o.share, o.stage, o.retain, o.headers)
                     for pid, o in state.inflight.items()}
         return got, inflight, state.next_pid

@@ -349,14 +349,14 @@ class BrokerCore:
         state = conn.session
         alive = (state is not None and state.conn is None and state.persistent
                  and self.sessions.get(state.client_id) is state)
-        if alive:
+        if alive and state is not None:
             self.registry.session_closed(state)
         if will is None:
             return
         conn.publish_will = True
         props = will.properties
         delay = 0 if props is None or props.will_delay_interval is None else props.will_delay_interval
-        if delay and alive:
+        if delay and alive and state is not None:
             self.registry.hold_will(state, will, conn.acl, delay)
         else:
             self.registry.publish_will(conn.client_id, will, conn.acl)

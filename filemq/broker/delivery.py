@@ -63,7 +63,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("filemq.broker")
 
-_group_of_sent = itemgetter(1)  # SentRecord.group (its offset: record_offset, index 0 too)
+# SentRecord.group and .offset, in C; typed for any in-flight entry: only a SentRecord (a
+# tuple) has items, anything else raises TypeError (on_pubacks relies on it).
+_group_of_sent = cast("Callable[[object], ConsumerGroup | None]", itemgetter(1))
+_offset_of_sent = cast("Callable[[object], int]", itemgetter(0))
 _delta_of = attrgetter("delta")  # SentRun.delta
 
 
@@ -619,7 +622,7 @@ class Delivery:
                     _consume(map(inflight.pop, pids, repeat(None)))  # (a repeated id: popped once)
                     sent_group = groups.pop()
                     if sent_group is not None:
-                        sent_group.ack_many(list(map(record_offset, outs)))
+                        sent_group.ack_many(list(map(_offset_of_sent, outs)))
                         self._acked = True
                         self._acks += n
                     self._refill(conn, inflight)
@@ -634,7 +637,7 @@ class Delivery:
                 break
             del inflight[pid]
             if out.group is not None:
-                out.group.ack(pid + out.delta if type(out) is SentRun else out.offset)
+                out.group.ack(pid + out.delta if type(out) is SentRun else out.offset)  # type: ignore[union-attr]
                 self._acked = True
                 self._acks += 1
         self._refill(conn, inflight)
@@ -662,6 +665,7 @@ class Delivery:
         if out is not None and out.qos != 2:
             self._wrong_ack(conn, "PUBREC", pid, out)
             return
+        assert out is None or isinstance(out, Outbound)  # (QoS 2: SentRecord and SentRun are QoS 1)
         if reason_code >= 0x80:
             # MQTT 5: a PUBREC with a failure reason code ends the exchange; no PUBREL is sent
             # and the packet id is free again (4.3.3, MQTT-4.3.3-4 / 4.9: the quota returns).
@@ -706,6 +710,7 @@ class Delivery:
         if out.qos != 2 or out.stage == 0:
             self._wrong_ack(conn, "PUBCOMP", pid, out)
             return
+        assert isinstance(out, Outbound)  # (QoS 2: SentRecord and SentRun are QoS 1)
         del state.inflight[pid]
         if out.group is not None and out.group.ack(out.offset):
             self._acked = True  # not acked at PUBREC yet (session write pending or failed)

@@ -26,7 +26,6 @@ from filemq.broker.state import (
     ClientInfo,
     PublisherRuns,
     PublishHook,
-    SessionState,
     SharedGroup,
     _ack,
     _too_long,
@@ -475,7 +474,8 @@ class Ingest:
             conn.queue_ack(None, encode_puback(p.packet_id))
         elif p.qos == 2:
             assert p.packet_id is not None
-            state: SessionState = conn.session
+            state = conn.session
+            assert state is not None
             state.qos2_in.setdefault(p.packet_id, None)
             conn.queue_ack(None, _ack(_PUBREC, p.packet_id))
 

@@ -75,7 +75,7 @@ def _same_group_runs(outs: Iterable[Any], group: ConsumerGroup) -> bool:
     ``group`` (no hashing of the entries: a SentRecord is a tuple of its fields)."""
     return all(type(out) is SentRun and out.group is group for out in outs)
 
-_NO_GROUPS: set[Any] = set()
+_NO_GROUPS: set[ConsumerGroup | None] = set()
 
 
 def _nothing_queued(conn: Connection, state: SessionState) -> bool:
@@ -642,7 +642,7 @@ class Delivery:
                 self._acks += 1
         self._refill(conn, inflight)
 
-    def _refill(self, conn: Connection, inflight: dict[int, Any]) -> None:
+    def _refill(self, conn: Connection, inflight: dict[int, Inflight]) -> None:
         """Fill ``conn``'s in-flight window again after acks, once at most a quarter of it
         (at least one message) is still in flight, not after every ack: a client that sends
         its PUBACKs one at a time then gets its next deliveries in one write of three quarters

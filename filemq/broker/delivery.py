@@ -108,7 +108,7 @@ RetainedReplay = list[tuple[SessionState, Subscription, int]]
 """Retained replays waiting for the routed offset to reach theirs (session, subscription, below)."""
 
 
-@mypyc_attr(native_class=False)
+@mypyc_attr(native_class=False)  # (tests and benches replace its methods on the instance: pump, _deliver_run, persist_offsets)
 class Delivery:
     """Outbound delivery, the QoS 1/2 ack state machine and the output path: what leaves for
     each connection, in one transport write per connection per event-loop pass.

@@ -72,7 +72,7 @@ def new_publisher_map() -> PublisherRuns:
     return PublisherRuns(PUBLISHERS_KEPT)
 
 
-@mypyc_attr(native_class=False)
+@mypyc_attr(native_class=False)  # (tests replace its methods on the instance: on_publish, on_publishes, on_publish_run)
 class Ingest:
     """Inbound PUBLISH: admission (size, ``$`` topics, ACL, the publish hook), the append to
     the log, QoS 2 dedup, the acks queued behind the commit batch; then, from the commit

@@ -51,7 +51,7 @@ log = logging.getLogger("filemq.broker")
 _SUB_OPTION_BITS = SUB_NO_LOCAL | SUB_RETAIN_AS_PUBLISHED | (3 << SUB_RETAIN_HANDLING_SHIFT)
 
 
-@mypyc_attr(native_class=False)
+@mypyc_attr(native_class=False)  # (per SUBSCRIBE, not per message: left an ordinary class, as its mixin was)
 class Subscriptions:
     """SUBSCRIBE / UNSUBSCRIBE: a session's subscriptions, their start offsets, the durable
     write before SUBACK / UNSUBACK, then the retained messages a new subscription gets.  The

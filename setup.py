@@ -19,9 +19,11 @@ from setuptools import setup
 # The modules a message passes through (decode -> append -> PUBACK; tail cache -> encode ->
 # write) and what they call per message.  Left interpreted, and why (docs/PERFORMANCE.md):
 # segments/fileio.py (DiskFull derives from OSError, which a mypyc native class cannot),
-# filemq/broker/base.py (CoreBase declares the mixins' cross-calls in an `if TYPE_CHECKING:`
-# block of its class body; its per-read flush() is DeliveryMixin's, so it is compiled),
-# filemq/broker/connect.py (mypyc 2.x fails on its closures in a non-native class),
+# filemq/broker/connect.py (CONNECT: once per connection), filemq/broker/registry.py
+# (session files: per SUBSCRIBE or QoS 2 exchange; mypyc 2.x failed on closures like its
+# write_snapshot's in a non-native class), filemq/broker/router.py (the trie is matched once
+# per commit batch, its methods run per SUBSCRIBE), filemq/broker/systopics.py (once per
+# sys_interval_s),
 # filemq/common/native.py (the marker shim itself), and everything that is not per message
 # (server, client, config, ops, broker/sessions.py: session files are written
 # per SUBSCRIBE or QoS 2 exchange, and tests replace SessionStore.write on an instance, which
@@ -38,6 +40,7 @@ HOT_PATH = [
     "filemq/broker/core.py",
     "filemq/broker/delivery.py",
     "filemq/broker/publish.py",
+    "filemq/broker/retain.py",
     "filemq/broker/session.py",
     "filemq/broker/state.py",
     "filemq/broker/subscribe.py",

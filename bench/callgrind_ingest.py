@@ -122,7 +122,7 @@ def _keep_headers(h: Any) -> None:
             records[offset] = Record(r.offset, r.timestamp_us, r.topic, r.payload, r.qos, r.retain, headers)
         return offset, fut
 
-    h.core._append = append
+    getattr(h.core, "ingest", h.core)._append = append  # (a tree from before issue 31: the core's)
 
 
 def _ir(tree: Path, rounds: int) -> int:

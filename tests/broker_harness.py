@@ -223,7 +223,8 @@ class Harness(Clients):
         self.core = self.make_core()
 
     def make_core(self) -> BrokerCore:
-        core = BrokerCore(self.queue, TailCache(self.queue.log), config=self.config,
+        # (FakeQueue and FakeLog stand in for Queue and its log: the same methods, not the types)
+        core = BrokerCore(self.queue, TailCache(self.queue.log), config=self.config,  # type: ignore[arg-type]
                           store=self.store, retained=self.retained, stats=self.stats, acl=self.acl,
                           publish_hook=self.hook)
         if not self.threaded_writes:
@@ -275,7 +276,7 @@ async def one_delivery(h: Harness, qos: int) -> tuple[Client, Publish]:
 def deliveries(ops: list[tuple[Any, ...]], first_pid: int, tmp: Path, run_path: bool,
                 new_client: Any = None, subscribe: Any = None, **connect: Any) -> tuple[Any, ...]:
     """What a persistent subscriber receives and keeps in flight under ``ops``, with or
-    without DeliveryMixin._deliver_run. ``new_client(h)``: the subscriber's client (default
+    without Delivery._deliver_run. ``new_client(h)``: the subscriber's client (default
     MQTT 3.1.1), ``subscribe(op)``: the SUBSCRIBE of a "subscribe" op, ``connect``: its CONNECT's
     other fields."""
     calls = 0
@@ -293,7 +294,7 @@ def deliveries(ops: list[tuple[Any, ...]], first_pid: int, tmp: Path, run_path: 
         h = Harness(tmp, max_inflight=20)
         h.core.acl = Acl.parse("topic read a/#\ntopic read b/#\ntopic read c/1\ntopic write #\n"
                                "pattern read nothing\n")
-        real = h.core._deliver_run
+        real = h.core.delivery._deliver_run
 
         def spy(*a: Any) -> bool:
             nonlocal calls
@@ -301,7 +302,7 @@ def deliveries(ops: list[tuple[Any, ...]], first_pid: int, tmp: Path, run_path: 
             calls += done
             return done
 
-        h.core._deliver_run = spy  # type: ignore[method-assign,assignment]
+        h.core.delivery._deliver_run = spy  # type: ignore[method-assign,assignment]
         s = connected(h)
         s.send(Subscribe(1, [("a/#", 1), ("b/1", 2)]))
         assert s.conn.session is not None
@@ -335,7 +336,8 @@ def deliveries(ops: list[tuple[Any, ...]], first_pid: int, tmp: Path, run_path: 
         state = s.conn.session
         assert state is not None
         # (a SentRun, one object for a gap-free run, as the message it holds under each id)
-        inflight = {pid: (pid + o.delta if type(o) is SentRun else o.offset, o.qos, *message_of(o, pid),
+        inflight = {pid: (pid + o.delta if type(o) is SentRun else o.offset,  # type: ignore[union-attr]
+                          o.qos, *message_of(o, pid),
                           o.share, o.stage, o.retain, o.headers)
                     for pid, o in state.inflight.items()}
         return got, inflight, state.next_pid

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-import filemq.broker.base as base_module
+import filemq.broker.connect as connect_module
 from filemq.broker.auth import MAX_ITERATIONS, SCHEME, PasswordFile, PasswordHash
 from filemq.broker.session import AUTHENTICATING
 from filemq.common.config import ConfigError
@@ -125,7 +125,7 @@ def test_tls_handshake_that_never_completes_is_cut_off_at_the_connect_deadline(
     runs the handshake before the broker sees the socket, with its own 60 s default, so a
     socket that never sent its ClientHello held a file descriptor for 60 s (300 of them held
     309 fds of a broker with max_connecting = 16) -- the slowloris of issue 10 item 9 over TLS."""
-    monkeypatch.setattr(base_module, "CONNECT_TIMEOUT", 0.5)
+    monkeypatch.setattr(connect_module, "CONNECT_TIMEOUT", 0.5)
     cert, key = _ca(tmp_path, "server")
     text = (f'[[listener]]\nport = 0\ntls_cert = "{cert}"\ntls_key = "{key}"\n')
 

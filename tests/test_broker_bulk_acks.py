@@ -1,4 +1,4 @@
-"""`DeliveryMixin.on_pubacks`' bulk path is the per-PUBACK path, only faster (issue 16).
+"""`Delivery.on_pubacks`' bulk path is the per-PUBACK path, only faster (issue 16).
 
 A read of more than ``_SMALL_READ`` (8) PUBACKs whose in-flight entries are all gap-free
 run-path deliveries (:class:`SentRun`, one object per run) of one consumer group, or of at
@@ -34,7 +34,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from filemq.broker import delivery
-from filemq.broker.delivery import DeliveryMixin
+from filemq.broker.delivery import Delivery
 from filemq.broker.session import Connection
 from filemq.broker.state import SentRecord, SentRun, message_of
 from filemq.mqtt.codec import encode
@@ -64,9 +64,9 @@ def _bulk_reads(h: Harness) -> list[tuple[str, int]]:
                     bulk.append(("short", len(pids)))
             elif one_group and (kind == {SentRun} or (kind == {SentRecord} and len(pids) >= delivery._BULK_ACKS)):
                 bulk.append(("bulk", len(pids)))
-        DeliveryMixin.on_pubacks(core, conn, pids)
+        Delivery.on_pubacks(core.delivery, conn, pids)
 
-    core.on_pubacks = on_pubacks  # type: ignore[method-assign]
+    core.on_pubacks = on_pubacks
     return bulk
 
 
@@ -76,9 +76,9 @@ def _one_at_a_time(h: Harness) -> None:
 
     def on_pubacks(conn: Connection, pids: Sequence[int]) -> None:
         for pid in pids:
-            DeliveryMixin.on_pubacks(core, conn, (pid,))
+            Delivery.on_pubacks(core.delivery, conn, (pid,))
 
-    core.on_pubacks = on_pubacks  # type: ignore[method-assign]
+    core.on_pubacks = on_pubacks
 
 
 def _group_state(h: Harness) -> dict[str, Any]:
@@ -187,7 +187,7 @@ class Pair:
                 for size in action[2]:
                     s.send_bytes(data[pos:pos + size])
                     pos += size
-                    journal[i].append(h.core._acked or h.core._journal_scheduled)
+                    journal[i].append(h.core.delivery._acked or h.core.delivery._journal_scheduled)
                 assert pos >= len(data)
             else:  # reconnect: the session's in-flight messages are re-sent with DUP
                 s.conn.connection_lost()

@@ -3,7 +3,7 @@
 The broker appends the consumer groups' acked progress to the progress journal after the
 loop pass of the first acks and then at most once per ``JOURNAL_INTERVAL_S`` (1 ms), and at
 the latest after the pass in which the acks since the last append reach ``JOURNAL_MAX_ACKS``
-(filemq/broker/base.py ``flush``).  Without the count bound, a loop of quick passes (a
+(filemq/broker/delivery.py ``Delivery.flush``).  Without the count bound, a loop of quick passes (a
 subscriber draining a backlog from the tail cache while the publishers wait for their
 commit) acked several in-flight windows within one interval, and a kill -9 re-delivered all
 of them (tests/test_broker_kill9.py once saw 120 in one round against its bound of 100).
@@ -51,7 +51,7 @@ class JournalingQueue(FakeQueue):
 @pytest.mark.parametrize("acks_per_read", [WINDOW, 1])
 def test_a_kill_9_takes_back_at_most_journal_max_acks_of_acked_progress(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, acks_per_read: int) -> None:
-    monkeypatch.setattr(delivery, "JOURNAL_INTERVAL_S", 3600.0)  # (read by DeliveryMixin.flush)
+    monkeypatch.setattr(delivery, "JOURNAL_INTERVAL_S", 3600.0)  # (read by Delivery.flush)
 
     async def main() -> None:
         h = Harness(tmp_path, max_inflight=WINDOW)

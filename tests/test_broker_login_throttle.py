@@ -134,7 +134,7 @@ def test_failed_logins_in_a_row_space_out_that_address_only(tmp_path: Path,
         assert all(g >= 0.19 for g in gaps), gaps
         named = [r for r in caplog.records if "failed logins in a row from 10.9.9.9" in r.message]
         assert len(named) == 1
-        assert h.core._login_throttle.failures("10.9.9.9") == 0  # the success reset it
+        assert h.core.connect._login_throttle.failures("10.9.9.9") == 0  # the success reset it
     run(main())
 
 
@@ -164,5 +164,5 @@ def test_login_throttle_off_with_0(tmp_path: Path) -> None:
             c = _from(h, "10.9.9.9")
             c.send(Connect(client_id=f"x{i}", username="alice", password=b"wrong"))
             assert await _answer(c) == 0x04
-        assert h.core._login_throttle.wait("10.9.9.9", time.monotonic(), 10.0) == 0.0
+        assert h.core.connect._login_throttle.wait("10.9.9.9", time.monotonic(), 10.0) == 0.0
     run(main())

@@ -321,8 +321,9 @@ def test_a_read_of_qos1_publishes_without_properties_is_one_run(tmp_path: Path,
         me = h.sub5("me", ("t/#", subscription_options(1, no_local=True)))
         other = h.sub5("other", ("t/#", 1))
         calls: list[object] = []
-        real = h.core.on_publish
-        monkeypatch.setattr(h.core, "on_publish", lambda conn, p: (calls.append(p), real(conn, p)))
+        real = h.core.ingest.on_publish
+        monkeypatch.setattr(h.core.ingest, "on_publish", lambda conn, p: (calls.append(p), real(conn, p)))
+        monkeypatch.setattr(h.core, "on_publish", h.core.ingest.on_publish)  # (the connection's calls too)
         me.send(*_qos1(1, 2, 3, 4, 5))
         await h.commit()
         assert calls == []
@@ -622,7 +623,7 @@ def test_publish_larger_than_client_maximum_packet_size_is_not_sent(tmp_path: Pa
         got = publishes(s)
         assert [m.payload for m in got] == [b"small"]
         assert len(s.conn.session.inflight) == 1
-        assert h.core.dropped_too_large == 1
+        assert h.core.delivery.dropped_too_large == 1
     run(main())
 
 

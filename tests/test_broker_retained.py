@@ -256,7 +256,7 @@ def test_a_failed_commit_does_not_hold_a_subscribers_retained_replay(tmp_path: P
         await h.commit()
         got = [(m.topic, m.payload, m.retain) for m in s.received() if isinstance(m, Publish)]
         assert got == [("t/old", b"kept", True)]
-        assert s.conn not in h.core._retained_after
+        assert s.conn not in h.core.retained.after
     run(main())
 
 
@@ -295,7 +295,7 @@ def test_retained_waiting_for_the_rebuild_are_not_sent_twice(tmp_path: Path) -> 
 
     async def main() -> None:
         h = Harness(tmp_path)
-        h.core.retained_ready = False
+        h.core.retained.ready = False
         s = h.connected("s")
         s.send(Subscribe(1, [("r/#", 0)]))
         assert s.received() == [Suback(1, [0])]
@@ -303,7 +303,7 @@ def test_retained_waiting_for_the_rebuild_are_not_sent_twice(tmp_path: Path) -> 
         p.send(Publish("r/a", b"after", 0, True))
         await h.commit()
         assert [(m.topic, m.payload, m.retain) for m in s.received()] == [("r/a", b"after", False)]
-        h.core.retained_recovered(RetainedStore(tmp_path))
+        h.core.retained.recovered(RetainedStore(tmp_path))
         assert s.received() == []
     run(main())
 
@@ -385,7 +385,7 @@ def test_subscribes_of_a_client_that_does_not_read_queue_bounded_retained_bytes(
         assert {m.topic for m in pubs} == {f"ret/{i}" for i in range(20)}
         assert all(m.retain and m.payload == bytes([int(m.topic[4:])]) * size for m in pubs)
         assert len([m for m in got if isinstance(m, Suback)]) == 30
-        assert not h.core._retained_out
+        assert not h.core.retained.out
     run(main())
 
 

@@ -448,7 +448,7 @@ def test_inflight_window_and_pingreq(tmp_path: Path) -> None:
         await h.commit()
         first = s.received()
         assert [m.payload for m in first] == [b"0", b"1", b"2"]
-        # One PUBACK frees a third of the window: not refilled yet (DeliveryMixin._refill: at
+        # One PUBACK frees a third of the window: not refilled yet (Delivery._refill: at
         # most a quarter of it, at least one message, in flight), so the PINGREQ is answered alone.
         s.send(Puback(first[0].packet_id), Pingreq())
         assert s.received() == [Pingresp()]
@@ -770,14 +770,14 @@ def test_retained_rebuilt_in_background(tmp_path: Path) -> None:
         h = Harness(tmp_path)
         old = RetainedStore(tmp_path)
         old.apply(Record(0, 0, "r/a", b"from-snapshot", 1, True))
-        h.core.retained_ready = False
+        h.core.retained.ready = False
         p = h.connected("p")
         p.send(Publish("r/b", b"live", 0, True), Publish("r/a", b"", 0, True))
         await h.commit()
         s = h.connected("s")
         s.send(Subscribe(1, [("r/#", 0)]))
         assert s.received() == [Suback(1, [0])]
-        h.core.retained_recovered(old)
+        h.core.retained.recovered(old)
         assert [(m.topic, m.payload, m.retain) for m in s.received()] == [("r/b", b"live", True)]
     run(main())
 
@@ -914,13 +914,13 @@ def test_live_delivery_wakes_only_matching_sessions_and_reads_from_memory(tmp_pa
             subs.append(c)
         p = h.connected("p")
         woken: list[str] = []
-        real_pump = h.core.pump
+        real_pump = h.core.delivery.pump
 
         def pump(conn: Connection) -> None:
             woken.append(conn.client_id)
             real_pump(conn)
 
-        h.core.pump = pump  # type: ignore[method-assign]
+        h.core.delivery.pump = pump  # type: ignore[method-assign]
         reads = 0
         real_read = h.queue.log.read
 

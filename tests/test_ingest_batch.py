@@ -124,7 +124,7 @@ def test_a_read_of_mixed_publishes_is_stored_and_acked_in_order(tmp_path: Path) 
         rates = dict(h.stats.hot_topics.top(10, 0.0))
         assert rates["t/1"] == pytest.approx(3 / 60, rel=1e-3)
         assert rates["t/3"] == pytest.approx(1 / 60, rel=1e-3)
-        assert h.core.retained.get("t/1") is not None  # routed like any committed record
+        assert h.core.retained.store.get("t/1") is not None  # routed like any committed record
     run(main())
 
 

@@ -278,13 +278,14 @@ def test_publishes_with_properties_are_stored_as_one_run_with_their_headers(tmp_
         p = client5(h)
         p.connect("p")
         single: list[Publish] = []
-        real = h.core.on_publish
+        real = h.core.ingest.on_publish
 
         def spy(conn: object, pk: Publish) -> None:  # (returns None: a compiled core checks it)
             single.append(pk)
             real(conn, pk)  # type: ignore[arg-type]
 
-        monkeypatch.setattr(h.core, "on_publish", spy)
+        monkeypatch.setattr(h.core.ingest, "on_publish", spy)  # (the ingest part's own calls)
+        monkeypatch.setattr(h.core, "on_publish", spy)  # (the connection's)
         plain = Properties(content_type="application/octet-stream", user_properties=[("source", "bench")])
         other = Properties(user_properties=[("k", "v"), ("k", "w")], message_expiry_interval=60)
         props = [plain, plain, None, other, plain, Properties(response_topic="r/1"),

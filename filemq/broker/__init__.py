@@ -4,11 +4,13 @@ Modules, as in h11 (the state machine apart from the I/O):
 
 * :mod:`.session` — :class:`~.session.Connection`, the per-connection state machine (bytes in,
   bytes out); it talks to the core through the :class:`~.session.Core` Protocol.
-* :mod:`.core` — :class:`~.core.BrokerCore`, the broker's rules, one mixin per concern over the
-  shared state of :mod:`.base` (types in :mod:`.state`): :mod:`.connect` (CONNECT, session
-  ownership and lifecycle, session-file writes), :mod:`.subscribe` (SUBSCRIBE, shares, retained
-  for new subscriptions), :mod:`.publish` (inbound PUBLISH, durable acks, routing),
-  :mod:`.delivery` (outbound delivery, the QoS 1/2 ack state machine, disconnects).
+* :mod:`.core` — :class:`~.core.BrokerCore`, the broker's rules as composed parts, each
+  owning its state (types in :mod:`.state`), wired in its ``__init__``: :mod:`.router` (topic
+  trie, shares, consumer groups), :mod:`.registry` (sessions, session files, expiry, wills),
+  :mod:`.connect` (CONNECT, session ownership), :mod:`.subscribe` (SUBSCRIBE/UNSUBSCRIBE),
+  :mod:`.retain` (retained messages), :mod:`.publish` (inbound PUBLISH, durable acks,
+  routing), :mod:`.delivery` (outbound delivery, the QoS 1/2 ack state machine, the output
+  path), :mod:`.systopics` (``$SYS``).  docs/LAYERS.md draws them.
 * :mod:`.sessions` the durable session store, :mod:`.tailcache` the in-memory tail of the log,
   :mod:`.auth` / :mod:`.acl` logins and rights, :mod:`.sysinfo` the ``$SYS`` figures,
   :mod:`.metrics` the Prometheus families, :mod:`.server` the asyncio shell (:class:`Broker`),

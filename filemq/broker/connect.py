@@ -10,14 +10,13 @@ import functools
 import logging
 import secrets
 import time
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 from filemq.broker.acl import fill_pattern
-from filemq.broker.base import AUTH_THREADS, CoreBase
+from filemq.broker.auth import LoginThrottle
 from filemq.broker.session import AUTHENTICATING, AWAITING_CONNECT, CONNECTED, Connection
-from filemq.broker.sessions import NEVER_EXPIRES, SessionSnapshot, StoredSession
+from filemq.broker.sessions import StoredSession
 from filemq.broker.state import (
     _PUBREL,
     SESSION_GROUP_PREFIX,
@@ -27,7 +26,6 @@ from filemq.broker.state import (
     SessionState,
     Subscription,
     _ack,
-    _copy_outcome,
     _too_long,
     message_of,
     parse_share_key,
@@ -55,13 +53,16 @@ from filemq.mqtt.packets import (
     Properties,
     Publish,
 )
-from filemq.mqtt.properties import encode_message_headers
-from segments.record import Record
 
 if TYPE_CHECKING:
-    from filemq.broker.acl import ClientAcl
+    from filemq.broker.acl import Acl
     from filemq.broker.auth import PasswordFile
-    from filemq.queue.groups import ConsumerGroup
+    from filemq.broker.delivery import Delivery
+    from filemq.broker.publish import Ingest
+    from filemq.broker.registry import SessionRegistry
+    from filemq.broker.router import Router
+    from filemq.broker.sysinfo import BrokerStats
+    from filemq.common.config import BrokerSection
 
 log = logging.getLogger("filemq.broker")
 
@@ -75,10 +76,12 @@ _V5_REFUSALS = {
 }
 
 
-def _retrieved(fut: asyncio.Future[None]) -> None:
-    """Mark a fire-and-forget future's failure as seen (it was logged where it happened)."""
-    if not fut.cancelled():
-        fut.exception()
+CONNECT_TIMEOUT = 10.0
+"""Seconds from the accept to a complete CONNECT (a TLS handshake included)."""
+AUTH_THREADS = 2
+"""Worker threads for password checks.  They are the broker's own, not the loop's default
+executor: wrong-password CONNECTs (one PBKDF2 each) never queue ahead of the session-file and
+offset writes that acks wait for."""
 
 
 def session_expiry(p: Connect) -> int | None:
@@ -105,16 +108,35 @@ def _check_password(conn: Connection, passwords: PasswordFile, user: str, passwo
     return passwords.check(user, password)
 
 
-class ConnectMixin(CoreBase):
-    """CONNECT, session ownership and lifecycle, session-file writes."""
+class Connector:
+    """CONNECT: authentication (password checks off the loop, the login throttle), session
+    ownership and take-over, clean and persistent sessions (their files written before
+    CONNACK), auto-subscribe, CONNACK; DISCONNECT.
 
-    # Set by BrokerCore.__init__: cid -> monotonic time its disconnected MQTT 5 session
-    # expires; cids of sessions holding a delayed will.
-    _expiring: dict[str, float]
-    _wills_waiting: set[str]
-    # Wills held for their delay by sessions only on disk (from before a restart or a kill -9):
-    # cid -> (the session as stored, monotonic time the will is due).
-    _stored_wills: dict[str, tuple[StoredSession, float]]
+    Owns the live connections by client id, the ACL and password file in force and the
+    authentication threads."""
+
+    def __init__(self, config: BrokerSection, acl: Acl, passwords: PasswordFile | None, stats: BrokerStats,
+                 router: Router, registry: SessionRegistry, delivery: Delivery, ingest: Ingest) -> None:
+        self.config = config
+        self.acl = acl
+        self.passwords = passwords
+        self.anonymous_allowed = config.anonymous_allowed()
+        self.stats = stats
+        self.router = router
+        self.registry = registry
+        self.delivery = delivery
+        self.ingest = ingest
+        self.connect_timeout = CONNECT_TIMEOUT
+        self.connections: dict[str, Connection] = {}  # client id -> live connection
+        self._auth_pool: ThreadPoolExecutor | None = None  # created at the first password check
+        self._login_throttle = LoginThrottle(config.login_failures_before_delay, config.login_failure_delay_ms / 1000)
+
+    def shutdown(self) -> None:
+        """Stop the authentication threads (shutdown; checks under way are dropped)."""
+        if self._auth_pool is not None:
+            self._auth_pool.shutdown(wait=False, cancel_futures=True)
+            self._auth_pool = None
 
     # ---- CONNECT -------------------------------------------------------------------------
 
@@ -243,7 +265,7 @@ class ConnectMixin(CoreBase):
                             "login_failure_delay_ms)", throttle.after, source, round(throttle.delay * 1000))
             what = "an empty password (refused)" if not p.password else "wrong password"
             self._refuse(conn, CONNACK_BAD_USERNAME_OR_PASSWORD, f"{what} for user {p.username!r}")
-        self.flush()
+        self.delivery.flush()
 
     @staticmethod
     def _take_over(old: Connection, conn: Connection, p: Connect) -> None:
@@ -291,12 +313,12 @@ class ConnectMixin(CoreBase):
     def _accept(self, conn: Connection, p: Connect) -> None:
         cid = conn.client_id
         conn.acl = self.acl.for_client(conn.username, cid)
-        mem = self.sessions.get(cid)
-        stored = self.store.load(cid) if mem is None else None
+        mem = self.registry.sessions.get(cid)
+        stored = self.registry.store.load(cid) if mem is None else None
         discarded: asyncio.Future[None] | None = None  # an old session file being removed
-        if (mem is not None or stored is not None) and self._expired(cid, stored):
+        if (mem is not None or stored is not None) and self.registry.expired(cid, stored):
             # Its Session Expiry Interval elapsed and the tick has not released it yet.
-            discarded = self._discard_persistent(cid, "its session expiry interval elapsed")
+            discarded = self.registry.discard(cid, "its session expiry interval elapsed")
             mem = stored = None
         why = self._not_owner(conn, mem, stored)
         if why is not None:
@@ -308,14 +330,14 @@ class ConnectMixin(CoreBase):
             # 3.1.4-2: the existing client is disconnected (MQTT 5: DISCONNECT 0x8E, session
             # taken over, MQTT-3.1.4-3); it did not send DISCONNECT: see _take_over.
             self._take_over(old, conn, p)
-            if mem is not None and self.sessions.get(cid) is not mem:
+            if mem is not None and self.registry.sessions.get(cid) is not mem:
                 mem = stored = None  # its session ended with it (MQTT 5 session expiry 0)
         present = adopted = False
         # None: MQTT 3.1.1 (a persistent session never expires); MQTT 5: the interval, 0 = the
         # session ends with the network connection (3.1.2.11.2).
         expiry = session_expiry(p)
         if p.clean_session:
-            discarded = self._discard_persistent(cid, "it connected with clean_session = 1 (Clean Start)") or discarded
+            discarded = self.registry.discard(cid, "it connected with clean_session = 1 (Clean Start)") or discarded
             mem = stored = None
         if (p.clean_session and not expiry) or (expiry == 0 and mem is None and stored is None):
             state = SessionState(cid, persistent=False, owner=conn.username)
@@ -340,32 +362,25 @@ class ConnectMixin(CoreBase):
                     state.subs_changed()
                     for sub in state.subs.values():
                         if sub.share is not None:
-                            self._recreate_if_missing(cid, SHARE_GROUP_PREFIX + sub.share, (sub.plain,))
+                            self.router.recreate_if_missing(cid, SHARE_GROUP_PREFIX + sub.share, (sub.plain,))
                     if state.own_filters():
-                        self._recreate_if_missing(cid, SESSION_GROUP_PREFIX + cid, state.own_filters())
-                        state.group = self._group(SESSION_GROUP_PREFIX + cid, state.own_filters(), True)
+                        self.router.recreate_if_missing(cid, SESSION_GROUP_PREFIX + cid, state.own_filters())
+                        state.group = self.router.group(SESSION_GROUP_PREFIX + cid, state.own_filters(), True)
                     if stored.own_offsets:  # no local across a restart (MQTT-3.8.3-3)
                         state.own_runs = OwnRuns(stored.own_offsets)
                     if stored.qos2_sent:  # outbound QoS 2 ids the client may hold: kept (MQTT-2.2.1-3)
-                        self._resume_outbound(state, stored.qos2_sent)
+                        self.delivery.resume_outbound(state, stored.qos2_sent)
                     state.expiry, state.disconnected_at = stored.expiry, stored.disconnected_at
                     if not stored.owner_known:
                         log.warning("client %r: its session file has no owner (written by an older "
                                     "filemq); adopted by user %r", cid, conn.username)
                         adopted = True  # written below, with the owner
-                self.sessions[cid] = state
+                self.registry.sessions[cid] = state
             # MQTT 5 session expiry: the clock stops while connected; a delayed will of the
             # session is not sent (MQTT-3.1.3-9).  The file says "connected" (and the new
             # interval) before CONNACK: after a crash the interval never counts from an older
             # close (never released early).
-            self._expiring.pop(cid, None)
-            now = time.monotonic()
-            if state.will_pending is not None and state.will_pending[2] <= now:
-                self._will_due(state)  # its delay passed before this CONNECT (the tick is late)
-            held = self._stored_wills.get(cid)
-            if held is not None and held[1] <= now:
-                self._stored_will_due(cid)
-            self._cancel_will(state)
+            self.registry.resumed(state)
             expiry_written = not present or (state.expiry == expiry and state.disconnected_at is None)
             state.expiry, state.disconnected_at = expiry, None
             # A new session's file, or one auto-subscribe changed, is written before CONNACK
@@ -373,7 +388,7 @@ class ConnectMixin(CoreBase):
             # thread; a write of this session already under way is waited for too.
             if (self._auto_subscribe(conn, state) or not present or adopted or state.save_running
                     or state.save_next is not None or not expiry_written):
-                written = self._save_now(state)
+                written = self.registry.save_now(state)
                 if written.done():  # (a writer that runs inline, as in tests)
                     self._session_written(conn, state, p, present, written)
                     return
@@ -391,13 +406,13 @@ class ConnectMixin(CoreBase):
     def _session_written(self, conn: Connection, state: SessionState, p: Connect, present: bool,
                          done: asyncio.Future[None]) -> None:
         failed = done.cancelled() or done.exception() is not None
-        if failed and not present and self.sessions.get(state.client_id) is state and state.conn is None:
-            del self.sessions[state.client_id]  # never report a session that is not on disk
+        if failed and not present and self.registry.sessions.get(state.client_id) is state and state.conn is None:
+            del self.registry.sessions[state.client_id]  # never report a session that is not on disk
         if conn.closed:
             return
         if failed:
             self._refuse(conn, CONNACK_SERVER_UNAVAILABLE, "writing the session file failed")
-        elif state.persistent and self.sessions.get(state.client_id) is not state:
+        elif state.persistent and self.registry.sessions.get(state.client_id) is not state:
             self._refuse(conn, CONNACK_SERVER_UNAVAILABLE, "its session was discarded meanwhile (clean_session = 1)")
         else:
             old = self.connections.get(conn.client_id)
@@ -406,7 +421,7 @@ class ConnectMixin(CoreBase):
             conn.state = AWAITING_CONNECT
             self._connected(conn, state, p, present)
             conn.resume_after_auth()
-        self.flush()
+        self.delivery.flush()
 
     def _connected(self, conn: Connection, state: SessionState, p: Connect, present: bool) -> None:
         """CONNACK (accepted) and the session's start: subscriptions, re-sends, deliveries."""
@@ -424,7 +439,7 @@ class ConnectMixin(CoreBase):
         else:
             conn.send_packet(Connack(present, CONNACK_ACCEPTED))
         for sub in state.subs.values():
-            self._register(conn, state, sub)
+            self.router.register(conn, sub)
         # 4.4: re-send unacknowledged PUBLISH (DUP) and PUBREL with their original ids.
         for pid, out in state.inflight.items():
             if out.stage == 0:
@@ -434,7 +449,7 @@ class ConnectMixin(CoreBase):
                 conn.send(_ack(_PUBREL, pid))
         log.info("client %r connected from %s (clean_session=%s, keepalive=%d, session_present=%s)",
                  cid, conn.peer, p.clean_session, conn.keepalive, present)
-        self.pump(conn)
+        self.delivery.pump(conn)
 
     def _connack_properties(self, conn: Connection, p: Connect) -> Properties:
         """What an MQTT 5 CONNACK tells the client (3.2.2.3): the limits it must keep and the
@@ -491,311 +506,9 @@ class ConnectMixin(CoreBase):
             if not conn.acl.can_subscribe(f):
                 log.warning("auto-subscribe %r for client %r denied by the ACL", f, conn.client_id)
                 continue
-            state.subs[f] = Subscription(f, plain, share, rule.qos, self._routed)
+            state.subs[f] = Subscription(f, plain, share, rule.qos, self.ingest.routed_offset)
             changed = True
         if changed:
             state.subs_changed()
-            self._update_groups(state)
+            self.router.update_groups(state)
         return changed
-
-    def _discard_persistent(self, cid: str, why: str = "it connected with clean_session = 1") -> asyncio.Future[None] | None:
-        """Forget ``cid``'s persistent session; its file is removed in a worker thread (the
-        future, None when there was no file, resolves once the removal is durable)."""
-        state = self.sessions.pop(cid, None)
-        self._expiring.pop(cid, None)
-        if state is not None and state.will_pending is not None:
-            self._will_due(state)  # the session ends: its delayed will is due (3.1.3.2.2)
-        if cid in self._stored_wills:
-            self._stored_will_due(cid, rewrite=False)  # the same for a will from before a restart
-        # Group first, file second: a crash in between leaves a session file whose group is
-        # gone (harmless), never a group without a file holding back retention.
-        dropped = self.queue.drop_group(SESSION_GROUP_PREFIX + cid)
-        stored = self.store.path_of(cid).exists()
-        removed = None
-        if stored or state is not None:  # (a write of it may be in flight: numbered after it)
-            removed = self._write_snapshot(self.store.deletion(cid))
-        if state is not None or stored or dropped:
-            log.info("client %r: its persistent session was discarded: %s", cid, why)
-        return removed if stored else None  # what a CONNACK waits for: a file on disk going
-
-    def _write_snapshot(self, snap: SessionSnapshot) -> asyncio.Future[None] | None:
-        """Have the session writer write ``snap`` (or remove the file, a deletion) off the
-        event loop; the future resolves when it is durable (None: no loop runs, written now)."""
-        try:
-            loop = asyncio.get_running_loop()
-        except RuntimeError:
-            self.store.write(snap)
-            return None
-        fut: asyncio.Future[None] = loop.create_future()
-        fut.add_done_callback(_retrieved)
-
-        def done(exc: BaseException | None) -> None:
-            if fut.done():
-                return
-            if isinstance(exc, asyncio.CancelledError):
-                fut.cancel()
-            elif exc is not None:
-                log.error("client %r: writing or removing the session file failed: %s", snap.client_id, exc)
-                fut.set_exception(exc)
-            else:
-                fut.set_result(None)
-
-        self.session_writer(snap, done)
-        return fut
-
-    # ---- MQTT 5 session expiry and delayed wills -------------------------------------------
-
-    def _expired(self, cid: str, stored: StoredSession | None) -> bool:
-        """Whether the disconnected session of ``cid`` is past its Session Expiry Interval."""
-        due = self._expiring.get(cid)
-        if due is not None:
-            return due <= time.monotonic()
-        if stored is not None and stored.disconnected_at is not None:
-            now = time.time()
-            at = stored.expires_at(now)
-            return at is not None and at <= now
-        return False
-
-    def session_closed(self, state: SessionState) -> None:
-        """``state``'s connection closed and the session lives on: an MQTT 5 one starts its
-        expiry clock; the close time is written to its file (in a worker thread)."""
-        expiry = state.expiry
-        if expiry is None or expiry == 0:
-            return
-        state.disconnected_at = time.time()
-        if expiry != NEVER_EXPIRES:
-            self._expiring[state.client_id] = time.monotonic() + expiry
-        self._save_soon(state)
-
-    def release_expired_sessions(self) -> None:
-        """At start: release every stored session whose interval elapsed since its recorded
-        close (the broker was down meanwhile); the others expire at their time (tick).  A
-        session whose close was not written (kill -9) counts from now: late, never early."""
-        started, mono = time.time(), time.monotonic()
-        for stored in self.store.stored_sessions():
-            cid = stored.client_id
-            if stored.will is not None and cid not in self.sessions:
-                # A will held for its delay when the broker stopped: due at its time (tick).
-                self._stored_wills[cid] = (stored, mono + max(0.0, stored.will.due - started))
-                self._wills_waiting.add(cid)
-            at = stored.expires_at(started)
-            if at is None or cid in self.sessions:
-                continue
-            if at <= started:
-                self._discard_persistent(cid, "its session expiry interval elapsed while the broker was down")
-            else:
-                self._expiring[cid] = mono + (at - started)
-
-    def expire_sessions(self, now: float) -> None:
-        """Release the disconnected sessions whose interval elapsed by ``now`` (monotonic) and
-        publish delayed wills that are due (tick)."""
-        for cid, due in list(self._expiring.items()):
-            if due <= now:
-                state = self.sessions.get(cid)
-                if state is not None and state.conn is not None:
-                    self._expiring.pop(cid, None)  # (resumed; not reached: CONNECT pops it)
-                    continue
-                self._discard_persistent(cid, "its session expiry interval elapsed")
-        for cid in list(self._wills_waiting):
-            state = self.sessions.get(cid)
-            pending = None if state is None else state.will_pending
-            held = self._stored_wills.get(cid)
-            if held is not None:
-                if held[1] <= now:
-                    self._stored_will_due(cid)
-            elif pending is None:
-                self._wills_waiting.discard(cid)
-            elif pending[2] <= now:
-                assert state is not None
-                self._will_due(state)
-
-    def hold_will(self, state: SessionState, will: Publish, acl: ClientAcl | None, delay: int) -> None:
-        """Keep ``will`` until its Will Delay Interval has passed (or the session ends)."""
-        state.will_pending = (will, acl, time.monotonic() + delay)
-        self._wills_waiting.add(state.client_id)
-        self._save_soon(state)  # the file holds it: a restart or a kill -9 does not lose it
-
-    def _cancel_will(self, state: SessionState) -> None:
-        held = self._stored_wills.pop(state.client_id, None)
-        if state.will_pending is not None or held is not None:
-            log.info("client %r: resumed its session within the will delay: its will is not sent", state.client_id)
-            state.will_pending = None
-        self._wills_waiting.discard(state.client_id)
-
-    def _stored_will_due(self, cid: str, rewrite: bool = True) -> None:
-        """Publish the will a session on disk held for its delay, then write the session
-        without it (``rewrite``; not when the session file is about to be deleted)."""
-        stored, _ = self._stored_wills.pop(cid)
-        self._wills_waiting.discard(cid)
-        will = stored.will
-        if will is None:
-            return
-        acl = self.acl.for_client(stored.owner, cid) if self.acl is not None else None
-        self._store_will(cid, will.topic, will.payload, will.qos, will.retain, will.headers, acl)
-        if rewrite:
-            stored.will = None
-            self._write_snapshot(self.store.snapshot(stored))  # off the loop (a tick)
-
-    def _will_due(self, state: SessionState) -> None:
-        pending, state.will_pending = state.will_pending, None
-        self._wills_waiting.discard(state.client_id)
-        if pending is not None:
-            self.publish_will(state.client_id, pending[0], pending[1])
-            if state.persistent and self.sessions.get(state.client_id) is state:
-                self._save_soon(state)  # the file no longer holds it: not published twice
-
-    def publish_will(self, cid: str, will: Publish, acl: ClientAcl | None) -> None:
-        """Store ``will`` with its will properties as the message's (3.1.3.2), as the client
-        could have published it (ACL; never to a $-topic)."""
-        self._store_will(cid, will.topic, will.payload, will.qos, will.retain,
-                         encode_message_headers(will.properties), acl)
-
-    def _store_will(self, cid: str, topic: str, payload: bytes, qos: int, retain: bool, headers: bytes,
-                    acl: ClientAcl | None) -> None:
-        if topic.startswith("$") or (acl is not None and not acl.can_publish(topic)):
-            log.warning("client %r: will to %r not published (ACL or $-topic)", cid, topic)
-            return
-        log.info("client %r: publishing its will to %r", cid, topic)
-        self.store_internal(topic, payload, qos, retain, headers)
-
-    def publish_pending_wills(self) -> None:
-        """Shutdown: delayed wills are published now rather than lost with the process."""
-        for cid in list(self._wills_waiting):
-            state = self.sessions.get(cid)
-            if state is not None:
-                self._will_due(state)
-            if cid in self._stored_wills:
-                self._stored_will_due(cid)
-        self._wills_waiting.clear()
-
-    def _group(self, name: str, filters: tuple[str, ...], durable: bool) -> ConsumerGroup:
-        group = self._group_factory(name, filters, durable)
-        if tuple(group.filters) != filters:
-            group.set_filters(filters)
-        return self._through_cache(group)
-
-    def _recreate_if_missing(self, cid: str, name: str, filters: tuple[str, ...]) -> None:
-        """A group a session loaded from its file needs: if its directory is gone, re-create it
-        at the log's first offset, never at its end: re-delivering what is still retained
-        loses nothing acknowledged, resuming at the end would (issue 10 item 13)."""
-        if self.queue.get_group(name) is None:
-            log.error("client %r: its session is stored but its consumer group %r is missing (directory "
-                      "deleted or unreadable, see `filemq verify`); re-created at the log's first offset %d: "
-                      "every retained message is delivered again", cid, name, self.log.first_offset)
-            self.queue.group(name, filters, durable=True, start="earliest")
-
-    def _through_cache(self, group: ConsumerGroup) -> ConsumerGroup:
-        # Groups read the log through the tail cache, so live subscribers never hit the files.
-        if group.reader is not self.cache:
-            group.use_reader(self.cache)
-        return group
-
-    def _drop_group(self, name: str) -> None:
-        self.queue.drop_group(name)
-
-    # ---- session-file writes off the event loop -----------------------------------------
-
-    def _qos2_gate(self, state: SessionState, fut: asyncio.Future[None]) -> asyncio.Future[None]:
-        """A future that resolves once commit ``fut`` resolved and then the session file
-        (with the QoS 2 ids ``fut`` stored) was written; one per commit batch and session,
-        so one write covers every QoS 2 PUBREC of the batch (also across a takeover: the
-        session is the same).  Fails as ``fut`` or the write fails."""
-        gate = state.qos2_gates.get(fut)
-        if gate is None:
-            gate = state.qos2_gates[fut] = asyncio.get_running_loop().create_future()
-            fut.add_done_callback(functools.partial(self._qos2_committed, state, gate))
-        return gate
-
-    def _qos2_committed(self, state: SessionState, gate: asyncio.Future[None], fut: asyncio.Future[None]) -> None:
-        state.qos2_gates.pop(fut, None)
-        if fut.cancelled():
-            gate.cancel()
-        elif (exc := fut.exception()) is not None:
-            gate.set_exception(exc)
-        else:
-            self._save_soon(state).add_done_callback(functools.partial(_copy_outcome, gate))
-
-    def _save_now(self, state: SessionState) -> asyncio.Future[None]:
-        """:meth:`_save_soon`, but started at once when no write of ``state`` is running."""
-        fut = self._save_soon(state)
-        if not state.save_running:
-            self._start_save(state)
-        return fut
-
-    def _save_soon(self, state: SessionState) -> asyncio.Future[None]:
-        """Write ``state``'s session file in a worker thread, soon (changes made before the
-        write starts are all in it: one write per batch).  The future resolves when it is
-        durable, or fails with the OSError."""
-        fut = state.save_next
-        if fut is None:
-            loop = asyncio.get_running_loop()
-            fut = state.save_next = loop.create_future()
-            if not state.save_running:
-                loop.call_soon(self._start_save, state)
-        return fut
-
-    def _start_save(self, state: SessionState) -> None:
-        fut, state.save_next = state.save_next, None
-        if fut is None:
-            return
-        if state.persistent and self.sessions.get(state.client_id) is not state:
-            fut.set_result(None)  # discarded meanwhile (clean_session = 1): never revive its file
-            return
-        state.save_running = True
-        state.save_due = False
-        snap = self.store.snapshot(state.stored())
-        self.session_writer(snap, functools.partial(self._save_done, state, fut))
-
-    def _write_in_thread(self, snap: SessionSnapshot, done: Callable[[BaseException | None], None]) -> None:
-        """The default :attr:`session_writer`: ``store.write`` in the loop's executor."""
-        job = asyncio.get_running_loop().run_in_executor(None, self.store.write, snap)
-        self._session_writes.add(job)
-
-        def finished(j: asyncio.Future[None]) -> None:
-            self._session_writes.discard(j)
-            done(asyncio.CancelledError() if j.cancelled() else j.exception())
-
-        job.add_done_callback(finished)
-
-    def _save_done(self, state: SessionState, fut: asyncio.Future[None], exc: BaseException | None) -> None:
-        state.save_running = False
-        if isinstance(exc, asyncio.CancelledError):
-            fut.cancel()
-        elif exc is not None:
-            log.error("client %r: writing the session file failed: %s", state.client_id, exc)
-            fut.set_exception(exc)
-        else:
-            fut.set_result(None)
-        if state.save_next is not None:
-            self._start_save(state)
-
-    async def session_writes_done(self) -> None:
-        """Wait until no session-file write is running or due (tests, shutdown)."""
-        for _ in range(1000):
-            await asyncio.sleep(0)
-            if not self._session_writes:
-                if not any(s.save_next is not None for s in self.sessions.values()):
-                    return
-                continue
-            await asyncio.gather(*self._session_writes, return_exceptions=True)
-
-    def _save_session(self, state: SessionState) -> None:
-        state.save_due = False
-        try:
-            self.store.save(state.stored())
-        except OSError as exc:
-            log.error("client %r: writing the session file failed: %s", state.client_id, exc)
-
-    def store_internal(self, topic: str, payload: bytes, qos: int, retain: bool, headers: bytes = b"") -> None:
-        """Store a message the broker itself publishes (a will; ``headers``: its MQTT 5
-        message properties); nobody waits for its ack."""
-        ts = time.time_ns() // 1000
-        try:
-            if headers:
-                offset, fut = self._append(topic, payload, qos, retain, ts, headers=headers)
-            else:
-                offset, fut = self._append(topic, payload, qos, retain, ts)
-        except (OSError, ValueError, RuntimeError) as exc:
-            log.error("message to %r not stored: %s", topic, exc)
-            return
-        self._track(Record(offset, ts, topic, payload, qos, retain, headers), fut)

@@ -33,11 +33,15 @@ import contextlib
 import logging
 import math
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Protocol
 
-from filemq.broker.connect import ConnectMixin
-from filemq.broker.delivery import DeliveryMixin
-from filemq.broker.publish import PublishMixin
+from filemq.broker.connect import Connector
+from filemq.broker.delivery import Delivery
+from filemq.broker.publish import Ingest, new_publisher_map
+from filemq.broker.registry import SessionRegistry, SessionWriter
+from filemq.broker.retain import Retained
+from filemq.broker.router import Router
 from filemq.broker.session import AWAITING_CONNECT, CONNECTED, Connection
 from filemq.broker.state import (
     CLEAN_GROUP_PREFIX,
@@ -49,23 +53,39 @@ from filemq.broker.state import (
     ClientInfo,
     HookResult,
     Outbound,
+    PublisherRuns,
     PublishHook,
     SessionState,
     SharedGroup,
     Subscription,
     parse_share_key,
 )
-from filemq.broker.subscribe import SubscribeMixin
-from filemq.common.native import mypyc_attr
-from filemq.common.topics import (
-    InvalidTopic,
-    validate_topic_name,
+from filemq.broker.subscribe import Subscriptions
+from filemq.broker.systopics import SysTopics
+from filemq.mqtt.packets import (
+    PROTOCOL_LEVEL_5,
+    Disconnect,
+    Publish,
+    PublishRun,
+    Subscribe,
+    Unsubscribe,
 )
-from filemq.mqtt.codec import publish_bytes
-from filemq.mqtt.packets import PROTOCOL_LEVEL_5
+from filemq.mqtt.packets import (
+    Connect as ConnectPacket,
+)
 
 if TYPE_CHECKING:
-    pass
+    from filemq.broker.acl import Acl
+    from filemq.broker.auth import PasswordFile
+    from filemq.broker.ports import QueuePort
+    from filemq.broker.router import GroupFactory
+    from filemq.broker.sessions import SessionStore
+    from filemq.broker.sysinfo import BrokerStats
+    from filemq.broker.tailcache import TailCache
+    from filemq.common.config import BrokerSection
+    from filemq.queue.groups import ConsumerGroup
+    from filemq.queue.retained import RetainedStore
+    from segments.log import LogView
 
 log = logging.getLogger("filemq.broker")
 
@@ -91,36 +111,188 @@ __all__ = [
 ]
 
 
-@mypyc_attr(native_class=False)
-class BrokerCore(ConnectMixin, SubscribeMixin, PublishMixin, DeliveryMixin):
+class _PubrecHandler(Protocol):
+    def __call__(self, conn: Connection, pid: int, reason_code: int = 0) -> None: ...
+
+
+class BrokerCore:
     """Broker state shared by all connections; see the module docstring for the guarantees.
 
-    One mixin per concern (:mod:`.connect`, :mod:`.subscribe`, :mod:`.publish`,
-    :mod:`.delivery`) over the shared state of :class:`~filemq.broker.base.CoreBase`;
-    the periodic work ($SYS, session saves, shutdown) is here."""
+    A composition of parts, each owning its state behind its methods (docs/LAYERS.md, "The
+    broker core"): the :class:`~.router.Router`, the :class:`~.registry.SessionRegistry`,
+    :class:`~.delivery.Delivery`, :class:`~.retain.Retained`, :class:`~.systopics.SysTopics`,
+    :class:`~.publish.Ingest`, :class:`~.subscribe.Subscriptions` and :class:`~.connect.Connector`,
+    wired here.  What a :class:`~filemq.broker.session.Connection` calls (the
+    :class:`~filemq.broker.session.Core` protocol) is the handling part's own bound method, so
+    no frame of this class sits between a packet and its part.  The periodic work (timeouts,
+    expiry, $SYS, session saves) and a connection's close, which every part takes part in, are
+    here."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    on_connect: Callable[[Connection, ConnectPacket], None]
+    on_disconnect: Callable[[Connection, Disconnect], None]
+    on_publish: Callable[[Connection, Publish], None]
+    on_publishes: Callable[[Connection, Sequence[Publish]], None]
+    on_publish_run: Callable[[Connection, PublishRun], None]
+    on_puback: Callable[[Connection, int], None]
+    on_pubacks: Callable[[Connection, Sequence[int]], None]
+    on_pubrec: _PubrecHandler
+    on_pubrel: Callable[[Connection, int], None]
+    on_pubcomp: Callable[[Connection, int], None]
+    on_subscribe: Callable[[Connection, Subscribe], None]
+    on_unsubscribe: Callable[[Connection, Unsubscribe], None]
+    mark_dirty: Callable[[Connection], None]
+    flush: Callable[[], None]
+    pump: Callable[[Connection], None]
+
+    def __init__(
+        self,
+        queue: QueuePort,
+        cache: TailCache,
+        *,
+        config: BrokerSection,
+        store: SessionStore,
+        retained: RetainedStore,
+        stats: BrokerStats,
+        acl: Acl,
+        passwords: PasswordFile | None = None,
+        publish_hook: PublishHook | None = None,
+        group_factory: GroupFactory | None = None,
+    ) -> None:
+        self.queue = queue
+        self.log: LogView = queue.log  # only its read side: a test fake stands in (compiled build)
+        self.cache = cache
+        self.config = config
+        self.stats = stats
+        self.conns: set[Connection] = set()  # every connection, connected or not yet
         self.next_timeout = math.inf  # the earliest keepalive / CONNECT deadline at the last check
-        self._expiring = {}
-        self._wills_waiting = set()
-        self._stored_wills = {}
-        publishers = self.publishers()
-        publishers.sink = self._own_published
-        publishers.forget_sink = self._own_forget
+        # The router: topic trie, shared groups, consumer groups (through the tail cache).
+        # New groups start at the routed offset, as new subscriptions do (see on_subscribe).
+        router = self.router = Router(queue, cache, self.log, group_factory or self._new_group)
+        # The session registry: sessions in memory, their files, expiry, delayed wills.
+        registry = self.registry = SessionRegistry(store, queue, acl)
+        self.sessions = registry.sessions  # (the registry's dict: read by tests)
+        self._publisher_map = new_publisher_map()
+        # Delivery: pumping groups into connections, acks, the output path.
+        delivery = self.delivery = Delivery(queue, cache, stats, router, registry, self._publisher_map)
+        # $SYS topics; retained messages (the store, and what new subscriptions get).
+        self.sys = SysTopics(router, stats)
+        retained_part = self.retained = Retained(retained, self.log, stats, delivery, registry, self.sys)
+        delivery.wire_retained(retained_part.out, retained_part.after, retained_part.drain)
+        # Ingest: PUBLISH admission, the append, acks behind the commit, routing once committed.
+        ingest = self.ingest = Ingest(queue, cache, config, stats, publish_hook, router, registry, delivery,
+                                      retained_part, self._publisher_map)
+        retained_part.routing = ingest
+        registry.publish_internal = ingest.store_internal
+        # Subscriptions: SUBSCRIBE / UNSUBSCRIBE.
+        subscriptions = self.subscriptions = Subscriptions(self.log, config, router, registry, delivery,
+                                                           retained_part, ingest)
+        # Connect: CONNECT (authentication, sessions, CONNACK), DISCONNECT.
+        connect = self.connect = Connector(config, acl, passwords, stats, router, registry, delivery, ingest)
+        self.connections = connect.connections  # (the connect part's dict: client id -> live connection)
+        publishers = self._publisher_map
+        publishers.sink = registry.own_published
+        publishers.forget_sink = registry.own_forget
+        # What connections call: the handling part's methods themselves (no frame here).
+        self.on_connect = connect.on_connect
+        self.on_disconnect = connect.on_disconnect
+        self.on_publish = ingest.on_publish
+        self.on_publishes = ingest.on_publishes
+        self.on_publish_run = ingest.on_publish_run
+        self.on_subscribe = subscriptions.on_subscribe
+        self.on_unsubscribe = subscriptions.on_unsubscribe
+        self.on_puback = delivery.on_puback
+        self.on_pubacks = delivery.on_pubacks
+        self.on_pubrec = delivery.on_pubrec
+        self.on_pubrel = delivery.on_pubrel
+        self.on_pubcomp = delivery.on_pubcomp
+        self.mark_dirty = delivery.mark_dirty
+        self.flush = delivery.flush
+        self.pump = delivery.pump
 
-    def _own_published(self, first: int, n: int, client_id: str) -> None:
-        """An MQTT 5 client published ``first`` .. ``first + n - 1``: a persistent session of
-        its with a no local subscription keeps them (OwnRuns; written lazily)."""
-        state = self.sessions.get(client_id)
-        if state is not None and state.persistent and state.has_no_local():
-            state.own_runs.add(first, n)
-            state.save_due = True
+    def _new_group(self, name: str, filters: tuple[str, ...], durable: bool) -> ConsumerGroup:
+        """The default group factory: a new group starts at the routed offset, as a new
+        subscription does (see Subscriptions.on_subscribe)."""
+        return self.queue.group(name, filters, durable=durable, start=self.ingest.routed_offset)
 
-    def _own_forget(self, offset: int) -> None:
-        for state in self.sessions.values():
-            if state.own_runs and state.own_runs.forget_from(offset):
-                state.save_due = True
+    # ---- what the server and the tests set and read ----------------------------------------
+
+    @property
+    def acl(self) -> Acl:
+        """The ACL in force (the connect part's; :meth:`set_acl` to reload it)."""
+        return self.connect.acl
+
+    @acl.setter
+    def acl(self, acl: Acl) -> None:
+        self.connect.acl = self.registry.acl = acl
+
+    @property
+    def passwords(self) -> PasswordFile | None:
+        return self.connect.passwords
+
+    @passwords.setter
+    def passwords(self, passwords: PasswordFile | None) -> None:
+        self.connect.passwords = passwords
+
+    @property
+    def anonymous_allowed(self) -> bool:
+        return self.connect.anonymous_allowed
+
+    @anonymous_allowed.setter
+    def anonymous_allowed(self, allowed: bool) -> None:
+        self.connect.anonymous_allowed = allowed
+
+    @property
+    def connect_timeout(self) -> float:
+        """Seconds from the accept to a complete CONNECT."""
+        return self.connect.connect_timeout
+
+    @connect_timeout.setter
+    def connect_timeout(self, seconds: float) -> None:
+        self.connect.connect_timeout = seconds
+
+    def set_acl(self, acl: Acl) -> None:
+        """Put a new ACL in force (reload): every connected client's rules are rebuilt at once,
+        so its existing subscriptions deliver only what it may still read."""
+        self.acl = acl
+        for conn in self.conns:
+            if conn.state == CONNECTED:
+                conn.acl = acl.for_client(conn.username, conn.client_id)
+
+    def new_connection(self, conn: Connection) -> None:
+        self.conns.add(conn)
+
+    def at_capacity(self) -> bool:
+        return len(self.conns) >= self.config.max_connections
+
+    @property
+    def routed_offset(self) -> int:
+        """Every committed record below this offset has been routed (and applied to retained)."""
+        return self.ingest.routed_offset
+
+    def publishers(self) -> PublisherRuns:
+        """Who published the latest offsets (MQTT 5 publishers, for no local)."""
+        return self._publisher_map
+
+    @property
+    def session_writer(self) -> SessionWriter:
+        """How session files are written (the registry's; tests replace it)."""
+        return self.registry.session_writer
+
+    @session_writer.setter
+    def session_writer(self, writer: SessionWriter) -> None:
+        self.registry.session_writer = writer
+
+    def release_expired_sessions(self) -> None:
+        self.registry.release_expired_sessions()
+
+    def expire_sessions(self, now: float) -> None:
+        self.registry.expire_sessions(now)
+
+    def save_sessions(self, off_loop: bool = False) -> None:
+        self.registry.save_sessions(off_loop)
+
+    async def session_writes_done(self) -> None:
+        await self.registry.session_writes_done()
 
     # ---- periodic work ---------------------------------------------------------------------
 
@@ -130,10 +302,11 @@ class BrokerCore(ConnectMixin, SubscribeMixin, PublishMixin, DeliveryMixin):
         if now is None:
             now = time.monotonic()
         self.next_timeout = self._close_timed_out(now)
-        if self._expiring or self._wills_waiting:
-            self.expire_sessions(now)
-        self.expire_retained()
-        self.flush()
+        registry = self.registry
+        if registry.expiring or registry.wills_waiting:
+            registry.expire_sessions(now)
+        self.retained.expire()
+        self.delivery.flush()
 
     def check_timeouts(self, now: float | None = None) -> float:
         """The keepalive and CONNECT deadlines alone, between ticks (the server calls this at
@@ -142,7 +315,7 @@ class BrokerCore(ConnectMixin, SubscribeMixin, PublishMixin, DeliveryMixin):
         if now is None:
             now = time.monotonic()
         self.next_timeout = self._close_timed_out(now)
-        self.flush()
+        self.delivery.flush()
         return self.next_timeout
 
     def _close_timed_out(self, now: float) -> float:
@@ -161,107 +334,79 @@ class BrokerCore(ConnectMixin, SubscribeMixin, PublishMixin, DeliveryMixin):
         return earliest
 
     def on_close(self, conn: Connection, prev_state: str) -> None:
-        """A connection closed (delivery.py releases it); then, MQTT 5: the session's expiry
-        clock starts, and a will is published with its properties or held for its delay."""
+        """A connection closed: every part forgets it and its session is released
+        (:meth:`_release_session`); then, MQTT 5: the session's expiry clock starts, and a will
+        is published with its properties or held for its delay."""
         will = conn.will if conn.publish_will and conn.protocol_level == PROTOCOL_LEVEL_5 else None
         if will is not None:
             conn.publish_will = False  # (published here, with its will properties)
-        super().on_close(conn, prev_state)
+        self.conns.discard(conn)
+        self.delivery.forget(conn)
+        self.retained.forget(conn)
         if prev_state != CONNECTED:
             return
+        self._release_session(conn)
         state = conn.session
         alive = (state is not None and state.conn is None and state.persistent
                  and self.sessions.get(state.client_id) is state)
-        if alive:
-            self.session_closed(state)
+        if alive and state is not None:
+            self.registry.session_closed(state)
         if will is None:
             return
         conn.publish_will = True
         props = will.properties
         delay = 0 if props is None or props.will_delay_interval is None else props.will_delay_interval
-        if delay and alive:
-            self.hold_will(state, will, conn.acl, delay)
+        if delay and alive and state is not None:
+            self.registry.hold_will(state, will, conn.acl, delay)
         else:
-            self.publish_will(conn.client_id, will, conn.acl)
+            self.registry.publish_will(conn.client_id, will, conn.acl)
+
+    def _release_session(self, conn: Connection) -> None:
+        """A connected client's connection closed: its subscriptions leave the router, a clean
+        session ends, a persistent one is written if due; a 3.1.1 will is published."""
+        self.stats.client_disconnected()
+        cid = conn.client_id
+        if self.connections.get(cid) is conn:
+            del self.connections[cid]
+        state = conn.session
+        if state is not None and state.conn is conn:
+            state.conn = None
+            for sub in state.subs.values():
+                self.router.unregister(conn, sub)
+            for name in state.share_names():
+                self.delivery.leave_share(conn, state, name)
+            if state.persistent and state.expiry == 0 and self.registry.sessions.get(cid) is state:
+                # MQTT 5 session expiry 0: the session ends with its network connection (3.1.2.11.2).
+                self.registry.discard(cid)
+            elif state.persistent:
+                if state.save_due:
+                    self.registry.save_soon(state)  # in a worker thread
+            elif state.group is not None:
+                self.router.drop_group(state.group.name)
+                state.group = None
+        will = conn.will
+        if conn.publish_will and will is not None:
+            self.registry.store_will(cid, will.topic, will.payload, will.qos, will.retain, b"", conn.acl)
 
     def publish_sys(self, messages: list[tuple[str, bytes]], *, replace: str | None = None) -> None:
-        """Send ``$SYS`` messages (not stored in the log) to live subscribers as QoS 0.
+        """Send ``$SYS`` messages to live subscribers (:meth:`SysTopics.publish`), then flush."""
+        self.sys.publish(messages, replace=replace)
+        self.delivery.flush()
 
-        The latest value per topic is kept for new subscribers.  ``replace`` is a topic prefix
-        that ``messages`` covers completely: kept topics under it that are missing from
-        ``messages`` (e.g. the backlog of a session discarded since) are dropped.  Each delivery is
-        checked against the receiver's ACL like any other; a topic that is not a valid topic
-        name (e.g. over 65,535 UTF-8 bytes, from a huge client id) is skipped and counted in
-        ``stats.sys_skipped``, with one warning per topic.
-        """
-        current = self.sys_retained
-        if replace is not None:
-            current = {t: v for t, v in current.items() if not t.startswith(replace)}
-        for topic, payload in messages:
-            if not self._sys_topic_ok(topic):
-                continue
-            current[topic] = payload
-            data = None
-            for target in self.trie.match(topic):
-                if isinstance(target, Connection) and not target.closed:
-                    acl = target.acl
-                    if acl is not None and not acl.can_receive(topic):
-                        continue
-                    if target.protocol_level != 4:
-                        target.send(target.publish_bytes(topic, payload, 0, False, None))
-                        continue
-                    if data is None:
-                        data = publish_bytes(topic, payload, 0, False, None)
-                    target.send(data)
-        self.sys_retained = current
-        self.flush()
-
-    def _sys_topic_ok(self, topic: str) -> bool:
-        try:
-            validate_topic_name(topic)  # MQTT 1.5.3: at most 65,535 UTF-8 bytes, no U+0000
-        except InvalidTopic as exc:
-            self.stats.sys_skipped += 1
-            warned = self._sys_warned
-            if topic not in warned and len(warned) < 1024:
-                warned.add(topic)
-                log.warning("$SYS message not published (invalid topic name): %s", exc)
-            return False
-        return True
-
-    def expire_retained(self) -> int:
-        """Remove retained messages whose MQTT 5 message expiry interval has passed
-        (MQTT-3.3.2-5; the tick, once a second); the next snapshot leaves them out."""
-        if not self.retained_ready:
-            return 0
-        gone = self.retained.expire(time.time_ns() // 1000)
-        if gone:
-            self.retained_changes += 1  # (a snapshot trigger)
-            log.debug("%d expired retained messages removed", gone)
-        return gone
-
-    def save_sessions(self, off_loop: bool = False) -> None:
-        """Write every persistent session with unwritten changes: now (shutdown), or in a
-        worker thread (``off_loop``, the periodic tick: no fsync on the event loop)."""
-        for state in self.sessions.values():
-            if state.save_due:
-                if off_loop:
-                    self._save_soon(state)
-                else:
-                    self._save_session(state)
+    @property
+    def sys_retained(self) -> dict[str, bytes]:
+        """The latest ``$SYS`` message per topic (the $SYS part's)."""
+        return self.sys.retained
 
     def pending_commits(self) -> list[asyncio.Future[None]]:
         """Commit futures that acks are still waiting for."""
-        return [f for f in self._batches if not f.done()]
+        return self.delivery.pending_commits()
 
     async def stop_persisting(self) -> None:
         """Cancel the pending offset nudge; wait for offset and session-file writes in progress (shutdown)."""
-        if self._persist_handle is not None:
-            self._persist_handle.cancel()
-            self._persist_handle = None
-        if self._persist_task is not None:
-            await asyncio.gather(self._persist_task, return_exceptions=True)
+        await self.delivery.stop_persisting()
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self.session_writes_done(), 5.0)  # bounded: a stuck disk
+            await asyncio.wait_for(self.registry.session_writes_done(), 5.0)  # bounded: a stuck disk
 
     def close_all(self, reason: str) -> None:
         """Shutdown: every client closed without its will (MQTT 5: DISCONNECT 0x8B first);
@@ -269,8 +414,6 @@ class BrokerCore(ConnectMixin, SubscribeMixin, PublishMixin, DeliveryMixin):
         them at shutdown), not lost with the process."""
         for conn in list(self.conns):
             conn.close(reason, will=False, reason_code=RC_SERVER_SHUTTING_DOWN)
-        self.publish_pending_wills()
-        self.flush()
-        if self._auth_pool is not None:
-            self._auth_pool.shutdown(wait=False, cancel_futures=True)
-            self._auth_pool = None
+        self.registry.publish_pending_wills()
+        self.delivery.flush()
+        self.connect.shutdown()

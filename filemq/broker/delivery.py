@@ -15,20 +15,22 @@ from itertools import repeat
 from operator import add, attrgetter, itemgetter
 from typing import TYPE_CHECKING, Any, cast
 
-from filemq.broker.base import CoreBase
-from filemq.broker.session import CONNECTED, Connection
+from filemq.broker.session import Connection
 from filemq.broker.state import (
     _MAX_PUMP,
     _PUBCOMP,
     _PUBREL,
     JOURNAL_INTERVAL_S,
     JOURNAL_MAX_ACKS,
+    PERSIST_DELAY_S,
     Inflight,
     Outbound,
+    PublisherRuns,
     SentRecord,
     SentRun,
     SessionState,
     SharedGroup,
+    Subscription,
     _ack,
     message_expiry,
 )
@@ -50,11 +52,21 @@ from segments.record import (
 )
 
 if TYPE_CHECKING:
+    from filemq.broker.ports import QueuePort
+    from filemq.broker.registry import SessionRegistry
+    from filemq.broker.router import Router
+    from filemq.broker.sysinfo import BrokerStats
+    from filemq.broker.tailcache import TailCache
     from filemq.queue.groups import ConsumerGroup
+    from filemq.queue.retained import RetainedMessage
+    from segments.log import LogView
 
 log = logging.getLogger("filemq.broker")
 
-_group_of_sent = itemgetter(1)  # SentRecord.group (its offset: record_offset, index 0 too)
+# SentRecord.group and .offset, in C; typed for any in-flight entry: only a SentRecord (a
+# tuple) has items, anything else raises TypeError (on_pubacks relies on it).
+_group_of_sent = cast("Callable[[object], ConsumerGroup | None]", itemgetter(1))
+_offset_of_sent = cast("Callable[[object], int]", itemgetter(0))
 _delta_of = attrgetter("delta")  # SentRun.delta
 
 
@@ -63,12 +75,16 @@ def _same_group_runs(outs: Iterable[Any], group: ConsumerGroup) -> bool:
     ``group`` (no hashing of the entries: a SentRecord is a tuple of its fields)."""
     return all(type(out) is SentRun and out.group is group for out in outs)
 
-_NO_GROUPS: set[Any] = set()
+_NO_GROUPS: set[ConsumerGroup | None] = set()
+
+
+def _nothing_queued(conn: Connection, state: SessionState) -> bool:
+    return True
 
 
 def refill_mark(window: int) -> int:
     """Messages in flight at or below which a window of ``window`` is refilled: a quarter of
-    it, at least one (:meth:`DeliveryMixin._refill`; filemq.broker.batching waits for the
+    it, at least one (:meth:`Delivery._refill`; filemq.broker.batching waits for the
     acks that bring a subscriber down to it)."""
     return window >> 2 or 1
 
@@ -86,9 +102,129 @@ _SMALL_READ = 8
 _sent_record = cast(Callable[[Iterable[Any]], SentRecord], functools.partial(tuple.__new__, SentRecord))
 
 
-@mypyc_attr(native_class=False)
-class DeliveryMixin(CoreBase):
-    """Outbound delivery, the QoS 1/2 ack state machine, disconnects."""
+RetainedQueue = deque[tuple[str, "RetainedMessage", int]]
+"""Retained messages a SUBSCRIBE matched and a connection has not taken yet (filter, message, QoS)."""
+RetainedReplay = list[tuple[SessionState, Subscription, int]]
+"""Retained replays waiting for the routed offset to reach theirs (session, subscription, below)."""
+
+
+@mypyc_attr(native_class=False)  # (tests and benches replace its methods on the instance: pump, _deliver_run, persist_offsets)
+class Delivery:
+    """Outbound delivery, the QoS 1/2 ack state machine and the output path: what leaves for
+    each connection, in one transport write per connection per event-loop pass.
+
+    Owns the dirty set (connections with output), the re-pump sets, the commit batches acks
+    wait on, the progress-journal cadence and the offset-file nudge."""
+
+    def __init__(self, queue: QueuePort, cache: TailCache, stats: BrokerStats, router: Router,
+                 registry: SessionRegistry, publishers: PublisherRuns) -> None:
+        self.queue = queue
+        self.log: LogView = queue.log  # only its read side: a test fake stands in (compiled build)
+        # (A bound method, not self.queue.groups_acked(): one lookup per flush less.)
+        self._groups_acked: Callable[[], int] = queue.groups_acked
+        self.cache = cache
+        self.stats = stats
+        self.router = router
+        self.registry = registry
+        self.publishers = publishers
+        # The retained part's queues (read here: live records go after a connection's
+        # retained ones, never before); drain_retained sends from them (see wire_retained).
+        self._retained_out: dict[Connection, RetainedQueue] = {}
+        self._retained_after: dict[Connection, RetainedReplay] = {}
+        self.drain_retained: Callable[[Connection, SessionState], bool] = _nothing_queued
+        self._dirty: set[Connection] = set()
+        self._batches: dict[asyncio.Future[None], set[Connection]] = {}
+        self._repump: set[Connection] = set()
+        self._to_pump: set[Connection] = set()
+        self._repump_scheduled = False
+        self._flush_scheduled = False  # a flush_soon() is pending for this loop pass
+        self._journal_scheduled = False  # a progress-journal append is pending (this pass or timed)
+        self._journal_at = 0.0  # loop.time() of the last progress-journal append
+        self._acked = False  # group acks since the last persistence nudge
+        self._acks = 0  # group acks not yet in the progress journal (a lower bound: see flush)
+        self._persist_handle: asyncio.TimerHandle | None = None
+        self._persist_task: asyncio.Task[None] | None = None
+
+    def wire_retained(self, out: dict[Connection, RetainedQueue], after: dict[Connection, RetainedReplay],
+                      drain: Callable[[Connection, SessionState], bool]) -> None:
+        """The retained part's per-connection queues and the method that sends from them."""
+        self._retained_out = out
+        self._retained_after = after
+        self.drain_retained = drain
+
+    # ---- output --------------------------------------------------------------------------
+
+    def mark_dirty(self, conn: Connection) -> None:
+        self._dirty.add(conn)
+
+    def flush_soon(self) -> None:
+        """Flush once the callbacks of this event-loop pass ran: the acks a commit releases
+        (its future's callbacks) and the deliveries it routes (its listener) leave for one
+        connection in one transport write, not one each."""
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            asyncio.get_running_loop().call_soon(self._flush_pass)
+
+    def _flush_pass(self) -> None:
+        self._flush_scheduled = False
+        self.flush()
+
+    def _journal_pass(self) -> None:
+        """The timed append (JOURNAL_INTERVAL_S after the previous one)."""
+        self._journal_scheduled = False
+        if self._acked:
+            self._journal_at = asyncio.get_running_loop().time()
+            self._journal_now()
+
+    def _journal_now(self) -> None:
+        self._acked = False
+        self._acks = 0
+        self.queue.journal_progress()
+        if self._persist_handle is None:
+            self._persist_handle = asyncio.get_running_loop().call_later(PERSIST_DELAY_S, self.persist_offsets)
+
+    async def stop_persisting(self) -> None:
+        """Cancel the pending offset nudge; wait for an offset write in progress (shutdown)."""
+        if self._persist_handle is not None:
+            self._persist_handle.cancel()
+            self._persist_handle = None
+        if self._persist_task is not None:
+            await asyncio.gather(self._persist_task, return_exceptions=True)
+
+    def schedule_pump(self, conn: Connection) -> None:
+        """Pump ``conn`` at the next flush (with the other connections whose window freed)."""
+        self._to_pump.add(conn)
+
+    def forget(self, conn: Connection) -> None:
+        """``conn`` closed: nothing more is written or pumped to it."""
+        self._dirty.discard(conn)
+        self._repump.discard(conn)
+        self._to_pump.discard(conn)
+
+    # ---- acks released per commit batch ----------------------------------------------------
+
+    def join_batch(self, conn: Connection, fut: asyncio.Future[None]) -> None:
+        """Have ``conn``'s acks released when the commit ``fut`` resolves (one callback per batch)."""
+        conns = self._batches.get(fut)
+        if conns is None:
+            conns = self._batches[fut] = set()
+            fut.add_done_callback(self._on_batch_done)
+        conns.add(conn)
+        conn.last_batch = fut
+
+    def _on_batch_done(self, fut: asyncio.Future[None]) -> None:
+        """Release the acks a commit batch covers, connection by connection."""
+        conns = self._batches.pop(fut, ())
+        for conn in conns:
+            if conn.last_batch is fut:
+                conn.last_batch = None
+            if not conn.closed:
+                conn.ack_ready()
+        self.flush_soon()  # with the deliveries this commit routes, in one write per connection
+
+    def pending_commits(self) -> list[asyncio.Future[None]]:
+        """Commit futures that acks are still waiting for."""
+        return [f for f in self._batches if not f.done()]
 
     # ---- delivery --------------------------------------------------------------------------
 
@@ -97,7 +233,7 @@ class DeliveryMixin(CoreBase):
         state = conn.session
         if state is None or conn.closed or conn.paused or state.conn is not conn or state.holding():
             return
-        if conn in self._retained_after or (conn in self._retained_out and not self._drain_retained(conn, state)):
+        if conn in self._retained_after or (conn in self._retained_out and not self.drain_retained(conn, state)):
             return  # live records after the retained ones, never before
         group = state.group
         pushed = 0
@@ -113,9 +249,9 @@ class DeliveryMixin(CoreBase):
                 self._deliver(conn, state, group, records, None)
                 pushed += len(records)
             if pushed >= _MAX_PUMP:
-                self._schedule_repump(conn)
+                self.schedule_repump(conn)
         for name in state.share_names():
-            sh = self.shares.get(name)
+            sh = self.router.shares.get(name)
             if sh is not None:
                 self.pump_share(sh)
 
@@ -159,7 +295,7 @@ class DeliveryMixin(CoreBase):
                 conn.transport.write(data)
         self.stats.sent_bytes(sent)
 
-    def _schedule_repump(self, conn: Connection) -> None:
+    def schedule_repump(self, conn: Connection) -> None:
         self._repump.add(conn)
         if not self._repump_scheduled:
             self._repump_scheduled = True
@@ -337,7 +473,7 @@ class DeliveryMixin(CoreBase):
         inflight = state.inflight
         ack = group.ack
         redelivered = group.redelivered
-        publishers = self.publishers() if state.has_no_local() else None
+        publishers = self.publishers if state.has_no_local() else None
         own_runs = state.own_runs if publishers is not None and state.own_runs else None
         cid = conn.client_id
         limit = conn.client_max_packet
@@ -374,7 +510,7 @@ class DeliveryMixin(CoreBase):
                 data = publish_bytes5(topic, r.payload, 0, False, None, retain, headers)
                 ack(offset)
                 if limit is not None and len(data) > limit:
-                    self._too_large(conn, topic, len(data), limit)
+                    self.too_large(conn, topic, len(data), limit)
                     continue
                 if alias_max:
                     data = conn.aliased(data, topic, r.payload, 0, False, None, retain, headers, limit)
@@ -386,7 +522,7 @@ class DeliveryMixin(CoreBase):
             data = publish_bytes5(topic, r.payload, qos, redelivered(offset), pid, retain, headers)
             if limit is not None and len(data) > limit:
                 ack(offset)
-                self._too_large(conn, topic, len(data), limit)
+                self.too_large(conn, topic, len(data), limit)
                 continue
             state.next_pid = pid % 0xFFFF + 1
             # The properties as sent (expiry, identifiers), so a re-send after a reconnect
@@ -413,11 +549,11 @@ class DeliveryMixin(CoreBase):
         the client may hold, MQTT-2.2.1-3 / 4.3.3); until then this session's deliveries wait,
         so nothing overtakes them.  Returns what may be sent now."""
         held = b"".join(parts[hold:])
-        written = state.out_hold = self._save_soon(state)
-        written.add_done_callback(functools.partial(self._release_output, conn, state, held))
+        written = state.out_hold = self.registry.save_soon(state)
+        written.add_done_callback(functools.partial(self.release_output, conn, state, held))
         return parts[:hold]
 
-    def _release_output(self, conn: Connection, state: SessionState, held: bytes,
+    def release_output(self, conn: Connection, state: SessionState, held: bytes,
                         written: asyncio.Future[None]) -> None:
         if state.out_hold is written:
             state.out_hold = None
@@ -437,7 +573,7 @@ class DeliveryMixin(CoreBase):
 
     dropped_too_large = 0  # PUBLISHes not sent: larger than the client's Maximum Packet Size
 
-    def _too_large(self, conn: Connection, topic: str, size: int, limit: int) -> None:
+    def too_large(self, conn: Connection, topic: str, size: int, limit: int) -> None:
         self.dropped_too_large += 1
         log.warning("client %r: PUBLISH to %r of %d bytes not sent: over its Maximum Packet Size %d "
                     "(MQTT-3.1.2-25); discarded as delivered", conn.client_id, topic, size, limit)
@@ -486,7 +622,7 @@ class DeliveryMixin(CoreBase):
                     _consume(map(inflight.pop, pids, repeat(None)))  # (a repeated id: popped once)
                     sent_group = groups.pop()
                     if sent_group is not None:
-                        sent_group.ack_many(list(map(record_offset, outs)))
+                        sent_group.ack_many(list(map(_offset_of_sent, outs)))
                         self._acked = True
                         self._acks += n
                     self._refill(conn, inflight)
@@ -501,12 +637,12 @@ class DeliveryMixin(CoreBase):
                 break
             del inflight[pid]
             if out.group is not None:
-                out.group.ack(pid + out.delta if type(out) is SentRun else out.offset)
+                out.group.ack(pid + out.delta if type(out) is SentRun else out.offset)  # type: ignore[union-attr]
                 self._acked = True
                 self._acks += 1
         self._refill(conn, inflight)
 
-    def _refill(self, conn: Connection, inflight: dict[int, Any]) -> None:
+    def _refill(self, conn: Connection, inflight: dict[int, Inflight]) -> None:
         """Fill ``conn``'s in-flight window again after acks, once at most a quarter of it
         (at least one message) is still in flight, not after every ack: a client that sends
         its PUBACKs one at a time then gets its next deliveries in one write of three quarters
@@ -529,13 +665,14 @@ class DeliveryMixin(CoreBase):
         if out is not None and out.qos != 2:
             self._wrong_ack(conn, "PUBREC", pid, out)
             return
+        assert out is None or isinstance(out, Outbound)  # (QoS 2: SentRecord and SentRun are QoS 1)
         if reason_code >= 0x80:
             # MQTT 5: a PUBREC with a failure reason code ends the exchange; no PUBREL is sent
             # and the packet id is free again (4.3.3, MQTT-4.3.3-4 / 4.9: the quota returns).
             if out is not None and out.stage == 0:
                 del state.inflight[pid]
                 if state.qos2_sent.pop(pid, None) is not None:
-                    self._save_soon(state)
+                    self.registry.save_soon(state)
                 if out.group is not None:
                     out.group.ack(out.offset)
                     self._acked = True
@@ -552,7 +689,7 @@ class DeliveryMixin(CoreBase):
                 # group's ack can be, so after a restart the PUBREL is re-sent (a receiver
                 # may hand the message on only at PUBREL, 4.3.3 Method A).
                 state.qos2_out.add(pid)
-                written = self._save_soon(state)
+                written = self.registry.save_soon(state)
                 if out.group is not None:
                     written.add_done_callback(functools.partial(self._ack_released, out.group, out.offset))
             elif out.group is not None:
@@ -573,6 +710,7 @@ class DeliveryMixin(CoreBase):
         if out.qos != 2 or out.stage == 0:
             self._wrong_ack(conn, "PUBCOMP", pid, out)
             return
+        assert isinstance(out, Outbound)  # (QoS 2: SentRecord and SentRun are QoS 1)
         del state.inflight[pid]
         if out.group is not None and out.group.ack(out.offset):
             self._acked = True  # not acked at PUBREC yet (session write pending or failed)
@@ -582,10 +720,10 @@ class DeliveryMixin(CoreBase):
             state.qos2_out.discard(pid)
             # Written soon, in a worker thread (nothing waits: a stale id would only cost one
             # PUBREL after a crash, which the client answers with PUBCOMP).
-            self._save_soon(state)
+            self.registry.save_soon(state)
         self._refill(conn, state.inflight)
 
-    def _resume_outbound(self, state: SessionState, sent: dict[int, int]) -> None:
+    def resume_outbound(self, state: SessionState, sent: dict[int, int]) -> None:
         """A persistent session loaded from its file (after a restart): every QoS 2 PUBLISH
         it had sent and not completed (``sent``: id -> offset) goes back in flight with its own
         packet id, to be re-sent with DUP on connect (MQTT-4.4.0-1), so the client that holds
@@ -653,56 +791,16 @@ class DeliveryMixin(CoreBase):
         if state.persistent and (known or state.save_running or state.save_next is not None):
             # The removal is durable before PUBCOMP, so the id set on disk stays exact: after
             # PUBCOMP the client may reuse the id for a new message, which must be stored.
-            done = self._save_soon(state)
+            done = self.registry.save_soon(state)
             conn.queue_ack(done, _ack(_PUBCOMP, pid))
             if conn.last_batch is not done:
-                self._join_batch(conn, done)
+                self.join_batch(conn, done)
         else:
             conn.queue_ack(None, _ack(_PUBCOMP, pid))
 
-    # ---- disconnect ------------------------------------------------------------------------
-
-    def on_close(self, conn: Connection, prev_state: str) -> None:
-        self.conns.discard(conn)
-        self._dirty.discard(conn)
-        self._repump.discard(conn)
-        self._to_pump.discard(conn)
-        self._retained_out.pop(conn, None)
-        self._retained_after.pop(conn, None)
-        if prev_state != CONNECTED:
-            return
-        self.stats.client_disconnected()
-        cid = conn.client_id
-        if self.connections.get(cid) is conn:
-            del self.connections[cid]
-        state = conn.session
-        if state is not None and state.conn is conn:
-            state.conn = None
-            for sub in state.subs.values():
-                self._unregister(conn, sub)
-            for name in state.share_names():
-                self._leave_share(conn, state, name)
-            if state.persistent and state.expiry == 0 and self.sessions.get(cid) is state:
-                # MQTT 5 session expiry 0: the session ends with its network connection (3.1.2.11.2).
-                self._discard_persistent(cid)
-            elif state.persistent:
-                if state.save_due:
-                    self._save_soon(state)  # in a worker thread
-            elif state.group is not None:
-                self._drop_group(state.group.name)
-                state.group = None
-        will = conn.will
-        if conn.publish_will and will is not None:
-            acl = conn.acl
-            if will.topic.startswith("$") or (acl is not None and not acl.can_publish(will.topic)):
-                log.warning("client %r: will to %r not published (ACL or $-topic)", cid, will.topic)
-            else:
-                log.info("client %r: publishing its will to %r", cid, will.topic)
-                self.store_internal(will.topic, will.payload, will.qos, will.retain)
-
-    def _leave_share(self, conn: Connection, state: SessionState, name: str) -> None:
+    def leave_share(self, conn: Connection, state: SessionState, name: str) -> None:
         """``conn`` stops being a member of share ``name`` (disconnect or last UNSUBSCRIBE)."""
-        sh = self.shares.get(name)
+        sh = self.router.shares.get(name)
         if sh is None:
             return
         if conn in sh.members:
@@ -713,7 +811,7 @@ class DeliveryMixin(CoreBase):
         if sh.group.release(conn.client_id):
             self.pump_share(sh)
 
-    def _persist_offsets(self) -> None:
+    def persist_offsets(self) -> None:
         """Write the offsets of groups that subscribers acked into and that are due, ~100 ms
         after the acks (a journaled group is due once per ``journaled_persist_interval_ms``:
         the progress journal, not these files, bounds the re-delivery after a crash).

@@ -8,12 +8,12 @@ import asyncio
 import functools
 import logging
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from itertools import repeat
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from filemq.broker.base import CoreBase
+from filemq.broker.router import Target
 from filemq.broker.session import Connection, refusal_code
 from filemq.broker.state import (
     _PUBACK,
@@ -25,7 +25,7 @@ from filemq.broker.state import (
     RC_QUOTA_EXCEEDED,
     ClientInfo,
     PublisherRuns,
-    SessionState,
+    PublishHook,
     SharedGroup,
     _ack,
     _too_long,
@@ -46,7 +46,16 @@ from filemq.mqtt.runcodec import puback_run
 from segments.record import Record
 
 if TYPE_CHECKING:
-    from filemq.queue.retained import RetainedStore
+    from filemq.broker.delivery import Delivery
+    from filemq.broker.ports import QueuePort
+    from filemq.broker.registry import SessionRegistry
+    from filemq.broker.retain import Retained
+    from filemq.broker.router import Router
+    from filemq.broker.sysinfo import BrokerStats
+    from filemq.broker.tailcache import TailCache
+    from filemq.common.config import BrokerSection
+    from segments.log import LogView
+    pass
 
 log = logging.getLogger("filemq.broker")
 
@@ -54,23 +63,54 @@ _new_record: Callable[[tuple[int, int, str, bytes, int, bool, bytes]], Record] =
     functools.partial(tuple.__new__, Record)
 
 
-@mypyc_attr(native_class=False)
-class PublishMixin(CoreBase):
-    """Inbound PUBLISH with its durable ack; routing of committed records."""
+def new_publisher_map() -> PublisherRuns:
+    """The map of who published the latest offsets: offset -> client id of an MQTT 5
+    publisher (no local), as runs (PublisherRuns: one entry per read's run of PUBLISHes; an
+    OrderedDict entry per offset cost ~2.5k instructions per MQTT 5 PUBLISH, most of v5's
+    cost over 3.1.1; a plain dict's oldest-first drop walks its deleted slots, ~50 us per
+    PUBLISH at 65,536 entries)."""
+    return PublisherRuns(PUBLISHERS_KEPT)
 
-    # offset -> client id of an MQTT 5 publisher (no local), as runs (PublisherRuns: one entry
-    # per read's run of PUBLISHes; an OrderedDict entry per offset cost ~2.5k instructions
-    # per MQTT 5 PUBLISH, most of v5's cost over 3.1.1; a plain dict's oldest-first drop walks
-    # its deleted slots, ~50 us per PUBLISH at 65,536 entries).
-    _publisher_map: PublisherRuns
 
-    def publishers(self) -> PublisherRuns:
-        """Who published the latest offsets (MQTT 5 publishers; see :meth:`_note_publisher`)."""
-        try:
-            return self._publisher_map
-        except AttributeError:
-            self._publisher_map = PublisherRuns(PUBLISHERS_KEPT)
-            return self._publisher_map
+@mypyc_attr(native_class=False)  # (tests replace its methods on the instance: on_publish, on_publishes, on_publish_run)
+class Ingest:
+    """Inbound PUBLISH: admission (size, ``$`` topics, ACL, the publish hook), the append to
+    the log, QoS 2 dedup, the acks queued behind the commit batch; then, from the commit
+    listener, routing of committed records (tail cache, retained, woken subscribers).
+
+    Owns the appended-not-yet-routed runs, the routed offset and the publisher map."""
+
+    def __init__(self, queue: QueuePort, cache: TailCache, config: BrokerSection, stats: BrokerStats,
+                 hook: PublishHook | None, router: Router, registry: SessionRegistry, delivery: Delivery,
+                 retained: Retained, publishers: PublisherRuns) -> None:
+        self.log: LogView = queue.log  # only its read side: a test fake stands in (compiled build)
+        # Topics reaching _append passed the codec's and CONNECT's topic-name checks already.
+        self._append = functools.partial(queue.publish_nowait, validated=True)
+        self._append_many = queue.publish_many_nowait  # the same, for a run of PUBLISHes
+        self.cache = cache
+        self.config = config
+        self.stats = stats
+        self.hook = hook
+        self.router = router
+        self.registry = registry
+        self.delivery = delivery
+        self.retained = retained
+        self._publishers = publishers
+        # Appended, not yet routed: runs of records with consecutive offsets (one per
+        # on_publish, or per run of on_publishes), each with its commit future.
+        self._pending: deque[tuple[list[Record], asyncio.Future[None]]] = deque()
+        self._routed = self.log.committed_offset
+        cache.limit = self._routed  # groups see a record only once it is routed
+        queue.add_commit_listener(self._on_committed)
+
+    @property
+    def routed_offset(self) -> int:
+        """Every committed record below this offset has been routed (and applied to retained)."""
+        return self._routed
+
+    def last_commit(self) -> asyncio.Future[None] | None:
+        """The commit future of the latest appended records not routed yet, or None."""
+        return self._pending[-1][1] if self._pending else None
 
     # ---- inbound PUBLISH -----------------------------------------------------------------
 
@@ -142,12 +182,12 @@ class PublishMixin(CoreBase):
                 # the stored message; its PUBREC waits until the id is durable too.
                 wait: asyncio.Future[None] | None = None
                 if fut is not None and not fut.done():
-                    wait = self._qos2_gate(state, fut) if state.persistent else fut
+                    wait = self.registry.qos2_gate(state, fut) if state.persistent else fut
                 elif state.persistent and (state.save_running or state.save_next is not None):
-                    wait = self._save_soon(state)
+                    wait = self.registry.save_soon(state)
                 conn.queue_ack(wait, _ack(_PUBREC, pid))
                 if wait is not None and conn.last_batch is not wait:
-                    self._join_batch(conn, wait)
+                    self.delivery.join_batch(conn, wait)
                 return
         payload = p.payload
         hook = self.hook
@@ -197,10 +237,10 @@ class PublishMixin(CoreBase):
             state.qos2_offsets[pid] = offset
             if state.persistent:
                 # PUBREC once the record is committed *and* its id is in the session file.
-                fut = self._qos2_gate(state, fut)
+                fut = self.registry.qos2_gate(state, fut)
             conn.queue_ack(fut, _ack(_PUBREC, pid), offset)
         if conn.last_batch is not fut:
-            self._join_batch(conn, fut)
+            self.delivery.join_batch(conn, fut)
 
     def on_publishes(self, conn: Connection, ps: Sequence[Publish]) -> None:
         """A run of PUBLISHes from one read (MQTT 3.1.1; MQTT 5: QoS 1 ones without a topic
@@ -342,7 +382,7 @@ class PublishMixin(CoreBase):
             self._forget_from(first)
         if conn.protocol_level == PROTOCOL_LEVEL_5:
             # No local (MQTT-3.8.3-3): who published each offset, as on_publish notes it.
-            self.publishers().add_run(first, n, conn.client_id)
+            self._publishers.add_run(first, n, conn.client_id)
         # The run's Records built in C: zip yields each one's fields, tuple.__new__ makes the
         # Record of them (NamedTuple.__new__ is a Python function; no bytecode runs per record).
         pending.append((list(map(_new_record, zip(range(first, first + n), repeat(ts), topics, payloads,
@@ -351,7 +391,7 @@ class PublishMixin(CoreBase):
         # n PUBACKs (0x40 0x02 id), back to back.
         conn.queue_ack(fut, puback_run(pids), first + n - 1)
         if conn.last_batch is not fut:
-            self._join_batch(conn, fut)
+            self.delivery.join_batch(conn, fut)
         for pid in refused:
             conn.queue_ack(None, ack5(_PUBACK, pid, code))
         return True
@@ -426,7 +466,7 @@ class PublishMixin(CoreBase):
     def _note_publisher(self, offset: int, client_id: str) -> None:
         """Remember who published ``offset`` (for no local, MQTT-3.8.3-3): the log does not
         record it, so a bounded map of the latest :data:`PUBLISHERS_KEPT` offsets does."""
-        self.publishers().set(offset, client_id)
+        self._publishers.set(offset, client_id)
 
     def _ack_now(self, conn: Connection, p: Publish) -> None:
         if p.qos == 1:
@@ -434,7 +474,8 @@ class PublishMixin(CoreBase):
             conn.queue_ack(None, encode_puback(p.packet_id))
         elif p.qos == 2:
             assert p.packet_id is not None
-            state: SessionState = conn.session
+            state = conn.session
+            assert state is not None
             state.qos2_in.setdefault(p.packet_id, None)
             conn.queue_ack(None, _ack(_PUBREC, p.packet_id))
 
@@ -448,7 +489,7 @@ class PublishMixin(CoreBase):
         """A failed commit made the log reuse offsets from ``offset`` on: the pending records
         there were never stored."""
         pending = self._pending
-        self.publishers().forget_from(offset)
+        self._publishers.forget_from(offset)
         while pending:
             records = pending[-1][0]
             if records[-1].offset < offset:
@@ -458,25 +499,6 @@ class PublishMixin(CoreBase):
                 del records[keep:]
                 break
             pending.pop()
-
-    def _join_batch(self, conn: Connection, fut: asyncio.Future[None]) -> None:
-        """Have ``conn``'s acks released when the commit ``fut`` resolves (one callback per batch)."""
-        conns = self._batches.get(fut)
-        if conns is None:
-            conns = self._batches[fut] = set()
-            fut.add_done_callback(self._on_batch_done)
-        conns.add(conn)
-        conn.last_batch = fut
-
-    def _on_batch_done(self, fut: asyncio.Future[None]) -> None:
-        """Release the acks a commit batch covers, connection by connection."""
-        conns = self._batches.pop(fut, ())
-        for conn in conns:
-            if conn.last_batch is fut:
-                conn.last_batch = None
-            if not conn.closed:
-                conn.ack_ready()
-        self.flush_soon()  # with the deliveries this commit routes, in one write per connection
 
     # ---- routing committed records ---------------------------------------------------------
 
@@ -523,38 +545,30 @@ class PublishMixin(CoreBase):
         return out
 
     def _route(self, records: list[Record]) -> None:
-        cache_put = self.cache.put_many
-        retained = self.retained
-        ready = self.retained_ready
-        match = self.trie.match
-        woken: set[Any] = set()
-        cache_put(records)
-        for r in [r for r in records if r.retain]:
-            self.retained_changes += 1
-            if ready:
-                retained.apply(r)
-            else:
-                self._retained_buffer.append(r)
+        match = self.router.trie.match
+        woken: set[Target] = set()
+        self.cache.put_many(records)
         for topic in {r.topic for r in records}:
             woken |= match(topic)
-        if self._retained_after:
-            self._send_retained_after()  # before live records are pumped (MQTT-3.3.1-8)
+        self.retained.routed(records)  # (its replays before live records, MQTT-3.3.1-8)
+        delivery = self.delivery
         for target in woken:
             if isinstance(target, SharedGroup):
-                self.pump_share(target)
+                delivery.pump_share(target)
             else:
-                self.pump(target)
-        self.flush_soon()
+                delivery.pump(target)
+        delivery.flush_soon()
 
-    def retained_recovered(self, store: RetainedStore) -> None:
-        """Switch to the store rebuilt in the background; catch up and answer waiting SUBSCRIBEs."""
-        for r in self._retained_buffer:
-            store.apply(r)
-        self._retained_buffer = []
-        self.retained = store
-        self.retained_ready = True
-        waiting, self._retained_waiting = self._retained_waiting, []
-        for conn, state, sub, below in waiting:
-            if not conn.closed and state.conn is conn and state.subs.get(sub.filter) is sub:
-                self._send_retained(conn, state, sub, below)
-        self.flush()
+    def store_internal(self, topic: str, payload: bytes, qos: int, retain: bool, headers: bytes = b"") -> None:
+        """Store a message the broker itself publishes (a will; ``headers``: its MQTT 5
+        message properties); nobody waits for its ack."""
+        ts = time.time_ns() // 1000
+        try:
+            if headers:
+                offset, fut = self._append(topic, payload, qos, retain, ts, headers=headers)
+            else:
+                offset, fut = self._append(topic, payload, qos, retain, ts)
+        except (OSError, ValueError, RuntimeError) as exc:
+            log.error("message to %r not stored: %s", topic, exc)
+            return
+        self._track(Record(offset, ts, topic, payload, qos, retain, headers), fut)

@@ -479,7 +479,7 @@ class Broker:
         # MQTT 5 sessions whose expiry interval elapsed while the broker was down are
         # released now; the others' clocks run on (docs/DURABILITY.md).
         core.release_expired_sessions()
-        core.retained_ready = False  # until the background rebuild below is done
+        core.retained.ready = False  # until the background rebuild below is done
         self.recovery_seconds = time.perf_counter() - started
         loop = asyncio.get_running_loop()
 
@@ -578,7 +578,7 @@ class Broker:
 
         def done(store: RetainedStore) -> None:
             self.retained = store
-            core.retained_recovered(store)
+            core.retained.recovered(store)
 
         def run() -> None:
             store = RetainedStore(self.data_dir)
@@ -601,7 +601,7 @@ class Broker:
     async def wait_retained_ready(self, timeout: float = 30.0) -> None:
         """Wait until retained messages are recovered (tests, tools)."""
         async with asyncio.timeout(timeout):
-            while self.core is None or not self.core.retained_ready:
+            while self.core is None or not self.core.retained.ready:
                 await asyncio.sleep(0.01)
 
     async def stop(self) -> None:
@@ -633,7 +633,7 @@ class Broker:
             core.save_sessions()
         if self.queue is not None:
             await self.queue.close()
-            if core is not None and core.retained_ready:
+            if core is not None and core.retained.ready:
                 self.retained.advance(core.routed_offset)
                 try:
                     self.retained.snapshot()
@@ -768,15 +768,15 @@ class Broker:
                     core.publish_sys(self.stats.sys_messages(now)
                                      + [(SYS_PREFIX + name, value.encode()) for name, value in availability_sys(self.admission, self.budget)],
                                      replace=SYS_PREFIX + "backlog/")
-                if now >= next_snapshot and core.retained_ready:
+                if now >= next_snapshot and core.retained.ready:
                     next_snapshot = now + RETAINED_SNAPSHOT_INTERVAL_S
                     routed = core.routed_offset
                     # Snapshot when retained messages changed (so a restart replays little),
                     # else only now and then: each snapshot costs fsyncs next to the log's.
-                    changed = core.retained_changes != retained_changes
+                    changed = core.retained.changes != retained_changes
                     stale = now - last_snapshot >= RETAINED_IDLE_SNAPSHOT_S
                     if routed > retained_covered and (changed or stale):
-                        retained_changes = core.retained_changes
+                        retained_changes = core.retained.changes
                         self.retained.advance(routed)
                         await asyncio.to_thread(self.retained.snapshot)
                         retained_covered, last_snapshot = routed, now

@@ -73,6 +73,7 @@ if TYPE_CHECKING:
     from collections.abc import Callable
 
     from filemq.broker.acl import ClientAcl
+    from filemq.broker.state import SessionState
     from filemq.common.config import BrokerSection
 
 log = logging.getLogger("filemq.broker")
@@ -215,9 +216,8 @@ class Connection:
         self.last_rx = time.monotonic() if now is None else now
         self.connected_at = self.last_rx  # the accept: the CONNECT deadline counts from here
         self.will: Publish | None = None
-        # The connection's SessionState (filemq.broker.state), set by the core at CONNECT;
-        # opaque here, so this module does not import the core's state.
-        self.session: Any = None
+        # The connection's session state, set by the core at CONNECT.
+        self.session: SessionState | None = None
         self.acl: ClientAcl | None = None
         # (commit future or None, ack bytes), in arrival order: acks leave in this order.
         self.pending_acks: deque[tuple[asyncio.Future[None] | None, bytes, int]] = deque()
@@ -386,7 +386,9 @@ class Connection:
                     count += 1
                 j += 1
             # Room: the cheap upper bound of the unacknowledged count first (as _inbound5).
-            if count > 1 and (len(self.pending_acks) + self.acks_extra + len(self.session.qos2_in) + count <= limit
+            session = self.session
+            assert session is not None  # (connected: the core set it at CONNECT)
+            if count > 1 and (len(self.pending_acks) + self.acks_extra + len(session.qos2_in) + count <= limit
                               or self._unacknowledged() + count <= limit):
                 while i < j:  # each PublishRun to on_publish_run, the PUBLISHes between as one run
                     k = i + 1
@@ -425,8 +427,10 @@ class Connection:
         """The client's QoS 1/2 PUBLISHes we have not acknowledged yet (MQTT 5 Receive Maximum):
         PUBACKs waiting in pending_acks (a run's entry counts each), PUBCOMPs waiting there,
         and QoS 2 ids before PUBREL (qos2_in)."""
+        session = self.session
+        assert session is not None  # (connected: the core set it at CONNECT)
         return sum((len(ack) >> 2 if ack[1] == 2 else 1) for _, ack, _ in self.pending_acks
-                   if ack[0] in _PUBACK_PUBCOMP) + len(self.session.qos2_in)
+                   if ack[0] in _PUBACK_PUBCOMP) + len(session.qos2_in)
 
     def _handle_runs(self, packets: Sequence[object]) -> None:
         """MQTT 3.1.1, connected: each run of PUBLISHes goes to the core in one call
@@ -536,7 +540,9 @@ class Connection:
                 p.topic = topic
         if p.qos:
             limit = self.core.config.receive_maximum
-            qos2_in = self.session.qos2_in
+            session = self.session
+            assert session is not None  # (connected: the core set it at CONNECT)
+            qos2_in = session.qos2_in
             # Unacknowledged: QoS 1 whose PUBACK waits in pending_acks, QoS 2 ids before PUBREL
             # (qos2_in) and after it while the PUBCOMP waits (for the session write).  Cheap
             # upper bound first (pending acks + qos2_in); counted exactly only near the limit.

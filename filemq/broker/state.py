@@ -352,7 +352,7 @@ class _SentFields(NamedTuple):
 @mypyc_attr(native_class=False)  # a tuple subclass (compiled builds cannot make it native)
 class SentRecord(_SentFields):
     """A QoS 1 PUBLISH of a group record sent to the client and not yet acknowledged, as
-    :meth:`DeliveryMixin._deliver`'s run path builds it: a tuple, so a run of them is made
+    :meth:`Delivery._deliver`'s run path builds it: a tuple, so a run of them is made
     in C (``tuple.__new__`` over ``zip``) instead of one :class:`Outbound` ``__init__`` per
     record.  It reads like an :class:`Outbound`; what the run path never varies (QoS 1, stage
     0: never a QoS 2 delivery; not retained; no properties) are class attributes, not fields."""
@@ -368,7 +368,7 @@ class SentRun:
     """The QoS 1 PUBLISHes of one gap-free run of a group's records, sent to the client with
     consecutive packet ids and not yet all acknowledged: ``SessionState.inflight`` maps each of
     the run's ids to this one object, so a run costs one object, not one :class:`SentRecord`
-    per message (:meth:`DeliveryMixin._deliver_run`).  The message with packet id ``pid`` is
+    per message (:meth:`Delivery._deliver_run`).  The message with packet id ``pid`` is
     ``records[pid - first_pid]`` at offset ``pid + delta``.  Like a SentRecord: QoS 1, stage
     0, not retained, no properties."""
 

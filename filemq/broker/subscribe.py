@@ -7,31 +7,20 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import time
-from collections import deque
 from typing import TYPE_CHECKING
 
-from filemq.broker.base import CoreBase
 from filemq.broker.session import Connection
 from filemq.broker.state import (
-    CLEAN_GROUP_PREFIX,
     RC_NOT_AUTHORIZED,
     RC_TOPIC_FILTER_INVALID,
-    RETAINED_OUT_HIGH,
-    SESSION_GROUP_PREFIX,
-    SHARE_GROUP_PREFIX,
-    Outbound,
     SessionState,
-    SharedGroup,
     Subscription,
     _too_long,
-    message_expiry,
     parse_share_key,
 )
 from filemq.common.native import mypyc_attr
 from filemq.common.topics import (
     InvalidTopic,
-    topic_matches,
     validate_topic_filter,
 )
 from filemq.mqtt.packets import (
@@ -46,10 +35,15 @@ from filemq.mqtt.packets import (
     Unsuback,
     Unsubscribe,
 )
-from filemq.mqtt.properties import _vbi
 
 if TYPE_CHECKING:
-    pass
+    from filemq.broker.delivery import Delivery
+    from filemq.broker.publish import Ingest
+    from filemq.broker.registry import SessionRegistry
+    from filemq.broker.retain import Retained
+    from filemq.broker.router import Router
+    from filemq.common.config import BrokerSection
+    from segments.log import LogView
 
 log = logging.getLogger("filemq.broker")
 
@@ -57,62 +51,22 @@ log = logging.getLogger("filemq.broker")
 _SUB_OPTION_BITS = SUB_NO_LOCAL | SUB_RETAIN_AS_PUBLISHED | (3 << SUB_RETAIN_HANDLING_SHIFT)
 
 
-@mypyc_attr(native_class=False)
-class SubscribeMixin(CoreBase):
-    """SUBSCRIBE/UNSUBSCRIBE, shared groups, retained messages for new subscriptions."""
+@mypyc_attr(native_class=False)  # (per SUBSCRIBE, not per message: left an ordinary class, as its mixin was)
+class Subscriptions:
+    """SUBSCRIBE / UNSUBSCRIBE: a session's subscriptions, their start offsets, the durable
+    write before SUBACK / UNSUBACK, then the retained messages a new subscription gets.  The
+    trie and groups are the router's, the session files the registry's; this part owns no
+    state of its own beyond what it is wired to."""
 
-    # ---- subscriptions -------------------------------------------------------------------
-
-    def _register(self, conn: Connection, state: SessionState, sub: Subscription) -> None:
-        if sub.share is None:
-            self.trie.add(sub.plain, conn)
-            return
-        sh = self._share(sub.share, sub.plain)
-        if conn not in sh.members:
-            sh.members.append(conn)
-        sh.filter_refs[sub.plain] += 1
-        if sh.filter_refs[sub.plain] == 1:
-            self.trie.add(sub.plain, sh)
-
-    def _unregister(self, conn: Connection, sub: Subscription) -> None:
-        if sub.share is None:
-            self.trie.remove(sub.plain, conn)
-            return
-        sh = self.shares.get(sub.share)
-        if sh is None:
-            return
-        sh.filter_refs[sub.plain] -= 1
-        if sh.filter_refs[sub.plain] <= 0:
-            del sh.filter_refs[sub.plain]
-            self.trie.remove(sub.plain, sh)
-
-    def _share(self, name: str, plain: str) -> SharedGroup:
-        sh = self.shares.get(name)
-        if sh is None:
-            group = self._through_cache(self._group_factory(SHARE_GROUP_PREFIX + name, (plain,), True))
-            sh = self.shares[name] = SharedGroup(name, group)
-        filters = sh.group.filters
-        if plain not in filters:
-            # Shared-group filters only grow: offline members may still need the old ones.
-            sh.group.set_filters(tuple(filters) + (plain,))
-        return sh
-
-    def _update_groups(self, state: SessionState) -> None:
-        own = state.own_filters()
-        if not own:
-            if state.group is not None and not state.persistent:
-                self._drop_group(state.group.name)
-                state.group = None
-            return
-        if state.group is None:
-            if state.persistent:
-                name = SESSION_GROUP_PREFIX + state.client_id
-            else:
-                self._clean_ids += 1
-                name = f"{CLEAN_GROUP_PREFIX}{state.client_id}:{self._clean_ids}"
-            state.group = self._group(name, own, state.persistent)
-        elif tuple(state.group.filters) != own:
-            state.group.set_filters(own)
+    def __init__(self, log_view: LogView, config: BrokerSection, router: Router, registry: SessionRegistry,
+                 delivery: Delivery, retained: Retained, ingest: Ingest) -> None:
+        self.log = log_view
+        self.config = config
+        self.router = router
+        self.registry = registry
+        self.delivery = delivery
+        self.retained = retained
+        self.ingest = ingest
 
     def on_subscribe(self, conn: Connection, p: Subscribe) -> None:
         state = conn.session
@@ -125,7 +79,7 @@ class SubscribeMixin(CoreBase):
         # from it on are delivered live (groups never read past it, see TailCache.limit), so
         # a retained message is never neither.  next_offset would skip appended records that
         # are not committed yet, while the retained store only has committed ones.
-        start = self._routed
+        start = self.ingest.routed_offset
         # Records appended before this SUBSCRIBE but not routed yet: the retained ones are sent
         # with RETAIN 1 by the replay (once routed), not live (MQTT-3.3.1-8).
         mark = self.log.next_offset
@@ -157,7 +111,7 @@ class SubscribeMixin(CoreBase):
             options = opts & _SUB_OPTION_BITS if v5 else 0
             old = state.subs.get(f)
             if old is not None:
-                self._unregister(conn, old)
+                self.router.unregister(conn, old)
             durable_change = durable_change or old is None or old.qos != qos or old.options != options \
                 or old.identifier != identifier
             if old is not None:  # it took everything routed since old.start live already
@@ -178,9 +132,9 @@ class SubscribeMixin(CoreBase):
         if new_subs:
             state.subs_changed()
             try:  # group files (a new session or $share group)
-                self._update_groups(state)
+                self.router.update_groups(state)
                 for sub in new_subs:
-                    self._register(conn, state, sub)
+                    self.router.register(conn, sub)
             except OSError as err:  # not "exc": mypyc gives a name one type per function
                 # No SUBACK for a subscription whose state is not durable (a restart would forget it).
                 conn.close(f"SUBSCRIBE refused: its state cannot be persisted: {err}", will=True, level=logging.ERROR)
@@ -189,7 +143,7 @@ class SubscribeMixin(CoreBase):
                 # The session file is written in a worker thread; the SUBACK waits for it (in
                 # order with the connection's other acks), the live deliveries need not
                 # (3.8.4: PUBLISHes may precede the SUBACK).
-                written = self._save_now(state)
+                written = self.registry.save_now(state)
         suback = Suback(p.packet_id, codes)
         if written is not None and not written.done():
             # Its live records wait too: they go after its retained messages, never before
@@ -198,7 +152,7 @@ class SubscribeMixin(CoreBase):
             written.add_done_callback(functools.partial(
                 self._subscription_written, conn, state, with_retained, mark, start, "SUBSCRIBE"))
             conn.queue_ack(written, conn.encode_packet(suback))
-            self._join_batch(conn, written)
+            self.delivery.join_batch(conn, written)
             return
         if written is not None and (written.cancelled() or written.exception() is not None):
             conn.close("SUBSCRIBE refused: its state cannot be persisted (writing the session file failed)",
@@ -212,8 +166,8 @@ class SubscribeMixin(CoreBase):
         for sub in with_retained:
             # Every retained message appended before the SUBSCRIBE, once routed (MQTT-3.8.4-3
             # too: a repeated one's live copies still reach it through the old start).
-            self._send_retained(conn, state, sub, mark if sub.share is None else start)
-        self.pump(conn)
+            self.retained.send(conn, state, sub, mark if sub.share is None else start)
+        self.delivery.pump(conn)
 
     def _subscription_written(self, conn: Connection, state: SessionState, with_retained: list[Subscription],
                               mark: int, start: int, what: str, written: asyncio.Future[None]) -> None:
@@ -223,138 +177,17 @@ class SubscribeMixin(CoreBase):
             state.out_hold = None
         if conn.closed or state.conn is not conn:
             if state.conn is not None and not state.conn.closed:
-                self.pump(state.conn)  # (the session moved on to a new connection meanwhile)
-                self.flush()
+                self.delivery.pump(state.conn)  # (the session moved on to a new connection meanwhile)
+                self.delivery.flush()
             return
         if written.cancelled() or written.exception() is not None:
             conn.close(f"{what} refused: its state cannot be persisted (writing the session file failed)",
                        will=True, level=logging.ERROR)
-            self.flush()
+            self.delivery.flush()
             return
         if conn.ack_ready():
             self._after_suback(conn, state, with_retained, mark, start)
-        self.flush()
-
-    def _send_retained(self, conn: Connection, state: SessionState, sub: Subscription, below: int) -> None:
-        """Send the retained messages ``sub`` matches that were stored below offset ``below``
-        (the routed offset at SUBSCRIBE time): later ones reach it live."""
-        if sub.share is not None:
-            return  # retained messages are not sent for shared subscriptions (as MQTT 5)
-        if sub.plain.startswith("$SYS"):
-            acl = conn.acl
-            for topic, payload in self.sys_retained.items():
-                if topic_matches(sub.plain, topic) and (
-                        acl is None or acl.can_receive(topic)):
-                    conn.send(conn.publish_bytes(topic, payload, 0, False, None, True))
-            return
-        if not self.retained_ready:
-            self._retained_waiting.append((conn, state, sub, below))
-            return
-        if below > self._routed:
-            if self._routed < self.log.next_offset:
-                self._retained_after.setdefault(conn, []).append((state, sub, below))
-                if self._pending:  # if that commit fails, the offsets are given back: send then
-                    self._pending[-1][1].add_done_callback(self._retained_after_failed)
-                return
-            # A failed commit gave the offsets up to ``below`` back: records there come later.
-            below = sub.retain_below = self._routed
-            state.subs_changed()
-            if state.persistent:
-                state.save_due = True  # (retain_below is in the session file)
-        acl = conn.acl
-        queue = self._retained_out.get(conn)
-        if queue is None:
-            queue = self._retained_out[conn] = deque()
-        elif any(e[0] == sub.filter for e in queue):
-            # A repeated SUBSCRIBE re-sends (MQTT-3.8.4-3): what it still had queued is replaced.
-            queue = self._retained_out[conn] = deque(e for e in queue if e[0] != sub.filter)
-        for m in self.retained.match(sub.plain):
-            if m.offset >= below:
-                continue  # routed after the SUBSCRIBE (store rebuilt late): delivered live
-            if acl is not None and not acl.can_receive(m.topic):
-                continue
-            queue.append((sub.filter, m, min(sub.qos, m.qos)))
-        self._drain_retained(conn, state)
-
-    def _send_retained_after(self) -> None:
-        """Send the retained replays whose SUBSCRIBE's offset is routed now (see on_subscribe)."""
-        waiting, self._retained_after = self._retained_after, {}
-        for conn, subs in waiting.items():
-            for state, sub, below in subs:
-                if not conn.closed and state.conn is conn and state.subs.get(sub.filter) is sub:
-                    self._send_retained(conn, state, sub, below)
-            self._to_pump.add(conn)
-
-    def _retained_after_failed(self, fut: asyncio.Future[None]) -> None:
-        if self._retained_after and (fut.cancelled() or fut.exception() is not None):
-            self._send_retained_after()
-            self.flush()
-
-    def _drain_retained(self, conn: Connection, state: SessionState) -> bool:
-        """Send queued retained messages while the connection takes them: its output below
-        :data:`RETAINED_OUT_HIGH`, its transport not paused, QoS 1/2 ones within the in-flight
-        window.  The queue holds the store's messages (no payload copies); True when empty."""
-        queue = self._retained_out.get(conn)
-        if queue is None:
-            return True
-        sent = 0
-        inflight = state.inflight
-        blocked = False
-        v5 = conn.protocol_level == PROTOCOL_LEVEL_5
-        limit = conn.client_max_packet
-        now_us = 0
-        while queue and not conn.closed and not conn.paused:
-            if len(conn.out) >= RETAINED_OUT_HIGH:
-                break
-            f, m, qos = queue[0]
-            if qos and len(inflight) >= max(conn.max_inflight, 1):
-                blocked = True  # the acks that free the window pump again
-                break
-            queue.popleft()
-            if conn.acl is not None and not conn.acl.can_receive(m.topic):
-                continue  # the read right went away (ACL reload) while it was queued
-            headers = m.headers
-            if headers:
-                now_us = now_us or time.time_ns() // 1000
-                expiring = message_expiry(headers, m.timestamp_us, now_us)
-                if expiring is None:
-                    continue  # its message expiry interval has passed (3.3.2.3.3): not sent
-                headers = expiring
-            if v5:
-                sub = state.subs.get(f)
-                if sub is not None and sub.identifier:
-                    headers += b"\x0b" + _vbi(sub.identifier)  # 3.3.4, MQTT-3.3.4-3
-            if qos == 0:
-                data = conn.publish_bytes(m.topic, m.payload, 0, False, None, True, headers)
-                if limit is not None and len(data) > limit:
-                    self._too_large(conn, m.topic, len(data), limit)
-                    continue
-                conn.send(data)
-            else:
-                pid = state.alloc_pid()
-                data = conn.publish_bytes(m.topic, m.payload, qos, False, pid, True, headers)
-                if limit is not None and len(data) > limit:
-                    self._too_large(conn, m.topic, len(data), limit)
-                    continue
-                inflight[pid] = Outbound(m.offset, None, qos, m.topic, m.payload, None, True, headers)
-                if qos == 2 and state.persistent:
-                    # Its id goes to the session file before it leaves (as a group record's,
-                    # see DeliveryMixin._hold_output); the rest of the queue follows the write.
-                    state.qos2_sent[pid] = -1
-                    written = state.out_hold = self._save_soon(state)
-                    written.add_done_callback(functools.partial(self._release_output, conn, state, data))
-                    sent += 1
-                    break
-                conn.send(data)
-            sent += 1
-        if sent:
-            self.stats.publish_sent(sent)
-        if queue:
-            if not blocked and not conn.paused and not conn.closed:
-                self._schedule_repump(conn)  # after this event's flush wrote the output
-            return False
-        del self._retained_out[conn]
-        return True
+        self.delivery.flush()
 
     def on_unsubscribe(self, conn: Connection, p: Unsubscribe) -> None:
         state = conn.session
@@ -365,22 +198,22 @@ class SubscribeMixin(CoreBase):
         for f in p.topics:
             sub = state.subs.pop(f, None)
             if sub is not None:
-                self._unregister(conn, sub)
+                self.router.unregister(conn, sub)
                 changed = True
             codes.append(0x00 if sub is not None else 0x11)
         if changed:
             state.subs_changed()
             for name in shares_before - state.share_names():
-                self._leave_share(conn, state, name)
-            self._update_groups(state)
+                self.delivery.leave_share(conn, state, name)
+            self.router.update_groups(state)
             if state.persistent:
-                written = self._save_now(state)  # in a worker thread; the UNSUBACK waits for it
+                written = self.registry.save_now(state)  # in a worker thread; the UNSUBACK waits for it
                 if not written.done():
                     written.add_done_callback(functools.partial(
                         self._subscription_written, conn, state, [], 0, 0, "UNSUBSCRIBE"))
                     conn.queue_ack(written, conn.encode_packet(
                         Unsuback(p.packet_id, codes if conn.protocol_level == 5 else [])))
-                    self._join_batch(conn, written)
+                    self.delivery.join_batch(conn, written)
                     return
                 if written.cancelled() or written.exception() is not None:
                     conn.close("UNSUBSCRIBE refused: its state cannot be persisted (writing the session file "

@@ -3,8 +3,8 @@
 The hot-path modules can be compiled with mypyc (``FILEMQ_COMPILE=1 pip install .``,
 ``make compiled``; docs/PERFORMANCE.md).  mypyc makes every class of a compiled module a
 native class unless it is marked ``@mypyc_attr(native_class=False)``; the classes that must
-stay ordinary Python classes (an exception derived from ``RuntimeError``, the broker's concern
-mixins, which use multiple inheritance) carry that marker.  mypy and mypyc see
+stay ordinary Python classes (an exception derived from ``RuntimeError``, the broker core's
+parts whose methods tests and benches replace on an instance) carry that marker.  mypy and mypyc see
 ``mypy_extensions.mypyc_attr`` (they resolve the name through this module); at run time the
 marker is the real one when ``mypy_extensions`` is installed and a no-op otherwise, so the
 default, pure-Python install needs nothing beyond its dependencies.  This module itself is

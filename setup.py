@@ -25,7 +25,7 @@ from setuptools import setup
 # per commit batch, its methods run per SUBSCRIBE), filemq/broker/systopics.py (once per
 # sys_interval_s),
 # filemq/common/native.py (the marker shim itself), and everything that is not per message
-# (server, client, config, ops, broker/sessions.py: session files are written
+# (server, client, config, ops, broker/session_store.py: session files are written
 # per SUBSCRIBE or QoS 2 exchange, and tests replace SessionStore.write on an instance, which
 # a native class does not allow).
 HOT_PATH = [
@@ -41,8 +41,8 @@ HOT_PATH = [
     "filemq/broker/delivery.py",
     "filemq/broker/publish.py",
     "filemq/broker/retain.py",
-    "filemq/broker/session.py",
-    "filemq/broker/state.py",
+    "filemq/broker/connection.py",
+    "filemq/broker/session_state.py",
     "filemq/broker/subscribe.py",
     "filemq/broker/tailcache.py",
     "filemq/common/topics.py",

@@ -16,10 +16,10 @@ from pathlib import Path
 from typing import Any
 
 from filemq.broker.acl import Acl
+from filemq.broker.connection import Connection
 from filemq.broker.core import BrokerCore
-from filemq.broker.session import Connection
-from filemq.broker.sessions import SessionStore
-from filemq.broker.state import SentRun, message_of
+from filemq.broker.session_state import SentRun, message_of
+from filemq.broker.session_store import SessionStore
 from filemq.broker.sysinfo import BrokerStats
 from filemq.broker.tailcache import TailCache
 from filemq.common.config import BrokerSection

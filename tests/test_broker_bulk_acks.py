@@ -34,9 +34,9 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from filemq.broker import delivery
+from filemq.broker.connection import Connection
 from filemq.broker.delivery import Delivery
-from filemq.broker.session import Connection
-from filemq.broker.state import SentRecord, SentRun, message_of
+from filemq.broker.session_state import SentRecord, SentRun, message_of
 from filemq.mqtt.codec import encode
 from filemq.mqtt.packets import Puback, Publish, Subscribe
 from filemq.queue.groups import ConsumerGroup

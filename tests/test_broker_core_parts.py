@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import Any
 
 import filemq.broker
+from filemq.broker.connection import Core
 from filemq.broker.core import BrokerCore
-from filemq.broker.session import Core
 from tests.broker_harness import Harness, run
 
 
@@ -27,7 +27,7 @@ def _broker_classes() -> list[type]:
 
 def test_no_class_of_the_broker_is_built_from_others_of_the_broker() -> None:
     """No mixins: a class's bases are outside filemq.broker (object, Protocol, a NamedTuple's
-    field tuple ...), except state.py's SentRecord over its own field tuple."""
+    field tuple ...), except session_state.py's SentRecord over its own field tuple."""
     classes = _broker_classes()
     assert BrokerCore in classes and len(classes) > 20  # (the walk found the package)
     inherited = {(c.__name__, b.__name__) for c in classes for b in c.__bases__

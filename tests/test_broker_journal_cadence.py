@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from filemq.broker import delivery
-from filemq.broker.state import JOURNAL_MAX_ACKS
+from filemq.broker.session_state import JOURNAL_MAX_ACKS
 from filemq.mqtt.packets import Puback, Publish, Subscribe
 from tests.broker_harness import FakeQueue, Harness, run
 

@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 
 from bench.broker import run_kill9
-from filemq.broker.state import JOURNAL_MAX_ACKS
+from filemq.broker.session_state import JOURNAL_MAX_ACKS
 from filemq.common.config import DEFAULT_MAX_INFLIGHT
 from filemq.mqtt.codec import Decoder, encode
 from filemq.mqtt.packets import (

@@ -19,8 +19,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from filemq.broker.acl import Acl
-from filemq.broker.sessions import StoredSession, StoredSubscription
-from filemq.broker.state import message_expiry
+from filemq.broker.session_state import message_expiry
+from filemq.broker.session_store import StoredSession, StoredSubscription
 from filemq.common.config import load_config
 from filemq.mqtt.packets import (
     Disconnect,

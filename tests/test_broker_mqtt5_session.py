@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from filemq.broker.sessions import CorruptSession, SessionStore, StoredSession, StoredWill
+from filemq.broker.session_store import CorruptSession, SessionStore, StoredSession, StoredWill
 from filemq.mqtt.packets import (
     Connack,
     Connect,

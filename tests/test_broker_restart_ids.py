@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from filemq.broker.sessions import CorruptSession, StoredSession
+from filemq.broker.session_store import CorruptSession, StoredSession
 from filemq.mqtt.packets import Connect, Puback, Pubcomp, Publish, Pubrec, Pubrel, Suback, Subscribe
 from tests.test_broker_kill9 import _Raw, _start_broker
 

@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 
 import filemq.broker.publish as publish_module
-from filemq.broker.sessions import CorruptSession, StoredSession, StoredSubscription
-from filemq.broker.state import OwnRuns
+from filemq.broker.session_state import OwnRuns
+from filemq.broker.session_store import CorruptSession, StoredSession, StoredSubscription
 from filemq.mqtt.packets import (
     Connack,
     Connect,

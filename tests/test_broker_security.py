@@ -14,7 +14,7 @@ import pytest
 
 from filemq.broker.acl import Acl
 from filemq.broker.auth import PasswordFile, add_or_update
-from filemq.broker.sessions import SessionStore, StoredSession, StoredSubscription
+from filemq.broker.session_store import SessionStore, StoredSession, StoredSubscription
 from filemq.common.config import BrokerSection, CollectorSection
 from filemq.mqtt.packets import Connack, Connect, Puback, Publish, Subscribe
 from tests.broker_harness import Harness, run

@@ -19,9 +19,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from filemq.broker.acl import Acl
+from filemq.broker.connection import CLOSED, CONNECTED, Connection
 from filemq.broker.core import BrokerCore, HookResult
-from filemq.broker.session import CLOSED, CONNECTED, Connection
-from filemq.broker.sessions import SessionStore
+from filemq.broker.session_store import SessionStore
 from filemq.broker.sysinfo import BrokerStats
 from filemq.broker.tailcache import TailCache
 from filemq.common.config import AutoSubscribe, BrokerSection
@@ -786,7 +786,7 @@ def test_retained_rebuilt_in_background(tmp_path: Path) -> None:
 
 
 def test_session_store_round_trip_and_damage(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    from filemq.broker.sessions import StoredSession, StoredSubscription
+    from filemq.broker.session_store import StoredSession, StoredSubscription
 
     store = SessionStore(tmp_path)
     weird = "dev/1 +#%é"
@@ -1442,7 +1442,7 @@ def test_loaded_qos2_id_suppresses_a_store_only_for_the_same_logged_message(tmp_
     under fsync = never, offsets reused since) or that has no offset (a file from before
     offsets were recorded) is stored again -- at worst a duplicate, never a PUBREC for a
     message that is not in the log."""
-    from filemq.broker.sessions import StoredSession
+    from filemq.broker.session_store import StoredSession
 
     async def main() -> None:
         h = Harness(tmp_path)

@@ -282,7 +282,7 @@ def test_verify_doing_below_pending_is_a_problem(data: Path) -> None:
 def test_verify_reports_a_missing_session_group_and_a_stray_group_directory(tmp_path: Path) -> None:
     """issue 10 item 13: a stored session whose group directory is gone (its queued messages
     would be lost) and a group directory no session owns (it pins retention) are problems."""
-    from filemq.broker.sessions import SessionStore, StoredSession, StoredSubscription
+    from filemq.broker.session_store import SessionStore, StoredSession, StoredSubscription
 
     data = tmp_path / "data"
 

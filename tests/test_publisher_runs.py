@@ -1,4 +1,4 @@
-"""PublisherRuns (filemq/broker/state.py), the no-local publisher map kept as runs
+"""PublisherRuns (filemq/broker/session_state.py), the no-local publisher map kept as runs
 (MQTT-3.8.3-3), against the OrderedDict of one entry per offset it replaced."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from collections import OrderedDict
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from filemq.broker.state import PublisherRuns
+from filemq.broker.session_state import PublisherRuns
 
 _ops = st.lists(st.one_of(
     st.tuples(st.just("run"), st.integers(0, 3), st.integers(1, 40), st.sampled_from("pq")),  # gap, n, id

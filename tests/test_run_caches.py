@@ -10,7 +10,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from filemq.broker.state import SessionState, Subscription
+from filemq.broker.session_state import SessionState, Subscription
 from filemq.common.topics import topic_matches
 from filemq.queue.groups import ConsumerGroup
 

@@ -15,9 +15,8 @@ from typing import TYPE_CHECKING
 
 from filemq.broker.acl import fill_pattern
 from filemq.broker.auth import LoginThrottle
-from filemq.broker.session import AUTHENTICATING, AWAITING_CONNECT, CONNECTED, Connection
-from filemq.broker.sessions import StoredSession
-from filemq.broker.state import (
+from filemq.broker.connection import AUTHENTICATING, AWAITING_CONNECT, CONNECTED, Connection
+from filemq.broker.session_state import (
     _PUBREL,
     SESSION_GROUP_PREFIX,
     SHARE_GROUP_PREFIX,
@@ -30,6 +29,7 @@ from filemq.broker.state import (
     message_of,
     parse_share_key,
 )
+from filemq.broker.session_store import StoredSession
 from filemq.common.topics import (
     InvalidTopic,
     validate_topic_filter,
@@ -302,7 +302,7 @@ class Connector:
                 return f"the session of client id {cid!r} belongs to user {owner!r}, not {user!r}"
             return None
         # A session file from before owners were recorded: adopted by the first client whose
-        # ACL allows all its subscriptions (see sessions.py).
+        # ACL allows all its subscriptions (see session_store.py).
         assert conn.acl is not None
         denied = [f for f in filters if not conn.acl.can_subscribe(f)]
         if denied:

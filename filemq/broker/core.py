@@ -1,6 +1,6 @@
 """The broker's shared state and rules, without sockets: sessions, routing, durable acks.
 
-:class:`BrokerCore` is what every :class:`~filemq.broker.session.Connection` delegates to.
+:class:`BrokerCore` is what every :class:`~filemq.broker.connection.Connection` delegates to.
 It runs on the event loop (it uses the queue's group committer) but never touches a socket:
 connections collect output bytes and the asyncio shell (:mod:`filemq.broker.server`) writes
 them after each event with :meth:`BrokerCore.flush`.
@@ -17,7 +17,7 @@ What a caller may rely on:
   the groups read through, so live subscribers never re-read the segment files.
 * **Sessions.** A clean session gets a non-durable consumer group from the log's end (dropped
   at disconnect); a persistent session gets the durable group ``mqtt-session:<client id>`` and
-  a :class:`~filemq.broker.sessions.StoredSession` (subscriptions with their start offsets,
+  a :class:`~filemq.broker.session_store.StoredSession` (subscriptions with their start offsets,
   QoS 2 inbound ids).  ``$share/<name>/<filter>`` subscriptions share the durable group
   ``mqtt-share:<name>/<filter>``: a shared subscription is its share name *and* its filter
   (MQTT 5 §4.8.2), so members with another filter never take its records; each record goes
@@ -37,13 +37,13 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Protocol
 
 from filemq.broker.connect import Connector
+from filemq.broker.connection import AWAITING_CONNECT, CONNECTED, Connection
 from filemq.broker.delivery import Delivery
 from filemq.broker.publish import Ingest, new_publisher_map
 from filemq.broker.registry import SessionRegistry, SessionWriter
 from filemq.broker.retain import Retained
 from filemq.broker.router import Router
-from filemq.broker.session import AWAITING_CONNECT, CONNECTED, Connection
-from filemq.broker.state import (
+from filemq.broker.session_state import (
     CLEAN_GROUP_PREFIX,
     PERSIST_DELAY_S,
     RETAINED_OUT_HIGH,
@@ -79,7 +79,7 @@ if TYPE_CHECKING:
     from filemq.broker.auth import PasswordFile
     from filemq.broker.ports import QueuePort
     from filemq.broker.router import GroupFactory
-    from filemq.broker.sessions import SessionStore
+    from filemq.broker.session_store import SessionStore
     from filemq.broker.sysinfo import BrokerStats
     from filemq.broker.tailcache import TailCache
     from filemq.common.config import BrokerSection
@@ -122,8 +122,8 @@ class BrokerCore:
     broker core"): the :class:`~.router.Router`, the :class:`~.registry.SessionRegistry`,
     :class:`~.delivery.Delivery`, :class:`~.retain.Retained`, :class:`~.systopics.SysTopics`,
     :class:`~.publish.Ingest`, :class:`~.subscribe.Subscriptions` and :class:`~.connect.Connector`,
-    wired here.  What a :class:`~filemq.broker.session.Connection` calls (the
-    :class:`~filemq.broker.session.Core` protocol) is the handling part's own bound method, so
+    wired here.  What a :class:`~filemq.broker.connection.Connection` calls (the
+    :class:`~filemq.broker.connection.Core` protocol) is the handling part's own bound method, so
     no frame of this class sits between a packet and its part.  The periodic work (timeouts,
     expiry, $SYS, session saves) and a connection's close, which every part takes part in, are
     here."""

@@ -15,8 +15,8 @@ from itertools import repeat
 from operator import add, attrgetter, itemgetter
 from typing import TYPE_CHECKING, Any, cast
 
-from filemq.broker.session import Connection
-from filemq.broker.state import (
+from filemq.broker.connection import Connection
+from filemq.broker.session_state import (
     _MAX_PUMP,
     _PUBCOMP,
     _PUBREL,

@@ -13,9 +13,9 @@ from collections.abc import Callable, Sequence
 from itertools import repeat
 from typing import TYPE_CHECKING
 
+from filemq.broker.connection import Connection, refusal_code
 from filemq.broker.router import Target
-from filemq.broker.session import Connection, refusal_code
-from filemq.broker.state import (
+from filemq.broker.session_state import (
     _PUBACK,
     _PUBREC,
     PUBLISHERS_KEPT,

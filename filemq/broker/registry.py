@@ -17,8 +17,8 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from filemq.broker.sessions import NEVER_EXPIRES, SessionSnapshot, SessionStore, StoredSession
-from filemq.broker.state import SESSION_GROUP_PREFIX, SessionState, _copy_outcome
+from filemq.broker.session_state import SESSION_GROUP_PREFIX, SessionState, _copy_outcome
+from filemq.broker.session_store import NEVER_EXPIRES, SessionSnapshot, SessionStore, StoredSession
 from filemq.mqtt.packets import Publish
 from filemq.mqtt.properties import encode_message_headers
 

@@ -14,8 +14,8 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from filemq.broker.session import Connection
-from filemq.broker.state import (
+from filemq.broker.connection import Connection
+from filemq.broker.session_state import (
     CLEAN_GROUP_PREFIX,
     SESSION_GROUP_PREFIX,
     SHARE_GROUP_PREFIX,

@@ -9,8 +9,8 @@ import functools
 import logging
 from typing import TYPE_CHECKING
 
-from filemq.broker.session import Connection
-from filemq.broker.state import (
+from filemq.broker.connection import Connection
+from filemq.broker.session_state import (
     RC_NOT_AUTHORIZED,
     RC_TOPIC_FILTER_INVALID,
     SessionState,

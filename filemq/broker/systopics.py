@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-from filemq.broker.session import Connection
+from filemq.broker.connection import Connection
 from filemq.common.topics import InvalidTopic, topic_matches, validate_topic_name
 from filemq.mqtt.codec import publish_bytes
 

@@ -617,7 +617,7 @@ def _check_session_groups(groups_dir: Path, report: VerifyReport) -> None:
     """A broker data dir: every stored session with subscriptions has its group directory,
     and every MQTT group directory has an owner (a stray one pins retention for ever)."""
     from filemq.broker.core import SESSION_GROUP_PREFIX, SHARE_GROUP_PREFIX, parse_share_key
-    from filemq.broker.sessions import SESSIONS_DIR, CorruptSession, StoredSession
+    from filemq.broker.session_store import SESSIONS_DIR, CorruptSession, StoredSession
 
     sessions_dir = groups_dir.parent / SESSIONS_DIR
     if not sessions_dir.is_dir():

@@ -73,7 +73,7 @@ if TYPE_CHECKING:
     from collections.abc import Callable
 
     from filemq.broker.acl import ClientAcl
-    from filemq.broker.state import SessionState
+    from filemq.broker.session_state import SessionState
     from filemq.common.config import BrokerSection
 
 log = logging.getLogger("filemq.broker")

@@ -13,8 +13,8 @@ from collections.abc import Callable, Set
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar, Literal, NamedTuple
 
-from filemq.broker.session import Connection
-from filemq.broker.sessions import StoredSession, StoredSubscription, StoredWill
+from filemq.broker.connection import Connection
+from filemq.broker.session_store import StoredSession, StoredSubscription, StoredWill
 from filemq.common.native import mypyc_attr
 from filemq.common.topics import (
     parse_shared,
@@ -56,7 +56,7 @@ RC_UNSPECIFIED_ERROR = 0x80
 RC_NOT_AUTHORIZED = 0x87
 RC_TOPIC_FILTER_INVALID = 0x8F
 RC_PACKET_TOO_LARGE = 0x95
-RC_QUOTA_EXCEEDED = 0x97  # (also refusal_code's, filemq.broker.session)
+RC_QUOTA_EXCEEDED = 0x97  # (also refusal_code's, filemq.broker.connection)
 RC_PAYLOAD_FORMAT_INVALID = 0x99
 # Offsets whose publisher's client id is remembered for no local (MQTT-3.8.3-3).
 PUBLISHERS_KEPT = 65536
@@ -430,7 +430,7 @@ class SessionState:
         self.qos2_loaded: set[int] = set()  # ids read from the session file, not yet re-checked
         self.qos2_out: set[int] = set()  # outbound QoS 2 ids PUBREC'd, awaiting PUBCOMP (persistent)
         # Outbound QoS 2 PUBLISHes of the own group not completed: id -> offset (persistent
-        # sessions; in the session file before the PUBLISH leaves, see sessions.py).
+        # sessions; in the session file before the PUBLISH leaves, see session_store.py).
         self.qos2_sent: dict[int, int] = {}
         # While a session-file write that records new qos2_sent ids runs, this session's
         # deliveries wait (its future; the PUBLISHes of the batch leave when it is durable).

@@ -52,7 +52,7 @@ from dataclasses import dataclass
 from operator import attrgetter
 from typing import TYPE_CHECKING, Protocol
 
-from filemq.broker.state import message_expiry
+from filemq.broker.session_state import message_expiry
 from filemq.common.aio import cancel_and_wait
 from filemq.mqtt.client import ConnectionRefused
 from worker_agent.forwarder import CONSUMER, ForwardGroup, RateLimiter, backoff_delay

@@ -50,7 +50,7 @@ from itertools import chain, repeat
 from operator import attrgetter
 from typing import Protocol, cast
 
-from filemq.broker.state import message_expiry
+from filemq.broker.session_state import message_expiry
 from filemq.mqtt.client import ConnectionRefused
 from filemq.mqtt.codec import Decoder, ProtocolError, encode
 from filemq.mqtt.packets import (

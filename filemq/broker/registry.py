@@ -272,6 +272,7 @@ class SessionRegistry:
         gate = state.qos2_gates.get(fut)
         if gate is None:
             gate = state.qos2_gates[fut] = asyncio.get_running_loop().create_future()
+            gate.add_done_callback(_retrieved)  # (a failure is logged by the committer)
             fut.add_done_callback(functools.partial(self._qos2_committed, state, gate))
         return gate
 
@@ -299,6 +300,9 @@ class SessionRegistry:
         if fut is None:
             loop = asyncio.get_running_loop()
             fut = state.save_next = loop.create_future()
+            # A failed write is logged (_save_done); a save nobody waits for any more (its
+            # connection gone) must not also print "Future exception was never retrieved".
+            fut.add_done_callback(_retrieved)
             if not state.save_running:
                 loop.call_soon(self._start_save, state)
         return fut

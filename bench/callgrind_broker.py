@@ -16,7 +16,6 @@ and a user property to every PUBLISH (as ``filemq bench broker --protocol 5 --v5
 from __future__ import annotations
 
 import os
-import re
 import signal
 import sys
 import tempfile
@@ -26,6 +25,7 @@ from pathlib import Path
 from bench.harness.brokers import BrokerBenchOptions
 from bench.harness.loads import V5_PROPERTIES, fanout_run, ingest_run
 from bench.harness.processes import LOOPBACK, free_port, spawn
+from bench.valgrind import callgrind_prefix, callgrind_total
 from filemq.mqtt.packets import PROTOCOL_LEVEL
 
 SCENARIO = os.environ.get("SCENARIO", "ingest")
@@ -36,7 +36,7 @@ PROPERTIES = V5_PROPERTIES if os.environ.get("V5_PROPERTIES") == "1" else None
 def run(tree: Path, n: int, work: Path) -> int:
     port = free_port()
     out = work / "cg.out"
-    argv = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", sys.executable,
+    argv = [*callgrind_prefix(out), sys.executable,
             str(tree / "cli.py"), "broker", "--data-dir", str(work / "data"), "--host", LOOPBACK,
             "--port", str(port), "--fsync", "always"]
     broker = spawn(tree.name, argv, LOOPBACK, port, work / "broker.log",
@@ -54,10 +54,7 @@ def run(tree: Path, n: int, work: Path) -> int:
     finally:
         broker.proc.send_signal(signal.SIGINT)
         broker.proc.wait(600)
-    text = out.read_text(errors="replace")
-    m = re.search(r"^(?:summary|totals):\s+(\d+)", text, re.M)
-    assert m, "no totals"
-    return int(m.group(1))
+    return callgrind_total(out)
 
 
 def main() -> None:

@@ -22,7 +22,6 @@ from __future__ import annotations
 import collections
 import json
 import os
-import re
 import signal
 import sys
 import tempfile
@@ -31,6 +30,7 @@ from pathlib import Path
 
 from bench.everyday import SensorLoad, run_sensors
 from bench.harness.processes import LOOPBACK, free_port, spawn
+from bench.valgrind import callgrind_prefix, callgrind_total
 
 RATE = float(os.environ.get("RATE", "20"))
 SECONDS = float(os.environ.get("SECONDS", "15"))
@@ -68,7 +68,7 @@ def _run(mode: str, tree: Path, rate: float, work: Path) -> tuple[int, Counts, i
                    "--host", LOOPBACK, "--port", str(port)]
     env = dict(os.environ, PYTHONPATH=str(tree))
     if mode == "callgrind":
-        argv = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", sys.executable, *broker_args]
+        argv = [*callgrind_prefix(out), sys.executable, *broker_args]
         env["PYTHONMALLOC"] = "malloc"
     else:
         tracer = work / "tracer.py"
@@ -85,10 +85,7 @@ def _run(mode: str, tree: Path, rate: float, work: Path) -> tuple[int, Counts, i
         broker.proc.send_signal(signal.SIGINT)
         broker.proc.wait(600)
     if mode == "callgrind":
-        m = re.search(r"^(?:summary|totals):\s+(\d+)", out.read_text(errors="replace"), re.M)
-        if not m:
-            raise RuntimeError(f"{out}: no totals line")
-        return int(m.group(1)), {}, result.acked
+        return callgrind_total(out), {}, result.acked
     counts = {(f, line, fn): v for f, line, fn, v in json.loads(out.read_text())}
     return 0, counts, result.acked
 

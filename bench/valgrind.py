@@ -15,6 +15,19 @@ import tempfile
 from pathlib import Path
 
 
+def callgrind_prefix(out: Path) -> list[str]:
+    """The command line that runs what follows it under callgrind, writing ``out``."""
+    return ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}"]
+
+
+def callgrind_total(out: Path) -> int:
+    """The total instruction count (Ir) of the callgrind output file ``out``."""
+    m = re.search(r"^(?:summary|totals):\s+(\d+)", out.read_text(errors="replace"), re.M)
+    if not m:
+        raise RuntimeError(f"{out}: no totals line")
+    return int(m.group(1))
+
+
 def callgrind_ir(script: str, tree: Path, n: int, *, system_malloc: bool = True) -> int:
     """Total Ir of ``python script --inner n`` run in ``tree`` under callgrind
     (``PYTHONHASHSEED=0``; ``system_malloc``: ``PYTHONMALLOC=malloc``)."""
@@ -23,9 +36,6 @@ def callgrind_ir(script: str, tree: Path, n: int, *, system_malloc: bool = True)
         env["PYTHONMALLOC"] = "malloc"
     with tempfile.TemporaryDirectory(prefix="cg-") as d:
         out = Path(d) / "cg.out"
-        subprocess.run(["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", sys.executable,
-                        str(Path(script).resolve()), "--inner", str(n)],
+        subprocess.run([*callgrind_prefix(out), sys.executable, str(Path(script).resolve()), "--inner", str(n)],
                        cwd=tree, env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        m = re.search(r"^(?:summary|totals):\s+(\d+)", out.read_text(errors="replace"), re.M)
-        assert m, "no totals"
-        return int(m.group(1))
+        return callgrind_total(out)

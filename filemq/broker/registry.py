@@ -34,6 +34,16 @@ InternalPublish = Callable[[str, bytes, int, bool, bytes], None]
 """Stores a message the broker itself publishes: topic, payload, QoS, retain, MQTT 5 headers."""
 
 
+def _settle(fut: asyncio.Future[None], exc: BaseException | None) -> None:
+    """Resolve a session write's future with its outcome: cancelled, failed with ``exc``, or done."""
+    if isinstance(exc, asyncio.CancelledError):
+        fut.cancel()
+    elif exc is not None:
+        fut.set_exception(exc)
+    else:
+        fut.set_result(None)
+
+
 def _retrieved(fut: asyncio.Future[None]) -> None:
     """Mark a fire-and-forget future's failure as seen (it was logged where it happened)."""
     if not fut.cancelled():
@@ -116,13 +126,9 @@ class SessionRegistry:
         def done(exc: BaseException | None) -> None:
             if fut.done():
                 return
-            if isinstance(exc, asyncio.CancelledError):
-                fut.cancel()
-            elif exc is not None:
+            if exc is not None and not isinstance(exc, asyncio.CancelledError):
                 log.error("client %r: writing or removing the session file failed: %s", snap.client_id, exc)
-                fut.set_exception(exc)
-            else:
-                fut.set_result(None)
+            _settle(fut, exc)
 
         self.session_writer(snap, done)
         return fut
@@ -332,13 +338,9 @@ class SessionRegistry:
 
     def _save_done(self, state: SessionState, fut: asyncio.Future[None], exc: BaseException | None) -> None:
         state.save_running = False
-        if isinstance(exc, asyncio.CancelledError):
-            fut.cancel()
-        elif exc is not None:
+        if exc is not None and not isinstance(exc, asyncio.CancelledError):
             log.error("client %r: writing the session file failed: %s", state.client_id, exc)
-            fut.set_exception(exc)
-        else:
-            fut.set_result(None)
+        _settle(fut, exc)
         if state.save_next is not None:
             self._start_save(state)
 

@@ -9,7 +9,7 @@ Each tree's `BrokerCore` runs over the tests' `FakeQueue` (tests/broker_harness.
 one persistent QoS 1 subscriber on ``bench/fanout/#`` and a window of ``WINDOW`` (20); the
 log holds 40,300 committed, routed records of 100 bytes on 4 topics, all in the tail cache,
 and the subscriber starts at its beginning. A cycle feeds the subscriber the PUBACKs of its
-whole window, ``ACKS`` (= the window) per read (receive_data -> on_pubacks -> ack), and
+whole window, ``ACKS`` (= the window) per read (receive_data -> receive -> on_pubacks -> ack), and
 flushes after each read as the broker does (refill: fetch -> _deliver_run -> write). Prints
 Ir for CYCLES and for 0 cycles and the difference per delivery. Collected garbage is frozen
 before the cycles (the broker freezes its start-up, filemq/ops/gctune.py).
@@ -69,7 +69,7 @@ async def run_cycles(cycles: int) -> None:
     for _ in range(cycles):
         acks = b"".join([b"\x40\x02" + pid.to_bytes(2, "big") for pid in state.inflight])
         for j in range(0, len(acks), 4 * per):
-            conn.receive_data(acks[j:j + 4 * per])
+            c.feed(acks[j:j + 4 * per], 0.0)
             core.flush()
         assert sent and state.inflight, "a cycle's PUBACKs refilled nothing"
         sent.clear()

@@ -9,7 +9,7 @@ Each tree's `BrokerCore` runs over the tests' `FakeQueue` (tests/broker_harness.
 disk, no sockets) with 10 persistent QoS 1 subscribers on ``bench/fanout/#`` (``V5=1``: MQTT 5
 clients); a round publishes 100 QoS 1 messages of 100 bytes to 4 topics, commits them (route ->
 fetch -> _deliver -> write) and feeds every subscriber its PUBACKs, ``ACKS_PER_READ`` (100) per
-read (receive_data -> on_pubacks -> group ack), and flushes after each read as the broker does
+read (receive_data -> receive -> on_pubacks -> group ack), and flushes after each read as the broker does
 (``WINDOW=20``: the subscribers' in-flight window, 200 unless given; a read of PUBACKs then
 refills it, fetch -> _deliver -> write, as in the real load).  Prints Ir for ROUNDS and for 0 rounds and the
 difference per delivery (publish side included).  ``PYTHONHASHSEED=0``; valgrind ~50x slower.
@@ -77,7 +77,7 @@ async def _load(rounds: int) -> None:
                 delivered += len(state.inflight)
                 acks = [b"\x40\x02" + pid.to_bytes(2, "big") for pid in state.inflight]
                 for j in range(0, len(acks), acks_per_read):
-                    s.conn.receive_data(b"".join(acks[j:j + acks_per_read]))
+                    s.feed(b"".join(acks[j:j + acks_per_read]), 0.0)
                     core.flush()
                 s.transport.data.clear()
         for s in subs:

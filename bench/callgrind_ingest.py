@@ -83,7 +83,7 @@ async def _load(rounds: int) -> None:
             stream = tails[i] + b"".join([b"".join((head, x.to_bytes(2, "big"), rest)) for x in ids])
             cut = len(stream) - len(stream) % read if len(stream) > read else len(stream)
             for k in range(0, cut, read):
-                c.conn.receive_data(stream[k:k + read])
+                c.feed(stream[k:k + read], 0.0)
                 core.flush()
             tails[i] = stream[cut:]
         q.commit()
@@ -94,7 +94,7 @@ async def _load(rounds: int) -> None:
             acked += len(c.transport.data) // 4
             c.transport.data.clear()
     for i, c in enumerate(pubs):  # the rest of each stream
-        c.conn.receive_data(tails[i])
+        c.feed(tails[i], 0.0)
     q.commit()
     for _ in range(3):
         await asyncio.sleep(0)

@@ -1,5 +1,5 @@
 """Instruction counts (valgrind callgrind "Ir") of one read of a few PUBACKs in the broker:
-`Connection.receive_data` -> `on_pubacks` -> `flush`, with no refill and no socket.
+`Connection.receive_data` -> `BrokerCore.receive` -> `on_pubacks` -> `flush`, with no refill and no socket.
 
     A=4 PYTHONPATH=$PWD python -m bench.callgrind_reads READS name=/tree [name=/tree ...]
 
@@ -63,9 +63,9 @@ async def feed_reads(reads: int) -> int:
     pids = list(state.inflight)
     datas = [b"".join(b"\x40\x02" + p.to_bytes(2, "big") for p in pids[i:i + per_read])
              for i in range(0, reads * per_read, per_read)]
-    receive, flush = c.conn.receive_data, core.flush
+    conn, receive, flush = c.conn, core.receive, core.flush
     for data in datas:
-        receive(data)
+        receive(conn, conn.receive_data(data, 0.0))
         flush()
     acked = MESSAGES - len(state.inflight)
     assert acked == reads * per_read, (acked, reads * per_read)

@@ -12,6 +12,7 @@ test files use it, and the in-process instruction-count benches (bench/callgrind
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 from typing import Any
 
@@ -154,19 +155,38 @@ class Client:
     def __init__(self, h: Clients, peer: str) -> None:
         self.h = h
         self.transport = FakeTransport()
-        self.conn = Connection(h.core, peer, self.transport, max_inflight=h.config.max_inflight,
+        core = h.core
+        self.conn = Connection(h.config, peer, now=time.monotonic(), output_ready=core.mark_dirty,
+                               closed=self._closed, max_inflight=h.config.max_inflight,
                                max_packet_size=h.config.max_packet_size)
-        h.core.new_connection(self.conn)
+        self.conn.write = self.transport.write
+        core.new_connection(self.conn)
         self._decoder = Decoder(server=False)
         self._read = 0
         self._left: list[Any] = []
 
+    def _closed(self, conn: Connection, prev_state: str) -> None:
+        """The connection's ``closed`` notification, as the asyncio shell handles it: the core
+        forgets it, what is left in its output is written, the transport closed."""
+        self.h.core.on_close(conn, prev_state)
+        write, conn.write = conn.write, None
+        if write is None:
+            return
+        data = conn.data_to_send()
+        if data:
+            write(data)
+        self.transport.close()
+
+    def feed(self, data: bytes, now: float | None = None) -> None:
+        """``data`` as one read from the socket: the connection's events to the core (no flush)."""
+        self.h.core.receive(self.conn, self.conn.receive_data(data, time.monotonic() if now is None else now))
+
     def send(self, *packets: Any) -> None:
-        self.conn.receive_data(b"".join(encode(p) for p in packets))
+        self.feed(b"".join(encode(p) for p in packets))
         self.h.core.flush()
 
     def send_bytes(self, data: bytes) -> None:
-        self.conn.receive_data(data)
+        self.feed(data)
         self.h.core.flush()
 
     def received(self) -> list[Any]:

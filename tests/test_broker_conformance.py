@@ -368,7 +368,7 @@ def test_mqtt5_connect_larger_than_the_largest_311_connect_is_accepted(tmp_path:
         for step in (len(wire), 4, 1460):
             c = client5(h)
             for k in range(0, len(wire), step):
-                c.conn.receive_data(wire[k:k + step])
+                c.feed(wire[k:k + step])
             h.core.flush()
             ack = c.received()
             assert [type(p) for p in ack] == [Connack] and ack[0].return_code == 0, step

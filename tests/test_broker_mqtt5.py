@@ -35,7 +35,7 @@ class Client5(Client):
         self._decoder = Decoder(server=False, protocol_level=5)
 
     def send(self, *packets: Any) -> None:
-        self.conn.receive_data(b"".join(encode5(p) for p in packets))
+        self.feed(b"".join(encode5(p) for p in packets))
         self.h.core.flush()
 
     def connect(self, client_id: str, clean: bool = True, **kw: Any) -> Connack:

@@ -79,7 +79,7 @@ async def _ingest(tmp: Path, reads: list[bytes], refuse_from: int | None, fail_c
 
     setattr(h.core, "on_publish_run", counting)  # noqa: B010 (a method of the instance only)
     for data in reads:
-        c.conn.receive_data(data)
+        c.feed(data)
         h.core.flush()
     h.queue.fail_next = fail_commit
     await h.commit()

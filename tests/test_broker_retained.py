@@ -351,13 +351,15 @@ def test_subscribes_of_a_client_that_does_not_read_queue_bounded_retained_bytes(
             p.send(Publish(f"ret/{i}", bytes([i]) * size, 1, True, packet_id=i + 1))
         await h.commit()
         t = _PausingTransport(high=64 * 1024)
-        conn = Connection(h.core, "10.0.0.9:1", t, max_inflight=h.config.max_inflight)
+        conn = Connection(h.config, "10.0.0.9:1", now=time.monotonic(), output_ready=h.core.mark_dirty,
+                          closed=h.core.on_close, max_inflight=h.config.max_inflight)
+        conn.write = t.write
         t.conn = conn
         h.core.new_connection(conn)
-        conn.receive_data(encode(Connect(client_id="slow")))
+        h.core.receive(conn, conn.receive_data(encode(Connect(client_id="slow")), time.monotonic()))
         h.core.flush()
         for i in range(30):
-            conn.receive_data(encode(Subscribe(i + 1, [("ret/#", i % 2)])))
+            h.core.receive(conn, conn.receive_data(encode(Subscribe(i + 1, [("ret/#", i % 2)])), time.monotonic()))
             h.core.flush()
             for _ in range(3):
                 await asyncio.sleep(0)  # scheduled re-pumps run (and find the transport paused)
@@ -374,7 +376,7 @@ def test_subscribes_of_a_client_that_does_not_read_queue_bounded_retained_bytes(
             acks = [Puback(m.packet_id) for m in new if isinstance(m, Publish) and m.packet_id is not None]
             conn.paused = False
             if acks:
-                conn.receive_data(b"".join(encode(a) for a in acks))
+                h.core.receive(conn, conn.receive_data(b"".join(encode(a) for a in acks), time.monotonic()))
             h.core.pump(conn)
             h.core.flush()
             for _ in range(3):

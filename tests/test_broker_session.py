@@ -76,7 +76,7 @@ def test_acks_and_deliveries_to_one_connection_leave_in_one_write_per_loop_pass(
         c = h.connected("self", subscribe=Subscribe(1, [("t", 1)]))
         counting = CountingTransport()
         c.transport = counting
-        c.conn.transport = counting
+        c.conn.write = counting.write
         c._read = 0
         c.send(Publish("t", b"1", 1, packet_id=1), Publish("t", b"2", 1, packet_id=2))
         assert counting.writes == 0  # the PUBACKs wait for the commit (MQTT-4.3.2-2 durable first)

@@ -88,10 +88,10 @@ def test_connect_deadline_is_absolute_from_accept(tmp_path: Path) -> None:
         timeout = h.core.connect_timeout
         for i in range(len(_CONNECT) - 1):  # every byte but the last, well inside each deadline
             now = t0 + (i + 1) * timeout / len(_CONNECT)
-            conn.receive_data(_CONNECT[i:i + 1], now=now)
+            h.core.receive(conn, conn.receive_data(_CONNECT[i:i + 1], now))
             assert not conn.closed
-        assert not conn.keepalive_expired(t0 + timeout - 0.01)
-        assert conn.keepalive_expired(t0 + timeout + 0.01)
+        assert not conn.keepalive_expired(t0 + timeout - 0.01, timeout)
+        assert conn.keepalive_expired(t0 + timeout + 0.01, timeout)
         h.core.tick(t0 + timeout + 0.01)
         assert conn.state == CLOSED and "no CONNECT within" in conn.close_reason
 
@@ -222,8 +222,9 @@ def _buffered(b: Broker, client_id: str) -> int:
     """Bytes the broker holds for ``client_id``'s output: its transport buffer + pending out."""
     assert b.core is not None
     for conn in b.core.conns:
-        if conn.client_id == client_id and conn.transport is not None:
-            size: int = conn.transport.get_write_buffer_size()  # type: ignore[attr-defined]
+        if conn.client_id == client_id and conn.write is not None:
+            transport = conn.write.__self__  # type: ignore[attr-defined]  # (the shell's transport.write)
+            size: int = transport.get_write_buffer_size()
             return size + len(conn.out)
     return 0
 
@@ -247,7 +248,7 @@ def test_client_that_never_reads_stops_being_read(tmp_path: Path) -> None:
             # broker's own buffer (loopback would otherwise absorb megabytes first).
             assert b.core is not None
             (conn,) = [c for c in b.core.conns if c.client_id == "deaf"]
-            bsock = conn.transport.get_extra_info("socket")  # type: ignore[union-attr]
+            bsock = conn.write.__self__.get_extra_info("socket")  # type: ignore[union-attr]  # (the shell's transport)
             bsock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
             chunk = encode(Pingreq()) * 65536  # 128 KiB of PINGREQs
             peak = 0
@@ -284,7 +285,7 @@ def test_paused_connection_is_read_again_when_drained(tmp_path: Path) -> None:
             assert await asyncio.wait_for(r.readexactly(4), 5) == b"\x20\x02\x00\x00"
             assert b.core is not None
             (conn,) = [c for c in b.core.conns if c.client_id == "slowreader"]
-            bsock = conn.transport.get_extra_info("socket")  # type: ignore[union-attr]
+            bsock = conn.write.__self__.get_extra_info("socket")  # type: ignore[union-attr]  # (the shell's transport)
             bsock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
             n = 600_000  # 1.2 MB of PINGRESPs: more than the buffer limit and socket buffers
             w.write(encode(Pingreq()) * n)

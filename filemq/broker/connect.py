@@ -10,6 +10,7 @@ import functools
 import logging
 import secrets
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
@@ -18,6 +19,7 @@ from filemq.broker.auth import LoginThrottle
 from filemq.broker.connection import AUTHENTICATING, AWAITING_CONNECT, CONNECTED, Connection
 from filemq.broker.session_state import (
     _PUBREL,
+    RC_QUOTA_EXCEEDED,
     SESSION_GROUP_PREFIX,
     SHARE_GROUP_PREFIX,
     Outbound,
@@ -108,6 +110,10 @@ def _check_password(conn: Connection, passwords: PasswordFile, user: str, passwo
     return passwords.check(user, password)
 
 
+def _no_resume(conn: Connection) -> None:
+    """Until the core wires its own: a connection's bytes behind a CONNECT wait."""
+
+
 class Connector:
     """CONNECT: authentication (password checks off the loop, the login throttle), session
     ownership and take-over, clean and persistent sessions (their files written before
@@ -128,6 +134,9 @@ class Connector:
         self.delivery = delivery
         self.ingest = ingest
         self.connect_timeout = CONNECT_TIMEOUT
+        # Handles a connection's events once its CONNECT is accepted after a wait (a password
+        # check, a session-file write): the core's, wired by it.
+        self.resume: Callable[[Connection], None] = _no_resume
         self.connections: dict[str, Connection] = {}  # client id -> live connection
         self._auth_pool: ThreadPoolExecutor | None = None  # created at the first password check
         self._login_throttle = LoginThrottle(config.login_failures_before_delay, config.login_failure_delay_ms / 1000)
@@ -140,6 +149,25 @@ class Connector:
 
     # ---- CONNECT -------------------------------------------------------------------------
 
+    def _server_full(self, conn: Connection, p: Connect) -> bool:
+        """Refuse a CONNECT with CONNACK 3 (MQTT 5: 0x97) when ``max_connections`` clients are connected
+        (a client taking over its own id does not add one).  Half-open connections do not
+        count: they are capped apart (``max_connecting``, in the asyncio shell)."""
+        limit = self.config.max_connections
+        if len(self.connections) < limit or p.client_id in self.connections:
+            return False
+        if p.protocol_level == PROTOCOL_LEVEL_5:
+            # 3.2.2.2: 0x97 Quota exceeded, "an implementation or administrative imposed
+            # limit" -- what max_connections is (0x89 Server busy suggests a passing state).
+            conn.protocol_level = PROTOCOL_LEVEL_5
+            conn.encode_packet = encode5
+            conn.send_packet(Connack(False, RC_QUOTA_EXCEEDED))
+        else:
+            conn.send_packet(Connack(False, CONNACK_SERVER_UNAVAILABLE))
+        conn.close(f"CONNECT refused (server unavailable): max_connections ({limit}) clients connected",
+                   will=False, level=logging.WARNING)
+        return True
+
     def _refuse(self, conn: Connection, code: int, why: str) -> None:
         """CONNACK ``code`` (a 3.1.1 return code; on MQTT 5 its Connect Reason Code, or a
         reason code >= 0x80 given directly) and close."""
@@ -150,6 +178,8 @@ class Connector:
         conn.close(f"CONNECT refused ({name}): {why}", will=False, level=logging.WARNING)
 
     def on_connect(self, conn: Connection, p: Connect) -> None:
+        if self._server_full(conn, p):
+            return
         if p.protocol_name != "MQTT" or p.protocol_level not in (4, PROTOCOL_LEVEL_5):
             self._refuse(conn, CONNACK_UNACCEPTABLE_PROTOCOL_VERSION,
                          f"protocol {p.protocol_name!r} level {p.protocol_level}; only MQTT 3.1.1 (level 4) "
@@ -256,7 +286,7 @@ class Connector:
         if ok:
             self._login_throttle.succeeded(source)
             self._accept(conn, p)
-            conn.resume_after_auth()
+            self.resume(conn)
         else:
             throttle = self._login_throttle
             if throttle.failed(source, time.monotonic()):
@@ -420,7 +450,7 @@ class Connector:
                 self._take_over(old, conn, p)
             conn.state = AWAITING_CONNECT
             self._connected(conn, state, p, present)
-            conn.resume_after_auth()
+            self.resume(conn)
         self.delivery.flush()
 
     def _connected(self, conn: Connection, state: SessionState, p: Connect, present: bool) -> None:

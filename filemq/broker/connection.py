@@ -1,11 +1,29 @@
-"""The per-connection MQTT 3.1.1 state machine, without I/O (as h11 is for HTTP).
+"""The per-connection MQTT session, without I/O (as h11 is for HTTP).
 
-Bytes go in with :meth:`Connection.receive_data`; bytes to send collect in an output buffer
-that the owner drains with :meth:`Connection.data_to_send` (the asyncio shell writes it with
-one ``transport.write`` per event, so many PUBACKs of one group commit leave in one write).
-Everything that concerns more than this connection -- authentication, storing a PUBLISH,
-routing, subscriptions, retained messages, wills -- is delegated to the
-:class:`~filemq.broker.core.BrokerCore` it was created with.
+A :class:`Connection` holds one network connection's protocol state: where it is in the
+CONNECT handshake, its decoder, the keepalive deadline, MQTT 5 topic aliases both ways and the
+client's Receive Maximum window, and the inbound acks waiting for their commit.  It has no
+socket, no event loop and no clock: the shell that owns the socket (the asyncio protocol in
+:mod:`filemq.broker.server`, the WebSocket adapter, the test harness) passes bytes and the time
+in and takes bytes out, and the broker core gives its answers (``queue_ack``, ``send_packet``,
+``close``).
+
+* :meth:`Connection.receive_data` takes the bytes of one read and returns the **events** they
+  make, in order: the packets that passed this connection's checks (:class:`Connect`,
+  :class:`Publish`, the decoder's :class:`PublishRun`, :class:`Publishes` for a run of
+  PUBLISHes from one read, :class:`Acks` for a read of bare PUBACKs, :class:`Puback`,
+  :class:`Pubrec`, :class:`Pubrel`, :class:`Pubcomp`, :class:`Subscribe`,
+  :class:`Unsubscribe`, :class:`Disconnect`).  The core (:meth:`BrokerCore.receive`) hands
+  each to its part.  The events are produced lazily, one after the core handled the one
+  before: a check that depends on the core's answers (MQTT 5 Receive Maximum counts the
+  acks the core queued) sees them, and after a CONNECT the bytes behind it are decoded only
+  once the core accepted it.  A violation raises :class:`~filemq.mqtt.ProtocolError` from
+  the iteration; the core answers it with :meth:`protocol_error`.
+* Bytes to send collect in an output buffer: :meth:`data_to_send` drains it.  Whenever the
+  buffer goes from empty to something, ``output_ready(conn)`` is called (the core's flush
+  marks the connection), and the core's flush hands the bytes to ``write``, the shell's sink.
+* :meth:`close` marks the connection closed once and calls ``closed(conn, prev_state)``: the
+  shell tells the core and closes its socket after writing what is left.
 
 What a caller may rely on:
 
@@ -15,7 +33,8 @@ What a caller may rely on:
   ``max_packet_size`` up to :data:`MAX_CONNECT5_PACKET`, and at most that many bytes are held for the connection (once the
   CONNECT's level byte is in); the CONNECT must be complete ``connect_timeout`` after the accept,
   however slowly its bytes arrive.  Any :class:`~filemq.mqtt.ProtocolError` closes it too, with the
-  reason logged with client id and peer.  :meth:`receive_data` never raises.
+  reason logged with client id and peer.  :meth:`receive_data` never raises; iterating its
+  events raises only :class:`~filemq.mqtt.ProtocolError`.
 * A QoS 1 PUBACK / QoS 2 PUBREC is queued only after the record's group-commit future has
   resolved (``ack_ready`` is driven by the core from the future's callback), in arrival
   order; a failed commit closes the connection instead of acknowledging.
@@ -28,9 +47,8 @@ from __future__ import annotations
 import errno
 import logging
 import math
-import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 from filemq.common.config import DEFAULT_MAX_INFLIGHT
@@ -45,7 +63,6 @@ from filemq.mqtt.codec import (
 )
 from filemq.mqtt.packets import (
     CONNACK_REASON_CODES,
-    CONNACK_SERVER_UNAVAILABLE,
     CONNACK_UNACCEPTABLE_PROTOCOL_VERSION,
     PROTOCOL_LEVEL_5,
     RC_PROTOCOL_ERROR,
@@ -69,9 +86,6 @@ from filemq.mqtt.pubacks import puback_ids
 from segments.errors import DiskFull
 
 if TYPE_CHECKING:
-    import asyncio
-    from collections.abc import Callable
-
     from filemq.broker.acl import ClientAcl
     from filemq.broker.session_state import SessionState
     from filemq.common.config import BrokerSection
@@ -92,7 +106,6 @@ MAX_CONNECT_PACKET = 5 + 10 + 5 * (2 + 65535)
 MAX_CONNECT5_PACKET = 1 << 20
 
 RC_RECEIVE_MAXIMUM_EXCEEDED = 0x93
-RC_QUOTA_EXCEEDED = 0x97
 _PUBACK_PUBCOMP = (0x40, 0x70)  # first bytes of PUBACK / PUBCOMP in ``pending_acks`` (PUBREC: 0x50)
 
 AWAITING_CONNECT = "awaiting-connect"
@@ -118,6 +131,13 @@ def _publish_aliased(topic: str, alias: int, payload: bytes, qos: int, dup: bool
                           headers + bytes((0x23, alias >> 8, alias & 0xFF)))
 
 
+# Packets allowed only once connected, by type: the name a violation gives.
+_AFTER_CONNECT: dict[type, str] = {
+    Puback: "PUBACK", Pubrec: "PUBREC", Pubrel: "PUBREL", Pubcomp: "PUBCOMP", Subscribe: "SUBSCRIBE",
+    Unsubscribe: "UNSUBSCRIBE", Disconnect: "DISCONNECT",
+}
+
+
 def _expand(packets: Sequence[object]) -> list[object]:
     """``packets`` with each :class:`PublishRun` as one :class:`Publish` per message."""
     out: list[object] = []
@@ -129,77 +149,79 @@ def _expand(packets: Sequence[object]) -> list[object]:
     return out
 
 
-class Transport(Protocol):
-    """The two things a connection needs from its socket (asyncio.Transport satisfies it)."""
+class Commit(Protocol):
+    """What a connection needs of a group commit's future (an asyncio.Future satisfies it):
+    whether it resolved, and how."""
 
-    def write(self, data: bytes) -> None: ...
+    def done(self) -> bool: ...
 
-    def close(self) -> None: ...
+    def cancelled(self) -> bool: ...
+
+    def exception(self) -> BaseException | None: ...
 
 
-class Core(Protocol):
-    """What a connection needs from the broker core (:class:`~filemq.broker.core.BrokerCore`
-    satisfies it): the limits it enforces and the handlers its packets go to. A Protocol, so
-    this lower module never imports the core."""
+class Publishes:
+    """Event: a run of PUBLISHes from one read, in order (MQTT 3.1.1; MQTT 5: QoS 1 ones
+    without a topic alias, for which this connection's Receive Maximum has room)."""
 
-    config: BrokerSection
-    connect_timeout: float
-    connections: dict[str, Connection]
+    __slots__ = ("packets",)
 
-    def mark_dirty(self, conn: Connection) -> None: ...
+    def __init__(self, packets: Sequence[Publish]) -> None:
+        self.packets = packets
 
-    def on_connect(self, conn: Connection, p: Connect) -> None: ...
 
-    def on_publish(self, conn: Connection, p: Publish) -> None: ...
+class Acks:
+    """Event: a read of nothing but bare PUBACKs (what a subscriber sends back), as packet ids
+    in order (sliced by :func:`~filemq.mqtt.pubacks.puback_ids`, not decoded one by one)."""
 
-    def on_publishes(self, conn: Connection, ps: Sequence[Publish]) -> None: ...
+    __slots__ = ("ids",)
 
-    def on_publish_run(self, conn: Connection, run: PublishRun) -> None: ...
+    def __init__(self, ids: Sequence[int]) -> None:
+        self.ids = ids
 
-    def on_puback(self, conn: Connection, pid: int) -> None: ...
 
-    def on_pubacks(self, conn: Connection, pids: Sequence[int]) -> None: ...
+def _closed_nowhere(conn: Connection, prev_state: str) -> None:
+    """The default ``closed`` notification: nobody to tell (a connection used on its own)."""
 
-    def on_pubrec(self, conn: Connection, pid: int, reason_code: int = 0) -> None: ...
 
-    def on_pubrel(self, conn: Connection, pid: int) -> None: ...
-
-    def on_pubcomp(self, conn: Connection, pid: int) -> None: ...
-
-    def on_subscribe(self, conn: Connection, p: Subscribe) -> None: ...
-
-    def on_unsubscribe(self, conn: Connection, p: Unsubscribe) -> None: ...
-
-    def on_close(self, conn: Connection, prev_state: str) -> None: ...
-
-    def on_disconnect(self, conn: Connection, p: Disconnect) -> None: ...
+def _ready_nowhere(conn: Connection) -> None:
+    """The default ``output_ready`` notification: nobody to tell."""
 
 
 class Connection:
-    """One client connection: protocol state, inbound acks waiting for commit, output buffer."""
+    """One client connection: protocol state, inbound acks waiting for commit, output buffer.
+
+    ``config`` gives the limits it enforces (``receive_maximum``, ``topic_alias_maximum``);
+    ``output_ready`` and ``closed`` are its two notifications to its owner (see the module
+    docstring); ``now`` is the accept time (the CONNECT deadline counts from it)."""
 
     __slots__ = (
-        "core", "peer", "transport", "decoder", "state", "out", "client_id", "username",
+        "config", "peer", "write", "decoder", "state", "out", "client_id", "username",
         "keepalive", "last_rx", "will", "session", "acl", "pending_acks", "closed",
         "close_reason", "publish_will", "paused", "max_inflight", "last_batch",
         "connected_at", "max_packet_size", "reading_changed", "identity", "protocol_level",
-        "encode_packet", "assigned_id", "client_max_packet", "linger_close", "alias_max",
-        "out_aliases", "topic_aliases", "acks_extra",
+        "encode_packet", "assigned_id", "client_max_packet", "output_ready", "alias_max",
+        "out_aliases", "topic_aliases", "acks_extra", "on_closed",
     )
 
     def __init__(
         self,
-        core: Core,
+        config: BrokerSection,
         peer: str,
-        transport: Transport | None = None,
         *,
+        now: float,
+        output_ready: Callable[[Connection], None] = _ready_nowhere,
+        closed: Callable[[Connection, str], None] = _closed_nowhere,
         max_packet_size: int = 1 << 20,
         max_inflight: int = DEFAULT_MAX_INFLIGHT,
-        now: float | None = None,
     ) -> None:
-        self.core = core
+        self.config = config
         self.peer = peer
-        self.transport = transport
+        self.output_ready = output_ready
+        self.on_closed = closed
+        # The shell's sink for data_to_send(), called by the core's flush (never by this
+        # class); None while there is no socket to write to.
+        self.write: Callable[[bytes], object] | None = None
         self.max_packet_size = max_packet_size  # after CONNACK; less before (MAX_CONNECT_PACKET)
         # Before CONNACK: MQTT 3.1.1's largest CONNECT, unless the CONNECT's level byte says 5
         # (its properties have no such bound: max_packet_size then, capped; issue 33 item 5).
@@ -213,26 +235,26 @@ class Connection:
         # the username, and the password file is not consulted.
         self.identity: str | None = None
         self.keepalive = 0
-        self.last_rx = time.monotonic() if now is None else now
-        self.connected_at = self.last_rx  # the accept: the CONNECT deadline counts from here
+        self.last_rx = now
+        self.connected_at = now  # the accept: the CONNECT deadline counts from here
         self.will: Publish | None = None
         # The connection's session state, set by the core at CONNECT.
         self.session: SessionState | None = None
         self.acl: ClientAcl | None = None
-        # (commit future or None, ack bytes), in arrival order: acks leave in this order.
-        self.pending_acks: deque[tuple[asyncio.Future[None] | None, bytes, int]] = deque()
+        # (commit future or None, ack bytes, offset), in arrival order: acks leave in this order.
+        self.pending_acks: deque[tuple[Commit | None, bytes, int]] = deque()
         # A run's PUBACKs are one entry of n 4-byte PUBACKs: n - 1 of them, over all entries,
         # so that len(pending_acks) + acks_extra bounds the unacknowledged QoS 1 count.
         self.acks_extra = 0
         self.closed = False
         self.close_reason = ""
         self.publish_will = False
-        self.paused = False  # the transport's buffer is full: do not push deliveries
-        # Called when the connection may want reading paused/resumed (the asyncio shell
-        # reads nothing while the password is checked or while ``paused``).
+        self.paused = False  # the shell's write buffer is full: do not push deliveries
+        # Called when the connection may want reading paused/resumed (the shell reads nothing
+        # while the password is checked or while ``paused``).
         self.reading_changed: Callable[[], None] | None = None
         self.max_inflight = max_inflight
-        self.last_batch: asyncio.Future[None] | None = None  # the commit batch it last joined
+        self.last_batch: Commit | None = None  # the commit batch it last joined
         # 4 (MQTT 3.1.1) until an MQTT 5.0 CONNECT is accepted; then 5, with the MQTT 5 encoder.
         self.protocol_level = 4
         self.encode_packet: Callable[[Any], bytes] = encode
@@ -240,11 +262,6 @@ class Connection:
         # MQTT 5: the Maximum Packet Size the client stated in CONNECT (None: the protocol's
         # limit); no packet larger than it may be sent to it (MQTT-3.1.2-24).
         self.client_max_packet: int | None = None
-        # Set by the asyncio shell: closes the transport once the peer has had time to read
-        # the last bytes (a refusal CONNACK or a DISCONNECT with its reason code) instead of
-        # at once, so packets the peer sends meanwhile do not reset the connection and
-        # discard them unread (a lingering close).  None: close at once.
-        self.linger_close: Callable[[], None] | None = None
         # MQTT 5 topic aliases broker -> client (3.3.2.3.4): the client's Topic Alias Maximum
         # (0: none) and the aliases given so far on this network connection, topic -> alias.
         self.alias_max = 0
@@ -258,11 +275,13 @@ class Connection:
 
     # ---- bytes in ----------------------------------------------------------------------
 
-    def receive_data(self, data: bytes, now: float | None = None) -> None:
-        """Feed received bytes; handles every complete packet. Never raises."""
+    def receive_data(self, data: bytes, now: float) -> Iterable[object]:
+        """Take the bytes of one read, received at ``now``; returns their events (see the
+        module docstring), to be iterated once, in order, by whoever handles them.  Never
+        raises (a malformed read closes the connection and makes no events)."""
         if self.closed:
-            return
-        self.last_rx = time.monotonic() if now is None else now
+            return ()
+        self.last_rx = now
         if (
             data
             and data[0] == 0x40  # (a read of PUBLISHes skips the slicer below)
@@ -273,64 +292,75 @@ class Connection:
             # split with C-level slices instead of decoding packet by packet.
             pids = puback_ids(data)
             if pids is not None:
-                try:
-                    self.core.on_pubacks(self, pids)
-                except Exception as exc:
-                    log.exception("client %r from %s: internal error", self.client_id, self.peer)
-                    self.close(f"internal error: {exc!r}", will=True, level=logging.ERROR)
-                return
+                return (Acks(pids),)
         try:
             self.decoder.feed(data)
         except ProtocolError as exc:
-            if self.state == AWAITING_CONNECT:
-                self._answer_bad_connect(exc)
-            self.close(f"protocol error: {exc.reason}", will=True, level=logging.WARNING,
-                       reason_code=exc.reason_code)
-            return
+            self.protocol_error(exc)
+            return ()
         if self.state != CONNECTED:
-            self._receive_before_connack()
-        else:
-            self._handle_buffered()
+            return self._before_connack()
+        return self._connected()
 
-    def _handle_buffered(self) -> None:
-        try:
-            packets = self.decoder.packets()
-        except ProtocolError as exc:
-            self.close(f"protocol error: {exc.reason}", will=True, level=logging.WARNING,
-                       reason_code=exc.reason_code)
-            return
-        try:
-            self.handle_packets(packets)
-        except Exception as err:  # not "exc": mypyc gives a name one type per function
-            # A bug must cost this one connection, not the broker or the other clients.
-            log.exception("client %r from %s: internal error", self.client_id, self.peer)
-            self.close(f"internal error: {err!r}", will=True, level=logging.ERROR)
+    def resume_after_auth(self) -> Iterable[object]:
+        """The events of the bytes that arrived while the CONNECT was being authenticated
+        (or its session file written): none unless the CONNECT was accepted meanwhile."""
+        if self.closed or self.state != CONNECTED:
+            return ()
+        self.decoder.max_packet_size = self.max_packet_size
+        return self._connected()
 
-    def _receive_before_connack(self) -> None:
-        """Decode the CONNECT alone (under the pre-CONNECT size cap); bytes behind it wait,
-        undecoded and bounded, until the CONNECT is accepted (maybe after a password check)."""
-        try:
-            while self.state == AWAITING_CONNECT:
-                packet = self.decoder.next_packet()
-                if packet is None:
-                    break
-                self.handle_packets((packet,))
-        except ProtocolError as exc:
-            if self.state == AWAITING_CONNECT:
-                self._answer_bad_connect(exc)
-            self.close(f"protocol error: {exc.reason}", will=False, level=logging.WARNING)
+    def protocol_error(self, exc: ProtocolError) -> None:
+        """Answer a protocol violation (this connection's or one the core found): a CONNACK
+        with the reason if the CONNECT was refused, a DISCONNECT with its reason code on an
+        MQTT 5 connection past CONNACK; then close (with the will, if connected)."""
+        if self.closed:
             return
-        except Exception as err:  # not "exc": mypyc gives a name one type per function
-            log.exception("client %r from %s: internal error", self.client_id, self.peer)
-            self.close(f"internal error: {err!r}", will=False, level=logging.ERROR)
-            return
+        if self.state == AWAITING_CONNECT:
+            self._answer_bad_connect(exc)
+        self.close(f"protocol error: {exc.reason}", will=True, level=logging.WARNING,
+                   reason_code=exc.reason_code)
+
+    def internal_error(self, err: BaseException) -> None:
+        """A bug while handling this connection's events costs this one connection, not the
+        broker or the other clients: logged with its traceback, closed."""
+        log.error("client %r from %s: internal error", self.client_id, self.peer, exc_info=err)
+        self.close(f"internal error: {err!r}", will=True, level=logging.ERROR)
+
+    def _before_connack(self) -> Iterator[object]:
+        """The CONNECT alone (decoded under the pre-CONNECT size cap); bytes behind it wait,
+        undecoded and bounded, until the core accepted it (maybe after a password check)."""
+        while self.state == AWAITING_CONNECT:
+            packet = self.decoder.next_packet()
+            if packet is None:
+                break
+            event = self._event(packet)  # (anything but a CONNECT raises here)
+            if event is not None:
+                yield event
         if self.closed:
             return
         if self.state == CONNECTED:
             self.decoder.max_packet_size = self.max_packet_size
-            self._handle_buffered()
+            yield from self._connected()
         elif self.decoder.buffered > (held := max(MAX_CONNECT_PACKET, self.decoder.max_packet_size)):
             self.close(f"more than {held} bytes sent before CONNACK", will=False, level=logging.WARNING)
+
+    def _connected(self) -> Iterator[object]:
+        """The events of the buffered packets, once connected."""
+        packets = self.decoder.packets()
+        if len(packets) > 1:
+            if self.protocol_level != PROTOCOL_LEVEL_5:
+                yield from self._runs(packets)
+            else:
+                yield from self._runs5(packets)
+        elif packets:
+            packet = packets[0]
+            if type(packet) is PublishRun and self.protocol_level == PROTOCOL_LEVEL_5:
+                yield from self._runs5(packets)  # (its Receive Maximum check)
+                return
+            event = self._event(packet)
+            if event is not None:
+                yield event
 
     def _answer_bad_connect(self, exc: ProtocolError) -> None:
         """The CONNACK for a CONNECT refused as malformed or invalid, in the shape the client
@@ -350,26 +380,84 @@ class Connection:
             code = exc.reason_code if exc.reason_code in CONNACK_REASON_CODES else RC_PROTOCOL_ERROR
             self.send_packet(Connack(False, code))
 
-    def handle_packets(self, packets: Sequence[object]) -> None:
-        if len(packets) > 1 and self.state == CONNECTED:
-            if self.protocol_level != PROTOCOL_LEVEL_5:
-                self._handle_runs(packets)
-            else:
-                self._handle_runs5(packets)
-        elif packets and type(packets[0]) is PublishRun and self.protocol_level == PROTOCOL_LEVEL_5:
-            self._handle_runs5(packets)  # (its Receive Maximum check)
-        else:
-            self._dispatch(packets)
 
-    def _handle_runs5(self, packets: Sequence[object]) -> None:
+    def _event(self, packet: object) -> object | None:
+        """``packet`` checked against this connection's state: the event it makes, or None
+        when it is answered here (PINGREQ).  Raises :class:`ProtocolError`."""
+        t = type(packet)
+        if t is Publish:
+            if self.state != CONNECTED:
+                raise ProtocolError("PUBLISH before CONNECT")
+            if self.protocol_level == PROTOCOL_LEVEL_5:
+                self._inbound5(packet)  # type: ignore[arg-type]
+            return packet
+        if t is PublishRun:  # (MQTT 5: from _runs5, the Receive Maximum checked)
+            if self.state != CONNECTED:
+                raise ProtocolError("PUBLISH before CONNECT")
+            return packet
+        if t is Connect:
+            if self.state != AWAITING_CONNECT:
+                # It parses: a Protocol Error, 0x82 on MQTT 5 (MQTT-3.1.0-2).
+                raise ProtocolError("second CONNECT on one connection (MQTT-3.1.0-2)", "CONNECT",
+                                    RC_PROTOCOL_ERROR)
+            return packet
+        if t is Pingreq:
+            self._require_connected("PINGREQ")
+            self.send(PINGRESP)
+            return None
+        if t is Auth:
+            # filemq offers no extended authentication: a CONNECT with an authentication
+            # method is refused (0x8C), so an AUTH is never part of an exchange the
+            # client may have started (3.15, MQTT-4.12.0-2/-6).
+            raise ProtocolError("AUTH without an authentication method accepted in CONNECT (4.12)",
+                                "AUTH", RC_PROTOCOL_ERROR)
+        name = _AFTER_CONNECT.get(t)
+        if name is None:  # pragma: no cover - the server-side decoder yields only the types above
+            raise ProtocolError(f"unexpected packet {t.__name__}")
+        self._require_connected(name)
+        return packet
+
+    def _events(self, packets: Sequence[object]) -> Iterator[object]:
+        """Each of ``packets`` as its own event, in order, up to a DISCONNECT."""
+        for packet in packets:
+            if self.closed:
+                return
+            event = self._event(packet)
+            if event is not None:
+                yield event
+                if type(event) is Disconnect:
+                    return
+
+    def _runs(self, packets: Sequence[object]) -> Iterator[object]:
+        """MQTT 3.1.1, connected: each run of PUBLISHes is one :class:`Publishes` event,
+        every other packet its own, all in order."""
+        n = len(packets)
+        i = 0
+        while i < n:
+            j = i
+            while j < n and type(packets[j]) is Publish:
+                j += 1
+            if j - i > 1:
+                yield Publishes(packets[i:j])  # type: ignore[arg-type]
+                i = j
+            else:
+                event = self._event(packets[i])
+                i += 1
+                if event is not None:
+                    yield event
+                    if type(event) is Disconnect:
+                        return
+            if self.closed:
+                return
+
+    def _runs5(self, packets: Sequence[object]) -> Iterator[object]:
         """MQTT 5, connected: a run of QoS 1 PUBLISHes without a topic alias (the core stores
-        their message properties as record headers) goes to the core in one call, as 3.1.1's do,
-        when our Receive Maximum has room for all of it (3.2.2.3.3; otherwise, and for every
-        other packet, one at a time, so a 0x93 comes at the very PUBLISH over the limit).
-        The decoder's :class:`PublishRun` (QoS 1, no properties) counts each of its messages
-        and goes to ``on_publish_run`` whole when there is room, else one :class:`Publish` at a
-        time."""
-        limit = self.core.config.receive_maximum
+        their message properties as record headers) is one event, as 3.1.1's are, when our
+        Receive Maximum has room for all of it (3.2.2.3.3; otherwise, and for every other
+        packet, one at a time, so a 0x93 comes at the very PUBLISH over the limit).  The
+        decoder's :class:`PublishRun` (QoS 1, no properties) counts each of its messages and
+        is one event when there is room, else one :class:`Publish` at a time."""
+        limit = self.config.receive_maximum
         n = len(packets)
         i = 0
         while i < n:
@@ -390,38 +478,26 @@ class Connection:
             assert session is not None  # (connected: the core set it at CONNECT)
             if count > 1 and (len(self.pending_acks) + self.acks_extra + len(session.qos2_in) + count <= limit
                               or self._unacknowledged() + count <= limit):
-                while i < j:  # each PublishRun to on_publish_run, the PUBLISHes between as one run
+                while i < j:  # each PublishRun alone, the PUBLISHes between as one run
                     k = i + 1
                     if type(packets[i]) is PublishRun:
-                        self._dispatch(packets[i:k])
+                        yield packets[i]
                     else:
                         while k < j and type(packets[k]) is Publish:
                             k += 1
-                        if not self._publishes(packets[i:k]):
-                            return
+                        yield Publishes(packets[i:k])  # type: ignore[arg-type]
                     i = k
                     if self.closed:
                         return
                 continue
             if count > 1:
-                self._dispatch(_expand(packets[i:j]))
+                yield from self._events(_expand(packets[i:j]))
             else:
                 j = max(j, i + 1)
-                self._dispatch(packets[i:j])
+                yield from self._events(packets[i:j])
             i = j
             if self.closed:
                 return
-
-    def _publishes(self, run: Sequence[object]) -> bool:
-        """A run of PUBLISHes to the core in one call; False if it was a protocol error (the
-        connection is closed)."""
-        try:
-            self.core.on_publishes(self, run)  # type: ignore[arg-type]
-        except ProtocolError as exc:
-            self.close(f"protocol error: {exc.reason}", will=True, level=logging.WARNING,
-                       reason_code=exc.reason_code)
-            return False
-        return True
 
     def _unacknowledged(self) -> int:
         """The client's QoS 1/2 PUBLISHes we have not acknowledged yet (MQTT 5 Receive Maximum):
@@ -432,89 +508,6 @@ class Connection:
         return sum((len(ack) >> 2 if ack[1] == 2 else 1) for _, ack, _ in self.pending_acks
                    if ack[0] in _PUBACK_PUBCOMP) + len(session.qos2_in)
 
-    def _handle_runs(self, packets: Sequence[object]) -> None:
-        """MQTT 3.1.1, connected: each run of PUBLISHes goes to the core in one call
-        (:meth:`Core.on_publishes`), every other packet alone, all in order."""
-        n = len(packets)
-        i = 0
-        while i < n:
-            j = i
-            while j < n and type(packets[j]) is Publish:
-                j += 1
-            if j - i > 1:
-                if not self._publishes(packets[i:j]):
-                    return
-                i = j
-            else:
-                if type(packets[i]) is Disconnect:
-                    self._dispatch(packets[i:])
-                    return
-                self._dispatch(packets[i:i + 1])
-                i += 1
-            if self.closed:
-                return
-
-    def _dispatch(self, packets: Sequence[object]) -> None:
-        core = self.core
-        for packet in packets:
-            if self.closed:
-                return
-            try:
-                if type(packet) is Publish:
-                    if self.state != CONNECTED:
-                        raise ProtocolError("PUBLISH before CONNECT")
-                    if self.protocol_level == PROTOCOL_LEVEL_5:
-                        self._inbound5(packet)
-                    core.on_publish(self, packet)
-                elif type(packet) is PublishRun:  # (MQTT 5: from _handle_runs5, the Receive Maximum checked)
-                    if self.state != CONNECTED:
-                        raise ProtocolError("PUBLISH before CONNECT")
-                    core.on_publish_run(self, packet)
-                elif type(packet) is Puback:
-                    self._require_connected("PUBACK")
-                    core.on_puback(self, packet.packet_id)
-                elif type(packet) is Connect:
-                    if self.state != AWAITING_CONNECT:
-                        # It parses: a Protocol Error, 0x82 on MQTT 5 (MQTT-3.1.0-2).
-                        raise ProtocolError("second CONNECT on one connection (MQTT-3.1.0-2)", "CONNECT",
-                                            RC_PROTOCOL_ERROR)
-                    if self._server_full(packet.client_id, packet.protocol_level):
-                        return
-                    core.on_connect(self, packet)
-                elif type(packet) is Pubrec:
-                    self._require_connected("PUBREC")
-                    core.on_pubrec(self, packet.packet_id, packet.reason_code)
-                elif type(packet) is Pubrel:
-                    self._require_connected("PUBREL")
-                    core.on_pubrel(self, packet.packet_id)
-                elif type(packet) is Pubcomp:
-                    self._require_connected("PUBCOMP")
-                    core.on_pubcomp(self, packet.packet_id)
-                elif type(packet) is Subscribe:
-                    self._require_connected("SUBSCRIBE")
-                    core.on_subscribe(self, packet)
-                elif type(packet) is Unsubscribe:
-                    self._require_connected("UNSUBSCRIBE")
-                    core.on_unsubscribe(self, packet)
-                elif type(packet) is Pingreq:
-                    self._require_connected("PINGREQ")
-                    self.send(PINGRESP)
-                elif type(packet) is Disconnect:
-                    self._require_connected("DISCONNECT")
-                    core.on_disconnect(self, packet)
-                    return
-                elif type(packet) is Auth:
-                    # filemq offers no extended authentication: a CONNECT with an authentication
-                    # method is refused (0x8C), so an AUTH is never part of an exchange the
-                    # client may have started (3.15, MQTT-4.12.0-2/-6).
-                    raise ProtocolError("AUTH without an authentication method accepted in CONNECT (4.12)",
-                                        "AUTH", RC_PROTOCOL_ERROR)
-                else:  # pragma: no cover - the server-side decoder yields only the types above
-                    raise ProtocolError(f"unexpected packet {type(packet).__name__}")
-            except ProtocolError as exc:
-                self.close(f"protocol error: {exc.reason}", will=True, level=logging.WARNING,
-                           reason_code=exc.reason_code)
-                return
 
     def _inbound5(self, p: Publish) -> None:
         """An MQTT 5 PUBLISH before the core sees it: its topic alias resolved (3.3.2.3.4) and
@@ -523,7 +516,7 @@ class Connection:
         props = p.properties
         if props is not None and props.topic_alias is not None:
             alias = props.topic_alias
-            limit = self.core.config.topic_alias_maximum
+            limit = self.config.topic_alias_maximum
             if not 0 < alias <= limit:
                 raise ProtocolError(f"topic alias {alias} outside 1..{limit} (MQTT-3.3.2-9/-10)", "PUBLISH",
                                     RC_TOPIC_ALIAS_INVALID)
@@ -539,7 +532,7 @@ class Connection:
                                         "PUBLISH", RC_PROTOCOL_ERROR)
                 p.topic = topic
         if p.qos:
-            limit = self.core.config.receive_maximum
+            limit = self.config.receive_maximum
             session = self.session
             assert session is not None  # (connected: the core set it at CONNECT)
             qos2_in = session.qos2_in
@@ -555,42 +548,13 @@ class Connection:
         if self.state != CONNECTED:
             raise ProtocolError(f"{name} before CONNECT (the first packet must be CONNECT)")
 
-    def _server_full(self, client_id: str, protocol_level: int = 4) -> bool:
-        """Refuse a CONNECT with CONNACK 3 (MQTT 5: 0x97) when ``max_connections`` clients are connected
-        (a client taking over its own id does not add one).  Half-open connections do not
-        count: they are capped apart (``max_connecting``, in the asyncio shell)."""
-        core = self.core
-        limit = core.config.max_connections
-        if len(core.connections) < limit or client_id in core.connections:
-            return False
-        if protocol_level == PROTOCOL_LEVEL_5:
-            # 3.2.2.2: 0x97 Quota exceeded, "an implementation or administrative imposed
-            # limit" -- what max_connections is (0x89 Server busy suggests a passing state).
-            self.protocol_level = PROTOCOL_LEVEL_5
-            self.encode_packet = encode5
-            self.send_packet(Connack(False, RC_QUOTA_EXCEEDED))
-        else:
-            self.send_packet(Connack(False, CONNACK_SERVER_UNAVAILABLE))
-        self.close(f"CONNECT refused (server unavailable): max_connections ({limit}) clients connected",
-                   will=False, level=logging.WARNING)
-        return True
-
-    def resume_after_auth(self) -> None:
-        """Handle the bytes that arrived while the CONNECT was being authenticated."""
-        if self.closed:
-            return
-        if self.state == CONNECTED:
-            self.decoder.max_packet_size = self.max_packet_size
-            self._handle_buffered()
-        if self.reading_changed is not None and not self.closed:
-            self.reading_changed()
-
     # ---- bytes out ---------------------------------------------------------------------
 
     def send(self, data: bytes) -> None:
+        """Queue ``data`` for the peer (nothing once closed)."""
         if not self.closed:
             self.out += data
-            self.core.mark_dirty(self)
+            self.output_ready(self)
 
     def send_packet(self, packet: object) -> None:
         """Encode ``packet`` at this connection's protocol level and queue it.
@@ -655,7 +619,7 @@ class Connection:
         self.out.clear()
         return data
 
-    def queue_ack(self, future: asyncio.Future[None] | None, ack: bytes, offset: int = -1) -> None:
+    def queue_ack(self, future: Commit | None, ack: bytes, offset: int = -1) -> None:
         """Send ``ack`` once ``future`` (a commit) has resolved, after every ack queued before."""
         if future is None and not self.pending_acks:
             self.send(ack)
@@ -712,7 +676,8 @@ class Connection:
     # ---- closing -----------------------------------------------------------------------
 
     def close(self, reason: str, *, will: bool, level: int = logging.INFO, reason_code: int | None = None) -> None:
-        """Close this connection (once): log why, tell the core, close the transport.
+        """Close this connection (once): log why, then notify the owner (``closed``), which
+        tells the core and closes the socket after writing what is left in :attr:`out`.
 
         On an MQTT 5 connection past CONNACK, ``reason_code`` (a DISCONNECT reason code, e.g.
         0x81 Malformed Packet, 0x82 Protocol Error, 0x93, 0x95) is sent in a DISCONNECT first
@@ -727,28 +692,22 @@ class Connection:
         log.log(level, "closing connection of client %r from %s: %s", self.client_id, self.peer, reason)
         prev_state = self.state
         self.state = CLOSED
-        self.core.on_close(self, prev_state)
-        if self.transport is not None:
-            data = self.data_to_send()
-            if data:
-                self.transport.write(data)
-                if self.linger_close is not None:
-                    self.linger_close()
-                    return
-            self.transport.close()
+        self.on_closed(self, prev_state)
 
     def connection_lost(self, reason: str = "connection lost") -> None:
         """The peer went away without DISCONNECT (abnormal: the will is published)."""
         self.close(reason, will=True, level=logging.INFO)
 
-    def keepalive_expired(self, now: float) -> bool:
-        """True when no packet arrived for 1.5 x keepalive (spec 3.1.2.10)."""
-        return now > self.deadline()
+    def keepalive_expired(self, now: float, connect_timeout: float) -> bool:
+        """True when no packet arrived for 1.5 x keepalive (spec 3.1.2.10), or no CONNECT
+        within ``connect_timeout`` of the accept."""
+        return now > self.deadline(connect_timeout)
 
-    def deadline(self) -> float:
+    def deadline(self, connect_timeout: float) -> float:
         """When this connection times out unless a packet arrives: 1.5 x keepalive after the
-        last one (spec 3.1.2.10), or the CONNECT deadline; inf without a keepalive."""
+        last one (spec 3.1.2.10), or ``connect_timeout`` after the accept before CONNECT; inf
+        without a keepalive."""
         if self.state == AWAITING_CONNECT:
             # Absolute from the accept: a byte trickled now and then must not extend it.
-            return self.connected_at + self.core.connect_timeout
+            return self.connected_at + connect_timeout
         return self.last_rx + self.keepalive * 1.5 if self.keepalive > 0 else math.inf

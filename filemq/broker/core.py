@@ -1,9 +1,10 @@
 """The broker's shared state and rules, without sockets: sessions, routing, durable acks.
 
-:class:`BrokerCore` is what every :class:`~filemq.broker.connection.Connection` delegates to.
-It runs on the event loop (it uses the queue's group committer) but never touches a socket:
-connections collect output bytes and the asyncio shell (:mod:`filemq.broker.server`) writes
-them after each event with :meth:`BrokerCore.flush`.
+:class:`BrokerCore` handles the events a :class:`~filemq.broker.connection.Connection` makes
+of its bytes (:meth:`BrokerCore.receive`, each event to the part that owns it) and answers on
+the connection (acks, deliveries, CONNACK, closes).  It runs on the event loop (it uses the
+queue's group committer) but never touches a socket: connections collect output bytes and
+:meth:`BrokerCore.flush` hands them to each connection's shell (``conn.write``) after each event.
 
 What a caller may rely on:
 
@@ -33,11 +34,11 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Protocol
 
 from filemq.broker.connect import Connector
-from filemq.broker.connection import AWAITING_CONNECT, CONNECTED, Connection
+from filemq.broker.connection import AWAITING_CONNECT, CONNECTED, Acks, Connection, Publishes
 from filemq.broker.delivery import Delivery
 from filemq.broker.publish import Ingest, new_publisher_map
 from filemq.broker.registry import SessionRegistry, SessionWriter
@@ -62,11 +63,16 @@ from filemq.broker.session_state import (
 )
 from filemq.broker.subscribe import Subscriptions
 from filemq.broker.systopics import SysTopics
+from filemq.mqtt.codec import ProtocolError
 from filemq.mqtt.packets import (
     PROTOCOL_LEVEL_5,
     Disconnect,
+    Puback,
+    Pubcomp,
     Publish,
     PublishRun,
+    Pubrec,
+    Pubrel,
     Subscribe,
     Unsubscribe,
 )
@@ -122,9 +128,9 @@ class BrokerCore:
     broker core"): the :class:`~.router.Router`, the :class:`~.registry.SessionRegistry`,
     :class:`~.delivery.Delivery`, :class:`~.retain.Retained`, :class:`~.systopics.SysTopics`,
     :class:`~.publish.Ingest`, :class:`~.subscribe.Subscriptions` and :class:`~.connect.Connector`,
-    wired here.  What a :class:`~filemq.broker.connection.Connection` calls (the
-    :class:`~filemq.broker.connection.Core` protocol) is the handling part's own bound method, so
-    no frame of this class sits between a packet and its part.  The periodic work (timeouts,
+    wired here.  :meth:`receive` hands each event a connection makes of its bytes to the
+    handling part's own bound method (``on_publish`` and the others below), one frame for a
+    whole read.  The periodic work (timeouts,
     expiry, $SYS, session saves) and a connection's close, which every part takes part in, are
     here."""
 
@@ -192,7 +198,8 @@ class BrokerCore:
         publishers = self._publisher_map
         publishers.sink = registry.own_published
         publishers.forget_sink = registry.own_forget
-        # What connections call: the handling part's methods themselves (no frame here).
+        # What receive() calls for each event: the handling part's methods themselves.
+        connect.resume = self.resume
         self.on_connect = connect.on_connect
         self.on_disconnect = connect.on_disconnect
         self.on_publish = ingest.on_publish
@@ -261,6 +268,54 @@ class BrokerCore:
     def new_connection(self, conn: Connection) -> None:
         self.conns.add(conn)
 
+    # ---- a connection's events ---------------------------------------------------------------
+
+    def receive(self, conn: Connection, events: Iterable[object]) -> None:
+        """Hand ``conn``'s events (:meth:`Connection.receive_data`) to the parts that handle
+        them, in order: PUBLISHes to ingest, acks of deliveries to delivery, CONNECT and
+        DISCONNECT to connect, (UN)SUBSCRIBE to subscriptions.  A protocol violation, found by
+        the connection or by a part, closes the connection (:meth:`Connection.protocol_error`);
+        so does a bug, which costs only this connection."""
+        try:
+            for event in events:
+                if isinstance(event, PublishRun):
+                    self.on_publish_run(conn, event)
+                elif isinstance(event, Publish):
+                    self.on_publish(conn, event)
+                elif isinstance(event, Publishes):
+                    self.on_publishes(conn, event.packets)
+                elif isinstance(event, Acks):
+                    self.on_pubacks(conn, event.ids)
+                elif isinstance(event, Puback):
+                    self.on_puback(conn, event.packet_id)
+                elif isinstance(event, Pubrec):
+                    self.on_pubrec(conn, event.packet_id, event.reason_code)
+                elif isinstance(event, Pubrel):
+                    self.on_pubrel(conn, event.packet_id)
+                elif isinstance(event, Pubcomp):
+                    self.on_pubcomp(conn, event.packet_id)
+                elif isinstance(event, Subscribe):
+                    self.on_subscribe(conn, event)
+                elif isinstance(event, Unsubscribe):
+                    self.on_unsubscribe(conn, event)
+                elif isinstance(event, ConnectPacket):
+                    self.on_connect(conn, event)
+                elif isinstance(event, Disconnect):
+                    self.on_disconnect(conn, event)
+                else:  # pragma: no cover - Connection makes only the events above
+                    raise TypeError(f"unknown event {event!r}")
+        except ProtocolError as exc:
+            conn.protocol_error(exc)
+        except Exception as err:  # not "exc": mypyc gives a name one type per function
+            conn.internal_error(err)
+
+    def resume(self, conn: Connection) -> None:
+        """``conn``'s CONNECT was accepted after a wait (password check, session-file write):
+        handle the bytes that arrived meanwhile, and let its shell read again."""
+        self.receive(conn, conn.resume_after_auth())
+        if conn.reading_changed is not None and not conn.closed:
+            conn.reading_changed()
+
     def at_capacity(self) -> bool:
         return len(self.conns) >= self.config.max_connections
 
@@ -322,7 +377,7 @@ class BrokerCore:
         """Close the connections past their deadline; the earliest deadline of the others."""
         earliest = math.inf
         for conn in list(self.conns):
-            deadline = conn.deadline()
+            deadline = conn.deadline(self.connect_timeout)
             if deadline >= now:
                 if deadline < earliest:
                     earliest = deadline

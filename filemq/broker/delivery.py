@@ -256,7 +256,7 @@ class Delivery:
                 self.pump_share(sh)
 
     def flush(self) -> None:
-        """Write every connection's queued output with one transport write each."""
+        """Hand every connection's queued output to its shell (``conn.write``), one write each."""
         if self._acked:
             if not self._journal_scheduled:
                 # One journal append after the loop pass of the first acks, and at most one
@@ -287,12 +287,13 @@ class Delivery:
         self._dirty = set()
         sent = 0
         for conn in dirty:
-            if conn.closed or conn.transport is None:
+            write = conn.write
+            if conn.closed or write is None:
                 continue
             data = conn.data_to_send()
             if data:
                 sent += len(data)
-                conn.transport.write(data)
+                write(data)
         self.stats.sent_bytes(sent)
 
     def schedule_repump(self, conn: Connection) -> None:

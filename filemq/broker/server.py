@@ -207,8 +207,10 @@ class _MQTTProtocol(asyncio.Protocol):
             self._linger_close()
             return
         transport.set_write_buffer_limits(high=WRITE_BUFFER_HIGH)
-        conn = Connection(core, peer, transport, max_packet_size=self.max_packet_size,
-                          max_inflight=self.max_inflight, now=self.accepted_at)
+        conn = Connection(core.config, peer, now=self.accepted_at, output_ready=core.mark_dirty,
+                          closed=self._closed, max_packet_size=self.max_packet_size,
+                          max_inflight=self.max_inflight)
+        conn.write = transport.write
         if self.identity_as_username:
             # use_identity_as_username: the verified client certificate's CN is the username.
             conn.identity = certificate_cn(transport.get_extra_info("peercert"))
@@ -226,8 +228,23 @@ class _MQTTProtocol(asyncio.Protocol):
         if self.batching is not None:
             self.batcher = AckBatcher.for_transport(transport, self.batching)
         conn.reading_changed = self._update_reading
-        conn.linger_close = self._linger_close
         core.new_connection(conn)
+
+    def _closed(self, conn: Connection, prev_state: str) -> None:
+        """The connection closed (its ``closed`` notification): the core forgets it; then
+        what is left in its output is written and the socket closed -- a lingering close
+        when that is a last packet (a refusal CONNACK, a DISCONNECT with a reason code)."""
+        self.core.on_close(conn, prev_state)
+        transport = self.transport
+        if conn.write is None or transport is None:
+            return  # (the socket is gone already)
+        conn.write = None
+        data = conn.data_to_send()
+        if data:
+            transport.write(data)
+            self._linger_close()
+            return
+        transport.close()
 
     def _linger_close(self) -> None:
         """Close after the last packet (a refusal CONNACK, a DISCONNECT with a reason code):
@@ -285,7 +302,7 @@ class _MQTTProtocol(asyncio.Protocol):
         self.unchecked += len(data)
         check = self.unchecked >= CHECK_BYTES and self.budget is not None
         appended = self.core.log.next_offset if check else 0
-        conn.receive_data(data)
+        self.core.receive(conn, conn.receive_data(data, time.monotonic()))
         self.core.flush()
         if check:
             self.unchecked = 0
@@ -324,7 +341,7 @@ class _MQTTProtocol(asyncio.Protocol):
             return
         if self.turns is not None:
             self.turns.drop()
-        conn.transport = None
+        conn.write = None
         self.pacer = None
         if self.held and self.budget is not None:
             self.budget.forget(self)

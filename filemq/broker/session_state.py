@@ -56,7 +56,7 @@ RC_UNSPECIFIED_ERROR = 0x80
 RC_NOT_AUTHORIZED = 0x87
 RC_TOPIC_FILTER_INVALID = 0x8F
 RC_PACKET_TOO_LARGE = 0x95
-RC_QUOTA_EXCEEDED = 0x97  # (also refusal_code's, filemq.broker.connection)
+RC_QUOTA_EXCEEDED = 0x97  # (also refusal_code's, filemq.broker.connection, and max_connections')
 RC_PAYLOAD_FORMAT_INVALID = 0x99
 # Offsets whose publisher's client id is remembered for no local (MQTT-3.8.3-3).
 PUBLISHERS_KEPT = 65536

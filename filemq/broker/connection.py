@@ -201,7 +201,7 @@ class Connection:
         "close_reason", "publish_will", "paused", "max_inflight", "last_batch",
         "connected_at", "max_packet_size", "reading_changed", "identity", "protocol_level",
         "encode_packet", "assigned_id", "client_max_packet", "output_ready", "alias_max",
-        "out_aliases", "topic_aliases", "acks_extra", "on_closed",
+        "out_aliases", "topic_aliases", "acks_extra", "on_closed", "_acks", "_acks_event",
     )
 
     def __init__(
@@ -269,6 +269,10 @@ class Connection:
         # MQTT 5: topic aliases the client set on this connection (alias -> topic, 3.3.2.3.4);
         # they die with the connection.
         self.topic_aliases: dict[int, str] | None = None
+        # The one Acks event of this connection, refilled by each read of bare PUBACKs (the
+        # events of a read are handled before the next read is taken in): no object per read.
+        self._acks = Acks(())
+        self._acks_event = (self._acks,)
 
     def __repr__(self) -> str:
         return f"Connection({self.client_id!r}, peer={self.peer}, state={self.state})"
@@ -292,7 +296,9 @@ class Connection:
             # split with C-level slices instead of decoding packet by packet.
             pids = puback_ids(data)
             if pids is not None:
-                return (Acks(pids),)
+                acks = self._acks
+                acks.ids = pids
+                return self._acks_event
         try:
             self.decoder.feed(data)
         except ProtocolError as exc:

@@ -278,30 +278,31 @@ class BrokerCore:
         so does a bug, which costs only this connection."""
         try:
             for event in events:
-                if isinstance(event, PublishRun):
-                    self.on_publish_run(conn, event)
-                elif isinstance(event, Publish):
-                    self.on_publish(conn, event)
-                elif isinstance(event, Publishes):
-                    self.on_publishes(conn, event.packets)
-                elif isinstance(event, Acks):
-                    self.on_pubacks(conn, event.ids)
-                elif isinstance(event, Puback):
-                    self.on_puback(conn, event.packet_id)
-                elif isinstance(event, Pubrec):
-                    self.on_pubrec(conn, event.packet_id, event.reason_code)
-                elif isinstance(event, Pubrel):
-                    self.on_pubrel(conn, event.packet_id)
-                elif isinstance(event, Pubcomp):
-                    self.on_pubcomp(conn, event.packet_id)
-                elif isinstance(event, Subscribe):
-                    self.on_subscribe(conn, event)
-                elif isinstance(event, Unsubscribe):
-                    self.on_unsubscribe(conn, event)
-                elif isinstance(event, ConnectPacket):
-                    self.on_connect(conn, event)
-                elif isinstance(event, Disconnect):
-                    self.on_disconnect(conn, event)
+                t = type(event)  # (compared with "is": cheaper than isinstance, and exact)
+                if t is PublishRun:
+                    self.on_publish_run(conn, event)  # type: ignore[arg-type]
+                elif t is Acks:
+                    self.on_pubacks(conn, event.ids)  # type: ignore[attr-defined]
+                elif t is Publish:
+                    self.on_publish(conn, event)  # type: ignore[arg-type]
+                elif t is Publishes:
+                    self.on_publishes(conn, event.packets)  # type: ignore[attr-defined]
+                elif t is Puback:
+                    self.on_puback(conn, event.packet_id)  # type: ignore[attr-defined]
+                elif t is Pubrec:
+                    self.on_pubrec(conn, event.packet_id, event.reason_code)  # type: ignore[attr-defined]
+                elif t is Pubrel:
+                    self.on_pubrel(conn, event.packet_id)  # type: ignore[attr-defined]
+                elif t is Pubcomp:
+                    self.on_pubcomp(conn, event.packet_id)  # type: ignore[attr-defined]
+                elif t is Subscribe:
+                    self.on_subscribe(conn, event)  # type: ignore[arg-type]
+                elif t is Unsubscribe:
+                    self.on_unsubscribe(conn, event)  # type: ignore[arg-type]
+                elif t is ConnectPacket:
+                    self.on_connect(conn, event)  # type: ignore[arg-type]
+                elif t is Disconnect:
+                    self.on_disconnect(conn, event)  # type: ignore[arg-type]
                 else:  # pragma: no cover - Connection makes only the events above
                     raise TypeError(f"unknown event {event!r}")
         except ProtocolError as exc:

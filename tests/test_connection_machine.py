@@ -15,9 +15,10 @@ back and which messages the core must be handed, in which order:
   however the reads cut and batch them.
 * MQTT 5, 3.2.2.3.3 / 3.3.4: more unacknowledged QoS 1 PUBLISHes than the Receive Maximum
   closes with DISCONNECT 0x93, at the very PUBLISH over it.
-* MQTT 5, 3.3.2.3.4 / MQTT-3.3.2-8..-10: a topic alias is set by a PUBLISH with topic and
-  alias, used by one with an empty topic; 0 or above the Topic Alias Maximum is 0x94, an
-  alias never set is a Protocol Error (0x82).
+* MQTT 5, 3.3.2.3.4 / MQTT-3.3.2-9/-10: a topic alias is set by a PUBLISH with topic and
+  alias, used by one with an empty topic; above the Topic Alias Maximum is 0x94, an alias
+  never set is a Protocol Error (0x82).  (Alias 0, MQTT-3.3.2-8, is refused by the decoder
+  with the whole read it came in: tests/test_codec5.py.)
 * 3.1.2.10 / MQTT-3.1.2-24 (3.1.1), MQTT-3.1.2-22 (5.0): the connection is due to close 1.5 x
   the keepalive after the last packet; before CONNECT, the connect timeout after the accept.
 """
@@ -96,7 +97,8 @@ class _Answers:
                     for p in event.packets:
                         self._message(p.topic, p.payload, p.qos, p.packet_id)
                 elif isinstance(event, PublishRun):
-                    for payload, pid in zip(event.payloads, event.packet_ids, strict=True):
+                    pids = event.packet_ids or [None] * len(event.payloads)  # (None at QoS 0)
+                    for payload, pid in zip(event.payloads, pids, strict=True):
                         self._message(event.topic, payload, event.qos, pid)
                 elif isinstance(event, Disconnect):
                     conn.close("client sent DISCONNECT", will=False)
@@ -189,7 +191,7 @@ class ConnectionMachine(RuleBasedStateMachine):
 
     @precondition(lambda self: not self.closed and self.level != 0)
     @rule(messages=st.lists(st.tuples(st.sampled_from(["a", "b/c"]), st.sampled_from([0, 1]),
-                                      st.sampled_from(["none", "set", "use", "zero", "over", "unset"])),
+                                      st.sampled_from(["none", "set", "use", "over", "unset"])),
                             min_size=1, max_size=6),
           cuts=st.lists(st.integers(0, 400), max_size=3))
     def publishes_in_one_read(self, messages: list[tuple[str, int, str]], cuts: list[int]) -> None:
@@ -293,5 +295,5 @@ class ConnectionMachine(RuleBasedStateMachine):
         assert self.conn.closed == self.closed, self.conn.close_reason
 
 
-ConnectionMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=25, deadline=None)
+ConnectionMachine.TestCase.settings = settings(max_examples=400, stateful_step_count=30, deadline=None)
 test_connection_state_machine = ConnectionMachine.TestCase

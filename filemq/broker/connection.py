@@ -49,7 +49,7 @@ import logging
 import math
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from filemq.common.config import DEFAULT_MAX_INFLIGHT
 from filemq.mqtt.codec import (
@@ -180,6 +180,11 @@ class Acks:
         self.ids = ids
 
 
+# What :meth:`Connection.receive_data` makes of a read: each event's type names its handler.
+Event = (Connect | Publish | PublishRun | Publishes | Acks | Puback | Pubrec | Pubrel | Pubcomp | Subscribe
+         | Unsubscribe | Disconnect)
+
+
 def _closed_nowhere(conn: Connection, prev_state: str) -> None:
     """The default ``closed`` notification: nobody to tell (a connection used on its own)."""
 
@@ -279,7 +284,7 @@ class Connection:
 
     # ---- bytes in ----------------------------------------------------------------------
 
-    def receive_data(self, data: bytes, now: float) -> Iterable[object]:
+    def receive_data(self, data: bytes, now: float) -> Iterable[Event]:
         """Take the bytes of one read, received at ``now``; returns their events (see the
         module docstring), to be iterated once, in order, by whoever handles them.  Never
         raises (a malformed read closes the connection and makes no events)."""
@@ -308,7 +313,7 @@ class Connection:
             return self._before_connack()
         return self._connected()
 
-    def resume_after_auth(self) -> Iterable[object]:
+    def resume_after_auth(self) -> Iterable[Event]:
         """The events of the bytes that arrived while the CONNECT was being authenticated
         (or its session file written): none unless the CONNECT was accepted meanwhile."""
         if self.closed or self.state != CONNECTED:
@@ -333,7 +338,7 @@ class Connection:
         log.error("client %r from %s: internal error", self.client_id, self.peer, exc_info=err)
         self.close(f"internal error: {err!r}", will=True, level=logging.ERROR)
 
-    def _before_connack(self) -> Iterator[object]:
+    def _before_connack(self) -> Iterator[Event]:
         """The CONNECT alone (decoded under the pre-CONNECT size cap); bytes behind it wait,
         undecoded and bounded, until the core accepted it (maybe after a password check)."""
         while self.state == AWAITING_CONNECT:
@@ -351,7 +356,7 @@ class Connection:
         elif self.decoder.buffered > (held := max(MAX_CONNECT_PACKET, self.decoder.max_packet_size)):
             self.close(f"more than {held} bytes sent before CONNACK", will=False, level=logging.WARNING)
 
-    def _connected(self) -> Iterator[object]:
+    def _connected(self) -> Iterator[Event]:
         """The events of the buffered packets, once connected."""
         packets = self.decoder.packets()
         if len(packets) > 1:
@@ -387,43 +392,42 @@ class Connection:
             self.send_packet(Connack(False, code))
 
 
-    def _event(self, packet: object) -> object | None:
+    def _event(self, packet: object) -> Event | None:
         """``packet`` checked against this connection's state: the event it makes, or None
         when it is answered here (PINGREQ).  Raises :class:`ProtocolError`."""
-        t = type(packet)
-        if t is Publish:
+        if type(packet) is Publish:
             if self.state != CONNECTED:
                 raise ProtocolError("PUBLISH before CONNECT")
             if self.protocol_level == PROTOCOL_LEVEL_5:
-                self._inbound5(packet)  # type: ignore[arg-type]
+                self._inbound5(packet)
             return packet
-        if t is PublishRun:  # (MQTT 5: from _runs5, the Receive Maximum checked)
+        if type(packet) is PublishRun:  # (MQTT 5: from _runs5, the Receive Maximum checked)
             if self.state != CONNECTED:
                 raise ProtocolError("PUBLISH before CONNECT")
             return packet
-        if t is Connect:
+        if type(packet) is Connect:
             if self.state != AWAITING_CONNECT:
                 # It parses: a Protocol Error, 0x82 on MQTT 5 (MQTT-3.1.0-2).
                 raise ProtocolError("second CONNECT on one connection (MQTT-3.1.0-2)", "CONNECT",
                                     RC_PROTOCOL_ERROR)
             return packet
-        if t is Pingreq:
+        if type(packet) is Pingreq:
             self._require_connected("PINGREQ")
             self.send(PINGRESP)
             return None
-        if t is Auth:
+        if type(packet) is Auth:
             # filemq offers no extended authentication: a CONNECT with an authentication
             # method is refused (0x8C), so an AUTH is never part of an exchange the
             # client may have started (3.15, MQTT-4.12.0-2/-6).
             raise ProtocolError("AUTH without an authentication method accepted in CONNECT (4.12)",
                                 "AUTH", RC_PROTOCOL_ERROR)
-        name = _AFTER_CONNECT.get(t)
+        name = _AFTER_CONNECT.get(type(packet))
         if name is None:  # pragma: no cover - the server-side decoder yields only the types above
-            raise ProtocolError(f"unexpected packet {t.__name__}")
+            raise ProtocolError(f"unexpected packet {type(packet).__name__}")
         self._require_connected(name)
-        return packet
+        return cast(Event, packet)  # (one of _AFTER_CONNECT's types)
 
-    def _events(self, packets: Sequence[object]) -> Iterator[object]:
+    def _events(self, packets: Sequence[object]) -> Iterator[Event]:
         """Each of ``packets`` as its own event, in order, up to a DISCONNECT."""
         for packet in packets:
             if self.closed:
@@ -434,7 +438,7 @@ class Connection:
                 if type(event) is Disconnect:
                     return
 
-    def _runs(self, packets: Sequence[object]) -> Iterator[object]:
+    def _runs(self, packets: Sequence[object]) -> Iterator[Event]:
         """MQTT 3.1.1, connected: each run of PUBLISHes is one :class:`Publishes` event,
         every other packet its own, all in order."""
         n = len(packets)
@@ -456,7 +460,7 @@ class Connection:
             if self.closed:
                 return
 
-    def _runs5(self, packets: Sequence[object]) -> Iterator[object]:
+    def _runs5(self, packets: Sequence[object]) -> Iterator[Event]:
         """MQTT 5, connected: a run of QoS 1 PUBLISHes without a topic alias (the core stores
         their message properties as record headers) is one event, as 3.1.1's are, when our
         Receive Maximum has room for all of it (3.2.2.3.3; otherwise, and for every other
@@ -486,8 +490,9 @@ class Connection:
                               or self._unacknowledged() + count <= limit):
                 while i < j:  # each PublishRun alone, the PUBLISHes between as one run
                     k = i + 1
-                    if type(packets[i]) is PublishRun:
-                        yield packets[i]
+                    p = packets[i]
+                    if type(p) is PublishRun:
+                        yield p
                     else:
                         while k < j and type(packets[k]) is Publish:
                             k += 1

@@ -49,7 +49,7 @@ import logging
 import math
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any, Protocol, cast
+from typing import TYPE_CHECKING, Protocol, cast
 
 from filemq.common.config import DEFAULT_MAX_INFLIGHT
 from filemq.mqtt.codec import (
@@ -72,6 +72,7 @@ from filemq.mqtt.packets import (
     Connack,
     Connect,
     Disconnect,
+    Packet,
     Pingreq,
     Puback,
     Pubcomp,
@@ -262,7 +263,7 @@ class Connection:
         self.last_batch: Commit | None = None  # the commit batch it last joined
         # 4 (MQTT 3.1.1) until an MQTT 5.0 CONNECT is accepted; then 5, with the MQTT 5 encoder.
         self.protocol_level = 4
-        self.encode_packet: Callable[[Any], bytes] = encode
+        self.encode_packet: Callable[[Packet], bytes] = encode
         self.assigned_id = False  # MQTT 5: the server assigned the client id (CONNACK says it)
         # MQTT 5: the Maximum Packet Size the client stated in CONNECT (None: the protocol's
         # limit); no packet larger than it may be sent to it (MQTT-3.1.2-24).
@@ -567,7 +568,7 @@ class Connection:
             self.out += data
             self.output_ready(self)
 
-    def send_packet(self, packet: object) -> None:
+    def send_packet(self, packet: Packet) -> None:
         """Encode ``packet`` at this connection's protocol level and queue it.
 
         MQTT 5: never larger than the client's Maximum Packet Size (MQTT-3.1.2-24): optional

@@ -25,7 +25,6 @@ back and which messages the core must be handed, in which order:
 
 from __future__ import annotations
 
-from types import SimpleNamespace
 from typing import Any
 
 from hypothesis import settings
@@ -33,6 +32,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from filemq.broker.connection import CONNECTED, Acks, Connection, Publishes
+from filemq.broker.session_state import SessionState
 from filemq.common.config import BrokerSection
 from filemq.mqtt.codec import Decoder, ProtocolError, encode, encode5, encode_puback, publish_bytes5
 from filemq.mqtt.packets import (
@@ -86,7 +86,7 @@ class _Answers:
                 if isinstance(event, Connect):
                     conn.state = CONNECTED
                     conn.keepalive = event.keepalive
-                    conn.session = SimpleNamespace(qos2_in={})  # type: ignore[assignment]
+                    conn.session = SessionState("m", False)  # (its qos2_in counts toward Receive Maximum)
                     if event.protocol_level == 5:
                         conn.protocol_level = 5
                         conn.encode_packet = encode5

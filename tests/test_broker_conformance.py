@@ -21,7 +21,7 @@ from filemq.mqtt.packets import (
     Puback,
     Publish,
 )
-from filemq.mqtt.properties import _read_vbi, _vbi
+from filemq.mqtt.properties import encode_vbi, read_vbi
 from tests.broker_harness import Harness, run
 from tests.test_broker_mqtt5 import client5
 
@@ -77,7 +77,7 @@ def test_packet_id_0_gets_disconnect_0x82_mqtt_2_2_1_3(tmp_path: Path, wire: byt
 def _non_minimal(value: int, extra: int) -> bytes:
     """``value`` as a variable byte integer padded with ``extra`` needless bytes (a
     continuation bit on what would be the last byte, then ``80`` ... ``00``)."""
-    out = bytearray(_vbi(value))
+    out = bytearray(encode_vbi(value))
     out[-1] |= 0x80
     out += b"\x80" * (extra - 1) + b"\x00"
     return bytes(out)
@@ -85,7 +85,7 @@ def _non_minimal(value: int, extra: int) -> bytes:
 
 def _with_length(packet: bytes, extra: int) -> bytes:
     """``packet`` (minimally encoded) with its remaining length padded by ``extra`` bytes."""
-    remaining, at = _read_vbi(packet, 1, len(packet), "remaining length", "test")
+    remaining, at = read_vbi(packet, 1, len(packet), "remaining length", "test")
     return packet[:1] + _non_minimal(remaining, extra) + packet[at:]
 
 
@@ -100,10 +100,10 @@ def test_non_minimal_variable_byte_integers_are_malformed_mqtt_1_5_5_1(value: in
     if len(padded) > 4:
         return  # over 4 bytes: already refused by the length cap
     with pytest.raises(ProtocolError, match="MQTT-1.5.5-1") as info:
-        _read_vbi(padded + b"rest", 0, len(padded) + 4, "length", "TEST")
+        read_vbi(padded + b"rest", 0, len(padded) + 4, "length", "TEST")
     assert info.value.reason_code == MALFORMED
     # The minimal encoding of the same value reads back.
-    assert _read_vbi(_vbi(value) + b"rest", 0, len(_vbi(value)) + 4, "length", "TEST") == (value, len(_vbi(value)))
+    assert read_vbi(encode_vbi(value) + b"rest", 0, len(encode_vbi(value)) + 4, "length", "TEST") == (value, len(encode_vbi(value)))
     # The fixed header: the decoder refuses it before any body byte is there.
     decoder = Decoder(1 << 22, protocol_level=data.draw(st.sampled_from([4, 5])))
     with pytest.raises(ProtocolError, match="MQTT-1.5.5-1") as info:
@@ -259,10 +259,10 @@ def test_connect_of_an_unknown_level_after_connack_is_disconnect_0x82_mqtt_3_1_0
 def _connect5(props: bytes, will_props: bytes | None = None) -> bytes:
     """A level-5 CONNECT with hand-made property sections (client id "bad", Clean Start)."""
     body = b"\x00\x04MQTT\x05" + bytes((0x02 | (0x04 if will_props is not None else 0),)) + b"\x00\x3c"
-    body += _vbi(len(props)) + props + b"\x00\x03bad"
+    body += encode_vbi(len(props)) + props + b"\x00\x03bad"
     if will_props is not None:
-        body += _vbi(len(will_props)) + will_props + b"\x00\x01w\x00\x03bye"
-    return b"\x10" + _vbi(len(body)) + body
+        body += encode_vbi(len(will_props)) + will_props + b"\x00\x01w\x00\x03bye"
+    return b"\x10" + encode_vbi(len(body)) + body
 
 
 _EXPIRY = b"\x11\x00\x00\x00\x3c"  # session expiry interval 60

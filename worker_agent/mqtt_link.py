@@ -69,7 +69,7 @@ from filemq.mqtt.packets import (
     Pubrec,
     Pubrel,
 )
-from filemq.mqtt.properties import _vbi
+from filemq.mqtt.properties import encode_vbi
 from filemq.mqtt.pubacks import puback_ids
 
 log = logging.getLogger(__name__)
@@ -131,7 +131,7 @@ def message_properties(headers: bytes, timestamp_us: int, now_us: int) -> bytes:
         i = 1 if headers[0] == 0x02 else 3
         interval = int.from_bytes(headers[i:i + 4], "big")
         left = message_expiry(headers, timestamp_us, timestamp_us + (interval - 1) * 1_000_000) or headers
-    return _vbi(len(left)) + left
+    return encode_vbi(len(left)) + left
 
 
 def remaining_length(n: int) -> bytes:

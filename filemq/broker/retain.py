@@ -29,7 +29,7 @@ from filemq.broker.session_state import (
     message_expiry,
 )
 from filemq.mqtt.packets import PROTOCOL_LEVEL_5
-from filemq.mqtt.properties import _vbi
+from filemq.mqtt.properties import encode_vbi
 from segments.record import Record
 
 if TYPE_CHECKING:
@@ -214,7 +214,7 @@ class Retained:
             if v5:
                 sub = state.subs.get(f)
                 if sub is not None and sub.identifier:
-                    headers += b"\x0b" + _vbi(sub.identifier)  # 3.3.4, MQTT-3.3.4-3
+                    headers += b"\x0b" + encode_vbi(sub.identifier)  # 3.3.4, MQTT-3.3.4-3
             if qos == 0:
                 data = conn.publish_bytes(m.topic, m.payload, 0, False, None, True, headers)
                 if limit is not None and len(data) > limit:

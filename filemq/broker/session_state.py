@@ -21,7 +21,7 @@ from filemq.common.topics import (
     topic_matches,
 )
 from filemq.mqtt.packets import SUB_NO_LOCAL, SUB_QOS_MASK, SUB_RETAIN_AS_PUBLISHED, Publish
-from filemq.mqtt.properties import _vbi, encode_message_headers
+from filemq.mqtt.properties import encode_message_headers, encode_vbi
 from segments.record import Record
 
 if TYPE_CHECKING:
@@ -509,7 +509,7 @@ class SessionState:
             entries = [
                 (s.start, s.qos, s.share, s.retain_below, bool(s.options & SUB_NO_LOCAL),
                  bool(s.options & SUB_RETAIN_AS_PUBLISHED),
-                 b"\x0b" + _vbi(s.identifier) if s.identifier else b"")
+                 b"\x0b" + encode_vbi(s.identifier) if s.identifier else b"")
                 for s in self.subs.values() if topic_matches(s.plain, topic)
             ]
             if len(self._match5_cache) > 4096:

@@ -60,7 +60,7 @@ from filemq.mqtt.packets import (
 from filemq.mqtt.properties import ALLOWED_PROPERTIES as ALLOWED_PROPERTIES
 from filemq.mqtt.properties import PROPERTY_NAMES as PROPERTY_NAMES
 from filemq.mqtt.properties import PROPERTY_TYPES as PROPERTY_TYPES
-from filemq.mqtt.properties import _vbi, encode_message_headers
+from filemq.mqtt.properties import encode_message_headers, encode_vbi
 from filemq.mqtt.wire import MAX_REMAINING_LENGTH as MAX_REMAINING_LENGTH
 from filemq.mqtt.wire import ProtocolError as ProtocolError
 from filemq.mqtt.wire import UnsupportedProtocolLevel as UnsupportedProtocolLevel
@@ -165,7 +165,7 @@ def publish_bytes5(topic: str, payload: bytes, qos: int, dup: bool, packet_id: i
     if tb is None:
         tb = _cache_topic(topic)
     first = 0x30 | (qos << 1) | (0x08 if dup else 0) | (0x01 if retain else 0)
-    plen = _vbi(len(props)) if props else b"\x00"
+    plen = encode_vbi(len(props)) if props else b"\x00"
     size = len(tb) + len(plen) + len(props) + len(payload)
     if qos:
         assert packet_id is not None

@@ -113,7 +113,7 @@ _pack_I = struct.Struct("!I").pack
 _unpack_I = struct.Struct("!I").unpack_from
 
 
-def _vbi(value: int) -> bytes:
+def encode_vbi(value: int) -> bytes:
     """A variable byte integer, spec 1.5.5."""
     if value < 0x80:
         return bytes((value,))
@@ -153,7 +153,7 @@ def _encode_properties(props: Properties | None, name: str) -> bytes:
                 if not 0 < ident <= _MAX_VBI:
                     raise ValueError(f"{what} must be 1..{_MAX_VBI}, got {ident}")
                 out.append(pid)
-                out += _vbi(ident)
+                out += encode_vbi(ident)
         elif kind == _P_STR:
             out.append(pid)
             out += _str(value, what)
@@ -173,13 +173,13 @@ def _encode_properties(props: Properties | None, name: str) -> bytes:
                 out += _pack_H(value)
             else:
                 out += _pack_I(value)
-    return _vbi(len(out)) + out
+    return encode_vbi(len(out)) + out
 
 
 # --------------------------------------------------------------------------- decoding
 
 
-def _read_vbi(buf: bytes | bytearray, pos: int, end: int, what: str, name: str) -> tuple[int, int]:
+def read_vbi(buf: bytes | bytearray, pos: int, end: int, what: str, name: str) -> tuple[int, int]:
     """A variable byte integer (spec 1.5.5); more than 4 bytes, running past ``end`` or more
     bytes than the value needs (MQTT-1.5.5-1) is a Malformed Packet."""
     value = 0
@@ -210,7 +210,7 @@ def _decode_properties(
     Spec 2.2.2.2: an identifier not valid for the packet, or a value not of its type, is a
     Malformed Packet (0x81); each property's own section makes a repeat, and the values it
     forbids, a Protocol Error (0x82)."""
-    length, pos = _read_vbi(buf, pos, end, "property length", name)
+    length, pos = read_vbi(buf, pos, end, "property length", name)
     pend = pos + length
     if pend > end:
         raise ProtocolError(f"{name} property length {length} runs past the end of the packet", name)
@@ -256,7 +256,7 @@ def _decode_properties(
             (value,) = _unpack_I(buf, pos)
             pos += 4
         elif ptype == _P_VBI:
-            value, pos = _read_vbi(buf, pos, pend, what, name)
+            value, pos = read_vbi(buf, pos, pend, what, name)
         elif ptype == _P_STR:
             value, pos = _read_str(buf, pos, pend, what, name)
         else:
@@ -461,7 +461,7 @@ def _encode_message_headers_generic(props: Properties | None) -> bytes:
         user_properties=props.user_properties,
     )
     section = _encode_properties(msg, "MESSAGE")
-    _length, pos = _read_vbi(section, 0, len(section), "property length", "MESSAGE")
+    _length, pos = read_vbi(section, 0, len(section), "property length", "MESSAGE")
     return section[pos:]
 
 
@@ -470,7 +470,7 @@ def decode_message_headers(headers: bytes) -> Properties | None:
     :class:`ProtocolError` when they are not a valid message property section."""
     if not headers:
         return None
-    section = _vbi(len(headers)) + headers
+    section = encode_vbi(len(headers)) + headers
     props, pos = _decode_properties(section, 0, len(section), "MESSAGE")
     if pos != len(section):  # pragma: no cover - the length prefix is exact
         raise ProtocolError("record headers: trailing bytes", "MESSAGE")

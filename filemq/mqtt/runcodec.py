@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from operator import add
 
 from filemq.mqtt.codec import _cache_topic, _topic_bytes
-from filemq.mqtt.properties import _read_vbi
+from filemq.mqtt.properties import read_vbi
 from filemq.mqtt.wire import _fixed_header, _pack_H
 from segments.record import Record, record_headers, record_qos, record_retain
 
@@ -106,7 +106,7 @@ def publish_prefixes5(prefixes: Sequence[bytes]) -> list[bytes]:
 
 
 def _prefix5_of(prefix: bytes) -> bytes:
-    remaining, at = _read_vbi(prefix, 1, len(prefix), "remaining length", "PUBLISH")
+    remaining, at = read_vbi(prefix, 1, len(prefix), "remaining length", "PUBLISH")
     return _fixed_header(prefix[0], remaining + 1) + prefix[at:]
 
 

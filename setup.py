@@ -39,6 +39,7 @@ HOT_PATH = [
     "filemq/broker/acl.py",
     "filemq/broker/core.py",
     "filemq/broker/delivery.py",
+    "filemq/broker/qos.py",
     "filemq/broker/publish.py",
     "filemq/broker/retain.py",
     "filemq/broker/connection.py",

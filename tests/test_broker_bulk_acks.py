@@ -1,10 +1,10 @@
-"""`Delivery.on_pubacks`' bulk path is the per-PUBACK path, only faster (issue 16).
+"""`QosAcks.on_pubacks`' bulk path is the per-PUBACK path, only faster (issue 16).
 
 A read of more than ``_SMALL_READ`` (8) PUBACKs whose in-flight entries are all gap-free
 run-path deliveries (:class:`SentRun`, one object per run) of one consumer group, or of at
 least ``_BULK_ACKS`` (16) whose entries are all run-path deliveries with gaps
 (:class:`SentRecord`, one per message) of one group, is acked with C-level maps and one
-``ConsumerGroup.ack_many`` (filemq/broker/delivery.py); a read of 2 to ``_SMALL_READ``
+``ConsumerGroup.ack_many`` (filemq/broker/qos.py); a read of 2 to ``_SMALL_READ``
 PUBACKs takes the per-id loop, whatever its entries, as one-id reads do.  These tests drive two brokers (the
 ``Harness`` of tests/broker_harness.py) through the same packets in lockstep: one as it
 is, one whose ``on_pubacks`` acks the ids of each read one at a time (a one-id call never
@@ -33,9 +33,9 @@ from unittest import mock
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from filemq.broker import delivery
+from filemq.broker import qos as qos_module
 from filemq.broker.connection import Connection
-from filemq.broker.delivery import Delivery
+from filemq.broker.qos import QosAcks
 from filemq.broker.session_state import SentRecord, SentRun, message_of
 from filemq.mqtt.codec import encode
 from filemq.mqtt.packets import Puback, Publish, Subscribe
@@ -59,12 +59,12 @@ def _bulk_reads(h: Harness) -> list[tuple[str, int]]:
             outs = [state.inflight.get(pid) for pid in pids]
             kind = {type(o) for o in outs}
             one_group = len({o.group for o in outs if o is not None}) == 1
-            if len(pids) <= delivery._SMALL_READ:
+            if len(pids) <= qos_module._SMALL_READ:
                 if type(outs[0]) is SentRun:
                     bulk.append(("short", len(pids)))
-            elif one_group and (kind == {SentRun} or (kind == {SentRecord} and len(pids) >= delivery._BULK_ACKS)):
+            elif one_group and (kind == {SentRun} or (kind == {SentRecord} and len(pids) >= qos_module._BULK_ACKS)):
                 bulk.append(("bulk", len(pids)))
-        Delivery.on_pubacks(core.delivery, conn, pids)
+        QosAcks.on_pubacks(core.qos, conn, pids)
 
     core.on_pubacks = on_pubacks
     return bulk
@@ -76,7 +76,7 @@ def _one_at_a_time(h: Harness) -> None:
 
     def on_pubacks(conn: Connection, pids: Sequence[int]) -> None:
         for pid in pids:
-            Delivery.on_pubacks(core.delivery, conn, (pid,))
+            QosAcks.on_pubacks(core.qos, conn, (pid,))
 
     core.on_pubacks = on_pubacks
 
@@ -273,7 +273,7 @@ def test_a_read_of_fanout_pubacks_takes_the_bulk_path(tmp_path: Path) -> None:
                                side_effect=ConsumerGroup.ack_many) as ack_many, \
                 mock.patch.object(ConsumerGroup, "ack", autospec=True, side_effect=ConsumerGroup.ack) as ack:
             await pair.step(("acks", ids, [4 * len(ids)]))
-        assert len(ids) >= delivery._BULK_ACKS
+        assert len(ids) >= qos_module._BULK_ACKS
         assert ack_many.call_count == 1  # the bulk side
         assert ack.call_count == 20  # the one-at-a-time side (its repeated id: not in flight any more)
     run(main())
@@ -322,9 +322,9 @@ def test_a_short_read_with_repeated_and_unknown_ids_acks_each_run_id_once(tmp_pa
         await pair.step(("acks", read, [4 * len(read)]))
         assert pair.bulk_reads[-1] == ("short", 5)
         assert ids[2] not in pair.inflight(0) and ids[3] in pair.inflight(0)
-        await pair.step(("acks", ids[3:3 + delivery._SMALL_READ], [4 * delivery._SMALL_READ]))
-        assert pair.bulk_reads[-1] == ("short", delivery._SMALL_READ)
-        assert not set(ids[:3 + delivery._SMALL_READ]) & set(pair.inflight(0))
+        await pair.step(("acks", ids[3:3 + qos_module._SMALL_READ], [4 * qos_module._SMALL_READ]))
+        assert pair.bulk_reads[-1] == ("short", qos_module._SMALL_READ)
+        assert not set(ids[:3 + qos_module._SMALL_READ]) & set(pair.inflight(0))
     run(main())
 
 

@@ -42,8 +42,8 @@ def test_every_core_handler_is_its_parts_own_bound_method(tmp_path: Path) -> Non
             "on_connect": core.connect, "on_disconnect": core.connect,
             "on_publish": core.ingest, "on_publishes": core.ingest, "on_publish_run": core.ingest,
             "on_subscribe": core.subscriptions, "on_unsubscribe": core.subscriptions,
-            "on_puback": core.delivery, "on_pubacks": core.delivery, "on_pubrec": core.delivery,
-            "on_pubrel": core.delivery, "on_pubcomp": core.delivery, "mark_dirty": core.delivery,
+            "on_puback": core.qos, "on_pubacks": core.qos, "on_pubrec": core.qos,
+            "on_pubrel": core.qos, "on_pubcomp": core.qos, "mark_dirty": core.delivery,
         }
         # The handlers BrokerCore.receive calls (declared on the class) and what a connection's
         # output_ready notification calls.

@@ -448,7 +448,7 @@ def test_inflight_window_and_pingreq(tmp_path: Path) -> None:
         await h.commit()
         first = s.received()
         assert [m.payload for m in first] == [b"0", b"1", b"2"]
-        # One PUBACK frees a third of the window: not refilled yet (Delivery._refill: at
+        # One PUBACK frees a third of the window: not refilled yet (QosAcks._refill: at
         # most a quarter of it, at least one message, in flight), so the PINGREQ is answered alone.
         s.send(Puback(first[0].packet_id), Pingreq())
         assert s.received() == [Pingresp()]

@@ -5,7 +5,7 @@ A client that answers each PUBLISH with a PUBACK in a send of its own, with ``TC
 own, and the kernel wakes the broker for nearly every few: with ten such subscribers, one read
 (an event-loop turn, a ``read``, an ACK segment) per ~5 PUBACKs, ~0.19 reads per delivery
 against ~0.03 with clients that ack a read's PUBLISHes in one send.  But a read of acks that
-leaves the window above its refill mark (a quarter of it, :meth:`Delivery._refill`)
+leaves the window above its refill mark (a quarter of it, :meth:`QosAcks._refill`)
 writes nothing back: the broker woke for nothing it could act on.
 
 So after such a read, :class:`AckBatcher` sets the socket's ``SO_RCVLOWAT`` to the bytes the
@@ -45,8 +45,8 @@ import struct
 import time
 from typing import Any
 
-from filemq.broker.delivery import refill_mark
 from filemq.broker.pacing import tcp_socket
+from filemq.broker.qos import refill_mark
 
 log = logging.getLogger("filemq.broker")
 

@@ -18,7 +18,6 @@ from filemq.broker.acl import fill_pattern
 from filemq.broker.auth import LoginThrottle
 from filemq.broker.connection import AUTHENTICATING, AWAITING_CONNECT, CONNECTED, Connection
 from filemq.broker.session_state import (
-    _PUBREL,
     RC_QUOTA_EXCEEDED,
     SESSION_GROUP_PREFIX,
     SHARE_GROUP_PREFIX,
@@ -26,9 +25,7 @@ from filemq.broker.session_state import (
     OwnRuns,
     SessionState,
     Subscription,
-    _ack,
     _too_long,
-    message_of,
     parse_share_key,
 )
 from filemq.broker.session_store import StoredSession
@@ -61,6 +58,7 @@ if TYPE_CHECKING:
     from filemq.broker.auth import PasswordFile
     from filemq.broker.delivery import Delivery
     from filemq.broker.publish import Ingest
+    from filemq.broker.qos import QosAcks
     from filemq.broker.registry import SessionRegistry
     from filemq.broker.router import Router
     from filemq.broker.sysinfo import BrokerStats
@@ -123,7 +121,8 @@ class Connector:
     authentication threads."""
 
     def __init__(self, config: BrokerSection, acl: Acl, passwords: PasswordFile | None, stats: BrokerStats,
-                 router: Router, registry: SessionRegistry, delivery: Delivery, ingest: Ingest) -> None:
+                 router: Router, registry: SessionRegistry, delivery: Delivery, ingest: Ingest,
+                 qos: QosAcks) -> None:
         self.config = config
         self.acl = acl
         self.passwords = passwords
@@ -133,6 +132,7 @@ class Connector:
         self.registry = registry
         self.delivery = delivery
         self.ingest = ingest
+        self.qos = qos
         self.connect_timeout = CONNECT_TIMEOUT
         # Handles a connection's events once its CONNECT is accepted after a wait (a password
         # check, a session-file write): the core's, wired by it.
@@ -399,7 +399,7 @@ class Connector:
                     if stored.own_offsets:  # no local across a restart (MQTT-3.8.3-3)
                         state.own_runs = OwnRuns(stored.own_offsets)
                     if stored.qos2_sent:  # outbound QoS 2 ids the client may hold: kept (MQTT-2.2.1-3)
-                        self.delivery.resume_outbound(state, stored.qos2_sent)
+                        self.qos.resume_outbound(state, stored.qos2_sent)
                     state.expiry, state.disconnected_at = stored.expiry, stored.disconnected_at
                     if not stored.owner_known:
                         log.warning("client %r: its session file has no owner (written by an older "
@@ -470,13 +470,7 @@ class Connector:
             conn.send_packet(Connack(present, CONNACK_ACCEPTED))
         for sub in state.subs.values():
             self.router.register(conn, sub)
-        # 4.4: re-send unacknowledged PUBLISH (DUP) and PUBREL with their original ids.
-        for pid, out in state.inflight.items():
-            if out.stage == 0:
-                topic, payload = message_of(out, pid)
-                conn.send(conn.publish_bytes(topic, payload, out.qos, True, pid, out.retain, out.headers))
-            else:
-                conn.send(_ack(_PUBREL, pid))
+        self.qos.resend(conn, state)  # 4.4: unacknowledged PUBLISH (DUP) and PUBREL, original ids
         log.info("client %r connected from %s (clean_session=%s, keepalive=%d, session_present=%s)",
                  cid, conn.peer, p.clean_session, conn.keepalive, present)
         self.delivery.pump(conn)

@@ -41,6 +41,7 @@ from filemq.broker.connect import Connector
 from filemq.broker.connection import AWAITING_CONNECT, CONNECTED, Acks, Connection, Event, Publishes
 from filemq.broker.delivery import Delivery
 from filemq.broker.publish import Ingest, new_publisher_map
+from filemq.broker.qos import QosAcks
 from filemq.broker.registry import SessionRegistry, SessionWriter
 from filemq.broker.retain import Retained
 from filemq.broker.router import Router
@@ -127,7 +128,8 @@ class BrokerCore:
     A composition of parts, each owning its state behind its methods (docs/LAYERS.md, "The
     broker core"): the :class:`~.router.Router`, the :class:`~.registry.SessionRegistry`,
     :class:`~.delivery.Delivery`, :class:`~.retain.Retained`, :class:`~.systopics.SysTopics`,
-    :class:`~.publish.Ingest`, :class:`~.subscribe.Subscriptions` and :class:`~.connect.Connector`,
+    :class:`~.qos.QosAcks`, :class:`~.publish.Ingest`, :class:`~.subscribe.Subscriptions` and
+    :class:`~.connect.Connector`,
     wired here.  :meth:`receive` hands each event a connection makes of its bytes to the
     handling part's own bound method (``on_publish`` and the others below), one frame for a
     whole read.  The periodic work (timeouts,
@@ -193,7 +195,9 @@ class BrokerCore:
         subscriptions = self.subscriptions = Subscriptions(self.log, config, router, registry, delivery,
                                                            retained_part, ingest)
         # Connect: CONNECT (authentication, sessions, CONNACK), DISCONNECT.
-        connect = self.connect = Connector(config, acl, passwords, stats, router, registry, delivery, ingest)
+        # QoS: the acknowledgements of deliveries (PUBACK, PUBREC, PUBCOMP), PUBREL, the re-send on reconnect.
+        qos = self.qos = QosAcks(self.log, registry, delivery)
+        connect = self.connect = Connector(config, acl, passwords, stats, router, registry, delivery, ingest, qos)
         self.connections = connect.connections  # (the connect part's dict: client id -> live connection)
         publishers = self._publisher_map
         publishers.sink = registry.own_published
@@ -207,11 +211,11 @@ class BrokerCore:
         self.on_publish_run = ingest.on_publish_run
         self.on_subscribe = subscriptions.on_subscribe
         self.on_unsubscribe = subscriptions.on_unsubscribe
-        self.on_puback = delivery.on_puback
-        self.on_pubacks = delivery.on_pubacks
-        self.on_pubrec = delivery.on_pubrec
-        self.on_pubrel = delivery.on_pubrel
-        self.on_pubcomp = delivery.on_pubcomp
+        self.on_puback = qos.on_puback
+        self.on_pubacks = qos.on_pubacks
+        self.on_pubrec = qos.on_pubrec
+        self.on_pubrel = qos.on_pubrel
+        self.on_pubcomp = qos.on_pubcomp
         self.mark_dirty = delivery.mark_dirty
         self.flush = delivery.flush
         self.pump = delivery.pump

@@ -1,7 +1,7 @@
 """Prompt TCP ACKs for a subscriber's acknowledgements (PUBACK, PUBREC, PUBCOMP): TCP_QUICKACK.
 
 The broker refills a subscriber's in-flight window in batches: once at most a quarter of it is
-still in flight (:meth:`Delivery._refill`), not after every ack.  So most reads of acks
+still in flight (:meth:`QosAcks._refill`), not after every ack.  So most reads of acks
 write nothing back to the client, and the kernel sends its ACK of the client's segment when
 its delayed-ACK timer runs out (40 ms on Linux), not at once on a PUBLISH.
 

@@ -109,7 +109,7 @@ class BrokerSection:
     max_uncommitted_bytes: int | None = field(default=None, metadata=_spec(_int(64 * KIB, sizes=True)))
     max_packet_size: int = field(default=1 * MIB, metadata=_spec(_int(64, 268_435_455, sizes=True)))
     # QoS 1/2 deliveries in flight per subscriber (EMQX's default, 32; mosquitto's is 20): the
-    # window is refilled once at most a quarter of it is in flight (Delivery._refill), so
+    # window is refilled once at most a quarter of it is in flight (QosAcks._refill), so
     # it also sets how many deliveries share one write.
     max_inflight: int = field(default=DEFAULT_MAX_INFLIGHT, metadata=_spec(_int(1, 65535)))
     # TCP_QUICKACK after a read of a subscriber's acks that wrote nothing back (Linux;

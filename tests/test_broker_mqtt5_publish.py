@@ -862,9 +862,9 @@ def _subscribe5(op: tuple[Any, ...]) -> Subscribe:
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(ops=_run_ops5, first_pid=st.sampled_from([1, 0xFFF8]), max_packet=st.sampled_from([None, 16, 1000]),
        aliases=st.sampled_from([None, 4]))
-def test_deliver_run_sends_what_deliver5_sends(tmp_path: Path, ops: list[tuple[Any, ...]], first_pid: int,
+def test_deliver_run_sends_what_the_planner_sends(tmp_path: Path, ops: list[tuple[Any, ...]], first_pid: int,
                                                max_packet: int | None, aliases: int | None) -> None:
-    """MQTT 5: _deliver's run path gives the subscriber the packets _deliver5 gives (an empty
+    """MQTT 5: _deliver's run path gives the subscriber the packets the per-record planner gives (an empty
     property section; subscription identifiers 3.3.4 and no local MQTT-3.8.3-3 on, topic
     aliases 3.3.2.3.4 and the client's Maximum Packet Size MQTT-3.1.2-24 respected: then the
     per-record loop) and leaves the same messages in flight."""
@@ -880,7 +880,7 @@ def test_deliver_run_sends_what_deliver5_sends(tmp_path: Path, ops: list[tuple[A
 
 def test_deliver_run_takes_an_mqtt5_fanout_batch(tmp_path: Path) -> None:
     """An MQTT 5 subscriber without identifiers, no local or aliases gets a QoS 1 run through
-    the run path, as _deliver5 would send it (MQTT 5 PUBLISH with an empty property section)."""
+    the run path, as the per-record planner would send it (MQTT 5 PUBLISH with an empty property section)."""
     from tests.broker_harness import deliveries
 
     ops: list[tuple[Any, ...]] = [("publish", [("a/1", 1, False), ("a/2", 1, False)] * 3), ("ack", 6, False)]

@@ -309,59 +309,116 @@ class Delivery:
 
     def _deliver(self, conn: Connection, state: SessionState, group: ConsumerGroup,
                  records: list[Record], share: str | None) -> None:
-        """Send ``records`` (fetched from ``group`` for ``conn``) in one write; records no
-        subscription of ``conn`` takes (older than it, or denied by the ACL) are acked, and
-        so are expired ones (MQTT-3.3.2-5)."""
+        """The delivery planner: send ``records`` (fetched from ``group`` for ``conn``) in one
+        write.  For each record, in order, one set of rules for both protocols decides whether
+        it goes out, at which QoS and with which packet id; only the encoding and what MQTT 5
+        adds differ by protocol:
+
+        * in flight again since a restart, with its old id: skipped (``resumed_offsets``);
+        * the granted QoS of the subscriptions that match it (none, or older than the
+          subscription: acked, not sent; MQTT 5 also: no local, MQTT-3.8.3-3), and the
+          receiving user's read rights (the ACL): else acked;
+        * expired (3.3.2.3.3, MQTT-3.3.2-5): acked; MQTT 5 gets the remaining expiry interval
+          (MQTT-3.3.2-6) and the matching subscriptions' identifiers (3.3.4);
+        * the QoS: the lower of the granted one and the message's; QoS 0 is acked at once;
+        * a packet id: the next free one from ``next_pid`` (MQTT-2.3.1-2); in flight with it
+          (the stored properties too: re-sent with them after a reconnect, 4.4);
+        * MQTT 5: larger than the client's Maximum Packet Size: discarded as delivered
+          (MQTT-3.1.2-25); retain as published (MQTT-3.3.1-12/-13); topic aliases;
+        * QoS 2 on a persistent session: from its first new id on, the output waits for the
+          session file (:meth:`_hold_output`).
+
+        A qualifying run takes :meth:`_deliver_run`, the same outcome in C loops."""
         if len(records) > 1 and self._deliver_run(conn, state, group, records, share):
             return
-        if conn.protocol_level == PROTOCOL_LEVEL_5:
-            self._deliver5(conn, state, group, records, share)
-            return
+        v5 = conn.protocol_level == PROTOCOL_LEVEL_5
         acl = conn.acl
         # Every delivery is checked against the receiving user's read rights (cached per topic).
         check_acl = acl is not None and not acl.allow_all
         granted = state.granted_qos
+        match = state.match5
         inflight = state.inflight
         ack = group.ack
         redelivered = group.redelivered
+        publishers = self.publishers if v5 and state.has_no_local() else None
+        own_runs = state.own_runs if publishers is not None and state.own_runs else None
+        cid = conn.client_id
+        limit = conn.client_max_packet if v5 else None
+        alias_max = conn.alias_max if v5 else 0
         parts: list[bytes] = []
         now_us = 0
         resumed = state.resumed_offsets if group is state.group else None
         hold = -1  # parts from this index on wait for the session file (a new QoS 2 id in it)
+        ids = b""
+        retain = False
         for r in records:
             offset = r.offset
             if resumed and offset in resumed:
                 resumed.discard(offset)  # in flight again since the restart, with its old id
                 continue
             topic = r.topic
-            qos = granted(topic, offset, share, r.retain)
+            if v5:
+                own = publishers is not None and (publishers.get(offset) == cid
+                                                  or (own_runs is not None and own_runs.holds(offset)))
+                qos, ids, keep_retain = match(topic, offset, share, r.retain, own)
+                retain = keep_retain and r.retain
+            else:
+                qos = granted(topic, offset, share, r.retain)
             if qos < 0 or (check_acl and not acl.can_receive(topic)):  # type: ignore[union-attr]
                 ack(offset)
                 continue
-            if r.headers:  # an MQTT 5 message: it may have expired (3.3.2.3.3)
+            headers = r.headers
+            if headers:  # an MQTT 5 message: it may have expired
                 now_us = now_us or time.time_ns() // 1000
-                if message_expiry(r.headers, r.timestamp_us, now_us) is None:
+                expiring = message_expiry(headers, r.timestamp_us, now_us)
+                if expiring is None:
                     ack(offset)
                     continue
+                if v5:
+                    headers = expiring
+            if ids:
+                headers += ids
             if r.qos < qos:
                 qos = r.qos
             if qos == 0:
-                parts.append(publish_bytes(topic, r.payload, 0, False, None, False))
                 ack(offset)
+                if not v5:
+                    parts.append(publish_bytes(topic, r.payload, 0, False, None, False))
+                    continue
+                data = publish_bytes5(topic, r.payload, 0, False, None, retain, headers)
+                if limit is not None and len(data) > limit:
+                    self.too_large(conn, topic, len(data), limit)
+                    continue
+                if alias_max:
+                    data = conn.aliased(data, topic, r.payload, 0, False, None, retain, headers, limit)
+                parts.append(data)
                 continue
             pid = state.next_pid
             while pid in inflight:
                 pid = pid % 0xFFFF + 1
+            if v5:
+                data = publish_bytes5(topic, r.payload, qos, redelivered(offset), pid, retain, headers)
+                if limit is not None and len(data) > limit:
+                    ack(offset)
+                    self.too_large(conn, topic, len(data), limit)
+                    continue
+            else:
+                data = publish_bytes(topic, r.payload, qos, redelivered(offset), pid, False)
             state.next_pid = pid % 0xFFFF + 1
-            # (headers kept: re-sent with them if the session resumes on MQTT 5)
-            inflight[pid] = Outbound(offset, group, qos, topic, r.payload, share, False, r.headers)
+            # The properties as sent (MQTT 5: expiry, identifiers), so a re-send after a
+            # reconnect (4.4) repeats them; onward delivery has started, so it is re-sent even
+            # if the message expires meanwhile.  (3.1.1: the record's own, for a session that
+            # resumes on MQTT 5.)
+            inflight[pid] = Outbound(offset, group, qos, topic, r.payload, share, retain, headers)
+            if alias_max:
+                data = conn.aliased(data, topic, r.payload, qos, data[0] & 0x08 != 0, pid, retain, headers, limit)
             if qos == 2 and state.persistent:
                 # (-1: a shared group's record; after a restart its PUBREL frees the id and the
                 # group hands the record out again, to any member)
                 state.qos2_sent[pid] = offset if resumed is not None else -1
                 if hold < 0:
                     hold = len(parts)
-            parts.append(publish_bytes(topic, r.payload, qos, redelivered(offset), pid, False))
+            parts.append(data)
         if parts:
             self.stats.publish_sent(len(parts))
             if hold >= 0:
@@ -377,7 +434,7 @@ class Delivery:
         redelivery (DUP) or is refused by the ACL, and a block of consecutive packet ids
         from ``next_pid`` on is free (the ids the per-record loop would take).  Sends the same
         bytes and leaves the same state as the loop; False (nothing done) when the run does
-        not qualify.  MQTT 5 (:meth:`_deliver5`) also needs: no subscription with no local
+        not qualify.  MQTT 5 also needs: no subscription with no local
         or an identifier, no topic aliases to the client, and every PUBLISH surely within the
         client's Maximum Packet Size (records without headers have no expiry)."""
         v5 = conn.protocol_level == PROTOCOL_LEVEL_5
@@ -434,88 +491,6 @@ class Delivery:
         else:
             conn.send(publish_run_prefixed(prefixes, payloads, pid))
         return True
-
-    def _deliver5(self, conn: Connection, state: SessionState, group: ConsumerGroup,
-                  records: list[Record], share: str | None) -> None:
-        """:meth:`_deliver` to an MQTT 5 client: the record's headers with the remaining
-        expiry interval (MQTT-3.3.2-6) and the matching subscriptions' identifiers (3.3.4),
-        no local (MQTT-3.8.3-3), retain as published (MQTT-3.3.1-12/-13), and no PUBLISH
-        larger than the client's Maximum Packet Size (MQTT-3.1.2-25: discarded, acked)."""
-        acl = conn.acl
-        check_acl = acl is not None and not acl.allow_all
-        match = state.match5
-        inflight = state.inflight
-        ack = group.ack
-        redelivered = group.redelivered
-        publishers = self.publishers if state.has_no_local() else None
-        own_runs = state.own_runs if publishers is not None and state.own_runs else None
-        cid = conn.client_id
-        limit = conn.client_max_packet
-        alias_max = conn.alias_max
-        parts: list[bytes] = []
-        now_us = time.time_ns() // 1000
-        resumed = state.resumed_offsets if group is state.group else None
-        hold = -1  # parts from this index on wait for the session file (a new QoS 2 id in it)
-        for r in records:
-            offset = r.offset
-            if resumed and offset in resumed:
-                resumed.discard(offset)  # in flight again since the restart, with its old id
-                continue
-            topic = r.topic
-            own = publishers is not None and (publishers.get(offset) == cid
-                                              or (own_runs is not None and own_runs.holds(offset)))
-            qos, ids, keep_retain = match(topic, offset, share, r.retain, own)
-            if qos < 0 or (check_acl and not acl.can_receive(topic)):  # type: ignore[union-attr]
-                ack(offset)
-                continue
-            headers = r.headers
-            if headers:
-                expiring = message_expiry(headers, r.timestamp_us, now_us)
-                if expiring is None:
-                    ack(offset)
-                    continue
-                headers = expiring
-            if ids:
-                headers += ids
-            retain = keep_retain and r.retain
-            if r.qos < qos:
-                qos = r.qos
-            if qos == 0:
-                data = publish_bytes5(topic, r.payload, 0, False, None, retain, headers)
-                ack(offset)
-                if limit is not None and len(data) > limit:
-                    self.too_large(conn, topic, len(data), limit)
-                    continue
-                if alias_max:
-                    data = conn.aliased(data, topic, r.payload, 0, False, None, retain, headers, limit)
-                parts.append(data)
-                continue
-            pid = state.next_pid
-            while pid in inflight:
-                pid = pid % 0xFFFF + 1
-            data = publish_bytes5(topic, r.payload, qos, redelivered(offset), pid, retain, headers)
-            if limit is not None and len(data) > limit:
-                ack(offset)
-                self.too_large(conn, topic, len(data), limit)
-                continue
-            state.next_pid = pid % 0xFFFF + 1
-            # The properties as sent (expiry, identifiers), so a re-send after a reconnect
-            # (4.4) repeats them; onward delivery has started, so it is re-sent even if the
-            # message expires meanwhile.
-            inflight[pid] = Outbound(offset, group, qos, topic, r.payload, share, retain, headers)
-            if alias_max:
-                data = conn.aliased(data, topic, r.payload, qos, data[0] & 0x08 != 0, pid, retain, headers, limit)
-            if qos == 2 and state.persistent:
-                state.qos2_sent[pid] = offset if resumed is not None else -1  # (-1: see _deliver)
-                if hold < 0:
-                    hold = len(parts)
-            parts.append(data)
-        if parts:
-            self.stats.publish_sent(len(parts))
-            if hold >= 0:
-                parts = self._hold_output(conn, state, parts, hold)
-            if parts:
-                conn.send(parts[0] if len(parts) == 1 else b"".join(parts))
 
     def _hold_output(self, conn: Connection, state: SessionState, parts: list[bytes], hold: int) -> list[bytes]:
         """``parts[hold:]`` begin with a QoS 2 PUBLISH whose id is new in ``state.qos2_sent``:

@@ -627,6 +627,22 @@ def test_publish_larger_than_client_maximum_packet_size_is_not_sent(tmp_path: Pa
     run(main())
 
 
+def test_sys_messages_larger_than_client_maximum_packet_size_are_not_sent_3_1_2_25(tmp_path: Path) -> None:
+    """MQTT-3.1.2-25 holds for the broker's own $SYS messages too (they are not stored, so
+    they do not take the record planner): live and kept ones over the client's Maximum Packet
+    Size are not sent and counted as any over-sized delivery; the ones that fit arrive."""
+    async def main() -> None:
+        h = Harness5(tmp_path)
+        s = h.sub5("s", ("$SYS/#", subscription_options(0)), properties=Properties(maximum_packet_size=40))
+        h.core.publish_sys([("$SYS/broker/uptime", b"5 seconds"), ("$SYS/broker/version", b"v" * 64)])
+        assert [(m.topic, m.payload) for m in publishes(s)] == [("$SYS/broker/uptime", b"5 seconds")]
+        assert h.core.delivery.dropped_too_large == 1
+        late = h.sub5("late", ("$SYS/#", subscription_options(0)), properties=Properties(maximum_packet_size=40))
+        assert [(m.topic, m.retain) for m in publishes(late)] == [("$SYS/broker/uptime", True)]
+        assert h.core.delivery.dropped_too_large == 2
+    run(main())
+
+
 def test_record_headers_are_opaque_to_311_only_stores(tmp_path: Path) -> None:
     """A record without headers (every 3.1.1 message) is stored as before (headers b'')."""
     async def main() -> None:

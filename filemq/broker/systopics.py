@@ -9,6 +9,7 @@ subscribers through the router's trie, each delivery checked against the receive
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from filemq.broker.connection import Connection
@@ -25,9 +26,13 @@ log = logging.getLogger("filemq.broker")
 class SysTopics:
     """``$SYS`` messages: published to live subscribers, the latest per topic kept."""
 
-    def __init__(self, router: Router, stats: BrokerStats) -> None:
+    def __init__(self, router: Router, stats: BrokerStats,
+                 too_large: Callable[[Connection, str, int, int], None]) -> None:
         self.router = router
         self.stats = stats
+        # What a PUBLISH over the client's Maximum Packet Size gets (delivery's: counted,
+        # logged, not sent; MQTT-3.1.2-25), as for any other delivery.
+        self.too_large = too_large
         self.retained: dict[str, bytes] = {}  # topic -> its latest payload
         self._warned: set[str] = set()  # invalid $SYS topics already warned about
 
@@ -37,7 +42,7 @@ class SysTopics:
         acl = conn.acl
         for topic, payload in self.retained.items():
             if topic_matches(topic_filter, topic) and (acl is None or acl.can_receive(topic)):
-                conn.send(conn.publish_bytes(topic, payload, 0, False, None, True))
+                self._send(conn, topic, conn.publish_bytes(topic, payload, 0, False, None, True))
 
     def publish(self, messages: list[tuple[str, bytes]], *, replace: str | None = None) -> None:
         """Send ``$SYS`` messages (not stored in the log) to live subscribers as QoS 0 (the
@@ -64,12 +69,21 @@ class SysTopics:
                     if acl is not None and not acl.can_receive(topic):
                         continue
                     if target.protocol_level != 4:
-                        target.send(target.publish_bytes(topic, payload, 0, False, None))
+                        self._send(target, topic, target.publish_bytes(topic, payload, 0, False, None))
                         continue
                     if data is None:
                         data = publish_bytes(topic, payload, 0, False, None)
                     target.send(data)
         self.retained = current
+
+    def _send(self, conn: Connection, topic: str, data: bytes) -> None:
+        """``data`` (a $SYS PUBLISH encoded for ``conn``) to ``conn``, unless larger than its
+        MQTT 5 Maximum Packet Size (MQTT-3.1.2-25: not sent, as any delivery)."""
+        limit = conn.client_max_packet
+        if limit is not None and len(data) > limit:
+            self.too_large(conn, topic, len(data), limit)
+            return
+        conn.send(data)
 
     def _topic_ok(self, topic: str) -> bool:
         try:

@@ -178,26 +178,37 @@ class Ingest:
     #
     # Admission has one home.  _rule_broken holds the condition of every rule and has no
     # effect; admit turns the rule a PUBLISH breaks into its verdict (with the rule's log
-    # line and count) and takes the stateful steps (QoS 2 dedup, the publish hook); _answer
-    # carries a verdict out.  Each entry asks the same _rule_broken (payload None) whether a
-    # PUBLISH, or a whole PublishRun, is stored in a run with nothing else done for it; any
-    # other PUBLISH goes through on_publish to admit, in its place in the read.
+    # line and count) and takes the stateful steps (QoS 2 dedup, the publish hook); on_publish
+    # carries the verdict out.  The run entries ask the same _rule_broken (payload None)
+    # whether a PUBLISH, or a whole PublishRun, is stored in a run with nothing else done for
+    # it; any other PUBLISH goes through on_publish, in its place in the read.
 
     def on_publish(self, conn: Connection, p: Publish) -> None:
-        """One PUBLISH: :meth:`on_publishes`'s case of one message.  Stored as a run of one when
-        admission has nothing to do for it but store it (:meth:`_rule_broken`), else admitted
-        alone (:meth:`admit`) and answered by its verdict."""
+        """One PUBLISH: :meth:`on_publishes`'s case of one message.  Stored at once when
+        admission has nothing to do for it but store it (:meth:`_rule_broken` asked as for a
+        run), else admitted (:meth:`admit`) and answered by its verdict; stored with the log's
+        append of one record (for one, its run machinery costs more than it saves)."""
+        topic = p.topic
+        self.stats.publish_received(topic, time.monotonic())
         props = p.properties
-        if self._rule_broken(conn, p.topic, p.qos, p.dup, len(p.payload), props, None):
-            self._publish_one(conn, p)
+        if not self._rule_broken(conn, topic, p.qos, p.dup, len(p.payload), props, None):
+            self._store_one(conn, p, p.payload, b"" if props is None else
+                            encode_message_headers(props) if p.headers is None else p.headers)
             return
-        pid = p.packet_id
-        assert pid is not None  # (QoS 1)
-        if props is None:
-            self._append_run(conn, [p.topic], [p.payload], [p.retain], [pid])
+        v = self.admit(conn, p)
+        action = v.action
+        if action == STORE:
+            self._store_one(conn, p, v.payload, v.headers)
+        elif action == ACK_DROP:
+            self._ack_now(conn, p)
+        elif action == REFUSE:
+            self._refuse5(conn, p, v.code)
+        elif action == CLOSE:
+            conn.close(v.reason, will=True, level=logging.WARNING, reason_code=v.code or None)
+        elif action == PROTOCOL_ERROR:
+            raise ProtocolError(v.reason, "PUBLISH", v.code)
         else:
-            self._append_run(conn, [p.topic], [p.payload], [p.retain], [pid],
-                             [encode_message_headers(props) if p.headers is None else p.headers])
+            self._pubrec_again(conn, p, v.stored)
 
     def on_publishes(self, conn: Connection, ps: Sequence[Publish]) -> None:
         """A run of PUBLISHes from one read (MQTT 3.1.1; MQTT 5: QoS 1 ones without a topic
@@ -401,29 +412,6 @@ class Ingest:
                     conn.client_id, conn.username, topic)
         return _ACK_AND_DROP
 
-    def _publish_one(self, conn: Connection, p: Publish) -> None:
-        """A PUBLISH admitted alone: counted, :meth:`admit`, its verdict carried out."""
-        self.stats.publish_received(p.topic, time.monotonic())
-        v = self.admit(conn, p)
-        action = v.action
-        if action == STORE:
-            if p.qos == 1:
-                assert p.packet_id is not None
-                self._append_run(conn, [p.topic], [v.payload], [p.retain], [p.packet_id],
-                                 [v.headers] if v.headers else None, counted=True)
-            else:
-                self._store_one(conn, p, v.payload, v.headers)
-        elif action == ACK_DROP:
-            self._ack_now(conn, p)
-        elif action == REFUSE:
-            self._refuse5(conn, p, v.code)
-        elif action == CLOSE:
-            conn.close(v.reason, will=True, level=logging.WARNING, reason_code=v.code or None)
-        elif action == PROTOCOL_ERROR:
-            raise ProtocolError(v.reason, "PUBLISH", v.code)
-        else:
-            self._pubrec_again(conn, p, v.stored)
-
     def _pubrec_again(self, conn: Connection, p: Publish, stored: asyncio.Future[None] | None) -> None:
         """PUBREC again for a QoS 2 id stored already (``stored``: its commit, None once
         settled), once the id is durable too."""
@@ -439,9 +427,9 @@ class Ingest:
             self.delivery.join_batch(conn, wait)
 
     def _store_one(self, conn: Connection, p: Publish, payload: bytes, headers: bytes) -> None:
-        """Append a QoS 0 or 2 PUBLISH admitted (``payload``: the hook's; ``headers``: the
-        record's); a QoS 2 one's PUBREC waits for the commit and, in a persistent session, for
-        its id in the session file."""
+        """Append a PUBLISH admitted alone (``payload``: the hook's; ``headers``: the record's);
+        its PUBACK waits for the commit, its PUBREC for the commit and, in a persistent session,
+        for its id in the session file."""
         topic = p.topic
         qos = p.qos
         ts = time.time_ns() // 1000
@@ -467,34 +455,36 @@ class Ingest:
             return
         pid = p.packet_id
         assert pid is not None
-        state = conn.session
-        assert state is not None
-        state.qos2_in[pid] = fut
-        state.qos2_offsets[pid] = offset
-        if state.persistent:
-            # PUBREC once the record is committed *and* its id is in the session file.
-            fut = self.registry.qos2_gate(state, fut)
-        conn.queue_ack(fut, _ack(_PUBREC, pid), offset)
+        if qos == 1:
+            conn.queue_ack(fut, encode_puback(pid), offset)
+        else:
+            state = conn.session
+            assert state is not None
+            state.qos2_in[pid] = fut
+            state.qos2_offsets[pid] = offset
+            if state.persistent:
+                # PUBREC once the record is committed *and* its id is in the session file.
+                fut = self.registry.qos2_gate(state, fut)
+            conn.queue_ack(fut, _ack(_PUBREC, pid), offset)
         if conn.last_batch is not fut:
             self.delivery.join_batch(conn, fut)
 
     def _append_run(self, conn: Connection, topics: list[str], payloads: list[bytes], retains: list[bool],
-                    pids: list[int], headers: list[bytes] | None = None, counted: bool = False) -> bool:
-        """Store QoS 1 PUBLISHes admission let through (``headers``: each one's record headers,
-        None for none; ``counted``: already counted as received) and queue their PUBACKs
-        behind the commit; False if storing failed and the connection was closed."""
+                    pids: list[int], headers: list[bytes] | None = None) -> bool:
+        """Store a run of QoS 1 PUBLISHes admission has nothing to do for but store (``headers``:
+        each one's record headers, None for none) and queue their PUBACKs behind the commit;
+        False if storing failed and the connection was closed."""
+        stats = self.stats
+        now = time.monotonic()
         n = len(topics)
-        if not counted:
-            stats = self.stats
-            now = time.monotonic()
-            stats.messages_received += n
-            hot = stats.hot_topics
-            topic = topics[0]
-            if topics.count(topic) == n:
-                hot.record(topic, now, n)
-            else:
-                for topic, count in Counter(topics).items():
-                    hot.record(topic, now, count)
+        stats.messages_received += n
+        hot = stats.hot_topics
+        topic = topics[0]
+        if topics.count(topic) == n:
+            hot.record(topic, now, n)
+        else:
+            for topic, count in Counter(topics).items():
+                hot.record(topic, now, count)
         ts = time.time_ns() // 1000
         v5 = conn.protocol_level == PROTOCOL_LEVEL_5
         before = self.log.next_offset
@@ -507,25 +497,18 @@ class Ingest:
                 first, fut = self._append_many(topics, payloads, retains, 1, ts, headers)
         except (OSError, ValueError) as exc:
             stored = self.log.next_offset - before
-            what = f"PUBLISH to {topics[0]!r}" if n == 1 else f"{n} PUBLISHes to {topics[0]!r}..."
             if not v5 or not 0 <= stored < n:
-                # Not acknowledged (records stored before the failing one are routed from the
-                # log; their PUBACKs never leave, the client re-sends them).
-                conn.close(f"storing {what} failed: {exc}", will=True, level=logging.ERROR)
+                # As one at a time: not acknowledged (records stored before the failing one are
+                # routed from the log; their PUBACKs never leave, the client re-sends them).
+                conn.close(f"storing {n} PUBLISHes to {topics[0]!r}... failed: {exc}", will=True,
+                           level=logging.ERROR)
                 return False
             # MQTT 5 (issue 13 item 6): the stored ones are acknowledged after their commit,
             # as usual; the failing one and those after it get a reason code; the connection stays.
             code = refusal_code(exc)
-            if n == 1:
-                log.error("client %r: storing PUBLISH to %r refused: %s", conn.client_id, topics[0], exc)
-            else:
-                log.error("client %r: storing %d of %d PUBLISHes to %r refused: %s (0x%02x)", conn.client_id,
-                          n - stored, n, topics[0], exc, code)
+            log.error("client %r: storing %d of %d PUBLISHes to %r refused: %s (0x%02x)", conn.client_id,
+                      n - stored, n, topics[0], exc, code)
             refused = pids[stored:]
-            if not stored:
-                for pid in refused:
-                    conn.queue_ack(None, ack5(_PUBACK, pid, code))
-                return True
             topics, payloads, retains, pids = topics[:stored], payloads[:stored], retains[:stored], pids[:stored]
             if headers is not None:
                 headers = headers[:stored]
@@ -533,9 +516,14 @@ class Ingest:
             try:
                 first, fut = self._append_many([], [], [], 1, ts)  # the open batch's commit future
             except (OSError, ValueError) as exc2:
-                conn.close(f"storing PUBLISHes to {topics[0]!r} failed: {exc2}", will=True, level=logging.ERROR)
+                conn.close(f"storing PUBLISHes to {topics[0] if topics else '?'!r} failed: {exc2}", will=True,
+                           level=logging.ERROR)
                 return False
             first = before
+            if not n:
+                for pid in refused:
+                    conn.queue_ack(None, ack5(_PUBACK, pid, code))
+                return True
         pending = self._pending
         if pending and pending[-1][0][-1].offset >= first:
             self._forget_from(first)

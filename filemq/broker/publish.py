@@ -225,30 +225,41 @@ class Ingest:
         retains: list[bool] = []
         pids: list[int] = []
         headers: list[bytes] | None = None  # (MQTT 5: once a message of the run has properties)
+        # The last arguments _rule_broken found stored in a run with: the same answer for the
+        # same ones and any smaller payload (a read from a device is mostly one topic).
+        ok_topic: str | None = None
+        ok_qos = ok_size = -1
+        ok_dup = False
+        ok_props: Properties | None = None
         for p in ps:
             topic = p.topic
             props = p.properties
             payload = p.payload
-            if not broken(conn, topic, p.qos, p.dup, len(payload), props, None):
-                if props is not None:
-                    if headers is None:
-                        headers = [b""] * len(topics)
-                    header = p.headers
-                    headers.append(encode_message_headers(props) if header is None else header)
-                elif headers is not None:
-                    headers.append(b"")
-                topics.append(topic)
-                payloads.append(payload)
-                retains.append(p.retain)
-                pids.append(p.packet_id)  # type: ignore[arg-type]
-                continue
-            if topics:
-                if not self._append_run(conn, topics, payloads, retains, pids, headers):
-                    return
-                topics, payloads, retains, pids, headers = [], [], [], [], None
-            self.on_publish(conn, p)
-            if conn.closed:
-                return
+            size = len(payload)
+            qos = p.qos
+            dup = p.dup
+            if not (topic == ok_topic and size <= ok_size and qos == ok_qos and dup == ok_dup and props is ok_props):
+                if broken(conn, topic, qos, dup, size, props, None):
+                    if topics:
+                        if not self._append_run(conn, topics, payloads, retains, pids, headers):
+                            return
+                        topics, payloads, retains, pids, headers = [], [], [], [], None
+                    self.on_publish(conn, p)
+                    if conn.closed:
+                        return
+                    continue
+                ok_topic, ok_qos, ok_size, ok_dup, ok_props = topic, qos, size, dup, props
+            if props is not None:
+                if headers is None:
+                    headers = [b""] * len(topics)
+                header = p.headers
+                headers.append(encode_message_headers(props) if header is None else header)
+            elif headers is not None:
+                headers.append(b"")
+            topics.append(topic)
+            payloads.append(payload)
+            retains.append(p.retain)
+            pids.append(p.packet_id)  # type: ignore[arg-type]
         if topics:
             self._append_run(conn, topics, payloads, retains, pids, headers)
 
@@ -261,7 +272,7 @@ class Ingest:
         topic = run.topic
         payloads = run.payloads
         props = run.properties
-        if self._rule_broken(conn, topic, run.qos, run.dup, max(map(len, payloads)), props, None):
+        if self._rule_broken(conn, topic, run.qos, run.dup, 0, props, None, payloads):
             self.on_publishes(conn, run.publishes())
             return
         n = len(payloads)
@@ -273,16 +284,21 @@ class Ingest:
                              [headers] * n)
 
     def _rule_broken(self, conn: Connection, topic: str, qos: int, dup: bool, size: int,
-                     props: Properties | None, payload: bytes | None) -> int:
+                     props: Properties | None, payload: bytes | None, run: Sequence[bytes] | None = None) -> int:
         """The first admission rule a PUBLISH (of ``size`` payload bytes) from ``conn`` breaks,
         0 if none, in the order they are checked: MQTT-3.3.1-2 (DUP at QoS 0),
         ``max_topic_length`` (UTF-8 bytes), MQTT 5's MQTT-3.3.2-14 (a response topic is a topic
         name) and 3.3.2.3.2 (payload format indicator 1: a UTF-8 payload), ``message_size_limit``,
         no ``$`` topics from clients, the ACL.  The conditions only: no log, no count, no state
-        changed (:meth:`admit` does what a broken rule calls for).
+        changed (:meth:`admit` does what a broken rule calls for); nothing read but the
+        arguments, ``conn``'s ACL, the configuration and the hook, so within a read the same
+        arguments get the same answer, and an answer of 0 holds for any smaller ``size`` too
+        (``message_size_limit`` is an upper bound): :meth:`on_publishes` remembers the last
+        one, :meth:`on_publish_run` asks with its largest payload.
 
-        ``payload`` None asks for a run (:meth:`on_publish_run`'s ``size`` is its largest
-        payload's): whether the PUBLISH is stored with nothing else done for it.  :data:`ALONE`
+        ``payload`` None asks for a run: whether the PUBLISH is stored with nothing else done
+        for it (``run``: a PublishRun's payloads, of which ``size`` is then the largest, only
+        measured when there is a ``message_size_limit``).  :data:`ALONE`
         then stands for anything that needs :meth:`admit` even if no rule is broken: QoS 0 or 2
         (QoS 2: the dedup of its id), a publish hook, a property the rules check against the
         payload (a response topic, payload format indicator 1)."""
@@ -301,7 +317,7 @@ class Ingest:
             if props.payload_format_indicator == 1 and not _is_utf8(payload):
                 return RULE_PAYLOAD_NOT_UTF8
         limit = config.message_size_limit
-        if limit is not None and size > limit:
+        if limit is not None and (size if run is None else max(map(len, run))) > limit:
             return RULE_TOO_LARGE
         if topic[0] == "$":
             return RULE_DOLLAR_TOPIC

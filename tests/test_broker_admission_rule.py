@@ -119,7 +119,7 @@ async def _answers(tmp: Path, ps: list[Publish], v5: bool, one_read: bool, acl: 
         event("a PublishRun")
         real(conn, r)
 
-    h.core.on_publish_run = run_entry  # type: ignore[method-assign]
+    h.core.on_publish_run = run_entry
     caplog.clear()
     if one_read:
         c.send(*ps)

@@ -1,5 +1,6 @@
-"""Inbound PUBLISH: validation, ACL, the publish hook, the durable append and the
-acks released per commit batch; then routing of committed records to subscribers.
+"""Inbound PUBLISH: admission (one rule set, one verdict, for every entry), the durable
+append and the acks released per commit batch; then routing of committed records to
+subscribers.
 """
 
 from __future__ import annotations
@@ -136,9 +137,10 @@ def new_publisher_map() -> PublisherRuns:
 
 @mypyc_attr(native_class=False)  # (tests replace its methods on the instance: on_publish, on_publishes, on_publish_run)
 class Ingest:
-    """Inbound PUBLISH: admission (size, ``$`` topics, ACL, the publish hook), the append to
-    the log, QoS 2 dedup, the acks queued behind the commit batch; then, from the commit
-    listener, routing of committed records (tail cache, retained, woken subscribers).
+    """Inbound PUBLISH: admission (:meth:`_rule_broken`'s rules, :meth:`admit`'s verdict:
+    size, ``$`` topics, ACL, MQTT 5 reason codes, QoS 2 dedup, the publish hook), the append
+    to the log, the acks queued behind the commit batch; then, from the commit listener,
+    routing of committed records (tail cache, retained, woken subscribers).
 
     Owns the appended-not-yet-routed runs, the routed offset and the publisher map."""
 

@@ -19,9 +19,9 @@ in and takes bytes out, and the broker core gives its answers (``queue_ack``, ``
   acks the core queued) sees them, and after a CONNECT the bytes behind it are decoded only
   once the core accepted it.  A violation raises :class:`~filemq.mqtt.ProtocolError` from
   the iteration; the core answers it with :meth:`protocol_error`.
-* Bytes to send collect in an output buffer: :meth:`data_to_send` drains it.  Whenever the
-  buffer goes from empty to something, ``output_ready(conn)`` is called (the core's flush
-  marks the connection), and the core's flush hands the bytes to ``write``, the shell's sink.
+* Bytes to send collect in an output buffer: :meth:`data_to_send` drains it.  Each time bytes
+  are queued, ``output_ready(conn)`` is called (the core marks the connection dirty), and the
+  core's flush hands the bytes to ``write``, the shell's sink, once per loop pass.
 * :meth:`close` marks the connection closed once and calls ``closed(conn, prev_state)``: the
   shell tells the core and closes its socket after writing what is left.
 

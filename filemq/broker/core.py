@@ -187,16 +187,17 @@ class BrokerCore:
         retained_part = self.retained = Retained(retained, self.log, stats, delivery, registry, self.sys)
         delivery.wire_retained(retained_part.out, retained_part.after, retained_part.drain)
         # Ingest: PUBLISH admission, the append, acks behind the commit, routing once committed.
+        # QoS 1/2 both ways: the acknowledgements of deliveries (PUBACK, PUBREC, PUBCOMP), inbound
+        # QoS 2 (dedup of re-sent ids, PUBREC, PUBREL -> PUBCOMP), the re-send on reconnect.
+        qos = self.qos = QosAcks(self.log, registry, delivery)
         ingest = self.ingest = Ingest(queue, cache, config, stats, publish_hook, router, registry, delivery,
-                                      retained_part, self._publisher_map)
+                                      retained_part, self._publisher_map, qos)
         retained_part.routing = ingest
         registry.publish_internal = ingest.store_internal
         # Subscriptions: SUBSCRIBE / UNSUBSCRIBE.
         subscriptions = self.subscriptions = Subscriptions(self.log, config, router, registry, delivery,
                                                            retained_part, ingest)
         # Connect: CONNECT (authentication, sessions, CONNACK), DISCONNECT.
-        # QoS: the acknowledgements of deliveries (PUBACK, PUBREC, PUBCOMP), PUBREL, the re-send on reconnect.
-        qos = self.qos = QosAcks(self.log, registry, delivery)
         connect = self.connect = Connector(config, acl, passwords, stats, router, registry, delivery, ingest, qos)
         self.connections = connect.connections  # (the connect part's dict: client id -> live connection)
         publishers = self._publisher_map

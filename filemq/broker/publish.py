@@ -28,7 +28,6 @@ from filemq.broker.session_state import (
     PublisherRuns,
     PublishHook,
     SharedGroup,
-    _ack,
     _too_long,
     ack5,
 )
@@ -51,6 +50,7 @@ from segments.record import Record
 if TYPE_CHECKING:
     from filemq.broker.delivery import Delivery
     from filemq.broker.ports import QueuePort
+    from filemq.broker.qos import QosAcks
     from filemq.broker.registry import SessionRegistry
     from filemq.broker.retain import Retained
     from filemq.broker.router import Router
@@ -146,7 +146,7 @@ class Ingest:
 
     def __init__(self, queue: QueuePort, cache: TailCache, config: BrokerSection, stats: BrokerStats,
                  hook: PublishHook | None, router: Router, registry: SessionRegistry, delivery: Delivery,
-                 retained: Retained, publishers: PublisherRuns) -> None:
+                 retained: Retained, publishers: PublisherRuns, qos: QosAcks) -> None:
         self.log: LogView = queue.log  # only its read side: a test fake stands in (compiled build)
         # Topics reaching _append passed the codec's and CONNECT's topic-name checks already.
         self._append = functools.partial(queue.publish_nowait, validated=True)
@@ -159,6 +159,7 @@ class Ingest:
         self.registry = registry
         self.delivery = delivery
         self.retained = retained
+        self.qos = qos  # inbound QoS 2: the dedup of re-sent ids, PUBREC behind the id's write
         self._publishers = publishers
         # Appended, not yet routed: runs of records with consecutive offsets (one per
         # on_publish, or per run of on_publishes), each with its commit future.
@@ -210,7 +211,8 @@ class Ingest:
         elif action == PROTOCOL_ERROR:
             raise ProtocolError(v.reason, "PUBLISH", v.code)
         else:
-            self._pubrec_again(conn, p, v.stored)
+            assert p.packet_id is not None
+            self.qos.pubrec_again(conn, p.packet_id, v.stored)
 
     def on_publishes(self, conn: Connection, ps: Sequence[Publish]) -> None:
         """A run of PUBLISHes from one read (MQTT 3.1.1; MQTT 5: QoS 1 ones without a topic
@@ -347,23 +349,10 @@ class Ingest:
         state = conn.session
         assert state is not None
         if qos == 2:
-            pid = p.packet_id
-            assert pid is not None
-            fut = state.qos2_in.get(pid)
-            if fut is not None and fut.done() and (fut.cancelled() or fut.exception() is not None):
-                del state.qos2_in[pid]  # its commit failed: nothing was stored, store this one
-            if pid in state.qos2_loaded:
-                # From the session file (a restart): a duplicate only if the log holds this
-                # very message at the id's offset; otherwise it is stored (at worst twice).
-                state.qos2_loaded.discard(pid)
-                if not self._stored_at(state.qos2_offsets.get(pid), p):
-                    del state.qos2_in[pid]
-                    state.qos2_offsets.pop(pid, None)
-            if pid in state.qos2_in:
+            again, stored = self.qos.received_again(state, p)
+            if again:
                 # Already stored, PUBREL not seen: PUBREC again, do not store twice (4.3.3).
-                # The set is exact (ids leave it durably before PUBCOMP), so this id names
-                # the stored message.
-                return Verdict(PUBREC_AGAIN, stored=fut)
+                return Verdict(PUBREC_AGAIN, stored=stored)
         # (the decoder's headers, for a property section it has seen before)
         headers = b"" if props is None else encode_message_headers(props) if p.headers is None else p.headers
         hook = self.hook
@@ -430,20 +419,6 @@ class Ingest:
                     conn.client_id, conn.username, topic)
         return _ACK_AND_DROP
 
-    def _pubrec_again(self, conn: Connection, p: Publish, stored: asyncio.Future[None] | None) -> None:
-        """PUBREC again for a QoS 2 id stored already (``stored``: its commit, None once
-        settled), once the id is durable too."""
-        state = conn.session
-        assert state is not None and p.packet_id is not None
-        wait: asyncio.Future[None] | None = None
-        if stored is not None and not stored.done():
-            wait = self.registry.qos2_gate(state, stored) if state.persistent else stored
-        elif state.persistent and (state.save_running or state.save_next is not None):
-            wait = self.registry.save_soon(state)
-        conn.queue_ack(wait, _ack(_PUBREC, p.packet_id))
-        if wait is not None and conn.last_batch is not wait:
-            self.delivery.join_batch(conn, wait)
-
     def _store_one(self, conn: Connection, p: Publish, payload: bytes, headers: bytes) -> None:
         """Append a PUBLISH admitted alone (``payload``: the hook's; ``headers``: the record's);
         its PUBACK waits for the commit, its PUBREC for the commit and, in a persistent session,
@@ -476,14 +451,8 @@ class Ingest:
         if qos == 1:
             conn.queue_ack(fut, encode_puback(pid), offset)
         else:
-            state = conn.session
-            assert state is not None
-            state.qos2_in[pid] = fut
-            state.qos2_offsets[pid] = offset
-            if state.persistent:
-                # PUBREC once the record is committed *and* its id is in the session file.
-                fut = self.registry.qos2_gate(state, fut)
-            conn.queue_ack(fut, _ack(_PUBREC, pid), offset)
+            self.qos.stored_qos2(conn, pid, offset, fut)
+            return
         if conn.last_batch is not fut:
             self.delivery.join_batch(conn, fut)
 
@@ -561,18 +530,6 @@ class Ingest:
             conn.queue_ack(None, ack5(_PUBACK, pid, code))
         return True
 
-    def _stored_at(self, offset: int | None, p: Publish) -> bool:
-        """Whether the log's record at ``offset`` is ``p`` (same topic and payload)."""
-        if offset is None:
-            return False
-        try:
-            records = self.log.read(offset, 1)
-        except (OSError, ValueError) as exc:
-            log.warning("reading offset %d to check a QoS 2 re-send failed: %s", offset, exc)
-            return False
-        return bool(records) and records[0].offset == offset and records[0].topic == p.topic \
-            and records[0].payload == p.payload
-
     def _refuse5(self, conn: Connection, p: Publish, code: int) -> None:
         """Tell an MQTT 5 publisher its PUBLISH was not stored: PUBACK/PUBREC with ``code``, in
         order behind the acks still waiting for commits; the connection stays.  A QoS 0 one
@@ -594,10 +551,7 @@ class Ingest:
             conn.queue_ack(None, encode_puback(p.packet_id))
         elif p.qos == 2:
             assert p.packet_id is not None
-            state = conn.session
-            assert state is not None
-            state.qos2_in.setdefault(p.packet_id, None)
-            conn.queue_ack(None, _ack(_PUBREC, p.packet_id))
+            self.qos.dropped_qos2(conn, p.packet_id)
 
     def _track(self, record: Record, fut: asyncio.Future[None]) -> None:
         pending = self._pending

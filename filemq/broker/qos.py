@@ -1,6 +1,7 @@
-"""The QoS 1/2 acknowledgement state machine of a session, both ways (MQTT 4.3, 4.4): the
-PUBACK / PUBREC / PUBCOMP a subscriber answers the broker's deliveries with, the PUBREL a
-publisher sends for a QoS 2 PUBLISH, and on reconnect the re-send of what is unacknowledged.
+"""The QoS 1/2 state machine of a session, both ways (MQTT 4.3, 4.4): the PUBACK / PUBREC /
+PUBCOMP a subscriber answers the broker's deliveries with; a publisher's QoS 2 exchange (a
+re-sent id recognised and not stored twice, PUBREC behind the commit and the session file,
+PUBREL -> PUBCOMP); and on reconnect the re-send of what is unacknowledged.
 
 What holds:
 
@@ -10,6 +11,9 @@ What holds:
 * A delivery's record is acked in its consumer group once the client has it: at PUBACK, or at
   PUBREC (a persistent session: once the session file holds the id awaiting PUBCOMP, so a
   restart re-sends the PUBREL).
+* A QoS 2 PUBLISH whose id is held (stored, PUBREL not come) is answered with PUBREC again
+  and not stored twice; an id is held from its append (or its ack-and-drop) until PUBREL, and
+  a persistent session's PUBREC leaves only once its file holds the id.
 * A PUBCOMP leaves only once a persistent session's file no longer holds the released
   inbound id (the client may reuse the id right after).
 * On reconnect every unacknowledged PUBLISH is re-sent with its id and DUP = 1, in the order
@@ -33,6 +37,7 @@ from typing import TYPE_CHECKING, Any, cast
 from filemq.broker.connection import Connection
 from filemq.broker.session_state import (
     _PUBCOMP,
+    _PUBREC,
     _PUBREL,
     Inflight,
     Outbound,
@@ -42,6 +47,7 @@ from filemq.broker.session_state import (
     message_of,
 )
 from filemq.common.native import mypyc_attr
+from filemq.mqtt.packets import Publish
 
 if TYPE_CHECKING:
     import asyncio
@@ -89,7 +95,7 @@ def refill_mark(window: int) -> int:
 
 @mypyc_attr(native_class=False)  # (tests replace its methods on the instance: on_pubacks)
 class QosAcks:
-    """The QoS 1/2 acknowledgements of every session (see the module docstring).  Owns no
+    """The QoS 1/2 exchanges of every session, both ways (see the module docstring).  Owns no
     state of its own: the in-flight windows and QoS 2 id sets are the sessions'
     (:class:`~filemq.broker.session_state.SessionState`); it moves them through their states.
     Acked records go to their groups; the progress journal's cadence, window refills and the
@@ -99,6 +105,78 @@ class QosAcks:
         self.log = log_view
         self.registry = registry
         self.delivery = delivery
+
+    # ---- inbound QoS 2: PUBLISH -> PUBREC -> PUBREL -> PUBCOMP (4.3.3) --------------------
+
+    def received_again(self, state: SessionState, p: Publish) -> tuple[bool, asyncio.Future[None] | None]:
+        """Whether QoS 2 PUBLISH ``p`` re-sends a message stored already whose PUBREL has not
+        come (then it gets its PUBREC again and is not stored twice, 4.3.3), and that message's
+        commit (None once settled).  An id whose commit failed names nothing stored; one read
+        from the session file after a restart names a stored message only if the log holds
+        this very message at the id's offset (otherwise it is stored, at worst twice)."""
+        pid = p.packet_id
+        assert pid is not None
+        qos2_in = state.qos2_in
+        fut = qos2_in.get(pid)
+        if fut is not None and fut.done() and (fut.cancelled() or fut.exception() is not None):
+            del qos2_in[pid]  # its commit failed: nothing was stored, store this one
+        if pid in state.qos2_loaded:
+            state.qos2_loaded.discard(pid)
+            if not self._stored_at(state.qos2_offsets.get(pid), p):
+                del qos2_in[pid]
+                state.qos2_offsets.pop(pid, None)
+        # (The set is exact -- ids leave it durably before PUBCOMP -- so an id in it names
+        # the stored message.)
+        return pid in qos2_in, fut
+
+    def pubrec_again(self, conn: Connection, pid: int, stored: asyncio.Future[None] | None) -> None:
+        """PUBREC again for QoS 2 id ``pid``, stored already (``stored``: its commit, None
+        once settled), once the id is durable too."""
+        state = conn.session
+        assert state is not None
+        wait: asyncio.Future[None] | None = None
+        if stored is not None and not stored.done():
+            wait = self.registry.qos2_gate(state, stored) if state.persistent else stored
+        elif state.persistent and (state.save_running or state.save_next is not None):
+            wait = self.registry.save_soon(state)
+        conn.queue_ack(wait, _ack(_PUBREC, pid))
+        if wait is not None and conn.last_batch is not wait:
+            self.delivery.join_batch(conn, wait)
+
+    def stored_qos2(self, conn: Connection, pid: int, offset: int, commit: asyncio.Future[None]) -> None:
+        """QoS 2 id ``pid`` was appended at ``offset``: held until PUBREL; its PUBREC leaves once
+        the record is committed and, in a persistent session, the id is in the session file."""
+        state = conn.session
+        assert state is not None
+        state.qos2_in[pid] = commit
+        state.qos2_offsets[pid] = offset
+        if state.persistent:
+            commit = self.registry.qos2_gate(state, commit)
+        conn.queue_ack(commit, _ack(_PUBREC, pid), offset)
+        if conn.last_batch is not commit:
+            self.delivery.join_batch(conn, commit)
+
+    def dropped_qos2(self, conn: Connection, pid: int) -> None:
+        """QoS 2 id ``pid`` acknowledged and dropped (admission): PUBREC now, the id held until
+        PUBREL all the same, so a re-send is recognised (4.3.3)."""
+        state = conn.session
+        assert state is not None
+        state.qos2_in.setdefault(pid, None)
+        conn.queue_ack(None, _ack(_PUBREC, pid))
+
+    def _stored_at(self, offset: int | None, p: Publish) -> bool:
+        """Whether the log's record at ``offset`` is ``p`` (same topic and payload)."""
+        if offset is None:
+            return False
+        try:
+            records = self.log.read(offset, 1)
+        except (OSError, ValueError) as exc:
+            log.warning("reading offset %d to check a QoS 2 re-send failed: %s", offset, exc)
+            return False
+        return bool(records) and records[0].offset == offset and records[0].topic == p.topic \
+            and records[0].payload == p.payload
+
+    # ---- outbound: the re-send on reconnect (4.4) ---------------------------------------------
 
     def resend(self, conn: Connection, state: SessionState) -> None:
         """``state`` resumed on ``conn``: re-send each unacknowledged PUBLISH with its id and

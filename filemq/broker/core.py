@@ -11,7 +11,7 @@ What a caller may rely on:
 * **Durable ack.** A PUBLISH is appended with ``GroupCommitter.append_nowait``; its PUBACK
   (QoS 1) / PUBREC (QoS 2) is queued on the connection behind the batch's shared commit
   future and released by one done-callback per *batch* (not per message), so all the acks of
-  one fsync leave in one ``transport.write`` per connection.
+  one fsync leave in one write per connection (``conn.write``, the shell's).
 * **Routing.** Committed records are routed once, from the commit listener: the topic trie
   (hashed children) finds the live connections and shared groups whose filters match, and
   only those are woken.  Records are put in the :class:`~filemq.broker.tailcache.TailCache`

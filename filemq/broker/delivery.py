@@ -127,7 +127,7 @@ class Delivery:
     def flush_soon(self) -> None:
         """Flush once the callbacks of this event-loop pass ran: the acks a commit releases
         (its future's callbacks) and the deliveries it routes (its listener) leave for one
-        connection in one transport write, not one each."""
+        connection in one write, not one each."""
         if not self._flush_scheduled:
             self._flush_scheduled = True
             asyncio.get_running_loop().call_soon(self._flush_pass)

@@ -183,7 +183,7 @@ class Retained:
 
     def drain(self, conn: Connection, state: SessionState) -> bool:
         """Send queued retained messages while the connection takes them: its output below
-        :data:`RETAINED_OUT_HIGH`, its transport not paused, QoS 1/2 ones within the in-flight
+        :data:`RETAINED_OUT_HIGH`, its shell not paused, QoS 1/2 ones within the in-flight
         window.  The queue holds the store's messages (no payload copies); True when empty."""
         queue = self.out.get(conn)
         if queue is None:

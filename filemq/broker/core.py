@@ -277,7 +277,7 @@ class BrokerCore:
 
     def receive(self, conn: Connection, events: Iterable[Event]) -> None:
         """Hand ``conn``'s events (:meth:`Connection.receive_data`) to the parts that handle
-        them, in order: PUBLISHes to ingest, acks of deliveries to delivery, CONNECT and
+        them, in order: PUBLISHes to ingest, PUBACK/PUBREC/PUBREL/PUBCOMP to qos, CONNECT and
         DISCONNECT to connect, (UN)SUBSCRIBE to subscriptions.  A protocol violation, found by
         the connection or by a part, closes the connection (:meth:`Connection.protocol_error`);
         so does a bug, which costs only this connection.  (Types are compared with ``is``:

@@ -60,7 +60,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("filemq.broker")
 
 
-
 def _nothing_queued(conn: Connection, state: SessionState) -> bool:
     return True
 

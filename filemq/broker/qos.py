@@ -71,6 +71,7 @@ def _same_group_runs(outs: Iterable[Any], group: ConsumerGroup) -> bool:
     ``group`` (no hashing of the entries: a SentRecord is a tuple of its fields)."""
     return all(type(out) is SentRun and out.group is group for out in outs)
 
+
 _NO_GROUPS: set[ConsumerGroup | None] = set()
 
 _consume: Callable[[Iterable[Any]], Any] = functools.partial(deque, maxlen=0)  # runs an iterator to its end in C
@@ -83,14 +84,12 @@ _BULK_ACKS = 16
 # maps; docs/PERFORMANCE.md).
 _SMALL_READ = 8
 
+
 def refill_mark(window: int) -> int:
     """Messages in flight at or below which a window of ``window`` is refilled: a quarter of
     it, at least one (:meth:`QosAcks._refill`; filemq.broker.batching waits for the
     acks that bring a subscriber down to it)."""
     return window >> 2 or 1
-
-
-
 
 
 @mypyc_attr(native_class=False)  # (tests replace its methods on the instance: on_pubacks)

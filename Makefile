@@ -113,7 +113,7 @@ COMPILED_TESTS  := tests/test_build.py tests/test_codec.py tests/test_codec5.py 
                    tests/test_retained.py tests/test_acl.py tests/test_broker_session.py \
                    tests/test_broker_mqtt5_session.py tests/test_codec5_runs.py tests/test_broker_mqtt5_runs.py \
                    tests/test_publisher_runs.py tests/test_run_caches.py tests/test_properties_publish.py \
-                   tests/test_connection_machine.py tests/test_broker_qos_machine.py \
+                   tests/test_connection_machine.py tests/test_broker_qos_machine.py tests/test_qos_state.py \
                    --deselect tests/test_queue.py::test_a_failing_offset_write_is_logged_once_until_it_works_again \
                    --deselect tests/test_broker_session.py::test_group_offsets_persisted_soon_after_acks
 # (The two deselected tests hand the compiled code duck-typed fakes of ConsumerGroup and Queue,

@@ -43,6 +43,8 @@ HOT_PATH = [
     "filemq/broker/publish.py",
     "filemq/broker/retain.py",
     "filemq/broker/connection.py",
+    "filemq/broker/events.py",
+    "filemq/broker/inflight.py",
     "filemq/broker/session_state.py",
     "filemq/broker/subscribe.py",
     "filemq/broker/tailcache.py",

@@ -67,11 +67,11 @@ async def run_cycles(cycles: int) -> None:
     gc.freeze()
     sent = c.transport.data
     for _ in range(cycles):
-        acks = b"".join([b"\x40\x02" + pid.to_bytes(2, "big") for pid in state.inflight])
+        acks = b"".join([b"\x40\x02" + pid.to_bytes(2, "big") for pid in state.qos.inflight])
         for j in range(0, len(acks), 4 * per):
             c.feed(acks[j:j + 4 * per], 0.0)
             core.flush()
-        assert sent and state.inflight, "a cycle's PUBACKs refilled nothing"
+        assert sent and state.qos.inflight, "a cycle's PUBACKs refilled nothing"
         sent.clear()
 
 

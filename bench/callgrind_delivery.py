@@ -71,11 +71,11 @@ async def _load(rounds: int) -> None:
             for s in subs:
                 state = s.conn.session
                 assert state is not None
-                if not state.inflight:
+                if not state.qos.inflight:
                     continue
                 busy = True
-                delivered += len(state.inflight)
-                acks = [b"\x40\x02" + pid.to_bytes(2, "big") for pid in state.inflight]
+                delivered += len(state.qos.inflight)
+                acks = [b"\x40\x02" + pid.to_bytes(2, "big") for pid in state.qos.inflight]
                 for j in range(0, len(acks), acks_per_read):
                     s.feed(b"".join(acks[j:j + acks_per_read]), 0.0)
                     core.flush()

@@ -59,15 +59,15 @@ async def feed_reads(reads: int) -> int:
         await asyncio.sleep(0)
     core.flush()
     state = c.conn.session
-    assert state is not None and len(state.inflight) == MESSAGES, "the window did not fill"
-    pids = list(state.inflight)
+    assert state is not None and len(state.qos.inflight) == MESSAGES, "the window did not fill"
+    pids = list(state.qos.inflight)
     datas = [b"".join(b"\x40\x02" + p.to_bytes(2, "big") for p in pids[i:i + per_read])
              for i in range(0, reads * per_read, per_read)]
     conn, receive, flush = c.conn, core.receive, core.flush
     for data in datas:
         receive(conn, conn.receive_data(data, 0.0))
         flush()
-    acked = MESSAGES - len(state.inflight)
+    acked = MESSAGES - len(state.qos.inflight)
     assert acked == reads * per_read, (acked, reads * per_read)
     return acked
 

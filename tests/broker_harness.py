@@ -19,7 +19,7 @@ from typing import Any
 from filemq.broker.acl import Acl
 from filemq.broker.connection import Connection
 from filemq.broker.core import BrokerCore
-from filemq.broker.session_state import SentRun, message_of
+from filemq.broker.inflight import SentRun, message_of
 from filemq.broker.session_store import SessionStore
 from filemq.broker.sysinfo import BrokerStats
 from filemq.broker.tailcache import TailCache
@@ -326,7 +326,7 @@ def deliveries(ops: list[tuple[Any, ...]], first_pid: int, tmp: Path, run_path: 
         s = connected(h)
         s.send(Subscribe(1, [("a/#", 1), ("b/1", 2)]))
         assert s.conn.session is not None
-        s.conn.session.next_pid = first_pid
+        s.conn.session.qos.next_pid = first_pid
         p = h.connected("p")
         got: list[Any] = []
         pending: list[int] = []
@@ -359,7 +359,7 @@ def deliveries(ops: list[tuple[Any, ...]], first_pid: int, tmp: Path, run_path: 
         inflight = {pid: (pid + o.delta if type(o) is SentRun else o.offset,  # type: ignore[union-attr]
                           o.qos, *message_of(o, pid),
                           o.share, o.stage, o.retain, o.headers)
-                    for pid, o in state.inflight.items()}
-        return got, inflight, state.next_pid
+                    for pid, o in state.qos.inflight.items()}
+        return got, inflight, state.qos.next_pid
 
     return run(main()), calls

@@ -35,8 +35,8 @@ from hypothesis import strategies as st
 
 from filemq.broker import qos as qos_module
 from filemq.broker.connection import Connection
+from filemq.broker.inflight import SentRecord, SentRun, message_of
 from filemq.broker.qos import QosAcks
-from filemq.broker.session_state import SentRecord, SentRun, message_of
 from filemq.mqtt.codec import encode
 from filemq.mqtt.packets import Puback, Publish, Subscribe
 from filemq.queue.groups import ConsumerGroup
@@ -56,7 +56,7 @@ def _bulk_reads(h: Harness) -> list[tuple[str, int]]:
     def on_pubacks(conn: Connection, pids: Sequence[int]) -> None:
         state = conn.session
         if state is not None and len(pids) > 1:
-            outs = [state.inflight.get(pid) for pid in pids]
+            outs = [state.qos.inflight.get(pid) for pid in pids]
             kind = {type(o) for o in outs}
             one_group = len({o.group for o in outs if o is not None}) == 1
             if len(pids) <= qos_module._SMALL_READ:
@@ -105,10 +105,10 @@ def _state(h: Harness, s: Client, keyed: bool) -> dict[str, Any]:
     state = s.conn.session
     assert state is not None
     if keyed:
-        inflight: dict[Any, Any] = {(m[2], m[1]): m for m in map(_message, state.inflight.values(), state.inflight)}
+        inflight: dict[Any, Any] = {(m[2], m[1]): m for m in map(_message, state.qos.inflight.values(), state.qos.inflight)}
     else:
-        inflight = {pid: _message(o, pid) for pid, o in state.inflight.items()}
-    return {"inflight": inflight, "groups": _group_state(h), "next_pid": None if keyed else state.next_pid,
+        inflight = {pid: _message(o, pid) for pid, o in state.qos.inflight.items()}
+    return {"inflight": inflight, "groups": _group_state(h), "next_pid": None if keyed else state.qos.next_pid,
             "closed": s.conn.closed, "close_reason": s.conn.close_reason}
 
 
@@ -140,7 +140,7 @@ class Pair:
     def inflight(self, side: int) -> dict[int, Any]:
         state = self.sides[side][1].conn.session
         assert state is not None
-        inflight: dict[int, Any] = state.inflight
+        inflight: dict[int, Any] = state.qos.inflight
         return inflight
 
     @property
@@ -266,7 +266,7 @@ def test_a_read_of_fanout_pubacks_takes_the_bulk_path(tmp_path: Path) -> None:
         await pair.step(("publish", [("t/a", 1)] * 50))
         bulk_state = pair.sides[0][1].conn.session
         assert bulk_state is not None and len(pair.pending) == 40
-        assert all(type(o) is SentRun for o in bulk_state.inflight.values())  # gap-free runs
+        assert all(type(o) is SentRun for o in bulk_state.qos.inflight.values())  # gap-free runs
         ids = pair.pending[:20]
         ids = ids[5:] + ids[:5] + ids[:1]
         with mock.patch.object(ConsumerGroup, "ack_many", autospec=True,
@@ -291,8 +291,8 @@ def test_a_read_across_two_runs_and_a_short_read_take_one_ack_many_each(tmp_path
         assert bulk_state is not None
         first = list(pair.pending)
         await pair.step(("acks", first[:15], [60]))  # 3/4 of the window: refilled with a new run
-        runs = {id(o) for o in bulk_state.inflight.values()}
-        assert len(runs) == 2 and all(type(o) is SentRun for o in bulk_state.inflight.values())
+        runs = {id(o) for o in bulk_state.qos.inflight.values()}
+        assert len(runs) == 2 and all(type(o) is SentRun for o in bulk_state.qos.inflight.values())
         both = list(pair.pending)[-20:][::-1]  # the new run's 15 ids, then the old run's last 5
         with mock.patch.object(ConsumerGroup, "ack_many", autospec=True,
                                side_effect=ConsumerGroup.ack_many) as ack_many, \
@@ -347,21 +347,21 @@ def test_a_read_across_runs_with_different_offset_deltas_acks_each_at_its_own_of
             assert len([m for m in s.received() if isinstance(m, Publish)]) == 40
             state = s.conn.session
             assert state is not None
-            run = state.inflight[1]
-            assert type(run) is SentRun and {id(o) for o in state.inflight.values()} == {id(run)}
+            run = state.qos.inflight[1]
+            assert type(run) is SentRun and {id(o) for o in state.qos.inflight.values()} == {id(run)}
             group = run.group
             first = group.pending_offset
             # Re-label the second half as a run of its own under ids 101..120 (offset = id - 81 + first).
             second = SentRun(first + 20 - 101, group, run.records[20:], 101, None)
             for pid in range(21, 41):
-                del state.inflight[pid]
-            state.inflight.update(dict.fromkeys(range(101, 121), second))
+                del state.qos.inflight[pid]
+            state.qos.inflight.update(dict.fromkeys(range(101, 121), second))
             s.send(*(Puback(pid) for pid in [*range(15, 21), *range(101, 111)]))
             await h.settle()
             left = sorted(group._outstanding)
             expected = [first + i for i in [*range(0, 14), *range(30, 40)]]
             assert left == expected, (one_at_a_time, left)
-            assert sorted(state.inflight) == [*range(1, 15), *range(111, 121)]
+            assert sorted(state.qos.inflight) == [*range(1, 15), *range(111, 121)]
     run(main())
 
 

@@ -272,7 +272,7 @@ def test_pubrec_with_failure_reason_ends_the_qos2_delivery(tmp_path: Path) -> No
         assert len(got) == 1 and got[0].qos == 2
         sub.send(Pubrec(got[0].packet_id or 0, 0x80))
         assert not [p for p in sub.received() if isinstance(p, Pubrel)]
-        assert sub.conn.session is not None and sub.conn.session.inflight == {}
+        assert sub.conn.session is not None and sub.conn.session.qos.inflight == {}
     run(main())
 
 

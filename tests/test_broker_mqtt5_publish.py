@@ -622,7 +622,7 @@ def test_publish_larger_than_client_maximum_packet_size_is_not_sent(tmp_path: Pa
         await h.commit()
         got = publishes(s)
         assert [m.payload for m in got] == [b"small"]
-        assert len(s.conn.session.inflight) == 1
+        assert len(s.conn.session.qos.inflight) == 1
         assert h.core.delivery.dropped_too_large == 1
     run(main())
 

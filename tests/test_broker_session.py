@@ -725,7 +725,7 @@ def test_random_packet_sequences(tmp_path: Path, ops: list[tuple[Any, ...]]) -> 
                 _, topic, qos, pid, retain, dup = op
                 if qos and pid not in waiting and topic[0] != "$":
                     assert c.conn.session is not None
-                    known = qos == 2 and pid in c.conn.session.qos2_in
+                    known = qos == 2 and pid in c.conn.session.qos.qos2_in
                     waiting[pid] = -1 if known else h.queue.log.next_offset
                 c.send(Publish(topic, b"p", qos, retain, dup and qos > 0, pid if qos else None))
             elif kind == "sub":
@@ -734,7 +734,7 @@ def test_random_packet_sequences(tmp_path: Path, ops: list[tuple[Any, ...]]) -> 
                 c.send(Unsubscribe(op[2], [op[1]]))
             elif kind in ("puback", "pubrec", "pubcomp"):
                 assert c.conn.session is not None
-                out = c.conn.session.inflight.get(op[1])
+                out = c.conn.session.qos.inflight.get(op[1])
                 fits = out is None or (kind == "puback") == (out.qos == 1) and (
                     kind != "pubcomp" or out.stage == 1)
                 if fits:  # a wrong one closes the connection (tested on its own)
@@ -952,7 +952,7 @@ def test_bulk_pubacks_and_a_bad_one(tmp_path: Path) -> None:
         got = s.received()
         assert len(got) == 40
         s.send_bytes(b"".join(encode(Puback(m.packet_id)) for m in got))  # one read of PUBACKs
-        assert s.conn.session is not None and s.conn.session.inflight == {}
+        assert s.conn.session is not None and s.conn.session.qos.inflight == {}
         s.send_bytes(b"\x40\x02\x00\x00")  # packet id 0
         assert s.conn.closed and "packet id" in s.conn.close_reason
     run(main())
@@ -1532,9 +1532,9 @@ def test_a_read_of_pubacks_with_repeated_unknown_and_qos2_ids(tmp_path: Path) ->
         group = state.group
         ids = [m.packet_id for m in got]
         s.send_bytes(b"".join(encode(Puback(i)) for i in ids[:6]))  # one read
-        assert sorted(state.inflight) == ids[6:] and group.pending_offset == 6
+        assert sorted(state.qos.inflight) == ids[6:] and group.pending_offset == 6
         s.send_bytes(b"".join(encode(Puback(i)) for i in [ids[6], ids[6], 999, ids[7]]))
-        assert sorted(state.inflight) == ids[8:] and group.pending_offset == 8
+        assert sorted(state.qos.inflight) == ids[8:] and group.pending_offset == 8
         assert not s.conn.closed
         p.send(Publish("q2", b"x", 2, packet_id=100))
         await h.commit()
@@ -1542,7 +1542,7 @@ def test_a_read_of_pubacks_with_repeated_unknown_and_qos2_ids(tmp_path: Path) ->
         assert len(q2) == 1 and q2[0].qos == 2
         s.send_bytes(b"".join(encode(Puback(i)) for i in [ids[8], q2[0].packet_id, ids[9]]))
         assert s.conn.closed and "MQTT-4.8.0-1" in s.conn.close_reason
-        assert sorted(state.inflight) == [*ids[9:], q2[0].packet_id] and group.pending_offset == 9
+        assert sorted(state.qos.inflight) == [*ids[9:], q2[0].packet_id] and group.pending_offset == 9
     run(main())
 
 

@@ -31,7 +31,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from filemq.broker.connection import CONNECTED, Acks, Connection, Publishes
+from filemq.broker.connection import CONNECTED, Connection
+from filemq.broker.events import Acks, Publishes
 from filemq.broker.session_state import SessionState
 from filemq.common.config import BrokerSection
 from filemq.mqtt.codec import Decoder, ProtocolError, encode, encode5, encode_puback, publish_bytes5

@@ -21,7 +21,6 @@ from filemq.broker.session_state import (
     RC_QUOTA_EXCEEDED,
     SESSION_GROUP_PREFIX,
     SHARE_GROUP_PREFIX,
-    Outbound,
     OwnRuns,
     SessionState,
     Subscription,
@@ -382,13 +381,7 @@ class Connector:
                         share, plain = parse_share_key(f)
                         state.subs[f] = Subscription(f, plain, share, entry.qos, entry.start, entry.retain_below,
                                                      entry.options, entry.identifier)
-                    state.qos2_in = dict.fromkeys(stored.qos2_inbound)
-                    state.qos2_offsets = dict(stored.qos2_offsets)
-                    state.qos2_loaded = set(stored.qos2_inbound)
-                    for pid in stored.qos2_outbound:  # PUBREL re-sent on connect (4.4)
-                        released = state.inflight[pid] = Outbound(-1, None, 2, "", b"", None)
-                        released.stage = 1
-                    state.qos2_out = set(stored.qos2_outbound)
+                    state.qos.restore(stored.qos2_inbound, stored.qos2_offsets, stored.qos2_outbound)
                     state.subs_changed()
                     for sub in state.subs.values():
                         if sub.share is not None:

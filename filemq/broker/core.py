@@ -38,8 +38,10 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Protocol
 
 from filemq.broker.connect import Connector
-from filemq.broker.connection import AWAITING_CONNECT, CONNECTED, Acks, Connection, Event, Publishes
+from filemq.broker.connection import AWAITING_CONNECT, CONNECTED, Connection
 from filemq.broker.delivery import Delivery
+from filemq.broker.events import Acks, Event, Publishes
+from filemq.broker.inflight import Outbound
 from filemq.broker.publish import Ingest, new_publisher_map
 from filemq.broker.qos import QosAcks
 from filemq.broker.registry import SessionRegistry, SessionWriter
@@ -54,7 +56,6 @@ from filemq.broker.session_state import (
     STORE,
     ClientInfo,
     HookResult,
-    Outbound,
     PublisherRuns,
     PublishHook,
     SessionState,

@@ -16,15 +16,13 @@ from itertools import repeat
 from typing import TYPE_CHECKING, Any, cast
 
 from filemq.broker.connection import Connection
+from filemq.broker.inflight import Outbound, SentRecord, SentRun
 from filemq.broker.session_state import (
     _MAX_PUMP,
     JOURNAL_INTERVAL_S,
     JOURNAL_MAX_ACKS,
     PERSIST_DELAY_S,
-    Outbound,
     PublisherRuns,
-    SentRecord,
-    SentRun,
     SessionState,
     SharedGroup,
     Subscription,
@@ -212,7 +210,7 @@ class Delivery:
         if group is not None:
             cid = conn.client_id
             while pushed < _MAX_PUMP:
-                room = conn.max_inflight - len(state.inflight)
+                room = conn.max_inflight - len(state.qos.inflight)
                 if room <= 0 or conn.paused or state.holding():
                     break
                 records = group.fetch(min(room, 100), cid)
@@ -295,7 +293,7 @@ class Delivery:
                 conn = members[(sh.rr + i) % n]
                 state = conn.session
                 assert state is not None
-                room = conn.max_inflight - len(state.inflight)
+                room = conn.max_inflight - len(state.qos.inflight)
                 if room <= 0 or conn.paused:
                     continue
                 records = group.fetch(min(room, 8), conn.client_id)
@@ -336,7 +334,8 @@ class Delivery:
         check_acl = acl is not None and not acl.allow_all
         granted = state.granted_qos
         match = state.match5
-        inflight = state.inflight
+        qos_state = state.qos
+        inflight = qos_state.inflight
         ack = group.ack
         redelivered = group.redelivered
         publishers = self.publishers if v5 and state.has_no_local() else None
@@ -346,7 +345,7 @@ class Delivery:
         alias_max = conn.alias_max if v5 else 0
         parts: list[bytes] = []
         now_us = 0
-        resumed = state.resumed_offsets if group is state.group else None
+        resumed = qos_state.resumed_offsets if group is state.group else None
         hold = -1  # parts from this index on wait for the session file (a new QoS 2 id in it)
         ids = b""
         retain = False
@@ -392,9 +391,7 @@ class Delivery:
                     data = conn.aliased(data, topic, r.payload, 0, False, None, retain, headers, limit)
                 parts.append(data)
                 continue
-            pid = state.next_pid
-            while pid in inflight:
-                pid = pid % 0xFFFF + 1
+            pid = qos_state.free_pid()
             if v5:
                 data = publish_bytes5(topic, r.payload, qos, redelivered(offset), pid, retain, headers)
                 if limit is not None and len(data) > limit:
@@ -403,7 +400,7 @@ class Delivery:
                     continue
             else:
                 data = publish_bytes(topic, r.payload, qos, redelivered(offset), pid, False)
-            state.next_pid = pid % 0xFFFF + 1
+            qos_state.take_pid(pid)
             # The properties as sent (MQTT 5: expiry, identifiers), so a re-send after a
             # reconnect (4.4) repeats them; onward delivery has started, so it is re-sent even
             # if the message expires meanwhile.  (3.1.1: the record's own, for a session that
@@ -414,7 +411,7 @@ class Delivery:
             if qos == 2 and state.persistent:
                 # (-1: a shared group's record; after a restart its PUBREL frees the id and the
                 # group hands the record out again, to any member)
-                state.qos2_sent[pid] = offset if resumed is not None else -1
+                qos_state.qos2_sent[pid] = offset if resumed is not None else -1
                 if hold < 0:
                     hold = len(parts)
             parts.append(data)
@@ -468,12 +465,11 @@ class Delivery:
         limit = conn.client_max_packet
         if v5 and limit is not None and max(map(len, payloads)) + 4 * max(map(len, distinct)) + 10 > limit:
             return False  # (a bound: fixed header <= 5, topic <= 2 + 4 per character, id 2, properties 1)
-        pid = state.next_pid
-        end = pid + len(records)
-        inflight = state.inflight
-        if end > 0x10000 or not inflight.keys().isdisjoint(range(pid, end)):
+        pid = state.qos.take_pids(len(records))
+        if not pid:
             return False
-        state.next_pid = end if end <= 0xFFFF else 1
+        end = pid + len(records)
+        inflight = state.qos.inflight
         topics: list[str] = []
         if type(offsets) is range:
             # Gap-free: one SentRun for the whole run (each of its ids -> the same object).
@@ -492,7 +488,7 @@ class Delivery:
         return True
 
     def _hold_output(self, conn: Connection, state: SessionState, parts: list[bytes], hold: int) -> list[bytes]:
-        """``parts[hold:]`` begin with a QoS 2 PUBLISH whose id is new in ``state.qos2_sent``:
+        """``parts[hold:]`` begin with a QoS 2 PUBLISH whose id is new in ``state.qos.qos2_sent``:
         they leave once the session file holds it (so after a crash the broker knows every id
         the client may hold, MQTT-2.2.1-3 / 4.3.3); until then this session's deliveries wait,
         so nothing overtakes them.  Returns what may be sent now."""
@@ -534,8 +530,9 @@ class Delivery:
         if conn in sh.members:
             sh.members.remove(conn)
         # Its unacked shared records go to the other members, not back to it later.
-        for pid in [p for p, o in state.inflight.items() if o.share == name and o.stage == 0]:
-            del state.inflight[pid]
+        inflight = state.qos.inflight
+        for pid in [p for p, o in inflight.items() if o.share == name and o.stage == 0]:
+            del inflight[pid]
         if sh.group.release(conn.client_id):
             self.pump_share(sh)
 

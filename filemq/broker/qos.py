@@ -34,17 +34,14 @@ from itertools import repeat
 from operator import add, attrgetter, itemgetter
 from typing import TYPE_CHECKING, Any, cast
 
-from filemq.broker.connection import Connection
+from filemq.broker.connection import Connection, QosState
+from filemq.broker.inflight import Inflight, Outbound, SentRun, message_of
 from filemq.broker.session_state import (
     _PUBCOMP,
     _PUBREC,
     _PUBREL,
-    Inflight,
-    Outbound,
-    SentRun,
     SessionState,
     _ack,
-    message_of,
 )
 from filemq.common.native import mypyc_attr
 from filemq.mqtt.packets import Publish
@@ -115,15 +112,16 @@ class QosAcks:
         this very message at the id's offset (otherwise it is stored, at worst twice)."""
         pid = p.packet_id
         assert pid is not None
-        qos2_in = state.qos2_in
-        fut = qos2_in.get(pid)
+        qos = state.qos
+        qos2_in = qos.qos2_in
+        fut = cast("asyncio.Future[None] | None", qos2_in.get(pid))  # (a Commit the core made)
         if fut is not None and fut.done() and (fut.cancelled() or fut.exception() is not None):
             del qos2_in[pid]  # its commit failed: nothing was stored, store this one
-        if pid in state.qos2_loaded:
-            state.qos2_loaded.discard(pid)
-            if not self._stored_at(state.qos2_offsets.get(pid), p):
+        if pid in qos.qos2_loaded:
+            qos.qos2_loaded.discard(pid)
+            if not self._stored_at(qos.qos2_offsets.get(pid), p):
                 del qos2_in[pid]
-                state.qos2_offsets.pop(pid, None)
+                qos.qos2_offsets.pop(pid, None)
         # (The set is exact -- ids leave it durably before PUBCOMP -- so an id in it names
         # the stored message.)
         return pid in qos2_in, fut
@@ -147,8 +145,7 @@ class QosAcks:
         the record is committed and, in a persistent session, the id is in the session file."""
         state = conn.session
         assert state is not None
-        state.qos2_in[pid] = commit
-        state.qos2_offsets[pid] = offset
+        state.qos.stored_qos2(pid, commit, offset)
         if state.persistent:
             commit = self.registry.qos2_gate(state, commit)
         conn.queue_ack(commit, _ack(_PUBREC, pid), offset)
@@ -160,7 +157,7 @@ class QosAcks:
         PUBREL all the same, so a re-send is recognised (4.3.3)."""
         state = conn.session
         assert state is not None
-        state.qos2_in.setdefault(pid, None)
+        state.qos.dropped_qos2(pid)
         conn.queue_ack(None, _ack(_PUBREC, pid))
 
     def _stored_at(self, offset: int | None, p: Publish) -> bool:
@@ -181,7 +178,7 @@ class QosAcks:
         """``state`` resumed on ``conn``: re-send each unacknowledged PUBLISH with its id and
         DUP = 1 and each PUBREL not answered by PUBCOMP, in the order first sent (4.4,
         MQTT-4.4.0-1)."""
-        for pid, out in state.inflight.items():
+        for pid, out in state.qos.inflight.items():
             if out.stage == 0:
                 topic, payload = message_of(out, pid)
                 conn.send(conn.publish_bytes(topic, payload, out.qos, True, pid, out.retain, out.headers))
@@ -195,7 +192,7 @@ class QosAcks:
         """PUBACKs, many at once when a read held nothing else."""
         state = conn.session
         assert state is not None
-        inflight = state.inflight
+        inflight = state.qos.inflight
         n = len(pids)
         if n > _SMALL_READ:
             # (a read of 2.._SMALL_READ PUBACKs, a client that answers each PUBLISH in a send
@@ -271,7 +268,8 @@ class QosAcks:
     def on_pubrec(self, conn: Connection, pid: int, reason_code: int = 0) -> None:
         state = conn.session
         assert state is not None
-        out = state.inflight.get(pid)
+        qos = state.qos
+        out = qos.inflight.get(pid)
         if out is not None and out.qos != 2:
             self._wrong_ack(conn, "PUBREC", pid, out)
             return
@@ -280,24 +278,22 @@ class QosAcks:
             # MQTT 5: a PUBREC with a failure reason code ends the exchange; no PUBREL is sent
             # and the packet id is free again (4.3.3, MQTT-4.3.3-4 / 4.9: the quota returns).
             if out is not None and out.stage == 0:
-                del state.inflight[pid]
-                if state.qos2_sent.pop(pid, None) is not None:
+                if qos.refused(pid):
                     self.registry.save_soon(state)
                 if out.group is not None:
                     out.group.ack(out.offset)
                     self.delivery.note_acks(1)
                 log.info("client %r: PUBREC 0x%02x for packet id %d: the receiver refused the message",
                          conn.client_id, reason_code, pid)
-                self._refill(conn, state.inflight)
+                self._refill(conn, qos.inflight)
             return
         if out is not None and out.stage == 0:
             assert isinstance(out, Outbound)  # a SentRecord is QoS 1 (refused above)
-            out.stage = 1
+            qos.received(out, pid, state.persistent)
             if state.persistent:
                 # The id awaiting PUBCOMP is session state (3.1.2.4): written before the
                 # group's ack can be, so after a restart the PUBREL is re-sent (a receiver
                 # may hand the message on only at PUBREL, 4.3.3 Method A).
-                state.qos2_out.add(pid)
                 written = self.registry.save_soon(state)
                 if out.group is not None:
                     written.add_done_callback(functools.partial(self._ack_released, out.group, out.offset))
@@ -311,7 +307,8 @@ class QosAcks:
     def on_pubcomp(self, conn: Connection, pid: int) -> None:
         state = conn.session
         assert state is not None
-        out = state.inflight.get(pid)
+        qos = state.qos
+        out = qos.inflight.get(pid)
         if out is None:
             log.debug("client %r: PUBCOMP for unknown packet id %d ignored", conn.client_id, pid)
             return
@@ -319,16 +316,14 @@ class QosAcks:
             self._wrong_ack(conn, "PUBCOMP", pid, out)
             return
         assert isinstance(out, Outbound)  # (QoS 2: SentRecord and SentRun are QoS 1)
-        del state.inflight[pid]
+        named = qos.completed(pid)
         if out.group is not None and out.group.ack(out.offset):
             self.delivery.note_acks(1)  # not acked at PUBREC yet (session write pending or failed)
-        sent = state.qos2_sent.pop(pid, None) is not None
-        if pid in state.qos2_out or sent:
-            state.qos2_out.discard(pid)
+        if named:
             # Written soon, in a worker thread (nothing waits: a stale id would only cost one
             # PUBREL after a crash, which the client answers with PUBCOMP).
             self.registry.save_soon(state)
-        self._refill(conn, state.inflight)
+        self._refill(conn, qos.inflight)
 
     def resume_outbound(self, state: SessionState, sent: dict[int, int]) -> None:
         """A persistent session loaded from its file (after a restart): every QoS 2 PUBLISH
@@ -340,34 +335,33 @@ class QosAcks:
         learns its record, which its PUBCOMP acks; an id whose record is gone (retention)
         gets a PUBREL, which frees it at the client."""
         group = state.group
-        inflight = state.inflight
+        qos = state.qos
+        inflight = qos.inflight
         for pid, offset in sorted(sent.items()):
             out = inflight.get(pid)
             if out is not None:  # PUBREC'd before the restart: PUBREL re-sent on connect
                 if group is not None and offset >= group.pending_offset and isinstance(out, Outbound):
                     out.offset, out.group = offset, group
-                    state.resumed_offsets.add(offset)
-                state.qos2_sent[pid] = offset
+                    qos.resumed_offsets.add(offset)
+                qos.qos2_sent[pid] = offset
                 continue
             if offset < 0:
                 # A retained message's delivery (no group) or a shared group's record: its
                 # PUBREL frees the id at the client (4.3.3); a retained message is not sent
                 # again (as ever), a shared one comes again from its group (new id).
-                released = inflight[pid] = Outbound(-1, None, 2, "", b"", None)
-                released.stage = 1
-                state.qos2_sent[pid] = offset
+                qos.release_only(pid)
+                qos.qos2_sent[pid] = offset
                 continue
             if group is None or offset < group.pending_offset:
                 continue  # acked: its PUBCOMP came (the group acks a QoS 2 delivery after PUBREC)
-            state.qos2_sent[pid] = offset
+            qos.qos2_sent[pid] = offset
             found = self.log.read(offset, 1)
             if not found or found[0].offset != offset:
-                released = inflight[pid] = Outbound(-1, None, 2, "", b"", None)
-                released.stage = 1
+                qos.release_only(pid)
                 continue
             r = found[0]
             inflight[pid] = Outbound(offset, group, 2, r.topic, r.payload, None, r.retain, r.headers)
-            state.resumed_offsets.add(offset)
+            qos.resumed_offsets.add(offset)
 
     def _ack_released(self, group: ConsumerGroup, offset: int, written: asyncio.Future[None]) -> None:
         """The group's ack of a record PUBREC'd by a persistent session, once the session file
@@ -383,17 +377,13 @@ class QosAcks:
         """An acknowledgement that does not fit the in-flight message's state is a protocol
         violation (MQTT-4.8.0-1, 4.3): close; the message stays in flight and is re-sent
         (DUP = 1, or its PUBREL) when the session reconnects."""
-        expected = "PUBACK" if out.qos == 1 else ("PUBREC" if out.stage == 0 else "PUBCOMP")
-        conn.close(f"protocol error: {ack} for packet id {pid}, which awaits {expected} "
+        conn.close(f"protocol error: {ack} for packet id {pid}, which awaits {QosState.expected_ack(out)} "
                    f"(QoS {out.qos} delivery; MQTT-4.8.0-1)", will=True, level=logging.WARNING)
 
     def on_pubrel(self, conn: Connection, pid: int) -> None:
         state = conn.session
         assert state is not None
-        known = pid in state.qos2_in
-        state.qos2_in.pop(pid, None)
-        state.qos2_offsets.pop(pid, None)
-        state.qos2_loaded.discard(pid)
+        known = state.qos.released_qos2(pid)
         if state.persistent and (known or state.save_running or state.save_next is not None):
             # The removal is durable before PUBCOMP, so the id set on disk stays exact: after
             # PUBCOMP the client may reuse the id for a new message, which must be stored.

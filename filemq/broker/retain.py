@@ -21,9 +21,9 @@ from typing import TYPE_CHECKING, Protocol
 
 from filemq.broker.connection import Connection
 from filemq.broker.delivery import Delivery, RetainedQueue, RetainedReplay
+from filemq.broker.inflight import Outbound
 from filemq.broker.session_state import (
     RETAINED_OUT_HIGH,
-    Outbound,
     SessionState,
     Subscription,
     message_expiry,
@@ -189,7 +189,7 @@ class Retained:
         if queue is None:
             return True
         sent = 0
-        inflight = state.inflight
+        inflight = state.qos.inflight
         blocked = False
         v5 = conn.protocol_level == PROTOCOL_LEVEL_5
         limit = conn.client_max_packet
@@ -222,7 +222,7 @@ class Retained:
                     continue
                 conn.send(data)
             else:
-                pid = state.alloc_pid()
+                pid = state.qos.alloc_pid()
                 data = conn.publish_bytes(m.topic, m.payload, qos, False, pid, True, headers)
                 if limit is not None and len(data) > limit:
                     self.delivery.too_large(conn, m.topic, len(data), limit)
@@ -231,7 +231,7 @@ class Retained:
                 if qos == 2 and state.persistent:
                     # Its id goes to the session file before it leaves (as a group record's,
                     # see Delivery._hold_output); the rest of the queue follows the write.
-                    state.qos2_sent[pid] = -1
+                    state.qos.qos2_sent[pid] = -1
                     written = state.out_hold = self.registry.save_soon(state)
                     written.add_done_callback(functools.partial(self.delivery.release_output, conn, state, data))
                     sent += 1

@@ -297,7 +297,7 @@ class _MQTTProtocol(asyncio.Protocol):
             return
         self.core.stats.received_bytes(len(data))
         state = conn.session
-        before = len(state.inflight) if state is not None else 0
+        before = len(state.qos.inflight) if state is not None else 0
         # The ingest budget is looked at once per CHECK_BYTES read from this connection.
         self.unchecked += len(data)
         check = self.unchecked >= CHECK_BYTES and self.budget is not None
@@ -312,7 +312,7 @@ class _MQTTProtocol(asyncio.Protocol):
         self._update_reading()
         if state is None or conn.closed:
             return
-        inflight = len(state.inflight)
+        inflight = len(state.qos.inflight)
         pacer = self.pacer
         if pacer is not None and inflight < before and not pacer.acks_read(conn.client_id):
             self.pacer = None

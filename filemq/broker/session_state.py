@@ -11,18 +11,16 @@ from bisect import bisect_right
 from collections import Counter
 from collections.abc import Callable, Set
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar, Literal, NamedTuple
+from typing import TYPE_CHECKING, Literal
 
-from filemq.broker.connection import Connection
+from filemq.broker.connection import Connection, QosState
 from filemq.broker.session_store import StoredSession, StoredSubscription, StoredWill
-from filemq.common.native import mypyc_attr
 from filemq.common.topics import (
     parse_shared,
     topic_matches,
 )
 from filemq.mqtt.packets import SUB_NO_LOCAL, SUB_QOS_MASK, SUB_RETAIN_AS_PUBLISHED, Publish
 from filemq.mqtt.properties import encode_message_headers, encode_vbi
-from segments.record import Record
 
 if TYPE_CHECKING:
     from filemq.broker.acl import ClientAcl
@@ -321,88 +319,6 @@ class Subscription:
     identifier: int = 0
 
 
-class Outbound:
-    """A QoS 1/2 PUBLISH sent to the client and not yet completed."""
-
-    __slots__ = ("offset", "group", "qos", "topic", "payload", "share", "stage", "retain", "headers")
-
-    def __init__(
-        self, offset: int, group: ConsumerGroup | None, qos: int, topic: str, payload: bytes,
-        share: str | None, retain: bool = False, headers: bytes = b"",
-    ) -> None:
-        self.offset = offset
-        self.group = group  # None: a retained-message delivery, not a group record
-        self.qos = qos
-        self.topic = topic
-        self.payload = payload
-        self.share = share
-        self.stage = 0  # 0: PUBLISH sent; 1: PUBREC received, PUBREL sent (QoS 2)
-        self.retain = retain
-        self.headers = headers  # the record's MQTT 5 message properties (re-sent with it)
-
-
-class _SentFields(NamedTuple):
-    offset: int
-    group: ConsumerGroup | None
-    topic: str
-    payload: bytes
-    share: str | None
-
-
-@mypyc_attr(native_class=False)  # a tuple subclass (compiled builds cannot make it native)
-class SentRecord(_SentFields):
-    """A QoS 1 PUBLISH of a group record sent to the client and not yet acknowledged, as
-    :meth:`Delivery._deliver`'s run path builds it: a tuple, so a run of them is made
-    in C (``tuple.__new__`` over ``zip``) instead of one :class:`Outbound` ``__init__`` per
-    record.  It reads like an :class:`Outbound`; what the run path never varies (QoS 1, stage
-    0: never a QoS 2 delivery; not retained; no properties) are class attributes, not fields."""
-
-    __slots__ = ()
-    qos: ClassVar[int] = 1
-    stage: ClassVar[int] = 0
-    retain: ClassVar[bool] = False
-    headers: ClassVar[bytes] = b""
-
-
-class SentRun:
-    """The QoS 1 PUBLISHes of one gap-free run of a group's records, sent to the client with
-    consecutive packet ids and not yet all acknowledged: ``SessionState.inflight`` maps each of
-    the run's ids to this one object, so a run costs one object, not one :class:`SentRecord`
-    per message (:meth:`Delivery._deliver_run`).  The message with packet id ``pid`` is
-    ``records[pid - first_pid]`` at offset ``pid + delta``.  Like a SentRecord: QoS 1, stage
-    0, not retained, no properties."""
-
-    __slots__ = ("delta", "group", "records", "first_pid", "share")
-    qos: ClassVar[int] = 1
-    stage: ClassVar[int] = 0
-    retain: ClassVar[bool] = False
-    headers: ClassVar[bytes] = b""
-
-    def __init__(self, delta: int, group: ConsumerGroup, records: list[Record], first_pid: int,
-                 share: str | None) -> None:
-        self.delta = delta
-        self.group = group
-        self.records = records
-        self.first_pid = first_pid
-        self.share = share
-
-    def record(self, pid: int) -> Record:
-        """The record sent with packet id ``pid`` (one of this run's ids)."""
-        return self.records[pid - self.first_pid]
-
-
-Inflight = Outbound | SentRecord | SentRun
-
-
-
-def message_of(out: Inflight, pid: int) -> tuple[str, bytes]:
-    """(topic, payload) of in-flight entry ``out`` under packet id ``pid``."""
-    if type(out) is SentRun:
-        r = out.record(pid)
-        return r.topic, r.payload
-    return out.topic, out.payload  # type: ignore[union-attr]
-
-
 class SessionState:
     """One client id's session; a persistent one outlives its connections (and, through the
     :class:`SessionStore`, the broker process)."""
@@ -421,23 +337,12 @@ class SessionState:
         self.will_pending: tuple[Publish, ClientAcl | None, float] | None = None
         self.subs: dict[str, Subscription] = {}
         self.group: ConsumerGroup | None = None
-        self.inflight: dict[int, Inflight] = {}
-        self.next_pid = 1
-        # QoS 2 inbound ids waiting for PUBREL -> the commit future of the stored record
-        # (None: committed long ago, or loaded from the session file, which is exact).
-        self.qos2_in: dict[int, asyncio.Future[None] | None] = {}
-        self.qos2_offsets: dict[int, int] = {}  # QoS 2 inbound id -> its record's offset
-        self.qos2_loaded: set[int] = set()  # ids read from the session file, not yet re-checked
-        self.qos2_out: set[int] = set()  # outbound QoS 2 ids PUBREC'd, awaiting PUBCOMP (persistent)
-        # Outbound QoS 2 PUBLISHes of the own group not completed: id -> offset (persistent
-        # sessions; in the session file before the PUBLISH leaves, see session_store.py).
-        self.qos2_sent: dict[int, int] = {}
+        # Its QoS 1/2 state: packet ids, the outbound in-flight window, QoS 2 ids both ways
+        # (the session module's, filemq/broker/connection.py).
+        self.qos = QosState()
         # While a session-file write that records new qos2_sent ids runs, this session's
         # deliveries wait (its future; the PUBLISHes of the batch leave when it is durable).
         self.out_hold: asyncio.Future[None] | None = None
-        # Offsets of the own group put back in flight from qos2_sent at a restart (with their
-        # old ids): the group's redelivery from Pending skips them (they are in flight).
-        self.resumed_offsets: set[int] = set()
         # Commit future -> future that resolves once that commit's QoS 2 ids are written.
         self.qos2_gates: dict[asyncio.Future[None], asyncio.Future[None]] = {}
         self.save_next: asyncio.Future[None] | None = None  # the next session-file write
@@ -576,30 +481,20 @@ class SessionState:
             self._run_qos_cache[key] = (best, latest)
         return best
 
-    def alloc_pid(self) -> int:
-        pid = self.next_pid
-        inflight = self.inflight
-        while pid in inflight:
-            pid = pid % 0xFFFF + 1
-        self.next_pid = pid % 0xFFFF + 1
-        return pid
-
     def stored(self) -> StoredSession:
         """What to write; QoS 2 ids whose record is not committed yet are left out (an id on
         disk without its record would make a re-sent PUBLISH look like a duplicate)."""
-        ids = {
-            pid for pid, f in self.qos2_in.items()
-            if f is None or (f.done() and not f.cancelled() and f.exception() is None)
-        }
+        qos = self.qos
+        ids = qos.durable_qos2_in()
         return StoredSession(
             self.client_id,
             {f: StoredSubscription(s.qos, s.start, s.options & ~SUB_QOS_MASK, s.identifier, s.retain_below)
              for f, s in self.subs.items()},
             ids,
             owner=self.owner,
-            qos2_offsets={pid: off for pid, off in self.qos2_offsets.items() if pid in ids},
-            qos2_outbound=set(self.qos2_out),
-            qos2_sent=dict(self.qos2_sent),
+            qos2_offsets={pid: off for pid, off in qos.qos2_offsets.items() if pid in ids},
+            qos2_outbound=set(qos.qos2_out),
+            qos2_sent=dict(qos.qos2_sent),
             own_offsets=self.own_runs.pruned(self.group.pending_offset if self.group is not None else 0)
             if self.own_runs else [],
             expiry=self.expiry,

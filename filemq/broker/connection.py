@@ -1,12 +1,20 @@
 """The per-connection MQTT session, without I/O (as h11 is for HTTP).
 
-A :class:`Connection` holds one network connection's protocol state: where it is in the
-CONNECT handshake, its decoder, the keepalive deadline, MQTT 5 topic aliases both ways and the
-client's Receive Maximum window, and the inbound acks waiting for their commit.  It has no
-socket, no event loop and no clock: the shell that owns the socket (the asyncio protocol in
-:mod:`filemq.broker.server`, the WebSocket adapter, the test harness) passes bytes and the time
-in and takes bytes out, and the broker core gives its answers (``queue_ack``, ``send_packet``,
-``close``).
+This module owns all per-client MQTT protocol state, in two objects:
+
+* a :class:`Connection` holds one network connection's: where it is in the CONNECT handshake,
+  its decoder, the keepalive deadline, MQTT 5 topic aliases both ways and our Receive Maximum
+  window, and the inbound acks waiting for their commit (the inbound in-flight window);
+* a :class:`QosState` holds what of a session outlives its network connections (MQTT 4.1): the
+  packet ids, the outbound in-flight window, the QoS 2 ids both ways.  The session
+  (``SessionState``, which the registry keeps and persists) holds one; its methods are the
+  state's transitions, which the broker's QoS part and delivery planner call.
+
+Neither has a socket, an event loop or a clock: the shell that owns the socket (the asyncio
+protocol in :mod:`filemq.broker.server`, the WebSocket adapter, the test harness) passes bytes
+and the time in and takes bytes out, and the broker core gives its answers (``queue_ack``,
+``send_packet``, ``close``).  The events and the in-flight entries are types of their own
+modules (:mod:`filemq.broker.events`, :mod:`filemq.broker.inflight`), without state.
 
 * :meth:`Connection.receive_data` takes the bytes of one read and returns the **events** they
   make, in order: the packets that passed this connection's checks (:class:`Connect`,

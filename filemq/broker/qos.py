@@ -20,8 +20,8 @@ What holds:
   first sent, and every PUBREL not answered (MQTT-4.4.0-1).
 
 The window refills at a quarter (:func:`refill_mark`); reads of many PUBACKs are acked in
-bulk (``ConsumerGroup.ack_many``).  The per-connection inbound half (acks behind commits,
-Receive Maximum) is the session's (filemq/broker/connection.py).
+bulk (``ConsumerGroup.ack_many``).  The state itself, and the per-connection inbound half
+(acks behind commits, Receive Maximum), are the session module's (filemq/broker/connection.py).
 """
 
 from __future__ import annotations
@@ -92,10 +92,11 @@ def refill_mark(window: int) -> int:
 @mypyc_attr(native_class=False)  # (tests replace its methods on the instance: on_pubacks)
 class QosAcks:
     """The QoS 1/2 exchanges of every session, both ways (see the module docstring).  Owns no
-    state of its own: the in-flight windows and QoS 2 id sets are the sessions'
-    (:class:`~filemq.broker.session_state.SessionState`); it moves them through their states.
-    Acked records go to their groups; the progress journal's cadence, window refills and the
-    output are delivery's."""
+    state of its own: the packet ids, in-flight windows and QoS 2 id sets are the session's
+    (:class:`~filemq.broker.connection.QosState`, ``state.qos``), whose methods are their
+    transitions; this part calls them and carries out what they cause outside the session:
+    acked records go to their groups, session files are written, and the progress journal's
+    cadence, window refills and the output are delivery's."""
 
     def __init__(self, log_view: LogView, registry: SessionRegistry, delivery: Delivery) -> None:
         self.log = log_view

@@ -432,7 +432,17 @@ class Delivery:
         bytes and leaves the same state as the loop; False (nothing done) when the run does
         not qualify.  MQTT 5 also needs: no subscription with no local
         or an identifier, no topic aliases to the client, and every PUBLISH surely within the
-        client's Maximum Packet Size (records without headers have no expiry)."""
+        client's Maximum Packet Size (records without headers have no expiry).
+
+        It holds no rule of its own: each condition is asked of the rule's one home, the one
+        the per-record loop asks (the granted QoS: ``SessionState.run_qos`` over
+        ``granted_qos``'s cache; read rights: ``ClientAcl.can_receive``; DUP:
+        ``ConsumerGroup.may_be_redelivered``; packet ids: ``QosState.take_pids``, the ids
+        ``alloc_pid`` would give), and anything it does not recognise as the plain case goes
+        to the loop.  Hypothesis pins it to the loop: the same bytes and the same in-flight
+        state with and without it (``tests/test_broker_session.py::
+        test_deliver_run_sends_what_the_record_loop_sends``, and its MQTT 5 twin in
+        ``tests/test_broker_mqtt5_publish.py``)."""
         v5 = conn.protocol_level == PROTOCOL_LEVEL_5
         if v5 and (conn.alias_max or not state.plain5()):
             return False

@@ -38,6 +38,9 @@ from pathlib import Path
 from typing import Any
 
 from bench.harness.cpu import CLOCK_TICKS, descendants, proc_cpu_ticks_split
+from filemq.broker.server import (
+    free_port as free_port,  # (the one copy; re-exported for the benches)
+)
 from filemq.mqtt.codec import Decoder, ProtocolError, encode
 from filemq.mqtt.packets import CONNACK_ACCEPTED, Connack, Connect, Disconnect
 from filemq.ops.fdlimit import raise_nofile_limit
@@ -59,13 +62,6 @@ class BrokerStartError(RuntimeError):
         super().__init__(f"{name}: {detail}{where}{tail}")
         self.name = name
         self.log_path = log_path
-
-
-def free_port(host: str = LOOPBACK) -> int:
-    """A TCP port that was free a moment ago (the kernel's pick for port 0)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 def mqtt_ping(host: str, port: int, timeout: float = 1.0, client_id: str = "bench-ping") -> bool:

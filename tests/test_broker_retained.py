@@ -504,3 +504,127 @@ def test_sys_backlog_of_a_discarded_session_disappears_in_the_broker(tmp_path: P
         finally:
             await b.stop()
     asyncio.run(main())
+
+
+# ---- the retained replay through the delivery planner (issue 31) -------------------------------
+
+
+def test_retained_replay_goes_through_the_planner_mqtt_3_3_1_8_3_3_2_6_3_3_4_3(tmp_path: Path) -> None:
+    """A retained message sent because of a SUBSCRIBE is planned by Delivery._deliver as a
+    replay: RETAIN 1 (MQTT-3.3.1-8), at min(subscription QoS, message QoS) (3.8.4), expired
+    ones not sent (MQTT-3.3.2-5), the remaining expiry interval (MQTT-3.3.2-6) and the
+    subscription's identifier (MQTT-3.3.4-3) on the wire and in flight (4.4: re-sent with
+    them), in flight with no consumer group (nothing acked in a group)."""
+    from filemq.mqtt.packets import Properties, subscription_options
+    from tests.broker_harness import run
+    from tests.test_broker_mqtt5_publish import Harness5, _old_record, publishes
+
+    async def main() -> None:
+        h = Harness5(tmp_path)
+        _old_record(h, "r/a", b"a", 2, 2.5, 60, retain=True)
+        _old_record(h, "r/gone", b"x", 1, 3.0, 2, retain=True)
+        await h.commit()
+        delivery = h.core.delivery
+        planned: list[Any] = []
+        deliver = delivery._deliver
+
+        def spy(*args: Any) -> bool:
+            planned.append((args[3][0].topic, args[2], args[5] if len(args) > 5 else None))
+            return deliver(*args)
+        delivery._deliver = spy  # type: ignore[method-assign]
+        s = h.sub5("s", ("r/#", subscription_options(1)), props=Properties(subscription_identifiers=[7]))
+        (m,) = publishes(s)
+        assert (m.topic, m.payload, m.qos, m.retain) == ("r/a", b"a", 1, True)
+        assert m.properties is not None and m.properties.message_expiry_interval in (57, 58)
+        assert m.properties.subscription_identifiers == [7]
+        assert planned == [("r/a", None, (1, b"\x0b\x07")), ("r/gone", None, (1, b"\x0b\x07"))]
+        state = s.conn.session
+        assert state is not None
+        out = state.qos.inflight[m.packet_id]
+        assert out.group is None and out.retain and out.qos == 1 and out.headers.endswith(b"\x0b\x07")
+        s4 = h.connected("s4")  # MQTT 3.1.1: the same plan, RETAIN 1 too (3.3.1.3), no identifier
+        s4.send(Subscribe(1, [("r/#", 2)]))
+        pubs = [p for p in s4.received() if isinstance(p, Publish)]
+        assert [(p.topic, p.qos, p.retain) for p in pubs] == [("r/a", 2, True)]
+    run(main())
+
+
+def test_retained_replay_too_large_is_discarded_and_takes_no_packet_id_mqtt_3_1_2_25(tmp_path: Path) -> None:
+    """MQTT-3.1.2-25: a retained message whose PUBLISH is larger than the client's Maximum
+    Packet Size is not sent and counts as delivered; as in the planner's group path it takes
+    no packet id (the next one gets 1)."""
+    from filemq.mqtt.packets import Properties, subscription_options
+    from tests.broker_harness import run
+    from tests.test_broker_mqtt5_publish import Harness5, publishes
+
+    async def main() -> None:
+        h = Harness5(tmp_path)
+        p = h.connected("p")
+        p.send(Publish("big/a", b"x" * 200, 1, True, packet_id=1), Publish("big/b", b"y", 1, True, packet_id=2))
+        await h.commit()
+        s = h.sub5("s", ("big/#", subscription_options(1)), properties=Properties(maximum_packet_size=64))
+        (m,) = publishes(s)
+        assert (m.topic, m.packet_id, m.retain) == ("big/b", 1, True)
+        assert h.core.delivery.dropped_too_large == 1
+        state = s.conn.session
+        assert state is not None and list(state.qos.inflight) == [1]
+    run(main())
+
+
+def test_retained_replay_uses_a_known_topic_alias_and_assigns_none_3_3_2_3_4(tmp_path: Path) -> None:
+    """3.3.2.3.4: a retained replay uses the topic alias the client already has for its topic
+    (assigned by a live delivery) and assigns none of its own (the kept ``replay:`` difference
+    in Delivery._deliver)."""
+    from filemq.mqtt.packets import Properties, subscription_options
+    from tests.broker_harness import run
+    from tests.test_broker_mqtt5 import client5
+    from tests.test_broker_mqtt5_publish import Harness5, publishes
+
+    async def main() -> None:
+        h = Harness5(tmp_path)
+        s = client5(h)
+        s.connect("s", properties=Properties(topic_alias_maximum=4))
+        s.send(Subscribe(1, [("al/a", subscription_options(0))]))
+        p = h.connected("p")
+        p.send(Publish("al/a", b"1", 1, True, packet_id=1), Publish("al/b", b"2", 1, True, packet_id=2))
+        await h.commit()
+        live = publishes(s)
+        assert [(m.topic, m.properties.topic_alias if m.properties else None) for m in live] == [("al/a", 1)]
+        s.send(Subscribe(2, [("al/#", subscription_options(0))]))
+        got = publishes(s)
+        assert [(m.topic, m.payload, m.retain, m.properties.topic_alias if m.properties else None)
+                for m in got] == [("", b"1", True, 1), ("al/b", b"2", True, None)]
+        assert s.conn.out_aliases == {"al/a": 1}
+    run(main())
+
+
+def test_retained_qos2_replay_waits_for_the_session_file_mqtt_4_3_3(tmp_path: Path) -> None:
+    """4.3.3 / MQTT-2.2.1-3: a retained message sent at QoS 2 to a persistent session leaves
+    only once the session file holds its packet id (the planner's hold, qos2_sent -1: no
+    group record); the rest of the queue follows that write, in order, RETAIN 1 (MQTT-3.3.1-8)."""
+    from tests.broker_harness import Harness, run
+
+    async def main() -> None:
+        h = Harness(tmp_path)
+        p = h.connected("p")
+        p.send(Publish("q/1", b"1", 2, True, packet_id=1), Publish("q/2", b"2", 2, True, packet_id=2))
+        await h.commit()
+        delivery = h.core.delivery
+        held: list[bool] = []
+        deliver = delivery.deliver_retained
+
+        def spy(*args: Any) -> bool:
+            held.append(deliver(*args))
+            return held[-1]
+        delivery.deliver_retained = spy  # type: ignore[method-assign]
+        s = h.connected("s", clean=False)
+        s.send(Subscribe(1, [("q/#", 2)]))
+        await h.settle()
+        await h.settle()
+        got = [m for m in s.received() if isinstance(m, Publish)]
+        assert [(m.topic, m.qos, m.retain, m.packet_id) for m in got] == [("q/1", 2, True, 1), ("q/2", 2, True, 2)]
+        assert held == [True, True]
+        state = s.conn.session
+        assert state is not None and state.qos.qos2_sent == {1: -1, 2: -1}
+        assert all(o.group is None and o.retain for o in state.qos.inflight.values())
+    run(main())

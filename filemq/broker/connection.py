@@ -730,20 +730,26 @@ class Connection:
         return publish_bytes(topic, payload, qos, dup, packet_id, retain)
 
     def aliased(self, data: bytes, topic: str, payload: bytes, qos: int, dup: bool, packet_id: int | None,
-                retain: bool, headers: bytes, limit: int | None) -> bytes:
-        """``data`` (the MQTT 5 PUBLISH about to be sent, which fits ``limit``) with a topic
-        alias when the client takes them (3.3.2.3.4): the topic's alias and an empty topic
-        once it has one; the first PUBLISH of a topic carries the topic and assigns the next
-        free alias, while the client's Topic Alias Maximum allows (then topics stay unaliased:
-        aliases are never reassigned).  Called only for a packet that is sent, so the client
-        always knows an alias before it is used alone."""
+                retain: bool, headers: bytes, limit: int | None, assign: bool = True) -> bytes:
+        """``data`` (the MQTT 5 PUBLISH about to be sent) with a topic alias when the client
+        takes them (3.3.2.3.4): the topic's alias and an empty topic once it has one; with
+        ``assign``, the first PUBLISH of a topic carries the topic and assigns the next free
+        alias, while the client's Topic Alias Maximum allows and the PUBLISH with the alias
+        still fits ``limit`` (then topics stay unaliased: aliases are never reassigned).  The
+        caller checks the result against ``limit`` (the packet as sent: an alias of a short
+        topic may lengthen it; one that does not fit is not sent and assigned nothing) and
+        sends it, so the client always knows an alias before it is used alone."""
         alias = self.out_aliases.get(topic)
         if alias is not None:
             return _publish_aliased("", alias, payload, qos, dup, packet_id, retain, headers)
-        if len(self.out_aliases) >= self.alias_max or (limit is not None and len(data) + 3 > limit):
+        if not assign or len(self.out_aliases) >= self.alias_max:
             return data
-        alias = self.out_aliases[topic] = len(self.out_aliases) + 1
-        return _publish_aliased(topic, alias, payload, qos, dup, packet_id, retain, headers)
+        alias = len(self.out_aliases) + 1
+        out = _publish_aliased(topic, alias, payload, qos, dup, packet_id, retain, headers)
+        if limit is not None and len(out) > limit:
+            return data
+        self.out_aliases[topic] = alias
+        return out
 
     def data_to_send(self) -> bytes:
         """Everything queued for the peer since the last call (possibly empty)."""

@@ -66,6 +66,29 @@ def _nothing_queued(conn: Connection, state: SessionState) -> bool:
 _sent_record = cast(Callable[[Iterable[Any]], SentRecord], functools.partial(tuple.__new__, SentRecord))
 
 
+def _acks_nothing(offset: int) -> bool:
+    return False
+
+
+def _never_redelivered(offset: int) -> bool:
+    return False
+
+
+def _replay_rules(qos: int, ids: bytes) -> tuple[Callable[[str, int, str | None, bool], int],
+                                                 Callable[[str, int, str | None, bool, bool], tuple[int, bytes, bool]]]:
+    """The planner's ``granted_qos`` and ``match5`` for a retained replay: a retained message
+    sent because of a SUBSCRIBE goes to that subscription alone, at ``qos``, with its
+    identifier property ``ids`` (3.3.4, MQTT-3.3.4-3; MQTT 5 only: 3.1.1 asks ``granted``),
+    RETAIN 1 (MQTT-3.3.1-8: retain as published does not apply, 3.3.1.3), no local not asked."""
+    def granted(topic: str, offset: int, share: str | None, retain: bool) -> int:
+        return qos
+
+    def match(topic: str, offset: int, share: str | None, retain: bool, own: bool) -> tuple[int, bytes, bool]:
+        return qos, ids, True
+
+    return granted, match
+
+
 RetainedQueue = deque[tuple[str, "RetainedMessage", int]]
 """Retained messages a SUBSCRIBE matched and a connection has not taken yet (filter, message, QoS)."""
 RetainedReplay = list[tuple[SessionState, Subscription, int]]
@@ -304,8 +327,18 @@ class Delivery:
             if not progress:
                 return
 
-    def _deliver(self, conn: Connection, state: SessionState, group: ConsumerGroup,
-                 records: list[Record], share: str | None) -> None:
+    def deliver_retained(self, conn: Connection, state: SessionState, m: RetainedMessage, qos: int,
+                         ids: bytes) -> bool:
+        """Send retained message ``m`` to ``conn`` because of a SUBSCRIBE (the retained part's
+        :meth:`~.retain.Retained.drain`): at ``qos`` (the subscription's, at most the message's)
+        with ``ids``, the subscription's identifier property (3.3.4; b"": none), through the
+        delivery planner (:meth:`_deliver`).  True when its output waits for the session file
+        (a QoS 2 id on a persistent session): the rest of the queue follows that write."""
+        record = Record(m.offset, m.timestamp_us, m.topic, m.payload, m.qos, True, m.headers)
+        return self._deliver(conn, state, None, [record], None, (qos, ids))
+
+    def _deliver(self, conn: Connection, state: SessionState, group: ConsumerGroup | None,
+                 records: list[Record], share: str | None, replay: tuple[int, bytes] | None = None) -> bool:
         """The delivery planner: send ``records`` (fetched from ``group`` for ``conn``) in one
         write.  For each record, in order, one set of rules for both protocols decides whether
         it goes out, at which QoS and with which packet id; only the encoding and what MQTT 5
@@ -320,35 +353,61 @@ class Delivery:
         * the QoS: the lower of the granted one and the message's; QoS 0 is acked at once;
         * a packet id: the next free one from ``next_pid`` (MQTT-2.3.1-2); in flight with it
           (the stored properties too: re-sent with them after a reconnect, 4.4);
-        * MQTT 5: larger than the client's Maximum Packet Size: discarded as delivered
-          (MQTT-3.1.2-25); retain as published (MQTT-3.3.1-12/-13); topic aliases;
+        * MQTT 5: larger than the client's Maximum Packet Size as it would be sent (topic
+          alias included): discarded as delivered (MQTT-3.1.2-25; no packet id taken); retain
+          as published (MQTT-3.3.1-12/-13); topic aliases;
         * QoS 2 on a persistent session: from its first new id on, the output waits for the
           session file (:meth:`_hold_output`).
 
+        ``replay=(qos, ids)``: ``records`` are retained messages sent because of a SUBSCRIBE
+        (:meth:`deliver_retained`; ``group`` None, nothing to ack): the same rules, with the
+        subscription's QoS and identifier property given instead of matched, RETAIN 1 on both
+        protocols (MQTT-3.3.1-8; retain as published does not apply, 3.3.1.3), no no local,
+        never a resumed offset, in flight with no group.  True when output waits for the
+        session file (a retained replay stops there, its queue follows the write).
+
         A qualifying run takes :meth:`_deliver_run`, the same outcome in C loops."""
-        if len(records) > 1 and self._deliver_run(conn, state, group, records, share):
-            return
+        granted: Callable[[str, int, str | None, bool], int]
+        match: Callable[[str, int, str | None, bool, bool], tuple[int, bytes, bool]]
+        ack: Callable[[int], bool]
+        redelivered: Callable[[int], bool]
+        qos_state = state.qos
+        # The per-call choices of the two callers; the per-record loop below is one for both.
+        if group is not None and replay is None:
+            if len(records) > 1 and self._deliver_run(conn, state, group, records, share):
+                return False
+            granted = state.granted_qos
+            match = state.match5
+            ack = group.ack
+            redelivered = group.redelivered
+            resumed = qos_state.resumed_offsets if group is state.group else None
+            retain = False  # MQTT-3.3.1-9 (3.1.1); MQTT 5: retain as published, per record
+            new_aliases = True
+        else:
+            assert replay is not None  # a retained replay: no group, nothing acked, no DUP
+            granted, match = _replay_rules(replay[0], replay[1])
+            ack = _acks_nothing
+            redelivered = _never_redelivered
+            resumed = None
+            retain = True  # MQTT-3.3.1-8, both protocols
+            # A retained replay is sent even while a delivery's output waits for the session
+            # file (Retained.drain does not ask state.holding()): an alias assigned there could
+            # reach the client alone before the held PUBLISH that assigns it.
+            new_aliases = False  # replay: only an alias the client already has, never a new one
         v5 = conn.protocol_level == PROTOCOL_LEVEL_5
         acl = conn.acl
         # Every delivery is checked against the receiving user's read rights (cached per topic).
         check_acl = acl is not None and not acl.allow_all
-        granted = state.granted_qos
-        match = state.match5
-        qos_state = state.qos
         inflight = qos_state.inflight
-        ack = group.ack
-        redelivered = group.redelivered
-        publishers = self.publishers if v5 and state.has_no_local() else None
+        publishers = self.publishers if v5 and replay is None and state.has_no_local() else None
         own_runs = state.own_runs if publishers is not None and state.own_runs else None
         cid = conn.client_id
         limit = conn.client_max_packet if v5 else None
         alias_max = conn.alias_max if v5 else 0
         parts: list[bytes] = []
         now_us = 0
-        resumed = qos_state.resumed_offsets if group is state.group else None
         hold = -1  # parts from this index on wait for the session file (a new QoS 2 id in it)
         ids = b""
-        retain = False
         for r in records:
             offset = r.offset
             if resumed and offset in resumed:
@@ -381,36 +440,38 @@ class Delivery:
             if qos == 0:
                 ack(offset)
                 if not v5:
-                    parts.append(publish_bytes(topic, r.payload, 0, False, None, False))
+                    parts.append(publish_bytes(topic, r.payload, 0, False, None, retain))
                     continue
                 data = publish_bytes5(topic, r.payload, 0, False, None, retain, headers)
+                if alias_max:
+                    data = conn.aliased(data, topic, r.payload, 0, False, None, retain, headers, limit, new_aliases)
                 if limit is not None and len(data) > limit:
                     self.too_large(conn, topic, len(data), limit)
                     continue
-                if alias_max:
-                    data = conn.aliased(data, topic, r.payload, 0, False, None, retain, headers, limit)
                 parts.append(data)
                 continue
             pid = qos_state.free_pid()
             if v5:
                 data = publish_bytes5(topic, r.payload, qos, redelivered(offset), pid, retain, headers)
+                if alias_max:
+                    data = conn.aliased(data, topic, r.payload, qos, data[0] & 0x08 != 0, pid, retain, headers,
+                                        limit, new_aliases)
                 if limit is not None and len(data) > limit:
                     ack(offset)
                     self.too_large(conn, topic, len(data), limit)
                     continue
             else:
-                data = publish_bytes(topic, r.payload, qos, redelivered(offset), pid, False)
+                data = publish_bytes(topic, r.payload, qos, redelivered(offset), pid, retain)
             qos_state.take_pid(pid)
             # The properties as sent (MQTT 5: expiry, identifiers), so a re-send after a
             # reconnect (4.4) repeats them; onward delivery has started, so it is re-sent even
             # if the message expires meanwhile.  (3.1.1: the record's own, for a session that
             # resumes on MQTT 5.)
             inflight[pid] = Outbound(offset, group, qos, topic, r.payload, share, retain, headers)
-            if alias_max:
-                data = conn.aliased(data, topic, r.payload, qos, data[0] & 0x08 != 0, pid, retain, headers, limit)
             if qos == 2 and state.persistent:
-                # (-1: a shared group's record; after a restart its PUBREL frees the id and the
-                # group hands the record out again, to any member)
+                # (-1: a shared group's record or a retained message; after a restart its
+                # PUBREL frees the id, and a share's group hands the record out again, to any
+                # member)
                 qos_state.qos2_sent[pid] = offset if resumed is not None else -1
                 if hold < 0:
                     hold = len(parts)
@@ -421,6 +482,7 @@ class Delivery:
                 parts = self._hold_output(conn, state, parts, hold)
             if parts:
                 conn.send(parts[0] if len(parts) == 1 else b"".join(parts))
+        return hold >= 0
 
     def _deliver_run(self, conn: Connection, state: SessionState, group: ConsumerGroup,
                      records: list[Record], share: str | None) -> bool:

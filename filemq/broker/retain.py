@@ -7,13 +7,15 @@ is rebuilt in the background), the SUBSCRIBEs waiting for that rebuild, and per 
 the retained messages a SUBSCRIBE matched that it has not taken yet (:attr:`out`, sent as its
 output drains) and the replays waiting for records appended before their SUBSCRIBE to be
 routed (:attr:`after`).  Delivery reads those two maps (live records never overtake retained
-ones) and calls :meth:`drain`; what it needs of ingest is :class:`Routing`.
+ones) and calls :meth:`drain`; what it needs of ingest is :class:`Routing`.  How each queued
+message is sent (read rights, expiry, identifier, QoS, packet id, Maximum Packet Size, in
+flight, the QoS 2 hold) is the delivery planner's (:meth:`Delivery.deliver_retained`): here
+only which messages, in which order, and when the connection takes the next one.
 """
 
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import time
 from collections import deque
@@ -21,20 +23,14 @@ from typing import TYPE_CHECKING, Protocol
 
 from filemq.broker.connection import Connection
 from filemq.broker.delivery import Delivery, RetainedQueue, RetainedReplay
-from filemq.broker.inflight import Outbound
 from filemq.broker.session_state import (
     RETAINED_OUT_HIGH,
     SessionState,
     Subscription,
-    message_expiry,
 )
-from filemq.mqtt.packets import PROTOCOL_LEVEL_5
-from filemq.mqtt.properties import encode_vbi
 from segments.record import Record
 
 if TYPE_CHECKING:
-    from filemq.broker.registry import SessionRegistry
-    from filemq.broker.sysinfo import BrokerStats
     from filemq.broker.systopics import SysTopics
     from filemq.queue.retained import RetainedStore
     from segments.log import LogView
@@ -62,13 +58,10 @@ class _NotRouted:
 class Retained:
     """The retained store and the retained messages new subscriptions get."""
 
-    def __init__(self, store: RetainedStore, log_view: LogView, stats: BrokerStats, delivery: Delivery,
-                 registry: SessionRegistry, sys: SysTopics) -> None:
+    def __init__(self, store: RetainedStore, log_view: LogView, delivery: Delivery, sys: SysTopics) -> None:
         self.store = store
         self.log = log_view
-        self.stats = stats
         self.delivery = delivery
-        self.registry = registry
         self.sys = sys
         self.routing: Routing = _NotRouted()  # (wired by the core: the ingest part)
         # False while the retained store is being rebuilt in the background (big logs):
@@ -184,16 +177,17 @@ class Retained:
     def drain(self, conn: Connection, state: SessionState) -> bool:
         """Send queued retained messages while the connection takes them: its output below
         :data:`RETAINED_OUT_HIGH`, its shell not paused, QoS 1/2 ones within the in-flight
-        window.  The queue holds the store's messages (no payload copies); True when empty."""
+        window; it stops after one whose output waits for the session file.  Each message goes
+        through the delivery planner (:meth:`~.delivery.Delivery.deliver_retained`: read
+        rights, expiry, identifier, packet id, Maximum Packet Size, in flight, the QoS 2
+        hold); here only the queue.  The queue holds the store's messages (no payload
+        copies); True when empty."""
         queue = self.out.get(conn)
         if queue is None:
             return True
-        sent = 0
         inflight = state.qos.inflight
         blocked = False
-        v5 = conn.protocol_level == PROTOCOL_LEVEL_5
-        limit = conn.client_max_packet
-        now_us = 0
+        deliver = self.delivery.deliver_retained
         while queue and not conn.closed and not conn.paused:
             if len(conn.out) >= RETAINED_OUT_HIGH:
                 break
@@ -202,48 +196,11 @@ class Retained:
                 blocked = True  # the acks that free the window pump again
                 break
             queue.popleft()
-            if conn.acl is not None and not conn.acl.can_receive(m.topic):
-                continue  # the read right went away (ACL reload) while it was queued
-            headers = m.headers
-            if headers:
-                now_us = now_us or time.time_ns() // 1000
-                expiring = message_expiry(headers, m.timestamp_us, now_us)
-                if expiring is None:
-                    continue  # its message expiry interval has passed (3.3.2.3.3): not sent
-                headers = expiring
-            if v5:
-                sub = state.subs.get(f)
-                if sub is not None and sub.identifier:
-                    headers += b"\x0b" + encode_vbi(sub.identifier)  # 3.3.4, MQTT-3.3.4-3
-            if qos == 0:
-                data = conn.publish_bytes(m.topic, m.payload, 0, False, None, True, headers)
-                if limit is not None and len(data) > limit:
-                    self.delivery.too_large(conn, m.topic, len(data), limit)
-                    continue
-                conn.send(data)
-            else:
-                pid = state.qos.alloc_pid()
-                data = conn.publish_bytes(m.topic, m.payload, qos, False, pid, True, headers)
-                if limit is not None and len(data) > limit:
-                    self.delivery.too_large(conn, m.topic, len(data), limit)
-                    continue
-                inflight[pid] = Outbound(m.offset, None, qos, m.topic, m.payload, None, True, headers)
-                if qos == 2 and state.persistent:
-                    # Its id goes to the session file before it leaves (as a group record's,
-                    # see Delivery._hold_output); the rest of the queue follows the write.
-                    state.qos.qos2_sent[pid] = -1
-                    written = state.out_hold = self.registry.save_soon(state)
-                    written.add_done_callback(functools.partial(self.delivery.release_output, conn, state, data))
-                    sent += 1
-                    break
-                conn.send(data)
-            sent += 1
-        if sent:
-            self.stats.publish_sent(sent)
+            if deliver(conn, state, m, qos, state.subscription_identifier(f)):
+                break  # held for the session file: the rest of the queue follows the write
         if queue:
             if not blocked and not conn.paused and not conn.closed:
                 self.delivery.schedule_repump(conn)  # after this event's flush wrote the output
             return False
         del self.out[conn]
         return True
-

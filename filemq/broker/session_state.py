@@ -318,6 +318,11 @@ class Subscription:
     options: int = 0
     identifier: int = 0
 
+    def identifier_property(self) -> bytes:
+        """Its subscription identifier as the MQTT 5 property a PUBLISH it takes carries
+        (3.3.2.3.8, MQTT-3.3.4-3); b"" when it has none."""
+        return b"\x0b" + encode_vbi(self.identifier) if self.identifier else b""
+
 
 class SessionState:
     """One client id's session; a persistent one outlives its connections (and, through the
@@ -369,6 +374,13 @@ class SessionState:
         calls that set it (mypyc checks the narrowed type at the next read)."""
         return self.out_hold is not None
 
+    def subscription_identifier(self, filter: str) -> bytes:
+        """The identifier property (3.3.4) of this session's subscription ``filter`` (the one
+        a retained message sent because of its SUBSCRIBE carries, MQTT-3.3.4-3); b"" when it
+        has none or the subscription is gone."""
+        sub = self.subs.get(filter)
+        return b"" if sub is None else sub.identifier_property()
+
     def own_filters(self) -> tuple[str, ...]:
         return tuple(sorted({s.plain for s in self.subs.values() if s.share is None}))
 
@@ -414,7 +426,7 @@ class SessionState:
             entries = [
                 (s.start, s.qos, s.share, s.retain_below, bool(s.options & SUB_NO_LOCAL),
                  bool(s.options & SUB_RETAIN_AS_PUBLISHED),
-                 b"\x0b" + encode_vbi(s.identifier) if s.identifier else b"")
+                 s.identifier_property())
                 for s in self.subs.values() if topic_matches(s.plain, topic)
             ]
             if len(self._match5_cache) > 4096:

@@ -571,10 +571,10 @@ def test_retained_replay_too_large_is_discarded_and_takes_no_packet_id_mqtt_3_1_
     run(main())
 
 
-def test_retained_replay_uses_a_known_topic_alias_and_assigns_none_3_3_2_3_4(tmp_path: Path) -> None:
+def test_retained_replay_takes_topic_aliases_as_a_live_delivery_3_3_2_3_4(tmp_path: Path) -> None:
     """3.3.2.3.4: a retained replay uses the topic alias the client already has for its topic
-    (assigned by a live delivery) and assigns none of its own (the kept ``replay:`` difference
-    in Delivery._deliver)."""
+    (assigned by a live delivery) and assigns the next free one to a topic without one, as
+    the planner does for any delivery (MQTT-3.3.2-12: the client maps it on receipt)."""
     from filemq.mqtt.packets import Properties, subscription_options
     from tests.broker_harness import run
     from tests.test_broker_mqtt5 import client5
@@ -593,8 +593,8 @@ def test_retained_replay_uses_a_known_topic_alias_and_assigns_none_3_3_2_3_4(tmp
         s.send(Subscribe(2, [("al/#", subscription_options(0))]))
         got = publishes(s)
         assert [(m.topic, m.payload, m.retain, m.properties.topic_alias if m.properties else None)
-                for m in got] == [("", b"1", True, 1), ("al/b", b"2", True, None)]
-        assert s.conn.out_aliases == {"al/a": 1}
+                for m in got] == [("", b"1", True, 1), ("al/b", b"2", True, 2)]
+        assert s.conn.out_aliases == {"al/a": 1, "al/b": 2}
     run(main())
 
 
@@ -627,4 +627,52 @@ def test_retained_qos2_replay_waits_for_the_session_file_mqtt_4_3_3(tmp_path: Pa
         state = s.conn.session
         assert state is not None and state.qos.qos2_sent == {1: -1, 2: -1}
         assert all(o.group is None and o.retain for o in state.qos.inflight.values())
+    run(main())
+
+
+def test_retained_replay_does_not_overtake_output_held_for_the_session_file_mqtt_4_3_3(tmp_path: Path) -> None:
+    """4.3.3 / MQTT-2.2.1-3: while a live QoS 2 delivery to a persistent session waits for the
+    session file (its packet id), a SUBSCRIBE's retained messages wait too: they leave after
+    the held PUBLISH, in order, once the write is done (Retained.drain asks
+    ``SessionState.holding``, as Delivery.pump does)."""
+    from tests.broker_harness import Harness, run
+
+    async def main() -> None:
+        h = Harness(tmp_path)
+        p = h.connected("p")
+        p.send(Publish("r/a", b"old", 1, True, packet_id=1))
+        await h.commit()
+        s = h.connected("s", clean=False)
+        s.send(Subscribe(1, [("live/x", 2)]))
+        await h.settle()
+        s.received()
+        registry = h.core.delivery.registry
+        real_save = registry.save_soon
+        written: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        calls: list[int] = []
+
+        def first_held(state: Any) -> asyncio.Future[None]:
+            calls.append(1)  # the QoS 2 id's write is held; later ones (the SUBSCRIBE's) are real
+            return written if len(calls) == 1 else real_save(state)
+        registry.save_soon = first_held  # type: ignore[method-assign]
+        p.send(Publish("live/x", b"new", 2, False, packet_id=2))
+        await h.commit()
+        await h.settle()
+        state = s.conn.session
+        assert state is not None and state.holding()
+        assert [m for m in s.received() if isinstance(m, Publish)] == []
+        s.send(Subscribe(2, [("r/#", 1)]))
+        for _ in range(20):
+            await h.settle()
+            got = s.received()
+            if any(isinstance(m, Suback) for m in got):
+                break
+        assert [m for m in got if isinstance(m, Publish)] == []  # behind the held one
+        assert len(calls) >= 2  # the SUBSCRIBE's own write was not the held one
+        registry.save_soon = real_save  # type: ignore[method-assign]
+        written.set_result(None)
+        await h.settle()
+        await h.settle()
+        got = [(m.topic, m.qos, m.retain) for m in s.received() if isinstance(m, Publish)]
+        assert got == [("live/x", 2, False), ("r/a", 1, True)]
     run(main())

@@ -730,10 +730,10 @@ class Connection:
         return publish_bytes(topic, payload, qos, dup, packet_id, retain)
 
     def aliased(self, data: bytes, topic: str, payload: bytes, qos: int, dup: bool, packet_id: int | None,
-                retain: bool, headers: bytes, limit: int | None, assign: bool = True) -> bytes:
+                retain: bool, headers: bytes, limit: int | None) -> bytes:
         """``data`` (the MQTT 5 PUBLISH about to be sent) with a topic alias when the client
-        takes them (3.3.2.3.4): the topic's alias and an empty topic once it has one; with
-        ``assign``, the first PUBLISH of a topic carries the topic and assigns the next free
+        takes them (3.3.2.3.4): the topic's alias and an empty topic once it has one; the
+        first PUBLISH of a topic carries the topic and assigns the next free
         alias, while the client's Topic Alias Maximum allows and the PUBLISH with the alias
         still fits ``limit`` (then topics stay unaliased: aliases are never reassigned).  The
         caller checks the result against ``limit`` (the packet as sent: an alias of a short
@@ -742,7 +742,7 @@ class Connection:
         alias = self.out_aliases.get(topic)
         if alias is not None:
             return _publish_aliased("", alias, payload, qos, dup, packet_id, retain, headers)
-        if not assign or len(self.out_aliases) >= self.alias_max:
+        if len(self.out_aliases) >= self.alias_max:
             return data
         alias = len(self.out_aliases) + 1
         out = _publish_aliased(topic, alias, payload, qos, dup, packet_id, retain, headers)

@@ -382,7 +382,6 @@ class Delivery:
             redelivered = group.redelivered
             resumed = qos_state.resumed_offsets if group is state.group else None
             retain = False  # MQTT-3.3.1-9 (3.1.1); MQTT 5: retain as published, per record
-            new_aliases = True
         else:
             assert replay is not None  # a retained replay: no group, nothing acked, no DUP
             granted, match = _replay_rules(replay[0], replay[1])
@@ -390,10 +389,6 @@ class Delivery:
             redelivered = _never_redelivered
             resumed = None
             retain = True  # MQTT-3.3.1-8, both protocols
-            # A retained replay is sent even while a delivery's output waits for the session
-            # file (Retained.drain does not ask state.holding()): an alias assigned there could
-            # reach the client alone before the held PUBLISH that assigns it.
-            new_aliases = False  # replay: only an alias the client already has, never a new one
         v5 = conn.protocol_level == PROTOCOL_LEVEL_5
         acl = conn.acl
         # Every delivery is checked against the receiving user's read rights (cached per topic).
@@ -444,7 +439,7 @@ class Delivery:
                     continue
                 data = publish_bytes5(topic, r.payload, 0, False, None, retain, headers)
                 if alias_max:
-                    data = conn.aliased(data, topic, r.payload, 0, False, None, retain, headers, limit, new_aliases)
+                    data = conn.aliased(data, topic, r.payload, 0, False, None, retain, headers, limit)
                 if limit is not None and len(data) > limit:
                     self.too_large(conn, topic, len(data), limit)
                     continue
@@ -454,8 +449,7 @@ class Delivery:
             if v5:
                 data = publish_bytes5(topic, r.payload, qos, redelivered(offset), pid, retain, headers)
                 if alias_max:
-                    data = conn.aliased(data, topic, r.payload, qos, data[0] & 0x08 != 0, pid, retain, headers,
-                                        limit, new_aliases)
+                    data = conn.aliased(data, topic, r.payload, qos, data[0] & 0x08 != 0, pid, retain, headers, limit)
                 if limit is not None and len(data) > limit:
                     ack(offset)
                     self.too_large(conn, topic, len(data), limit)

@@ -177,7 +177,8 @@ class Retained:
     def drain(self, conn: Connection, state: SessionState) -> bool:
         """Send queued retained messages while the connection takes them: its output below
         :data:`RETAINED_OUT_HIGH`, its shell not paused, QoS 1/2 ones within the in-flight
-        window; it stops after one whose output waits for the session file.  Each message goes
+        window, none of its output waiting for the session file (the queue follows that write,
+        as the group's records do: :meth:`~.delivery.Delivery.pump`).  Each message goes
         through the delivery planner (:meth:`~.delivery.Delivery.deliver_retained`: read
         rights, expiry, identifier, packet id, Maximum Packet Size, in flight, the QoS 2
         hold); here only the queue.  The queue holds the store's messages (no payload
@@ -191,13 +192,17 @@ class Retained:
         while queue and not conn.closed and not conn.paused:
             if len(conn.out) >= RETAINED_OUT_HIGH:
                 break
+            if state.holding():
+                # Output waits for the session file (a QoS 2 id, a live delivery's or one of
+                # these): nothing overtakes it; its write pumps again (Delivery.release_output).
+                blocked = True
+                break
             f, m, qos = queue[0]
             if qos and len(inflight) >= max(conn.max_inflight, 1):
                 blocked = True  # the acks that free the window pump again
                 break
             queue.popleft()
-            if deliver(conn, state, m, qos, state.subscription_identifier(f)):
-                break  # held for the session file: the rest of the queue follows the write
+            deliver(conn, state, m, qos, state.subscription_identifier(f))
         if queue:
             if not blocked and not conn.paused and not conn.closed:
                 self.delivery.schedule_repump(conn)  # after this event's flush wrote the output

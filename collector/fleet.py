@@ -2,7 +2,7 @@
 
 A :class:`FleetRegistry` is fed by the collector on its event loop: :meth:`~FleetRegistry.seen`
 for every PUBLISH a device's connection sends (a batch or a health report), with the
-:class:`filemq.broker.connection.Connection` it came on; :meth:`~FleetRegistry.health` with each
+:class:`filemq.broker.session.connection.Connection` it came on; :meth:`~FleetRegistry.health` with each
 decoded health report (:mod:`filemq.upstream.health`); :meth:`~FleetRegistry.landed` with the
 rows the lander landed; and :meth:`~FleetRegistry.sweep` once a second, which notices a closed
 connection (a kill -9 of the agent closes its socket: the collector sees it within a second,
@@ -63,7 +63,7 @@ _DYNAMIC = ("state", "last_seen", "records_received", "records_landed")
 
 
 class Conn(Protocol):
-    """What the registry reads of a broker connection (:class:`filemq.broker.connection.Connection`)."""
+    """What the registry reads of a broker connection (:class:`filemq.broker.session.connection.Connection`)."""
 
     @property
     def closed(self) -> bool: ...

@@ -17,9 +17,9 @@ from pathlib import Path
 from typing import Any
 
 from filemq.broker.acl import Acl
-from filemq.broker.connection import Connection
 from filemq.broker.core import BrokerCore
-from filemq.broker.inflight import SentRun, message_of
+from filemq.broker.session.connection import Connection
+from filemq.broker.session.inflight import SentRun, message_of
 from filemq.broker.session_store import SessionStore
 from filemq.broker.sysinfo import BrokerStats
 from filemq.broker.tailcache import TailCache

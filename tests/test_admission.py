@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from filemq.broker.admission import Admission
-from filemq.broker.connection import AUTHENTICATING, AWAITING_CONNECT, CONNECTED
+from filemq.broker.session.connection import AUTHENTICATING, AWAITING_CONNECT, CONNECTED
 from filemq.mqtt.client import MQTTClient
 from tests.services import REPO, rss_mb, service
 from worker_agent.forwarder import backoff_delay

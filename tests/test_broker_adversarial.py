@@ -18,7 +18,7 @@ import pytest
 
 import filemq.broker.connect as connect_module
 from filemq.broker.auth import MAX_ITERATIONS, SCHEME, PasswordFile, PasswordHash
-from filemq.broker.connection import AUTHENTICATING
+from filemq.broker.session.connection import AUTHENTICATING
 from filemq.common.config import ConfigError
 from filemq.mqtt.client import MQTTClient
 from filemq.mqtt.codec import Decoder, encode

@@ -34,9 +34,9 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from filemq.broker import qos as qos_module
-from filemq.broker.connection import Connection
-from filemq.broker.inflight import SentRecord, SentRun, message_of
 from filemq.broker.qos import QosAcks
+from filemq.broker.session.connection import Connection
+from filemq.broker.session.inflight import SentRecord, SentRun, message_of
 from filemq.mqtt.codec import encode
 from filemq.mqtt.packets import Puback, Publish, Subscribe
 from filemq.queue.groups import ConsumerGroup

@@ -359,7 +359,7 @@ def test_mqtt5_connect_larger_than_the_largest_311_connect_is_accepted(tmp_path:
     MAX_CONNECT_PACKET, 3.1.1's largest CONNECT, applies until its level byte says 5); one
     over max_packet_size gets CONNACK 0x95 Packet too large (4.13.1) and is closed; a 3.1.1
     CONNECT announcing as much is still closed as soon as its level byte is in."""
-    from filemq.broker.connection import MAX_CONNECT5_PACKET, MAX_CONNECT_PACKET
+    from filemq.broker.session.connection import MAX_CONNECT5_PACKET, MAX_CONNECT_PACKET
 
     async def main() -> None:
         h = Harness(tmp_path, max_packet_size=1 << 20)

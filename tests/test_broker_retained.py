@@ -337,8 +337,8 @@ def test_subscribes_of_a_client_that_does_not_read_queue_bounded_retained_bytes(
     the broker hands its transport at most about one high-water mark of retained PUBLISHes
     (not 30 x 20 x 32 KiB); once the client reads, every retained message arrives, newest
     values, retain = 1 (MQTT-3.3.1-8), QoS 1 ones within the in-flight window."""
-    from filemq.broker.connection import Connection
     from filemq.broker.core import RETAINED_OUT_HIGH
+    from filemq.broker.session.connection import Connection
     from filemq.mqtt.packets import Puback
     from tests.broker_harness import Harness, run
 

@@ -19,8 +19,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from filemq.broker.acl import Acl
-from filemq.broker.connection import CLOSED, CONNECTED, Connection
 from filemq.broker.core import BrokerCore, HookResult
+from filemq.broker.session.connection import CLOSED, CONNECTED, Connection
 from filemq.broker.session_store import SessionStore
 from filemq.broker.sysinfo import BrokerStats
 from filemq.broker.tailcache import TailCache

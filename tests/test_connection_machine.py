@@ -1,4 +1,4 @@
-"""The sans-I/O connection (filemq/broker/connection.py) driven with bytes alone, as a
+"""The sans-I/O connection (filemq/broker/session/connection.py) driven with bytes alone, as a
 Hypothesis state machine against a model of the rules it owns (issue 31 item 1).
 
 No broker core, no event loop, no socket, no clock: :class:`_Answers` plays the core with the
@@ -31,8 +31,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from filemq.broker.connection import CONNECTED, Connection
-from filemq.broker.events import Acks, Publishes
+from filemq.broker.session.connection import CONNECTED, Connection
+from filemq.broker.session.events import Acks, Publishes
 from filemq.broker.session_state import SessionState
 from filemq.common.config import BrokerSection
 from filemq.mqtt.codec import Decoder, ProtocolError, encode, encode5, encode_puback, publish_bytes5
@@ -56,7 +56,7 @@ CONNECT_TIMEOUT = 10.0
 
 
 class _Commit:
-    """A commit future the test resolves (what Connection needs of one: filemq.broker.connection.Commit)."""
+    """A commit future the test resolves (what Connection needs of one: filemq.broker.session.connection.Commit)."""
 
     def __init__(self) -> None:
         self._done = False

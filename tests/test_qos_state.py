@@ -1,4 +1,4 @@
-"""The session's QoS state (filemq/broker/connection.py ``QosState``) on its own: packet ids and
+"""The session's QoS state (filemq/broker/session/connection.py ``QosState``) on its own: packet ids and
 the QoS 2 id sets, with no core, loop or socket.  The exchanges through the core are
 tests/test_broker_qos_machine.py's; the bytes of a connection, tests/test_connection_machine.py's."""
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from filemq.broker.connection import QosState
-from filemq.broker.inflight import Outbound
+from filemq.broker.session.inflight import Outbound
+from filemq.broker.session.qos_state import QosState
 
 _IDS = st.integers(min_value=1, max_value=0xFFFF)
 

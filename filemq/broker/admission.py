@@ -23,7 +23,7 @@ Silence is the kernel's view (time since the last byte arrived; bytes waiting un
 as speech), so a loaded loop that has not read a CONNECT yet never makes its sender silent.
 
 Nothing here parses MQTT: a member is anything with ``state``, ``closed``, ``last_rx``,
-``connected_at`` and ``close()`` (:class:`filemq.broker.connection.Connection`, a TLS
+``connected_at`` and ``close()`` (:class:`filemq.broker.session.connection.Connection`, a TLS
 handshake).
 """
 
@@ -41,7 +41,7 @@ import time
 from collections.abc import Callable
 from typing import Protocol
 
-from filemq.broker.connection import AUTHENTICATING, AWAITING_CONNECT
+from filemq.broker.session.connection import AUTHENTICATING, AWAITING_CONNECT
 
 log = logging.getLogger("filemq.broker")
 

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 from filemq.broker.acl import fill_pattern
 from filemq.broker.auth import LoginThrottle
-from filemq.broker.connection import AUTHENTICATING, AWAITING_CONNECT, CONNECTED, Connection
+from filemq.broker.session.connection import AUTHENTICATING, AWAITING_CONNECT, CONNECTED, Connection
 from filemq.broker.session_state import (
     RC_QUOTA_EXCEEDED,
     SESSION_GROUP_PREFIX,

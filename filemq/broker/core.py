@@ -1,6 +1,6 @@
 """The broker's shared state and rules, without sockets: sessions, routing, durable acks.
 
-:class:`BrokerCore` handles the events a :class:`~filemq.broker.connection.Connection` makes
+:class:`BrokerCore` handles the events a :class:`~filemq.broker.session.connection.Connection` makes
 of its bytes (:meth:`BrokerCore.receive`, each event to the part that owns it) and answers on
 the connection (acks, deliveries, CONNACK, closes).  It runs on the event loop (it uses the
 queue's group committer) but never touches a socket: connections collect output bytes and
@@ -38,15 +38,15 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Protocol
 
 from filemq.broker.connect import Connector
-from filemq.broker.connection import AWAITING_CONNECT, CONNECTED, Connection
 from filemq.broker.delivery import Delivery
-from filemq.broker.events import Acks, Event, Publishes
-from filemq.broker.inflight import Outbound
 from filemq.broker.publish import Ingest, new_publisher_map
 from filemq.broker.qos import QosAcks
 from filemq.broker.registry import SessionRegistry, SessionWriter
 from filemq.broker.retain import Retained
 from filemq.broker.router import Router
+from filemq.broker.session.connection import AWAITING_CONNECT, CONNECTED, Connection
+from filemq.broker.session.events import Acks, Event, Publishes
+from filemq.broker.session.inflight import Outbound
 from filemq.broker.session_state import (
     CLEAN_GROUP_PREFIX,
     PERSIST_DELAY_S,

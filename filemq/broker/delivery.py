@@ -15,8 +15,8 @@ from collections.abc import Callable, Iterable, Sequence, Set
 from itertools import repeat
 from typing import TYPE_CHECKING, Any, cast
 
-from filemq.broker.connection import Connection
-from filemq.broker.inflight import Outbound, SentRecord, SentRun
+from filemq.broker.session.connection import Connection
+from filemq.broker.session.inflight import Outbound, SentRecord, SentRun
 from filemq.broker.session_state import (
     _MAX_PUMP,
     JOURNAL_INTERVAL_S,

@@ -14,8 +14,8 @@ from collections.abc import Callable, Sequence
 from itertools import repeat
 from typing import TYPE_CHECKING, NamedTuple
 
-from filemq.broker.connection import Connection, refusal_code
 from filemq.broker.router import Target
+from filemq.broker.session.connection import Connection, refusal_code
 from filemq.broker.session_state import (
     _PUBACK,
     _PUBREC,

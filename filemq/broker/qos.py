@@ -21,7 +21,7 @@ What holds:
 
 The window refills at a quarter (:func:`refill_mark`); reads of many PUBACKs are acked in
 bulk (``ConsumerGroup.ack_many``).  The state itself, and the per-connection inbound half
-(acks behind commits, Receive Maximum), are the session module's (filemq/broker/connection.py).
+(acks behind commits, Receive Maximum), are the session module's (filemq/broker/session/connection.py).
 """
 
 from __future__ import annotations
@@ -34,8 +34,9 @@ from itertools import repeat
 from operator import add, attrgetter, itemgetter
 from typing import TYPE_CHECKING, Any, cast
 
-from filemq.broker.connection import Connection, QosState
-from filemq.broker.inflight import Inflight, Outbound, SentRun, message_of
+from filemq.broker.session.connection import Connection
+from filemq.broker.session.inflight import Inflight, Outbound, SentRun, message_of
+from filemq.broker.session.qos_state import QosState
 from filemq.broker.session_state import (
     _PUBCOMP,
     _PUBREC,
@@ -93,7 +94,7 @@ def refill_mark(window: int) -> int:
 class QosAcks:
     """The QoS 1/2 exchanges of every session, both ways (see the module docstring).  Owns no
     state of its own: the packet ids, in-flight windows and QoS 2 id sets are the session's
-    (:class:`~filemq.broker.connection.QosState`, ``state.qos``), whose methods are their
+    (:class:`~filemq.broker.session.connection.QosState`, ``state.qos``), whose methods are their
     transitions; this part calls them and carries out what they cause outside the session:
     acked records go to their groups, session files are written, and the progress journal's
     cadence, window refills and the output are delivery's."""

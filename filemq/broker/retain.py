@@ -21,8 +21,8 @@ import time
 from collections import deque
 from typing import TYPE_CHECKING, Protocol
 
-from filemq.broker.connection import Connection
 from filemq.broker.delivery import Delivery, RetainedQueue, RetainedReplay
+from filemq.broker.session.connection import Connection
 from filemq.broker.session_state import (
     RETAINED_OUT_HIGH,
     SessionState,

@@ -14,7 +14,7 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from filemq.broker.connection import Connection
+from filemq.broker.session.connection import Connection
 from filemq.broker.session_state import (
     CLEAN_GROUP_PREFIX,
     SESSION_GROUP_PREFIX,

@@ -1,6 +1,6 @@
 """The asyncio shell of the broker: listeners, one ``asyncio.Protocol`` per connection, timers.
 
-It only moves bytes between sockets and :class:`~filemq.broker.connection.Connection` objects
+It only moves bytes between sockets and :class:`~filemq.broker.session.connection.Connection` objects
 and calls :meth:`BrokerCore.flush` after every event, so each connection gets at most one
 ``transport.write`` per event (one per group commit for its acks).  No task per packet or
 per message: the only periodic work is one tick a second (``$SYS``, snapshots, session expiry), and a
@@ -40,10 +40,10 @@ from filemq.broker.budget import (
     DEFAULT_BROKER_BYTES,
     IngestBudget,
 )
-from filemq.broker.connection import AUTHENTICATING, AWAITING_CONNECT, Connection
 from filemq.broker.core import SESSION_GROUP_PREFIX, SHARE_GROUP_PREFIX, BrokerCore, PublishHook
 from filemq.broker.fairness import TURN_BYTES, Turns
 from filemq.broker.pacing import AckPacer
+from filemq.broker.session.connection import AUTHENTICATING, AWAITING_CONNECT, Connection
 from filemq.broker.session_store import SessionStore
 from filemq.broker.sysinfo import SYS_PREFIX, BrokerStats
 from filemq.broker.tailcache import TailCache

@@ -13,7 +13,8 @@ from collections.abc import Callable, Set
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
-from filemq.broker.connection import Connection, QosState
+from filemq.broker.session.connection import Connection
+from filemq.broker.session.qos_state import QosState
 from filemq.broker.session_store import StoredSession, StoredSubscription, StoredWill
 from filemq.common.topics import (
     parse_shared,
@@ -54,7 +55,7 @@ RC_UNSPECIFIED_ERROR = 0x80
 RC_NOT_AUTHORIZED = 0x87
 RC_TOPIC_FILTER_INVALID = 0x8F
 RC_PACKET_TOO_LARGE = 0x95
-RC_QUOTA_EXCEEDED = 0x97  # (also refusal_code's, filemq.broker.connection, and max_connections')
+RC_QUOTA_EXCEEDED = 0x97  # (also refusal_code's, filemq.broker.session.connection, and max_connections')
 RC_PAYLOAD_FORMAT_INVALID = 0x99
 # Offsets whose publisher's client id is remembered for no local (MQTT-3.8.3-3).
 PUBLISHERS_KEPT = 65536
@@ -343,7 +344,7 @@ class SessionState:
         self.subs: dict[str, Subscription] = {}
         self.group: ConsumerGroup | None = None
         # Its QoS 1/2 state: packet ids, the outbound in-flight window, QoS 2 ids both ways
-        # (the session module's, filemq/broker/connection.py).
+        # (the session module's, filemq/broker/session/connection.py).
         self.qos = QosState()
         # While a session-file write that records new qos2_sent ids runs, this session's
         # deliveries wait (its future; the PUBLISHes of the batch leave when it is durable).

@@ -9,7 +9,7 @@ import functools
 import logging
 from typing import TYPE_CHECKING
 
-from filemq.broker.connection import Connection
+from filemq.broker.session.connection import Connection
 from filemq.broker.session_state import (
     RC_NOT_AUTHORIZED,
     RC_TOPIC_FILTER_INVALID,

@@ -12,7 +12,7 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from filemq.broker.connection import Connection
+from filemq.broker.session.connection import Connection
 from filemq.common.topics import InvalidTopic, topic_matches, validate_topic_name
 from filemq.mqtt.codec import publish_bytes
 

@@ -6,7 +6,7 @@ the broker acking an export link's publishes.  A PUBACK with no reason code is f
 ``40 02 hi lo`` (MQTT 3.1.1 3.4 and MQTT 5.0 3.4.2.1: reason code 0x00 and no properties may be
 left out), so a read of ``n`` of them is ``4 n`` bytes whose every fourth byte from 0 is 0x40
 and from 1 is 0x02.  :func:`puback_ids` is the one place that tests this; the broker's
-connection (filemq/broker/connection.py) and the export link (worker_agent/mqtt_link.py) both use
+connection (filemq/broker/session/connection.py) and the export link (worker_agent/mqtt_link.py) both use
 it, and anything else (another packet, a PUBACK with a reason code or properties, a packet id 0,
 a packet cut by the read) goes to the decoder, which applies every rule.
 """

@@ -1,8 +1,8 @@
-"""The vocabulary of the sans-I/O MQTT session (:mod:`filemq.broker.connection`): the events
-:meth:`~filemq.broker.connection.Connection.receive_data` makes of a read, and :class:`Commit`,
+"""The vocabulary of the sans-I/O MQTT session (:mod:`filemq.broker.session.connection`): the events
+:meth:`~filemq.broker.session.connection.Connection.receive_data` makes of a read, and :class:`Commit`,
 what the session needs of the futures the broker's answers wait on.  Types only, no state: the
-session's state is :class:`~filemq.broker.connection.Connection`'s and
-:class:`~filemq.broker.connection.QosState`'s.
+session's state is :class:`~filemq.broker.session.connection.Connection`'s and
+:class:`~filemq.broker.session.connection.QosState`'s.
 
 A packet that passed the session's checks is its own event (:class:`~filemq.mqtt.packets.Connect`,
 :class:`~filemq.mqtt.packets.Publish`, the decoder's :class:`~filemq.mqtt.packets.PublishRun`,

@@ -1,6 +1,6 @@
 """The entries of an MQTT session's outbound in-flight window (4.1: "QoS 1 and QoS 2 messages
 which have been sent to the Client, but have not been completely acknowledged"), held by
-:class:`~filemq.broker.connection.QosState`: what was sent under each packet id, so that an
+:class:`~filemq.broker.session.connection.QosState`: what was sent under each packet id, so that an
 acknowledgement can complete it and a reconnect can re-send it (4.4).
 
 Three shapes of one thing: :class:`Outbound` (any delivery, QoS 1 or 2, of a group record or a

@@ -22,8 +22,8 @@ from typing import Any
 import pytest
 
 from filemq.broker import Broker
-from filemq.broker.server import certificate_cn
 from filemq.broker.session.connection import AWAITING_CONNECT, CLOSED, MAX_CONNECT_PACKET
+from filemq.broker.tls import certificate_cn
 from filemq.common.config import (
     Config,
     ConfigError,

@@ -628,9 +628,9 @@ def test_publish_larger_than_client_maximum_packet_size_is_not_sent(tmp_path: Pa
 
 
 def test_sys_messages_larger_than_client_maximum_packet_size_are_not_sent_3_1_2_25(tmp_path: Path) -> None:
-    """MQTT-3.1.2-25 holds for the broker's own $SYS messages too (they are not stored, so
-    they do not take the record planner): live and kept ones over the client's Maximum Packet
-    Size are not sent and counted as any over-sized delivery; the ones that fit arrive."""
+    """MQTT-3.1.2-25 holds for the broker's own $SYS messages too (not stored, but sent by
+    the same planner, Delivery.deliver_sys): live and kept ones over the client's Maximum
+    Packet Size are not sent and counted as any over-sized delivery; the ones that fit arrive."""
     async def main() -> None:
         h = Harness5(tmp_path)
         s = h.sub5("s", ("$SYS/#", subscription_options(0)), properties=Properties(maximum_packet_size=40))
@@ -640,6 +640,43 @@ def test_sys_messages_larger_than_client_maximum_packet_size_are_not_sent_3_1_2_
         late = h.sub5("late", ("$SYS/#", subscription_options(0)), properties=Properties(maximum_packet_size=40))
         assert [(m.topic, m.retain) for m in publishes(late)] == [("$SYS/broker/uptime", True)]
         assert h.core.delivery.dropped_too_large == 2
+    run(main())
+
+
+def test_sys_messages_carry_the_subscription_identifiers_mqtt_3_3_4_3(tmp_path: Path) -> None:
+    """MQTT-3.3.4-3: a $SYS message, live or kept for a new subscription, carries the
+    identifiers of the subscriptions it is sent for, as any delivery (the planner's): live,
+    one copy with both overlapping subscriptions' identifiers (MQTT-3.3.4-5 lets the server
+    send one); kept, the new subscription's own, RETAIN 1; a subscription without one gets
+    none; topic aliases as any delivery."""
+    from filemq.broker.delivery import SYS_OFFSET
+    from tests.test_broker_mqtt5 import client5
+
+    async def main() -> None:
+        h = Harness5(tmp_path)
+        s = h.sub5("s", ("$SYS/broker/#", subscription_options(0)), props=Properties(subscription_identifiers=[3]))
+        s.send(Subscribe(2, [("$SYS/#", subscription_options(0))], Properties(subscription_identifiers=[9])))
+        publishes(s)
+        h.core.publish_sys([("$SYS/broker/uptime", b"5 seconds")])
+        (m,) = publishes(s)
+        assert (m.topic, m.retain, m.qos) == ("$SYS/broker/uptime", False, 0)
+        assert m.properties is not None and sorted(m.properties.subscription_identifiers) == [3, 9]
+        late = h.sub5("late", ("$SYS/#", subscription_options(0)), props=Properties(subscription_identifiers=[4]))
+        (k,) = publishes(late)
+        assert (k.topic, k.payload, k.retain) == ("$SYS/broker/uptime", b"5 seconds", True)
+        assert k.properties is not None and k.properties.subscription_identifiers == [4]
+        plain = h.sub5("plain", ("$SYS/#", subscription_options(0)))
+        (n,) = publishes(plain)
+        assert n.properties is None or not n.properties.subscription_identifiers
+        a = client5(h)
+        a.connect("a", properties=Properties(topic_alias_maximum=2))
+        a.send(Subscribe(1, [("$SYS/#", subscription_options(0))]))
+        got = publishes(a)  # the kept one assigns the alias, the live ones use it
+        h.core.publish_sys([("$SYS/broker/uptime", b"6 seconds")])
+        got += publishes(a)
+        assert [(g.topic, g.payload, g.properties.topic_alias if g.properties else None) for g in got] == [
+            ("$SYS/broker/uptime", b"5 seconds", 1), ("", b"6 seconds", 1)]
+        assert h.core.log.next_offset < SYS_OFFSET  # (past every subscription's start)
     run(main())
 
 

@@ -184,7 +184,7 @@ class BrokerCore:
         # Delivery: pumping groups into connections, acks, the output path.
         delivery = self.delivery = Delivery(queue, cache, stats, router, registry, self._publisher_map)
         # $SYS topics; retained messages (the store, and what new subscriptions get).
-        self.sys = SysTopics(router, stats, delivery.too_large)
+        self.sys = SysTopics(router, stats, delivery.deliver_sys)
         retained_part = self.retained = Retained(retained, self.log, delivery, self.sys)
         delivery.wire_retained(retained_part.out, retained_part.after, retained_part.drain)
         # Ingest: PUBLISH admission, the append, acks behind the commit, routing once committed.

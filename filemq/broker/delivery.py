@@ -66,6 +66,11 @@ def _nothing_queued(conn: Connection, state: SessionState) -> bool:
 _sent_record = cast(Callable[[Iterable[Any]], SentRecord], functools.partial(tuple.__new__, SentRecord))
 
 
+SYS_OFFSET = 1 << 62
+"""The offset a ``$SYS`` message (never in the log) is planned under: past every subscription's
+start, so each subscription that matches its topic now takes it."""
+
+
 def _acks_nothing(offset: int) -> bool:
     return False
 
@@ -337,6 +342,19 @@ class Delivery:
         record = Record(m.offset, m.timestamp_us, m.topic, m.payload, m.qos, True, m.headers)
         return self._deliver(conn, state, None, [record], None, (qos, ids))
 
+    def deliver_sys(self, conn: Connection, state: SessionState, topic: str, payload: bytes,
+                    ids: bytes | None = None) -> None:
+        """Send the broker's ``$SYS`` message (never in the log) to ``conn`` at QoS 0 through the
+        delivery planner (:meth:`_deliver`): live (``ids`` None) to the subscriptions that
+        match its topic now, with their identifiers (MQTT-3.3.4-3), RETAIN 0; or, with ``ids``
+        (a new subscription's identifier property, b"": none), as the kept message a new
+        subscription gets, RETAIN 1 (the :class:`~.systopics.SysTopics` part decides which).
+        The read rights, Maximum Packet Size and topic aliases are any delivery's.  (No
+        client publishes to ``$`` topics, so no output held for the session file carries a
+        ``$SYS`` topic's alias: a ``$SYS`` message may leave before it.)"""
+        record = Record(SYS_OFFSET, 0, topic, payload, 0, ids is not None, b"")
+        self._deliver(conn, state, None, [record], None, None if ids is None else (0, ids))
+
     def _deliver(self, conn: Connection, state: SessionState, group: ConsumerGroup | None,
                  records: list[Record], share: str | None, replay: tuple[int, bytes] | None = None) -> bool:
         """The delivery planner: send ``records`` (fetched from ``group`` for ``conn``) in one
@@ -365,6 +383,8 @@ class Delivery:
         protocols (MQTT-3.3.1-8; retain as published does not apply, 3.3.1.3), no no local,
         never a resumed offset, in flight with no group.  True when output waits for the
         session file (a retained replay stops there, its queue follows the write).
+        ``group`` None without ``replay``: a live ``$SYS`` message (:meth:`deliver_sys`, QoS 0,
+        offset :data:`SYS_OFFSET`): matched as a group record is, nothing to ack.
 
         A qualifying run takes :meth:`_deliver_run`, the same outcome in C loops."""
         granted: Callable[[str, int, str | None, bool], int]
@@ -372,7 +392,7 @@ class Delivery:
         ack: Callable[[int], bool]
         redelivered: Callable[[int], bool]
         qos_state = state.qos
-        # The per-call choices of the two callers; the per-record loop below is one for both.
+        # The per-call choices of the three callers; the per-record loop below is one for all.
         if group is not None and replay is None:
             if len(records) > 1 and self._deliver_run(conn, state, group, records, share):
                 return False
@@ -382,8 +402,14 @@ class Delivery:
             redelivered = group.redelivered
             resumed = qos_state.resumed_offsets if group is state.group else None
             retain = False  # MQTT-3.3.1-9 (3.1.1); MQTT 5: retain as published, per record
-        else:
-            assert replay is not None  # a retained replay: no group, nothing acked, no DUP
+        elif replay is None:  # a live $SYS message: matched now, no group, nothing acked
+            granted = state.granted_qos
+            match = state.match5
+            ack = _acks_nothing
+            redelivered = _never_redelivered
+            resumed = None
+            retain = False
+        else:  # a retained replay: no group, nothing acked, no DUP
             granted, match = _replay_rules(replay[0], replay[1])
             ack = _acks_nothing
             redelivered = _never_redelivered
@@ -394,7 +420,7 @@ class Delivery:
         # Every delivery is checked against the receiving user's read rights (cached per topic).
         check_acl = acl is not None and not acl.allow_all
         inflight = qos_state.inflight
-        publishers = self.publishers if v5 and replay is None and state.has_no_local() else None
+        publishers = self.publishers if v5 and group is not None and state.has_no_local() else None
         own_runs = state.own_runs if publishers is not None and state.own_runs else None
         cid = conn.client_id
         limit = conn.client_max_packet if v5 else None

@@ -126,7 +126,7 @@ class Retained:
         if sub.share is not None:
             return  # retained messages are not sent for shared subscriptions (as MQTT 5)
         if sub.plain.startswith("$SYS"):
-            self.sys.send_retained(conn, sub.plain)
+            self.sys.send_retained(conn, state, sub)
             return
         if not self.ready:
             self._waiting.append((conn, state, sub, below))

@@ -2,8 +2,10 @@
 subscribers, never stored in the log.
 
 One part of :class:`~filemq.broker.core.BrokerCore`: it owns the latest message per ``$SYS``
-topic (what a new subscriber gets at once) and the topics already warned about; it reaches
-subscribers through the router's trie, each delivery checked against the receiver's ACL.
+topic (what a new subscriber gets at once) and the topics already warned about; it finds
+subscribers through the router's trie and sends each message through the delivery planner
+(``Delivery.deliver_sys``: read rights, subscription identifiers, Maximum Packet Size, topic
+aliases, as any delivery).
 """
 
 from __future__ import annotations
@@ -14,11 +16,14 @@ from typing import TYPE_CHECKING
 
 from filemq.broker.session.connection import Connection
 from filemq.common.topics import InvalidTopic, topic_matches, validate_topic_name
-from filemq.mqtt.codec import publish_bytes
 
 if TYPE_CHECKING:
     from filemq.broker.router import Router
+    from filemq.broker.session_state import SessionState, Subscription
     from filemq.broker.sysinfo import BrokerStats
+
+SysDeliver = Callable[["Connection", "SessionState", str, bytes, "bytes | None"], None]
+"""Delivery's planner entry for a ``$SYS`` message (``Delivery.deliver_sys``)."""
 
 log = logging.getLogger("filemq.broker")
 
@@ -26,23 +31,21 @@ log = logging.getLogger("filemq.broker")
 class SysTopics:
     """``$SYS`` messages: published to live subscribers, the latest per topic kept."""
 
-    def __init__(self, router: Router, stats: BrokerStats,
-                 too_large: Callable[[Connection, str, int, int], None]) -> None:
+    def __init__(self, router: Router, stats: BrokerStats, deliver: SysDeliver) -> None:
         self.router = router
         self.stats = stats
-        # What a PUBLISH over the client's Maximum Packet Size gets (delivery's: counted,
-        # logged, not sent; MQTT-3.1.2-25), as for any other delivery.
-        self.too_large = too_large
+        self.deliver = deliver  # (the delivery planner's; wired by the core)
         self.retained: dict[str, bytes] = {}  # topic -> its latest payload
         self._warned: set[str] = set()  # invalid $SYS topics already warned about
 
-    def send_retained(self, conn: Connection, topic_filter: str) -> None:
-        """Queue on ``conn`` the kept ``$SYS`` messages ``topic_filter`` matches (a new
-        subscription's), as retained QoS 0 messages its ACL lets it read."""
-        acl = conn.acl
+    def send_retained(self, conn: Connection, state: SessionState, sub: Subscription) -> None:
+        """Send ``conn`` the kept ``$SYS`` messages new subscription ``sub`` matches, as
+        retained QoS 0 messages with its identifier (MQTT-3.3.1-6, MQTT-3.3.4-3); the planner
+        checks the read rights."""
+        ids = sub.identifier_property()
         for topic, payload in self.retained.items():
-            if topic_matches(topic_filter, topic) and (acl is None or acl.can_receive(topic)):
-                self._send(conn, topic, conn.publish_bytes(topic, payload, 0, False, None, True))
+            if topic_matches(sub.plain, topic):
+                self.deliver(conn, state, topic, payload, ids)
 
     def publish(self, messages: list[tuple[str, bytes]], *, replace: str | None = None) -> None:
         """Send ``$SYS`` messages (not stored in the log) to live subscribers as QoS 0 (the
@@ -62,28 +65,12 @@ class SysTopics:
             if not self._topic_ok(topic):
                 continue
             current[topic] = payload
-            data = None
             for target in self.router.trie.match(topic):
                 if isinstance(target, Connection) and not target.closed:
-                    acl = target.acl
-                    if acl is not None and not acl.can_receive(topic):
-                        continue
-                    if target.protocol_level != 4:
-                        self._send(target, topic, target.publish_bytes(topic, payload, 0, False, None))
-                        continue
-                    if data is None:
-                        data = publish_bytes(topic, payload, 0, False, None)
-                    target.send(data)
+                    state = target.session
+                    if state is not None:
+                        self.deliver(target, state, topic, payload, None)
         self.retained = current
-
-    def _send(self, conn: Connection, topic: str, data: bytes) -> None:
-        """``data`` (a $SYS PUBLISH encoded for ``conn``) to ``conn``, unless larger than its
-        MQTT 5 Maximum Packet Size (MQTT-3.1.2-25: not sent, as any delivery)."""
-        limit = conn.client_max_packet
-        if limit is not None and len(data) > limit:
-            self.too_large(conn, topic, len(data), limit)
-            return
-        conn.send(data)
 
     def _topic_ok(self, topic: str) -> bool:
         try:

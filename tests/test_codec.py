@@ -9,18 +9,14 @@ from hypothesis import strategies as st
 from filemq.mqtt import codec
 from filemq.mqtt.codec import CLIENT_TO_SERVER, Decoder, ProtocolError, encode
 from filemq.mqtt.packets import (
-    SUBACK_FAILURE,
     Connack,
     Connect,
-    Disconnect,
     Packet,
     Pingreq,
     Pingresp,
     Puback,
-    Pubcomp,
     Publish,
     PublishRun,
-    Pubrec,
     Pubrel,
     Suback,
     Subscribe,
@@ -28,79 +24,7 @@ from filemq.mqtt.packets import (
     Unsubscribe,
 )
 from filemq.mqtt.runcodec import puback_run
-
-# ---------------------------------------------------------------- strategies (shared with fuzz)
-
-# Valid MQTT strings: no U+0000, no surrogates (spec 1.5.3).
-mqtt_text = st.text(
-    st.characters(blacklist_categories=("Cs",), blacklist_characters="\x00"), max_size=20
-)
-topic_names = st.text(
-    st.characters(blacklist_categories=("Cs",), blacklist_characters="\x00+#"),
-    min_size=1,
-    max_size=30,
-)
-topic_filters = mqtt_text.filter(bool)
-packet_ids = st.integers(1, 0xFFFF)
-qos = st.integers(0, 2)
-payloads = st.binary(max_size=300)
-
-
-@st.composite
-def publishes(draw: st.DrawFn) -> Publish:
-    q = draw(qos)
-    return Publish(
-        topic=draw(topic_names),
-        payload=draw(payloads),
-        qos=q,
-        retain=draw(st.booleans()),
-        dup=draw(st.booleans()),
-        packet_id=draw(packet_ids) if q else None,
-    )
-
-
-@st.composite
-def connects(draw: st.DrawFn) -> Connect:
-    will = draw(st.booleans())
-    username = draw(st.none() | mqtt_text)
-    return Connect(
-        client_id=draw(mqtt_text),
-        clean_session=draw(st.booleans()),
-        keepalive=draw(st.integers(0, 0xFFFF)),
-        will_topic=draw(topic_names) if will else None,
-        will_payload=draw(payloads) if will else b"",
-        will_qos=draw(qos) if will else 0,
-        will_retain=draw(st.booleans()) if will else False,
-        username=username,
-        password=draw(st.none() | st.binary(max_size=30)) if username is not None else None,
-    )
-
-
-client_packets: st.SearchStrategy[Packet] = st.one_of(
-    connects(),
-    publishes(),
-    st.builds(Puback, packet_ids),
-    st.builds(Pubrec, packet_ids),
-    st.builds(Pubrel, packet_ids),
-    st.builds(Pubcomp, packet_ids),
-    st.builds(Subscribe, packet_ids, st.lists(st.tuples(topic_filters, qos), min_size=1, max_size=5)),
-    st.builds(Unsubscribe, packet_ids, st.lists(topic_filters, min_size=1, max_size=5)),
-    st.just(Pingreq()),
-    st.just(Disconnect()),
-)
-server_packets: st.SearchStrategy[Packet] = st.one_of(
-    st.builds(Connack, st.booleans(), st.integers(0, 5)),
-    publishes(),
-    st.builds(Puback, packet_ids),
-    st.builds(Pubrec, packet_ids),
-    st.builds(Pubrel, packet_ids),
-    st.builds(Pubcomp, packet_ids),
-    st.builds(
-        Suback, packet_ids, st.lists(st.sampled_from([0, 1, 2, SUBACK_FAILURE]), min_size=1, max_size=5)
-    ),
-    st.builds(Unsuback, packet_ids),
-    st.just(Pingresp()),
-)
+from tests.mqtt_strategies import client_packets, publishes, server_packets
 
 
 def decode_all(data: bytes, *, server: bool = True, max_packet_size: int = 1 << 20) -> list[Packet]:

@@ -11,8 +11,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from filemq.mqtt.codec import (
-    ALLOWED_PROPERTIES,
-    PROPERTY_TYPES,
     Decoder,
     ProtocolError,
     encode,
@@ -20,171 +18,28 @@ from filemq.mqtt.codec import (
     encoder,
 )
 from filemq.mqtt.packets import (
-    AUTH_REASON_CODES,
-    CONNACK_REASON_CODES,
-    DISCONNECT_REASON_CODES,
-    PUBACK_REASON_CODES,
-    PUBREL_REASON_CODES,
-    SUBACK_REASON_CODES,
-    UNSUBACK_REASON_CODES,
     Auth,
     Connack,
     Connect,
     Disconnect,
     Packet,
-    Pingreq,
-    Pingresp,
     Properties,
     Puback,
     Pubcomp,
     Publish,
     Pubrec,
     Pubrel,
-    Suback,
     Subscribe,
     Unsuback,
-    Unsubscribe,
     subscription_options,
 )
-from tests.test_codec import mqtt_text, packet_ids, payloads, qos, topic_filters, topic_names
-
-MAX_VBI = 268_435_455
-
-# ---------------------------------------------------------------- strategies (shared with fuzz, paho)
-
-
-def _value(ident: int) -> st.SearchStrategy[object]:
-    """Any valid value of property ``ident`` (spec 2.2.2.2 and the property's own section)."""
-    _attr, ptype = PROPERTY_TYPES[ident]
-    if ident in (0x01, 0x17, 0x19, 0x24, 0x25, 0x28, 0x29, 0x2A):
-        return st.integers(0, 1)
-    if ident in (0x21, 0x23):  # receive maximum, topic alias: 1..65535
-        return st.integers(1, 0xFFFF)
-    if ident == 0x27:  # maximum packet size: 1..2^32-1
-        return st.integers(1, 0xFFFF_FFFF)
-    return [
-        st.integers(0, 0xFF),
-        st.integers(0, 0xFFFF),
-        st.integers(0, 0xFFFF_FFFF),
-        st.integers(1, MAX_VBI),
-        mqtt_text,
-        st.binary(max_size=40),
-    ][ptype]
-
-
-@st.composite
-def properties(draw: st.DrawFn, kind: str, subscription_ids: int = 0) -> Properties:
-    """Arbitrary valid properties for packet ``kind`` (a key of ALLOWED_PROPERTIES): any
-    subset of its allowed set, user properties repeated (keys too) in any order."""
-    props = Properties()
-    for ident in sorted(ALLOWED_PROPERTIES[kind]):
-        attr, _ptype = PROPERTY_TYPES[ident]
-        if ident == 0x26:
-            props.user_properties = draw(st.lists(st.tuples(mqtt_text, mqtt_text), max_size=4))
-        elif ident == 0x0B:
-            props.subscription_identifiers = draw(st.lists(st.integers(1, MAX_VBI), max_size=subscription_ids))
-        elif draw(st.booleans()):
-            setattr(props, attr, draw(_value(ident)))
-    if props.authentication_data is not None and props.authentication_method is None:
-        props.authentication_method = draw(mqtt_text)
-    return props
-
-
-@st.composite
-def connects5(draw: st.DrawFn) -> Connect:
-    will = draw(st.booleans())
-    return Connect(
-        client_id=draw(mqtt_text),
-        clean_session=draw(st.booleans()),
-        keepalive=draw(st.integers(0, 0xFFFF)),
-        will_topic=draw(topic_names) if will else None,
-        will_payload=draw(payloads) if will else b"",
-        will_qos=draw(qos) if will else 0,
-        will_retain=draw(st.booleans()) if will else False,
-        username=draw(st.none() | mqtt_text),
-        password=draw(st.none() | st.binary(max_size=30)),  # MQTT 5: a password alone is allowed
-        protocol_level=5,
-        properties=draw(properties("CONNECT")),
-        will_properties=draw(properties("WILL")) if will else None,
-    )
-
-
-@st.composite
-def publishes5(draw: st.DrawFn, to_client: bool = False) -> Publish:
-    q = draw(qos)
-    props = draw(properties("PUBLISH", subscription_ids=3 if to_client else 0))
-    topic = draw(topic_names)
-    if props.topic_alias is not None and draw(st.booleans()):
-        topic = ""  # spec 3.3.2.1: the topic alias stands for the topic
-    return Publish(topic, draw(payloads), q, draw(st.booleans()), draw(st.booleans()),
-                   draw(packet_ids) if q else None, props)
-
-
-@st.composite
-def subscribes5(draw: st.DrawFn) -> Subscribe:
-    topics = []
-    for topic_filter in draw(st.lists(topic_filters, min_size=1, max_size=5)):
-        no_local = draw(st.booleans()) and not topic_filter.startswith("$share/")
-        options = subscription_options(draw(qos), no_local, draw(st.booleans()), draw(st.integers(0, 2)))
-        topics.append((topic_filter, options))
-    return Subscribe(draw(packet_ids), topics, draw(properties("SUBSCRIBE", subscription_ids=1)))
-
-
-def _ack(cls: type[Puback | Pubrec | Pubrel | Pubcomp], codes: frozenset[int]) -> st.SearchStrategy[Packet]:
-    return st.builds(cls, packet_ids, st.sampled_from(sorted(codes)), properties(cls.__name__.upper()))
-
-
-def _server_disconnect(props: Properties) -> Properties:
-    props.session_expiry_interval = None  # MQTT-3.14.2-2: never from the server
-    return props
-
-
-@st.composite
-def connacks5(draw: st.DrawFn) -> Connack:
-    code = draw(st.sampled_from(sorted(CONNACK_REASON_CODES)))
-    return Connack(draw(st.booleans()) and code == 0, code, draw(properties("CONNACK")))
-
-
-client_packets5: st.SearchStrategy[Packet] = st.one_of(
-    connects5(),
-    publishes5(),
-    _ack(Puback, PUBACK_REASON_CODES),
-    _ack(Pubrec, PUBACK_REASON_CODES),
-    _ack(Pubrel, PUBREL_REASON_CODES),
-    _ack(Pubcomp, PUBREL_REASON_CODES),
-    subscribes5(),
-    st.builds(Unsubscribe, packet_ids, st.lists(topic_filters, min_size=1, max_size=5), properties("UNSUBSCRIBE")),
-    st.just(Pingreq()),
-    st.builds(Disconnect, st.sampled_from(sorted(DISCONNECT_REASON_CODES)), properties("DISCONNECT")),
-    st.builds(Auth, st.sampled_from(sorted(AUTH_REASON_CODES)), properties("AUTH")),
+from tests.mqtt_strategies import (
+    client_packets5,
+    normalized,
+    properties,
+    publishes5,
+    server_packets5,
 )
-server_packets5: st.SearchStrategy[Packet] = st.one_of(
-    connacks5(),
-    publishes5(to_client=True),
-    _ack(Puback, PUBACK_REASON_CODES),
-    _ack(Pubrec, PUBACK_REASON_CODES),
-    _ack(Pubrel, PUBREL_REASON_CODES),
-    _ack(Pubcomp, PUBREL_REASON_CODES),
-    st.builds(Suback, packet_ids, st.lists(st.sampled_from(sorted(SUBACK_REASON_CODES)), min_size=1, max_size=5),
-              properties("SUBACK")),
-    st.builds(Unsuback, packet_ids,
-              st.lists(st.sampled_from(sorted(UNSUBACK_REASON_CODES)), min_size=1, max_size=5),
-              properties("UNSUBACK")),
-    st.just(Pingresp()),
-    st.builds(Disconnect, st.sampled_from(sorted(DISCONNECT_REASON_CODES)),
-              properties("DISCONNECT").map(_server_disconnect)),
-    st.builds(Auth, st.sampled_from(sorted(AUTH_REASON_CODES)), properties("AUTH")),
-)
-
-
-def normalized(packet: Packet) -> Packet:
-    """``packet`` as the decoder gives it back: a packet without properties has None (the wire
-    cannot tell an empty ``Properties()`` from none)."""
-    copy = dataclasses.replace(packet)
-    for attr in ("properties", "will_properties"):
-        if getattr(copy, attr, None) == Properties():
-            setattr(copy, attr, None)
-    return copy
 
 
 def decode5(data: bytes, *, server: bool = True, max_packet_size: int = 1 << 20) -> list[Packet]:

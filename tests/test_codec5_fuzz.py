@@ -16,7 +16,7 @@ from filemq.mqtt.codec import (
     encoder,
 )
 from filemq.mqtt.packets import Connack, Connect, Packet
-from tests.test_codec5 import client_packets5, server_packets5
+from tests.mqtt_strategies import client_packets5, server_packets5
 
 # 0x81 Malformed Packet, 0x82 Protocol Error, 0x94 Topic Alias invalid, 0x95 Packet too large.
 CLOSING_CODES = {0x81, 0x82, 0x94, 0x95}

@@ -41,7 +41,7 @@ from filemq.mqtt.packets import (
     Unsubscribe,
 )
 from filemq.mqtt.properties import _decode_properties, _encode_properties
-from tests.test_codec5 import normalized, properties, publishes5, server_packets5, subscribes5
+from tests.mqtt_strategies import normalized, properties, publishes5, server_packets5, subscribes5
 
 paho_client = pytest.importorskip("paho.mqtt.client")
 from paho.mqtt import _packet as paho_packet  # noqa: E402

@@ -18,7 +18,7 @@ from filemq.mqtt.runcodec import (
     publish_run,
     publish_run_prefixed5,
 )
-from tests.test_codec5 import client_packets5, normalized
+from tests.mqtt_strategies import client_packets5, normalized
 
 _others = client_packets5.filter(lambda p: not isinstance(p, Connect))
 

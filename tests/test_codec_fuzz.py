@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from filemq.mqtt.codec import Decoder, ProtocolError, encode
 from filemq.mqtt.packets import Packet, Publish
-from tests.test_codec import client_packets, publishes
+from tests.mqtt_strategies import client_packets, publishes
 
 MAX = 4096
 

@@ -29,7 +29,7 @@ from filemq.queue import Queue, QueueConfig
 from filemq.upstream.batch import BatchRecord, decode_batch, encode_batch, peek_header
 from segments import LogConfig
 from segments.log import FREE_RECHECK_S
-from tests.test_codec5 import properties
+from tests.mqtt_strategies import properties
 
 pytestmark = pytest.mark.timeout(60)
 

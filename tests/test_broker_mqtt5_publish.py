@@ -867,7 +867,7 @@ def test_paho_enospc_at_commit_gets_0x97_on_a_real_full_file_system(tmp_path: Pa
     free-space floor the group commit itself fails with ENOSPC; the paho publisher gets PUBACK
     0x97 for that message -- never 0x00 -- stays connected, and once space is freed the next
     PUBLISH is stored and acknowledged with success."""
-    from tests.test_diskfull import small_tmpfs
+    from tests.storage_faults import small_tmpfs
 
     with small_tmpfs(tmp_path / "fs", "4m") as fs:
         filler = fs / "filler"

@@ -13,7 +13,7 @@ import pytest
 from segments import DiskFull, GroupCommitter, Log, LogConfig
 from segments.commit import ON_LOOP_MAX_BYTES, ON_LOOP_MAX_RECORDS
 from segments.fileio import FileHandle
-from tests.test_log import InjectingFileIO
+from tests.storage_faults import InjectingFileIO
 
 
 def run(coro):  # type: ignore[no-untyped-def]

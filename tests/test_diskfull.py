@@ -8,37 +8,19 @@ then space is freed by deleting a filler file, and the same data dir is reopened
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
-import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from segments import DiskFull, GroupCommitter, Log, LogConfig
+from tests.storage_faults import small_tmpfs
 
 CONFIG = LogConfig(segment_bytes=64 * 1024, index_interval_bytes=1024)
 
 
 def payload(offset: int) -> bytes:
     return offset.to_bytes(8, "big") * 40  # 320 bytes, checkable
-
-
-@contextlib.contextmanager
-def small_tmpfs(where: Path, size: str = "2m") -> Iterator[Path]:
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root (euid is not 0)")
-    where.mkdir()
-    result = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)], capture_output=True, text=True
-    )
-    if result.returncode != 0:
-        pytest.skip(f"mount -t tmpfs not permitted here: {result.stderr.strip() or result.returncode}")
-    try:
-        yield where
-    finally:
-        subprocess.run(["umount", "-l", str(where)], check=False)
 
 
 async def fill_until_disk_full(log: Log) -> tuple[int, BaseException]:

@@ -19,7 +19,7 @@ from filemq.mqtt.codec import Decoder, encode, publish_bytes
 from filemq.mqtt.packets import Puback, Publish, PublishRun, Pubrec
 from segments import DiskFull, GroupCommitter, Log, LogConfig, Record
 from tests.broker_harness import Harness, run
-from tests.test_log import InjectingFileIO
+from tests.storage_faults import InjectingFileIO
 
 SMALL = LogConfig(segment_bytes=2048, index_interval_bytes=200)
 

@@ -42,8 +42,7 @@ from filemq.broker.publish import (
 from filemq.broker.session_state import HookResult
 from filemq.mqtt.packets import Properties, Puback, Publish, PublishRun
 from tests.broker_harness import Client, run
-from tests.test_broker_mqtt5 import client5
-from tests.test_broker_mqtt5_publish import Harness5
+from tests.broker_harness5 import Harness5, client5
 
 MAX_TOPIC = 20  # bytes of UTF-8
 LIMIT = 32  # message_size_limit

@@ -23,7 +23,7 @@ from filemq.mqtt.packets import (
 )
 from filemq.mqtt.properties import encode_vbi, read_vbi
 from tests.broker_harness import Harness, run
-from tests.test_broker_mqtt5 import client5
+from tests.broker_harness5 import client5
 
 MALFORMED = 0x81
 PROTOCOL_ERROR = 0x82

@@ -1,13 +1,12 @@
 """The broker speaks MQTT 5.0 (OASIS Standard, 7 March 2019) beside 3.1.1: packet-level tests
 of CONNECT/CONNACK, the reason codes the broker sends, server DISCONNECTs and AUTH, through
-the sans-I/O connection and core (the harness of tests/broker_harness.py)."""
+the sans-I/O connection and core (the harness of tests/broker_harness.py and
+tests/broker_harness5.py)."""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
-from filemq.mqtt.codec import Decoder, encode5
 from filemq.mqtt.packets import (
     Auth,
     Connack,
@@ -24,28 +23,8 @@ from filemq.mqtt.packets import (
     Unsubscribe,
     subscription_options,
 )
-from tests.broker_harness import Client, Harness, run
-
-
-class Client5(Client):
-    """A fake MQTT 5 client: encodes with encode5, decodes the broker's MQTT 5 packets."""
-
-    def __init__(self, h: Any, peer: str) -> None:
-        super().__init__(h, peer)
-        self._decoder = Decoder(server=False, protocol_level=5)
-
-    def send(self, *packets: Any) -> None:
-        self.feed(b"".join(encode5(p) for p in packets))
-        self.h.core.flush()
-
-    def connect(self, client_id: str, clean: bool = True, **kw: Any) -> Connack:
-        kw.setdefault("protocol_level", 5)
-        return super().connect(client_id, clean, **kw)
-
-
-def client5(h: Harness) -> Client5:
-    h._n += 1
-    return Client5(h, f"{h.peer_prefix}{1000 + h._n}")
+from tests.broker_harness import Harness, run
+from tests.broker_harness5 import client5
 
 
 def test_level_5_connect_is_accepted_with_mqtt5_connack(tmp_path: Path) -> None:

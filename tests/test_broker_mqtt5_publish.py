@@ -6,7 +6,6 @@ tests/broker_harness.py, with a fake queue that keeps headers and can refuse app
 
 from __future__ import annotations
 
-import asyncio
 import os
 import queue
 import threading
@@ -35,50 +34,8 @@ from filemq.mqtt.packets import (
 from filemq.mqtt.properties import encode_message_headers
 from segments.fileio import DiskFull
 from segments.record import Record
-from tests.broker_harness import FakeQueue, Harness, run
-from tests.test_broker_mqtt5 import Client5, client5
-
-
-class FakeQueue5(FakeQueue):
-    """:class:`FakeQueue` that stores headers and can refuse the next append."""
-
-    def __init__(self, groups_dir: Path) -> None:
-        super().__init__(groups_dir)
-        self.refuse_next: OSError | None = None
-
-    def publish_nowait(self, topic: str, payload: bytes, qos: int = 0, retain: bool = False,
-                       timestamp_us: int | None = None, *, validated: bool = False,
-                       headers: bytes = b"") -> tuple[int, asyncio.Future[None]]:
-        if self.refuse_next is not None:
-            exc, self.refuse_next = self.refuse_next, None
-            raise exc
-        offset, fut = super().publish_nowait(topic, payload, qos, retain, timestamp_us)
-        self.log.records[offset] = self.log.records[offset]._replace(headers=headers)
-        return offset, fut
-
-
-class Harness5(Harness):
-    queue: FakeQueue5
-
-    def __init__(self, tmp: Path, **broker: Any) -> None:
-        super().__init__(tmp, **broker)
-        self.queue = FakeQueue5(tmp / "groups")
-        self.core = self.make_core()
-
-    def sub5(self, client_id: str, *topics: tuple[str, int], props: Properties | None = None,
-             clean: bool = True, **kw: Any) -> Client5:
-        c = client5(self)
-        c.connect(client_id, clean, **kw)
-        c.send(Subscribe(1, list(topics), props))
-        out = c.received()
-        assert isinstance(out[0], Suback), out
-        c._left = out[1:]
-        return c
-
-
-def publishes(c: Any) -> list[Publish]:
-    return [p for p in c.received() if isinstance(p, Publish)]
-
+from tests.broker_harness import run
+from tests.broker_harness5 import Harness5, append_old_record, client5, publishes
 
 USER = [("b", "2"), ("a", "1"), ("b", "0")]
 
@@ -190,14 +147,6 @@ def test_message_expiry_rewrite_counts_whole_seconds() -> None:
     assert message_expiry(other, t0, t0 + 100_000_000) == other
 
 
-def _old_record(h: Harness5, topic: str, payload: bytes, qos: int, age_s: float, expiry: int,
-                retain: bool = False) -> None:
-    """Append (through the queue, as another writer would) a record ``age_s`` old."""
-    ts = time.time_ns() // 1000 - int(age_s * 1_000_000)
-    h.queue.publish_nowait(topic, payload, qos, retain, ts,
-                           headers=encode_message_headers(Properties(message_expiry_interval=expiry)))
-
-
 def test_expired_message_is_not_delivered_and_a_live_one_carries_the_remaining_interval(tmp_path: Path) -> None:
     """MQTT-3.3.2-5: an expired message is not delivered (MQTT 5 and 3.1.1 subscribers);
     MQTT-3.3.2-6: one delivered carries the interval minus its waiting time."""
@@ -205,8 +154,8 @@ def test_expired_message_is_not_delivered_and_a_live_one_carries_the_remaining_i
         h = Harness5(tmp_path)
         s5 = h.sub5("s5", ("e/#", subscription_options(1)))
         s4 = h.connected("s4", subscribe=Subscribe(1, [("e/#", 1)]))
-        _old_record(h, "e/old", b"gone", 1, 5.2, 5)
-        _old_record(h, "e/young", b"kept", 1, 2.5, 60)
+        append_old_record(h, "e/old", b"gone", 1, 5.2, 5)
+        append_old_record(h, "e/young", b"kept", 1, 2.5, 60)
         await h.commit()
         (m5,) = publishes(s5)
         assert m5.payload == b"kept" and m5.properties is not None
@@ -222,8 +171,8 @@ def test_expired_backlog_is_skipped_after_reconnect(tmp_path: Path) -> None:
         s = h.sub5("s", ("b", subscription_options(1)), clean=False,
                    properties=Properties(session_expiry_interval=300))
         s.send(Disconnect())
-        _old_record(h, "b", b"expired", 1, 3.0, 2)
-        _old_record(h, "b", b"fresh", 1, 0, 100)
+        append_old_record(h, "b", b"expired", 1, 3.0, 2)
+        append_old_record(h, "b", b"fresh", 1, 0, 100)
         await h.commit()
         s = client5(h)
         s.connect("s", False, properties=Properties(session_expiry_interval=300))
@@ -236,8 +185,8 @@ def test_expired_retained_message_is_not_sent(tmp_path: Path) -> None:
     """3.3.2.3.3: a retained message whose expiry passed is not sent to a new subscription."""
     async def main() -> None:
         h = Harness5(tmp_path)
-        _old_record(h, "ret/a", b"old", 0, 3.0, 2, retain=True)
-        _old_record(h, "ret/b", b"new", 0, 0, 50, retain=True)
+        append_old_record(h, "ret/a", b"old", 0, 3.0, 2, retain=True)
+        append_old_record(h, "ret/b", b"new", 0, 0, 50, retain=True)
         await h.commit()
         s = h.sub5("s", ("ret/#", subscription_options(0)))
         got = publishes(s)
@@ -650,7 +599,6 @@ def test_sys_messages_carry_the_subscription_identifiers_mqtt_3_3_4_3(tmp_path: 
     send one); kept, the new subscription's own, RETAIN 1; a subscription without one gets
     none; topic aliases as any delivery."""
     from filemq.broker.delivery import SYS_OFFSET
-    from tests.test_broker_mqtt5 import client5
 
     async def main() -> None:
         h = Harness5(tmp_path)

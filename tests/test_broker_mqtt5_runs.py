@@ -21,8 +21,7 @@ from filemq.mqtt.codec import encode5
 from filemq.mqtt.packets import Disconnect, Properties, Puback, Publish, PublishRun, Pubrec
 from segments.fileio import DiskFull
 from tests.broker_harness import run
-from tests.test_broker_mqtt5 import client5
-from tests.test_broker_mqtt5_publish import FakeQueue5, Harness5
+from tests.broker_harness5 import FakeQueue5, Harness5, client5
 
 
 class RefusingQueue(FakeQueue5):

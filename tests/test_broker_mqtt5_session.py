@@ -37,7 +37,7 @@ from filemq.mqtt.packets import (
 from filemq.mqtt.properties import encode_message_headers
 from segments.record import Record
 from tests.broker_harness import FakeQueue, Harness, run
-from tests.test_broker_mqtt5 import Client5, client5
+from tests.broker_harness5 import Client5, client5
 
 
 class HeadersQueue(FakeQueue):

@@ -517,12 +517,12 @@ def test_retained_replay_goes_through_the_planner_mqtt_3_3_1_8_3_3_2_6_3_3_4_3(t
     them), in flight with no consumer group (nothing acked in a group)."""
     from filemq.mqtt.packets import Properties, subscription_options
     from tests.broker_harness import run
-    from tests.test_broker_mqtt5_publish import Harness5, _old_record, publishes
+    from tests.broker_harness5 import Harness5, append_old_record, publishes
 
     async def main() -> None:
         h = Harness5(tmp_path)
-        _old_record(h, "r/a", b"a", 2, 2.5, 60, retain=True)
-        _old_record(h, "r/gone", b"x", 1, 3.0, 2, retain=True)
+        append_old_record(h, "r/a", b"a", 2, 2.5, 60, retain=True)
+        append_old_record(h, "r/gone", b"x", 1, 3.0, 2, retain=True)
         await h.commit()
         delivery = h.core.delivery
         planned: list[Any] = []
@@ -555,7 +555,7 @@ def test_retained_replay_too_large_is_discarded_and_takes_no_packet_id_mqtt_3_1_
     no packet id (the next one gets 1)."""
     from filemq.mqtt.packets import Properties, subscription_options
     from tests.broker_harness import run
-    from tests.test_broker_mqtt5_publish import Harness5, publishes
+    from tests.broker_harness5 import Harness5, publishes
 
     async def main() -> None:
         h = Harness5(tmp_path)
@@ -577,8 +577,7 @@ def test_retained_replay_takes_topic_aliases_as_a_live_delivery_3_3_2_3_4(tmp_pa
     the planner does for any delivery (MQTT-3.3.2-12: the client maps it on receipt)."""
     from filemq.mqtt.packets import Properties, subscription_options
     from tests.broker_harness import run
-    from tests.test_broker_mqtt5 import client5
-    from tests.test_broker_mqtt5_publish import Harness5, publishes
+    from tests.broker_harness5 import Harness5, client5, publishes
 
     async def main() -> None:
         h = Harness5(tmp_path)

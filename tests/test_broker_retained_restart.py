@@ -33,7 +33,7 @@ from filemq.queue.retained import RetainedStore, expires_at_us
 from segments.log import Log
 from segments.record import Record
 from tests.broker_harness import Harness, run
-from tests.test_broker_mqtt5 import client5
+from tests.broker_harness5 import client5
 
 
 def _headers(expiry: int) -> bytes:

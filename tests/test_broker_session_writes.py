@@ -29,7 +29,7 @@ from filemq.mqtt.packets import (
     Unsubscribe,
 )
 from tests.broker_harness import Harness, run
-from tests.test_broker_mqtt5 import client5
+from tests.broker_harness5 import client5
 
 
 class GatedWrites:

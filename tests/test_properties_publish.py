@@ -269,9 +269,8 @@ def test_publishes_with_properties_are_stored_as_one_run_with_their_headers(tmp_
     message), acknowledged in order; a response topic, a payload format indicator of 1 or a
     topic alias still take the single path, with its checks (MQTT-3.3.2-14, 3.3.2.3.2,
     3.3.2.3.4)."""
-    from tests.test_broker_mqtt5 import client5
-    from tests.test_broker_mqtt5_publish import Harness5
-    from tests.test_broker_session import run
+    from tests.broker_harness import run
+    from tests.broker_harness5 import Harness5, client5
 
     async def main() -> None:
         h = Harness5(tmp_path, topic_alias_maximum=10)

@@ -5,8 +5,11 @@
 (:meth:`Harness.commit`), so a test can check that no PUBACK/PUBREC leaves before its record is
 committed.  :class:`Harness` builds a :class:`~filemq.broker.core.BrokerCore` over it (session
 files written inline unless ``threaded_writes``); :class:`Client` is one fake connection (send
-packets, read what the broker sent back).  tests/test_broker_session.py and the other broker
-test files use it, and the in-process instruction-count benches (bench/callgrind_*.py).
+packets, read what the broker sent back); :func:`users_file` and :func:`with_logins` give the
+core a password file (and an ACL).  tests/test_broker_session.py and the other broker test
+files use it, and the in-process instruction-count benches (bench/callgrind_*.py).  Its MQTT 5
+side (fake MQTT 5 clients, a queue that keeps the message properties) is
+tests/broker_harness5.py; a real broker on sockets is tests/broker_process.py.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from filemq.broker.acl import Acl
+from filemq.broker.auth import PasswordFile, add_or_update
 from filemq.broker.core import BrokerCore
 from filemq.broker.session.connection import Connection
 from filemq.broker.session.inflight import SentRun, message_of
@@ -147,6 +151,17 @@ class FakeTransport:
 
     def close(self) -> None:
         self.closed = True
+
+
+class SocketTransport:
+    """A transport that only holds a socket, as ``AckPacer.for_transport`` and
+    ``AckBatcher.for_transport`` look at it (``get_extra_info("socket")``)."""
+
+    def __init__(self, sock: Any) -> None:
+        self.sock = sock
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        return self.sock if name == "socket" else default
 
 
 class Client:
@@ -363,3 +378,21 @@ def deliveries(ops: list[tuple[Any, ...]], first_pid: int, tmp: Path, run_path: 
         return got, inflight, state.qos.next_pid
 
     return run(main()), calls
+
+
+# ---- logins ---------------------------------------------------------------------------------
+
+
+def users_file(tmp_path: Path, *users: str) -> Path:
+    """A password file (``tmp_path/pw``) of ``users``, each with the password ``<user>-pw``."""
+    pw_file = tmp_path / "pw"
+    for user in users:
+        add_or_update(pw_file, user, user + "-pw", iterations=1000)
+    return pw_file
+
+
+def with_logins(h: Harness, pw_file: Path, acl_text: str | None = None) -> None:
+    """The harness's core checks logins against ``pw_file`` (and rights against ``acl_text``)."""
+    h.core.passwords = PasswordFile.load(pw_file)
+    if acl_text is not None:
+        h.core.acl = Acl.parse(acl_text)

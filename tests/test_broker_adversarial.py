@@ -32,10 +32,17 @@ from filemq.mqtt.packets import (
     Suback,
     Subscribe,
 )
-from tests.broker_harness import Harness, one_delivery, run
-from tests.test_broker_kill9 import REPO, _Raw, _start_broker
-from tests.test_broker_security import _users, _with_logins
-from tests.test_broker_transport import _ca, _closed_by_peer, _load, make_config, running
+from tests.broker_harness import Harness, one_delivery, run, users_file, with_logins
+from tests.broker_process import (
+    REPO,
+    BlockingClient,
+    closed_by_peer,
+    load_toml,
+    make_config,
+    running,
+    start_broker_process,
+)
+from tests.tls_material import make_ca
 
 # ---- password checks (issue 11 item 9) and session writes share no worker threads -----------
 
@@ -50,7 +57,7 @@ def test_wrong_password_flood_does_not_delay_another_clients_qos2_flow(tmp_path:
         h = Harness(tmp_path)
         h.threaded_writes = True
         h.core = h.make_core()
-        _with_logins(h, _users(tmp_path, "alice"))
+        with_logins(h, users_file(tmp_path, "alice"))
         alice = h.client()
         alice.send(Connect(client_id="alice-1", clean_session=False, username="alice",
                            password=b"alice-pw"))
@@ -126,14 +133,14 @@ def test_tls_handshake_that_never_completes_is_cut_off_at_the_connect_deadline(
     socket that never sent its ClientHello held a file descriptor for 60 s (300 of them held
     309 fds of a broker with max_connecting = 16) -- the slowloris of issue 10 item 9 over TLS."""
     monkeypatch.setattr(connect_module, "CONNECT_TIMEOUT", 0.5)
-    cert, key = _ca(tmp_path, "server")
+    cert, key = make_ca(tmp_path, "server")
     text = (f'[[listener]]\nport = 0\ntls_cert = "{cert}"\ntls_key = "{key}"\n')
 
     async def main() -> None:
-        async with running(_load(tmp_path, text)) as b:
+        async with running(load_toml(tmp_path, text)) as b:
             r, w = await asyncio.open_connection("127.0.0.1", b.ports[0])  # no ClientHello
             t0 = time.monotonic()
-            assert await _closed_by_peer(r, 5.0)
+            assert await closed_by_peer(r, 5.0)
             assert time.monotonic() - t0 < 2.0
             w.close()
 
@@ -145,16 +152,16 @@ def test_tls_handshakes_count_in_max_connecting(tmp_path: Path) -> None:
     max_connecting the oldest gives way at once, not at the deadline (10 s here), and a
     real TLS client still gets in. Before, asyncio ran the handshake before the broker saw
     the socket, so any number of silent TLS sockets were held until the deadline."""
-    cert, key = _ca(tmp_path, "server")
+    cert, key = make_ca(tmp_path, "server")
     text = (f'[broker]\nmax_connecting = 4\n[[listener]]\nport = 0\ntls_cert = "{cert}"\n'
             f'tls_key = "{key}"\n')
 
     async def main() -> None:
-        async with running(_load(tmp_path, text)) as b:
+        async with running(load_toml(tmp_path, text)) as b:
             port = b.ports[0]
             silent = [await asyncio.open_connection("127.0.0.1", port) for _ in range(10)]  # no ClientHello
             t0 = time.monotonic()
-            closed = [await _closed_by_peer(r, 3.0) for r, _ in silent[:6]]
+            closed = [await closed_by_peer(r, 3.0) for r, _ in silent[:6]]
             assert all(closed) and time.monotonic() - t0 < 5.0
             ctx = ssl.create_default_context(cafile=str(cert))
             ctx.check_hostname = False
@@ -162,7 +169,7 @@ def test_tls_handshakes_count_in_max_connecting(tmp_path: Path) -> None:
             await c.connect(timeout=5)  # makes room: the oldest silent one goes
             await c.publish("t", b"in", qos=1)
             await c.disconnect()
-            assert not await _closed_by_peer(silent[-1][0], 0.2)  # the newest still waits
+            assert not await closed_by_peer(silent[-1][0], 0.2)  # the newest still waits
             for _, w in silent:
                 w.close()
 
@@ -222,9 +229,9 @@ def test_the_same_listener_address_twice_is_a_config_error(tmp_path: Path) -> No
     127.0.0.1:1883" -- the shorthand address, which was not even in use."""
     text = '[[listener]]\nport = 18831\n\n[[listener]]\nport = 18831\ntls_cert = "c"\ntls_key = "k"\n'
     with pytest.raises(ConfigError, match=r"listeners 1 and 2 .*127\.0\.0\.1:18831"):
-        _load(tmp_path, text)
-    _load(tmp_path, '[[listener]]\nport = 0\n\n[[listener]]\nport = 0\n')  # any free port, twice
-    _load(tmp_path, '[[listener]]\nport = 18831\n\n[[listener]]\nhost = "::1"\nport = 18831\n')
+        load_toml(tmp_path, text)
+    load_toml(tmp_path, '[[listener]]\nport = 0\n\n[[listener]]\nport = 0\n')  # any free port, twice
+    load_toml(tmp_path, '[[listener]]\nport = 18831\n\n[[listener]]\nhost = "::1"\nport = 18831\n')
 
 
 # ---- max_topic_length (issue 10 item 15) ----------------------------------------------------
@@ -251,12 +258,12 @@ def test_will_topic_longer_than_max_topic_length_refuses_the_connect(tmp_path: P
 def test_outbound_pubrel_is_resent_after_kill9(tmp_path: Path) -> None:
     """The real process, kill -9 after the subscriber's PUBREC and after the group's ack is on
     disk: the reconnecting persistent subscriber gets PUBREL for its id (it got nothing)."""
-    proc, port = _start_broker(tmp_path)
+    proc, port = start_broker_process(tmp_path)
     try:
-        sub = _Raw(port, Connect(client_id="sub", clean_session=False))
+        sub = BlockingClient(port, Connect(client_id="sub", clean_session=False))
         sub.send(Subscribe(1, [("t", 2)]))
         assert sub.next() == Suback(1, [2])
-        pub = _Raw(port, Connect(client_id="pub"))
+        pub = BlockingClient(port, Connect(client_id="pub"))
         pub.send(Publish("t", b"m", 2, packet_id=1))
         assert pub.next() == Pubrec(1)
         pub.send(Pubrel(1))
@@ -276,8 +283,8 @@ def test_outbound_pubrel_is_resent_after_kill9(tmp_path: Path) -> None:
         proc.kill()
         proc.wait(timeout=10)
         sub.close()
-        proc, port = _start_broker(tmp_path)
-        sub = _Raw(port, Connect(client_id="sub", clean_session=False))
+        proc, port = start_broker_process(tmp_path)
+        sub = BlockingClient(port, Connect(client_id="sub", clean_session=False))
         assert sub.next() == Pubrel(m.packet_id)
         sub.send(Pubcomp(m.packet_id))
         sub.close()
@@ -293,7 +300,7 @@ def test_connections_stuck_in_password_checks_do_not_lock_out_clients(tmp_path: 
     sending wrong passwords (each reconnecting when refused) kept all slots authenticating
     and locked out even a client whose login was cached -- 0 of 10 logins in 50 s against
     the real broker."""
-    pw = _users(tmp_path, "alice")
+    pw = users_file(tmp_path, "alice")
     config = make_config(tmp_path / "data", max_connecting=2, password_file=str(pw))
     login = Connect(client_id="good", username="alice", password=b"alice-pw")
 

@@ -20,7 +20,8 @@ import pytest
 from filemq.broker.batching import ACK_BYTES, SAMPLE_READS, SWEEP_S, AckBatcher, AckBatching
 from filemq.mqtt.codec import Decoder
 from filemq.mqtt.packets import Pingresp, Publish
-from tests.test_broker_pacing import SLOW_RECV_S, FakeTransport, ack_one_by_one, backlog
+from tests.broker_harness import SocketTransport
+from tests.broker_process import SLOW_RECV_S, ack_one_by_one, backlog
 
 linux_only = pytest.mark.skipif(
     not sys.platform.startswith("linux") or not hasattr(socket, "SO_RCVLOWAT") or not hasattr(socket, "TCP_INFO"),
@@ -58,7 +59,7 @@ class _Sock:
 
 
 def _batcher(sock: _Sock, batching: AckBatching | None = None) -> AckBatcher:
-    b = AckBatcher.for_transport(FakeTransport(sock), batching or AckBatching())  # type: ignore[arg-type]
+    b = AckBatcher.for_transport(SocketTransport(sock), batching or AckBatching())  # type: ignore[arg-type]
     assert b is not None
     return b
 
@@ -167,16 +168,16 @@ def test_the_sweep_sets_back_marks_not_read_for_sweep_s() -> None:
 @linux_only
 def test_only_tcp_sockets_get_a_batcher() -> None:
     batching = AckBatching()
-    assert AckBatcher.for_transport(FakeTransport(None), batching) is None  # type: ignore[arg-type]
+    assert AckBatcher.for_transport(SocketTransport(None), batching) is None  # type: ignore[arg-type]
     a, b = socket.socketpair(socket.AF_UNIX)
     try:
-        assert AckBatcher.for_transport(FakeTransport(a), batching) is None  # type: ignore[arg-type]
+        assert AckBatcher.for_transport(SocketTransport(a), batching) is None  # type: ignore[arg-type]
     finally:
         a.close()
         b.close()
     tcp = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     try:
-        assert AckBatcher.for_transport(FakeTransport(tcp), batching) is not None  # type: ignore[arg-type]
+        assert AckBatcher.for_transport(SocketTransport(tcp), batching) is not None  # type: ignore[arg-type]
     finally:
         tcp.close()
 
@@ -235,7 +236,7 @@ def test_a_one_by_one_acker_gets_everything_and_a_pingreq_waits_at_most_a_sweep(
     below the mark: the sweep sets the mark back and the PINGRESP comes.  (Without the sweep,
     checked by hand 2026-11-27, no PINGRESP ever comes.)  With ``ack_batching = false`` no
     mark is ever set."""
-    from tests.test_broker_server import make_config, running
+    from tests.broker_process import make_config, running
 
     marks: list[int] = []
     original = AckBatcher.set_mark

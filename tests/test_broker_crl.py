@@ -23,42 +23,10 @@ from filemq.broker.server import free_port
 from filemq.common.checks import Listener
 from filemq.common.config import ConfigError
 from filemq.mqtt.client import MQTTClient
-from tests.test_broker_kill9 import REPO
-from tests.test_broker_transport import _ca, _client_ctx, _load, _openssl, _signed
+from tests.broker_process import REPO, load_toml
+from tests.tls_material import Crl, client_ctx, make_ca, signed_cert
 
 pytestmark = pytest.mark.timeout(90)
-
-_CA_CONF = """[ ca ]
-default_ca = CA_default
-[ CA_default ]
-database = {d}/index.txt
-crlnumber = {d}/crlnumber
-default_md = sha256
-default_crl_days = 2
-"""
-
-
-class Crl:
-    """An openssl CA database for ``ca`` that revokes certificates and writes the CRL file."""
-
-    def __init__(self, d: Path, ca: tuple[Path, Path]) -> None:
-        self.d, self.ca = d, ca
-        self.conf = d / "ca.cnf"
-        self.conf.write_text(_CA_CONF.format(d=d))
-        (d / "index.txt").write_text("")
-        (d / "crlnumber").write_text("01\n")
-        self.path = d / "crl.pem"
-        self.write()
-
-    def _ca_args(self) -> list[str]:
-        return ["-config", str(self.conf), "-keyfile", str(self.ca[1]), "-cert", str(self.ca[0])]
-
-    def revoke(self, cert: Path) -> None:
-        _openssl("ca", "-revoke", str(cert), *self._ca_args())
-        self.write()
-
-    def write(self) -> None:
-        _openssl("ca", "-gencrl", "-out", str(self.path), *self._ca_args())
 
 
 async def _login(port: int, ctx: ssl.SSLContext, client_id: str) -> bool:
@@ -77,10 +45,10 @@ def test_revoked_client_certificate_is_refused_after_sighup(tmp_path: Path) -> N
     and the CRL rewritten; after SIGHUP (no restart) bob's handshake fails and alice still
     logs in.  Before the reload the old CRL is in force (the file is read at start and on
     SIGHUP, not behind the operator's back)."""
-    ca = _ca(tmp_path, "devices-ca")
-    server = _signed(tmp_path, "server", "localhost", ca)
-    alice = _signed(tmp_path, "alice", "alice", ca)
-    bob = _signed(tmp_path, "bob", "bob", ca)
+    ca = make_ca(tmp_path, "devices-ca")
+    server = signed_cert(tmp_path, "server", "localhost", ca)
+    alice = signed_cert(tmp_path, "alice", "alice", ca)
+    bob = signed_cert(tmp_path, "bob", "bob", ca)
     crl = Crl(tmp_path, ca)
     plain, tls = free_port(), free_port()
     conf = tmp_path / "filemq.toml"
@@ -108,18 +76,18 @@ use_identity_as_username = true
         assert proc.stdout.readline().startswith("filemq broker listening"), "the broker did not start"
 
         async def scenario() -> None:
-            assert await _login(tls, _client_ctx(ca[0], alice), "alice")
-            assert await _login(tls, _client_ctx(ca[0], bob), "bob")
+            assert await _login(tls, client_ctx(ca[0], alice), "alice")
+            assert await _login(tls, client_ctx(ca[0], bob), "bob")
             crl.revoke(bob[0])
-            assert await _login(tls, _client_ctx(ca[0], bob), "bob"), "the CRL changed without a reload"
+            assert await _login(tls, client_ctx(ca[0], bob), "bob"), "the CRL changed without a reload"
             proc.send_signal(signal.SIGHUP)
             deadline = time.monotonic() + 20
-            while await _login(tls, _client_ctx(ca[0], bob), "bob"):
+            while await _login(tls, client_ctx(ca[0], bob), "bob"):
                 assert time.monotonic() < deadline, "bob's revoked certificate still logs in after SIGHUP"
                 await asyncio.sleep(0.2)
-            assert await _login(tls, _client_ctx(ca[0], alice), "alice")
+            assert await _login(tls, client_ctx(ca[0], alice), "alice")
             for _ in range(3):  # every handshake, not only the first after the reload
-                assert not await _login(tls, _client_ctx(ca[0], bob), "bob")
+                assert not await _login(tls, client_ctx(ca[0], bob), "bob")
 
         asyncio.run(asyncio.wait_for(scenario(), 60))
         assert proc.poll() is None, "SIGHUP ended the broker"
@@ -129,11 +97,11 @@ use_identity_as_username = true
 
 
 def test_tls_crl_is_a_listener_key_and_flag_and_needs_tls_ca(tmp_path: Path) -> None:
-    c = _load(tmp_path, '[[listener]]\nport = 8883\ntls_cert = "c.pem"\ntls_key = "k.pem"\ntls_ca = "ca.pem"\n'
+    c = load_toml(tmp_path, '[[listener]]\nport = 8883\ntls_cert = "c.pem"\ntls_key = "k.pem"\ntls_ca = "ca.pem"\n'
                         'tls_crl = "crl.pem"\n')
     assert c.listener == (Listener(port=8883, tls_cert="c.pem", tls_key="k.pem", tls_ca="ca.pem", tls_crl="crl.pem"),)
-    f = _load(tmp_path, "", listener=("127.0.0.1:8883,tls_cert=c.pem,tls_key=k.pem,tls_ca=ca.pem,tls_crl=crl.pem",))
+    f = load_toml(tmp_path, "", listener=("127.0.0.1:8883,tls_cert=c.pem,tls_key=k.pem,tls_ca=ca.pem,tls_crl=crl.pem",))
     assert f.listener == (Listener(host="127.0.0.1", port=8883, tls_cert="c.pem", tls_key="k.pem", tls_ca="ca.pem",
                                    tls_crl="crl.pem"),)
     with pytest.raises(ConfigError, match="tls_crl revokes client certificates of tls_ca"):
-        _load(tmp_path, '[[listener]]\nport = 8883\ntls_cert = "c.pem"\ntls_key = "k.pem"\ntls_crl = "crl.pem"\n')
+        load_toml(tmp_path, '[[listener]]\nport = 8883\ntls_cert = "c.pem"\ntls_key = "k.pem"\ntls_crl = "crl.pem"\n')

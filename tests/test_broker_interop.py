@@ -23,7 +23,8 @@ from typing import Any
 import pytest
 
 from filemq.broker import Broker
-from filemq.common.config import Config, load_config
+from filemq.common.config import load_config
+from tests.broker_process import ThreadedBroker, make_config
 
 paho = pytest.importorskip("paho.mqtt.client", reason="paho-mqtt is not installed")
 from paho.mqtt.enums import CallbackAPIVersion  # noqa: E402
@@ -35,49 +36,6 @@ needs_mosquitto_clients = pytest.mark.skipif(
     MOSQUITTO_PUB is None or MOSQUITTO_SUB is None,
     reason="mosquitto_pub/mosquitto_sub not installed (Debian package mosquitto-clients; `make system-deps`)",
 )
-
-
-def make_config(data_dir: Path, **broker: Any) -> Config:
-    overrides: dict[str, Any] = {"data_dir": str(data_dir), "broker.port": 0}
-    overrides.update({f"broker.{k}": v for k, v in broker.items()})
-    return load_config(None, overrides)
-
-
-class ThreadedBroker:
-    """A Broker on its own loop in a daemon thread; start/stop/restart on the same data dir."""
-
-    def __init__(self, config: Config) -> None:
-        self.config = config
-        self.broker: Broker | None = None
-        self.loop: asyncio.AbstractEventLoop | None = None
-        self.thread: threading.Thread | None = None
-        self.port = 0
-
-    def start(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.broker = Broker(self.config)
-        ready = threading.Event()
-        loop, broker = self.loop, self.broker
-
-        def run() -> None:
-            asyncio.set_event_loop(loop)
-            loop.run_until_complete(broker.start())
-            ready.set()
-            loop.run_forever()
-
-        self.thread = threading.Thread(target=run, daemon=True)
-        self.thread.start()
-        assert ready.wait(30), "broker did not start"
-        self.port = broker.port
-        # Restarts must come back on the same port (clients reconnect to it).
-        self.config = load_config(None, {"data_dir": self.config.data_dir, "broker.port": self.port})
-
-    def stop(self) -> None:
-        assert self.loop is not None and self.broker is not None and self.thread is not None
-        asyncio.run_coroutine_threadsafe(self.broker.stop(), self.loop).result(30)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
-        self.loop.close()
 
 
 @pytest.fixture

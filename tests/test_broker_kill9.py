@@ -12,21 +12,15 @@ from __future__ import annotations
 import logging
 import os
 import random
-import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from bench.broker import run_kill9
 from filemq.broker.session_state import JOURNAL_MAX_ACKS
 from filemq.common.config import DEFAULT_MAX_INFLIGHT
-from filemq.mqtt.codec import Decoder, encode
 from filemq.mqtt.packets import (
-    Connack,
     Connect,
     Puback,
     Pubcomp,
@@ -36,6 +30,7 @@ from filemq.mqtt.packets import (
     Suback,
     Subscribe,
 )
+from tests.broker_process import BlockingClient, start_broker_process
 
 log = logging.getLogger(__name__)
 
@@ -72,44 +67,6 @@ def test_kill9_under_load_loses_no_acknowledged_message(tmp_path):
 
 # ---- QoS 2 inbound ids across a kill -9 (issue 10 item 1) -------------------------------------
 
-REPO = Path(__file__).resolve().parents[1]
-
-
-def _start_broker(data_dir: Path) -> tuple[subprocess.Popen[str], int]:
-    env = dict(os.environ, PYTHONPATH=str(REPO))
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "cli", "broker", "--data-dir", str(data_dir), "--port", "0"],
-        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-    )
-    assert proc.stdout is not None
-    line = proc.stdout.readline()
-    assert line.startswith("filemq broker listening on 127.0.0.1:"), line
-    return proc, int(line.split("127.0.0.1:")[1].split(",")[0])
-
-
-class _Raw:
-    """A packet-level MQTT client on a blocking loopback socket (bounded by its timeout)."""
-
-    def __init__(self, port: int, connect: Connect) -> None:
-        self.sock = socket.create_connection(("127.0.0.1", port), timeout=5)
-        self.decoder = Decoder(server=False)
-        self.queue: list[Any] = []
-        self.send(connect)
-        assert isinstance(self.next(), Connack)
-
-    def send(self, packet: Any) -> None:
-        self.sock.sendall(encode(packet))
-
-    def next(self) -> Any:
-        while not self.queue:
-            data = self.sock.recv(65536)
-            assert data, "connection closed by the broker"
-            self.decoder.feed(data)
-            self.queue.extend(self.decoder.packets())
-        return self.queue.pop(0)
-
-    def close(self) -> None:
-        self.sock.close()
 
 
 def test_qos2_id_reused_after_kill9_is_stored_before_pubrec(tmp_path: Path) -> None:
@@ -117,13 +74,13 @@ def test_qos2_id_reused_after_kill9_is_stored_before_pubrec(tmp_path: Path) -> N
     id 1, the broker is killed with SIGKILL, and after the restart the client sends a *new*
     message under id 1 with DUP = 1.  The PUBREC it gets must mean "stored": the subscriber
     receives both messages."""
-    proc, port = _start_broker(tmp_path)
+    proc, port = start_broker_process(tmp_path)
     try:
-        sub = _Raw(port, Connect(client_id="sub", clean_session=False))
+        sub = BlockingClient(port, Connect(client_id="sub", clean_session=False))
         sub.send(Subscribe(1, [("t", 1)]))
         assert sub.next() == Suback(1, [1])
         sub.close()
-        pub = _Raw(port, Connect(client_id="pub", clean_session=False))
+        pub = BlockingClient(port, Connect(client_id="pub", clean_session=False))
         pub.send(Publish("t", b"first", 2, packet_id=1))
         assert pub.next() == Pubrec(1)
         pub.send(Pubrel(1))
@@ -131,13 +88,13 @@ def test_qos2_id_reused_after_kill9_is_stored_before_pubrec(tmp_path: Path) -> N
         proc.kill()
         proc.wait(timeout=10)
         pub.close()
-        proc, port = _start_broker(tmp_path)
-        pub = _Raw(port, Connect(client_id="pub", clean_session=False))
+        proc, port = start_broker_process(tmp_path)
+        pub = BlockingClient(port, Connect(client_id="pub", clean_session=False))
         pub.send(Publish("t", b"second", 2, dup=True, packet_id=1))
         assert pub.next() == Pubrec(1)
         pub.send(Pubrel(1))
         assert pub.next() == Pubcomp(1)
-        sub = _Raw(port, Connect(client_id="sub", clean_session=False))
+        sub = BlockingClient(port, Connect(client_id="sub", clean_session=False))
         got: list[bytes] = []
         for _ in range(2):
             m = sub.next()
@@ -158,8 +115,8 @@ def test_qos2_random_kills_lose_no_pubrecd_message(tmp_path: Path) -> None:
     message that got a PUBREC must reach the persistent subscriber."""
     seed = int(os.environ.get("FILEMQ_KILL9_SEED", random.randrange(1 << 30)))
     rng = random.Random(seed)
-    proc, port = _start_broker(tmp_path)
-    sub = _Raw(port, Connect(client_id="sub", clean_session=False))
+    proc, port = start_broker_process(tmp_path)
+    sub = BlockingClient(port, Connect(client_id="sub", clean_session=False))
     sub.send(Subscribe(1, [("t", 1)]))
     assert sub.next() == Suback(1, [1])
     sub.close()
@@ -168,7 +125,7 @@ def test_qos2_random_kills_lose_no_pubrecd_message(tmp_path: Path) -> None:
     pending: tuple[int, bytes, bool] | None = None  # (pid, payload, PUBREC received)
     try:
         for _ in range(6):
-            pub = _Raw(port, Connect(client_id="pub", clean_session=False))
+            pub = BlockingClient(port, Connect(client_id="pub", clean_session=False))
             deadline = time.monotonic() + rng.uniform(0.05, 0.3)
             killed = False
             try:
@@ -199,9 +156,9 @@ def test_qos2_random_kills_lose_no_pubrecd_message(tmp_path: Path) -> None:
             proc.kill()
             proc.wait(timeout=10)
             pub.close()
-            proc, port = _start_broker(tmp_path)
+            proc, port = start_broker_process(tmp_path)
         if pending is not None:  # finish the interrupted flow
-            pub = _Raw(port, Connect(client_id="pub", clean_session=False))
+            pub = BlockingClient(port, Connect(client_id="pub", clean_session=False))
             pid, payload, recd = pending
             if not recd:
                 pub.send(Publish("t", payload, 2, dup=True, packet_id=pid))
@@ -210,7 +167,7 @@ def test_qos2_random_kills_lose_no_pubrecd_message(tmp_path: Path) -> None:
             pub.send(Pubrel(pid))
             assert pub.next() == Pubcomp(pid)
             pub.close()
-        sub = _Raw(port, Connect(client_id="sub", clean_session=False))
+        sub = BlockingClient(port, Connect(client_id="sub", clean_session=False))
         got: set[bytes] = set()
         while not set(acked) <= got:
             m = sub.next()  # bounded by the socket timeout

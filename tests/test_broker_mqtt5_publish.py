@@ -7,8 +7,6 @@ tests/broker_harness.py, with a fake queue that keeps headers and can refuse app
 from __future__ import annotations
 
 import os
-import queue
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -20,7 +18,6 @@ from hypothesis import strategies as st
 from filemq.broker.acl import Acl
 from filemq.broker.session_state import message_expiry
 from filemq.broker.session_store import StoredSession, StoredSubscription
-from filemq.common.config import load_config
 from filemq.mqtt.packets import (
     Disconnect,
     Properties,
@@ -643,84 +640,18 @@ def test_record_headers_are_opaque_to_311_only_stores(tmp_path: Path) -> None:
 # ---- with paho-mqtt 2.x (an independent MQTT 5 client) against a real broker ------------------
 
 paho = pytest.importorskip("paho.mqtt.client", reason="paho-mqtt is not installed")
-from paho.mqtt.enums import CallbackAPIVersion  # noqa: E402
 from paho.mqtt.packettypes import PacketTypes  # noqa: E402
-from paho.mqtt.properties import Properties as PahoProperties  # noqa: E402
 from paho.mqtt.subscribeoptions import SubscribeOptions  # noqa: E402
 
-from tests.test_broker_interop import ThreadedBroker  # noqa: E402
-
-
-def _paho_props(packet_type: int) -> PahoProperties:
-    return PahoProperties(packet_type)  # type: ignore[no-untyped-call]
-
-
-class Paho5:
-    """A paho MQTT 5 client in its own network thread; messages and PUBACK reason codes into queues."""
-
-    def __init__(self, port: int, client_id: str, *, clean: bool = True, expiry: int | None = None) -> None:
-        self.messages: queue.Queue[Any] = queue.Queue()
-        self.acks: queue.Queue[tuple[int, int]] = queue.Queue()
-        self.subacks: queue.Queue[list[int]] = queue.Queue()
-        self.connected = threading.Event()
-        c = paho.Client(callback_api_version=CallbackAPIVersion.VERSION2, client_id=client_id,
-                        protocol=paho.MQTTv5)
-        c.on_message = lambda _c, _u, m: self.messages.put(m)
-        c.on_connect = lambda *a: self.connected.set()
-        c.on_publish = lambda _c, _u, mid, rc, _p: self.acks.put((mid, rc.value))
-        c.on_subscribe = lambda _c, _u, _mid, rcs, _p: self.subacks.put([rc.value for rc in rcs])
-        props = None
-        if expiry is not None:
-            props = _paho_props(PacketTypes.CONNECT)
-            props.SessionExpiryInterval = expiry
-        c.connect("127.0.0.1", port, clean_start=clean, properties=props)
-        c.loop_start()
-        assert self.connected.wait(10), "paho did not connect"
-        self.c = c
-
-    def subscribe(self, topic: str, options: SubscribeOptions, identifier: int | None = None) -> list[int]:
-        props = None
-        if identifier is not None:
-            props = _paho_props(PacketTypes.SUBSCRIBE)
-            props.SubscriptionIdentifier = identifier
-        self.c.subscribe(topic, options=options, properties=props)
-        return self.subacks.get(timeout=10)
-
-    def publish(self, topic: str, payload: bytes, qos: int = 1, retain: bool = False,
-                props: PahoProperties | None = None) -> int:
-        """Publish and return the PUBACK reason code (QoS 1) once it arrived."""
-        info = self.c.publish(topic, payload, qos, retain, properties=props)
-        mid, rc = self.acks.get(timeout=10)
-        assert mid == info.mid
-        return rc
-
-    def get(self, timeout: float = 10) -> Any:
-        return self.messages.get(timeout=timeout)
-
-    def none_within(self, seconds: float) -> bool:
-        try:
-            self.messages.get(timeout=seconds)
-        except queue.Empty:
-            return True
-        return False
-
-    def close(self) -> None:
-        self.c.disconnect()
-        self.c.loop_stop()
-
-
-def _broker(tmp_path: Path, **overrides: Any) -> ThreadedBroker:
-    config = load_config(None, {"data_dir": str(tmp_path / "data"), "broker.port": 0, **overrides})
-    b = ThreadedBroker(config)
-    b.start()
-    return b
+from tests.broker_process import start_threaded_broker  # noqa: E402
+from tests.paho5 import Paho5, paho_props  # noqa: E402
 
 
 def test_paho_user_properties_subscription_ids_no_local_and_retain_options(tmp_path: Path) -> None:
     """paho-mqtt 2.x end to end: user properties in order, content type, response topic and
     correlation data (3.3.2.3); subscription identifiers (3.3.4); no local (MQTT-3.8.3-3);
     retain handling 2 (MQTT-3.3.1-11) and retain as published (MQTT-3.3.1-13)."""
-    b = _broker(tmp_path)
+    b = start_threaded_broker(tmp_path)
     try:
         pub = Paho5(b.port, "pub")
         pub.publish("p/ret", b"retained", 1, retain=True)
@@ -733,7 +664,7 @@ def test_paho_user_properties_subscription_ids_no_local_and_retain_options(tmp_p
         sub.publish("p/x", b"own")  # no local on p/#, but p/+ takes it
         m = sub.get()
         assert m.payload == b"own" and m.properties.SubscriptionIdentifier == [12]
-        props = _paho_props(PacketTypes.PUBLISH)
+        props = paho_props(PacketTypes.PUBLISH)
         props.UserProperty = [("z", "1"), ("a", "2"), ("z", "3")]
         props.ContentType = "text/plain"
         props.ResponseTopic = "reply/here"
@@ -755,15 +686,15 @@ def test_paho_message_expiry(tmp_path: Path) -> None:
     """3.3.2.3.3 with paho: a queued message whose interval passed while its session was
     offline is not delivered (MQTT-3.3.2-5); one still valid carries less than it was sent
     with (MQTT-3.3.2-6).  (The wait is the message's lifetime, not a synchronisation.)"""
-    b = _broker(tmp_path)
+    b = start_threaded_broker(tmp_path)
     try:
         sub = Paho5(b.port, "off", clean=False, expiry=600)
         assert sub.subscribe("x/#", SubscribeOptions(qos=1)) == [1]
         sub.close()
         pub = Paho5(b.port, "pub")
-        short = _paho_props(PacketTypes.PUBLISH)
+        short = paho_props(PacketTypes.PUBLISH)
         short.MessageExpiryInterval = 1
-        long = _paho_props(PacketTypes.PUBLISH)
+        long = paho_props(PacketTypes.PUBLISH)
         long.MessageExpiryInterval = 100
         assert pub.publish("x/short", b"s", 1, props=short) == 0
         assert pub.publish("x/long", b"l", 1, props=long) == 0
@@ -781,7 +712,7 @@ def test_paho_message_expiry(tmp_path: Path) -> None:
 def test_paho_full_disk_gets_puback_0x97_and_stays_connected(tmp_path: Path) -> None:
     """Issue 13 item 6 with paho: the file system is below log.min_free_bytes, so the log
     refuses every append: PUBACK 0x97 (quota exceeded), never success, connection kept."""
-    b = _broker(tmp_path, **{"log.min_free_bytes": 1 << 60})
+    b = start_threaded_broker(tmp_path, **{"log.min_free_bytes": 1 << 60})
     try:
         pub = Paho5(b.port, "pub")
         assert pub.publish("d/1", b"x", 1) == 0x97
@@ -819,7 +750,7 @@ def test_paho_enospc_at_commit_gets_0x97_on_a_real_full_file_system(tmp_path: Pa
 
     with small_tmpfs(tmp_path / "fs", "4m") as fs:
         filler = fs / "filler"
-        b = _broker(fs, **{"log.min_free_bytes": 0})
+        b = start_threaded_broker(fs, **{"log.min_free_bytes": 0})
         try:
             pub = Paho5(b.port, "pub")
             payload = b"p" * 32768

@@ -280,9 +280,10 @@ def test_paho_burst_of_qos1_publishes_is_acknowledged_delivered_in_order_and_not
     them in order (4.6), and the publisher's own no-local subscription none (MQTT-3.8.3-3)."""
     from paho.mqtt.subscribeoptions import SubscribeOptions
 
-    from tests.test_broker_mqtt5_publish import Paho5, _broker
+    from tests.broker_process import start_threaded_broker
+    from tests.paho5 import Paho5
 
-    b = _broker(tmp_path)
+    b = start_threaded_broker(tmp_path)
     try:
         sub = Paho5(b.port, "sub")
         assert sub.subscribe("burst/#", SubscribeOptions(qos=1)) == [1]

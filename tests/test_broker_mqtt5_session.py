@@ -676,7 +676,7 @@ from paho.mqtt.enums import CallbackAPIVersion  # noqa: E402
 from paho.mqtt.packettypes import PacketTypes  # noqa: E402
 from paho.mqtt.properties import Properties as PahoProperties  # noqa: E402
 
-from tests.test_broker_interop import ThreadedBroker, make_config  # noqa: E402
+from tests.broker_process import ThreadedBroker, make_config  # noqa: E402
 
 
 class Paho5:
@@ -887,9 +887,9 @@ def test_paho_session_of_a_killed_broker_is_kept_then_expires_from_the_restart(t
     """kill -9 of the real process while an MQTT 5 session (interval 2 s) is connected: its
     file says connected, so the restarted broker does not release it although the broker was
     down longer than the interval (never early); it expires 2 s after its next close."""
-    from tests.test_broker_kill9 import _start_broker
+    from tests.broker_process import start_broker_process
 
-    proc, port = _start_broker(tmp_path)
+    proc, port = start_broker_process(tmp_path)
     try:
         c = Paho5(port, "k", clean_start=True, connect_props={"SessionExpiryInterval": 2})
         c.subscribe("k/#")
@@ -898,7 +898,7 @@ def test_paho_session_of_a_killed_broker_is_kept_then_expires_from_the_restart(t
         assert c.disconnected.wait(10)
         c.c.loop_stop()
         time.sleep(2.5)  # the scenario is about time: down longer than the interval
-        proc, port = _start_broker(tmp_path)
+        proc, port = start_broker_process(tmp_path)
         store = SessionStore(tmp_path)
         assert store.path_of("k").exists()
         c = Paho5(port, "k", clean_start=False, connect_props={"SessionExpiryInterval": 2})
@@ -916,9 +916,9 @@ def test_paho_session_of_a_killed_broker_is_kept_then_expires_from_the_restart(t
 def test_paho_delayed_will_survives_kill_9_of_the_broker_mqtt_3_1_2_8(tmp_path: Path) -> None:
     """kill -9 of the real process while a will waits for its Will Delay Interval (2 s): the
     restarted broker publishes it when due, and a persistent subscriber gets it once."""
-    from tests.test_broker_kill9 import _start_broker
+    from tests.broker_process import start_broker_process
 
-    proc, port = _start_broker(tmp_path)
+    proc, port = start_broker_process(tmp_path)
     try:
         watcher = Paho5(port, "watcher", clean_start=True, connect_props={"SessionExpiryInterval": 3600})
         watcher.subscribe("will/#")
@@ -935,7 +935,7 @@ def test_paho_delayed_will_survives_kill_9_of_the_broker_mqtt_3_1_2_8(tmp_path: 
             time.sleep(0.05)
         proc.kill()  # within the delay: nothing published yet
         proc.wait(timeout=10)
-        proc, port = _start_broker(tmp_path)
+        proc, port = start_broker_process(tmp_path)
         watcher = Paho5(port, "watcher", clean_start=False, connect_props={"SessionExpiryInterval": 3600})
         assert watcher.session_present
         m = watcher.messages.get(timeout=10)

@@ -13,48 +13,18 @@ import socket
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from filemq.broker.pacing import AckPacer
 from filemq.mqtt.client import MQTTClient
-from filemq.mqtt.codec import Decoder, encode, encode_puback
-from filemq.mqtt.packets import Connack, Connect, Publish
-from tests.test_broker_server import make_config, running
+from tests.broker_harness import SocketTransport
+from tests.broker_process import SLOW_RECV_S, ack_one_by_one, backlog, make_config, running
 
 linux_only = pytest.mark.skipif(not sys.platform.startswith("linux") or not hasattr(socket, "TCP_QUICKACK"),
                                 reason="TCP_QUICKACK is a Linux socket option; elsewhere the broker goes without it")
 
 MESSAGES = 1600  # 50 refills of the default window of 32
-SLOW_RECV_S = 0.03  # a delayed ACK waits 40 ms; a recv that blocks this long waited for one
-
-
-def ack_one_by_one(sock: socket.socket, client_id: str, ack_until: int, deadline: float) -> tuple[int, int]:
-    """CONNECT ``client_id`` (persistent session) on ``sock`` and answer each QoS 1 PUBLISH
-    with a PUBACK in a send of its own, until ``ack_until`` have come (the rest of that read
-    unacked) or the monotonic ``deadline``.  Returns (messages received, recv calls that
-    blocked longer than SLOW_RECV_S)."""
-    decoder = Decoder(server=False)
-    received = slow = 0
-    sock.sendall(encode(Connect(client_id=client_id, clean_session=False, keepalive=60)))
-    while time.monotonic() < deadline and received < ack_until:
-        started = time.monotonic()
-        data = sock.recv(65536)
-        if not data:
-            break
-        if received and time.monotonic() - started > SLOW_RECV_S:
-            slow += 1
-        decoder.feed(data)
-        for packet in decoder.packets():
-            if isinstance(packet, Connack):
-                assert packet.return_code == 0 and packet.session_present
-            elif isinstance(packet, Publish):
-                received += 1
-                assert packet.qos == 1 and packet.packet_id is not None
-                if received <= ack_until:
-                    sock.sendall(encode_puback(packet.packet_id))  # one send per PUBACK
-    return received, slow
 
 
 def _nagle_subscriber(port: int, client_id: str, expect: int, deadline_s: float) -> tuple[int, int]:
@@ -67,20 +37,6 @@ def _nagle_subscriber(port: int, client_id: str, expect: int, deadline_s: float)
         return ack_one_by_one(sock, client_id, expect, time.monotonic() + deadline_s)
     finally:
         sock.close()
-
-
-async def backlog(port: int, client_id: str, n: int, prefix: str = "pace") -> None:
-    """A persistent QoS 1 subscription of ``client_id`` to ``prefix/#`` with ``n`` messages
-    waiting for it."""
-    sub = MQTTClient(client_id, port=port, clean_session=False)
-    await sub.connect()
-    assert await sub.subscribe([(f"{prefix}/#", 1)]) == [1]
-    await sub.disconnect()
-    pub = MQTTClient(f"{prefix}-pub", port=port, max_inflight=100)
-    await pub.connect()
-    for start in range(0, n, 100):
-        await asyncio.gather(*(pub.publish(f"{prefix}/t", b"%06d" % i, qos=1) for i in range(start, min(start + 100, n))))
-    await pub.disconnect()
 
 
 @linux_only
@@ -102,14 +58,6 @@ def test_a_nagle_subscriber_acking_one_by_one_is_not_held_at_each_refill(tmp_pat
     asyncio.run(main())
 
 
-class FakeTransport:
-    def __init__(self, sock: Any) -> None:
-        self.sock = sock
-
-    def get_extra_info(self, name: str, default: Any = None) -> Any:
-        return self.sock if name == "socket" else default
-
-
 class _RecordingSocket:
     type = socket.SOCK_STREAM
     family = socket.AF_INET
@@ -127,26 +75,26 @@ class _RecordingSocket:
 @linux_only
 def test_acks_read_sets_tcp_quickack_and_reports_a_refusal() -> None:
     sock = _RecordingSocket()
-    pacer = AckPacer.for_transport(FakeTransport(sock))  # type: ignore[arg-type]
+    pacer = AckPacer.for_transport(SocketTransport(sock))  # type: ignore[arg-type]
     assert pacer is not None
     assert pacer.acks_read("c") is True
     assert sock.calls == [(socket.IPPROTO_TCP, socket.TCP_QUICKACK, 1)]
-    refusing = AckPacer.for_transport(FakeTransport(_RecordingSocket(fail=True)))  # type: ignore[arg-type]
+    refusing = AckPacer.for_transport(SocketTransport(_RecordingSocket(fail=True)))  # type: ignore[arg-type]
     assert refusing is not None and refusing.acks_read("c") is False
 
 
 @linux_only
 def test_only_tcp_sockets_get_a_pacer() -> None:
-    assert AckPacer.for_transport(FakeTransport(None)) is None  # type: ignore[arg-type]  # a fake transport
+    assert AckPacer.for_transport(SocketTransport(None)) is None  # type: ignore[arg-type]  # a fake transport
     a, b = socket.socketpair(socket.AF_UNIX)
     try:
-        assert AckPacer.for_transport(FakeTransport(a)) is None  # type: ignore[arg-type]
+        assert AckPacer.for_transport(SocketTransport(a)) is None  # type: ignore[arg-type]
     finally:
         a.close()
         b.close()
     tcp = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     try:
-        pacer = AckPacer.for_transport(FakeTransport(tcp))  # type: ignore[arg-type]
+        pacer = AckPacer.for_transport(SocketTransport(tcp))  # type: ignore[arg-type]
         assert pacer is not None and pacer.acks_read("c") is True
     finally:
         tcp.close()

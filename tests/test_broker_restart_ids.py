@@ -15,12 +15,12 @@ import pytest
 
 from filemq.broker.session_store import CorruptSession, StoredSession
 from filemq.mqtt.packets import Connect, Puback, Pubcomp, Publish, Pubrec, Pubrel, Suback, Subscribe
-from tests.test_broker_kill9 import _Raw, _start_broker
+from tests.broker_process import BlockingClient, start_broker_process
 
 pytestmark = pytest.mark.timeout(60)
 
 
-def _publishes(client: _Raw, n: int) -> list[Publish]:
+def _publishes(client: BlockingClient, n: int) -> list[Publish]:
     out: list[Publish] = []
     while len(out) < n:
         p = client.next()
@@ -29,7 +29,7 @@ def _publishes(client: _Raw, n: int) -> list[Publish]:
     return out
 
 
-def _quiet(client: _Raw, seconds: float = 0.5) -> list[object]:
+def _quiet(client: BlockingClient, seconds: float = 0.5) -> list[object]:
     """What arrives within ``seconds`` (nothing expected)."""
     client.sock.settimeout(seconds)
     try:
@@ -47,12 +47,12 @@ def test_unfinished_qos2_delivery_keeps_its_id_across_kill9_and_the_id_is_not_re
     messages never use it (MQTT-2.2.1-3); the QoS 2 message is never sent under another id.
     Before the fix the ids restarted at 1: the message came back as id 1 and the fourth new
     message took id 4, which a method-B subscriber drops as a duplicate."""
-    proc, port = _start_broker(tmp_path)
+    proc, port = start_broker_process(tmp_path)
     try:
-        sub = _Raw(port, Connect(client_id="sub", clean_session=False))
+        sub = BlockingClient(port, Connect(client_id="sub", clean_session=False))
         sub.send(Subscribe(1, [("t/#", 2)]))
         assert sub.next() == Suback(1, [2])
-        pub = _Raw(port, Connect(client_id="pub"))
+        pub = BlockingClient(port, Connect(client_id="pub"))
         for i in range(3):
             pub.send(Publish("t/1", b"q1-%d" % i, 1, packet_id=i + 1))
             assert pub.next() == Puback(i + 1)
@@ -72,12 +72,12 @@ def test_unfinished_qos2_delivery_keeps_its_id_across_kill9_and_the_id_is_not_re
         sub.close()
         pub.close()
 
-        proc, port = _start_broker(tmp_path)
-        sub = _Raw(port, Connect(client_id="sub", clean_session=False))
+        proc, port = start_broker_process(tmp_path)
+        sub = BlockingClient(port, Connect(client_id="sub", clean_session=False))
         again = sub.next()
         assert isinstance(again, Publish) and again.payload == b"exactly-once"
         assert again.packet_id == held_id and again.dup and again.qos == 2
-        pub = _Raw(port, Connect(client_id="pub"))
+        pub = BlockingClient(port, Connect(client_id="pub"))
         for i in range(10):
             pub.send(Publish("t/1", b"new-%d" % i, 1, packet_id=i + 1))
             assert pub.next() == Puback(i + 1)
@@ -98,8 +98,8 @@ def test_unfinished_qos2_delivery_keeps_its_id_across_kill9_and_the_id_is_not_re
         # Completed: after another kill -9 nothing of it comes back.
         proc.kill()
         proc.wait(timeout=10)
-        proc, port = _start_broker(tmp_path)
-        sub = _Raw(port, Connect(client_id="sub", clean_session=False))
+        proc, port = start_broker_process(tmp_path)
+        sub = BlockingClient(port, Connect(client_id="sub", clean_session=False))
         left = _quiet(sub, 1.0)
         assert not [p for p in left if isinstance(p, Publish) and p.payload == b"exactly-once"]
         sub.close()
@@ -125,14 +125,14 @@ def test_retained_qos2_delivery_id_is_released_after_kill9_not_reused(tmp_path: 
     PUBREC is lost to a SIGKILL: after the restart the broker sends PUBREL for its id, so a
     client holding it (method B) frees it, and no new message gets the id before the PUBCOMP
     (MQTT-2.2.1-3).  Before, the first new delivery took the same id 1."""
-    proc, port = _start_broker(tmp_path)
+    proc, port = start_broker_process(tmp_path)
     try:
-        pub = _Raw(port, Connect(client_id="pub"))
+        pub = BlockingClient(port, Connect(client_id="pub"))
         pub.send(Publish("r/1", b"retained", 2, retain=True, packet_id=1))
         assert pub.next() == Pubrec(1)
         pub.send(Pubrel(1))
         assert pub.next() == Pubcomp(1)
-        sub = _Raw(port, Connect(client_id="sub", clean_session=False))
+        sub = BlockingClient(port, Connect(client_id="sub", clean_session=False))
         sub.send(Subscribe(1, [("r/#", 2)]))
         assert sub.next() == Suback(1, [2])
         (ret,) = _publishes(sub, 1)
@@ -143,10 +143,10 @@ def test_retained_qos2_delivery_id_is_released_after_kill9_not_reused(tmp_path: 
         sub.close()
         pub.close()
 
-        proc, port = _start_broker(tmp_path)
-        sub = _Raw(port, Connect(client_id="sub", clean_session=False))
+        proc, port = start_broker_process(tmp_path)
+        sub = BlockingClient(port, Connect(client_id="sub", clean_session=False))
         assert sub.next() == Pubrel(held_id)
-        pub = _Raw(port, Connect(client_id="pub"))
+        pub = BlockingClient(port, Connect(client_id="pub"))
         pub.send(Publish("r/1", b"new", 2, packet_id=2))
         assert pub.next() == Pubrec(2)
         pub.send(Pubrel(2))
@@ -166,12 +166,12 @@ def test_shared_subscription_qos2_id_is_released_after_kill9_and_the_message_com
     SIGKILL: after the restart the member gets PUBREL for the old id (freeing it at the
     client) and the message again from the share group under another id; the old id is not
     reused before its PUBCOMP (MQTT-2.2.1-3)."""
-    proc, port = _start_broker(tmp_path)
+    proc, port = start_broker_process(tmp_path)
     try:
-        sub = _Raw(port, Connect(client_id="member", clean_session=False))
+        sub = BlockingClient(port, Connect(client_id="member", clean_session=False))
         sub.send(Subscribe(1, [("$share/g/s/#", 2)]))
         assert sub.next() == Suback(1, [2])
-        pub = _Raw(port, Connect(client_id="pub"))
+        pub = BlockingClient(port, Connect(client_id="pub"))
         pub.send(Publish("s/1", b"shared", 2, packet_id=1))
         assert pub.next() == Pubrec(1)
         pub.send(Pubrel(1))
@@ -184,8 +184,8 @@ def test_shared_subscription_qos2_id_is_released_after_kill9_and_the_message_com
         sub.close()
         pub.close()
 
-        proc, port = _start_broker(tmp_path)
-        sub = _Raw(port, Connect(client_id="member", clean_session=False))
+        proc, port = start_broker_process(tmp_path)
+        sub = BlockingClient(port, Connect(client_id="member", clean_session=False))
         assert sub.next() == Pubrel(held_id)
         (again,) = _publishes(sub, 1)
         assert again.payload == b"shared" and again.packet_id != held_id

@@ -13,26 +13,13 @@ from pathlib import Path
 import pytest
 
 from filemq.broker.acl import Acl
-from filemq.broker.auth import PasswordFile, add_or_update
+from filemq.broker.auth import add_or_update
 from filemq.broker.session_store import SessionStore, StoredSession, StoredSubscription
 from filemq.common.config import BrokerSection, CollectorSection
 from filemq.mqtt.packets import Connack, Connect, Puback, Publish, Subscribe
-from tests.broker_harness import Harness, run
+from tests.broker_harness import Harness, run, users_file, with_logins
 
 CONNACK_NOT_AUTHORIZED = 0x05
-
-
-def _with_logins(h: Harness, pw_file: Path, acl_text: str | None = None) -> None:
-    h.core.passwords = PasswordFile.load(pw_file)
-    if acl_text is not None:
-        h.core.acl = Acl.parse(acl_text)
-
-
-def _users(tmp_path: Path, *users: str) -> Path:
-    pw_file = tmp_path / "pw"
-    for user in users:
-        add_or_update(pw_file, user, user + "-pw", iterations=1000)
-    return pw_file
 
 
 async def _login(h: Harness, client_id: str, user: str, clean: bool = True) -> tuple[object, Connack]:
@@ -56,11 +43,11 @@ async def _login(h: Harness, client_id: str, user: str, clean: bool = True) -> t
 def test_password_file_on_loopback_refuses_anonymous_with_0x05(tmp_path: Path) -> None:
     """MQTT 3.1.1 §3.2.2.3 (0x05 not authorized): with a password file set and ``allow_anonymous`` unset, an
     anonymous CONNECT is refused on a loopback listener too (it used to get in)."""
-    pw_file = _users(tmp_path, "alice")
+    pw_file = users_file(tmp_path, "alice")
 
     async def main() -> None:
         h = Harness(tmp_path, host="127.0.0.1", password_file=str(pw_file))
-        _with_logins(h, pw_file)
+        with_logins(h, pw_file)
         anon = h.client()
         assert anon.connect("anon").return_code == CONNACK_NOT_AUTHORIZED
         assert anon.conn.closed
@@ -70,11 +57,11 @@ def test_password_file_on_loopback_refuses_anonymous_with_0x05(tmp_path: Path) -
 
 
 def test_allow_anonymous_true_lets_anonymous_in_beside_a_password_file(tmp_path: Path) -> None:
-    pw_file = _users(tmp_path, "alice")
+    pw_file = users_file(tmp_path, "alice")
 
     async def main() -> None:
         h = Harness(tmp_path, host="127.0.0.1", password_file=str(pw_file), allow_anonymous=True)
-        _with_logins(h, pw_file)
+        with_logins(h, pw_file)
         assert h.client().connect("anon").return_code == 0
     run(main())
 
@@ -102,11 +89,11 @@ topic readwrite mallory/#
 def test_other_user_cannot_take_a_persistent_session_0x05(tmp_path: Path) -> None:
     """MQTT 3.1.1 §3.2.2.3: mallory CONNECTing with alice's client id (clean session 0 or 1)
     is refused with 0x05; alice's queued message is neither delivered to him nor wiped."""
-    pw_file = _users(tmp_path, "alice", "mallory", "pub")
+    pw_file = users_file(tmp_path, "alice", "mallory", "pub")
 
     async def main() -> None:
         h = Harness(tmp_path, password_file=str(pw_file))
-        _with_logins(h, pw_file, ALICE_MALLORY_ACL + "user pub\ntopic write #\n")
+        with_logins(h, pw_file, ALICE_MALLORY_ACL + "user pub\ntopic write #\n")
         alice, connack = await _login(h, "alice-1", "alice", clean=False)
         assert connack.return_code == 0
         alice.send(Subscribe(1, [("alice/secret/#", 1)]))
@@ -131,11 +118,11 @@ def test_other_user_cannot_take_a_persistent_session_0x05(tmp_path: Path) -> Non
 def test_other_user_cannot_take_over_a_live_connection(tmp_path: Path) -> None:
     """A take-over (MQTT-3.1.4-2) is only for the same user: mallory is refused with 0x05 and
     alice's live connection stays open and keeps receiving."""
-    pw_file = _users(tmp_path, "alice", "mallory")
+    pw_file = users_file(tmp_path, "alice", "mallory")
 
     async def main() -> None:
         h = Harness(tmp_path, password_file=str(pw_file))
-        _with_logins(h, pw_file, ALICE_MALLORY_ACL)
+        with_logins(h, pw_file, ALICE_MALLORY_ACL)
         alice, _ = await _login(h, "shared-id", "alice")
         alice.send(Subscribe(1, [("alice/#", 0)]))
         alice.received()
@@ -151,16 +138,16 @@ def test_other_user_cannot_take_over_a_live_connection(tmp_path: Path) -> None:
 
 
 def test_session_owner_is_stored_and_survives_a_restart(tmp_path: Path) -> None:
-    pw_file = _users(tmp_path, "alice", "mallory")
+    pw_file = users_file(tmp_path, "alice", "mallory")
 
     async def main() -> None:
         h = Harness(tmp_path, password_file=str(pw_file))
-        _with_logins(h, pw_file, ALICE_MALLORY_ACL)
+        with_logins(h, pw_file, ALICE_MALLORY_ACL)
         await _login(h, "alice-1", "alice", clean=False)
         stored = h.store.load("alice-1")
         assert stored is not None and stored.owner == "alice" and stored.owner_known
         h2 = Harness(tmp_path, password_file=str(pw_file))  # a new core on the same files
-        _with_logins(h2, pw_file, ALICE_MALLORY_ACL)
+        with_logins(h2, pw_file, ALICE_MALLORY_ACL)
         _, connack = await _login(h2, "alice-1", "mallory", clean=False)
         assert connack.return_code == CONNACK_NOT_AUTHORIZED
     run(main())
@@ -169,7 +156,7 @@ def test_session_owner_is_stored_and_survives_a_restart(tmp_path: Path) -> None:
 def test_session_file_without_owner_is_adopted_only_within_the_acl(tmp_path: Path) -> None:
     """A session file written before owners were recorded: mallory, whose ACL does not allow
     its subscription, is refused; alice adopts it and her ownership is written."""
-    pw_file = _users(tmp_path, "alice", "mallory")
+    pw_file = users_file(tmp_path, "alice", "mallory")
     (tmp_path / "sessions").mkdir()
     (tmp_path / "sessions" / "alice-1.json").write_text(
         '{"format":1,"client_id":"alice-1","subscriptions":{"alice/secret/#":{"qos":1,"start":0}},'
@@ -177,7 +164,7 @@ def test_session_file_without_owner_is_adopted_only_within_the_acl(tmp_path: Pat
 
     async def main() -> None:
         h = Harness(tmp_path, password_file=str(pw_file))
-        _with_logins(h, pw_file, ALICE_MALLORY_ACL)
+        with_logins(h, pw_file, ALICE_MALLORY_ACL)
         _, connack = await _login(h, "alice-1", "mallory", clean=False)
         assert connack.return_code == CONNACK_NOT_AUTHORIZED
         _, connack = await _login(h, "alice-1", "alice", clean=False)
@@ -246,7 +233,7 @@ def test_old_share_group_is_split_per_filter_without_loss(tmp_path: Path) -> Non
     from filemq.broker.server import log_config
     from filemq.mqtt.client import MQTTClient
     from filemq.queue import Queue, QueueConfig
-    from tests.test_broker_server import collect, make_config, running
+    from tests.broker_process import collect, make_config, running
 
     async def main() -> None:
         cfg = make_config(tmp_path)
@@ -328,7 +315,7 @@ def test_sighup_reloads_password_and_acl_files_in_a_running_broker(tmp_path: Pat
     to an existing subscription; a new file that fails to parse keeps the old one in force."""
     from filemq.mqtt.client import ConnectionRefused, MQTTClient
 
-    pw_file = _users(tmp_path, "alice", "pub")
+    pw_file = users_file(tmp_path, "alice", "pub")
     acl = tmp_path / "acl"
     acl.write_text("user alice\ntopic read alice/#\nuser pub\ntopic write #\nuser carol\ntopic read #\n")
 
@@ -391,7 +378,7 @@ def test_sighup_reloads_and_does_not_end_agent_or_collector(tmp_path: Path, serv
     (and ACL) files on SIGHUP and keep running; SIGTERM still ends them with 0."""
     from filemq.mqtt.client import MQTTClient
 
-    pw_file = _users(tmp_path, "dev1")
+    pw_file = users_file(tmp_path, "dev1")
     acl = tmp_path / "acl"
     acl.write_text("pattern write filemq/v1/%u/#\n")
     if service == "agent":

@@ -17,7 +17,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,36 +26,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from filemq.broker import Broker, HookResult
-from filemq.common.config import Config, load_config
+from filemq.common.config import load_config
 from filemq.mqtt.client import ConnectionLost, ConnectionRefused, MQTTClient, Will
 from filemq.mqtt.codec import Decoder, encode
 from filemq.mqtt.packets import Connect, Pingreq, Pingresp, Publish
-from tests.loops import skip_tls_on_uvloop
+from tests.broker_process import collect, make_config, running
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def make_config(data_dir: Path, **broker: Any) -> Config:
-    overrides = {"data_dir": str(data_dir), "broker.port": 0}
-    overrides.update({f"broker.{k}": v for k, v in broker.items()})
-    return load_config(None, overrides)
-
-
-@contextlib.asynccontextmanager
-async def running(config: Config, **kw: Any) -> AsyncIterator[Broker]:
-    skip_tls_on_uvloop(config)
-    broker = Broker(config, **kw)
-    await broker.start()
-    try:
-        yield broker
-    finally:
-        await broker.stop()
-
-
-async def collect(client_msgs: list[Publish], n: int, timeout: float = 5.0) -> None:
-    async with asyncio.timeout(timeout):
-        while len(client_msgs) < n:
-            await asyncio.sleep(0.01)
 
 
 def test_qos_0_1_2_both_ways(tmp_path: Path) -> None:

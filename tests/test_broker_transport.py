@@ -7,15 +7,12 @@ Issue 10 item 9 (slowloris), item 10 (a client that never reads), issue 11 item 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import shutil
 import socket
 import ssl
-import subprocess
 import threading
 import time
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +22,6 @@ from filemq.broker import Broker
 from filemq.broker.session.connection import AWAITING_CONNECT, CLOSED, MAX_CONNECT_PACKET
 from filemq.broker.tls import certificate_cn
 from filemq.common.config import (
-    Config,
     ConfigError,
     Listener,
     broker_listeners,
@@ -36,40 +32,11 @@ from filemq.mqtt.client import ConnectionLost, ConnectionRefused, MQTTClient
 from filemq.mqtt.codec import Decoder, encode
 from filemq.mqtt.packets import Connack, Connect, Pingreq, Publish
 from tests.broker_harness import Harness
-from tests.loops import skip_tls_on_uvloop
+from tests.broker_process import closed_by_peer, collect, load_toml, make_config, running
+from tests.tls_material import client_ctx, make_ca, signed_cert
 
 # MQTT 3.1.1 CONNECT for client id "slow": fixed header + variable header + payload.
 _CONNECT = encode(Connect(client_id="slow"))
-
-
-def make_config(data_dir: Path, **broker: Any) -> Config:
-    overrides = {"data_dir": str(data_dir), "broker.port": 0}
-    overrides.update({f"broker.{k}": v for k, v in broker.items()})
-    return load_config(None, overrides)
-
-
-@contextlib.asynccontextmanager
-async def running(config: Config, **kw: Any) -> AsyncIterator[Broker]:
-    skip_tls_on_uvloop(config)
-    broker = Broker(config, **kw)
-    await broker.start()
-    try:
-        yield broker
-    finally:
-        await broker.stop()
-
-
-async def _closed_by_peer(reader: asyncio.StreamReader, timeout: float) -> bool:
-    """True when the broker closes the connection within ``timeout`` (EOF or reset)."""
-    try:
-        async with asyncio.timeout(timeout):
-            while await reader.read(65536):
-                pass
-    except TimeoutError:
-        return False
-    except ConnectionError:
-        return True
-    return True
 
 
 # ---- slowloris (issue 10 item 9) ------------------------------------------------------------
@@ -118,7 +85,7 @@ def test_half_open_sockets_do_not_lock_out_clients(tmp_path: Path) -> None:
                     while sum(1 for c in b.core.conns if c.state == AWAITING_CONNECT) > 8:
                         await asyncio.sleep(0.01)
                 for r, _ in held[:40]:
-                    assert await _closed_by_peer(r, 5)
+                    assert await closed_by_peer(r, 5)
                 for i in range(3):
                     c = MQTTClient(f"real-{i}", port=b.port)
                     ack = await c.connect(timeout=5)
@@ -146,7 +113,7 @@ def test_max_connections_counts_connected_clients_only(tmp_path: Path) -> None:
             w.write(encode(Connect(client_id="third")))
             data = await asyncio.wait_for(r.read(4), 5)
             assert data in (b"", b"\x20\x02\x00\x03")  # refused at accept, or CONNACK 3
-            assert await _closed_by_peer(r, 5)
+            assert await closed_by_peer(r, 5)
             w.close()
             for _, hw in half:
                 hw.close()
@@ -169,7 +136,7 @@ def test_pre_connect_packet_size_is_capped(tmp_path: Path, caplog: pytest.LogCap
             header = bytes([0x10, 0x80 | (size & 0x7F), 0x80 | ((size >> 7) & 0x7F), size >> 14])
             with caplog.at_level(logging.WARNING, "filemq.broker"):
                 w.write(header + b"\x00" * 65536)
-                assert await _closed_by_peer(r, 3)
+                assert await closed_by_peer(r, 3)
             assert "exceeds max_packet_size" in caplog.text
             w.close()
             # A large PUBLISH pipelined behind the CONNECT, in the same write, is accepted.
@@ -310,45 +277,10 @@ needs_openssl = pytest.mark.skipif(shutil.which("openssl") is None,
                                    reason="openssl CLI is not installed; cannot make test certificates")
 
 
-def _openssl(*args: str) -> None:
-    subprocess.run(["openssl", *args], check=True, capture_output=True, timeout=60)
-
-
-def _ca(d: Path, name: str) -> tuple[Path, Path]:
-    cert, key = d / f"{name}.pem", d / f"{name}.key"
-    _openssl("req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
-             "-keyout", str(key), "-out", str(cert), "-days", "2", "-subj", f"/CN={name}")
-    return cert, key
-
-
-def _signed(d: Path, name: str, cn: str, ca: tuple[Path, Path]) -> tuple[Path, Path]:
-    """A certificate for ``cn`` signed by ``ca``, valid for 127.0.0.1 (server and client use)."""
-    cert, key, csr, ext = d / f"{name}.pem", d / f"{name}.key", d / f"{name}.csr", d / f"{name}.ext"
-    ext.write_text("subjectAltName = IP:127.0.0.1, DNS:localhost\n")
-    _openssl("req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
-             "-keyout", str(key), "-out", str(csr), "-subj", f"/CN={cn}")
-    _openssl("x509", "-req", "-in", str(csr), "-CA", str(ca[0]), "-CAkey", str(ca[1]),
-             "-CAcreateserial", "-out", str(cert), "-days", "2", "-extfile", str(ext))
-    return cert, key
-
-
-def _client_ctx(ca: Path, cert: tuple[Path, Path] | None = None) -> ssl.SSLContext:
-    ctx = ssl.create_default_context(cafile=str(ca))
-    if cert is not None:
-        ctx.load_cert_chain(str(cert[0]), str(cert[1]))
-    return ctx
-
-
-def _load(tmp: Path, text: str, **overrides: Any) -> Config:
-    conf = tmp / "filemq.toml"
-    conf.write_text(text)
-    return load_config(conf, {"data_dir": str(tmp / "data"), **overrides})
-
-
 def test_listener_tables_and_flag_shorthand(tmp_path: Path) -> None:
     """[[listener]] tables parse into Listener values; the --listener string form gives the
     same; without them the --host/--port/--tls-* shorthand yields the listener list."""
-    c = _load(tmp_path, '[[listener]]\nport = 1883\n\n[[listener]]\nhost = "127.0.0.2"\nport = 8883\n'
+    c = load_toml(tmp_path, '[[listener]]\nport = 1883\n\n[[listener]]\nhost = "127.0.0.2"\nport = 8883\n'
                         'tls_cert = "c.pem"\ntls_key = "k.pem"\ntls_ca = "ca.pem"\nrequire_certificate = true\n'
                         'use_identity_as_username = true\n\n[[listener]]\nport = 8080\nprotocol = "websockets"\n')
     assert c.listener == (
@@ -382,7 +314,7 @@ def test_listener_tables_and_flag_shorthand(tmp_path: Path) -> None:
 ])
 def test_listener_config_errors(tmp_path: Path, text: str, words: str) -> None:
     with pytest.raises(ConfigError) as info:
-        _load(tmp_path, text)
+        load_toml(tmp_path, text)
     assert words in str(info.value)
     assert info.value.line is not None
 
@@ -396,10 +328,10 @@ def test_tls_client_certificate_identity_as_username(tmp_path: Path) -> None:
     listener gets CONNACK 4."""
     from filemq.broker.auth import add_or_update
 
-    ca = _ca(tmp_path, "ca")
-    server = _signed(tmp_path, "server", "broker", ca)
-    alice = _signed(tmp_path, "alice", "alice", ca)
-    rogue = _signed(tmp_path, "rogue", "alice", _ca(tmp_path, "rogue-ca"))
+    ca = make_ca(tmp_path, "ca")
+    server = signed_cert(tmp_path, "server", "broker", ca)
+    alice = signed_cert(tmp_path, "alice", "alice", ca)
+    rogue = signed_cert(tmp_path, "rogue", "alice", make_ca(tmp_path, "rogue-ca"))
     pw = tmp_path / "passwd"
     add_or_update(pw, "bob", "bob-secret", iterations=1000)
     acl = tmp_path / "acl"
@@ -409,14 +341,14 @@ def test_tls_client_certificate_identity_as_username(tmp_path: Path) -> None:
             f'tls_ca = "{ca[0]}"\nrequire_certificate = true\nuse_identity_as_username = true\n')
 
     async def main() -> None:
-        async with running(_load(tmp_path, text)) as b:
+        async with running(load_toml(tmp_path, text)) as b:
             assert b.core is not None and b.tls_port is not None and b.ports == [b.port, b.tls_port]
             got: list[Publish] = []
             watcher = MQTTClient("watch", port=b.port, username="bob", password="bob-secret",
                                  on_message=got.append)
             await watcher.connect(timeout=10)
             await watcher.subscribe([("#", 1)])
-            cert_client = MQTTClient("cert", port=b.tls_port, ssl=_client_ctx(ca[0], alice),
+            cert_client = MQTTClient("cert", port=b.tls_port, ssl=client_ctx(ca[0], alice),
                                      username="mallory", password="wrong")
             assert (await cert_client.connect(timeout=10)).return_code == 0
             assert b.core.connections["cert"].username == "alice"
@@ -425,7 +357,7 @@ def test_tls_client_certificate_identity_as_username(tmp_path: Path) -> None:
             await collect(got, 1)
             assert [(m.topic, m.payload) for m in got] == [("alice/x", b"hello")]
             await cert_client.disconnect()
-            for ctx in (_client_ctx(ca[0]), _client_ctx(ca[0], rogue)):
+            for ctx in (client_ctx(ca[0]), client_ctx(ca[0], rogue)):
                 c = MQTTClient("nocert", port=b.tls_port, ssl=ctx)
                 with pytest.raises((ssl.SSLError, ConnectionError, ConnectionLost, OSError)):
                     await c.connect(timeout=10)
@@ -438,15 +370,9 @@ def test_tls_client_certificate_identity_as_username(tmp_path: Path) -> None:
     asyncio.run(main())
 
 
-async def collect(msgs: list[Publish], n: int, timeout: float = 5.0) -> None:
-    async with asyncio.timeout(timeout):
-        while len(msgs) < n:
-            await asyncio.sleep(0.01)
-
-
 def _peer_cn(port: int, ca: Path) -> str | None:
     with socket.create_connection(("127.0.0.1", port), timeout=5) as raw, \
-            _client_ctx(ca).wrap_socket(raw, server_hostname="127.0.0.1") as s:
+            client_ctx(ca).wrap_socket(raw, server_hostname="127.0.0.1") as s:
         return certificate_cn(s.getpeercert())
 
 
@@ -454,9 +380,9 @@ def _peer_cn(port: int, ca: Path) -> str | None:
 def test_reload_tls(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """Broker.reload_tls(): new connections get the certificate now in the files, an open one
     keeps working; files that fail to load keep the previous certificate, and say why."""
-    ca = _ca(tmp_path, "ca")
-    first = _signed(tmp_path, "first", "first", ca)
-    second = _signed(tmp_path, "second", "second", ca)
+    ca = make_ca(tmp_path, "ca")
+    first = signed_cert(tmp_path, "first", "first", ca)
+    second = signed_cert(tmp_path, "second", "second", ca)
     cert, key = tmp_path / "server.pem", tmp_path / "server.key"
     shutil.copy(first[0], cert)
     shutil.copy(first[1], key)
@@ -465,7 +391,7 @@ def test_reload_tls(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
         async with running(make_config(tmp_path / "d", tls_cert=str(cert), tls_key=str(key), tls_port=0)) as b:
             assert b.tls_port is not None
             assert await asyncio.to_thread(_peer_cn, b.tls_port, ca[0]) == "first"
-            open_client = MQTTClient("kept", port=b.tls_port, ssl=_client_ctx(ca[0]))
+            open_client = MQTTClient("kept", port=b.tls_port, ssl=client_ctx(ca[0]))
             await open_client.connect(timeout=10)
             shutil.copy(second[0], cert)
             shutil.copy(second[1], key)
@@ -492,7 +418,7 @@ def test_websockets_listener_with_paho(tmp_path: Path) -> None:
     text = '[[listener]]\nport = 0\n\n[[listener]]\nport = 0\nprotocol = "websockets"\n'
 
     async def main() -> None:
-        async with running(_load(tmp_path, text)) as b:
+        async with running(load_toml(tmp_path, text)) as b:
             ws_port = b.ports[1]
             assert b.listening == f"127.0.0.1:{b.port} (also ws://127.0.0.1:{ws_port})"
             connected, subscribed = threading.Event(), threading.Event()
@@ -539,14 +465,14 @@ def test_websocket_upgrade_without_mqtt_subprotocol_is_refused(tmp_path: Path) -
     text = '[[listener]]\nport = 0\nprotocol = "websockets"\n'
 
     async def main() -> None:
-        async with running(_load(tmp_path, text)) as b:
+        async with running(load_toml(tmp_path, text)) as b:
             r, w = await asyncio.open_connection("127.0.0.1", b.ports[0])
             w.write(b"GET /mqtt HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
                     b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n"
                     b"Sec-WebSocket-Protocol: chat\r\n\r\n")
             head = await asyncio.wait_for(r.readline(), 5)
             assert head.startswith(b"HTTP/1.1 400")
-            assert await _closed_by_peer(r, 5)
+            assert await closed_by_peer(r, 5)
             w.close()
 
     asyncio.run(main())
@@ -576,7 +502,7 @@ def test_websocket_upgrade_from_a_foreign_origin_is_refused(tmp_path: Path, capl
             '[[listener]]\nport = 0\nprotocol = "websockets"\nallowed_origins = ["*"]\n')
 
     async def main() -> None:
-        async with running(_load(tmp_path, text)) as b:
+        async with running(load_toml(tmp_path, text)) as b:
             closed, listed, anyone = b.ports
             with caplog.at_level(logging.WARNING, logger="filemq"):
                 assert (await _upgrade(closed, b"https://evil.example")).startswith(b"HTTP/1.1 403")
@@ -600,15 +526,15 @@ def test_secure_websockets_with_client_certificate(tmp_path: Path) -> None:
     import paho.mqtt.client as paho
     from paho.mqtt.enums import CallbackAPIVersion
 
-    ca = _ca(tmp_path, "ca")
-    server = _signed(tmp_path, "server", "broker", ca)
-    carol = _signed(tmp_path, "carol", "carol", ca)
+    ca = make_ca(tmp_path, "ca")
+    server = signed_cert(tmp_path, "server", "broker", ca)
+    carol = signed_cert(tmp_path, "carol", "carol", ca)
     text = (f'[[listener]]\nport = 0\nprotocol = "websockets"\ntls_cert = "{server[0]}"\n'
             f'tls_key = "{server[1]}"\ntls_ca = "{ca[0]}"\nrequire_certificate = true\n'
             f'use_identity_as_username = true\n')
 
     async def main() -> None:
-        async with running(_load(tmp_path, text)) as b:
+        async with running(load_toml(tmp_path, text)) as b:
             assert b.core is not None
             codes: list[int] = []
             connected = threading.Event()
@@ -639,7 +565,7 @@ def test_websocket_upgrade_is_under_the_connect_deadline(tmp_path: Path) -> None
     text = '[[listener]]\nport = 0\nprotocol = "websockets"\n'
 
     async def main() -> None:
-        async with running(_load(tmp_path, text)) as b:
+        async with running(load_toml(tmp_path, text)) as b:
             assert b.core is not None
             b.core.connect_timeout = 0.5
             r, w = await asyncio.open_connection("127.0.0.1", b.ports[0])
@@ -647,7 +573,7 @@ def test_websocket_upgrade_is_under_the_connect_deadline(tmp_path: Path) -> None
             closed = False
             for i in range(len(request)):  # a byte every 0.1 s: well inside any idle timeout
                 w.write(request[i:i + 1])
-                if await _closed_by_peer(r, 0.1):
+                if await closed_by_peer(r, 0.1):
                     closed = True
                     break
             assert closed

@@ -759,13 +759,13 @@ def test_paho_mqtt5_properties_reach_the_landing_columns(tmp_path: Path) -> None
     3.3.2.3.9 content type, 3.3.2.3.5 response topic, 3.3.2.3.6 correlation data, 3.3.2.3.7
     user properties in order with repeats) go agent log -> batch -> collector -> landing
     columns; a PUBLISH without properties, and a 3.1.1 one, land with nulls."""
-    publish5 = pytest.importorskip("tests.test_broker_mqtt5_publish")
+    paho5 = pytest.importorskip("tests.paho5")
     from paho.mqtt.packettypes import PacketTypes
 
     def publish_with_paho(port: int) -> None:
-        pub = publish5.Paho5(port, "paho-pub")
+        pub = paho5.Paho5(port, "paho-pub")
         try:
-            props = publish5._paho_props(PacketTypes.PUBLISH)
+            props = paho5.paho_props(PacketTypes.PUBLISH)
             props.PayloadFormatIndicator = 1
             props.MessageExpiryInterval = 3600
             props.ContentType = "application/json"
@@ -774,7 +774,7 @@ def test_paho_mqtt5_properties_reach_the_landing_columns(tmp_path: Path) -> None
             props.UserProperty = [("z", "1"), ("a", "2"), ("z", "3")]
             assert pub.publish("sensors/full", b'{"t": 1}', 1, props=props) == 0
             assert pub.publish("sensors/none", b"plain", 1) == 0
-            only = publish5._paho_props(PacketTypes.PUBLISH)
+            only = paho5.paho_props(PacketTypes.PUBLISH)
             only.UserProperty = [("k", "v")]
             assert pub.publish("sensors/user", b"u", 1, props=only) == 0
         finally:

@@ -23,9 +23,8 @@ from filemq.common.config import load_config
 from filemq.mqtt.client import ConnectionRefused, MQTTClient
 from filemq.ops.mosquitto_conf import convert
 from tests import mosquitto
-from tests.test_broker_crl import Crl
-from tests.test_broker_kill9 import REPO
-from tests.test_broker_transport import _ca, _client_ctx, _signed
+from tests.broker_process import REPO
+from tests.tls_material import Crl, client_ctx, make_ca, signed_cert
 
 pytestmark = pytest.mark.timeout(90)
 DEBIAN_CONF = Path("/etc/mosquitto/mosquitto.conf")
@@ -77,9 +76,9 @@ def test_debian_shipped_mosquitto_conf(tmp_path: Path) -> None:
 
 @pytest.mark.skipif(not mosquitto.available(), reason="Debian mosquitto (mosquitto_passwd) is not installed")
 def test_every_option_the_conversion_takes_with_the_real_broker(tmp_path: Path) -> None:
-    ca = _ca(tmp_path, "ca")
-    server = _signed(tmp_path, "server", "localhost", ca)
-    device = _signed(tmp_path, "device", "dev-7", ca)
+    ca = make_ca(tmp_path, "ca")
+    server = signed_cert(tmp_path, "server", "localhost", ca)
+    device = signed_cert(tmp_path, "device", "dev-7", ca)
     crl = Crl(tmp_path, ca)
     passwd = tmp_path / "passwd"
     subprocess.run([mosquitto.MOSQUITTO_PASSWD, "-b", "-c", str(passwd), "alice", "alice-pw"], check=True,
@@ -143,7 +142,7 @@ use_identity_as_username true
             await alice.disconnect()
             with pytest.raises(ConnectionRefused):
                 await MQTTClient("anon", port=plain).connect()  # allow_anonymous false
-            dev = MQTTClient("dev-7", port=tls, ssl=_client_ctx(ca[0], device))
+            dev = MQTTClient("dev-7", port=tls, ssl=client_ctx(ca[0], device))
             await dev.connect()  # the certificate's CN is the username (use_identity_as_username)
             await dev.publish("d/1", b"x", qos=1)
             await dev.disconnect()

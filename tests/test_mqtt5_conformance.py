@@ -30,7 +30,7 @@ from typing import Any
 
 import pytest
 
-from tests.test_broker_interop import ThreadedBroker, make_config
+from tests.broker_process import ThreadedBroker, make_config
 
 paho = pytest.importorskip("paho.mqtt.client", reason="paho-mqtt is not installed")
 from paho.mqtt.enums import CallbackAPIVersion  # noqa: E402

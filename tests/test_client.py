@@ -19,7 +19,6 @@ from hypothesis import strategies as st
 
 from filemq.broker.server import free_port
 from filemq.mqtt.client import ClientSession, ConnectionLost, ConnectionRefused, MQTTClient, Will
-from filemq.mqtt.codec import Decoder, encode
 from filemq.mqtt.packets import (
     Connack,
     Connect,
@@ -36,6 +35,7 @@ from filemq.mqtt.packets import (
     Unsuback,
     Unsubscribe,
 )
+from tests.scripted_brokers import AnsweringBroker
 
 MOSQUITTO = "/usr/sbin/mosquitto"
 
@@ -365,36 +365,6 @@ def test_connect_timeout_and_refused_port() -> None:
 # ------------------------------------------------------------------ a scripted broker on our codec
 
 
-class ScriptedBroker:
-    """A tiny server using our Decoder: records what it decodes, answers via a script."""
-
-    def __init__(self, answer: Callable[[Packet, int], list[Packet]]) -> None:
-        self.answer = answer
-        self.received: list[Packet] = []
-        self.connections = 0
-        self.writers: list[asyncio.StreamWriter] = []
-
-    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self.connections += 1
-        conn = self.connections
-        self.writers.append(writer)
-        decoder = Decoder(server=True)
-        try:
-            while data := await reader.read(65536):
-                decoder.feed(data)
-                for packet in decoder.packets():
-                    self.received.append(packet)
-                    for reply in self.answer(packet, conn):
-                        writer.write(encode(reply))
-        finally:
-            writer.close()
-
-    async def wait_for(self, predicate: Callable[[list[Packet]], bool], timeout: float = 5.0) -> None:
-        async with asyncio.timeout(timeout):
-            while not predicate(self.received):
-                await asyncio.sleep(0.01)
-
-
 def test_inflight_publishes_are_resent_with_dup_after_reconnect() -> None:
     def answer(packet: Packet, conn: int) -> list[Packet]:
         if isinstance(packet, Connect):
@@ -408,7 +378,7 @@ def test_inflight_publishes_are_resent_with_dup_after_reconnect() -> None:
         return []
 
     async def scenario() -> None:
-        fake = ScriptedBroker(answer)
+        fake = AnsweringBroker(answer)
         server = await asyncio.start_server(fake.handle, "127.0.0.1", 0)
         port = server.sockets[0].getsockname()[1]
         client = MQTTClient("resender", port=port, clean_session=False)
@@ -436,7 +406,7 @@ def test_keepalive_sends_pingreq() -> None:
         return [Connack()] if isinstance(packet, Connect) else []
 
     async def scenario() -> None:
-        fake = ScriptedBroker(answer)
+        fake = AnsweringBroker(answer)
         server = await asyncio.start_server(fake.handle, "127.0.0.1", 0)
         port = server.sockets[0].getsockname()[1]
         client = MQTTClient("pinger", port=port, keepalive=1)
@@ -455,7 +425,7 @@ def test_disconnect_fails_pending_publishes() -> None:
         return [Connack()] if isinstance(packet, Connect) else []
 
     async def scenario() -> None:
-        fake = ScriptedBroker(answer)
+        fake = AnsweringBroker(answer)
         server = await asyncio.start_server(fake.handle, "127.0.0.1", 0)
         client = MQTTClient("quitter", port=server.sockets[0].getsockname()[1])
         await client.connect()
@@ -498,7 +468,7 @@ def test_paho_encoded_packets_decode_with_our_decoder() -> None:
     delivered: list[tuple[str, bytes, int, bool]] = []
 
     async def scenario() -> list[Packet]:
-        fake = ScriptedBroker(answer)
+        fake = AnsweringBroker(answer)
         server = await asyncio.start_server(fake.handle, "127.0.0.1", 0)
         port = server.sockets[0].getsockname()[1]
 

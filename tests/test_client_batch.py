@@ -8,7 +8,7 @@ import asyncio
 
 from filemq.mqtt.client import MQTTClient
 from filemq.mqtt.packets import Connack, Connect, Packet, Puback, Pubcomp, Publish, Pubrec, Pubrel
-from tests.test_client import ScriptedBroker
+from tests.scripted_brokers import AnsweringBroker
 
 
 def test_publish_batch_completes_by_packet_id_and_resends_with_dup() -> None:
@@ -23,7 +23,7 @@ def test_publish_batch_completes_by_packet_id_and_resends_with_dup() -> None:
         return []
 
     async def scenario() -> None:
-        fake = ScriptedBroker(answer)
+        fake = AnsweringBroker(answer)
         server = await asyncio.start_server(fake.handle, "127.0.0.1", 0)
         port = server.sockets[0].getsockname()[1]
         client = MQTTClient("batcher", port=port, clean_session=False, max_inflight=10)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import os
 import urllib.request
-from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +20,6 @@ from collector.landing import LANDING_SCHEMA, PROPERTY_COLUMNS, SCHEMA_VERSION, 
 from collector.ops import start_metrics_server
 from collector.server import Collector
 from filemq.broker import ClientInfo
-from filemq.common.config import load_config
 from filemq.mqtt.client import MQTTClient
 from filemq.mqtt.packets import Properties, Publish
 from filemq.mqtt.properties import encode_message_headers
@@ -29,6 +27,7 @@ from filemq.queue import Queue, QueueConfig
 from filemq.upstream.batch import BatchRecord, decode_batch, encode_batch, peek_header
 from segments import LogConfig
 from segments.log import FREE_RECHECK_S
+from tests.collector_harness import collector_config, collector_run, collector_until
 from tests.mqtt_strategies import properties
 
 pytestmark = pytest.mark.timeout(60)
@@ -45,20 +44,6 @@ def batch(first: int, n: int, device: str = "dev-1", **kw: Any) -> bytes:
     return encode_batch(device, "main", records(first, n, **kw))
 
 
-def config(tmp_path: Path, **overrides: Any) -> Any:
-    values = {
-        "data_dir": str(tmp_path / "data"),
-        "collector.landing": str(tmp_path / "landing"),
-        "collector.port": 0,
-        "collector.collector_id": "c1",
-        "collector.roll_seconds": 60,
-        "log.fsync": "never",
-        "log.min_free_bytes": 0,
-    }
-    values.update(overrides)
-    return load_config(None, values)
-
-
 def landed_rows(landing: Path) -> list[dict[str, Any]]:
     files = sorted((landing / "incoming").rglob("*.parquet"))
     rows: list[dict[str, Any]] = []
@@ -69,24 +54,11 @@ def landed_rows(landing: Path) -> list[dict[str, Any]]:
     return rows
 
 
-def run(coro: Awaitable[None], timeout: float = 40) -> None:
-    async def main() -> None:
-        await asyncio.wait_for(coro, timeout)
-
-    asyncio.run(main())
-
-
-async def until(predicate: Callable[[], bool], timeout: float = 15.0) -> None:
-    async with asyncio.timeout(timeout):
-        while not predicate():
-            await asyncio.sleep(0.01)
-
-
 # -- the door ---------------------------------------------------------------------------------
 
 
 def test_door_decisions(tmp_path: Path) -> None:
-    collector = Collector(config(tmp_path))
+    collector = Collector(collector_config(tmp_path))
     check = collector.check_publish
 
     assert check(CLIENT, Publish(TOPIC, batch(0, 10), 1, False, False, 1)).action == "store"
@@ -112,7 +84,7 @@ def test_door_decisions(tmp_path: Path) -> None:
 
 
 def test_door_quarantines_malformed_and_foreign(tmp_path: Path) -> None:
-    collector = Collector(config(tmp_path))
+    collector = Collector(collector_config(tmp_path))
     check = collector.check_publish
     # Not a batch at all (valid CRC impossible): garbage on a batch topic is a CRC error...
     assert check(CLIENT, Publish(TOPIC, b"hello world", 1, False, False, 2)).action == "reject"
@@ -146,7 +118,7 @@ def test_door_rejects_unacknowledged_a_batch_whose_topic_disagrees_with_its_head
     """Issue 10 item 2: the topic is not covered by the batch CRC, the header (device, stream,
     offsets) is. A valid batch on any other topic than its header's is refused without a
     PUBACK (the agent resends), never quarantined and acknowledged."""
-    collector = Collector(config(tmp_path))
+    collector = Collector(collector_config(tmp_path))
     result = collector.check_publish(CLIENT, Publish(topic, batch(0, 10), 1, False, False, 1))
     assert result.action == "reject" and "does not match the batch header" in result.reason
     assert collector.stats.topic_rejected == 1
@@ -187,10 +159,10 @@ def test_lander_lands_rows_with_both_clocks(tmp_path: Path) -> None:
         # A device whose clock is far in the past (1970): publish_ts kept as sent.
         await rig.store(batch(0, 20, ts=5_000_000), received_at=1_800_000_000_000_000)
         await rig.store(batch(20, 20), received_at=1_800_000_000_000_123)
-        await until(lambda: rig.lander.stats.rows_landed == 40)
+        await collector_until(lambda: rig.lander.stats.rows_landed == 40)
         await rig.stop()
 
-    run(scenario())
+    collector_run(scenario())
     rows = landed_rows(tmp_path / "landing")
     assert [r["offset"] for r in rows] == list(range(40))
     first = rows[0]
@@ -214,11 +186,11 @@ def test_lander_drops_duplicates_stored_twice(tmp_path: Path) -> None:
         await rig.store(batch(0, 10))
         await rig.store(batch(0, 10))  # the same batch again
         await rig.store(batch(5, 10))  # overlapping
-        await until(lambda: rig.lander.stats.rows_landed == 15)
+        await collector_until(lambda: rig.lander.stats.rows_landed == 15)
         await rig.stop()
         assert rig.lander.stats.duplicate_rows_dropped == 15
 
-    run(scenario())
+    collector_run(scenario())
     assert [r["offset"] for r in landed_rows(tmp_path / "landing")] == list(range(15))
 
 
@@ -227,12 +199,12 @@ def test_lander_rolls_by_time(tmp_path: Path) -> None:
         rig = LanderRig(tmp_path, roll_seconds=0.2)
         await rig.start()
         await rig.store(batch(0, 3))
-        await until(lambda: rig.lander.stats.files_landed == 1, timeout=5)
+        await collector_until(lambda: rig.lander.stats.files_landed == 1, timeout=5)
         await rig.store(batch(3, 3))
-        await until(lambda: rig.lander.stats.files_landed == 2, timeout=5)
+        await collector_until(lambda: rig.lander.stats.files_landed == 2, timeout=5)
         await rig.stop()
 
-    run(scenario())
+    collector_run(scenario())
     assert len(list((tmp_path / "landing" / "incoming").rglob("*.parquet"))) == 2
 
 
@@ -241,7 +213,7 @@ def test_marks_survive_restart_and_snapshot_loss_is_safe(tmp_path: Path) -> None
         rig = LanderRig(tmp_path, roll_seconds=0.1)
         await rig.start()
         await rig.store(batch(0, 10))
-        await until(lambda: rig.lander.stats.rows_landed == 10)
+        await collector_until(lambda: rig.lander.stats.rows_landed == 10)
         await rig.stop()
         assert rig.marks.covered == 1  # the snapshot covers WAL offset 0
 
@@ -251,18 +223,18 @@ def test_marks_survive_restart_and_snapshot_loss_is_safe(tmp_path: Path) -> None
         assert rig.marks.get("dev-1", "main") == expect_mark
         await rig.store(batch(0, 10))  # a resend after the restart
         await rig.store(batch(10, 5))
-        await until(lambda: rig.lander.stats.batches_read == 2)
-        await until(lambda: rig.lander.stats.buffered_rows == 0)
+        await collector_until(lambda: rig.lander.stats.batches_read == 2)
+        await collector_until(lambda: rig.lander.stats.buffered_rows == 0)
         await rig.stop()
         assert rig.lander.stats.duplicate_rows_dropped == expect_dropped
 
-    run(first_run())
-    run(second_run(expect_mark=9, expect_dropped=10))
+    collector_run(first_run())
+    collector_run(second_run(expect_mark=9, expect_dropped=10))
     assert [r["offset"] for r in landed_rows(tmp_path / "landing")] == list(range(15))
     # Without the snapshot the marks are rebuilt from the WAL's batch headers (all of the
     # WAL that retention left): still no duplicate here.
     (tmp_path / "wal" / "dedup.snap").unlink()
-    run(second_run(expect_mark=14, expect_dropped=15))
+    collector_run(second_run(expect_mark=14, expect_dropped=15))
     assert [r["offset"] for r in landed_rows(tmp_path / "landing")] == list(range(15))
 
 
@@ -273,10 +245,10 @@ def test_marks_replayed_when_snapshot_lags_the_offset(tmp_path: Path) -> None:
         rig = LanderRig(tmp_path, roll_seconds=0.1)
         await rig.start()
         await rig.store(batch(0, 10))
-        await until(lambda: rig.lander.stats.rows_landed == 10 and rig.marks.covered == 1)
+        await collector_until(lambda: rig.lander.stats.rows_landed == 10 and rig.marks.covered == 1)
         old = (tmp_path / "wal" / "dedup.snap").read_bytes()
         await rig.store(batch(10, 10))
-        await until(lambda: rig.lander.stats.rows_landed == 20)
+        await collector_until(lambda: rig.lander.stats.rows_landed == 20)
         await rig.stop()
         (tmp_path / "wal" / "dedup.snap").write_bytes(old)  # as if the last save never happened
 
@@ -285,11 +257,11 @@ def test_marks_replayed_when_snapshot_lags_the_offset(tmp_path: Path) -> None:
         await rig.start()
         assert rig.marks.get("dev-1", "main") == 19  # rebuilt from the WAL's batch headers
         await rig.store(batch(10, 10))
-        await until(lambda: rig.lander.stats.duplicate_rows_dropped == 10)
+        await collector_until(lambda: rig.lander.stats.duplicate_rows_dropped == 10)
         await rig.stop()
 
-    run(first_run())
-    run(second_run())
+    collector_run(first_run())
+    collector_run(second_run())
     assert [r["offset"] for r in landed_rows(tmp_path / "landing")] == list(range(20))
 
 
@@ -305,13 +277,13 @@ def test_crash_between_rename_and_offset_lands_rows_again(tmp_path: Path) -> Non
         rig = LanderRig(tmp_path, roll_seconds=0.1)
         await rig.start()
         await rig.store(batch(0, 5))
-        await until(lambda: rig.lander.stats.rows_landed == 5 and rig.marks.covered == 1)
+        await collector_until(lambda: rig.lander.stats.rows_landed == 5 and rig.marks.covered == 1)
         await asyncio.sleep(0.1)  # let the queue's housekeeping settle too
         state = [p for p in (tmp_path / "wal").rglob("*") if p.is_file() and p.parent.name == "lander"]
         state.append(tmp_path / "wal" / "dedup.snap")
         saved.update({p: p.read_bytes() for p in state})
         await rig.store(batch(5, 10))
-        await until(lambda: rig.lander.stats.rows_landed == 15)
+        await collector_until(lambda: rig.lander.stats.rows_landed == 15)
         await rig.stop()
         for path, data in saved.items():
             path.write_bytes(data)
@@ -319,12 +291,12 @@ def test_crash_between_rename_and_offset_lands_rows_again(tmp_path: Path) -> Non
     async def restart() -> None:
         rig = LanderRig(tmp_path, roll_seconds=0.1)
         await rig.start()
-        await until(lambda: rig.lander.stats.rows_landed == 10)
+        await collector_until(lambda: rig.lander.stats.rows_landed == 10)
         await rig.stop()
 
-    run(first_run())
+    collector_run(first_run())
     assert len(saved) >= 2
-    run(restart())
+    collector_run(restart())
     offsets = [r["offset"] for r in landed_rows(tmp_path / "landing")]
     # Every row is there; the second roll's rows are there twice (removed downstream by key).
     assert sorted(offsets) == sorted(list(range(15)) + list(range(5, 15)))
@@ -451,7 +423,7 @@ def test_held_ranges_against_a_set_model(
 
 def test_door_stores_a_late_fill_in_of_a_gap(tmp_path: Path) -> None:
     """If batch k failed to commit but k+1 made it, the resent k must be stored, not dropped."""
-    collector = Collector(config(tmp_path))
+    collector = Collector(collector_config(tmp_path))
     check = collector.check_publish
     collector.door_marks.add("dev-1", "main", 0, 9)
     collector.door_marks.add("dev-1", "main", 20, 29)
@@ -469,12 +441,12 @@ def test_lander_keeps_a_late_fill_in(tmp_path: Path) -> None:
         await rig.store(batch(0, 10))
         await rig.store(batch(20, 10))  # 10..19 missing (its commit failed)
         await rig.store(batch(10, 15))  # the resend of 10..24: 20..24 are held already
-        await until(lambda: rig.lander.stats.rows_landed == 30)
+        await collector_until(lambda: rig.lander.stats.rows_landed == 30)
         await rig.stop()
         assert rig.lander.stats.duplicate_rows_dropped == 5
         assert rig.marks.ranges("dev-1", "main") == [(0, 29)]
 
-    run(scenario())
+    collector_run(scenario())
     assert sorted(r["offset"] for r in landed_rows(tmp_path / "landing")) == list(range(30))
 
 
@@ -497,7 +469,7 @@ class FakeFull:
 
 def test_full_disk_stops_acks_until_space_returns(tmp_path: Path) -> None:
     async def scenario() -> None:
-        collector = Collector(config(tmp_path, **{"log.min_free_bytes": 1, "collector.roll_seconds": 1}))
+        collector = Collector(collector_config(tmp_path, **{"log.min_free_bytes": 1, "collector.roll_seconds": 1}))
         await collector.start()
         assert collector.broker.queue is not None
         wal = collector.broker.queue.log
@@ -522,18 +494,18 @@ def test_full_disk_stops_acks_until_space_returns(tmp_path: Path) -> None:
         client2 = MQTTClient("dev-1", port=collector.port)
         await client2.connect()
         await client2.publish(TOPIC, batch(10, 10), qos=1, timeout=5)  # the agent's resend
-        await until(lambda: collector.lander is not None and collector.lander.stats.rows_landed == 20)
+        await collector_until(lambda: collector.lander is not None and collector.lander.stats.rows_landed == 20)
         await client2.disconnect()
         await client.disconnect()
         await collector.stop()
 
-    run(scenario())
+    collector_run(scenario())
     assert [r["offset"] for r in landed_rows(tmp_path / "landing")] == list(range(20))
 
 
 def test_metrics_endpoint(tmp_path: Path) -> None:
     async def scenario() -> str:
-        collector = Collector(config(tmp_path, **{"collector.roll_seconds": 1}))
+        collector = Collector(collector_config(tmp_path, **{"collector.roll_seconds": 1}))
         await collector.start()
         server = start_metrics_server(collector, 0)
         try:
@@ -541,7 +513,7 @@ def test_metrics_endpoint(tmp_path: Path) -> None:
             await client.connect()
             await client.publish(TOPIC, batch(0, 7), qos=1, timeout=5)
             await client.publish(TOPIC, batch(0, 7), qos=1, timeout=5)
-            await until(lambda: collector.lander is not None and collector.lander.stats.rows_landed == 7)
+            await collector_until(lambda: collector.lander is not None and collector.lander.stats.rows_landed == 7)
             await client.disconnect()
             url = f"http://127.0.0.1:{server.port}/metrics"
             return await asyncio.to_thread(lambda: urllib.request.urlopen(url, timeout=5).read().decode())
@@ -554,7 +526,7 @@ def test_metrics_endpoint(tmp_path: Path) -> None:
     async def wrapper() -> None:
         result.append(await scenario())
 
-    run(wrapper())
+    collector_run(wrapper())
     text = result[0]
     assert "filemq_collector_records_received_total 7.0" in text
     assert "filemq_collector_rows_landed_total 7.0" in text
@@ -573,14 +545,14 @@ def test_door_drops_resends_of_acked_batches_while_the_lander_is_behind(tmp_path
     even when nothing has been landed yet, also after a restart (replayed from the WAL)."""
 
     async def first() -> None:
-        collector = Collector(config(tmp_path))
+        collector = Collector(collector_config(tmp_path))
         await collector.start()
         assert collector.lander is not None
         await collector.lander.stop(land=False)  # stalled lander: nothing lands
         client = MQTTClient("dev-1", port=collector.port)
         await client.connect()
         await client.publish(TOPIC, batch(0, 10), qos=1, timeout=5)
-        await until(lambda: collector.door_marks.get("dev-1", "main") == 9)
+        await collector_until(lambda: collector.door_marks.get("dev-1", "main") == 9)
         await client.publish(TOPIC, batch(0, 10), qos=1, timeout=5)  # resend: dropped
         await client.publish(TOPIC, batch(5, 10), qos=1, timeout=5)  # overlap: trimmed
         await client.disconnect()
@@ -590,20 +562,20 @@ def test_door_drops_resends_of_acked_batches_while_the_lander_is_behind(tmp_path
         await collector.stop()
 
     async def second() -> None:
-        collector = Collector(config(tmp_path, **{"collector.roll_seconds": 1}))
+        collector = Collector(collector_config(tmp_path, **{"collector.roll_seconds": 1}))
         await collector.start()
         # Replayed from the WAL before anything is landed.
-        await until(lambda: collector.door_marks.get("dev-1", "main") == 14)
+        await collector_until(lambda: collector.door_marks.get("dev-1", "main") == 14)
         client = MQTTClient("dev-1", port=collector.port)
         await client.connect()
         await client.publish(TOPIC, batch(10, 5), qos=1, timeout=5)
         await client.disconnect()
         assert collector.stats.duplicate_batches == 1
-        await until(lambda: collector.lander is not None and collector.lander.stats.rows_landed == 15)
+        await collector_until(lambda: collector.lander is not None and collector.lander.stats.rows_landed == 15)
         await collector.stop()
 
-    run(first())
-    run(second())
+    collector_run(first())
+    collector_run(second())
     assert [r["offset"] for r in landed_rows(tmp_path / "landing")] == list(range(15))
 
 
@@ -623,12 +595,12 @@ def test_a_failed_offset_write_is_retried_without_landing_twice(tmp_path: Path) 
         rig.marks.save_encoded = flaky_save  # type: ignore[method-assign]
         await rig.start()
         await rig.store(batch(0, 10))
-        await until(lambda: rig.marks.covered == 1)
+        await collector_until(lambda: rig.marks.covered == 1)
         await rig.stop()
         assert rig.lander.stats.land_failures == 1 and calls["n"] == 2
         assert rig.lander.stats.files_landed == 1 and rig.lander.stats.rows_landed == 10
 
-    run(scenario())
+    collector_run(scenario())
     assert [r["offset"] for r in landed_rows(tmp_path / "landing")] == list(range(10))
 
 
@@ -654,7 +626,7 @@ def test_door_quarantines_a_batch_with_malformed_headers_and_keeps_serving(tmp_p
     for a PUBLISH, a repeated property, a truncated value) in a batch whose CRC matches: the
     sender really sent them, so the batch is quarantined like any malformed batch, never
     stored; damage to the headers in transit fails the CRC and is not acknowledged."""
-    collector = Collector(config(tmp_path))
+    collector = Collector(collector_config(tmp_path))
     check = collector.check_publish
     good = encode_message_headers(ALL_PROPS)
     bad_headers = [
@@ -690,12 +662,12 @@ def test_collector_lands_message_properties_from_version_1_and_2_batches(tmp_pat
     pfi_zero = encode_message_headers(Properties(payload_format_indicator=0, correlation_data=b""))
 
     async def scenario() -> None:
-        collector = Collector(config(tmp_path))
+        collector = Collector(collector_config(tmp_path))
         await collector.start()
         client = MQTTClient("dev-1", port=collector.port)
         await client.connect()
         await client.publish(TOPIC, batch(0, 3), qos=1, timeout=5)  # version 1: an older agent
-        await until(lambda: collector.door_marks.get("dev-1", "main") == 2)
+        await collector_until(lambda: collector.door_marks.get("dev-1", "main") == 2)
         v2 = encode_batch("dev-1", "main", with_headers(2, 4, [b"", encode_message_headers(ALL_PROPS),
                                                                 only_user, pfi_zero]))
         assert peek_header(v2).version == 2
@@ -703,12 +675,12 @@ def test_collector_lands_message_properties_from_version_1_and_2_batches(tmp_pat
         await client.disconnect()
         assert collector.stats.trimmed_records == 1
         assert collector.lander is not None
-        await until(lambda: collector.lander is not None and collector.lander.stats.buffered_rows == 6)
+        await collector_until(lambda: collector.lander is not None and collector.lander.stats.buffered_rows == 6)
         collector.lander.request_roll()
-        await until(lambda: collector.lander is not None and collector.lander.stats.rows_landed == 6)
+        await collector_until(lambda: collector.lander is not None and collector.lander.stats.rows_landed == 6)
         await collector.stop()
 
-    run(scenario())
+    collector_run(scenario())
     rows = {r["offset"]: r for r in landed_rows(tmp_path / "landing")}
     assert sorted(rows) == list(range(6)) and {r["schema_version"] for r in rows.values()} == {2}
     for offset in (0, 1, 2):
@@ -770,14 +742,14 @@ def test_collector_sizes_max_connections_from_the_fd_limit(tmp_path: Path, caplo
     from filemq.ops.fdlimit import FD_RESERVE
 
     _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    collector = Collector(config(tmp_path))
+    collector = Collector(collector_config(tmp_path))
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
     if hard != resource.RLIM_INFINITY:
         assert soft == hard  # raised (allowed: an unprivileged process may raise soft to hard)
     connecting = collector.broker.config.broker.max_connecting
     capacity = soft - FD_RESERVE - connecting
     assert collector.broker.config.broker.max_connections == capacity > 1000
-    explicit = Collector(config(tmp_path / "x", **{"collector.max_connections": 20_000}))
+    explicit = Collector(collector_config(tmp_path / "x", **{"collector.max_connections": 20_000}))
     assert explicit.broker.config.broker.max_connections == 20_000
 
     async def start_stop() -> None:
@@ -785,7 +757,7 @@ def test_collector_sizes_max_connections_from_the_fd_limit(tmp_path: Path, caplo
         await collector.stop()
 
     caplog.set_level("INFO")
-    run(start_stop())
+    collector_run(start_stop())
     assert f"up to {capacity} device connections" in caplog.text
 
 

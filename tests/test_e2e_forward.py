@@ -10,14 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import io
 import os
 import random
-import signal
 import ssl
-import sys
 from collections import Counter
-from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -35,14 +31,21 @@ from filemq.queue.groups import ConsumerGroup
 from filemq.upstream.batch import BatchRecord, encode_batch
 from segments import GroupCommitter, Log, LogConfig
 from segments.log import FREE_RECHECK_S
+from tests.pipeline_harness import (
+    DEVICE,
+    Publishers,
+    kill9,
+    kill_leftovers,
+    run,
+    start_process,
+    terminate,
+    until,
+)
 from tests.tcpproxy import TcpProxy
 from worker_agent.app import Agent
 from worker_agent.forwarder import Forwarder, ForwarderConfig
 
 pytestmark = pytest.mark.timeout(120)
-
-REPO = Path(__file__).resolve().parent.parent
-DEVICE = "dev-1"
 
 
 def collector_config(tmp: Path, port: int = 0, **extra: Any) -> Config:
@@ -90,88 +93,6 @@ def landed_payloads(landing: Path) -> set[bytes]:
     for f in sorted((landing / "incoming").rglob("*.parquet")):
         payloads.update(pq.read_table(f, columns=["payload"], partitioning=None).column(0).to_pylist())
     return payloads
-
-
-class Publishers:
-    """``count`` MQTT clients publishing unique payloads; ``acked`` holds what was PUBACKed."""
-
-    def __init__(self, port_of: Callable[[], int], count: int = 3, prefix: str = "m") -> None:
-        self.port_of = port_of
-        self.count = count
-        self.prefix = prefix
-        self.acked: set[bytes] = set()
-        self.sent = 0
-        self._stop = asyncio.Event()
-        self._tasks: list[asyncio.Task[None]] = []
-
-    def start(self, messages_each: int | None, rate_pause: float = 0.0) -> None:
-        for i in range(self.count):
-            self._tasks.append(asyncio.create_task(self._run(i, messages_each, rate_pause)))
-
-    async def _run(self, index: int, limit: int | None, pause: float) -> None:
-        seq = 0
-        while not self._stop.is_set() and (limit is None or seq < limit):
-            client = MQTTClient(f"pub-{self.prefix}-{index}", port=self.port_of(), max_inflight=50)
-            try:
-                await client.connect(timeout=2)
-            except Exception:  # the agent is down (being restarted): try again
-                await asyncio.sleep(0.1)
-                continue
-            try:
-                while not self._stop.is_set() and (limit is None or seq < limit):
-                    futures = []
-                    for _ in range(20):
-                        if limit is not None and seq >= limit:
-                            break
-                        payload = f"{self.prefix}-{index}-{seq}".encode()
-                        seq += 1
-                        self.sent += 1
-                        futures.append((payload, client.publish_nowait(f"sensors/{index}", payload, qos=1)))
-                    # A new client after each reconnect: what was not PUBACKed is simply not
-                    # in the oracle (it may or may not have been stored).
-                    closed = asyncio.ensure_future(client.closed.wait())
-                    all_acked = asyncio.ensure_future(asyncio.wait([f for _, f in futures]))
-                    await asyncio.wait([all_acked, closed], timeout=5, return_when=asyncio.FIRST_COMPLETED)
-                    closed.cancel()
-                    all_acked.cancel()
-                    for payload, future in futures:
-                        if future.done() and not future.cancelled() and future.exception() is None:
-                            self.acked.add(payload)
-                    if pause:
-                        await asyncio.sleep(pause)
-                    if client.closed.is_set():
-                        break
-            finally:
-                with contextlib.suppress(Exception):
-                    await client.disconnect(timeout=1)
-
-    async def wait(self) -> None:
-        await asyncio.gather(*self._tasks)
-
-    async def stop(self) -> None:
-        self._stop.set()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-
-
-async def until(predicate: Callable[[], bool], timeout: float = 30.0, what: str = "") -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while not predicate():
-        if loop.time() > deadline:
-            # Where every task is stuck, for whoever reads the failure.
-            stacks = io.StringIO()
-            for task in asyncio.all_tasks():
-                task.print_stack(file=stacks)
-            print("asyncio tasks at the timeout:\n" + stacks.getvalue())
-            raise AssertionError(f"timed out waiting for {what or predicate}")
-        await asyncio.sleep(0.05)
-
-
-def run(coro: Awaitable[None], timeout: float = 100) -> None:
-    async def main() -> None:
-        await asyncio.wait_for(coro, timeout)
-
-    asyncio.run(main())
 
 
 def check_oracle(tmp: Path, acked: set[bytes], *, max_duplicates: int = 0) -> list[dict[str, Any]]:
@@ -313,40 +234,6 @@ def test_full_disk_at_collector_and_old_device_clock(tmp_path: Path) -> None:
 
 
 # -- real processes, kill -9 --------------------------------------------------------------------
-
-
-async def start_process(
-    args: list[str], ready_word: str, started: list[asyncio.subprocess.Process]
-) -> asyncio.subprocess.Process:
-    """Start ``filemq <args>`` and wait for its ready line; it is added to ``started``."""
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "cli", *args, cwd=REPO,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL,
-    )
-    started.append(proc)
-    assert proc.stdout is not None
-    line = await asyncio.wait_for(proc.stdout.readline(), 20)
-    assert ready_word in line.decode(), f"unexpected first line {line!r}"
-    return proc
-
-
-async def kill_leftovers(started: list[asyncio.subprocess.Process]) -> None:
-    """A failed test must not leave its processes running."""
-    for proc in started:
-        if proc.returncode is None:
-            await kill9(proc)
-
-
-async def kill9(proc: asyncio.subprocess.Process) -> None:
-    with contextlib.suppress(ProcessLookupError):
-        proc.send_signal(signal.SIGKILL)
-    await asyncio.wait_for(proc.wait(), 10)
-
-
-async def terminate(proc: asyncio.subprocess.Process) -> int:
-    with contextlib.suppress(ProcessLookupError):
-        proc.send_signal(signal.SIGTERM)
-    return await asyncio.wait_for(proc.wait(), 20)
 
 
 def write_agent_toml(tmp: Path) -> Path:

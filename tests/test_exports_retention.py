@@ -11,8 +11,8 @@ import pytest
 
 from filemq.broker.server import free_port
 from filemq.queue.groups import escape_group_name
-from tests.test_e2e_forward import run, until
-from tests.test_exports_mqtt import ScriptedBroker, agent_config, publish_local
+from tests.pipeline_harness import agent_config, publish_local, run, until
+from tests.scripted_brokers import ScriptedBroker
 from worker_agent.app import Agent
 
 pytestmark = pytest.mark.timeout(60)

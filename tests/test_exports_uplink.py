@@ -13,8 +13,7 @@ import pytest
 from filemq.mqtt.client import MQTTClient
 from tests import mosquitto
 from tests.mosquitto import Mosquitto, Oracle
-from tests.test_e2e_forward import run, until
-from tests.test_exports_mqtt import agent_config
+from tests.pipeline_harness import agent_config, run, until
 from worker_agent.app import Agent
 from worker_agent.uplink import Share, Uplink
 

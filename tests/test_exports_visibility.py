@@ -14,8 +14,8 @@ from click.testing import CliRunner
 import cli
 from filemq.broker.server import free_port
 from filemq.mqtt.client import MQTTClient
-from tests.test_e2e_forward import run, until
-from tests.test_exports_mqtt import ScriptedBroker, agent_config, publish_local
+from tests.pipeline_harness import agent_config, publish_local, run, until
+from tests.scripted_brokers import ScriptedBroker
 from worker_agent.app import Agent
 from worker_agent.metrics import start_metrics_server
 

@@ -20,9 +20,8 @@ from collector.ops import start_ops_server
 from collector.server import Collector
 from filemq.broker.auth import add_or_update
 from filemq.ops.build import version
-from tests.test_collector import config as collector_config
-from tests.test_e2e_forward import REPO, run, until
-from tests.test_exports_mqtt import DEVICE, agent_config, publish_local
+from tests.collector_harness import collector_config
+from tests.pipeline_harness import DEVICE, REPO, agent_config, publish_local, run, until
 from worker_agent.app import Agent
 
 pytestmark = pytest.mark.timeout(90)

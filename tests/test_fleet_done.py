@@ -17,7 +17,7 @@ import pytest
 
 from filemq.broker.server import free_port
 from filemq.mqtt.client import MQTTClient
-from tests.test_e2e_forward import REPO, kill9, kill_leftovers, start_process, terminate
+from tests.pipeline_harness import REPO, kill9, kill_leftovers, start_process, terminate
 
 pytestmark = [pytest.mark.timeout(150), pytest.mark.slow]
 

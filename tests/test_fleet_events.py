@@ -22,8 +22,8 @@ from collector.server import Collector
 from filemq.mqtt.client import MQTTClient
 from filemq.upstream.health import decode_health, encode_health, health_topic
 from segments.fileio import atomic_write
-from tests.test_collector import config, run, until
-from tests.test_fleet_registry import Conn, batch, health
+from tests.collector_harness import collector_config, collector_run, collector_until
+from tests.fleet_harness import Conn, batch, health
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -101,7 +101,7 @@ def test_connects_disconnects_and_health_land_once(tmp_path: Path) -> None:
     out: dict[str, Any] = {}
 
     async def scenario() -> None:
-        collector = Collector(config(tmp_path, **{"collector.roll_seconds": 1}))
+        collector = Collector(collector_config(tmp_path, **{"collector.roll_seconds": 1}))
         await collector.start()
         client = MQTTClient("dev-1", port=collector.port)
         await client.connect()
@@ -109,7 +109,7 @@ def test_connects_disconnects_and_health_land_once(tmp_path: Path) -> None:
         await client.publish("filemq/v1/dev-1/main", batch(0, 3), qos=1, timeout=5)
         assert client._writer is not None
         client._writer.transport.abort()  # the agent dies
-        await until(lambda: not collector.fleet.devices["dev-1"].connected)
+        await collector_until(lambda: not collector.fleet.devices["dev-1"].connected)
         await client.disconnect()
         client = MQTTClient("dev-1", port=collector.port)
         await client.connect()
@@ -117,14 +117,14 @@ def test_connects_disconnects_and_health_land_once(tmp_path: Path) -> None:
         await collector.stop()  # dev-1 still connected: "collector stopping"
         await client.disconnect()
         out["first"] = events(tmp_path / "landing")
-        again = Collector(config(tmp_path, **{"collector.roll_seconds": 1}))
+        again = Collector(collector_config(tmp_path, **{"collector.roll_seconds": 1}))
         await again.start()  # no disconnect pending; what the last roll did not take lands now
-        await until(lambda: again.lander is not None and again.lander.lag == 0)
+        await collector_until(lambda: again.lander is not None and again.lander.lag == 0)
         await asyncio.sleep(0.2)
         await again.stop()
         out["second"] = events(tmp_path / "landing")
 
-    run(scenario(), timeout=60)
+    collector_run(scenario(), timeout=60)
     rows = out["second"]
     assert rows[: len(out["first"])] == out["first"]  # landed once: before the restart or after it
     assert [(r["device_id"], r["topic"]) for r in rows] == [
@@ -147,13 +147,13 @@ def test_a_killed_collector_records_the_disconnects_at_its_next_start(tmp_path: 
     out: dict[str, Any] = {}
 
     async def scenario() -> None:
-        collector = Collector(config(tmp_path, **{"collector.roll_seconds": 1}))
+        collector = Collector(collector_config(tmp_path, **{"collector.roll_seconds": 1}))
         await collector.start()
         await collector.stop()
         out["rows"] = events(tmp_path / "landing")
         out["pending"] = collector.fleet.devices["dev-k"].pending_disconnect
 
-    run(scenario(), timeout=60)
+    collector_run(scenario(), timeout=60)
     (row,) = out["rows"]
     assert row["device_id"] == "dev-k" and row["topic"] == "disconnect"
     assert json.loads(row["payload"])["reason"] == "collector restarted"

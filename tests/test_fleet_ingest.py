@@ -13,8 +13,8 @@ import pytest
 from collector.server import Collector
 from filemq.mqtt.client import MQTTClient
 from filemq.upstream.health import encode_health, health_topic
-from tests.test_collector import config, run, until
-from tests.test_fleet_registry import batch, health
+from tests.collector_harness import collector_config, collector_run, collector_until
+from tests.fleet_harness import batch, health
 
 pytestmark = [pytest.mark.spark, pytest.mark.timeout(300)]
 
@@ -35,7 +35,7 @@ FROM ev GROUP BY device_id ORDER BY device_id
 
 def land(tmp_path: Path) -> None:
     async def scenario() -> None:
-        collector = Collector(config(tmp_path, **{"collector.roll_seconds": 1}))
+        collector = Collector(collector_config(tmp_path, **{"collector.roll_seconds": 1}))
         await collector.start()
         for device in ("dev-1", "dev-2"):
             client = MQTTClient(device, port=collector.port)
@@ -43,11 +43,11 @@ def land(tmp_path: Path) -> None:
             await client.publish(health_topic(device), encode_health(device, 0, 1, health(lag=7)), qos=0)
             await client.publish(f"filemq/v1/{device}/main", batch(0, 3, device), qos=1, timeout=5)
             await client.disconnect()
-            await until(lambda d=device: not collector.fleet.devices[d].connected)  # type: ignore[misc]
-        await until(lambda: collector.lander is not None and collector.lander.lag == 0)
+            await collector_until(lambda d=device: not collector.fleet.devices[d].connected)  # type: ignore[misc]
+        await collector_until(lambda: collector.lander is not None and collector.lander.lag == 0)
         await collector.stop()
 
-    run(scenario(), timeout=60)
+    collector_run(scenario(), timeout=60)
 
 
 def test_fleet_events_table_exactly_once(spark: Any, tmp_path: Path) -> None:

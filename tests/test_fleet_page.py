@@ -23,9 +23,9 @@ from collector.ops import start_ops_server
 from collector.server import Collector
 from filemq.broker.server import free_port
 from filemq.mqtt.client import MQTTClient
-from tests.test_collector import config as collector_config
-from tests.test_e2e_forward import REPO, kill9, kill_leftovers, start_process, terminate
-from tests.test_fleet_registry import Conn, health
+from tests.collector_harness import collector_config
+from tests.fleet_harness import Conn, health
+from tests.pipeline_harness import REPO, kill9, kill_leftovers, start_process, terminate
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.slow]
 

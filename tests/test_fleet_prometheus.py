@@ -22,9 +22,8 @@ import pytest
 from collector.ops import start_ops_server
 from collector.server import Collector
 from filemq.broker.server import free_port
-from tests.test_collector import config as collector_config
-from tests.test_e2e_forward import run, until
-from tests.test_exports_mqtt import agent_config, publish_local
+from tests.collector_harness import collector_config
+from tests.pipeline_harness import agent_config, publish_local, run, until
 from worker_agent.app import Agent
 from worker_agent.metrics import start_metrics_server
 

@@ -21,19 +21,12 @@ from collector.ops import start_ops_server
 from collector.server import Collector
 from filemq.broker.auth import add_or_update
 from filemq.mqtt.client import MQTTClient
-from filemq.upstream.batch import BatchRecord, encode_batch
 from filemq.upstream.health import encode_health, health_topic
 from segments.fileio import atomic_write
-from tests.test_collector import config, run, until
+from tests.collector_harness import collector_config, collector_run, collector_until
+from tests.fleet_harness import Conn, batch, health
 
 pytestmark = pytest.mark.timeout(90)
-
-
-class Conn:
-    def __init__(self, peer: str = "10.9.9.9:1") -> None:
-        self.closed = False
-        self.close_reason = ""
-        self.peer = peer
 
 
 class Clock:
@@ -42,12 +35,6 @@ class Clock:
 
     def __call__(self) -> float:
         return self.t
-
-
-def health(lag: int = 5, age: float = 1.0, free: int = 10**10, interval: int = 30) -> dict[str, Any]:
-    return {"interval_s": interval, "disk_free_bytes": free, "agent_version": "0.1.0",
-            "exports": [{"name": "collector", "state": "connected", "lag_records": lag, "lag_bytes": lag * 100,
-                         "oldest_unacked_age_s": age}]}
 
 
 def test_states_follow_the_thresholds() -> None:
@@ -168,15 +155,11 @@ def _get(url: str, auth: tuple[str, str] | None = None) -> tuple[int, bytes, str
         return exc.code, exc.read(), exc.headers.get("Content-Type", "")
 
 
-def batch(first: int, n: int, device: str = "dev-1") -> bytes:
-    return encode_batch(device, "main", [BatchRecord(first + i, 1, "t", b"x", 1) for i in range(n)])
-
-
 def test_collector_registry_ops_port_and_restart(tmp_path: Path) -> None:
     out: dict[str, Any] = {}
 
     async def scenario() -> None:
-        collector = Collector(config(tmp_path, **{"collector.roll_seconds": 1}))
+        collector = Collector(collector_config(tmp_path, **{"collector.roll_seconds": 1}))
         await collector.start()
         server = start_ops_server(collector, 0)
         base = f"http://127.0.0.1:{server.port}"
@@ -185,8 +168,8 @@ def test_collector_registry_ops_port_and_restart(tmp_path: Path) -> None:
             await client.connect()
             await client.publish(health_topic("dev-1"), encode_health("dev-1", 0, 1, health(lag=17)), qos=0)
             await client.publish("filemq/v1/dev-1/main", batch(0, 7), qos=1, timeout=5)
-            await until(lambda: collector.lander is not None and collector.lander.stats.rows_landed == 7)
-            await until(lambda: collector.fleet.devices["dev-1"].streams["main"]["records_landed"] == 7)
+            await collector_until(lambda: collector.lander is not None and collector.lander.stats.rows_landed == 7)
+            await collector_until(lambda: collector.fleet.devices["dev-1"].streams["main"]["records_landed"] == 7)
             out["fleet"] = json.loads((await asyncio.to_thread(_get, base + "/api/fleet"))[1])
             out["detail"] = await asyncio.to_thread(_get, base + "/api/fleet/dev-1")
             out["missing"] = await asyncio.to_thread(_get, base + "/api/fleet/nope")
@@ -198,7 +181,7 @@ def test_collector_registry_ops_port_and_restart(tmp_path: Path) -> None:
             client._writer.transport.abort()
             loop = asyncio.get_running_loop()
             gone = loop.time()
-            await until(lambda: not collector.fleet.devices["dev-1"].connected, timeout=5)
+            await collector_until(lambda: not collector.fleet.devices["dev-1"].connected, timeout=5)
             out["noticed_s"] = loop.time() - gone
             for _ in range(50):  # /api/fleet's body may be up to max_age_s (2 s) old
                 out["after"] = json.loads((await asyncio.to_thread(_get, base + "/api/fleet"))[1])
@@ -209,14 +192,14 @@ def test_collector_registry_ops_port_and_restart(tmp_path: Path) -> None:
         finally:
             server.shutdown()
             await collector.stop()
-        again = Collector(config(tmp_path))
+        again = Collector(collector_config(tmp_path))
         await again.start()
         try:
             out["restarted"] = again.fleet.detail("dev-1")
         finally:
             await again.stop()
 
-    run(scenario(), timeout=60)
+    collector_run(scenario(), timeout=60)
     fleet = out["fleet"]
     (dev,) = fleet["devices"]
     assert fleet["counts"]["online"] == 1 and fleet["counts"]["total"] == 1 and fleet["collector_id"] == "c1"
@@ -253,7 +236,7 @@ def test_ops_port_needs_the_device_logins_and_labels_devices_on_request(tmp_path
     out: dict[str, Any] = {}
 
     async def scenario() -> None:
-        collector = Collector(config(tmp_path, **{"collector.password_file": str(passwords),
+        collector = Collector(collector_config(tmp_path, **{"collector.password_file": str(passwords),
                                                   "collector.fleet_device_labels": True}))
         await collector.start()
         server = start_ops_server(collector, 0)
@@ -262,7 +245,7 @@ def test_ops_port_needs_the_device_logins_and_labels_devices_on_request(tmp_path
             client = MQTTClient("dev-9", port=collector.port, username="ops", password="s3cret")
             await client.connect()
             await client.publish(health_topic("dev-9"), encode_health("dev-9", 0, 1, health(lag=3)), qos=0)
-            await until(lambda: "dev-9" in collector.fleet.devices and collector.fleet.devices["dev-9"].reports == 1)
+            await collector_until(lambda: "dev-9" in collector.fleet.devices and collector.fleet.devices["dev-9"].reports == 1)
             for name, auth in (("none", None), ("wrong", ("ops", "nope")), ("right", ("ops", "s3cret"))):
                 out[name] = await asyncio.to_thread(_get, base + "/api/fleet", auth)
             out["metrics"] = (await asyncio.to_thread(_get, base + "/metrics", ("ops", "s3cret")))[1].decode()
@@ -271,7 +254,7 @@ def test_ops_port_needs_the_device_logins_and_labels_devices_on_request(tmp_path
             server.shutdown()
             await collector.stop()
 
-    run(scenario(), timeout=60)
+    collector_run(scenario(), timeout=60)
     assert out["none"][0] == 401 and out["wrong"][0] == 401
     assert out["right"][0] == 200 and json.loads(out["right"][1])["devices"][0]["device_id"] == "dev-9"
     assert 'filemq_collector_device_lag_records{device="dev-9"} 3.0' in out["metrics"]
@@ -281,26 +264,26 @@ def test_damaged_and_malformed_reports_at_the_door(tmp_path: Path) -> None:
     out: dict[str, Any] = {}
 
     async def scenario() -> None:
-        collector = Collector(config(tmp_path))
+        collector = Collector(collector_config(tmp_path))
         await collector.start()
         try:
             client = MQTTClient("dev-1", port=collector.port)
             await client.connect()
             await client.publish(health_topic("dev-1"), b"FMQH" + bytes(40), qos=0)  # CRC mismatch
-            await until(lambda: collector.stats.health_rejected == 1)
+            await collector_until(lambda: collector.stats.health_rejected == 1)
             await client.disconnect()
             client = MQTTClient("dev-2", port=collector.port)
             await client.connect()
             # A valid report of another device on dev-2's topic: refused, never filed under either.
             await client.publish(health_topic("dev-2"), encode_health("dev-3", 0, 1, {}), qos=0)
-            await until(lambda: collector.stats.health_rejected == 2)
+            await collector_until(lambda: collector.stats.health_rejected == 2)
             await client.disconnect()
             out["devices"] = sorted(collector.fleet.devices)
             out["quarantined"] = collector.stats.quarantined
         finally:
             await collector.stop()
 
-    run(scenario(), timeout=60)
+    collector_run(scenario(), timeout=60)
     assert out["devices"] == [] and out["quarantined"] == 0
 
 
@@ -386,7 +369,7 @@ def test_ops_port_shows_a_new_report_within_the_bound_without_the_loop(tmp_path:
     out: dict[str, Any] = {}
 
     async def scenario() -> None:
-        collector = Collector(config(tmp_path))
+        collector = Collector(collector_config(tmp_path))
         await collector.start()
         server = start_ops_server(collector, 0)
         url = f"http://127.0.0.1:{server.port}/api/fleet"
@@ -394,11 +377,11 @@ def test_ops_port_shows_a_new_report_within_the_bound_without_the_loop(tmp_path:
             client = MQTTClient("dev-1", port=collector.port)
             await client.connect()
             await client.publish(health_topic("dev-1"), encode_health("dev-1", 0, 1, health(lag=5)), qos=0)
-            await until(lambda: collector.stats.health_reports == 1)
+            await collector_until(lambda: collector.stats.health_reports == 1)
             first = json.loads((await asyncio.to_thread(_get, url))[1])
             out["first"] = first["devices"][0]["lag_records"]
             await client.publish(health_topic("dev-1"), encode_health("dev-1", 0, 2, health(lag=77)), qos=0)
-            await until(lambda: collector.stats.health_reports == 2)
+            await collector_until(lambda: collector.stats.health_reports == 2)
             loop = asyncio.get_running_loop()
             sent = loop.time()
             for _ in range(100):
@@ -422,7 +405,7 @@ def test_ops_port_shows_a_new_report_within_the_bound_without_the_loop(tmp_path:
             server.shutdown()
             await collector.stop()
 
-    run(scenario(), timeout=60)
+    collector_run(scenario(), timeout=60)
     assert out["first"] == 5 and out["lag"] == 77
     assert out["seen_after_s"] <= CachedBody(bytes).max_age_s + 1.0  # (the loop here is never late)
     assert out["builds_per_s"] <= 1.0

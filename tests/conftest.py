@@ -8,6 +8,14 @@ from typing import Any
 
 import pytest
 
+# The helper modules that took code from test modules (a test module is not a harness: issue 31,
+# item 5; tests/test_layout.py): pytest rewrites their asserts as it rewrote them there, so a
+# failing assert in a helper still shows the values it compared.
+pytest.register_assert_rewrite(
+    "tests.broker_harness5", "tests.broker_process", "tests.paho5", "tests.pipeline_harness",
+    "tests.scripted_brokers",
+)
+
 
 def pytest_configure(config: pytest.Config) -> None:
     """``FILEMQ_TEST_EVENT_LOOP=uvloop``: every ``asyncio.run`` of the tests runs on uvloop (the

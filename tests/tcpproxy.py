@@ -61,6 +61,11 @@ class TcpProxy:
         else:
             self._down_open.set()
 
+    @property
+    def cut_armed(self) -> bool:
+        """A cut armed by :meth:`cut_after` has not happened yet."""
+        return self._cut_at is not None
+
     def cut_after(self, nbytes: int) -> None:
         """Reset every connection once ``nbytes`` more bytes went upstream."""
         self._cut_at = self.bytes_up + nbytes

@@ -22,19 +22,6 @@ import os
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
-
-
-def _client5() -> Any:
-    """The tests' maker of fake MQTT 5 clients, of the tree measured. Every tree loads
-    tests/test_broker_mqtt5.py, as it loads test_broker_session.py in :func:`_load` (older
-    trees keep ``client5`` there, newer ones in tests/broker_harness5.py)."""
-    importlib.import_module("tests.test_broker_mqtt5")
-    try:
-        from tests.broker_harness5 import client5
-    except ImportError:  # a tree from before tests/broker_harness5.py
-        from tests.test_broker_mqtt5 import client5  # type: ignore[attr-defined]
-    return client5
 
 
 async def _load(rounds: int) -> None:
@@ -55,7 +42,9 @@ async def _load(rounds: int) -> None:
     for i in range(10):
         c: Client
         if os.environ.get("V5") == "1":
-            client5 = _client5()
+            # every tree's tests/test_broker_mqtt5.py has client5 (older trees define it there,
+            # newer ones import it from tests/broker_harness5.py): the same modules load in every tree
+            client5 = importlib.import_module("tests.test_broker_mqtt5").client5
             c = client5(h)
             c.connect(f"s{i}", False)
         else:

@@ -32,18 +32,6 @@ PUBLISHERS = 4
 PER_ROUND = 100
 
 
-def _client5() -> Any:
-    """The tests' maker of fake MQTT 5 clients, of the tree measured. Every tree loads
-    tests/test_broker_mqtt5.py, as it loads test_broker_session.py in :func:`_load` (older
-    trees keep ``client5`` there, newer ones in tests/broker_harness5.py)."""
-    importlib.import_module("tests.test_broker_mqtt5")
-    try:
-        from tests.broker_harness5 import client5
-    except ImportError:  # a tree from before tests/broker_harness5.py
-        from tests.test_broker_mqtt5 import client5  # type: ignore[attr-defined]
-    return client5
-
-
 async def _load(rounds: int) -> None:
     from filemq.mqtt.codec import encode, encode5
     from filemq.mqtt.packets import Properties, Publish
@@ -65,7 +53,9 @@ async def _load(rounds: int) -> None:
     pubs: list[Client] = []
     for i in range(PUBLISHERS):
         if v5:
-            client5 = _client5()
+            # every tree's tests/test_broker_mqtt5.py has client5 (older trees define it there,
+            # newer ones import it from tests/broker_harness5.py): the same modules load in every tree
+            client5 = importlib.import_module("tests.test_broker_mqtt5").client5
             c: Client = client5(h)
         else:
             c = h.client()

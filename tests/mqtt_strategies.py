@@ -73,9 +73,12 @@ def publishes(draw: st.DrawFn) -> Publish:
 
 
 @st.composite
-def connects(draw: st.DrawFn) -> Connect:
+def connects(draw: st.DrawFn, v5: bool = False) -> Connect:
+    """A CONNECT; ``v5``: an MQTT 5 one, with CONNECT and will properties."""
     will = draw(st.booleans())
     username = draw(st.none() | mqtt_text)
+    # 3.1.1: a password only with a user name (MQTT-3.1.2-22); MQTT 5: a password alone is allowed
+    password = draw(st.none() | st.binary(max_size=30)) if v5 or username is not None else None
     return Connect(
         client_id=draw(mqtt_text),
         clean_session=draw(st.booleans()),
@@ -85,7 +88,10 @@ def connects(draw: st.DrawFn) -> Connect:
         will_qos=draw(qos) if will else 0,
         will_retain=draw(st.booleans()) if will else False,
         username=username,
-        password=draw(st.none() | st.binary(max_size=30)) if username is not None else None,
+        password=password,
+        protocol_level=5 if v5 else 4,
+        properties=draw(properties("CONNECT")) if v5 else None,
+        will_properties=draw(properties("WILL")) if v5 and will else None,
     )
 
 
@@ -158,23 +164,8 @@ def properties(draw: st.DrawFn, kind: str, subscription_ids: int = 0) -> Propert
     return props
 
 
-@st.composite
-def connects5(draw: st.DrawFn) -> Connect:
-    will = draw(st.booleans())
-    return Connect(
-        client_id=draw(mqtt_text),
-        clean_session=draw(st.booleans()),
-        keepalive=draw(st.integers(0, 0xFFFF)),
-        will_topic=draw(topic_names) if will else None,
-        will_payload=draw(payloads) if will else b"",
-        will_qos=draw(qos) if will else 0,
-        will_retain=draw(st.booleans()) if will else False,
-        username=draw(st.none() | mqtt_text),
-        password=draw(st.none() | st.binary(max_size=30)),  # MQTT 5: a password alone is allowed
-        protocol_level=5,
-        properties=draw(properties("CONNECT")),
-        will_properties=draw(properties("WILL")) if will else None,
-    )
+def connects5() -> st.SearchStrategy[Connect]:
+    return connects(v5=True)
 
 
 @st.composite

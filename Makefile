@@ -70,7 +70,7 @@ UVLOOP_TESTS   := tests/test_broker_server.py tests/test_broker_transport.py \
 # Last, alone, the tests marked timing (test-timing).
 test: $(STAMP) system-deps
 	$(VENV)/bin/ruff check segments filemq worker_agent collector spark_ingest bench demo cli.py tests
-	$(VENV)/bin/mypy segments filemq worker_agent collector spark_ingest bench demo cli.py
+	$(VENV)/bin/mypy segments filemq worker_agent collector spark_ingest bench demo cli.py tests
 	$(VENV)/bin/lint-imports --config setup.cfg
 	@$(MAKE) --no-print-directory -j $(TEST_BRANCHES) --output-sync=target test-pure test-compiled-then-uvloop
 	@$(MAKE) --no-print-directory test-timing
@@ -158,7 +158,7 @@ layers: $(STAMP)
 	$(VENV)/bin/lint-imports --config setup.cfg
 
 typecheck: $(STAMP)
-	$(VENV)/bin/mypy segments filemq worker_agent collector spark_ingest bench demo cli.py
+	$(VENV)/bin/mypy segments filemq worker_agent collector spark_ingest bench demo cli.py tests
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -46,10 +46,10 @@ from filemq.mqtt.packets import (
 
 # Valid MQTT strings: no U+0000, no surrogates (spec 1.5.3).
 mqtt_text = st.text(
-    st.characters(blacklist_categories=("Cs",), blacklist_characters="\x00"), max_size=20
+    st.characters(blacklist_categories=["Cs"], blacklist_characters="\x00"), max_size=20
 )
 topic_names = st.text(
-    st.characters(blacklist_categories=("Cs",), blacklist_characters="\x00+#"),
+    st.characters(blacklist_categories=["Cs"], blacklist_characters="\x00+#"),
     min_size=1,
     max_size=30,
 )

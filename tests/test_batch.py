@@ -42,9 +42,9 @@ def as_tuples(records: object) -> list[tuple[int, int, str, bytes, int]]:
 
 
 names = st.text(
-    st.characters(blacklist_characters="/+#\x00", blacklist_categories=("Cs",)), min_size=1, max_size=20
+    st.characters(blacklist_characters="/+#\x00", blacklist_categories=["Cs"]), min_size=1, max_size=20
 )
-topics = st.text(st.characters(blacklist_characters="\x00", blacklist_categories=("Cs",)), min_size=0, max_size=30)
+topics = st.text(st.characters(blacklist_characters="\x00", blacklist_categories=["Cs"]), min_size=0, max_size=30)
 
 
 @st.composite

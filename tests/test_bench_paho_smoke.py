@@ -13,6 +13,7 @@ import json
 import socket
 import sys
 import threading
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -25,6 +26,7 @@ from bench.loadspec import PublisherResult, PublisherSpec
 from bench.throughput import SUBSCRIBER_CLIENT_TEXT, scenario_fanout
 from cli import main
 from filemq.mqtt.codec import Decoder
+from filemq.mqtt.packets import Publish
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
@@ -36,7 +38,7 @@ MESSAGES = 3000  # a few CPU clock ticks (10 ms) per broker
 
 @needs_mosquitto
 @pytest.mark.parametrize("client", ["paho", "single", "nagle"])
-def test_fanout_with_ordinary_subscribers_delivers_every_message_through_the_cli(tmp_path, client):
+def test_fanout_with_ordinary_subscribers_delivers_every_message_through_the_cli(tmp_path: Path, client: str) -> None:
     args = ["bench", "broker", "--scenario", "fanout", "--subscriber-client", client, "--max-inflight", "20",
             "--messages", str(MESSAGES), "--publishers", "2", "--subscribers", "2", "--max-seconds", "10",
             "--repeat", "1", "--workdir", str(tmp_path), "--json"]
@@ -60,7 +62,7 @@ def test_fanout_with_ordinary_subscribers_delivers_every_message_through_the_cli
 
 
 @needs_mosquitto
-def test_default_windows_stay_each_brokers_own(tmp_path):
+def test_default_windows_stay_each_brokers_own(tmp_path: Path) -> None:
     """Without --max-inflight: filemq's default window (32) and today's mosquitto config (100),
     reported in the JSON; mosquitto's configuration file says 100."""
     opts = BrokerBenchOptions(messages=MESSAGES, publishers=2, subscribers=2, max_seconds=10.0, repeat=1,
@@ -75,7 +77,7 @@ def test_default_windows_stay_each_brokers_own(tmp_path):
     assert "max_inflight_messages 100\n" in (tmp_path / "m" / "mosquitto.conf").read_text()
 
 
-def test_max_inflight_reaches_both_brokers(tmp_path):
+def test_max_inflight_reaches_both_brokers(tmp_path: Path) -> None:
     argv = filemq_argv(tmp_path / "data", 1883, max_inflight=7)
     assert argv[argv.index("--max-inflight") + 1] == "7"
     assert "--max-inflight" not in filemq_argv(tmp_path / "data", 1883)
@@ -85,7 +87,7 @@ def test_max_inflight_reaches_both_brokers(tmp_path):
         assert "max_inflight_messages 7\n" in (tmp_path / "m" / "mosquitto.conf").read_text()
 
 
-def test_a_single_subscriber_sends_each_puback_on_its_own():
+def test_a_single_subscriber_sends_each_puback_on_its_own() -> None:
     """``--subscriber-client single``: the PUBACKs of one read leave in one send each."""
     sent: list[bytes] = []
 
@@ -99,7 +101,7 @@ def test_a_single_subscriber_sends_each_puback_on_its_own():
 
 
 @pytest.mark.parametrize("nodelay", [True, False])
-def test_a_nagle_client_leaves_nagles_algorithm_on(nodelay):
+def test_a_nagle_client_leaves_nagles_algorithm_on(nodelay: bool) -> None:
     """``--subscriber-client nagle`` connects with ``nodelay=False``: its socket keeps Nagle's
     algorithm (TCP_NODELAY 0), every other raw client turns it off."""
     server = socket.create_server(("127.0.0.1", 0))
@@ -127,7 +129,7 @@ def test_a_nagle_client_leaves_nagles_algorithm_on(nodelay):
 
 @needs_mosquitto
 @pytest.mark.parametrize("client", ["single", "nagle"])
-def test_ingest_with_naive_publishers_acks_every_message_through_the_cli(tmp_path, client):
+def test_ingest_with_naive_publishers_acks_every_message_through_the_cli(tmp_path: Path, client: str) -> None:
     args = ["bench", "broker", "--scenario", "ingest", "--publisher-client", client, "--messages", str(MESSAGES),
             "--publishers", "2", "--max-seconds", "10", "--repeat", "1", "--workdir", str(tmp_path), "--json"]
     run = CliRunner().invoke(main, args)
@@ -142,7 +144,7 @@ def test_ingest_with_naive_publishers_acks_every_message_through_the_cli(tmp_pat
 
 
 @pytest.mark.parametrize("client", ["loadgen", "single"])
-def test_a_single_publisher_sends_each_publish_on_its_own(client):
+def test_a_single_publisher_sends_each_publish_on_its_own(client: str) -> None:
     """``--publisher-client single``: one sendall per PUBLISH, the window's first ones included;
     ``loadgen``: the window in one sendall, then what each read of PUBACKs frees."""
     sent: list[bytes] = []
@@ -158,7 +160,9 @@ def test_a_single_publisher_sends_each_publish_on_its_own(client):
             sent.append(bytes(data))
             decoder = Decoder(server=True)
             decoder.feed(data)
-            self.unacked += [p.packet_id for p in decoder.packets()]
+            for p in decoder.packets():  # QoS 1 PUBLISHes only: the publisher sends nothing else
+                assert isinstance(p, Publish) and p.packet_id is not None, p
+                self.unacked.append(p.packet_id)
 
         def recv(self, _n: int) -> bytes:
             acks, self.unacked = self.unacked, []
@@ -174,7 +178,7 @@ def test_a_single_publisher_sends_each_publish_on_its_own(client):
         assert len(sent) == 3  # 4, then 4, then 2
 
 
-def test_paho_missing_is_a_clear_error(monkeypatch, tmp_path):
+def test_paho_missing_is_a_clear_error(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setitem(sys.modules, "paho", None)
     monkeypatch.setitem(sys.modules, "paho.mqtt", None)
     monkeypatch.setitem(sys.modules, "paho.mqtt.client", None)

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
+from typing import Any
 
 import pytest
 from click.testing import CliRunner
@@ -38,22 +40,22 @@ def _quiet(_msg: str) -> None:
     pass
 
 
-def tiny(tmp_path, **kw) -> BrokerBenchOptions:
-    base = dict(messages=2000, publishers=2, inflight=20, subscribers=2, rate=1000.0, kill_rounds=1,
+def tiny(tmp_path: Path, **kw: object) -> BrokerBenchOptions:
+    base: dict[str, Any] = dict(messages=2000, publishers=2, inflight=20, subscribers=2, rate=1000.0, kill_rounds=1,
                 backlog_mb=2, idle_clients=20, idle_seconds=0.5, max_seconds=5.0, repeat=1, workdir=tmp_path,
                 seed=3)
     base.update(kw)
     return BrokerBenchOptions(**base)
 
 
-def test_null_sink_acks_every_publish():
+def test_null_sink_acks_every_publish() -> None:
     result = run_null_sink(publishers=2, messages=5000, payload_size=100, inflight=50)
     assert result.errors == []
     assert result.acked == 5000
     assert result.ack_rate > 0
 
 
-def test_ingest_json_through_the_cli(tmp_path):
+def test_ingest_json_through_the_cli(tmp_path: Path) -> None:
     args = ["bench", "broker", "--scenario", "ingest", "--scenario", "trie", "--messages", "20000",
             "--publishers", "2", "--max-seconds", "5", "--repeat", "1", "--workdir", str(tmp_path), "--json"]
     if not mosquitto_available():
@@ -94,7 +96,7 @@ def test_ingest_json_through_the_cli(tmp_path):
 
 
 @needs_mosquitto
-def test_fanout_delivers_every_message_to_every_subscriber(tmp_path):
+def test_fanout_delivers_every_message_to_every_subscriber(tmp_path: Path) -> None:
     out = scenario_fanout(tiny(tmp_path, messages=3000), _quiet)  # a few CPU clock ticks per broker
     for name in ("filemq", "mosquitto"):
         assert out[f"{name}_published"] == 3000
@@ -107,14 +109,14 @@ def test_fanout_delivers_every_message_to_every_subscriber(tmp_path):
     assert "meets_target" in out
 
 
-def test_latency_reports_percentiles_in_order(tmp_path):
+def test_latency_reports_percentiles_in_order(tmp_path: Path) -> None:
     out = scenario_latency(tiny(tmp_path, messages=500, baselines=False), _quiet)
     assert out["filemq_received"] == 500
     assert 0 < out["filemq_p50_ms"] <= out["filemq_p99_ms"] <= out["filemq_max_ms"]
     assert isinstance(out["meets_target"], bool)
 
 
-def test_idle_then_startup_share_one_backlog(tmp_path):
+def test_idle_then_startup_share_one_backlog(tmp_path: Path) -> None:
     opts = tiny(tmp_path, baselines=False)
     root = tmp_path / "shared"
     root.mkdir()
@@ -131,7 +133,7 @@ def test_idle_then_startup_share_one_backlog(tmp_path):
     shutil.rmtree(root)
 
 
-def test_kill9_scenario_one_round(tmp_path):
+def test_kill9_scenario_one_round(tmp_path: Path) -> None:
     out = scenario_kill9(tiny(tmp_path, baselines=False), _quiet)
     assert out["rounds"] == 1
     assert out["lost"] == 0
@@ -140,7 +142,7 @@ def test_kill9_scenario_one_round(tmp_path):
     assert out["meets_target"] == (out["acked"] > 0)
 
 
-def test_trie_agrees_with_brute_force_on_a_small_set(tmp_path):
+def test_trie_agrees_with_brute_force_on_a_small_set(tmp_path: Path) -> None:
     out = scenario_trie(tiny(tmp_path), _quiet, n_filters=500)
     assert out["filters"] == 500
     assert out["trie_matches_per_s"] > 0
@@ -176,7 +178,7 @@ time.sleep(60)
 """
 
 
-def test_broker_cpu_counts_threads_and_child_processes(tmp_path):
+def test_broker_cpu_counts_threads_and_child_processes(tmp_path: Path) -> None:
     """Issue 16 item 1: a broker's CPU is user + system of the process, all its threads and
     its live helper processes (reaped ones count through cutime/cstime); the split tells
     user time from system time."""
@@ -204,7 +206,7 @@ def test_broker_cpu_counts_threads_and_child_processes(tmp_path):
         broker.stop(timeout=5)
 
 
-def test_trie_filters_mix_exact_plus_and_hash():
+def test_trie_filters_mix_exact_plus_and_hash() -> None:
     import random
 
     filters = trie_filters(2000, random.Random(1))
@@ -214,7 +216,7 @@ def test_trie_filters_mix_exact_plus_and_hash():
     assert any("+" not in f and "#" not in f for f in filters)
 
 
-def test_publisher_reports_refused_connection_as_error():
+def test_publisher_reports_refused_connection_as_error() -> None:
     # Nothing listens on this port: the result carries the error instead of raising.
     from bench.harness.processes import free_port
 
@@ -223,7 +225,7 @@ def test_publisher_reports_refused_connection_as_error():
     assert result.errors and "p:" in result.errors[0]
 
 
-def test_publish_acker_acks_every_qos1_publish_across_any_split():
+def test_publish_acker_acks_every_qos1_publish_across_any_split() -> None:
     import random
 
     from bench.loadgen import PublishAcker
@@ -252,7 +254,7 @@ def test_publish_acker_acks_every_qos1_publish_across_any_split():
         assert ids == expected_ids
 
 
-def test_bench_forward_devices_fail_fast_when_the_collector_refuses_connections(tmp_path):
+def test_bench_forward_devices_fail_fast_when_the_collector_refuses_connections(tmp_path: Path) -> None:
     """Issue 11 item 7: devices the collector refuses (here max_connections 4 for 12 devices)
     end `bench forward`'s device run at once with a clear message, not after its timeout."""
     import time
@@ -266,7 +268,7 @@ def test_bench_forward_devices_fail_fast_when_the_collector_refuses_connections(
     assert time.monotonic() - started < 60
 
 
-def test_bench_forward_devices_measures_health_reports_against_none_through_the_cli(tmp_path):
+def test_bench_forward_devices_measures_health_reports_against_none_through_the_cli(tmp_path: Path) -> None:
     """Issue 32: `bench forward --only devices` runs pairs without and with health reports
     (alternating) and prints each run and a summary: CPU per landed row both ways and their
     ratio, reports per row, /api/fleet times sampled while the devices send."""
@@ -295,7 +297,7 @@ def test_bench_forward_devices_measures_health_reports_against_none_through_the_
     assert len(summary["loadavg"]) == 5
 
 
-def test_bench_forward_devices_steady_reports_follow_the_connect_and_spread_over_the_interval(tmp_path):
+def test_bench_forward_devices_steady_reports_follow_the_connect_and_spread_over_the_interval(tmp_path: Path) -> None:
     """Issue 32: with `--health-start steady` (the default) each device's first report follows
     its connect, before the clock (/api/fleet shows every device with a report even when no
     report falls in the short window: run_devices checks it and fails otherwise), and the window
@@ -330,7 +332,7 @@ MESSAGES5 = 5000
 
 
 @needs_mosquitto
-def test_protocol5_ingest_and_fanout_json_through_the_cli(tmp_path):
+def test_protocol5_ingest_and_fanout_json_through_the_cli(tmp_path: Path) -> None:
     """`bench broker --protocol 5`: each scenario has filemq v5, mosquitto v5 and filemq 3.1.1
     figures from the same run, rates and CPU per message, and the ratios between them."""
     args = ["bench", "broker", "--protocol", "5", "--scenario", "ingest,fanout", "--messages", str(MESSAGES5),
@@ -365,7 +367,7 @@ def test_protocol5_ingest_and_fanout_json_through_the_cli(tmp_path):
     assert not list(tmp_path.iterdir()), "the bench left its data directories behind"
 
 
-def test_protocol5_rejects_other_scenarios():
+def test_protocol5_rejects_other_scenarios() -> None:
     run = CliRunner().invoke(main, ["bench", "broker", "--protocol", "5", "--scenario", "latency"])
     assert run.exit_code == 2
     assert "ingest and fanout scenarios only" in run.output
@@ -374,7 +376,7 @@ def test_protocol5_rejects_other_scenarios():
     assert "--v5-properties needs --protocol 5" in run.output
 
 
-def test_null_sink_acks_every_v5_publish():
+def test_null_sink_acks_every_v5_publish() -> None:
     from bench.harness.loads import V5_PROPERTIES
 
     result = run_null_sink(publishers=2, messages=4000, payload_size=100, inflight=50, protocol=5,
@@ -383,7 +385,7 @@ def test_null_sink_acks_every_v5_publish():
     assert result.acked == 4000
 
 
-def test_everyday_sensors_each_keep_one_publish_in_flight_and_get_every_puback(tmp_path):
+def test_everyday_sensors_each_keep_one_publish_in_flight_and_get_every_puback(tmp_path: Path) -> None:
     """issue 29 item 1: the sensors' load generator against a real broker: every PUBLISH sent
     is acknowledged, at the paced rate, with one in flight per sensor (so acked never exceeds
     sent), and the figures carry the PUBACK latencies and the broker's CPU."""
@@ -400,7 +402,7 @@ def test_everyday_sensors_each_keep_one_publish_in_flight_and_get_every_puback(t
     assert fig["cpu_us_per_msg"] >= 0 and fig["rate"] > 0
 
 
-def test_everyday_json_through_the_cli(tmp_path):
+def test_everyday_json_through_the_cli(tmp_path: Path) -> None:
     args = ["bench", "broker", "--scenario", "everyday", "--sensors", "5", "--everyday-rates", "50,0",
             "--everyday-seconds", "1.5", "--repeat", "1", "--workdir", str(tmp_path), "--json"]
     if not mosquitto_available():
@@ -426,7 +428,7 @@ def test_everyday_json_through_the_cli(tmp_path):
     assert not list(tmp_path.iterdir()), "the bench left its data directories behind"
 
 
-def test_storm_brings_every_device_back_after_a_kill_and_loses_nothing(tmp_path):
+def test_storm_brings_every_device_back_after_a_kill_and_loses_nothing(tmp_path: Path) -> None:
     """Issue 30 item 5 at a small size (`bench forward --only storm --devices 40`'s run): 40
     devices together to a collector, kills it (SIGKILL), restarts it; every device is back,
     each sent batch is landed (0 lost), and the summary has the figures the docs quote (the

@@ -403,7 +403,7 @@ def test_outbound_qos2_completed_although_its_session_write_failed(tmp_path: Pat
         def fail(snap: object) -> None:
             raise OSError(28, "No space left on device")
 
-        h.store.write = fail  # type: ignore[method-assign,assignment]
+        h.store.write = fail  # type: ignore[method-assign]
         s.send(Pubrec(pid))
         await h.settle()
         assert s.received() == [Pubrel(pid)]

@@ -40,7 +40,7 @@ ROUNDS = 20
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
 
-def test_kill9_under_load_loses_no_acknowledged_message(tmp_path):
+def test_kill9_under_load_loses_no_acknowledged_message(tmp_path: Path) -> None:
     seed = int(os.environ.get("FILEMQ_KILL9_SEED", random.randrange(1 << 30)))
     started = time.monotonic()
     result = run_kill9(ROUNDS, tmp_path, log.info, publishers=4, inflight=50, load_seconds=(0.05, 0.25),

@@ -268,7 +268,8 @@ def test_a_read_of_qos1_publishes_without_properties_is_one_run(tmp_path: Path,
         other = h.sub5("other", ("t/#", 1))
         calls: list[object] = []
         real = h.core.ingest.on_publish
-        monkeypatch.setattr(h.core.ingest, "on_publish", lambda conn, p: (calls.append(p), real(conn, p)))
+        # (append's None is discarded: the spy records the PUBLISH, then passes it on)
+        monkeypatch.setattr(h.core.ingest, "on_publish", lambda conn, p: (calls.append(p), real(conn, p)))  # type: ignore[func-returns-value]
         monkeypatch.setattr(h.core, "on_publish", h.core.ingest.on_publish)  # (the connection's calls too)
         me.send(*_qos1(1, 2, 3, 4, 5))
         await h.commit()
@@ -568,6 +569,7 @@ def test_publish_larger_than_client_maximum_packet_size_is_not_sent(tmp_path: Pa
         await h.commit()
         got = publishes(s)
         assert [m.payload for m in got] == [b"small"]
+        assert s.conn.session is not None
         assert len(s.conn.session.qos.inflight) == 1
         assert h.core.delivery.dropped_too_large == 1
     run(main())

@@ -531,7 +531,7 @@ def test_retained_replay_goes_through_the_planner_mqtt_3_3_1_8_3_3_2_6_3_3_4_3(t
         def spy(*args: Any) -> bool:
             planned.append((args[3][0].topic, args[2], args[5] if len(args) > 5 else None))
             return deliver(*args)
-        delivery._deliver = spy  # type: ignore[method-assign]
+        delivery._deliver = spy  # type: ignore[method-assign, assignment]  # (a spy over its positional args)
         s = h.sub5("s", ("r/#", subscription_options(1)), props=Properties(subscription_identifiers=[7]))
         (m,) = publishes(s)
         assert (m.topic, m.payload, m.qos, m.retain) == ("r/a", b"a", 1, True)
@@ -539,7 +539,7 @@ def test_retained_replay_goes_through_the_planner_mqtt_3_3_1_8_3_3_2_6_3_3_4_3(t
         assert m.properties.subscription_identifiers == [7]
         assert planned == [("r/a", None, (1, b"\x0b\x07")), ("r/gone", None, (1, b"\x0b\x07"))]
         state = s.conn.session
-        assert state is not None
+        assert state is not None and m.packet_id is not None
         out = state.qos.inflight[m.packet_id]
         assert out.group is None and out.retain and out.qos == 1 and out.headers.endswith(b"\x0b\x07")
         s4 = h.connected("s4")  # MQTT 3.1.1: the same plan, RETAIN 1 too (3.3.1.3), no identifier
@@ -615,7 +615,7 @@ def test_retained_qos2_replay_waits_for_the_session_file_mqtt_4_3_3(tmp_path: Pa
         def spy(*args: Any) -> bool:
             held.append(deliver(*args))
             return held[-1]
-        delivery.deliver_retained = spy  # type: ignore[method-assign]
+        delivery.deliver_retained = spy  # type: ignore[method-assign, assignment]  # (a spy over its positional args)
         s = h.connected("s", clean=False)
         s.send(Subscribe(1, [("q/#", 2)]))
         await h.settle()

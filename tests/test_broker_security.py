@@ -17,12 +17,12 @@ from filemq.broker.auth import add_or_update
 from filemq.broker.session_store import SessionStore, StoredSession, StoredSubscription
 from filemq.common.config import BrokerSection, CollectorSection
 from filemq.mqtt.packets import Connack, Connect, Puback, Publish, Subscribe
-from tests.broker_harness import Harness, run, users_file, with_logins
+from tests.broker_harness import Client, Harness, run, users_file, with_logins
 
 CONNACK_NOT_AUTHORIZED = 0x05
 
 
-async def _login(h: Harness, client_id: str, user: str, clean: bool = True) -> tuple[object, Connack]:
+async def _login(h: Harness, client_id: str, user: str, clean: bool = True) -> tuple[Client, Connack]:
     """CONNECT as ``user`` (password ``<user>-pw``), waiting for the threaded password check."""
     c = h.client()
     c.send(Connect(client_id=client_id, clean_session=clean, username=user,

@@ -6,7 +6,7 @@ tests/test_broker_transport.py."""
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import Any, cast
 
 import pytest
 
@@ -46,7 +46,7 @@ class MQTTSide(asyncio.Protocol):
         self.stream = b""
         self.lost = False
 
-    def data_received(self, data: bytes) -> None:  # type: ignore[override]
+    def data_received(self, data: bytes) -> None:
         self.stream += data
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -91,7 +91,7 @@ def test_protocol_error_fails_the_connection_with_a_close_frame_rfc6455_7_1_7(fr
     ws.data_received(frame)
     client.receive_data(bytes(raw.out))
     events = list(client.events())
-    assert [type(e) for e in events] == [CloseConnection] and events[0].code == code
+    assert [type(e) for e in events] == [CloseConnection] and cast(CloseConnection, events[0]).code == code
     assert raw.closed and inner.stream == b""
 
 
@@ -103,7 +103,7 @@ def test_mqtt_bytes_and_a_clean_close_still_work() -> None:
     assert inner.stream == b"\x10\x0crest"
     ws.data_received(client.send(CloseConnection(code=1000)))
     client.receive_data(bytes(raw.out))
-    assert [(type(e), e.code) for e in client.events()] == [(CloseConnection, 1000)]
+    assert [(type(e), cast(CloseConnection, e).code) for e in client.events()] == [(CloseConnection, 1000)]
     assert raw.closed
 
 

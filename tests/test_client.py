@@ -153,9 +153,11 @@ def test_session_against_a_model(ops: list[tuple[str, int]]) -> None:
             resent = s.resend()
             assert [getattr(p, "packet_id", None) for p in resent] == list(model)
             for p in resent:
-                pending = model[p.packet_id]  # type: ignore[union-attr]
+                # (each a PUBLISH or PUBREL with its id: the packet ids are the model's, above)
+                assert isinstance(p, Publish | Pubrel) and p.packet_id is not None
+                pending = model[p.packet_id]
                 # Before PUBREC: PUBLISH again with DUP; after it: PUBREL.
-                assert isinstance(p, Pubrel) == (pending == [Pubcomp(p.packet_id)])  # type: ignore[union-attr]
+                assert isinstance(p, Pubrel) == (pending == [Pubcomp(p.packet_id)])
                 assert not isinstance(p, Publish) or p.dup
         assert s.inflight == len(model) <= 8
         assert s.outstanding() == list(model)

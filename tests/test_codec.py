@@ -246,7 +246,7 @@ def test_buffer_is_compacted_not_grown_forever() -> None:
         decoder.feed(one[50:] + one[:50])
         assert len(decoder.packets()) == 1
     assert decoder.buffered == 50
-    assert len(decoder._buf) < 200_000  # type: ignore[attr-defined]
+    assert len(decoder._buf) < 200_000
 
 
 # ---------------------------------------------------------------- the repeated-topic fast path

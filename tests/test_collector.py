@@ -474,7 +474,7 @@ def test_full_disk_stops_acks_until_space_returns(tmp_path: Path) -> None:
         assert collector.broker.queue is not None
         wal = collector.broker.queue.log
         fake = FakeFull(wal.fileio)
-        wal.fileio = fake  # type: ignore[assignment]
+        wal.fileio = fake
         client = MQTTClient("dev-1", port=collector.port)
         await client.connect()
         await client.publish(TOPIC, batch(0, 10), qos=1, timeout=5)
@@ -636,6 +636,7 @@ def test_door_quarantines_a_batch_with_malformed_headers_and_keeps_serving(tmp_p
         b"\x01\x02",  # payload format indicator 2
         b"\xff",  # unknown identifier
     ]
+    payload: bytes | bytearray  # (a bytes batch here, a damaged copy below)
     for i, bad in enumerate(bad_headers):
         payload = encode_batch("dev-1", "main", with_headers(100 * i, 3, [good, bad, b""]))
         result = check(CLIENT, Publish(TOPIC, payload, 1, False, False, i + 1))

@@ -18,7 +18,7 @@ from filemq.mqtt.packets import Properties  # noqa: E402
 from filemq.mqtt.properties import decode_message_headers, encode_message_headers  # noqa: E402
 from filemq.upstream.batch import BatchRecord, MalformedBatch, decode_batch, encode_batch  # noqa: E402
 
-text = st.text(st.characters(blacklist_categories=("Cs",), blacklist_characters="\x00"), max_size=12)
+text = st.text(st.characters(blacklist_categories=["Cs"], blacklist_characters="\x00"), max_size=12)
 message_properties = st.builds(
     Properties,
     payload_format_indicator=st.none() | st.sampled_from([0, 1]),

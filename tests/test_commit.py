@@ -5,8 +5,9 @@ from __future__ import annotations
 import asyncio
 import os
 import time
+from collections.abc import Coroutine
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 
@@ -15,8 +16,10 @@ from segments.commit import ON_LOOP_MAX_BYTES, ON_LOOP_MAX_RECORDS
 from segments.fileio import FileHandle
 from tests.storage_faults import InjectingFileIO
 
+T = TypeVar("T")
 
-def run(coro):  # type: ignore[no-untyped-def]
+
+def run(coro: Coroutine[Any, Any, T]) -> T:
     return asyncio.run(asyncio.wait_for(coro, 30))
 
 
@@ -156,9 +159,10 @@ def test_futures_resolve_only_after_datasync(tmp_path: Path) -> None:
         futures = []
         for i in range(500):
             offset, future = committer.append_nowait("t", b"x" * 100)
-            future.add_done_callback(
-                lambda _f, o=offset: resolved.append((o, max(io.synced_sizes, default=0)))
-            )
+            def record(_f: asyncio.Future[None], o: int = offset) -> None:
+                resolved.append((o, max(io.synced_sizes, default=0)))
+
+            future.add_done_callback(record)
             futures.append(future)
             if i % 50 == 0:
                 await asyncio.sleep(0)  # let the commit task run between bursts

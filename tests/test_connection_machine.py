@@ -25,6 +25,7 @@ back and which messages the core must be handed, in which order:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from hypothesis import settings
@@ -98,7 +99,7 @@ class _Answers:
                     for p in event.packets:
                         self._message(p.topic, p.payload, p.qos, p.packet_id)
                 elif isinstance(event, PublishRun):
-                    pids = event.packet_ids or [None] * len(event.payloads)  # (None at QoS 0)
+                    pids: Sequence[int | None] = event.packet_ids or [None] * len(event.payloads)  # (None at QoS 0)
                     for payload, pid in zip(event.payloads, pids, strict=True):
                         self._message(event.topic, payload, event.qos, pid)
                 elif isinstance(event, Disconnect):
@@ -146,6 +147,7 @@ class ConnectionMachine(RuleBasedStateMachine):
     def _encode(self, p: Any) -> bytes:
         if isinstance(p, Publish) and p.properties is not None:  # (by hand: the encoder refuses alias 0)
             alias = p.properties.topic_alias
+            assert alias is not None  # (only aliased PUBLISHes carry properties here)
             return publish_bytes5(p.topic, p.payload, p.qos, False, p.packet_id, False,
                                   bytes((0x23, alias >> 8, alias & 0xFF)))
         return encode5(p) if self.level == 5 or (isinstance(p, Connect) and p.protocol_level == 5) else encode(p)

@@ -99,7 +99,7 @@ def aim_at_headers(path: str, image: bytes, rng: random.Random) -> int:
     """Half of the flips in a segment hit a record's header (length, CRC, offset, ...): the
     bytes whose damage is hardest to recover from; the rest land anywhere."""
     if path.endswith(".log") and rng.random() < 0.5:
-        starts = []
+        starts: list[int] = []
         pos = 0
         while pos + HEADER_SIZE <= len(image) and len(starts) < 10_000:
             starts.append(pos)

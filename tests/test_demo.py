@@ -14,6 +14,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -120,7 +121,7 @@ def test_cli_exit_3_and_json_when_commands_are_not_yet_available(
     assert summary["phases"] == [{"name": "start", "seconds": 0.0, "status": "not yet available: filemq collector"}]
 
 
-def _landing_rows(offsets: list[int], ids: list[str]) -> dict[str, list[object]]:
+def _landing_rows(offsets: list[int], ids: list[str]) -> dict[str, Sequence[object]]:
     now = datetime.now(UTC)
     return {
         "device_id": [DEVICE_ID] * len(offsets),

@@ -202,7 +202,7 @@ def test_full_disk_at_collector_and_old_device_clock(tmp_path: Path) -> None:
         assert queue is not None
         wal = queue.log
         full = {"on": True}
-        wal.fileio = FullDisk(wal.fileio, full)  # type: ignore[assignment]
+        wal.fileio = FullDisk(wal.fileio, full)
         # The log reads free space again at most FREE_RECHECK_S apart (no statfs per commit):
         # from then on the full disk shows at every commit.
         await asyncio.sleep(FREE_RECHECK_S)
@@ -388,9 +388,10 @@ def test_tls_and_device_logins(tmp_path: Path) -> None:
     upstream_pw.write_text("s3cret\n")
 
     async def scenario() -> None:
-        collector = Collector(collector_config(
-            tmp_path, **{"collector.password_file": str(passwords), "collector.acl_file": str(acl),
-                         "broker.tls_cert": str(cert), "broker.tls_key": str(key), "broker.tls_port": 0}))
+        overrides: dict[str, Any] = {  # (Any: a dict of str and int values could hold `port`)
+            "collector.password_file": str(passwords), "collector.acl_file": str(acl),
+            "broker.tls_cert": str(cert), "broker.tls_key": str(key), "broker.tls_port": 0}
+        collector = Collector(collector_config(tmp_path, **overrides))
         await collector.start()
         tls_port = collector.broker.tls_port
         assert tls_port is not None

@@ -20,6 +20,7 @@ import random
 import signal
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -737,7 +738,7 @@ def _props(i: int, expiry: int | None = 3600) -> Properties:
                       user_properties=[("k", "v1"), ("k", "v2"), ("seq", str(i))])
 
 
-async def _publish5(port: int, messages: list[tuple[str, bytes, Properties | None]]) -> None:
+async def _publish5(port: int, messages: Sequence[tuple[str, bytes, Properties | None]]) -> None:
     pub = Raw5()
     await pub.connect(port, "pub5")
     for i, (topic, payload, props) in enumerate(messages):
@@ -773,7 +774,7 @@ qos = {qos}
 """))
         await agent.start()
         try:
-            sent = [(f"sensors/{i}", b"m-%d" % i, _props(i)) for i in range(20)]
+            sent: list[tuple[str, bytes, Properties | None]] = [(f"sensors/{i}", b"m-%d" % i, _props(i)) for i in range(20)]
             sent.append(("sensors/plain", b"plain", None))
             await _publish5(agent.broker.port, sent)
             got = await sub.collect(len(sent))

@@ -38,7 +38,7 @@ BODY = {"agent_version": "0.1.0", "build": "pure", "uptime_s": 12.5, "interval_s
                      "lag_bytes": 500, "oldest_unacked_age_s": 1.25, "records_acked": 5, "lost_records": 0,
                      "oversized_skipped": 0}]}
 
-names = st.text(st.characters(blacklist_characters="/+#\x00", blacklist_categories=("Cs",)), min_size=1,
+names = st.text(st.characters(blacklist_characters="/+#\x00", blacklist_categories=["Cs"]), min_size=1,
                 max_size=40)
 json_values = st.recursive(st.none() | st.booleans() | st.integers(-2**53, 2**53) | st.text(max_size=20),
                            lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner,

@@ -420,7 +420,7 @@ async def test_record_headers_travel_upstream_and_count_toward_batch_bytes(
     await until(lambda: device.group.pending_offset == 200)
     await fwd.stop()
     assert collector.offsets() == list(range(200))
-    headers = {}
+    headers: dict[int, bytes] = {}
     for payload in collector.received:
         batch = decode_batch(payload)
         assert batch.header.version == 2

@@ -49,7 +49,7 @@ def test_cycles_are_still_collected_without_a_manual_collect(restore_gc: None) -
     a.other, b.other = b, a
     gone = weakref.ref(a)
     del a, b
-    keep = []
+    keep: list[list[object]] = []
     for _ in range(5 * GC_YOUNG_THRESHOLD):
         keep.append([])  # container allocations count towards the young threshold
         if gone() is None:

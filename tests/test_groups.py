@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import cast
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -35,7 +36,7 @@ from filemq.queue.groups import (
     unescape_group_name,
 )
 from filemq.queue.offsets import OffsetFile, encode_offset
-from segments import Log, LogConfig
+from segments import Log, LogConfig, LogView
 from segments.fileio import OS_FILE_IO, FileHandle
 
 SMALL = LogConfig(segment_bytes=4096, fsync="never")
@@ -267,7 +268,7 @@ def test_use_reader_switches_reads_and_keeps_offsets(tmp_path: Path, log: Log) -
     g.nack(first[1].offset)
     reader = CountingReader(log)
     g.use_reader(reader)
-    assert g.reader is reader
+    assert cast(LogView, g.reader) is reader  # (mypy still has g.reader as the log, from above)
     again = g.fetch(100, "c")  # the nacked record first, then the rest: state kept
     assert offsets_of(again) == [1, *range(4, 10)]
     assert reader.reads >= 2  # the redelivery and the new records both came through it

@@ -162,8 +162,8 @@ def test_tail_cache_put_many_keeps_what_put_per_record_keeps(runs: list[int], si
                                                               limit: int, mixed: bool) -> None:
     """Runs that follow the tail, overlap it or leave a gap: the same records readable, the
     same bytes counted, memory bounded as with :meth:`TailCache.put` one by one."""
-    one = TailCache(_FakeLog(), max_bytes=limit)  # type: ignore[arg-type]
-    many = TailCache(_FakeLog(), max_bytes=limit)  # type: ignore[arg-type]
+    one = TailCache(_FakeLog(), max_bytes=limit)
+    many = TailCache(_FakeLog(), max_bytes=limit)
     offset = 0
     for count, gap in zip(runs, gaps, strict=False):
         offset = max(0, offset + gap)

@@ -25,7 +25,7 @@ from segments.fileio import OS_FILE_IO, FileHandle
 T0 = datetime(2026, 3, 1, 23, 59, 58, 123456, tzinfo=UTC)
 
 
-def rows(n: int, start: int = 0, device: str = "dev-1", at: datetime = T0) -> list[dict]:
+def rows(n: int, start: int = 0, device: str = "dev-1", at: datetime = T0) -> list[dict[str, object]]:
     return [
         {
             "device_id": device,
@@ -113,7 +113,7 @@ def test_accepts_arrow_table_and_columns(tmp_path: Path) -> None:
     ],
 )
 def test_bad_batches_are_refused_and_leave_nothing(
-    tmp_path: Path, bad: list[dict], message: str
+    tmp_path: Path, bad: list[dict[str, object]], message: str
 ) -> None:
     writer = LandingWriter(tmp_path, "c1")
     with pytest.raises(LandingError, match=message):
@@ -184,7 +184,7 @@ def test_recovery_removes_only_its_own_staging_files_in_a_shared_landing_dir(
     (own_leftover,) = list((tmp_path / "_staging").iterdir())
     # Other collectors sharing the directory are mid-write: their staging files must stay.
     # "c1-0a0b0c" starts like c1's own names; a plain foreign file is not ours either.
-    others = []
+    others: list[Path] = []
     for collector in ("c2", "c1-0a0b0c"):
         with pytest.raises(SimulatedCrash):
             LandingWriter(tmp_path, collector, fileio=CrashBeforeRename()).write(rows(2))

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Coroutine
 from pathlib import Path
+from typing import Any, TypeVar
 
 import pytest
 
@@ -13,6 +15,8 @@ from filemq.queue import QueueConfig
 from filemq.queue.groups import GROUP_FILE, GroupConfig, escape_group_name
 from filemq.queue.offsets import OffsetFile
 from segments import LogConfig
+
+T = TypeVar("T")
 
 
 def cfg(**log_kw: object) -> QueueConfig:
@@ -25,7 +29,7 @@ def cfg(**log_kw: object) -> QueueConfig:
     )
 
 
-def run(coro):  # type: ignore[no-untyped-def]
+def run(coro: Coroutine[Any, Any, T]) -> T:
     return asyncio.run(asyncio.wait_for(coro, 30))
 
 

@@ -310,7 +310,7 @@ def test_scan_run_stops_where_check_frame_does(recs: list[Record], data: st.Data
     if buf and data.draw(st.booleans()):
         i = data.draw(st.integers(0, len(buf) - 1))
         buf[i] ^= data.draw(st.integers(1, 255))
-    if recs and data.draw(st.booleans()):  # damage behind a matching CRC, as above
+    if bool(recs) and data.draw(st.booleans()):  # damage behind a matching CRC, as above
         k = data.draw(st.integers(0, len(recs) - 1))
         at = sum(len(encode_record(r)) for r in recs[:k])
         size = len(encode_record(recs[k]))
@@ -360,7 +360,7 @@ def test_decode_run_agrees_with_check_frame_on_mixed_v1_v2(recs: list[Record], d
     if buf and data.draw(st.booleans()):
         i = data.draw(st.integers(0, len(buf) - 1))
         buf[i] ^= data.draw(st.integers(1, 255))
-    if recs and data.draw(st.booleans()):
+    if bool(recs) and data.draw(st.booleans()):
         # Damage behind a matching CRC (what only the structural checks catch): a byte of one
         # record's header, topic_len or headers_len, then its CRC recomputed.
         k = data.draw(st.integers(0, len(recs) - 1))

@@ -295,6 +295,7 @@ class ShortLog:
     """A log that lost its unsynced tail: it ends before the snapshot's covered offset."""
 
     first_offset = 0
+    next_offset = 3  # (LogView's; recovery reads only first_offset and committed_offset)
     committed_offset = 3
 
     def __init__(self, records: list[Record]) -> None:

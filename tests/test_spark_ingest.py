@@ -11,6 +11,7 @@ import os
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -487,7 +488,7 @@ def test_check_landing_file_accepts_both_schema_versions_and_refuses_a_mix(tmp_p
 def test_batch_files_reads_plain_and_compact_logs(tmp_path: Path) -> None:
     log_dir = tmp_path / "sources" / "0"
     log_dir.mkdir(parents=True)
-    entry = lambda p, b: json.dumps({"path": f"file://{p}", "timestamp": 1, "batchId": b})  # noqa: E731
+    entry: Callable[[str, int], str] = lambda p, b: json.dumps({"path": f"file://{p}", "timestamp": 1, "batchId": b})  # noqa: E731
     (log_dir / "3").write_text("v1\n" + entry("/l/incoming/dt=x/b.parquet", 3) + "\n")
     (log_dir / "9.compact").write_text(
         "v1\n" + "\n".join([entry("/l/a%20b.parquet", 8), entry("/l/z.parquet", 9),

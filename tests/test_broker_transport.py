@@ -256,9 +256,15 @@ def test_paused_connection_is_read_again_when_drained(tmp_path: Path) -> None:
             bsock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
             n = 600_000  # 1.2 MB of PINGRESPs: more than the buffer limit and socket buffers
             w.write(encode(Pingreq()) * n)
-            async with asyncio.timeout(10):  # until the broker holds more than its limit
-                while _buffered(b, "slowreader") < WRITE_BUFFER_HIGH:
+            # Until the broker held more than its limit and stopped reading: its transport
+            # called pause_writing (conn.paused) when over WRITE_BUFFER_HIGH, and it stays paused
+            # until drained below the low mark.  (Not the buffer's size polled: the client's
+            # kernel takes some of it after the peak, so a poll could miss the peak.)
+            async with asyncio.timeout(10):
+                while not conn.paused:
                     await asyncio.sleep(0.01)
+            assert not conn.write.__self__.is_reading()  # type: ignore[union-attr]  # (the shell's transport)
+            assert _buffered(b, "slowreader") >= WRITE_BUFFER_HIGH // 4  # still above the low mark
             got = 0
             async with asyncio.timeout(30):
                 while got < 2 * n:

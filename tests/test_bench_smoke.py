@@ -57,7 +57,7 @@ def test_null_sink_acks_every_publish() -> None:
 
 def test_ingest_json_through_the_cli(tmp_path: Path) -> None:
     args = ["bench", "broker", "--scenario", "ingest", "--scenario", "trie", "--messages", "20000",
-            "--publishers", "2", "--max-seconds", "5", "--repeat", "1", "--workdir", str(tmp_path), "--json"]
+            "--publishers", "2", "--max-seconds", "30", "--repeat", "1", "--workdir", str(tmp_path), "--json"]
     if not mosquitto_available():
         args.append("--no-baselines")
     run = CliRunner().invoke(main, args)
@@ -336,7 +336,7 @@ def test_protocol5_ingest_and_fanout_json_through_the_cli(tmp_path: Path) -> Non
     """`bench broker --protocol 5`: each scenario has filemq v5, mosquitto v5 and filemq 3.1.1
     figures from the same run, rates and CPU per message, and the ratios between them."""
     args = ["bench", "broker", "--protocol", "5", "--scenario", "ingest,fanout", "--messages", str(MESSAGES5),
-            "--publishers", "2", "--subscribers", "2", "--max-seconds", "5", "--repeat", "1", "--v5-properties",
+            "--publishers", "2", "--subscribers", "2", "--max-seconds", "30", "--repeat", "1", "--v5-properties",
             "--workdir", str(tmp_path), "--json"]
     run = CliRunner().invoke(main, args)
     assert run.exit_code == 0, run.output

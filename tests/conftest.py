@@ -4,17 +4,18 @@ from __future__ import annotations
 
 import shutil
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 
-# The helper modules that took code from test modules (a test module is not a harness: issue 31,
-# item 5; tests/test_layout.py): pytest rewrites their asserts as it rewrote them there, so a
-# failing assert in a helper still shows the values it compared.
-pytest.register_assert_rewrite(
-    "tests.broker_harness5", "tests.broker_process", "tests.paho5", "tests.pipeline_harness",
-    "tests.scripted_brokers",
-)
+# Every helper module under tests/ (a test module is not a harness: issue 31, item 5;
+# tests/test_layout.py): pytest rewrites their asserts as it does the test modules', so a failing
+# assert in a helper still shows the values it compared, a new helper module included.
+pytest.register_assert_rewrite(*sorted(
+    f"tests.{path.stem}" for path in Path(__file__).parent.glob("*.py")
+    if not path.stem.startswith(("test_", "conftest", "__"))
+))
 
 
 def pytest_configure(config: pytest.Config) -> None:

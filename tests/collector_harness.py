@@ -2,19 +2,20 @@
 the fleet tests).
 
 :func:`collector_config` is a collector on port 0 with its data and landing under a test's
-directory (files rolled each minute); :func:`collector_run` runs a scenario bounded at 40 s and
-:func:`collector_until` polls a condition every 10 ms for up to 15 s (TimeoutError). The
-pipeline tests' :func:`tests.pipeline_harness.run` and ``until`` allow longer (100 s, 30 s).
+directory (files rolled each minute); :func:`collector_run` and :func:`collector_until` are the
+pipeline's :func:`tests.pipeline_harness.run` and ``until`` with the collector tests' shorter
+bounds: a scenario bounded at 40 s (not 100), a condition polled every 10 ms for up to 15 s
+(not every 50 ms for 30 s).
 """
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 from filemq.common.config import load_config
+from tests.pipeline_harness import run, until
 
 
 def collector_config(tmp_path: Path, **overrides: Any) -> Any:
@@ -32,13 +33,8 @@ def collector_config(tmp_path: Path, **overrides: Any) -> Any:
 
 
 def collector_run(coro: Awaitable[None], timeout: float = 40) -> None:
-    async def main() -> None:
-        await asyncio.wait_for(coro, timeout)
-
-    asyncio.run(main())
+    run(coro, timeout)
 
 
 async def collector_until(predicate: Callable[[], bool], timeout: float = 15.0) -> None:
-    async with asyncio.timeout(timeout):
-        while not predicate():
-            await asyncio.sleep(0.01)
+    await until(predicate, timeout, poll=0.01)

@@ -131,7 +131,9 @@ def run(coro: Awaitable[None], timeout: float = 100) -> None:
     asyncio.run(main())
 
 
-async def until(predicate: Callable[[], bool], timeout: float = 30.0, what: str = "") -> None:
+async def until(predicate: Callable[[], bool], timeout: float = 30.0, what: str = "", poll: float = 0.05) -> None:
+    """Wait until ``predicate()``, looked at every ``poll`` s for up to ``timeout`` s; at the
+    timeout, print where every task is stuck and fail (AssertionError naming ``what``)."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
     while not predicate():
@@ -142,7 +144,7 @@ async def until(predicate: Callable[[], bool], timeout: float = 30.0, what: str 
                 task.print_stack(file=stacks)
             print("asyncio tasks at the timeout:\n" + stacks.getvalue())
             raise AssertionError(f"timed out waiting for {what or predicate}")
-        await asyncio.sleep(0.05)
+        await asyncio.sleep(poll)
 
 
 # ---- real processes ---------------------------------------------------------------------------

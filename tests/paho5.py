@@ -18,7 +18,7 @@ from paho.mqtt.subscribeoptions import SubscribeOptions  # noqa: E402
 
 
 def paho_props(packet_type: int) -> PahoProperties:
-    return PahoProperties(packet_type)  # type: ignore[no-untyped-call]
+    return PahoProperties(packet_type)
 
 
 class Paho5:

@@ -738,7 +738,7 @@ class Paho5:
 
 
 def _props(kind: int, values: dict[str, Any]) -> Any:
-    p = PahoProperties(kind)  # type: ignore[no-untyped-call]
+    p = PahoProperties(kind)
     for k, v in values.items():
         setattr(p, k, v)
     return p

@@ -9,7 +9,6 @@ round-trip both ways through paho's ``Properties.pack``/``unpack``, user propert
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -52,24 +51,6 @@ from paho.mqtt.properties import Properties as PahoProperties  # noqa: E402
 from paho.mqtt.reasoncodes import ReasonCode  # noqa: E402
 from paho.mqtt.subscribeoptions import SubscribeOptions  # noqa: E402
 
-
-# paho's properties module has no annotations, and strict mypy refuses a call from typed code
-# to an unannotated function: the oracle calls paho's Properties through these typed views.
-def paho_properties(packet_type: int) -> PahoProperties:
-    new: Callable[[int], PahoProperties] = PahoProperties
-    return new(packet_type)
-
-
-def paho_unpack(props: PahoProperties, buffer: bytes) -> tuple[PahoProperties, int]:
-    unpack: Callable[[bytes], tuple[PahoProperties, int]] = props.unpack
-    return unpack(buffer)
-
-
-def paho_pack(props: PahoProperties) -> bytes:
-    pack: Callable[[], bytes] = props.pack
-    return pack()
-
-
 V5 = MQTTProtocolVersion.MQTTv5
 PAHO_PACKET_TYPES = {
     "CONNECT": PacketTypes.CONNECT,
@@ -88,7 +69,7 @@ PAHO_PACKET_TYPES = {
     "AUTH": PacketTypes.AUTH,
 }
 # identifier -> paho attribute name ("Payload Format Indicator" -> "PayloadFormatIndicator").
-PAHO_NAMES = {ident: name.replace(" ", "") for name, ident in paho_properties(PacketTypes.PUBLISH).names.items()}
+PAHO_NAMES = {ident: name.replace(" ", "") for name, ident in PahoProperties(PacketTypes.PUBLISH).names.items()}
 # paho caps maximum packet size at the variable byte integer maximum; the spec's type is a
 # four-byte integer (3.1.2.11.4), so our wider values are kept out of paho's way.
 PAHO_MAX_PACKET_SIZE = 268_435_455
@@ -97,7 +78,7 @@ PAHO_MAX_PACKET_SIZE = 268_435_455
 def test_paho_knows_the_same_property_table() -> None:
     # Same identifiers, and the same packets allowed for each (spec 2.2.2.2 table 2-4).
     assert set(PAHO_NAMES) == set(PROPERTY_TYPES)
-    table = paho_properties(PacketTypes.PUBLISH).properties
+    table = PahoProperties(PacketTypes.PUBLISH).properties
     for kind, allowed in ALLOWED_PROPERTIES.items():
         paho_allowed = {ident for ident, (_t, packets) in table.items() if PAHO_PACKET_TYPES[kind] in packets}
         assert paho_allowed == allowed, kind
@@ -110,7 +91,7 @@ def paho_compatible(props: Properties) -> Properties:
 
 
 def to_paho(props: Properties | None, kind: str) -> PahoProperties:
-    out = paho_properties(PAHO_PACKET_TYPES[kind])
+    out = PahoProperties(PAHO_PACKET_TYPES[kind])
     for ident, (attr, _ptype) in PROPERTY_TYPES.items():
         value = getattr(props, attr) if props is not None else None
         if isinstance(value, list):
@@ -142,11 +123,11 @@ def test_properties_round_trip_through_paho(data: st.DataObject) -> None:
     name = "CONNECT" if kind == "WILL" else kind
     # Ours -> paho.
     ours = _encode_properties(props, kind)
-    parsed, used = paho_unpack(paho_properties(PAHO_PACKET_TYPES[kind]), ours)
+    parsed, used = PahoProperties(PAHO_PACKET_TYPES[kind]).unpack(ours)
     assert used == len(ours)
     assert from_paho(parsed) == props
     # paho -> ours.
-    theirs = paho_pack(to_paho(props, kind))
+    theirs = to_paho(props, kind).pack()
     decoded, end = _decode_properties(theirs, 0, len(theirs), name, kind)
     assert end == len(theirs)
     assert (decoded or Properties()) == props

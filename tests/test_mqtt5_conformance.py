@@ -160,7 +160,7 @@ class Client5:
 
 
 def props(packet_type: int, **values: Any) -> Properties:
-    p = Properties(packet_type)  # type: ignore[no-untyped-call]
+    p = Properties(packet_type)
     for name, value in values.items():
         if name == "UserProperty":
             for pair in value:

@@ -10,7 +10,7 @@ bounds: a scenario bounded at 40 s (not 100), a condition polled every 10 ms for
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +32,7 @@ def collector_config(tmp_path: Path, **overrides: Any) -> Any:
     return load_config(None, values)
 
 
-def collector_run(coro: Awaitable[None], timeout: float = 40) -> None:
+def collector_run(coro: Coroutine[Any, Any, None], timeout: float = 40) -> None:
     run(coro, timeout)
 
 

@@ -1,11 +1,18 @@
-"""Which event loop a test runs on (``FILEMQ_TEST_EVENT_LOOP=uvloop``, tests/conftest.py)."""
+"""Which event loop a test runs on (``FILEMQ_TEST_EVENT_LOOP=uvloop``, tests/conftest.py), and
+a coroutine run on it within a bound (:func:`run`)."""
 
 from __future__ import annotations
+
+import asyncio
+from collections.abc import Coroutine
+from typing import Any, TypeVar
 
 import pytest
 
 from filemq.common.config import Config
 from filemq.ops.eventloop import running_loop_name, serves_tls
+
+T = TypeVar("T")
 
 TLS_ON_UVLOOP = ("TLS listeners run on the standard loop, never on uvloop "
                  "(filemq/ops/eventloop.py; tests/test_eventloop.py)")
@@ -20,3 +27,9 @@ def skip_tls_on_uvloop(config: Config) -> None:
     """
     if serves_tls(config) and running_loop_name() != "asyncio":
         pytest.skip(TLS_ON_UVLOOP)
+
+
+def run(coro: Coroutine[Any, Any, T], timeout: float = 30) -> T:
+    """Run ``coro`` on a new event loop, cancelled after ``timeout`` s (TimeoutError): no test
+    waits forever."""
+    return asyncio.run(asyncio.wait_for(coro, timeout))

@@ -17,12 +17,13 @@ import contextlib
 import io
 import signal
 import sys
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
 from filemq.common.config import Config, load_config
 from filemq.mqtt.client import MQTTClient
+from tests import loops
 
 REPO = Path(__file__).resolve().parent.parent
 DEVICE = "dev-1"
@@ -124,11 +125,9 @@ class Publishers:
 # ---- bounded waits ----------------------------------------------------------------------------
 
 
-def run(coro: Awaitable[None], timeout: float = 100) -> None:
-    async def main() -> None:
-        await asyncio.wait_for(coro, timeout)
-
-    asyncio.run(main())
+def run(coro: Coroutine[Any, Any, None], timeout: float = 100) -> None:
+    """A pipeline scenario, bounded at ``timeout`` s (:func:`tests.loops.run`)."""
+    loops.run(coro, timeout)
 
 
 async def until(predicate: Callable[[], bool], timeout: float = 30.0, what: str = "", poll: float = 0.05) -> None:

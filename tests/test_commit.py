@@ -5,23 +5,16 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from collections.abc import Coroutine
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import pytest
 
 from segments import DiskFull, GroupCommitter, Log, LogConfig
 from segments.commit import ON_LOOP_MAX_BYTES, ON_LOOP_MAX_RECORDS
 from segments.fileio import FileHandle
+from tests.loops import run
 from tests.storage_faults import InjectingFileIO
-
-T = TypeVar("T")
-
-
-def run(coro: Coroutine[Any, Any, T]) -> T:
-    return asyncio.run(asyncio.wait_for(coro, 30))
-
 
 _MODE: dict[str, float | None] = {"on_loop_max_ms": None}
 

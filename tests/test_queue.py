@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Coroutine
 from pathlib import Path
-from typing import Any, TypeVar
 
 import pytest
 
@@ -15,8 +13,7 @@ from filemq.queue import QueueConfig
 from filemq.queue.groups import GROUP_FILE, GroupConfig, escape_group_name
 from filemq.queue.offsets import OffsetFile
 from segments import LogConfig
-
-T = TypeVar("T")
+from tests.loops import run
 
 
 def cfg(**log_kw: object) -> QueueConfig:
@@ -27,10 +24,6 @@ def cfg(**log_kw: object) -> QueueConfig:
         housekeeping_interval_ms=5,
         retention_interval_ms=10,
     )
-
-
-def run(coro: Coroutine[Any, Any, T]) -> T:
-    return asyncio.run(asyncio.wait_for(coro, 30))
 
 
 def test_publish_fetch_ack_and_reopen(tmp_path: Path) -> None:

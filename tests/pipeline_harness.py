@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import io
+import random
 import signal
 import sys
 from collections.abc import Callable, Coroutine
@@ -24,6 +25,7 @@ from typing import Any
 from filemq.common.config import Config, load_config
 from filemq.mqtt.client import MQTTClient
 from tests import loops
+from tests.tcpproxy import TcpProxy
 
 REPO = Path(__file__).resolve().parent.parent
 DEVICE = "dev-1"
@@ -120,6 +122,23 @@ class Publishers:
     async def stop(self) -> None:
         self._stop.set()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+async def publish_through_cuts(pubs: Publishers, proxy: TcpProxy, rng: random.Random, *, cuts: int,
+                               messages: int, cut_bytes: tuple[int, int], timeout: float = 60) -> None:
+    """Keep ``pubs`` publishing (started with no message limit) until ``proxy`` has cut its
+    connections ``cuts`` times and ``messages`` were sent, however fast the machine is (at
+    most ``timeout`` s), then stop them.  A cut is armed at a random byte
+    (``rng.randrange(*cut_bytes)`` more bytes upstream) only once the one before has happened,
+    so each falls where its draw says (re-arming would push it on); none after the last."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while (proxy.cuts < cuts or pubs.sent < messages) and loop.time() < deadline:
+        if proxy.cuts < cuts and not proxy.cut_armed:
+            proxy.cut_after(rng.randrange(*cut_bytes))
+        await asyncio.sleep(0.02)
+    proxy.cut_after(1 << 60)  # disarm
+    await pubs.stop()
 
 
 # ---- bounded waits ----------------------------------------------------------------------------

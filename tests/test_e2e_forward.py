@@ -35,6 +35,7 @@ from tests.pipeline_harness import (
     Publishers,
     kill9,
     kill_leftovers,
+    publish_through_cuts,
     run,
     start_process,
     terminate,
@@ -133,20 +134,10 @@ def test_uplink_cut_at_random_bytes_many_times(tmp_path: Path) -> None:
         agent = Agent(agent_config(tmp_path, proxy.port))
         await agent.start()
         pubs = Publishers(lambda: agent.broker.port)
-        # Publish until the uplink was cut 15 times and 4,500 messages went, however fast this
-        # machine is (a fixed count ends before the cuts do once acks get faster; the 15th cut
-        # came at 3,000-3,600 of 4,500 here).  A cut is armed at a random byte only once the
-        # one before has happened, so each falls where its draw says.
+        # Until 15 cuts and 4,500 messages (with a fixed 4,500 the 15th cut came at 3,000-3,600
+        # here); batches are ~8 kB, so the cuts fall mostly mid-batch.
         pubs.start(messages_each=None, rate_pause=0.02)
-        rng = random.Random(42)
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + 60
-        while (proxy.cuts < 15 or pubs.sent < 4500) and loop.time() < deadline:
-            if proxy.cuts < 15 and not proxy.cut_armed:
-                proxy.cut_after(rng.randrange(1, 12_000))  # batches are ~8 kB: mostly mid-batch
-            await asyncio.sleep(0.02)
-        proxy.cut_after(1 << 60)  # disarm
-        await pubs.stop()
+        await publish_through_cuts(pubs, proxy, random.Random(42), cuts=15, messages=4500, cut_bytes=(1, 12_000))
         fwd = agent.forwarder
         assert fwd is not None
         await until(lambda: fwd.backlog == 0, what="agent backlog drained")

@@ -44,7 +44,16 @@ from filemq.mqtt.packets import (
 )
 from tests import mosquitto
 from tests.mosquitto import Mosquitto, Oracle
-from tests.pipeline_harness import DEVICE, REPO, Publishers, agent_config, publish_local, run, until
+from tests.pipeline_harness import (
+    DEVICE,
+    REPO,
+    Publishers,
+    agent_config,
+    publish_local,
+    publish_through_cuts,
+    run,
+    until,
+)
 from tests.scripted_brokers import ScriptedBroker
 from tests.tcpproxy import TcpProxy
 from worker_agent.app import Agent
@@ -241,19 +250,11 @@ def test_uplink_cut_at_random_bytes_loses_nothing(tmp_path: Path) -> None:
         await agent.start()
         rng = random.Random(14)
         try:
-            # Publish until the uplink was cut at least five times (and 6,000 messages went),
-            # however fast this machine is: a fixed message count once took 0.4 s, too short
-            # for three cuts.  A cut is armed at a random byte only once the one before has
-            # happened, so each falls where its draw says (re-arming would push it on).
+            # Until five cuts and 6,000 messages (a fixed count once took 0.4 s here, too short
+            # for three cuts).
             pubs = Publishers(lambda: agent.broker.port, count=3)
             pubs.start(messages_each=None, rate_pause=0.002)
-            loop = asyncio.get_running_loop()
-            deadline = loop.time() + 60
-            while (proxy.cuts < 5 or pubs.sent < 6000) and loop.time() < deadline:
-                if not proxy.cut_armed:
-                    proxy.cut_after(rng.randrange(200, 20_000))
-                await asyncio.sleep(0.02)
-            await pubs.stop()
+            await publish_through_cuts(pubs, proxy, rng, cuts=5, messages=6000, cut_bytes=(200, 20_000))
             await oracle.wait_for(pubs.acked, timeout=60)
             assert proxy.cuts >= 3
             assert len(pubs.acked) >= 1000
